@@ -1,0 +1,34 @@
+# dist_infer: set-up, the main job, the tests. Works on a fresh machine with Python 3.11.
+# torch==2.13.0 (the CPU wheel) is installed first so nothing can pull a multi-GB CUDA build.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+NPROC ?= 4
+
+.PHONY: setup run test peers clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[mpi,dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job: distributed run on 4 local ranks (tp=2 x pp=2).
+run: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dist-infer launch --nproc-per-node $(NPROC) -- dist-infer comm-test --tp 2 --pp 2
+
+test: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
+
+# The peers for side-by-side benchmarks. DeepSpeed builds against the installed torch.
+peers: setup
+	$(BIN)/pip install -q transformers accelerate
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation deepspeed
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,83 @@
+"""Joining the job: discover the rank, rendezvous, return the world communicator."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+from loguru import logger
+
+from dist_infer.comm.base import DEFAULT_TIMEOUT_S, Communicator
+from dist_infer.topology.discovery import RankInfo, discover, free_port, needs_mpi, resolve_with_mpi
+from dist_infer.topology.network import set_socket_interface
+
+BACKENDS = ("auto", "nccl", "gloo", "mpi")
+
+
+class BackendError(RuntimeError):
+    """A backend that cannot run here (nccl without CUDA, mpi without mpi4py)."""
+
+
+def _mpi_launched(env) -> bool:
+    return any(k in env for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"))
+
+
+def torch_backend_string(backend: str) -> str:
+    if backend == "gloo":
+        return "gloo"
+    cuda = torch.cuda.is_available()
+    if backend == "nccl":
+        if not cuda:
+            raise BackendError("--backend nccl needs CUDA, and torch sees no GPU here; use gloo or mpi")
+        return "cpu:gloo,cuda:nccl"
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def discover_rank(backend: str = "auto", env=None) -> RankInfo:
+    """This process's RankInfo, asking MPI for whatever the launcher left out."""
+    env = os.environ if env is None else env
+    info = discover(env)
+    if backend == "mpi" or needs_mpi(info) or (info is None and _mpi_launched(env)):
+        info = resolve_with_mpi(info)
+    if info is None:
+        info = RankInfo(0, 1, 0, 1, 0, "127.0.0.1", free_port(), "single")
+    return info
+
+
+def init_world(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, iface: Optional[str] = None,
+               info: Optional[RankInfo] = None) -> Communicator:
+    """Initialise `backend` for this process and return the world communicator."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    info = info or discover_rank(backend)
+    if backend == "mpi":
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise BackendError("--backend mpi needs mpi4py (pip install 'dist_infer[mpi]' mpi4py)") from exc
+        from dist_infer.comm.mpi_backend import MPICommunicator
+
+        return MPICommunicator(MPI.COMM_WORLD, timeout=timeout)
+
+    import torch.distributed as dist
+
+    tb = torch_backend_string(backend)
+    if info.num_nodes > 1 or iface:
+        chosen = set_socket_interface(os.environ, info.master_addr, iface)
+        logger.debug(f"socket interface for {tb}: {chosen}")
+    if info.master_port is None:
+        raise BackendError(f"{info.launcher} launch without MASTER_PORT; set MASTER_ADDR and MASTER_PORT")
+    if torch.cuda.is_available() and "nccl" in tb:
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=tb,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    from dist_infer.comm.torch_backend import TorchDistCommunicator
+
+    return TorchDistCommunicator(None, list(range(info.world_size)), "world", timeout)

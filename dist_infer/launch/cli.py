@@ -1,0 +1,184 @@
+"""The `dist-infer` command line (also `python -m dist_infer`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from loguru import logger
+
+from dist_infer import __version__
+from dist_infer.comm import BACKENDS, DEFAULT_TIMEOUT_S
+from dist_infer.launch.logs import configure_logging
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower().rstrip("b")
+        mult = units.get(part[-1:], 1)
+        number = part[:-1] if part[-1:] in units else part
+        try:
+            out.append(int(float(number) * mult))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad size {part!r}; use e.g. 4K,256K,4M")
+    return out
+
+
+def add_rank_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of every command that runs as one rank of a job."""
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="communication backend: auto (NCCL for CUDA tensors when a GPU is present, gloo for CPU), "
+                        "nccl, gloo, or mpi (mpi4py; no torch.distributed)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds any distributed wait may take before the job is ended (default %(default)s)")
+    p.add_argument("--iface", default=None,
+                   help="network interface for gloo/NCCL sockets on multi-host jobs (default: the one that reaches the master address)")
+    p.add_argument("--log-level", default="INFO", help="loguru level: DEBUG, INFO, WARNING (default %(default)s)")
+
+
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (ranks sharing each layer)")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (stages of layers)")
+    p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size (ranks sharing the experts)")
+    p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (ranks sharing the sequence)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dist-infer",
+        description="Distributed LLM inference: tensor, pipeline, expert and context parallelism.",
+    )
+    parser.add_argument("--version", action="version", version=f"dist-infer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    launch = sub.add_parser(
+        "launch",
+        help="start the ranks of a job (locally, per node, or on every host of a hostfile)",
+        description="Start COMMAND as the ranks of a job. If any rank fails, the others are stopped and "
+                    "the launcher exits non-zero naming it.",
+        epilog="examples:\n"
+               "  dist-infer launch --nproc-per-node 4 -- dist-infer comm-test --tp 2 --pp 2\n"
+               "  dist-infer launch --hostfile hosts --node-rank 1 -- dist-infer comm-test   (on node 1)\n"
+               "  dist-infer launch --hostfile hosts -- dist-infer comm-test                 (ssh to every host)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument("--nproc-per-node", type=_positive_int, default=1,
+                        help="ranks to start on this node when there is no hostfile (default %(default)s)")
+    launch.add_argument("--hostfile", help="hosts and their slots ('host slots=N', 'host:N' or 'host' per line)")
+    launch.add_argument("--node-rank", type=int, default=None,
+                        help="with --hostfile: start only this node's ranks (run once on every node, no ssh needed)")
+    launch.add_argument("--master-addr", help="address of rank 0's host (default: the first host, or 127.0.0.1)")
+    launch.add_argument("--master-port", type=int, help="rendezvous port (default: 29500 with a hostfile, a free port locally)")
+    launch.add_argument("--launcher", choices=("local", "torchrun", "mpirun"), default="local",
+                        help="who starts the ranks: this process (local), torchrun, or mpirun (default %(default)s)")
+    launch.add_argument("--ssh-command", default="ssh",
+                        help="command that runs a shell line on a host, given 'HOST LINE' (default %(default)s)")
+    launch.add_argument("--iface", help="network interface for gloo/NCCL sockets (default: the one that reaches the master)")
+    launch.add_argument("--dry-run", action="store_true", help="print the commands that would run, run nothing")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...: what every rank runs")
+
+    ct = sub.add_parser(
+        "comm-test",
+        help="check and time every collective and point-to-point op on every parallel group",
+        description="Run under any launcher (torchrun, mpirun, srun, dist-infer launch). Builds the mesh, runs every "
+                    "op on every group at several sizes, checks each result against independently computed values, "
+                    "and prints latency and bus bandwidth (nccl-tests convention) on rank 0. Exit 0 only if all passed.",
+    )
+    add_parallel_flags(ct)
+    add_rank_flags(ct)
+    ct.add_argument("--sizes", type=_sizes, default=None, help="message sizes, e.g. 4K,256K,4M (default 4K,256K,4M)")
+    ct.add_argument("--iters", type=_positive_int, default=None, help="timed iterations per case (default: by size, 5..50)")
+    ct.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
+
+    return parser
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from dist_infer.launch.launcher import LaunchError, LaunchOptions, plan, run
+    from dist_infer.topology import HostfileError, parse_hostfile
+
+    configure_logging("launch" if args.node_rank is None else f"launch node {args.node_rank}")
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        logger.error("nothing to launch: give the command after '--', e.g. dist-infer launch --nproc-per-node 2 -- dist-infer comm-test")
+        return 2
+    try:
+        hosts = parse_hostfile(args.hostfile) if args.hostfile else None
+        if args.node_rank is not None and not hosts:
+            raise LaunchError("--node-rank needs --hostfile")
+        opts = LaunchOptions(
+            command=command, nproc_per_node=args.nproc_per_node, hosts=hosts, hostfile=args.hostfile,
+            node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+            launcher=args.launcher, ssh_command=args.ssh_command, iface=args.iface,
+        )
+        procs = plan(opts)
+    except (HostfileError, LaunchError) as exc:
+        logger.error(str(exc))
+        return 2
+    if args.dry_run:
+        for proc in procs:
+            print(proc.shell())
+        return 0
+    return run(procs)
+
+
+def cmd_comm_test(args: argparse.Namespace) -> int:
+    from dist_infer.launch.rank import join_job, run_rank_command
+    from dist_infer.topology import ParallelConfig
+
+    def body() -> int:
+        from tqdm import tqdm
+
+        from dist_infer.launch.comm_test import DEFAULT_SIZES, format_table, results_json, run_comm_test
+
+        groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+                          args.timeout, args.iface, args.log_level)
+        world = groups.world
+        bar = tqdm(desc="comm-test", unit="case", disable=None if world.rank == 0 else True, file=sys.stderr)
+        results = run_comm_test(groups, sizes=args.sizes or DEFAULT_SIZES, iters=args.iters,
+                                progress=lambda r: bar.update(1))
+        bar.close()
+        summary = results_json(results, world.size, world.backend)
+        if world.rank == 0:
+            print(f"comm-test: {world.size} ranks, backend {world.backend}, mesh {groups.mesh.describe()}")
+            print(format_table(results))
+            verdict = "all checks passed" if summary["ok"] else "SOME CHECKS FAILED"
+            print(f"comm-test: {verdict}")
+            if args.json:
+                print(json.dumps(summary))
+        world.barrier()
+        groups.destroy()
+        world.destroy()
+        return 0 if summary["ok"] else 1
+
+    return run_rank_command(body)
+
+
+COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

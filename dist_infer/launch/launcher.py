@@ -1,0 +1,269 @@
+"""`dist-infer launch`: start the ranks of a job and stop them all if one dies.
+
+Three ways to start a job:
+- local ranks on this node (no hostfile, or a hostfile with --node-rank K: run once per node,
+  like DeepSpeed's --no_ssh), watched by this process;
+- torchrun or mpirun doing the starting (--launcher torchrun|mpirun);
+- every node of a hostfile started from here through ssh (or --ssh-command), each node running
+  `dist-infer launch --node-rank K` itself.
+The plan is computed by pure functions (`plan_*`) so --dry-run and the tests see exactly what
+would run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from loguru import logger
+
+from dist_infer.topology.discovery import DEFAULT_MASTER_PORT, free_port
+from dist_infer.topology.hostfile import Host, node_rank_offsets
+from dist_infer.topology.network import set_socket_interface
+
+
+class LaunchError(ValueError):
+    """A launch that cannot be planned (node rank outside the hostfile, unequal slots for torchrun)."""
+
+
+@dataclass
+class Proc:
+    """One process to start: a label for messages, its argv and the environment it adds."""
+
+    label: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def shell(self) -> str:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+
+@dataclass
+class LaunchOptions:
+    command: list[str]
+    nproc_per_node: int = 1
+    hosts: Optional[list[Host]] = None
+    hostfile: Optional[str] = None
+    node_rank: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    launcher: str = "local"
+    ssh_command: str = "ssh"
+    iface: Optional[str] = None
+
+
+def threads_per_rank(nproc_local: int, cpus: Optional[int] = None) -> int:
+    """Cores each local rank may use: the node's cores shared evenly, at least one."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, cpus // max(1, nproc_local))
+
+
+def rank_env(rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "GROUP_RANK": str(node_rank),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+def _node(opts: LaunchOptions) -> tuple[int, int, int, int]:
+    """(ranks on this node, first global rank here, world size, node count)."""
+    if not opts.hosts:
+        return opts.nproc_per_node, 0, opts.nproc_per_node, 1
+    k = opts.node_rank
+    if k is None or not 0 <= k < len(opts.hosts):
+        raise LaunchError(f"--node-rank {k} is outside the hostfile's {len(opts.hosts)} hosts (0..{len(opts.hosts) - 1})")
+    offsets = node_rank_offsets(opts.hosts)
+    return opts.hosts[k].slots, offsets[k], sum(h.slots for h in opts.hosts), len(opts.hosts)
+
+
+def plan_local(opts: LaunchOptions, port: int) -> list[Proc]:
+    """One process per local rank, with torchrun-style variables."""
+    nlocal, first, world, _ = _node(opts)
+    addr = opts.master_addr or (opts.hosts[0].name if opts.hosts else "127.0.0.1")
+    node_rank = opts.node_rank or 0
+    threads = str(threads_per_rank(nlocal))
+    procs = []
+    for local in range(nlocal):
+        env = rank_env(first + local, world, local, nlocal, node_rank, addr, port)
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = threads
+        procs.append(Proc(f"rank {first + local}", list(opts.command), env))
+    return procs
+
+
+def plan_torchrun(opts: LaunchOptions, port: int) -> list[Proc]:
+    nlocal, _, world, nnodes = _node(opts)
+    if opts.hosts and len({h.slots for h in opts.hosts}) > 1:
+        raise LaunchError(
+            "torchrun needs the same number of ranks on every node; the hostfile has slots "
+            + ", ".join(f"{h.name}={h.slots}" for h in opts.hosts)
+            + "; use --launcher local or mpirun"
+        )
+    addr = opts.master_addr or (opts.hosts[0].name if opts.hosts else "127.0.0.1")
+    argv = [
+        shutil.which("torchrun") or "torchrun",
+        f"--nnodes={nnodes}",
+        f"--node-rank={opts.node_rank or 0}",
+        f"--nproc-per-node={nlocal}",
+        f"--master-addr={addr}",
+        f"--master-port={port}",
+        "--no-python",
+        *opts.command,
+    ]
+    return [Proc(f"torchrun node {opts.node_rank or 0}", argv)]
+
+
+def mpirun_base_args(np_: int) -> list[str]:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise LaunchError("mpirun not found on PATH; install it with: pip install 'dist_infer[mpi]'")
+    args = [mpirun, "-np", str(np_)]
+    if os.geteuid() == 0:
+        args += ["--allow-run-as-root"]
+    args += ["--oversubscribe"]
+    return args
+
+
+def plan_mpirun(opts: LaunchOptions) -> list[Proc]:
+    if opts.hosts and opts.node_rank is not None:
+        raise LaunchError("--launcher mpirun starts every node itself; drop --node-rank")
+    world = sum(h.slots for h in opts.hosts) if opts.hosts else opts.nproc_per_node
+    argv = mpirun_base_args(world)
+    if opts.hosts:
+        argv += ["--host", ",".join(f"{h.name}:{h.slots}" for h in opts.hosts)]
+    if opts.master_addr:
+        argv += ["-x", f"MASTER_ADDR={opts.master_addr}"]
+    if opts.master_port:
+        argv += ["-x", f"MASTER_PORT={opts.master_port}"]
+    return [Proc("mpirun", argv + list(opts.command))]
+
+
+def plan_ssh(opts: LaunchOptions, port: int) -> list[Proc]:
+    """One `dist-infer launch --node-rank K` per host, started through ssh (or --ssh-command)."""
+    addr = opts.master_addr or opts.hosts[0].name
+    procs = []
+    for k, host in enumerate(opts.hosts):
+        remote = [
+            sys.executable, "-m", "dist_infer", "launch",
+            "--hostfile", os.path.abspath(opts.hostfile), "--node-rank", str(k),
+            "--master-addr", addr, "--master-port", str(port), "--launcher", opts.launcher,
+        ]
+        if opts.iface:
+            remote += ["--iface", opts.iface]
+        remote += ["--", *opts.command]
+        script = f"cd {shlex.quote(os.getcwd())} && exec {shlex.join(remote)}"
+        procs.append(Proc(f"node {k} ({host.name})", [*shlex.split(opts.ssh_command), host.name, script]))
+    return procs
+
+
+def plan(opts: LaunchOptions) -> list[Proc]:
+    if opts.launcher == "mpirun":
+        return plan_mpirun(opts)
+    multi_node_fanout = bool(opts.hosts) and opts.node_rank is None
+    if opts.master_port:
+        port = opts.master_port
+    elif opts.hosts:
+        port = DEFAULT_MASTER_PORT  # every node must agree without talking: a fixed default
+    else:
+        port = free_port()
+    if multi_node_fanout:
+        return plan_ssh(opts, port)
+    if opts.launcher == "torchrun":
+        return plan_torchrun(opts, port)
+    if opts.launcher != "local":
+        raise LaunchError(f"unknown launcher {opts.launcher!r}; expected local, torchrun or mpirun")
+    procs = plan_local(opts, port)
+    if opts.hosts and len(opts.hosts) > 1 or opts.iface:
+        iface_env: dict[str, str] = {}
+        chosen = set_socket_interface(iface_env, procs[0].env["MASTER_ADDR"], opts.iface)
+        if chosen:
+            logger.info(f"using network interface {chosen} (reaches master {procs[0].env['MASTER_ADDR']})")
+        for p in procs:
+            p.env.update(iface_env)
+    return procs
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(children: Sequence[tuple[Proc, subprocess.Popen]], grace: float = 3.0) -> None:
+    for _, p in children:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for _, p in children:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run(procs: Sequence[Proc], poll_s: float = 0.05) -> int:
+    """Start `procs`, wait for all; the first that fails stops the others. Returns the exit code."""
+    children: list[tuple[Proc, subprocess.Popen]] = []
+    interrupted: list[int] = []
+
+    def forward(signum, _frame):
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for proc in procs:
+            env = {**os.environ, **proc.env}
+            try:
+                child = subprocess.Popen(proc.argv, env=env, start_new_session=True)
+            except OSError as exc:
+                logger.error(f"{proc.label}: cannot start {proc.argv[0]!r}: {exc.strerror or exc}")
+                _stop(children)
+                return 127
+            children.append((proc, child))
+        remaining = list(children)
+        while remaining:
+            if interrupted:
+                logger.warning(f"received {signal.Signals(interrupted[0]).name}: stopping {len(remaining)} process(es)")
+                _stop(children)
+                return 128 + interrupted[0]
+            for proc, child in list(remaining):
+                code = child.poll()
+                if code is None:
+                    continue
+                remaining.remove((proc, child))
+                if code != 0:
+                    others = [p.label for p, c in remaining]
+                    logger.error(
+                        f"{proc.label} (pid {child.pid}) failed with {describe_exit(code)}; "
+                        f"stopping {len(others)} other process(es)" + (f": {', '.join(others)}" if others else "")
+                    )
+                    _stop(children)
+                    return code if code > 0 else 128 - code
+            time.sleep(poll_s)
+        return 0
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

@@ -1,0 +1,50 @@
+"""What every rank-side command does first (join the job, build the groups) and last (exit so
+that one failing rank ends the whole job instead of leaving the others waiting)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable
+
+from loguru import logger
+
+from dist_infer.comm import ParallelGroups, build_groups, discover_rank, init_world
+from dist_infer.launch.logs import configure_logging
+from dist_infer.topology import Mesh, ParallelConfig
+
+
+def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO") -> ParallelGroups:
+    info = discover_rank(backend)
+    configure_logging(f"rank {info.rank}/{info.world_size}", log_level)
+    mesh = Mesh.build(config, info.world_size)  # validate before any rendezvous: a clear error, no hang
+    world = init_world(backend, timeout=timeout, iface=iface, info=info)
+    if info.rank == 0:
+        logger.info(f"{info.world_size} ranks via {info.launcher}, backend {world.backend}, mesh {mesh.describe()}")
+    mesh.warn_about_layout(info.local_world_size)
+    return build_groups(world, mesh)
+
+
+def _abort_mpi(code: int) -> None:
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        mpi.COMM_WORLD.Abort(code)  # MPI_Finalize would wait for the ranks we are abandoning
+
+
+def run_rank_command(body: Callable[[], int]) -> int:
+    """Run a rank-side command; on any error log it with the rank and end the process now."""
+    try:
+        code = body()
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as exc:  # noqa: BLE001 - the point is to never leave peers hanging
+        logger.error(f"{type(exc).__name__}: {exc}")
+        logger.debug(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != 0:
+        _abort_mpi(code)
+        os._exit(code)  # skip interpreter teardown that may block on peers
+    return code

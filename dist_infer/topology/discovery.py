@@ -1,0 +1,249 @@
+"""Who am I in the job? Rank discovery from the environment each launcher leaves behind.
+
+Pure functions over an environment mapping, so every launcher's convention is unit tested
+without starting it. The MPI fallbacks (ask MPI itself, broadcast rank 0's address) live in
+`resolve_with_mpi`, the only function here that touches a live runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Optional
+
+DEFAULT_MASTER_PORT = 29500
+
+
+class DiscoveryError(RuntimeError):
+    """The environment describes an inconsistent job (a rank outside the world, say)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One process's place in the job, as discovered from its launcher."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    launcher: str  # torchrun | openmpi | mpich | mvapich2 | slurm | mpi4py | single
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.world_size // max(1, self.local_world_size)))
+
+    def env(self) -> dict[str, str]:
+        """The torchrun-style variables that torch.distributed's env:// rendezvous reads."""
+        out = {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+        }
+        if self.master_addr:
+            out["MASTER_ADDR"] = self.master_addr
+        if self.master_port:
+            out["MASTER_PORT"] = str(self.master_port)
+        return out
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError as exc:
+                raise DiscoveryError(f"environment variable {name}={value!r} is not an integer") from exc
+    return None
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,]*)", nodelist):
+        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3)
+        if not prefix and not ranges:
+            continue
+        if ranges is None:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                for i in range(int(lo), int(hi) + 1):
+                    hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+            else:
+                hosts.append(prefix + part + suffix)
+    return hosts
+
+
+def _master(env: Mapping[str, str]) -> tuple[Optional[str], Optional[int]]:
+    port = _int(env, "MASTER_PORT")
+    return env.get("MASTER_ADDR") or None, port
+
+
+def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
+    """RankInfo from the launcher variables in `env`, or None when no launcher set any.
+
+    Checked in order: torchrun (and our own `dist-infer launch`, which speaks torchrun's
+    language), Open MPI, MVAPICH2, MPICH/Intel MPI (PMI), Slurm srun. MPI before Slurm because
+    `mpirun` inside an allocation also inherits SLURM_* variables of the allocation.
+    """
+    env = os.environ if env is None else env
+    addr, port = _master(env)
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_world = _int(env, "LOCAL_WORLD_SIZE") or world
+        info = RankInfo(
+            rank=rank,
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank % local_world,
+            local_world_size=local_world,
+            node_rank=_int(env, "GROUP_RANK", "NODE_RANK") if ("GROUP_RANK" in env or "NODE_RANK" in env) else rank // local_world,
+            master_addr=addr,
+            master_port=port,
+            launcher="torchrun",
+        )
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1
+        info = RankInfo(
+            rank=rank,
+            world_size=world,
+            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+            local_world_size=local_world,
+            node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK") if "OMPI_COMM_WORLD_NODE_RANK" in env else rank // local_world,
+            master_addr=addr,
+            master_port=port,
+            launcher="openmpi",
+        )
+    elif "MV2_COMM_WORLD_RANK" in env:
+        rank, world = _int(env, "MV2_COMM_WORLD_RANK"), _int(env, "MV2_COMM_WORLD_SIZE")
+        local_world = _int(env, "MV2_COMM_WORLD_LOCAL_SIZE") or 1
+        local = _int(env, "MV2_COMM_WORLD_LOCAL_RANK") or 0
+        info = RankInfo(rank, world, local, local_world, rank // local_world, addr, port, "mvapich2")
+    elif "PMI_RANK" in env and "PMI_SIZE" in env:
+        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_world = _int(env, "MPI_LOCALNRANKS") or 1
+        local = _int(env, "MPI_LOCALRANKID") or 0
+        info = RankInfo(rank, world, local, local_world, rank // local_world, addr, port, "mpich")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+        local_world = _int(env, "SLURM_NTASKS_PER_NODE") or -(-world // nodes)
+        if addr is None and env.get("SLURM_JOB_NODELIST"):
+            hosts = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])
+            addr = hosts[0] if hosts else None
+        info = RankInfo(
+            rank=rank,
+            world_size=world,
+            local_rank=_int(env, "SLURM_LOCALID") or 0,
+            local_world_size=local_world,
+            node_rank=_int(env, "SLURM_NODEID") or 0,
+            master_addr=addr,
+            master_port=port or DEFAULT_MASTER_PORT,
+            launcher="slurm",
+        )
+    else:
+        return None
+
+    validate(info)
+    return info
+
+
+def validate(info: RankInfo) -> None:
+    if info.world_size < 1:
+        raise DiscoveryError(f"{info.launcher}: world size {info.world_size} is not positive")
+    if not 0 <= info.rank < info.world_size:
+        raise DiscoveryError(f"{info.launcher}: rank {info.rank} is outside world size {info.world_size}")
+    if not 0 <= info.local_rank < max(1, info.local_world_size):
+        raise DiscoveryError(
+            f"{info.launcher}: local rank {info.local_rank} is outside local world size {info.local_world_size}"
+        )
+
+
+def single_process() -> RankInfo:
+    """A job of one: what a plain `python` run without any launcher is."""
+    return RankInfo(0, 1, 0, 1, 0, "127.0.0.1", None, "single")
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine on the interface that routes to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _own_address() -> str:
+    """This host's address others can reach: the hostname's resolution unless it is loopback."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        addr = "127.0.0.1"
+    if addr.startswith("127."):
+        from dist_infer.topology.network import interface_addresses
+
+        others = [a for name, a in interface_addresses().items() if not a.startswith("127.")]
+        addr = others[0] if others else addr
+    return addr
+
+
+def resolve_with_mpi(info: Optional[RankInfo], comm=None, port_picker: Callable[[], int] = free_port) -> RankInfo:
+    """Fill what the launcher did not set, asking MPI (mpi4py) itself.
+
+    Covers `mpirun` (nobody sets MASTER_ADDR: rank 0 broadcasts its address and a free port,
+    DeepSpeed's answer) and MPI-only launches whose variables we do not know (rank and size from
+    the communicator, local rank from processor names).
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    if info is None:
+        names = comm.allgather(socket.gethostname())
+        rank, world = comm.Get_rank(), comm.Get_size()
+        me = names[rank]
+        hosts_in_order = list(dict.fromkeys(names))
+        info = RankInfo(
+            rank=rank,
+            world_size=world,
+            local_rank=sum(1 for n in names[:rank] if n == me),
+            local_world_size=names.count(me),
+            node_rank=hosts_in_order.index(me),
+            master_addr=None,
+            master_port=None,
+            launcher="mpi4py",
+        )
+    if info.master_addr and info.master_port:
+        return info
+    payload = None
+    if comm.Get_rank() == 0:
+        addr = info.master_addr or ("127.0.0.1" if info.num_nodes == 1 else _own_address())
+        payload = (addr, info.master_port or port_picker())
+    addr, port = comm.bcast(payload, root=0)
+    return replace(info, master_addr=addr, master_port=port)
+
+
+def needs_mpi(info: Optional[RankInfo]) -> bool:
+    """True when only MPI can complete the picture (launched by an MPI, no rendezvous set)."""
+    if info is None:
+        return False
+    return info.launcher in ("openmpi", "mpich", "mvapich2", "mpi4py") and not (info.master_addr and info.master_port)
