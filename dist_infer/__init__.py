@@ -5,3 +5,16 @@ launch -> serving -> engine -> models -> parallel -> comm -> topology.
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """`dist_infer.shard` and `dist_infer.load` without importing torch at `import dist_infer`."""
+    if name in ("shard", "load", "ParallelConfig"):
+        if name == "ParallelConfig":
+            from dist_infer.topology import ParallelConfig
+
+            return ParallelConfig
+        from dist_infer import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'dist_infer' has no attribute {name!r}")

@@ -104,7 +104,29 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--iters", type=_positive_int, default=None, help="timed iterations per case (default: by size, 5..50)")
     ct.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
 
+    gen = sub.add_parser(
+        "generate",
+        help="generate text with a model sharded over the job (tensor and pipeline parallel)",
+        description="Load a HF Llama-family checkpoint (or the built-in default) with tp x pp ranks and generate "
+                    "for a batch of prompts. With --nproc N (or by default tp x pp) it starts the local ranks itself; "
+                    "under torchrun, mpirun or dist-infer launch it runs as one rank.",
+    )
+    add_parallel_flags(gen)
+    add_rank_flags(gen)
+    from dist_infer.launch.generate_cmd import add_generate_flags
+
+    add_generate_flags(gen)
     return parser
+
+
+def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from dist_infer.launch.generate_cmd import run_generate, spawn_local
+    from dist_infer.launch.rank import run_rank_command
+
+    code = spawn_local(args, list(argv))
+    if code is not None:
+        return code
+    return run_rank_command(lambda: run_generate(args))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -168,15 +190,18 @@ def cmd_comm_test(args: argparse.Namespace) -> int:
     return run_rank_command(body)
 
 
-COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test}
+COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test, "generate": cmd_generate}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
+    if args.command == "generate":
+        return cmd_generate(args, argv)
     return COMMANDS[args.command](args)
 
 

@@ -1,0 +1,50 @@
+"""The library entry points: load or shard a model over the job, then generate."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from dist_infer.comm import ParallelGroups, build_groups, init_world
+from dist_infer.engine.generate import Engine, GenerationOutput
+from dist_infer.engine.sampling import SamplingParams
+from dist_infer.models.loader import load_stage, stage_from_hf_model
+from dist_infer.topology import Mesh, ParallelConfig
+
+
+class ShardedModel:
+    """A model spread over this job's ranks; every rank calls `generate` with the same prompts."""
+
+    def __init__(self, engine: Engine, groups: ParallelGroups):
+        self.engine, self.groups = engine, groups
+        self.config = engine.cfg
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, return_logits: bool = False) -> list[GenerationOutput]:
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
+        return self.engine.generate([list(p) for p in prompts], params, return_logits)
+
+
+def join(parallel: ParallelConfig, backend: str = "auto", groups: Optional[ParallelGroups] = None) -> ParallelGroups:
+    if groups is not None:
+        return groups
+    world = init_world(backend)
+    return build_groups(world, Mesh.build(parallel, world.size))
+
+
+def shard(hf_model, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
+          backend: str = "auto", pp_split: Optional[Sequence[int]] = None, block_size: int = 16) -> ShardedModel:
+    """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference)."""
+    groups = join(parallel, backend, groups)
+    stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split)
+    return ShardedModel(Engine(stage, groups, block_size), groups)
+
+
+def load(path, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
+         backend: str = "auto", dtype: torch.dtype = torch.float32, pp_split: Optional[Sequence[int]] = None,
+         block_size: int = 16) -> ShardedModel:
+    """Load a HF checkpoint directory over the job, each rank reading only its shard."""
+    groups = join(parallel, backend, groups)
+    stage, _ = load_stage(path, groups, dtype, pp_split)
+    return ShardedModel(Engine(stage, groups, block_size), groups)

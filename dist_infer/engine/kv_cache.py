@@ -1,0 +1,76 @@
+"""The KV cache in fixed-size blocks, with a block table per sequence.
+
+Blocks are the unit of everything that moves KV around: continuous batching allocates and
+frees them per sequence, and migrating a running request copies them one by one. Each rank
+holds its own layers (pipeline) and its own KV heads (tensor parallel).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """No free block left for a sequence's next tokens."""
+
+
+class BlockAllocator:
+    """A free list of block ids."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError(f"KV cache full: all {self.num_blocks} blocks in use")
+        return self._free.pop()
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class PagedKVCache:
+    """Per-layer K and V tensors [num_blocks, block_size, kv_heads, head_dim] plus block tables."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        self.block_size = block_size
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def reserve(self, seq_id: int, new_tokens: int) -> list[int]:
+        """Make room for `new_tokens` more tokens of `seq_id`; returns its block table."""
+        table = self.tables.setdefault(seq_id, [])
+        self.lengths.setdefault(seq_id, 0)
+        need = blocks_for(self.lengths[seq_id] + new_tokens, self.block_size)
+        while len(table) < need:
+            table.append(self.allocator.allocate())
+        return table
+
+    def advance(self, seq_id: int, tokens: int) -> None:
+        self.lengths[seq_id] += tokens
+
+    def free(self, seq_id: int) -> None:
+        self.allocator.free(self.tables.pop(seq_id, []))
+        self.lengths.pop(seq_id, None)
+
+    @property
+    def bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

@@ -1,0 +1,99 @@
+"""Text <-> token ids for a checkpoint, through the `tokenizers` library alone.
+
+The engine adds BOS itself (so a tokenizer.json with or without a BOS post-processor gives
+the same ids) and takes BOS/EOS from the checkpoint's configs first, since those are what
+the model was trained with; the tokenizer's special tokens are only the fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from dist_infer.models.checkpoint import CheckpointError
+
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "<|im_start|>")
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>", "<|endoftext|>", "<|im_end|>")
+
+
+class TokenizerError(CheckpointError):
+    """A checkpoint's tokenizer files are missing or unreadable."""
+
+
+def _first_id(value) -> Optional[int]:
+    """Config ids may be an int or a list (several EOS ids); the first one is the canonical one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, list) and value and isinstance(value[0], int):
+        return value[0]
+    return None
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+class TextTokenizer:
+    """`<checkpoint>/tokenizer.json` plus the checkpoint's BOS/EOS ids."""
+
+    def __init__(self, checkpoint: Union[str, os.PathLike]):
+        from tokenizers import Tokenizer
+
+        self.path = Path(checkpoint)
+        file = self.path / "tokenizer.json" if self.path.is_dir() or not self.path.suffix else self.path
+        if not file.is_file():
+            raise TokenizerError(f"no tokenizer.json at {file} (checkpoint {self.path})")
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise TokenizerError(f"cannot load tokenizer {file}: {exc}") from exc
+        self.file = file
+        directory = file.parent
+        config = _read_config(directory / "config.json")
+        generation = _read_config(directory / "generation_config.json")
+        self.bos_id: Optional[int] = self._pick("bos_token_id", config, generation, _BOS_NAMES)
+        self.eos_id: Optional[int] = self._pick("eos_token_id", config, generation, _EOS_NAMES)
+        eos_all = generation.get("eos_token_id", config.get("eos_token_id"))
+        self.eos_ids: frozenset[int] = frozenset(
+            i for i in (eos_all if isinstance(eos_all, list) else [self.eos_id]) if isinstance(i, int)
+        )
+
+    def _pick(self, key: str, config: dict, generation: dict, names: Iterable[str]) -> Optional[int]:
+        for source in (generation, config):
+            value = _first_id(source.get(key))
+            if value is not None:
+                return value
+        for name in names:
+            value = self._tok.token_to_id(name)
+            if value is not None:
+                return value
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token(self, id: int) -> Optional[str]:
+        return self._tok.id_to_token(int(id))
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({str(self.path)!r}, vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"

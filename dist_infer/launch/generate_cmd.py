@@ -1,0 +1,140 @@
+"""`dist-infer generate`: load a checkpoint over the job and generate for a batch of prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+from loguru import logger
+
+from dist_infer.topology import discover
+
+DEFAULT_PROMPT = "The quick brown fox"
+
+
+def add_generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                        "default: the built-in small Llama, written to the cache on first use")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="start this many local ranks (default: tp x pp x ep x cp); ignored under torchrun/mpirun/launch")
+    p.add_argument("--pp-split", default=None,
+                   help="layers per pipeline stage, comma separated (default: balanced)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weight and activation dtype (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default %(default)s)")
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt; repeat for a batch")
+    p.add_argument("--prompt-ids", action="append", default=[],
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), else sampling temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample only within this probability mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default %(default)s)")
+    p.add_argument("--no-eos-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--dump-logits", default=None, metavar="FILE",
+                   help="save every step's logits (a list of [steps, vocab] fp32 tensors, one per prompt) to FILE "
+                        "with torch.save, on rank 0; for checking against a reference")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object as the last stdout line on rank 0: outputs, parallel layout, timing")
+
+
+def parse_prompt_ids(values: list[str]) -> list[list[int]]:
+    out = []
+    for text in values:
+        try:
+            ids = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"dist-infer generate: --prompt-ids {text!r} must be comma-separated integers")
+        if not ids:
+            raise SystemExit(f"dist-infer generate: --prompt-ids {text!r} is empty")
+        out.append(ids)
+    return out
+
+
+def world_needed(args) -> int:
+    return args.tp * args.pp * args.ep * args.cp
+
+
+def spawn_local(args, argv: list[str]) -> Optional[int]:
+    """Outside any launcher, start the ranks ourselves; returns the exit code, or None to run in-process."""
+    if discover(os.environ) is not None:
+        return None
+    n = args.nproc or world_needed(args)
+    if n == 1:
+        return None
+    from dist_infer.launch.launcher import LaunchOptions, plan, run
+    from dist_infer.launch.logs import configure_logging
+    from dist_infer.models.default_model import ensure_default_model
+
+    configure_logging("launch")
+    if args.model is None:
+        ensure_default_model()  # once, before the ranks race for it
+    rest = [a for a in argv if not a.startswith("--nproc")]
+    if "--nproc" in argv:
+        i = argv.index("--nproc")
+        rest = argv[:i] + argv[i + 2:]
+    return run(plan(LaunchOptions(command=[sys.executable, "-m", "dist_infer", *rest], nproc_per_node=n)))
+
+
+def run_generate(args) -> int:
+    import torch
+
+    from dist_infer.engine.generate import Engine
+    from dist_infer.engine.sampling import SamplingParams
+    from dist_infer.engine.tokenizer import TextTokenizer
+    from dist_infer.launch.rank import join_job
+    from dist_infer.models.default_model import ensure_default_model
+    from dist_infer.models.loader import load_stage
+    from dist_infer.topology import ParallelConfig
+
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                            stop_at_eos=not args.no_eos_stop)
+    groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+                      args.timeout, args.iface, args.log_level)
+    world = groups.world
+    model = args.model or str(ensure_default_model())
+    split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
+    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split)
+    logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
+                f"peak RSS {report.peak_rss_mb:.0f} MiB")
+    tokenizer = None
+    prompts = parse_prompt_ids(args.prompt_ids)
+    if args.prompt or not prompts:
+        tokenizer = TextTokenizer(model)
+        prompts = [tokenizer.encode(p) for p in (args.prompt or [DEFAULT_PROMPT])] + prompts
+    engine = Engine(stage, groups, args.block_size)
+    outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
+    timing = {"load_s": report.load_s, **engine.timing.as_dict()}
+    peaks = torch.zeros(world.size, dtype=torch.float64)
+    peaks[world.rank] = report.peak_rss_mb
+    world.all_reduce(peaks)
+    if world.rank == 0:
+        if tokenizer is None:
+            try:
+                tokenizer = TextTokenizer(model)
+            except Exception:  # noqa: BLE001 - text is optional for id prompts
+                tokenizer = None
+        rows = []
+        for o in outputs:
+            text = tokenizer.decode(o.token_ids) if tokenizer else ""
+            rows.append({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
+                         "logprobs": o.logprobs, "text": text, "finish_reason": o.finish_reason})
+            prompt_text = tokenizer.decode(o.prompt_token_ids) if tokenizer else str(o.prompt_token_ids)
+            print(f"--- prompt: {prompt_text!r}\n    output: {text!r}\n    ids: {o.token_ids}")
+        print(f"timing: load {timing['load_s']:.2f} s, ttft {timing['ttft_s'] * 1e3:.1f} ms, "
+              f"prefill {timing['prefill_tok_s']:.0f} tok/s, decode {timing['decode_tok_s']:.1f} tok/s")
+        if args.dump_logits:
+            torch.save([torch.stack(o.logits) for o in outputs], args.dump_logits)
+        if args.json:
+            parallel = {"tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "world_size": world.size,
+                        "backend": world.backend, "mesh": groups.mesh.describe()}
+            print(json.dumps({"outputs": rows, "parallel": parallel, "timing": timing,
+                              "memory": {"peak_rss_mb_per_rank": peaks.tolist()}}))
+    world.barrier()
+    groups.destroy()
+    world.destroy()
+    return 0

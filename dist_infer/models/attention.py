@@ -1,0 +1,116 @@
+"""Attention over a paged KV cache.
+
+Tokens of all sequences in a step travel flattened ([tokens, ...], vLLM's varlen layout). Each
+layer's cache is [num_blocks, block_size, kv_heads, head_dim]; a sequence's keys live in the
+blocks its block table lists. `AttentionMetadata` is computed once per step by the engine and
+shared by every layer: where the new keys go (slot_mapping), how to pad queries into a batch,
+and the mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] position of every new token
+    slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of every new token
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # context per sequence after this step, new tokens included
+    block_tables: torch.Tensor  # [B, max_blocks] block ids (padding: 0, never read unmasked)
+    pad_index: torch.Tensor  # [T] row of each token in the padded [B * max_q] query batch
+    mask: Optional[torch.Tensor]  # [B, 1, max_q, max_ctx] True = may attend; None: plain causal
+    last_token_index: torch.Tensor  # [B] index in [T] of each sequence's last new token
+    max_q: int
+    max_ctx: int
+    fresh: bool  # no sequence has cached context: attend to the new keys directly
+
+    @property
+    def batch(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def uniform(self) -> bool:
+        return self.mask is None
+
+
+def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                             block_size: int, sliding_window: Optional[int] = None) -> AttentionMetadata:
+    """Everything a step's attention needs, from the sequences' lengths and block tables."""
+    B = len(query_lens)
+    max_q, max_ctx = max(query_lens), max(seq_lens)
+    positions, slots, pad_index, last = [], [], [], []
+    flat = 0
+    for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        start = s - q
+        for p in range(start, s):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        pad_index.extend(range(b * max_q, b * max_q + q))
+        flat += q
+        last.append(flat - 1)
+    width = max(len(t) for t in block_tables)
+    tables = torch.zeros(B, width, dtype=torch.long)
+    for b, t in enumerate(block_tables):
+        tables[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+    fresh = all(q == s for q, s in zip(query_lens, seq_lens))
+    uniform = fresh and len(set(query_lens)) == 1 and (sliding_window is None or max_q <= sliding_window)
+    mask = None
+    if not uniform:
+        q_pos = torch.tensor([s - q for q, s in zip(query_lens, seq_lens)])[:, None] + torch.arange(max_q)[None, :]
+        k_pos = torch.arange(max_ctx)[None, None, :]
+        mask = k_pos <= q_pos[:, :, None]
+        if sliding_window is not None:
+            mask &= k_pos > q_pos[:, :, None] - sliding_window
+        padded_rows = torch.arange(max_q)[None, :] >= torch.tensor(query_lens)[:, None]
+        mask[padded_rows] = False
+        mask[..., 0] |= padded_rows  # padded query rows look at one key: no NaN, result discarded
+        mask = mask.unsqueeze(1)
+    return AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        block_tables=tables,
+        pad_index=torch.tensor(pad_index, dtype=torch.long),
+        mask=mask,
+        last_token_index=torch.tensor(last, dtype=torch.long),
+        max_q=max_q,
+        max_ctx=max_ctx,
+        fresh=fresh,
+    )
+
+
+def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[T, heads, d] -> [B, max_q, heads, d]."""
+    if meta.uniform:
+        return x.view(meta.batch, meta.max_q, *x.shape[1:])
+    out = x.new_zeros(meta.batch * meta.max_q, *x.shape[1:])
+    out[meta.pad_index] = x
+    return out.view(meta.batch, meta.max_q, *x.shape[1:])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads * d]; writes k/v into the cache."""
+    kv_heads, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    if meta.fresh:
+        keys, values = _pad(k, meta), _pad(v, meta)
+    else:
+        B = meta.batch
+        keys = k_cache[meta.block_tables].view(B, -1, kv_heads, d)[:, : meta.max_ctx]
+        values = v_cache[meta.block_tables].view(B, -1, kv_heads, d)[:, : meta.max_ctx]
+    queries = _pad(q, meta)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=meta.mask, is_causal=meta.mask is None, scale=scale, enable_gqa=q.shape[1] != kv_heads,
+    )  # [B, heads, max_q, d]
+    out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, -1)
+    return out if meta.uniform else out[meta.pad_index]

@@ -1,0 +1,181 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2) as one pipeline stage of tensor-parallel layers.
+
+A stage holds a contiguous range of decoder layers; the first stage also embeds, the last also
+normalises and projects to the vocabulary. With pp=1 one stage is the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_infer.comm.base import Communicator
+from dist_infer.models.attention import AttentionMetadata, paged_attention
+from dist_infer.models.config import ModelConfig
+from dist_infer.models.rope import Rotary, apply_rotary
+from dist_infer.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from dist_infer.parallel.weights import check_shape, copy_into
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp,
+                                          bias=cfg.qkv_bias, dtype=dtype, name=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, bias=cfg.o_bias,
+                                        dtype=dtype, name=f"{prefix}.o_proj")
+        self.q_heads, self.kv_heads = self.qkv_proj.layout.q_heads, self.qkv_proj.layout.kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        T = x.shape[0]
+        q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
+                                                       bias=cfg.mlp_bias, dtype=dtype, name=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias,
+                                           dtype=dtype, name=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, index: int):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype, f"{prefix}.mlp")
+
+    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaStage(nn.Module):
+    """Layers `layers` of the model on this rank's tp shard; embeds if first, projects if last."""
+
+    def __init__(self, cfg: ModelConfig, tp: Communicator, layers: range, first: bool, last: bool,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.tp, self.layer_ids = cfg, tp, layers
+        self.first, self.last = first, last
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype) if first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, i) for i in layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype) if last else None
+        self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        layout = self.layers[0].self_attn if len(self.layers) else None
+        self.kv_heads_local = layout.kv_heads if layout else 0
+
+    def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+        """`inputs`: token ids [T] on the first stage, hidden states [T, H] after it.
+
+        Returns hidden states [T, H], or on the last stage the logits [B, vocab] of each
+        sequence's last new token.
+        """
+        x = self.embed_tokens(inputs) if self.first else inputs
+        cos, sin = self.rotary.cos_sin(meta.positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        if not self.last:
+            return x
+        return self.lm_head(self.norm(x[meta.last_token_index]))
+
+    # -- loading ----------------------------------------------------------------------------
+    def weight_names(self) -> list[str]:
+        """The HF tensor names this stage reads."""
+        names = []
+        if self.first:
+            names.append("model.embed_tokens.weight")
+        for layer in self.layers:
+            p = f"model.layers.{layer.index}"
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names.append(f"{p}.self_attn.{proj}.weight")
+            if self.cfg.qkv_bias:
+                names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
+            if self.cfg.o_bias:
+                names.append(f"{p}.self_attn.o_proj.bias")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names.append(f"{p}.mlp.{proj}.weight")
+                if self.cfg.mlp_bias:
+                    names.append(f"{p}.mlp.{proj}.bias")
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        if self.last:
+            names.append("model.norm.weight")
+            names.append("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
+        return list(dict.fromkeys(names))
+
+    def load_weights(self, get: Callable[[str], object]) -> None:
+        """Load this stage's shard; `get(name)` returns a weight source (tensor or lazy slice)."""
+        if self.first:
+            self.embed_tokens.weight_loader(get("model.embed_tokens.weight"))
+        for layer in self.layers:
+            p = f"model.layers.{layer.index}"
+            attn, mlp = layer.self_attn, layer.mlp
+            for part in "qkv":
+                attn.qkv_proj.weight_loader(get(f"{p}.self_attn.{part}_proj.weight"), part)
+                if self.cfg.qkv_bias:
+                    attn.qkv_proj.weight_loader(get(f"{p}.self_attn.{part}_proj.bias"), part, "bias")
+            attn.o_proj.weight_loader(get(f"{p}.self_attn.o_proj.weight"))
+            if self.cfg.o_bias:
+                attn.o_proj.weight_loader(get(f"{p}.self_attn.o_proj.bias"), "bias")
+            for i, proj in enumerate(("gate_proj", "up_proj")):
+                mlp.gate_up_proj.weight_loader(get(f"{p}.mlp.{proj}.weight"), i)
+                if self.cfg.mlp_bias:
+                    mlp.gate_up_proj.weight_loader(get(f"{p}.mlp.{proj}.bias"), i, "bias")
+            mlp.down_proj.weight_loader(get(f"{p}.mlp.down_proj.weight"))
+            if self.cfg.mlp_bias:
+                mlp.down_proj.weight_loader(get(f"{p}.mlp.down_proj.bias"), "bias")
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                _load_full(getattr(layer, norm).weight, get(f"{p}.{norm}.weight"), f"{p}.{norm}.weight")
+        if self.last:
+            _load_full(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
+            head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+            self.lm_head.weight_loader(get(head))
+
+
+def _load_full(param: torch.Tensor, source, name: str) -> None:
+    check_shape(name, source, tuple(param.shape))
+    copy_into(param, source[tuple(slice(None) for _ in param.shape)], name)

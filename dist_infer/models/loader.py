@@ -1,0 +1,65 @@
+"""Building this rank's model stage from a HF checkpoint directory or an in-memory HF model.
+
+Only the tensors of this rank's pipeline stage are touched, and of those only this rank's
+tensor-parallel slices are read (lazy safetensors slices), so no rank ever holds the whole
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from dist_infer.comm.groups import ParallelGroups
+from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb
+from dist_infer.models.config import ModelConfig
+from dist_infer.models.llama import LlamaStage
+from dist_infer.parallel.sharding import stage_layers
+
+
+@dataclass
+class LoadReport:
+    load_s: float
+    rss_before_mb: float
+    peak_rss_mb: float
+    layers: tuple[int, int]
+
+
+def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
+                pp_split: Optional[Sequence[int]] = None) -> LlamaStage:
+    pp = groups.pp
+    layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
+    return LlamaStage(cfg, groups.tp, layers, first=pp.rank == 0, last=pp.rank == pp.size - 1, dtype=dtype)
+
+
+def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
+               pp_split: Optional[Sequence[int]] = None) -> tuple[LlamaStage, LoadReport]:
+    """This rank's stage of the checkpoint at `path`, with what loading cost."""
+    start, rss0 = time.perf_counter(), current_rss_mb()
+    with open_checkpoint(path) as ckpt:
+        cfg = ModelConfig.from_hf(ckpt.config, str(Path(path) / "config.json"))
+        stage = build_stage(cfg, groups, dtype, pp_split)
+        stage.load_weights(ckpt.tensor)
+    report = LoadReport(time.perf_counter() - start, rss0, peak_rss_mb(), (stage.layer_ids.start, stage.layer_ids.stop))
+    return stage, report
+
+
+def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.dtype] = None,
+                        pp_split: Optional[Sequence[int]] = None) -> LlamaStage:
+    """This rank's stage of a transformers model already in memory (deepspeed.init_inference's counterpart)."""
+    cfg = ModelConfig.from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__}.config")
+    dtype = dtype or next(hf_model.parameters()).dtype
+    stage = build_stage(cfg, groups, dtype, pp_split)
+    state = dict(hf_model.state_dict())
+
+    def get(name: str):
+        if name not in state:
+            raise CheckpointError(f"the in-memory model has no tensor {name!r}")
+        return state[name]
+
+    stage.load_weights(get)
+    return stage

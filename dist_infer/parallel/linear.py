@@ -1,0 +1,135 @@
+"""Tensor-parallel linear layers. Each owns only its shard, sized at construction, and loads
+it from the full checkpoint tensor with a weight loader (vLLM's pattern).
+
+Column-parallel splits output features (no communication in); row-parallel splits input
+features and ends with an all-reduce over the tp group.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_infer.comm.base import Communicator
+from dist_infer.parallel.sharding import HeadLayout, shard_range
+from dist_infer.parallel.tp_comm import reduce_from_tp
+from dist_infer.parallel.weights import check_shape, copy_into, narrow
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, shard] = x W[shard]^T: this rank computes out_features / tp of the outputs."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, name: str = "linear"):
+        super().__init__()
+        self.tp, self.name = tp, name
+        self.in_features, self.out_features = in_features, out_features
+        self.out_start, self.out_local = shard_range(out_features, tp.size, tp.rank, f"{name}: output features")
+        self.weight = _param(self.out_local, in_features, dtype=dtype)
+        self.bias = _param(self.out_local, dtype=dtype) if bias else None
+
+    def weight_loader(self, source, which: str = "weight") -> None:
+        full = (self.out_features, self.in_features) if which == "weight" else (self.out_features,)
+        check_shape(f"{self.name}.{which}", source, full)
+        copy_into(getattr(self, which), narrow(source, 0, self.out_start, self.out_local), f"{self.name}.{which}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one GEMM (gate and up).
+
+    The local weight is [shard of part 0; shard of part 1; ...], so a rank's output splits
+    into the parts' shards with one `split`.
+    """
+
+    def __init__(self, in_features: int, part_sizes: Sequence[int], tp: Communicator, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, name: str = "merged"):
+        super().__init__(in_features, sum(part_sizes), tp, bias, dtype, name)
+        self.part_sizes = list(part_sizes)
+        self.part_local = [shard_range(p, tp.size, tp.rank, f"{name}: part of {p} features")[1] for p in part_sizes]
+
+    def weight_loader(self, source, part: int, which: str = "weight") -> None:
+        size = self.part_sizes[part]
+        full = (size, self.in_features) if which == "weight" else (size,)
+        check_shape(f"{self.name}[{part}].{which}", source, full)
+        local = self.part_local[part]
+        offset = sum(self.part_local[:part])
+        dest = getattr(self, which).narrow(0, offset, local)
+        copy_into(dest, narrow(source, 0, self.tp.rank * local, local), f"{self.name}[{part}].{which}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.part_local, dim=-1)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused, sharded by heads; KV heads replicated when tp exceeds them."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: Communicator,
+                 bias: bool = False, dtype: torch.dtype = torch.float32, name: str = "qkv_proj"):
+        nn.Module.__init__(self)
+        self.tp, self.name = tp, name
+        self.layout = HeadLayout(num_heads, num_kv_heads, tp.size, tp.rank)
+        self.hidden, self.head_dim = hidden, head_dim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.q_size = self.layout.q_heads * head_dim
+        self.kv_size = self.layout.kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.in_features, self.out_features = hidden, out
+        self.weight = _param(out, hidden, dtype=dtype)
+        self.bias = _param(out, dtype=dtype) if bias else None
+
+    def weight_loader(self, source, part: str, which: str = "weight") -> None:
+        """Load `part` in {'q', 'k', 'v'} from the full q_proj / k_proj / v_proj tensor."""
+        d, lay = self.head_dim, self.layout
+        heads = self.num_heads if part == "q" else self.num_kv_heads
+        full = (heads * d, self.hidden) if which == "weight" else (heads * d,)
+        check_shape(f"{self.name}.{part}.{which}", source, full)
+        if part == "q":
+            start, length, offset = lay.q_start * d, self.q_size, 0
+        else:
+            start, length = lay.kv_start * d, self.kv_size
+            offset = self.q_size + (0 if part == "k" else self.kv_size)
+        dest = getattr(self, which).narrow(0, offset, length)
+        copy_into(dest, narrow(source, 0, start, length), f"{self.name}.{part}.{which}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.weight, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over tp ranks of x[:, shard] W[:, shard]^T: input already split, all-reduce out."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, reduce_results: bool = True, name: str = "linear"):
+        super().__init__()
+        self.tp, self.name = tp, name
+        self.in_features, self.out_features = in_features, out_features
+        self.in_start, self.in_local = shard_range(in_features, tp.size, tp.rank, f"{name}: input features")
+        self.reduce_results = reduce_results
+        self.weight = _param(out_features, self.in_local, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def weight_loader(self, source, which: str = "weight") -> None:
+        if which == "bias":  # not sharded: added once, after the reduction
+            check_shape(f"{self.name}.bias", source, (self.out_features,))
+            copy_into(self.bias, narrow(source, 0, 0, self.out_features), f"{self.name}.bias")
+            return
+        check_shape(f"{self.name}.weight", source, (self.out_features, self.in_features))
+        copy_into(self.weight, narrow(source, 1, self.in_start, self.in_local), f"{self.name}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            reduce_from_tp(y, self.tp)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
