@@ -18,9 +18,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 setup: $(VENV)/.installed
 
-# The main job: distributed run on 4 local ranks (tp=2 x pp=2).
+# The main job: distributed generation on the built-in default model, 4 local ranks (tp=2 x pp=2).
 run: setup
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dist-infer launch --nproc-per-node $(NPROC) -- dist-infer comm-test --tp 2 --pp 2
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dist-infer generate --tp 2 --pp 2 --nproc $(NPROC) --prompt "The quick brown fox" --max-new-tokens 16
 
 test: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests

@@ -116,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     from dist_infer.launch.generate_cmd import add_generate_flags
 
     add_generate_flags(gen)
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure prefill/decode throughput, side by side with DeepSpeed AutoTP and HF transformers",
+        description="Run a fixed workload (batch x prompt-len random prompts, gen-len greedy tokens) through this "
+                    "engine, then through each --compare peer in the same invocation, and report ratios.",
+    )
+    add_parallel_flags(bench)
+    add_rank_flags(bench)
+    from dist_infer.launch.bench_cmd import add_bench_flags
+
+    add_bench_flags(bench)
     return parser
 
 
@@ -127,6 +139,18 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if code is not None:
         return code
     return run_rank_command(lambda: run_generate(args))
+
+
+def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from dist_infer.launch.bench_cmd import parse_compare, run_bench
+    from dist_infer.launch.generate_cmd import spawn_local
+    from dist_infer.launch.rank import run_rank_command
+
+    parse_compare(args.compare)  # a typo fails here, before any rank starts
+    code = spawn_local(args, list(argv))
+    if code is not None:
+        return code
+    return run_rank_command(lambda: run_bench(args))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -190,7 +214,8 @@ def cmd_comm_test(args: argparse.Namespace) -> int:
     return run_rank_command(body)
 
 
-COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test, "generate": cmd_generate}
+COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test}
+RANK_COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}  # these can start their own ranks
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -200,8 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    if args.command == "generate":
-        return cmd_generate(args, argv)
+    if args.command in RANK_COMMANDS:
+        return RANK_COMMANDS[args.command](args, argv)
     return COMMANDS[args.command](args)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Optional
 
 from loguru import logger
@@ -66,18 +65,14 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
     n = args.nproc or world_needed(args)
     if n == 1:
         return None
-    from dist_infer.launch.launcher import LaunchOptions, plan, run
+    from dist_infer.launch.launcher import relaunch_as_local_ranks
     from dist_infer.launch.logs import configure_logging
     from dist_infer.models.default_model import ensure_default_model
 
     configure_logging("launch")
     if args.model is None:
         ensure_default_model()  # once, before the ranks race for it
-    rest = [a for a in argv if not a.startswith("--nproc")]
-    if "--nproc" in argv:
-        i = argv.index("--nproc")
-        rest = argv[:i] + argv[i + 2:]
-    return run(plan(LaunchOptions(command=[sys.executable, "-m", "dist_infer", *rest], nproc_per_node=n)))
+    return relaunch_as_local_ranks(argv, n)
 
 
 def run_generate(args) -> int:

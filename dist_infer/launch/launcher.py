@@ -267,3 +267,22 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+
+
+def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """`argv` without `flag VALUE` / `flag=VALUE` (to re-run a command as ranks without --nproc)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def relaunch_as_local_ranks(argv: Sequence[str], nproc: int) -> int:
+    """Run `python -m dist_infer ARGV` (minus --nproc) as `nproc` local ranks; their exit code."""
+    command = [sys.executable, "-m", "dist_infer", *strip_flag(argv, "--nproc")]
+    return run(plan(LaunchOptions(command=command, nproc_per_node=nproc)))
