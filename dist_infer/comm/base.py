@@ -260,7 +260,24 @@ class Communicator(ABC):
             self._check_peer(op.peer, op.kind)
         if not ops:
             return DoneHandle()
+        if self.size == 1:
+            return self._self_p2p(list(ops))
         return self._post_p2p(list(ops))
+
+    def _self_p2p(self, ops: list[P2POp]) -> Handle:
+        """A group of one exchanges with itself: each recv takes the first unmatched send of its tag."""
+        sends = [o for o in ops if o.kind == "send"]
+        for o in ops:
+            if o.kind != "recv":
+                continue
+            match = next((s for s in sends if s.tag == o.tag), None)
+            if match is None or match.tensor.numel() != o.tensor.numel():
+                raise CommError(f"{self.describe('recv')}: no send of {o.tensor.numel()} elements with tag {o.tag} in the batch")
+            sends.remove(match)
+            o.tensor.copy_(match.tensor.reshape(o.tensor.shape))
+        if sends:
+            raise CommError(f"{self.describe('send')}: {len(sends)} send(s) to self with no matching recv in the batch")
+        return DoneHandle()
 
     # -- groups -------------------------------------------------------------------------
     @abstractmethod

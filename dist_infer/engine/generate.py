@@ -22,10 +22,14 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
 from dist_infer.engine.sampling import SamplingParams, sample, sequence_generator
-from dist_infer.models.attention import build_attention_metadata
+from dist_infer.models.attention import build_attention_metadata, split_token_halves
 from dist_infer.models.llama import LlamaStage
+from dist_infer.parallel.token_split import should_split
 
 TAG_FORWARD, TAG_BACK = 1, 2
+# Tokens per step from which `--overlap auto` splits (measured on the 2-core CPU machine, see
+# docs/benchmarks.md; TokenWeave finds about 1024 on H100s).
+DEFAULT_OVERLAP_THRESHOLD = 1024
 KIND_STOP, KIND_WORK = 0, 1
 
 
@@ -61,8 +65,11 @@ class Timing:
 class Engine:
     """Runs one rank's pipeline stage inside the generation loop."""
 
-    def __init__(self, stage: LlamaStage, groups: ParallelGroups, block_size: int = 16):
+    def __init__(self, stage: LlamaStage, groups: ParallelGroups, block_size: int = 16,
+                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD):
         self.stage, self.groups, self.block_size = stage, groups, block_size
+        should_split(overlap, 0, 1, overlap_threshold)  # validates the mode
+        self.overlap, self.overlap_threshold = overlap, overlap_threshold
         self.pp: Communicator = groups.pp
         self.cfg = stage.cfg
         self.timing = Timing()
@@ -94,7 +101,10 @@ class Engine:
     def _forward(self, cache: PagedKVCache, seq_ids: list[int], q_lens: list[int], inputs: torch.Tensor) -> torch.Tensor:
         tables = [cache.reserve(s, q) for s, q in zip(seq_ids, q_lens)]
         seq_lens = [cache.lengths[s] + q for s, q in zip(seq_ids, q_lens)]
-        meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size, self.cfg.sliding_window)
+        if should_split(self.overlap, sum(q_lens), self.groups.tp.size, self.overlap_threshold):
+            meta = split_token_halves(q_lens, seq_lens, tables, self.block_size, self.cfg.sliding_window)
+        else:
+            meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size, self.cfg.sliding_window)
         with torch.inference_mode():
             out = self.stage(inputs, meta, cache.layers)
         for s, q in zip(seq_ids, q_lens):

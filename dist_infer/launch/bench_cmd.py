@@ -9,6 +9,7 @@ greedy loop shape: one prefill, then G-1 decode steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,6 +38,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "hf (transformers, one process), hf-tp (transformers tp_plan=auto, tp ranks), "
                         "ours-1proc (this engine in one process on all cores)")
     p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds each peer may take (default %(default)s)")
+    p.add_argument("--overlap-report", action="store_true",
+                   help="run the workload three ways (tensor parallel baseline, token-split overlap, collectives "
+                        "skipped = wrong output, the lower bound) and report the fraction of communication hidden")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
 
@@ -86,6 +90,27 @@ def measure(engine, prompts, gen_len: int, repeat: int, progress) -> dict:
     return best
 
 
+def hidden_fraction(t_base: float, t_overlap: float, t_nocomm: float) -> float:
+    """Share of the exposed communication time that overlap removed: (base - overlap) / (base - nocomm)."""
+    exposed = t_base - t_nocomm
+    return (t_base - t_overlap) / exposed if exposed > 0 else 0.0
+
+
+def overlap_report(engine, tp, prompts, args, progress) -> dict:
+    """Baseline, overlapped and no-communication runs of the same workload (TokenWeave's honest metric)."""
+    runs = {}
+    for name, mode, skip in (("base", "off", False), ("overlap", "on", False), ("nocomm", "off", True)):
+        engine.overlap, tp.skip = mode, skip
+        runs[name] = measure(engine, prompts, args.gen_len, args.repeat, progress)
+    engine.overlap, tp.skip = args.overlap, False
+
+    def phase(key: str) -> dict:
+        t = {f"t_{n}_s": runs[n][key] for n in runs}
+        return {**t, "hidden_fraction": hidden_fraction(t["t_base_s"], t["t_overlap_s"], t["t_nocomm_s"])}
+
+    return {**phase("ttft_s"), "decode": phase("tpot_s"), "tokens_per_prefill": sum(len(p) for p in prompts)}
+
+
 def plot(path: str, rows: list[tuple[str, dict]]) -> None:
     import matplotlib
 
@@ -110,7 +135,9 @@ def run_bench(args) -> int:
     import torch
     from tqdm import tqdm
 
+    from dist_infer.comm.skipping import SkippableCommunicator
     from dist_infer.engine.generate import Engine
+    from dist_infer.launch.generate_cmd import overlap_options
     from dist_infer.launch.peers import make_prompts, run_peer
     from dist_infer.launch.rank import join_job
     from dist_infer.models.default_model import ensure_default_model
@@ -123,12 +150,15 @@ def run_bench(args) -> int:
     world = groups.world
     model = args.model or str(ensure_default_model())
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
+    if args.overlap_report:
+        groups = dataclasses.replace(groups, tp=SkippableCommunicator(groups.tp))
     stage, report = load_stage(model, groups, torch.float32, split)
-    engine = Engine(stage, groups, args.block_size)
+    engine = Engine(stage, groups, args.block_size, **overlap_options(args))
     prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
-    bar = tqdm(total=args.repeat + len(peers), desc="bench", unit="run", file=sys.stderr,
+    bar = tqdm(total=args.repeat * (4 if args.overlap_report else 1) + len(peers), desc="bench", unit="run", file=sys.stderr,
                disable=None if world.rank == 0 else True)
     timing = measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1))
+    overlap = overlap_report(engine, groups.tp, prompts, args, lambda: bar.update(1)) if args.overlap_report else None
     peaks = torch.zeros(world.size, dtype=torch.float64)
     peaks[world.rank] = report.peak_rss_mb
     world.all_reduce(peaks)
@@ -168,6 +198,12 @@ def run_bench(args) -> int:
               f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
               f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}")
     print("(x = dist-infer's throughput divided by the system's, same run)")
+    if overlap:
+        ours["overlap"] = overlap
+        for phase, label in (("prefill", "prefill (ttft)"), ("decode", "decode (per step)")):
+            o = overlap[phase] if phase == "decode" else overlap
+            print(f"overlap, {label}: base {o['t_base_s'] * 1e3:.1f} ms, overlapped {o['t_overlap_s'] * 1e3:.1f} ms, "
+                  f"no communication {o['t_nocomm_s'] * 1e3:.1f} ms -> hidden fraction {o['hidden_fraction']:.2f}")
     if args.plot:
         plot(args.plot, [(n, m) for n, m in rows if m.get("ok", True)])
         print(f"plot written to {args.plot}")

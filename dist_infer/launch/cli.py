@@ -57,6 +57,15 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (ranks sharing the sequence)")
 
 
+def add_overlap_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overlap", choices=("on", "off", "auto"), default="auto",
+                   help="token-splitting compute/communication overlap in tensor-parallel layers: split every step "
+                        "(on), never (off), or steps of at least --overlap-threshold tokens (auto, default)")
+    p.add_argument("--overlap-threshold", type=int, default=None,
+                   help="tokens per step from which --overlap auto splits (default: measured per machine kind, "
+                        "see docs/benchmarks.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dist-infer",
@@ -116,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dist_infer.launch.generate_cmd import add_generate_flags
 
     add_generate_flags(gen)
+    add_overlap_flags(gen)
 
     bench = sub.add_parser(
         "bench",
@@ -128,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dist_infer.launch.bench_cmd import add_bench_flags
 
     add_bench_flags(bench)
+    add_overlap_flags(bench)
     return parser
 
 

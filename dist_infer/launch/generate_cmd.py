@@ -75,6 +75,12 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
     return relaunch_as_local_ranks(argv, n)
 
 
+def overlap_options(args) -> dict:
+    from dist_infer.engine.generate import DEFAULT_OVERLAP_THRESHOLD
+
+    return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD}
+
+
 def run_generate(args) -> int:
     import torch
 
@@ -101,7 +107,7 @@ def run_generate(args) -> int:
     if args.prompt or not prompts:
         tokenizer = TextTokenizer(model)
         prompts = [tokenizer.encode(p) for p in (args.prompt or [DEFAULT_PROMPT])] + prompts
-    engine = Engine(stage, groups, args.block_size)
+    engine = Engine(stage, groups, args.block_size, **overlap_options(args))
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
     timing = {"load_s": report.load_s, **engine.timing.as_dict()}
     peaks = torch.zeros(world.size, dtype=torch.float64)

@@ -114,3 +114,45 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     )  # [B, heads, max_q, d]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, -1)
     return out if meta.uniform else out[meta.pad_index]
+
+
+@dataclass
+class TokenSplit:
+    """A step's tokens cut in two halves that run interleaved (see parallel/token_split.py)."""
+
+    a: AttentionMetadata
+    b: AttentionMetadata
+    cut: int  # tokens [0, cut) are half a
+    last_token_index: torch.Tensor  # [B] each sequence's last token in the whole step
+
+
+def split_token_halves(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                       block_size: int, sliding_window: Optional[int] = None,
+                       split_at: Optional[int] = None) -> TokenSplit:
+    """Metadata for the two token halves of a step (TokenWeave's split).
+
+    The flattened tokens are cut at `split_at` (default: the middle). A sequence that straddles
+    the cut appears in both halves: the first half writes its keys to the cache, and the second
+    half, which runs later in every layer, reads them from there like cached context.
+    """
+    total = sum(query_lens)
+    if total < 2:
+        raise ValueError(f"cannot split {total} token(s) into two halves")
+    cut = total // 2 if split_at is None else split_at
+    halves: list[tuple[list[int], list[int], list[list[int]]]] = [([], [], []), ([], [], [])]
+    start = 0
+    for q, s, table in zip(query_lens, seq_lens, block_tables):
+        end = start + q
+        first = max(0, min(end, cut) - start)  # this sequence's tokens before the cut
+        if first:
+            halves[0][0].append(first)
+            halves[0][1].append(s - q + first)
+            halves[0][2].append(list(table))
+        if q - first:
+            halves[1][0].append(q - first)
+            halves[1][1].append(s)
+            halves[1][2].append(list(table))
+        start = end
+    a, b = (build_attention_metadata(ql, sl, bt, block_size, sliding_window) for ql, sl, bt in halves)
+    last = torch.tensor(list(query_lens), dtype=torch.long).cumsum(0) - 1
+    return TokenSplit(a, b, cut, last)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.models.attention import AttentionMetadata, paged_attention
+from dist_infer.models.attention import AttentionMetadata, TokenSplit, paged_attention
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel import (
@@ -23,6 +23,7 @@ from dist_infer.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from dist_infer.parallel.token_split import run_layers_token_split
 from dist_infer.parallel.weights import check_shape, copy_into
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -55,13 +56,16 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(x, cos, sin, kv, meta))
+
+    def attend(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
         T = x.shape[0]
         q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out)
+        return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
 
 
 class LlamaMLP(nn.Module):
@@ -73,8 +77,12 @@ class LlamaMLP(nn.Module):
                                            dtype=dtype, name=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activated(x))
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: down_proj's input."""
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -116,12 +124,42 @@ class LlamaStage(nn.Module):
         sequence's last new token.
         """
         x = self.embed_tokens(inputs) if self.first else inputs
-        cos, sin = self.rotary.cos_sin(meta.positions)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+        if isinstance(meta, TokenSplit):
+            x = self._forward_token_split(x, meta, kv_caches)
+            last_index = meta.last_token_index
+        else:
+            cos, sin = self.rotary.cos_sin(meta.positions)
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, cos, sin, kv, meta)
+            last_index = meta.last_token_index
         if not self.last:
             return x
-        return self.lm_head(self.norm(x[meta.last_token_index]))
+        return self.lm_head(self.norm(x[last_index]))
+
+    def _forward_token_split(self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache]) -> torch.Tensor:
+        """The layers with the two token halves interleaved so every all-reduce is overlapped."""
+        stage, halves = self, (split.a, split.b)
+        rope = [self.rotary.cos_sin(m.positions) for m in halves]
+
+        class Ops:
+            def attn(self, i, h, half):
+                layer = stage.layers[i]
+                cos, sin = rope[half]
+                out = layer.self_attn.attend(layer.input_layernorm(h), cos, sin, kv_caches[i], halves[half])
+                return layer.self_attn.o_proj.partial(out)
+
+            def attn_done(self, i, y):
+                return stage.layers[i].self_attn.o_proj.add_bias(y)
+
+            def mlp(self, i, h):
+                layer = stage.layers[i]
+                return layer.mlp.down_proj.partial(layer.mlp.activated(layer.post_attention_layernorm(h)))
+
+            def mlp_done(self, i, y):
+                return stage.layers[i].mlp.down_proj.add_bias(y)
+
+        x_a, x_b = run_layers_token_split(len(self.layers), x[: split.cut], x[split.cut:], self.tp, Ops())
+        return torch.cat([x_a, x_b])
 
     # -- loading ----------------------------------------------------------------------------
     def weight_names(self) -> list[str]:

@@ -18,6 +18,7 @@ from dist_infer.comm.groups import ParallelGroups
 from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.llama import LlamaStage
+from dist_infer.models.registry import builder_for
 from dist_infer.parallel.sharding import stage_layers
 
 
@@ -33,7 +34,7 @@ def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = t
                 pp_split: Optional[Sequence[int]] = None) -> LlamaStage:
     pp = groups.pp
     layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
-    return LlamaStage(cfg, groups.tp, layers, first=pp.rank == 0, last=pp.rank == pp.size - 1, dtype=dtype)
+    return builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype)
 
 
 def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,

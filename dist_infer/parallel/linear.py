@@ -126,10 +126,16 @@ class RowParallelLinear(nn.Module):
         check_shape(f"{self.name}.weight", source, (self.out_features, self.in_features))
         copy_into(self.weight, narrow(source, 1, self.in_start, self.in_local), f"{self.name}.weight")
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, before the all-reduce (so the caller can overlap it)."""
+        return F.linear(x, self.weight)
+
+    def add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        """What follows the all-reduce: the bias, added once."""
+        return y if self.bias is None else y + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.partial(x)
         if self.reduce_results:
             reduce_from_tp(y, self.tp)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return self.add_bias(y)

@@ -65,24 +65,41 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand Slurm's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1."""
+    """Expand Slurm's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1.
+
+    Several bracket groups in one name expand as a product: 'r[1-2]n[1-2]' -> r1n1 r1n2 r2n1 r2n2.
+    """
+    names, depth, current = [], 0, ""
+    for ch in nodelist:  # split on the commas that are outside brackets
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            names.append(current)
+            current = ""
+        else:
+            current += ch
+    names.append(current)
     hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,]*)", nodelist):
-        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3)
-        if not prefix and not ranges:
-            continue
-        if ranges is None:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                width = len(lo)
-                for i in range(int(lo), int(hi) + 1):
-                    hosts.append(f"{prefix}{i:0{width}d}{suffix}")
-            else:
-                hosts.append(prefix + part + suffix)
+    for name in (n.strip() for n in names):
+        if name:
+            hosts.extend(_expand_brackets(name))
     return hosts
+
+
+def _expand_brackets(name: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", name)
+    if match is None:
+        return [name]
+    head, tail = name[: match.start()], name[match.end():]
+    out: list[str] = []
+    for part in match.group(1).split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            values = [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+        else:
+            values = [part]
+        for value in values:
+            out.extend(head + value + rest for rest in _expand_brackets(tail))
+    return out
 
 
 def _master(env: Mapping[str, str]) -> tuple[Optional[str], Optional[int]]:
@@ -102,7 +119,7 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
 
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_world = _int(env, "LOCAL_WORLD_SIZE") or world
+        local_world = _int(env, "LOCAL_WORLD_SIZE") or world or 1
         info = RankInfo(
             rank=rank,
             world_size=world,
