@@ -270,11 +270,10 @@ class Communicator(ABC):
         for o in ops:
             if o.kind != "recv":
                 continue
-            match = next((s for s in sends if s.tag == o.tag), None)
-            if match is None or match.tensor.numel() != o.tensor.numel():
+            i = next((i for i, s in enumerate(sends) if s.tag == o.tag), None)
+            if i is None or sends[i].tensor.numel() != o.tensor.numel():
                 raise CommError(f"{self.describe('recv')}: no send of {o.tensor.numel()} elements with tag {o.tag} in the batch")
-            sends.remove(match)
-            o.tensor.copy_(match.tensor.reshape(o.tensor.shape))
+            o.tensor.copy_(sends.pop(i).tensor.reshape(o.tensor.shape))
         if sends:
             raise CommError(f"{self.describe('send')}: {len(sends)} send(s) to self with no matching recv in the batch")
         return DoneHandle()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import zlib
 from dataclasses import dataclass
 
+import torch
+
 from dist_infer.comm.base import Communicator
+from dist_infer.comm.shm import ShmAllReduceCommunicator, shm_supported
 from dist_infer.topology.mesh import AXES, Mesh
 
 
@@ -33,8 +38,22 @@ class ParallelGroups:
                 comm.destroy()
 
 
-def build_groups(world: Communicator, mesh: Mesh) -> ParallelGroups:
-    """Collective over `world`: create every axis's groups, in AXES order on every rank."""
+def node_ids(world: Communicator) -> list[int]:
+    """A node identifier for every world rank (a hash of the host name), gathered once."""
+    mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+    out = torch.empty(world.size, dtype=torch.int64)
+    world.all_gather(out, mine)
+    return out.tolist()
+
+
+def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> ParallelGroups:
+    """Collective over `world`: create every axis's groups, in AXES order on every rank.
+
+    With shm 'auto', a tensor-parallel group whose ranks share a node all-reduces CPU tensors
+    through shared memory (see comm/shm.py); 'off' keeps the backend's own all-reduce.
+    """
+    if shm not in ("auto", "off"):
+        raise ValueError(f"shm must be 'auto' or 'off', got {shm!r}")
     if mesh.world_size != world.size:
         raise ValueError(f"mesh {mesh.describe()} has {mesh.world_size} ranks, the world has {world.size}")
     comms = {}
@@ -44,4 +63,8 @@ def build_groups(world: Communicator, mesh: Mesh) -> ParallelGroups:
             comms[axis] = world  # the axis spans the whole world: reuse it
             continue
         comms[axis] = world.split(groups, axis)
+    if shm == "auto" and comms["tp"].size > 1 and shm_supported():
+        nodes = node_ids(world)
+        if len({nodes[r] for r in comms["tp"].ranks}) == 1:
+            comms["tp"] = ShmAllReduceCommunicator(comms["tp"])
     return ParallelGroups(world=world, mesh=mesh, **comms)

@@ -146,7 +146,7 @@ def run_bench(args) -> int:
 
     peers = parse_compare(args.compare)
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                      args.timeout, args.iface, args.log_level)
+                      args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
     model = args.model or str(ensure_default_model())
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None

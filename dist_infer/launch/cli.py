@@ -47,6 +47,9 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds any distributed wait may take before the job is ended (default %(default)s)")
     p.add_argument("--iface", default=None,
                    help="network interface for gloo/NCCL sockets on multi-host jobs (default: the one that reaches the master address)")
+    p.add_argument("--shm", choices=("auto", "off"), default="auto",
+                   help="all-reduce CPU tensors of a node-local tensor-parallel group through shared memory "
+                        "(auto, default) or always through the backend (off)")
     p.add_argument("--log-level", default="INFO", help="loguru level: DEBUG, INFO, WARNING (default %(default)s)")
 
 
@@ -203,7 +206,7 @@ def cmd_comm_test(args: argparse.Namespace) -> int:
         from dist_infer.launch.comm_test import DEFAULT_SIZES, format_table, results_json, run_comm_test
 
         groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                          args.timeout, args.iface, args.log_level)
+                          args.timeout, args.iface, args.log_level, args.shm)
         world = groups.world
         bar = tqdm(desc="comm-test", unit="case", disable=None if world.rank == 0 else True, file=sys.stderr)
         results = run_comm_test(groups, sizes=args.sizes or DEFAULT_SIZES, iters=args.iters,

@@ -95,7 +95,7 @@ def run_generate(args) -> int:
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                             stop_at_eos=not args.no_eos_stop)
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                      args.timeout, args.iface, args.log_level)
+                      args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
     model = args.model or str(ensure_default_model())
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None

@@ -15,7 +15,8 @@ from dist_infer.launch.logs import configure_logging
 from dist_infer.topology import Mesh, ParallelConfig
 
 
-def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO") -> ParallelGroups:
+def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
+             shm: str = "auto") -> ParallelGroups:
     info = discover_rank(backend)
     configure_logging(f"rank {info.rank}/{info.world_size}", log_level)
     mesh = Mesh.build(config, info.world_size)  # validate before any rendezvous: a clear error, no hang
@@ -23,7 +24,7 @@ def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, l
     if info.rank == 0:
         logger.info(f"{info.world_size} ranks via {info.launcher}, backend {world.backend}, mesh {mesh.describe()}")
     mesh.warn_about_layout(info.local_world_size)
-    return build_groups(world, mesh)
+    return build_groups(world, mesh, shm)
 
 
 def _abort_mpi(code: int) -> None:
