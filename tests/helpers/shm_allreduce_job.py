@@ -1,0 +1,65 @@
+"""One rank of a job checking the shared-memory all-reduce against values computed locally.
+
+Run under `dist-infer launch --nproc-per-node N -- python shm_allreduce_job.py`. Exercises more
+async ops in flight than there are buffers, waits in a different order than posts, dtypes,
+a tensor too big for a slot (falls back to the backend), and bitwise-equal results on every rank.
+"""
+
+import sys
+
+import torch
+
+from dist_infer.comm import build_groups, init_world
+from dist_infer.comm.shm import NBUF, ShmAllReduceCommunicator
+from dist_infer.topology import Mesh, ParallelConfig
+
+world = init_world("gloo", timeout=60)
+n = world.size
+groups = build_groups(world, Mesh.build(ParallelConfig(tp=n), n))
+tp = groups.tp
+assert isinstance(tp, ShmAllReduceCommunicator), f"tp group should use shared memory, got {tp!r}"
+me = world.rank
+
+
+def value(rank, numel, salt, dtype):
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+
+
+def expected(numel, salt, dtype):
+    parts = [value(r, numel, salt, dtype) for r in range(n)]
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+# Many ops in flight: more than NBUF, waited on in reverse order.
+tensors = [value(me, 97 + i, i, torch.float32) for i in range(2 * NBUF + 1)]
+handles = [tp.all_reduce(t, async_op=True) for t in tensors]
+for h in reversed(handles):
+    h.wait()
+for i, t in enumerate(tensors):
+    assert torch.equal(t, expected(97 + i, i, torch.float32)), f"async op {i} wrong"
+
+for dtype in (torch.float64, torch.bfloat16, torch.int64):
+    t = (value(me, 1000, 7, torch.float64) * 100).to(dtype)
+    tp.all_reduce(t)
+    want = sum((value(r, 1000, 7, torch.float64) * 100).to(dtype).double() for r in range(n))
+    bf16 = dtype == torch.bfloat16  # 8 mantissa bits, rounded after each add
+    assert torch.allclose(t.double(), want, rtol=2e-2 if bf16 else 1e-12, atol=2.0 if bf16 else 0.0), dtype
+
+big = value(me, tp.slot_bytes // 4 + 1, 9, torch.float32)  # one element too many for a slot: the backend's path
+tp.all_reduce(big)
+assert torch.allclose(big, expected(big.numel(), 9, torch.float32), atol=1e-5)
+
+# every rank holds bitwise the same result
+probe = value(me, 513, 11, torch.float32)
+tp.all_reduce(probe)
+gathered = torch.empty(n, 513)
+world.all_gather(gathered, probe)
+assert all(torch.equal(gathered[0], gathered[r]) for r in range(n)), "ranks disagree"
+
+world.barrier()
+print(f"rank {me}: shm all-reduce ok", flush=True)
+sys.exit(0)

@@ -1,0 +1,109 @@
+"""The shared-memory all-reduce and token-splitting overlap, run for real and checked exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from checkpoints import hf_reference, write_hf_checkpoint
+from conftest import HELPERS, last_json, run
+from dist_infer.models.attention import build_attention_metadata, split_token_halves
+from dist_infer.parallel.token_split import should_split
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_shm_allreduce_job(nproc):
+    result = run(["dist-infer", "launch", "--nproc-per-node", str(nproc), "--", "python",
+                  str(HELPERS / "shm_allreduce_job.py")], timeout=120)
+    assert result.returncode == 0
+    assert result.stdout.count("shm all-reduce ok") == nproc
+
+
+def test_split_token_halves_covers_every_token_once():
+    q, s = [5, 1, 4], [5, 9, 4]  # a fresh prompt, a decode step with context, another prompt
+    tables = [[0], [1], [2]]
+    split = split_token_halves(q, s, tables, block_size=16)
+    full = build_attention_metadata(q, s, tables, 16)
+    assert split.cut == 5
+    assert torch.equal(torch.cat([split.a.positions, split.b.positions]), full.positions)
+    assert torch.equal(torch.cat([split.a.slot_mapping, split.b.slot_mapping]), full.slot_mapping)
+    assert torch.equal(split.last_token_index, full.last_token_index)
+
+
+def test_split_straddling_sequence_reads_first_half_from_cache():
+    split = split_token_halves([7], [7], [[3]], block_size=16)  # one prompt cut in the middle
+    assert (split.a.query_lens, split.a.seq_lens, split.a.fresh) == ([3], [3], True)
+    assert (split.b.query_lens, split.b.seq_lens, split.b.fresh) == ([4], [7], False)
+
+
+def test_should_split_modes():
+    assert not should_split("off", 4096, 2, 1024)
+    assert should_split("on", 2, 2, 1024)
+    assert not should_split("on", 1, 2, 1024)  # one token cannot be split
+    assert not should_split("on", 4096, 1, 1024)  # nothing to overlap without tp
+    assert should_split("auto", 1024, 2, 1024) and not should_split("auto", 1023, 2, 1024)
+    with pytest.raises(ValueError, match="overlap mode"):
+        should_split("sometimes", 10, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    root = tmp_path_factory.mktemp("overlap")
+    path = write_hf_checkpoint(root, "llama-gqa")
+    # 5 + 18 tokens: odd halves in prefill (11 / 12); decode steps of 2 tokens split 1 / 1.
+    prompts = [[3, 4, 5, 6, 7], list(range(10, 28))]
+    ids, logits = hf_reference(path, prompts, 6)
+    single = [[9]]  # a batch of one one-token prompt: every step is one token, never split
+    ids1, logits1 = hf_reference(path, single, 4)
+    return path, prompts, ids, logits, single, ids1, logits1
+
+
+def _generate(path, prompts, new_tokens, extra, tmp_path, launcher=None):
+    dump = tmp_path / "logits.pt"
+    cmd = ["dist-infer", "generate", "--model", str(path), "--no-eos-stop", "--max-new-tokens", str(new_tokens),
+           "--json", "--dump-logits", str(dump), *extra]
+    for p in prompts:
+        cmd += ["--prompt-ids", ",".join(map(str, p))]
+    result = run((launcher or []) + cmd, timeout=180)
+    assert result.returncode == 0
+    return last_json(result.stdout), torch.load(dump)
+
+
+def _assert_matches(out, logits, ref_ids, ref_logits):
+    got = [o["token_ids"] for o in out["outputs"]]
+    assert got == ref_ids
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tp,overlap,shm", [(2, "on", "auto"), (2, "off", "auto"), (4, "on", "auto"), (2, "on", "off")])
+def test_overlap_exact_vs_hf(gqa, tmp_path, tp, overlap, shm):
+    path, prompts, ids, logits, *_ = gqa
+    out, got = _generate(path, prompts, 6, ["--tp", str(tp), "--overlap", overlap, "--shm", shm], tmp_path)
+    _assert_matches(out, got, ids, logits)
+
+
+def test_overlap_batch_of_one_token(gqa, tmp_path):
+    path, _, _, _, single, ids1, logits1 = gqa
+    out, got = _generate(path, single, 4, ["--tp", "2", "--overlap", "on"], tmp_path)
+    _assert_matches(out, got, ids1, logits1)
+
+
+def test_overlap_on_mpi_backend(gqa, tmp_path):
+    path, prompts, ids, logits, *_ = gqa
+    mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    out, got = _generate(path, prompts, 6, ["--tp", "2", "--overlap", "on", "--backend", "mpi"], tmp_path, mpirun)
+    assert out["parallel"]["backend"] == "mpi"
+    _assert_matches(out, got, ids, logits)
+
+
+def test_overlap_report_json(tmp_path):
+    result = run(["dist-infer", "bench", "--tp", "2", "--batch", "2", "--prompt-len", "16", "--gen-len", "3",
+                  "--overlap-report", "--json"], timeout=180)
+    assert result.returncode == 0
+    report = last_json(result.stdout)["overlap"]
+    for key in ("t_base_s", "t_overlap_s", "t_nocomm_s", "hidden_fraction"):
+        assert key in report and key in report["decode"]
+    assert report["t_base_s"] > 0 and report["t_nocomm_s"] > 0
