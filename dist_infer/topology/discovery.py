@@ -64,6 +64,15 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
+def _rank_and_size(env: Mapping[str, str], rank_var: str, size_var: str) -> tuple[int, int]:
+    """Both variables of a launcher, or a DiscoveryError naming the one that is missing."""
+    rank, size = _int(env, rank_var), _int(env, size_var)
+    for name, value in ((rank_var, rank), (size_var, size)):
+        if value is None:
+            raise DiscoveryError(f"{name} is missing or empty while {rank_var if name == size_var else size_var} is set")
+    return rank, size
+
+
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Expand Slurm's compressed host list: 'gpu[01-03,07],login1' -> gpu01 gpu02 gpu03 gpu07 login1.
 
@@ -118,7 +127,7 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
     addr, port = _master(env)
 
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        rank, world = _rank_and_size(env, "RANK", "WORLD_SIZE")
         local_world = _int(env, "LOCAL_WORLD_SIZE") or world or 1
         info = RankInfo(
             rank=rank,
@@ -131,7 +140,7 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
             launcher="torchrun",
         )
     elif "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        rank, world = _rank_and_size(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
         local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1
         info = RankInfo(
             rank=rank,
@@ -144,17 +153,17 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
             launcher="openmpi",
         )
     elif "MV2_COMM_WORLD_RANK" in env:
-        rank, world = _int(env, "MV2_COMM_WORLD_RANK"), _int(env, "MV2_COMM_WORLD_SIZE")
+        rank, world = _rank_and_size(env, "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")
         local_world = _int(env, "MV2_COMM_WORLD_LOCAL_SIZE") or 1
         local = _int(env, "MV2_COMM_WORLD_LOCAL_RANK") or 0
         info = RankInfo(rank, world, local, local_world, rank // local_world, addr, port, "mvapich2")
     elif "PMI_RANK" in env and "PMI_SIZE" in env:
-        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        rank, world = _rank_and_size(env, "PMI_RANK", "PMI_SIZE")
         local_world = _int(env, "MPI_LOCALNRANKS") or 1
         local = _int(env, "MPI_LOCALRANKID") or 0
         info = RankInfo(rank, world, local, local_world, rank // local_world, addr, port, "mpich")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        rank, world = _rank_and_size(env, "SLURM_PROCID", "SLURM_NTASKS")
         nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
         local_world = _int(env, "SLURM_NTASKS_PER_NODE") or -(-world // nodes)
         if addr is None and env.get("SLURM_JOB_NODELIST"):
