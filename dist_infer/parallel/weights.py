@@ -27,7 +27,9 @@ def narrow(source, dim: int, start: int, length: int) -> torch.Tensor:
 def check_shape(name: str, source, expected: tuple[int, ...]) -> None:
     got = shape_of(source)
     if got != tuple(expected):
-        raise WeightShapeError(f"{name}: checkpoint tensor has shape {list(got)}, the config needs {list(expected)}")
+        tensor = getattr(source, "name", None)  # a checkpoint's LazyTensor knows its file's tensor name
+        where = f"{name} (checkpoint tensor {tensor!r})" if isinstance(tensor, str) and tensor != name else name
+        raise WeightShapeError(f"{where}: checkpoint tensor has shape {list(got)}, the config needs {list(expected)}")
 
 
 def copy_into(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

@@ -1,0 +1,189 @@
+"""`dist-infer generate` on bad input: a clear error naming the problem, a non-zero exit, no hang.
+
+Each case runs the real CLI as a subprocess (with its own local ranks where the case needs
+several) under a 60 s limit, and checks the exit code and that stderr names the culprit. The
+cases are independent and mostly wait (start-up, rendezvous, the launcher's polling), so they
+are all started at once by a module fixture and each test checks its own result.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from checkpoints import write_hf_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+TIMEOUT_S = 60
+BAD_TENSOR = "model.layers.1.mlp.up_proj.weight"
+
+
+_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "MV2_", "SLURM_", "TORCHELASTIC_", "PRTE_")
+_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                   "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _env() -> dict[str, str]:
+    """The venv first on PATH, and nothing that would make a child look like a rank of an outer job."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _exe() -> str:
+    path = VENV_BIN / "dist-infer"
+    return str(path) if path.exists() else (shutil.which("dist-infer") or "dist-infer")
+
+
+@dataclass
+class Result:
+    cmd: list[str]
+    returncode: int | None  # None: still running at the deadline (killed)
+    stdout: str
+    stderr: str
+
+
+def _build_cases(model: Path, root: Path) -> dict[str, list[str]]:
+    """Case name -> generate arguments; writes the broken checkpoints under root."""
+    from safetensors.torch import load_file, save_file
+
+    def copy(name: str) -> Path:
+        dst = root / name
+        shutil.copytree(model, dst)
+        return dst
+
+    noconfig = copy("noconfig")
+    (noconfig / "config.json").unlink()
+
+    truncated = copy("truncated")
+    file = truncated / "model.safetensors"
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size // 2)
+
+    wrong = copy("wrongshape")
+    state = load_file(str(wrong / "model.safetensors"))
+    assert tuple(state[BAD_TENSOR].shape) == (128, 64)
+    state[BAD_TENSOR] = torch.zeros(100, 64)
+    save_file(state, str(wrong / "model.safetensors"), metadata={"format": "pt"})
+
+    m = str(model)
+    return {
+        "model_missing": ["--model", str(root / "no-such-model"), "--prompt-ids", "1,2,3"],
+        "config_missing": ["--model", str(noconfig), "--prompt-ids", "1,2,3"],
+        "truncated": ["--model", str(truncated), "--prompt-ids", "1,2,3"],
+        "wrong_shape": ["--model", str(wrong), "--prompt-ids", "1,2,3"],
+        "tp3": ["--model", m, "--tp", "3", "--nproc", "3", "--prompt-ids", "1,2,3"],
+        "world_size": ["--model", m, "--tp", "2", "--pp", "2", "--nproc", "2", "--prompt-ids", "1,2"],
+        "pp_above_layers": ["--model", m, "--pp", "3", "--nproc", "3", "--prompt-ids", "1,2"],
+        "too_long": ["--model", m, "--prompt-ids", "1,2", "--prompt-ids", ",".join(["5"] * 130)],
+        "outside_vocab": ["--model", m, "--prompt-ids", "1,2", "--prompt-ids=3,128,-1"],
+        "not_integers": ["--model", m, "--prompt-ids=1,two,3"],
+        "empty_ids": ["--model", m, "--prompt-ids=,"],
+    }
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("err")
+    # A 2-layer Llama: 4 heads, 2 KV heads, hidden 64, vocab 128, 128 positions.
+    return {"root": root, "model": write_hf_checkpoint(root, "llama-gqa")}
+
+
+@pytest.fixture(scope="module")
+def results(paths) -> dict[str, Result]:
+    """Run every case at once, each under its own TIMEOUT_S limit."""
+    cases = _build_cases(paths["model"], paths["root"])
+    env = _env()
+    procs = {}
+    for name, args in cases.items():
+        cmd = [_exe(), "generate", "--max-new-tokens", "2", *args]
+        procs[name] = (cmd, subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             text=True, start_new_session=True))
+    deadline = time.monotonic() + TIMEOUT_S
+    out = {}
+    for name, (cmd, proc) in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out[name] = Result(cmd, proc.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: the launcher and its ranks
+            except ProcessLookupError:
+                pass
+            stdout, stderr = proc.communicate()
+            out[name] = Result(cmd, None, stdout, stderr)
+    return out
+
+
+def assert_fails(res: Result, *needles: str) -> str:
+    where = f"\ncommand: {' '.join(res.cmd)[:500]}\nstdout:\n{res.stdout[-2000:]}\nstderr:\n{res.stderr[-4000:]}"
+    assert res.returncode is not None, f"hung for {TIMEOUT_S} s instead of failing" + where
+    assert res.returncode != 0, "exited 0 on bad input" + where
+    for needle in needles:
+        assert needle in res.stderr, f"stderr does not name {needle!r}" + where
+    assert "Traceback (most recent call last)" not in res.stderr, "a raw traceback instead of a clear error" + where
+    return res.stderr
+
+
+# --- the checkpoint --------------------------------------------------------------------------------
+
+def test_model_dir_missing(results, paths):
+    assert_fails(results["model_missing"], str(paths["root"] / "no-such-model"), "does not exist")
+
+
+def test_config_missing(results, paths):
+    assert_fails(results["config_missing"], "config.json", str(paths["root"] / "noconfig"))
+
+
+def test_truncated_safetensors_names_the_file(results, paths):
+    err = assert_fails(results["truncated"], str(paths["root"] / "truncated" / "model.safetensors"))
+    assert "corrupt" in err or "truncated" in err, err[-2000:]
+
+
+def test_wrong_tensor_shape_names_tensor_and_shapes(results):
+    assert_fails(results["wrong_shape"], BAD_TENSOR, "[100, 64]", "[128, 64]")
+
+
+# --- parallel sizes -------------------------------------------------------------------------------
+
+def test_tp_not_dividing_heads(results):
+    assert_fails(results["tp3"], "num_attention_heads 4", "tp=3", "4 % 3")
+
+
+def test_world_size_arithmetic(results):
+    assert_fails(results["world_size"], "tp=2 x pp=2", "= 4", "world size 2")
+
+
+def test_pp_larger_than_layers(results):
+    assert_fails(results["pp_above_layers"], "pp=3", "2 layers")
+
+
+# --- prompts --------------------------------------------------------------------------------------
+
+def test_prompt_longer_than_positions(results):
+    assert_fails(results["too_long"], "prompt 1", "130 tokens", "132", "128 positions")
+
+
+def test_token_id_outside_vocab(results):
+    assert_fails(results["outside_vocab"], "prompt 1", "128", "-1", "vocabulary of 128")
+
+
+def test_prompt_ids_not_integers(results):
+    assert_fails(results["not_integers"], "--prompt-ids", "'1,two,3'", "comma-separated integers")
+
+
+def test_prompt_ids_empty(results):
+    assert_fails(results["empty_ids"], "--prompt-ids", "','", "empty")
