@@ -13,7 +13,9 @@ The workload is identical for all three and timed by the same loop (`time_greedy
 random prompts of exactly P token ids in [3, vocab); prefill = one forward over the B x P batch
 (``ttft_s``, ``prefill_tok_s = B*P/ttft_s``); then G-1 greedy decode steps through a
 ``DynamicCache`` (``tpot_s`` = mean step time, ``decode_tok_s = B/tpot_s``). fp32, CPU,
-``torch.inference_mode()``, one untimed warm-up (a short prefill and 2 decode steps) first.
+``torch.inference_mode()``, one untimed warm-up (a short prefill and 2 decode steps) first;
+``--repeats N`` times the workload N times and keeps the best ttft and mean step time (the estimate
+least disturbed by other work on a shared machine).
 The prefill asks the model for the last position's logits only (``logits_to_keep=1``), as a serving
 engine would; every peer gets the same call.
 
@@ -21,7 +23,9 @@ Metrics (one dict per peer, written as JSON by rank 0)::
 
     {"peer", "prefill_tok_s", "decode_tok_s", "ttft_s", "tpot_s", "peak_rss_mb", "tp", "ok", "error",
      "token_ids" (B x G greedy ids), "peak_rss_mb_total", "load_s", "threads", "batch", "prompt_len",
-     "gen_len", "world_size", "versions"}
+     "gen_len", "world_size", "versions", "repeats", "ttft_s_all", "tpot_s_all"}
+
+`run_peer` adds "command", "wall_s", "loadavg_1m" (before, after) and, on failure, "stderr_tail".
 
 Started by the bench through `run_peer` (one peer at a time, never concurrently), or by hand::
 
@@ -37,7 +41,10 @@ What the CPU setup needs (found by reading the installed sources):
   sets ``LOCAL_WORLD_SIZE``); the kernel then runs on unmapped buffers and every rank dies with
   SIGSEGV in its first forward. We set ``LOCAL_SIZE`` from ``LOCAL_WORLD_SIZE`` before
   `init_distributed`, which is what ``deepspeed``'s launcher would have done. The segments it leaves
-  in /dev/shm (``deepspeed_allreduce_buffer_*_<port>_<rank>``) are removed by `run_peer`.
+  in /dev/shm (``deepspeed_allreduce_buffer_*_<port>_<rank>``) are removed by `run_peer`. With ranks
+  on several hosts the op cannot map them at all, so there we force DeepSpeed's gloo fallback
+  (``cdb.shm_vector_kernel_level = 0``, the flag `inference_all_reduce` checks). The first run on a
+  machine JIT-compiles the op (about 1-2 minutes on 2 cores; cached in ~/.cache/torch_extensions).
 - transformers 5 deprecates ``from_pretrained(tp_plan=...)`` in favour of
   ``distributed_config=DistributedConfig(tp_plan="auto")``; we use the latter where it exists. HF TP
   picks its device from ``torch._C._get_accelerator()`` and the gloo backend for CPU, so it runs on
@@ -160,29 +167,46 @@ def _greedy(forward: Callable, config, input_ids, decode_steps: int, on_step=Non
 
 
 def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len: int,
-                barrier: Optional[Callable[[], None]] = None) -> dict[str, Any]:
-    """The timed workload, identical for every peer. `forward` is the model (or engine) call."""
+                barrier: Optional[Callable[[], None]] = None, repeats: int = 1) -> dict[str, Any]:
+    """The timed workload, identical for every peer. `forward` is the model (or engine) call.
+
+    With `repeats` > 1 the timed run is repeated and the best (smallest) ttft and mean step time are
+    kept: on a shared machine the minimum is the estimate least disturbed by other work.
+    """
     import torch
 
-    if batch < 1 or prompt_len < 1 or gen_len < 1:
-        raise ValueError("batch, prompt_len and gen_len must be >= 1")
+    if batch < 1 or prompt_len < 1 or gen_len < 1 or repeats < 1:
+        raise ValueError("batch, prompt_len, gen_len and repeats must be >= 1")
     vocab = config.get_text_config(decoder=True).vocab_size if hasattr(config, "get_text_config") else config.vocab_size
     prompts = make_prompts(batch, prompt_len, vocab)
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    tokens = None
     with torch.inference_mode():
         # Untimed warm-up: allocator, thread pool, first-call paths, the process group's first collectives.
         _greedy(forward, config, prompts[:, : min(prompt_len, WARMUP_PROMPT_LEN)], WARMUP_DECODE_STEPS)
-        if barrier is not None:
-            barrier()
-        tokens, times = _greedy(forward, config, prompts, gen_len - 1)
-    ttft = times[0]
-    steps = times[1:]
-    tpot = sum(steps) / len(steps) if steps else None
+        for _ in range(repeats):
+            if barrier is not None:
+                barrier()
+            run_tokens, times = _greedy(forward, config, prompts, gen_len - 1)
+            if tokens is None:
+                tokens = run_tokens
+            elif not torch.equal(tokens, run_tokens):
+                raise RuntimeError("greedy tokens changed between repeats of the same workload")
+            ttfts.append(times[0])
+            if len(times) > 1:
+                tpots.append(sum(times[1:]) / (len(times) - 1))
+    ttft = min(ttfts)
+    tpot = min(tpots) if tpots else None
     return {
         "ttft_s": ttft,
         "prefill_tok_s": batch * prompt_len / ttft,
         "tpot_s": tpot,
         "decode_tok_s": (batch / tpot) if tpot else None,
         "token_ids": tokens.tolist(),
+        "repeats": repeats,
+        "ttft_s_all": ttfts,
+        "tpot_s_all": tpots,
     }
 
 
@@ -233,7 +257,8 @@ def _init_gloo(timeout_s: float) -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None) -> dict:
+def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
+           repeats: int = 1) -> dict:
     """HF transformers in this one process."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -244,12 +269,12 @@ def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     load_s = time.perf_counter() - t0
-    timing = time_greedy(model, model.config, batch, prompt_len, gen_len)
+    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats)
     return _finish("hf", 1, threads, load_s, timing, batch, prompt_len, gen_len, 1)
 
 
 def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+              timeout_s: float = DEFAULT_TIMEOUT_S, repeats: int = 1) -> dict:
     """HF transformers' tensor parallelism over WORLD_SIZE ranks (run under torchrun, gloo on CPU)."""
     import torch
     import torch.distributed as dist
@@ -272,12 +297,13 @@ def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, thread
     sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
     if world > 1 and not sharded:
         raise RuntimeError("from_pretrained(tp_plan='auto') returned an unsharded model (no DTensor parameters)")
-    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, barrier=dist.barrier)
+    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, barrier=dist.barrier, repeats=repeats)
     return _finish("hf-tp", world, threads, load_s, timing, batch, prompt_len, gen_len, world)
 
 
 def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: int,
-                         threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+                         threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         repeats: int = 1) -> dict:
     """DeepSpeed-Inference AutoTP over WORLD_SIZE ranks (run under torchrun; gloo + DeepSpeed's shm all-reduce)."""
     import torch
 
@@ -285,7 +311,7 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     # DeepSpeed's shm all-reduce maps its workspace only if LOCAL_SIZE == world size (its own launcher
     # sets it, torchrun does not); without it the kernel segfaults on the first forward.
-    os.environ.setdefault("LOCAL_SIZE", str(local_world))
+    os.environ["LOCAL_SIZE"] = str(local_world)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     threads = threads or default_threads(local_world)
     torch.set_num_threads(threads)
@@ -295,6 +321,13 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
     from transformers import AutoModelForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=timeout_s), verbose=False)
+    if local_world != world:
+        # Ranks on several hosts: the shm op stays unmapped, yet inference_all_reduce would still call it
+        # (it only checks the CPU's ISA level). Force its gloo fallback, torch.distributed.all_reduce.
+        import deepspeed.comm.comm as ds_comm
+
+        if ds_comm.cdb is not None and hasattr(ds_comm.cdb, "shm_vector_kernel_level"):
+            ds_comm.cdb.shm_vector_kernel_level = 0
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
@@ -302,7 +335,8 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
                                       replace_with_kernel_inject=False)
     load_s = time.perf_counter() - t0
     torch.set_num_threads(threads)  # in case anything above changed it
-    timing = time_greedy(engine, engine.module.config, batch, prompt_len, gen_len, barrier=dist.barrier)
+    timing = time_greedy(engine, engine.module.config, batch, prompt_len, gen_len, barrier=dist.barrier,
+                         repeats=repeats)
     return _finish("deepspeed", world, threads, load_s, timing, batch, prompt_len, gen_len, world)
 
 
@@ -336,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, required=True)
     p.add_argument("--gen-len", type=int, required=True)
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores // local ranks)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up; the best is reported")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout in seconds")
     p.add_argument("--json-out", required=True)
     return p
@@ -355,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _write_json(args.json_out, failed(args.peer, err, tp=1))
         print(err, file=sys.stderr)
         return 2
-    kwargs: dict[str, Any] = {"threads": args.threads}
+    kwargs: dict[str, Any] = {"threads": args.threads, "repeats": args.repeats}
     if args.peer in DISTRIBUTED_PEERS:
         kwargs["timeout_s"] = args.timeout
     try:
@@ -403,12 +438,13 @@ def torchrun_argv(nproc: int, port: int) -> list[str]:
 
 
 def peer_argv(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
-              json_out: str, port: int, threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+              json_out: str, port: int, threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              repeats: int = 1) -> list[str]:
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
     tail = ["-m", "dist_infer.launch.peers", "--peer", peer, "--model", str(model_path), "--batch", str(batch),
             "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--json-out", str(json_out),
-            "--timeout", str(timeout_s)]
+            "--timeout", str(timeout_s), "--repeats", str(repeats)]
     if threads:
         tail += ["--threads", str(threads)]
     if peer in DISTRIBUTED_PEERS:
@@ -446,7 +482,7 @@ def _tail(text: str, n: int = 4000) -> str:
 
 def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
              timeout_s: float = DEFAULT_TIMEOUT_S, threads: Optional[int] = None,
-             env: Optional[dict[str, str]] = None) -> dict:
+             env: Optional[dict[str, str]] = None, repeats: int = 1) -> dict:
     """Run one peer in its own process(es) and return its metrics dict (ok False + stderr tail on failure).
 
     `hf` is one plain process (`nproc` is ignored; `threads` defaults to all cores); `hf-tp` and
@@ -459,7 +495,9 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
     with tempfile.TemporaryDirectory(prefix=f"peer-{peer}-") as tmp, _exclusive():
         json_out = os.path.join(tmp, "metrics.json")
         port = _free_port()
-        argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s)
+        argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
+                         repeats)
+        load_before = os.getloadavg()[0]
         child_env = dict(os.environ)
         child_env.update({
             "CUDA_VISIBLE_DEVICES": "",      # every peer runs the same fp32 CPU workload
@@ -509,6 +547,8 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
             metrics["stderr_tail"] = _tail(stderr) or _tail(stdout)
         metrics["command"] = " ".join(argv)
         metrics["wall_s"] = wall
+        # 1-minute load average around the run: above the core count, other work shared the cores
+        metrics["loadavg_1m"] = [load_before, os.getloadavg()[0]]
         return metrics
 
 
@@ -527,9 +567,9 @@ def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 
 def run_peers(peers: Sequence[str], model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, dict]:
+              timeout_s: float = DEFAULT_TIMEOUT_S, repeats: int = 1) -> dict[str, dict]:
     """Every peer named, one after another."""
-    return {p: run_peer(p, model_path, nproc, batch, prompt_len, gen_len, timeout_s) for p in peers}
+    return {p: run_peer(p, model_path, nproc, batch, prompt_len, gen_len, timeout_s, repeats=repeats) for p in peers}
 
 
 if __name__ == "__main__":
