@@ -23,7 +23,15 @@ from dist_infer.comm.groups import ParallelGroups
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
 from dist_infer.engine.sampling import SamplingParams, sample, sequence_generator
 from dist_infer.models.attention import build_attention_metadata, split_token_halves
+from dist_infer.models.cp_attention import (
+    CP_VARIANTS,
+    ContextParallelError,
+    cp_decode_metadata,
+    cp_decode_owner,
+    cp_prefill_metadata,
+)
 from dist_infer.models.llama import LlamaStage
+from dist_infer.parallel.ring_attention import zigzag_chunks
 from dist_infer.parallel.token_split import should_split
 
 TAG_FORWARD, TAG_BACK = 1, 2
@@ -50,15 +58,19 @@ class GenerationOutput:
 class Timing:
     ttft_s: float = 0.0
     prefill_tokens: int = 0
+    sequences: int = 1
     decode_tokens: int = 0
     decode_s: float = 0.0
+    ttft_cpu_s: float = 0.0  # CPU time of this process (all its threads) for the prefill: load-independent cost
 
     def as_dict(self) -> dict:
         return {
             "ttft_s": self.ttft_s,
             "prefill_tok_s": self.prefill_tokens / self.ttft_s if self.ttft_s else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
-            "tpot_s": self.decode_s / max(1, self.decode_tokens) if self.decode_tokens else 0.0,
+            # time per output token of one sequence, i.e. per decode step of the batch (the peers' definition)
+            "tpot_s": self.decode_s * self.sequences / self.decode_tokens if self.decode_tokens else 0.0,
+            "ttft_cpu_s": self.ttft_cpu_s,
         }
 
 
@@ -66,8 +78,9 @@ class Engine:
     """Runs one rank's pipeline stage inside the generation loop."""
 
     def __init__(self, stage: LlamaStage, groups: ParallelGroups, block_size: int = 16,
-                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD):
+                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD, cp_variant: str = "auto"):
         self.stage, self.groups, self.block_size = stage, groups, block_size
+        self._init_cp(groups.cp, cp_variant)
         should_split(overlap, 0, 1, overlap_threshold)  # validates the mode
         self.overlap, self.overlap_threshold = overlap, overlap_threshold
         self.pp: Communicator = groups.pp
@@ -93,12 +106,14 @@ class Engine:
 
     # -- one forward step of this stage -------------------------------------------------------
     def _cache(self, prompts: list[list[int]], params: SamplingParams) -> PagedKVCache:
-        blocks = sum(blocks_for(len(p) + params.max_new_tokens, self.block_size) for p in prompts)
+        blocks = sum(blocks_for(self._tokens_kept(len(p), params.max_new_tokens), self.block_size) for p in prompts)
         kv_heads = max(1, self.stage.kv_heads_local)
         return PagedKVCache(len(self.stage.layers), blocks, self.block_size, kv_heads, self.cfg.head_dim,
                             self.stage.dtype)
 
     def _forward(self, cache: PagedKVCache, seq_ids: list[int], q_lens: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        if self.cp.size > 1:
+            return self._forward_cp(cache, seq_ids, q_lens, inputs)
         tables = [cache.reserve(s, q) for s, q in zip(seq_ids, q_lens)]
         seq_lens = [cache.lengths[s] + q for s, q in zip(seq_ids, q_lens)]
         if should_split(self.overlap, sum(q_lens), self.groups.tp.size, self.overlap_threshold):
@@ -110,6 +125,67 @@ class Engine:
         for s, q in zip(seq_ids, q_lens):
             cache.advance(s, q)
         return out
+
+    # -- context parallelism: the sequences sharded over the cp group ----------------------------
+    def _init_cp(self, cp: Communicator, variant: str) -> None:
+        if variant not in CP_VARIANTS:
+            raise ContextParallelError(f"cp variant {variant!r} is not one of {CP_VARIANTS}")
+        self.cp, self.cp_variant = cp, variant
+        self._cp_prompt_len: dict[int, int] = {}  # sequence -> prompt length
+        self._cp_len: dict[int, int] = {}  # sequence -> tokens so far, all cp ranks together
+        if cp.size > 1 and self.groups.pp.size > 1:
+            raise ContextParallelError(f"cp with pp is not supported yet (cp={cp.size}, pp={self.groups.pp.size})")
+        if cp.size > 1 and getattr(self.stage, "cp", None) is None:
+            raise ContextParallelError(f"cp={cp.size}: {type(self.stage).__name__} has no context-parallel attention")
+
+    def _tokens_kept(self, prompt_len: int, new_tokens: int) -> int:
+        """KV-cache rows one sequence needs on this rank: all of it, or its cp share."""
+        if self.cp.size == 1:
+            return prompt_len + new_tokens
+        n = self.cp.size
+        return zigzag_chunks(prompt_len, n, self.cp.rank).num_rows + -(-new_tokens // n)
+
+    def _forward_cp(self, cache: PagedKVCache, seq_ids: list[int], q_lens: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a step: a prefill on its zigzag share of the prompts, or a decode
+        token run on every cp rank and stored on one (round-robin)."""
+        n, me = self.cp.size, self.cp.rank
+        if all(s not in self._cp_len for s in seq_ids):
+            local = [zigzag_chunks(q, n, me).num_rows for q in q_lens]
+            tables = [cache.reserve(s, m) for s, m in zip(seq_ids, local)]
+            attn = self.stage.layers[0].self_attn if len(self.stage.layers) else None
+            meta, mine = cp_prefill_metadata(q_lens, n, me, tables, self.block_size, self.cp_variant,
+                                             attn.q_heads if attn else 1, attn.kv_heads if attn else 1,
+                                             self.cfg.sliding_window, next(self.stage.parameters()).device.type,
+                                             torch.empty((), dtype=self.stage.dtype).element_size())
+            starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+            inputs = inputs[torch.tensor([st + p for st, pos in zip(starts, mine) for p in pos], dtype=torch.long)]
+            for s, q in zip(seq_ids, q_lens):
+                self._cp_prompt_len[s] = self._cp_len[s] = q
+            added = local
+        elif all(q == 1 for q in q_lens) and all(s in self._cp_len for s in seq_ids):
+            positions = [self._cp_len[s] for s in seq_ids]
+            store = [cp_decode_owner(p, self._cp_prompt_len[s], n) == me for p, s in zip(positions, seq_ids)]
+            added = [int(x) for x in store]
+            tables = [cache.reserve(s, a) for s, a in zip(seq_ids, added)]
+            local_lens = [cache.lengths[s] + a for s, a in zip(seq_ids, added)]
+            meta = cp_decode_metadata(positions, store, local_lens, tables, self.block_size)
+            for s in seq_ids:
+                self._cp_len[s] += 1
+        else:
+            raise ContextParallelError(
+                f"a cp step is a prefill of fresh prompts or one new token per cached sequence; got sequences "
+                f"{seq_ids} with {q_lens} new tokens (prefill on top of cached context is not supported yet)")
+        with torch.inference_mode():
+            out = self.stage(inputs, meta, cache.layers)
+        for s, a in zip(seq_ids, added):
+            cache.advance(s, a)
+        return out
+
+    def _agree_across_cp(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cp rank computed the same logits; still take cp rank 0's tokens so the ranks can never drift apart."""
+        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])  # ids < 2**53 are exact
+        self.cp.broadcast(packed, 0)
+        return packed[0].to(tokens.dtype), packed[1].to(logprobs.dtype)
 
     # -- messages between stages ----------------------------------------------------------------
     def _header(self, kind: int, seq_ids: list[int], q_lens: list[int], width: int) -> torch.Tensor:
@@ -139,8 +215,9 @@ class Engine:
                  return_logits: bool = False) -> list[GenerationOutput]:
         """Generate for `prompts`. Complete outputs on pipeline stage 0 (world rank 0 among them)."""
         self.check_prompts(prompts, params)
-        self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts))
+        self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts), sequences=len(prompts))
         cache = self._cache(prompts, params)
+        self._cp_prompt_len, self._cp_len = {}, {}
         if self.pp.size == 1:
             return self._generate_single_stage(cache, prompts, params, return_logits)
         if self.pp.rank == 0:
@@ -172,15 +249,18 @@ class Engine:
         active = list(range(len(prompts)))
         q_lens = [len(p) for p in prompts]
         inputs = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step = 0
         while active:
             logits = self._forward(cache, active, q_lens, inputs)
             tokens, logprobs = sample(logits, params, [gens[s] for s in active])
+            if self.cp.size > 1:
+                tokens, logprobs = self._agree_across_cp(tokens, logprobs)
             self._record(outputs, active, tokens, logprobs, logits if return_logits else None)
             now = time.perf_counter()
             if step == 0:
                 self.timing.ttft_s = now - start
+                self.timing.ttft_cpu_s = time.process_time() - cpu_start
                 decode_start = now
             else:
                 self.timing.decode_tokens += len(active)

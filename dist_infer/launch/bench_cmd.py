@@ -43,6 +43,15 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "skipped = wrong output, the lower bound) and report the fraction of communication hidden")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
+    from dist_infer.launch.generate_cmd import add_cp_variant_flag
+
+    add_cp_variant_flag(p)
+    from dist_infer.launch.generate_cmd import add_expert_placement_flag
+
+    add_expert_placement_flag(p)
+    p.add_argument("--save-routing", default=None, metavar="FILE",
+                   help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "
+                        "for this ep to FILE, for --expert-placement")
 
 
 def parse_compare(text: str) -> list[str]:
@@ -76,10 +85,47 @@ def run_ours_single_process(args) -> dict:
     return out
 
 
+def reset_peak_rss() -> bool:
+    """Restart this process's peak-RSS counter (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset_mb() -> float:
+    """VmHWM in MiB: the peak resident memory since the last `reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def generation_memory(run) -> tuple[object, Optional[float], Optional[float]]:
+    """Run `run()` and measure this rank's memory: (its result, peak RSS during it, peak above the RSS before it).
+
+    The second number is what generation itself holds at its peak: KV cache plus activations
+    (plus ring buffers with cp), the loaded weights excluded. None where /proc cannot tell.
+    """
+    from dist_infer.models.checkpoint import current_rss_mb
+
+    before = current_rss_mb()
+    if not reset_peak_rss():
+        return run(), None, None
+    result = run()
+    peak = peak_rss_since_reset_mb()
+    return result, peak, max(0.0, peak - before)
+
+
 def measure(engine, prompts, gen_len: int, repeat: int, progress) -> dict:
     from dist_infer.engine.sampling import SamplingParams
 
     engine.generate([p[:16] for p in prompts], SamplingParams(max_new_tokens=3, stop_at_eos=False))  # warm-up
+    if hasattr(engine.stage, "reset_routing_stats"):
+        engine.stage.reset_routing_stats()  # MoE routing statistics of the timed runs only
     best = None
     for _ in range(repeat):
         engine.generate(prompts, SamplingParams(max_new_tokens=gen_len, stop_at_eos=False))
@@ -131,13 +177,23 @@ def plot(path: str, rows: list[tuple[str, dict]]) -> None:
     plt.close(fig)
 
 
+def save_routing(path: str, moe: Optional[dict], ep: int) -> None:
+    """The measured tokens per expert and a balanced placement for `ep`, for --expert-placement."""
+    from dist_infer.parallel.moe import write_routing_file
+
+    if moe is None:
+        raise SystemExit("dist-infer bench: --save-routing needs a mixture-of-experts model")
+    write_routing_file(path, {i: layer["tokens_per_expert"] for i, layer in moe["layers"].items()}, ep)
+    print(f"routing counts and a balanced placement for ep={ep} written to {path}")
+
+
 def run_bench(args) -> int:
     import torch
     from tqdm import tqdm
 
     from dist_infer.comm.skipping import SkippableCommunicator
     from dist_infer.engine.generate import Engine
-    from dist_infer.launch.generate_cmd import overlap_options
+    from dist_infer.launch.generate_cmd import moe_report, overlap_options
     from dist_infer.launch.peers import make_prompts, run_peer
     from dist_infer.launch.rank import join_job
     from dist_infer.models.default_model import ensure_default_model
@@ -152,12 +208,17 @@ def run_bench(args) -> int:
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
     if args.overlap_report:
         groups = dataclasses.replace(groups, tp=SkippableCommunicator(groups.tp))
-    stage, report = load_stage(model, groups, torch.float32, split)
-    engine = Engine(stage, groups, args.block_size, **overlap_options(args))
+    stage, report = load_stage(model, groups, torch.float32, split, expert_placement=args.expert_placement)
+    engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant)
     prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
     bar = tqdm(total=args.repeat * (4 if args.overlap_report else 1) + len(peers), desc="bench", unit="run", file=sys.stderr,
                disable=None if world.rank == 0 else True)
-    timing = measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1))
+    timing, gen_peak, gen_above = generation_memory(
+        lambda: measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1)))
+    gen_mem = torch.zeros(3, world.size, dtype=torch.float64)
+    gen_mem[:, world.rank] = torch.tensor([gen_peak or float("nan"), gen_above or float("nan"), timing["ttft_cpu_s"]])
+    world.all_reduce(gen_mem)
+    moe = moe_report(stage, groups)
     overlap = overlap_report(engine, groups.tp, prompts, args, lambda: bar.update(1)) if args.overlap_report else None
     peaks = torch.zeros(world.size, dtype=torch.float64)
     peaks[world.rank] = report.peak_rss_mb
@@ -169,7 +230,11 @@ def run_bench(args) -> int:
         return 0
     ours = {"peer": "dist-infer", **timing, "peak_rss_mb": float(peaks.max()), "peak_rss_mb_per_rank": peaks.tolist(),
             "load_s": report.load_s, "tp": args.tp, "pp": args.pp, "world_size": world.size,
-            "batch": args.batch, "prompt_len": args.prompt_len, "gen_len": args.gen_len}
+            "batch": args.batch, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
+            "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
+            "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
+            "ep": args.ep, **({"moe": moe} if moe is not None else {})}
     compare = {}
     nproc_peer = world.size
     for peer in peers:
@@ -177,7 +242,8 @@ def run_bench(args) -> int:
         if peer == "ours-1proc":
             metrics = run_ours_single_process(args)
         else:
-            metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout)
+            metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
+                               repeats=args.repeat)
         metrics.pop("token_ids", None)
         metrics["prefill_ratio"] = _ratio(ours["prefill_tok_s"], metrics.get("prefill_tok_s"))
         metrics["decode_ratio"] = _ratio(ours["decode_tok_s"], metrics.get("decode_tok_s"))
@@ -187,7 +253,7 @@ def run_bench(args) -> int:
         bar.update(1)
     bar.close()
     print(f"bench: {os.path.basename(model.rstrip('/'))}, batch {args.batch} x prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} on {world.size} rank(s)")
+          f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} on {world.size} rank(s)")
     print(f"{'system':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ttft ms':>10}{'tpot ms':>10}"
           f"{'prefill x':>11}{'decode x':>10}")
     rows = [("dist-infer", ours)] + [(k, v) for k, v in compare.items()]
@@ -198,6 +264,17 @@ def run_bench(args) -> int:
               f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
               f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}")
     print("(x = dist-infer's throughput divided by the system's, same run)")
+    print(f"prefill: {timing['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
+          f"peak memory above the loaded model (KV cache + activations) per rank: "
+          f"{', '.join(f'{m:.0f}' for m in gen_mem[1].tolist())} MiB "
+          f"(peak RSS {', '.join(f'{m:.0f}' for m in gen_mem[0].tolist())} MiB); prefill CPU time per rank "
+          f"{', '.join(f'{c:.2f}' for c in gen_mem[2].tolist())} s")
+    if moe is not None:
+        from dist_infer.models.moe import format_routing_report
+
+        print(format_routing_report(moe))
+    if args.save_routing:
+        save_routing(args.save_routing, moe, args.ep)
     if overlap:
         ours["overlap"] = overlap
         for phase, label in (("prefill", "prefill (ttft)"), ("decode", "decode (per step)")):

@@ -39,6 +39,20 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
                         "with torch.save, on rank 0; for checking against a reference")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object as the last stdout line on rank 0: outputs, parallel layout, timing")
+    add_expert_placement_flag(p)
+    add_cp_variant_flag(p)
+
+
+def add_expert_placement_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-placement", default=None, metavar="FILE",
+                   help="MoE models: which ep rank holds which experts, per layer, from a routing file written by "
+                        "`dist-infer bench --save-routing` (default: contiguous, rank r holds experts r*E/ep..)")
+
+
+def add_cp_variant_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cp-variant", choices=("auto", "pass-kv", "pass-q"), default="auto",
+                   help="with --cp > 1, the ring attention of the prefill: keys/values travel (pass-kv), queries "
+                        "travel (pass-q), or chosen per prefill from the new and cached token counts (auto, default)")
 
 
 def parse_prompt_ids(values: list[str]) -> list[list[int]]:
@@ -81,6 +95,13 @@ def overlap_options(args) -> dict:
     return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD}
 
 
+def moe_report(stage, groups) -> Optional[dict]:
+    """The routing statistics of an MoE model (collective: every rank calls it), None for a dense one."""
+    from dist_infer.models.moe import is_moe_stage, routing_report
+
+    return routing_report(stage, groups) if is_moe_stage(stage) else None
+
+
 def run_generate(args) -> int:
     import torch
 
@@ -99,7 +120,7 @@ def run_generate(args) -> int:
     world = groups.world
     model = args.model or str(ensure_default_model())
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
-    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split)
+    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement)
     logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
                 f"peak RSS {report.peak_rss_mb:.0f} MiB")
     tokenizer = None
@@ -107,12 +128,13 @@ def run_generate(args) -> int:
     if args.prompt or not prompts:
         tokenizer = TextTokenizer(model)
         prompts = [tokenizer.encode(p) for p in (args.prompt or [DEFAULT_PROMPT])] + prompts
-    engine = Engine(stage, groups, args.block_size, **overlap_options(args))
+    engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant)
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
     timing = {"load_s": report.load_s, **engine.timing.as_dict()}
     peaks = torch.zeros(world.size, dtype=torch.float64)
     peaks[world.rank] = report.peak_rss_mb
     world.all_reduce(peaks)
+    moe = moe_report(stage, groups)
     if world.rank == 0:
         if tokenizer is None:
             try:
@@ -128,13 +150,18 @@ def run_generate(args) -> int:
             print(f"--- prompt: {prompt_text!r}\n    output: {text!r}\n    ids: {o.token_ids}")
         print(f"timing: load {timing['load_s']:.2f} s, ttft {timing['ttft_s'] * 1e3:.1f} ms, "
               f"prefill {timing['prefill_tok_s']:.0f} tok/s, decode {timing['decode_tok_s']:.1f} tok/s")
+        if moe is not None:
+            from dist_infer.models.moe import format_routing_report
+
+            print(format_routing_report(moe))
         if args.dump_logits:
             torch.save([torch.stack(o.logits) for o in outputs], args.dump_logits)
         if args.json:
             parallel = {"tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "world_size": world.size,
                         "backend": world.backend, "mesh": groups.mesh.describe()}
+            extra = {"moe": moe} if moe is not None else {}
             print(json.dumps({"outputs": rows, "parallel": parallel, "timing": timing,
-                              "memory": {"peak_rss_mb_per_rank": peaks.tolist()}}))
+                              "memory": {"peak_rss_mb_per_rank": peaks.tolist()}, **extra}))
     world.barrier()
     groups.destroy()
     world.destroy()

@@ -10,10 +10,13 @@ and the mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from dist_infer.models.cp_attention import ContextParallelMetadata
 
 
 @dataclass
@@ -29,6 +32,7 @@ class AttentionMetadata:
     max_q: int
     max_ctx: int
     fresh: bool  # no sequence has cached context: attend to the new keys directly
+    cp: Optional["ContextParallelMetadata"] = None  # set when the sequence is sharded over cp ranks (cp_attention.py)
 
     @property
     def batch(self) -> int:

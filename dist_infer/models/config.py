@@ -1,11 +1,14 @@
-"""The model hyper-parameters we need, read from a HF config.json (Llama, Mistral, Qwen2)."""
+"""The model hyper-parameters we need, read from a HF config.json (Llama, Mistral, Qwen2, and the
+mixture-of-experts families Mixtral, Qwen2-MoE and Qwen3-MoE)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+DENSE_TYPES = ("llama", "mistral", "qwen2")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = DENSE_TYPES + MOE_TYPES
 
 
 class ModelConfigError(ValueError):
@@ -33,6 +36,21 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = field(default_factory=tuple)
+    # Mixture of experts (num_experts 0: a dense model). intermediate_size stays the dense MLP's.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = field(default_factory=tuple)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has experts (HF's rule: not in mlp_only_layers, every
+        decoder_sparse_step-th layer)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -53,12 +71,29 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None
+        if model_type == "qwen2_moe" and window:
+            raise ModelConfigError(f"{source}: use_sliding_window with qwen2_moe (per-layer windows) is not supported")
+        if model_type == "qwen2" and window:
+            # HF Qwen2 windows only layers >= max_window_layers (or as layer_types lists); the rest attend fully.
+            n_layers, first = int(need("num_hidden_layers")), int(cfg.get("max_window_layers", 28))
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+            kinds = {t == "sliding_attention" for t in types}
+            if kinds == {False}:
+                window = None
+            elif kinds != {True}:
+                raise ModelConfigError(
+                    f"{source}: use_sliding_window with a window on only some layers (max_window_layers {first} of "
+                    f"{n_layers}) is not supported")
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
+        elif model_type == "qwen2_moe":
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        moe = _moe_fields(model_type, cfg, need, source) if model_type in MOE_TYPES else {}
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -79,4 +114,27 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
+
+
+def _moe_fields(model_type: str, cfg: dict[str, Any], need, source: str) -> dict[str, Any]:
+    """The expert fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported for experts (silu is)")
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"  # Qwen3-MoE writes either
+    experts = int(need(key))
+    if model_type == "mixtral":
+        fields = dict(moe_intermediate_size=int(need("intermediate_size")), norm_topk_prob=True)
+    else:
+        fields = dict(moe_intermediate_size=int(need("moe_intermediate_size")),
+                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                      decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                      mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+    if model_type == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    top_k = int(need("num_experts_per_tok"))
+    if not 1 <= top_k <= experts:
+        raise ModelConfigError(f"{source}: num_experts_per_tok {top_k} must be between 1 and the {experts} experts")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, qk_norm=model_type == "qwen3_moe", **fields)

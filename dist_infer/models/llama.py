@@ -6,7 +6,7 @@ normalises and projects to the vocabulary. With pp=1 one stage is the whole mode
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch import nn
 from dist_infer.comm.base import Communicator
 from dist_infer.models.attention import AttentionMetadata, TokenSplit, paged_attention
 from dist_infer.models.config import ModelConfig
+from dist_infer.models.cp_attention import cp_attention, cp_last_hidden
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel import (
     MergedColumnParallelLinear,
@@ -45,8 +46,10 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str):
+    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str,
+                 cp: Optional[Communicator] = None):
         super().__init__()
+        self.cp = cp  # the context-parallel group, used when a step's metadata says the sequence is sharded
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp,
                                           bias=cfg.qkv_bias, dtype=dtype, name=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, bias=cfg.o_bias,
@@ -65,6 +68,8 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.kv_heads, self.head_dim)
+        if meta.cp is not None:
+            return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
         return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
 
 
@@ -86,12 +91,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, index: int):
+    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, index: int,
+                 cp: Optional[Communicator] = None):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.index = index
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, tp, dtype, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(cfg, tp, dtype, f"{prefix}.self_attn", cp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype, f"{prefix}.mlp")
 
@@ -104,13 +110,14 @@ class LlamaStage(nn.Module):
     """Layers `layers` of the model on this rank's tp shard; embeds if first, projects if last."""
 
     def __init__(self, cfg: ModelConfig, tp: Communicator, layers: range, first: bool, last: bool,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, cp: Optional[Communicator] = None):
         super().__init__()
         self.cfg, self.tp, self.layer_ids = cfg, tp, layers
+        self.cp = cp
         self.first, self.last = first, last
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype) if first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, i) for i in layers)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, i, cp) for i in layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype) if last else None
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -134,6 +141,8 @@ class LlamaStage(nn.Module):
             last_index = meta.last_token_index
         if not self.last:
             return x
+        if getattr(meta, "cp", None) is not None:
+            return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
         return self.lm_head(self.norm(x[last_index]))
 
     def _forward_token_split(self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache]) -> torch.Tensor:

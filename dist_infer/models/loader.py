@@ -31,30 +31,31 @@ class LoadReport:
 
 
 def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                pp_split: Optional[Sequence[int]] = None) -> LlamaStage:
+                pp_split: Optional[Sequence[int]] = None, **options) -> LlamaStage:
+    """`options` go to the family's builder (e.g. expert_placement for MoE models)."""
     pp = groups.pp
     layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
-    return builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype)
+    return builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype, **options)
 
 
 def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-               pp_split: Optional[Sequence[int]] = None) -> tuple[LlamaStage, LoadReport]:
+               pp_split: Optional[Sequence[int]] = None, **options) -> tuple[LlamaStage, LoadReport]:
     """This rank's stage of the checkpoint at `path`, with what loading cost."""
     start, rss0 = time.perf_counter(), current_rss_mb()
     with open_checkpoint(path) as ckpt:
         cfg = ModelConfig.from_hf(ckpt.config, str(Path(path) / "config.json"))
-        stage = build_stage(cfg, groups, dtype, pp_split)
+        stage = build_stage(cfg, groups, dtype, pp_split, **options)
         stage.load_weights(ckpt.tensor)
     report = LoadReport(time.perf_counter() - start, rss0, peak_rss_mb(), (stage.layer_ids.start, stage.layer_ids.stop))
     return stage, report
 
 
 def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.dtype] = None,
-                        pp_split: Optional[Sequence[int]] = None) -> LlamaStage:
+                        pp_split: Optional[Sequence[int]] = None, **options) -> LlamaStage:
     """This rank's stage of a transformers model already in memory (deepspeed.init_inference's counterpart)."""
     cfg = ModelConfig.from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__}.config")
     dtype = dtype or next(hf_model.parameters()).dtype
-    stage = build_stage(cfg, groups, dtype, pp_split)
+    stage = build_stage(cfg, groups, dtype, pp_split, **options)
     state = dict(hf_model.state_dict())
 
     def get(name: str):

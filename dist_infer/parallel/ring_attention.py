@@ -15,7 +15,6 @@ explicitly.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -26,6 +25,11 @@ from dist_infer.comm.base import Communicator, P2POp
 
 VARIANTS = ("pass-kv", "pass-q")
 TAG_RING = 41  # ring transfers on the cp group; nothing else there uses point-to-point
+# (attention FLOP/s per rank, ring link bytes/s) for `choose_ring_variant` when the caller has no
+# better numbers. cpu: measured on the 2-core CPU machine (torch's flash kernel on one thread,
+# gloo point-to-point over loopback; docs/benchmarks.md). cuda: an H100 (989 TFLOP/s dense
+# bf16) with 400 Gb/s InfiniBand per GPU, the Meta paper's setting.
+HARDWARE_ESTIMATES = {"cpu": (6.5e10, 6e8), "cuda": (989e12, 50e9)}
 
 
 class RingAttentionError(ValueError):
@@ -132,22 +136,41 @@ class ZigzagShard:
     cp: int
     rank: int
     chunk: int
-    positions: tuple[int, ...]
 
     @property
     def chunks(self) -> tuple[int, int]:
         return self.rank, 2 * self.cp - 1 - self.rank
 
     @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The valid [start, stop) position range of each of the two chunks (possibly empty)."""
+        return [(min(c * self.chunk, self.seq_len), min((c + 1) * self.chunk, self.seq_len)) for c in self.chunks]
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return tuple(p for start, stop in self.ranges for p in range(start, stop))
+
+    @property
     def num_rows(self) -> int:
-        return len(self.positions)
+        return sum(stop - start for start, stop in self.ranges)
 
     @property
     def padding(self) -> int:
-        return 2 * self.chunk - len(self.positions)
+        return 2 * self.chunk - self.num_rows
 
     def runs(self, seq: int = 0, row: int = 0) -> list[Run]:
-        return runs_from_positions(self.positions, seq, row)
+        """At most two runs, computed from the chunk bounds (no per-token work: prompts may be long)."""
+        runs: list[Run] = []
+        for start, stop in self.ranges:
+            if stop <= start:
+                continue
+            if runs and runs[-1].stop == start:  # chunks cp - 1 and cp are adjacent
+                last = runs.pop()
+                runs.append(Run(seq, last.row, last.start, last.length + stop - start))
+            else:
+                runs.append(Run(seq, row, start, stop - start))
+            row += stop - start
+        return runs
 
 
 def zigzag_chunks(seq_len: int, cp: int, rank: int) -> ZigzagShard:
@@ -156,11 +179,7 @@ def zigzag_chunks(seq_len: int, cp: int, rank: int) -> ZigzagShard:
         raise RingAttentionError(f"rank {rank} is not a rank of a cp group of {cp}")
     if seq_len < 0:
         raise RingAttentionError(f"sequence length {seq_len} is negative")
-    chunk = -(-seq_len // (2 * cp))
-    positions = []
-    for c in (rank, 2 * cp - 1 - rank):
-        positions.extend(range(c * chunk, min((c + 1) * chunk, seq_len)))
-    return ZigzagShard(seq_len, cp, rank, chunk, tuple(positions))
+    return ZigzagShard(seq_len, cp, rank, -(-seq_len // (2 * cp)))
 
 
 # -- the plan: which block of which rows each ring step computes -------------------------------
@@ -490,7 +509,8 @@ def ring_attention_pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         cur = bufs[i % 2]
         handle = None
         if i < n - 1:
-            handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING), P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
+            handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
+                                              P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
         _attend_blocks(q, cur[0], cur[1], steps[i], acc_o, acc_lse, scale)
         if handle is not None:
             handle.wait()
@@ -505,7 +525,9 @@ def ring_attention_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
     Step i holds rank (rank - i)'s queries and attends them to the local K/V, the next
     queries' transfer posted before the compute. At the end one all-to-all returns every
     partial (O, LSE) to the queries' owner, which merges them. Cheaper than pass-KV when the
-    new tokens are few next to the cached ones (see `choose_ring_variant`).
+    new tokens are few next to the cached ones (see `choose_ring_variant`); the partials for
+    every rank's queries wait here for that all-to-all, O(new tokens) memory per rank, which
+    is small exactly when pass-Q is the right choice.
     """
     _check(q, k, v, layout, group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -528,7 +550,8 @@ def ring_attention_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
         cur = bufs[i % 2]
         handle = None
         if i < n - 1:
-            handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING), P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
+            handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
+                                              P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
         acc_o, acc_lse = partial[src][..., :-1], partial[src][..., -1]
         _attend_blocks(cur, k, v, steps[i], acc_o, acc_lse, scale)
         if handle is not None:

@@ -1,0 +1,330 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) as pipeline stages.
+
+The Llama stage with a different MLP: attention (tensor parallel over tp, context parallel over
+cp, replicated across ep), RMSNorms, embedding and LM head are Llama's own modules; the MLP of a
+sparse layer is an `ExpertParallelMoE` over the ep group. Per family:
+
+- Mixtral: every layer sparse, top-k renormalised, experts `block_sparse_moe.experts.{e}.w1/w3/w2`.
+- Qwen2-MoE: a sigmoid-gated shared expert next to the routed ones, top-k renormalised only with
+  norm_topk_prob, dense layers where mlp_only_layers / decoder_sparse_step say so, q/k/v biases.
+- Qwen3-MoE: RMSNorm over every head's q and k before RoPE (q_norm, k_norm), no shared expert.
+
+Checkpoints may hold each expert's tensors (what transformers 5 writes) or transformers' fused
+3-D `mlp.experts.gate_up_proj` / `down_proj` (its in-memory layout); either way a rank reads only
+its own experts' slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Mapping, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_infer.comm.base import Communicator
+from dist_infer.comm.groups import ParallelGroups
+from dist_infer.models.checkpoint import CheckpointError
+from dist_infer.models.config import ModelConfig
+from dist_infer.models.llama import (
+    KVCache,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaStage,
+    RMSNorm,
+    _load_full,
+)
+from dist_infer.parallel.moe import PHASES, ExpertParallelMoE, ExpertPlacement, imbalance, read_placement_file
+
+Placements = Union[str, Path, Mapping[int, ExpertPlacement], None]
+
+
+class HeadNormedQKV(nn.Module):
+    """A QKV projection followed by Qwen3's per-head RMSNorm of q and k (weights shared by all heads).
+
+    Wrapping the projection keeps LlamaAttention's forward as it is: it still gets flat q, k, v.
+    """
+
+    def __init__(self, qkv: nn.Module, head_dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.inner = qkv
+        self.layout = qkv.layout
+        self.head_dim = head_dim
+        self.q_norm = RMSNorm(head_dim, eps, dtype)
+        self.k_norm = RMSNorm(head_dim, eps, dtype)
+
+    def weight_loader(self, source, part: str, which: str = "weight") -> None:
+        self.inner.weight_loader(source, part, which)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.inner(x)
+        T, d = x.shape[0], self.head_dim
+        return self.q_norm(q.reshape(T, -1, d)).reshape(T, -1), self.k_norm(k.reshape(T, -1, d)).reshape(T, -1), v
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: sigmoid(x . w_gate) * MLP(x), its MLP tensor parallel, left un-reduced."""
+
+    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str):
+        super().__init__()
+        if cfg.mlp_bias:  # its partial sum is reduced with the routed experts': a bias would be added tp times
+            raise ValueError(f"{prefix}: a shared expert with biases is not supported")
+        self.mlp = LlamaMLP(dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp, dtype,
+                            prefix)
+        self.gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.gate)) * self.mlp.down_proj.partial(self.mlp.activated(x))
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """Llama's decoder layer (and its forward) with an expert-parallel MLP where the config says so."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, index: int,
+                 placement: ExpertPlacement):
+        nn.Module.__init__(self)  # the same four parts as LlamaDecoderLayer, but no dense MLP to throw away
+        tp, prefix = groups.tp, f"model.layers.{index}"
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, f"{prefix}.self_attn", groups.cp)
+        if cfg.qk_norm:
+            self.self_attn.qkv_proj = HeadNormedQKV(self.self_attn.qkv_proj, cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.sparse = cfg.is_moe_layer(index)
+        if not self.sparse:
+            self.mlp = LlamaMLP(cfg, tp, dtype, f"{prefix}.mlp")
+            return
+        shared = None
+        if cfg.shared_expert_intermediate_size:
+            shared = SharedExpert(cfg, tp, dtype, f"{prefix}.mlp.shared_expert")
+        self.mlp = ExpertParallelMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, placement, tp, groups.ep, dtype,
+                                     shared=shared, weights_fp32=cfg.model_type == "mixtral", name=f"{prefix}.mlp")
+
+
+class MoEStage(LlamaStage):
+    """A pipeline stage of a Mixtral / Qwen-MoE model on this rank's tp shard and ep experts.
+
+    `placement`: per-layer expert placements, or a routing file (see parallel/moe.py) to read
+    them from; layers without one use the contiguous placement.
+    """
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layers: range, first: bool, last: bool,
+                 dtype: torch.dtype = torch.float32, placement: Placements = None):
+        super().__init__(cfg, groups.tp, range(layers.start, layers.start), first, last, dtype,  # embed/head/rotary
+                         cp=groups.cp)
+        self.layer_ids, self.ep = layers, groups.ep
+        if isinstance(placement, (str, Path)):
+            placement = read_placement_file(placement, cfg.num_experts, groups.ep.size)
+        placement = placement or {}
+        default = ExpertPlacement.contiguous(cfg.num_experts, groups.ep.size)
+        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, groups, dtype, i, placement.get(i, default)) for i in layers)
+        self.kv_heads_local = self.layers[0].self_attn.kv_heads if len(self.layers) else 0
+
+    def _forward_token_split(self, x: torch.Tensor, split, kv_caches: list[KVCache]) -> torch.Tensor:
+        """The two halves of a token-split step one after the other, not interleaved (the experts'
+        all-to-alls are blocking). Exact: the second half reads the first half's keys from the cache."""
+        out = []
+        for meta, rows in ((split.a, x[: split.cut]), (split.b, x[split.cut:])):
+            cos, sin = self.rotary.cos_sin(meta.positions)
+            for layer, kv in zip(self.layers, kv_caches):
+                rows = layer(rows, cos, sin, kv, meta)
+            out.append(rows)
+        return torch.cat(out)
+
+    # -- routing statistics --------------------------------------------------------------------------
+    def moe_layers(self) -> dict[int, ExpertParallelMoE]:
+        return {layer.index: layer.mlp for layer in self.layers if layer.sparse}
+
+    def routing_stats(self) -> dict:
+        """Per sparse layer of this stage: its RoutingStats (last step, history, totals)."""
+        return {i: moe.stats for i, moe in self.moe_layers().items()}
+
+    def reset_routing_stats(self) -> None:
+        for moe in self.moe_layers().values():
+            moe.stats.reset()
+
+    # -- loading ------------------------------------------------------------------------------------
+    def weight_names(self) -> list[str]:
+        """The HF tensor names this stage reads, experts in the per-expert layout transformers writes."""
+        cfg, names = self.cfg, []
+        layers, self.layers = self.layers, nn.ModuleList()
+        try:
+            names += super().weight_names()  # embedding, final norm, LM head
+        finally:
+            self.layers = layers
+        for layer in self.layers:
+            p = f"model.layers.{layer.index}"
+            names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
+            names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv" if cfg.qkv_bias]
+            names += [f"{p}.self_attn.o_proj.bias"] * cfg.o_bias
+            names += [f"{p}.self_attn.{n}.weight" for n in ("q_norm", "k_norm") if cfg.qk_norm]
+            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+            dense = [] if layer.sparse else [f"{p}.mlp"]
+            if layer.sparse:
+                per_expert, _ = _expert_layout(cfg.model_type, p)
+                names.append(per_expert["gate"])
+                names += [per_expert[w].format(e=e) for e in layer.mlp.experts.experts
+                          for w in ("w_gate", "w_up", "w_down")]
+                if layer.mlp.shared is not None:
+                    dense.append(f"{p}.mlp.shared_expert")
+                    names.append(f"{p}.mlp.shared_expert_gate.weight")
+            names += [f"{d}.{proj}.weight" for d in dense for proj in ("gate_proj", "up_proj", "down_proj")]
+        return list(dict.fromkeys(names))
+
+    def load_weights(self, get: Callable[[str], object]) -> None:
+        """Load this stage's shard: this rank's tp slices, and of the experts only those it owns."""
+        layers, self.layers = self.layers, nn.ModuleList()
+        try:
+            super().load_weights(get)  # embedding, final norm, LM head
+        finally:
+            self.layers = layers
+        for layer in self.layers:
+            p = f"model.layers.{layer.index}"
+            self._load_attention(layer.self_attn, get, f"{p}.self_attn")
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                _load_full(getattr(layer, norm).weight, get(f"{p}.{norm}.weight"), f"{p}.{norm}.weight")
+            if layer.sparse:
+                self._load_experts(layer.mlp, get, p)
+            else:
+                _load_dense_mlp(layer.mlp, get, f"{p}.mlp")
+
+    def _load_attention(self, attn: LlamaAttention, get, prefix: str) -> None:
+        cfg = self.cfg
+        for part in "qkv":
+            attn.qkv_proj.weight_loader(get(f"{prefix}.{part}_proj.weight"), part)
+            if cfg.qkv_bias:
+                attn.qkv_proj.weight_loader(get(f"{prefix}.{part}_proj.bias"), part, "bias")
+        attn.o_proj.weight_loader(get(f"{prefix}.o_proj.weight"))
+        if cfg.o_bias:
+            attn.o_proj.weight_loader(get(f"{prefix}.o_proj.bias"), "bias")
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                param = getattr(attn.qkv_proj, norm).weight
+                _load_full(param, get(f"{prefix}.{norm}.weight"), f"{prefix}.{norm}.weight")
+
+    def _load_experts(self, moe: ExpertParallelMoE, get, prefix: str) -> None:
+        per_expert, fused = _expert_layout(self.cfg.model_type, prefix)
+        moe.gate_loader(get(_first_present(get, [per_expert["gate"], fused["gate"]])))
+        if _first_present(get, [per_expert["w_gate"].format(e=0), fused["gate_up"]]) != fused["gate_up"]:
+            for e in moe.experts.experts:
+                moe.experts.load_expert(e, *(get(per_expert[w].format(e=e)) for w in ("w_gate", "w_up", "w_down")))
+        else:
+            moe.experts.load_fused(get(fused["gate_up"]), get(fused["down"]), self.cfg.num_experts)
+        if moe.shared is not None:
+            _load_dense_mlp(moe.shared.mlp, get, f"{prefix}.mlp.shared_expert")
+            _load_full(moe.shared.gate, get(f"{prefix}.mlp.shared_expert_gate.weight"),
+                       f"{prefix}.mlp.shared_expert_gate.weight")
+
+
+def _expert_layout(model_type: str, prefix: str) -> tuple[dict, dict]:
+    """The names of a sparse layer's tensors, per expert (on disk) and fused (transformers in memory)."""
+    fused = {"gate": f"{prefix}.mlp.gate.weight", "gate_up": f"{prefix}.mlp.experts.gate_up_proj",
+             "down": f"{prefix}.mlp.experts.down_proj"}
+    if model_type == "mixtral":
+        e = f"{prefix}.block_sparse_moe.experts.{{e}}"
+        return {"gate": f"{prefix}.block_sparse_moe.gate.weight", "w_gate": f"{e}.w1.weight",
+                "w_up": f"{e}.w3.weight", "w_down": f"{e}.w2.weight"}, fused
+    e = f"{prefix}.mlp.experts.{{e}}"
+    return {"gate": f"{prefix}.mlp.gate.weight", "w_gate": f"{e}.gate_proj.weight", "w_up": f"{e}.up_proj.weight",
+            "w_down": f"{e}.down_proj.weight"}, fused
+
+
+def _first_present(get, names: list[str]) -> str:
+    """The first of `names` the checkpoint has (names only; no data is read)."""
+    for name in names:
+        try:
+            get(name)
+            return name
+        except (CheckpointError, KeyError):
+            continue
+    raise CheckpointError(f"the checkpoint has none of {names}")
+
+
+def _load_dense_mlp(mlp: LlamaMLP, get, prefix: str) -> None:
+    for i, proj in enumerate(("gate_proj", "up_proj")):
+        mlp.gate_up_proj.weight_loader(get(f"{prefix}.{proj}.weight"), i)
+    mlp.down_proj.weight_loader(get(f"{prefix}.down_proj.weight"))
+
+
+def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:
+    """The routing statistics of every sparse layer of the model, on every rank. Collective over the world.
+
+    Counts are summed over the pipeline stages (each layer lives on one); phase times are the
+    mean and the max over all ranks.
+    """
+    cfg = stage.cfg
+    L, E = cfg.num_layers, cfg.num_experts
+    counts = torch.zeros(L, E, dtype=torch.float64)
+    steps = torch.zeros(L, 3, dtype=torch.float64)  # steps, sum of step imbalances, max step imbalance
+    sparse = torch.zeros(L, dtype=torch.float64)
+    owners = torch.zeros(L, E, dtype=torch.float64)
+    times = torch.tensor([sum(s.time_s[p] for s in stage.routing_stats().values()) for p in PHASES],
+                         dtype=torch.float64)
+    for i, s in stage.routing_stats().items():
+        counts[i] = s.expert_tokens
+        steps[i] = torch.tensor([s.steps, s.imbalance_sum, s.imbalance_max], dtype=torch.float64)
+        sparse[i] = 1.0
+        owners[i] = torch.tensor(s.placement.owner, dtype=torch.float64)
+    packed = torch.cat([counts.view(-1), steps.view(-1), sparse, owners.view(-1)])
+    groups.pp.all_reduce(packed)
+    counts, steps = packed[: L * E].view(L, E), packed[L * E: L * E + 3 * L].view(L, 3)
+    sparse, owners = packed[L * E + 3 * L: L * E + 4 * L], packed[L * E + 4 * L:].view(L, E)
+    time_sum, time_max = times.clone(), times.clone()
+    groups.world.all_reduce(time_sum)
+    groups.world.all_reduce(time_max, op="max")
+    time_mean = time_sum / groups.world.size
+    layers = {}
+    total_rank = [0.0] * groups.ep.size
+    for i in range(L):
+        if not sparse[i]:
+            continue
+        placement = ExpertPlacement(tuple(int(o) for o in owners[i].tolist()), groups.ep.size)
+        per_rank = placement.rank_loads(counts[i].tolist())
+        total_rank = [a + b for a, b in zip(total_rank, per_rank)]
+        n = steps[i, 0].item()
+        layers[i] = {
+            "tokens_per_expert": counts[i].tolist(),
+            "tokens_per_rank": per_rank,
+            "imbalance": imbalance(per_rank),
+            "step_imbalance_mean": steps[i, 1].item() / n if n else 1.0,
+            "step_imbalance_max": steps[i, 2].item() if n else 1.0,
+            "steps": int(n),
+            "placement": placement.owner,
+        }
+    mean = dict(zip(PHASES, time_mean.tolist()))
+    exchange = mean["dispatch"] + mean["combine"]
+    return {
+        "ep": groups.ep.size,
+        "num_experts": E,
+        "top_k": cfg.num_experts_per_tok,
+        "layers": layers,
+        "tokens_per_rank": total_rank,
+        "imbalance": imbalance(total_rank),
+        "time_s_mean": mean,
+        "time_s_max": dict(zip(PHASES, time_max.tolist())),
+        "dispatch_combine_over_experts": exchange / mean["experts"] if mean["experts"] else None,
+    }
+
+
+def format_routing_report(report: dict) -> str:
+    """A few lines for people: imbalance per layer, tokens per rank, where the MoE time went."""
+    lines = [f"moe: ep={report['ep']}, {report['num_experts']} experts, top-{report['top_k']}; "
+             f"tokens per ep rank {[int(x) for x in report['tokens_per_rank']]}, imbalance (max/mean) "
+             f"{report['imbalance']:.2f}"]
+    for i, layer in report["layers"].items():
+        lines.append(f"  layer {i}: tokens per expert {[int(x) for x in layer['tokens_per_expert']]}, imbalance "
+                     f"{layer['imbalance']:.2f} (per step: mean {layer['step_imbalance_mean']:.2f}, "
+                     f"max {layer['step_imbalance_max']:.2f})")
+    t = report["time_s_mean"]
+    ratio = report["dispatch_combine_over_experts"]
+    lines.append("  time per rank (mean over ranks): " + ", ".join(f"{p} {t[p] * 1e3:.1f} ms" for p in PHASES)
+                 + (f"; dispatch+combine / experts = {ratio:.2f}" if ratio is not None else ""))
+    return "\n".join(lines)
+
+
+def is_moe_stage(stage) -> bool:
+    return isinstance(stage, MoEStage)
