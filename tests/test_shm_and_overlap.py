@@ -29,7 +29,7 @@ def test_split_token_halves_covers_every_token_once():
     assert split.cut == 5
     assert torch.equal(torch.cat([split.a.positions, split.b.positions]), full.positions)
     assert torch.equal(torch.cat([split.a.slot_mapping, split.b.slot_mapping]), full.slot_mapping)
-    assert torch.equal(split.last_token_index, full.last_token_index)
+    assert torch.equal(split.full.last_token_index, full.last_token_index)
 
 
 def test_split_straddling_sequence_reads_first_half_from_cache():

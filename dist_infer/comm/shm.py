@@ -1,4 +1,4 @@
-"""All-reduce through shared memory for groups whose ranks share a node (CPU tensors).
+"""All-reduce (and all-gather) through shared memory for groups whose ranks share a node (CPU tensors).
 
 gloo moves even a 12 KB decode all-reduce through sockets and its own threads: tens to
 hundreds of microseconds, twice per layer. Ranks on one node can instead write their partial
@@ -33,6 +33,7 @@ from dist_infer.comm.base import CommTimeoutError, Communicator, Handle
 from dist_infer.comm.delegating import DelegatingCommunicator
 
 NBUF = 4
+SPIN_S = 2e-3  # how long a wait spins before it starts sleeping
 DEFAULT_SLOT_BYTES = 8 << 20
 _SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
@@ -42,15 +43,16 @@ def shm_supported() -> bool:
 
 
 class _ShmHandle(Handle):
-    def __init__(self, comm: "ShmAllReduceCommunicator", seq: int, tensor: torch.Tensor):
-        self.comm, self.seq, self.tensor, self.done = comm, seq, tensor, False
+    def __init__(self, comm: "ShmAllReduceCommunicator", seq: int, tensor: torch.Tensor,
+                 gather_into: Optional[torch.Tensor]):
+        self.comm, self.seq, self.tensor, self.gather_into, self.done = comm, seq, tensor, gather_into, False
 
     def is_completed(self) -> bool:
         return self.done
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if not self.done:
-            self.comm._finish(self.seq, self.tensor, self.comm.timeout if timeout is None else timeout)
+            self.comm._finish(self.seq, self.tensor, self.gather_into, self.comm.timeout if timeout is None else timeout)
             self.done = True
 
 
@@ -97,6 +99,18 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
             os.unlink(path)
         return mm
 
+    def all_gather(self, output, input, async_op=False):
+        """Every rank's `input` into `output`, through the segment (the LM head's logits)."""
+        nbytes = input.numel() * input.element_size()
+        if (self.size == 1 or input.is_cuda or not input.is_contiguous() or not output.is_contiguous()
+                or nbytes > self.slot_bytes or output.numel() != input.numel() * self.size):
+            return self.inner.all_gather(output, input, async_op)
+        handle = self._post(input, output)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
     def _fits(self, tensor: torch.Tensor, op: str) -> bool:
         return (op == "sum" and not tensor.is_cuda and tensor.is_contiguous() and tensor.dtype in _SUMMABLE
                 and tensor.numel() * tensor.element_size() <= self.slot_bytes)
@@ -104,29 +118,33 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
     def all_reduce(self, tensor, op="sum", async_op=False):
         if self.size == 1 or tensor.numel() == 0 or not self._fits(tensor, op):
             return self.inner.all_reduce(tensor, op, async_op)
-        handle = self._post(tensor)
+        handle = self._post(tensor, None)
         if async_op:
             return handle
         handle.wait()
         return None
 
     def _spin(self, ready, what: str, timeout: float) -> None:
-        """Spin briefly (the peer is usually microseconds away), then sleep with backoff so an
-        oversubscribed node still schedules the peer we are waiting for."""
+        """Spin, yielding the core on every turn, for up to SPIN_S (the peer is usually that
+        close); then sleep with backoff so an oversubscribed node still runs the peer we wait for."""
         if ready():
             return
         start = time.monotonic()
-        spin_until, deadline = start + 5e-5, start + timeout
-        pause = 5e-6
+        spin_until, deadline = start + SPIN_S, start + timeout
+        pause = 1e-5
         while not ready():
             now = time.monotonic()
-            if now > spin_until:
-                if now > deadline:
-                    raise CommTimeoutError(f"{self.describe(what)} did not complete within {timeout:.0f} s")
-                time.sleep(pause)
-                pause = min(pause * 2, 5e-4)
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            if now > deadline:
+                raise CommTimeoutError(f"{self.describe(what)} did not complete within {timeout:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 5e-4)
 
-    def _post(self, tensor: torch.Tensor) -> _ShmHandle:
+    def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor]) -> _ShmHandle:
+        """Publish `tensor` in this rank's slot; the handle sums the slots into it, or
+        concatenates them into `gather_into`."""
         self._seq += 1
         seq, b, me = self._seq, self._seq % NBUF, self.rank
         previous = seq - NBUF
@@ -140,20 +158,23 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         with self._fence:  # a locked instruction: large copies may use streaming stores, TSO does not order those
             pass
         self._write_flags[b, me] = seq
-        handle = _ShmHandle(self, seq, tensor)
+        handle = _ShmHandle(self, seq, tensor, gather_into)
         self._unfinished[seq] = handle
         return handle
 
-    def _finish(self, seq: int, tensor: torch.Tensor, timeout: float) -> None:
+    def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float) -> None:
         b, me = seq % NBUF, self.rank
         writes = self._write_flags[b]
         self._spin(lambda: bool((writes == seq).all()), "all_reduce (shm)", timeout)
         nbytes = tensor.numel() * tensor.element_size()
-        flat = tensor.view(-1)
         slots = [self._data[b, r, :nbytes].view(tensor.dtype) for r in range(self.size)]
-        torch.add(slots[0], slots[1], out=flat)
-        for r in range(2, self.size):
-            flat.add_(slots[r])
+        if gather_into is not None:
+            torch.cat(slots, out=gather_into.view(-1))
+        else:
+            flat = tensor.view(-1)
+            torch.add(slots[0], slots[1], out=flat)
+            for r in range(2, self.size):
+                flat.add_(slots[r])
         self._read_flags[b, me] = seq
         self._unfinished.pop(seq, None)
 

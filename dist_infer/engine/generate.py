@@ -35,9 +35,11 @@ from dist_infer.parallel.ring_attention import zigzag_chunks
 from dist_infer.parallel.token_split import should_split
 
 TAG_FORWARD, TAG_BACK = 1, 2
-# Tokens per step from which `--overlap auto` splits (measured on the 2-core CPU machine, see
-# docs/benchmarks.md; TokenWeave finds about 1024 on H100s).
-DEFAULT_OVERLAP_THRESHOLD = 1024
+# Tokens per step from which `--overlap auto` splits, per device kind: on the 2-core CPU machine
+# splitting gains nothing at 1024 tokens and 2.5% at 2048 (docs/benchmarks.md); TokenWeave
+# finds about 1024 on H100s.
+OVERLAP_THRESHOLDS = {"cpu": 2048, "cuda": 1024}
+DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 KIND_STOP, KIND_WORK = 0, 1
 
 

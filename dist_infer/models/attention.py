@@ -42,6 +42,12 @@ class AttentionMetadata:
     def uniform(self) -> bool:
         return self.mask is None
 
+    @property
+    def packed(self) -> bool:
+        """Every sequence has the same number of new tokens (every decode step): the flat tokens
+        are already the [B, max_q] batch, no padding or gathering needed."""
+        return self.pad_index.numel() == self.batch * self.max_q
+
 
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                              block_size: int, sliding_window: Optional[int] = None) -> AttentionMetadata:
@@ -92,7 +98,7 @@ def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
 
 def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """[T, heads, d] -> [B, max_q, heads, d]."""
-    if meta.uniform:
+    if meta.packed:
         return x.view(meta.batch, meta.max_q, *x.shape[1:])
     out = x.new_zeros(meta.batch * meta.max_q, *x.shape[1:])
     out[meta.pad_index] = x
@@ -109,15 +115,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         keys, values = _pad(k, meta), _pad(v, meta)
     else:
         B = meta.batch
-        keys = k_cache[meta.block_tables].view(B, -1, kv_heads, d)[:, : meta.max_ctx]
-        values = v_cache[meta.block_tables].view(B, -1, kv_heads, d)[:, : meta.max_ctx]
+        blocks = meta.block_tables.view(-1)
+        keys = k_cache.index_select(0, blocks).view(B, -1, kv_heads, d)[:, : meta.max_ctx]
+        values = v_cache.index_select(0, blocks).view(B, -1, kv_heads, d)[:, : meta.max_ctx]
     queries = _pad(q, meta)
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=meta.mask, is_causal=meta.mask is None, scale=scale, enable_gqa=q.shape[1] != kv_heads,
     )  # [B, heads, max_q, d]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, -1)
-    return out if meta.uniform else out[meta.pad_index]
+    return out if meta.packed else out[meta.pad_index]
 
 
 @dataclass
@@ -127,7 +134,7 @@ class TokenSplit:
     a: AttentionMetadata
     b: AttentionMetadata
     cut: int  # tokens [0, cut) are half a
-    last_token_index: torch.Tensor  # [B] each sequence's last token in the whole step
+    full: AttentionMetadata  # the whole step, for layers that run unsplit (the trimmed last layer)
 
 
 def split_token_halves(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
@@ -158,5 +165,5 @@ def split_token_halves(query_lens: Sequence[int], seq_lens: Sequence[int], block
             halves[1][2].append(list(table))
         start = end
     a, b = (build_attention_metadata(ql, sl, bt, block_size, sliding_window) for ql, sl, bt in halves)
-    last = torch.tensor(list(query_lens), dtype=torch.long).cumsum(0) - 1
-    return TokenSplit(a, b, cut, last)
+    full = build_attention_metadata(query_lens, seq_lens, block_tables, block_size, sliding_window)
+    return TokenSplit(a, b, cut, full)

@@ -101,8 +101,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`rows`: keep only these tokens after attention. The model's last layer needs every
+        token's keys in the cache, but only each sequence's last token goes on to the LM head,
+        so o_proj and the MLP (most of a layer's FLOPs) run on those rows alone: exact, since
+        everything after attention works row by row."""
+        h = self.self_attn.attend(self.input_layernorm(x), cos, sin, kv, meta)
+        if rows is not None:
+            h, x = h[rows], x[rows]
+        x = x + self.self_attn.o_proj(h)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -131,22 +139,30 @@ class LlamaStage(nn.Module):
         sequence's last new token.
         """
         x = self.embed_tokens(inputs) if self.first else inputs
-        if isinstance(meta, TokenSplit):
-            x = self._forward_token_split(x, meta, kv_caches)
-            last_index = meta.last_token_index
-        else:
+        split = meta if isinstance(meta, TokenSplit) else None
+        meta = split.full if split else meta
+        # The last layer keeps only each sequence's last token (see LlamaDecoderLayer.forward).
+        trim = self.last and getattr(meta, "cp", None) is None and x.shape[0] > meta.batch and len(self.layers) > 0
+        unsplit = range(len(self.layers))
+        if split:
+            interleaved = len(self.layers) - 1 if trim else len(self.layers)
+            x = self._forward_token_split(x, split, kv_caches, interleaved)
+            unsplit = range(interleaved, len(self.layers))
+        if len(unsplit):
             cos, sin = self.rotary.cos_sin(meta.positions)
-            for layer, kv in zip(self.layers, kv_caches):
-                x = layer(x, cos, sin, kv, meta)
-            last_index = meta.last_token_index
+            for i in unsplit:
+                rows = meta.last_token_index if trim and i == len(self.layers) - 1 else None
+                x = self.layers[i](x, cos, sin, kv_caches[i], meta, rows)
+        last_index = torch.arange(meta.batch) if trim else meta.last_token_index
         if not self.last:
             return x
         if getattr(meta, "cp", None) is not None:
             return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
         return self.lm_head(self.norm(x[last_index]))
 
-    def _forward_token_split(self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache]) -> torch.Tensor:
-        """The layers with the two token halves interleaved so every all-reduce is overlapped."""
+    def _forward_token_split(self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache],
+                             num_layers: int) -> torch.Tensor:
+        """The first `num_layers` layers with the two token halves interleaved so every all-reduce is overlapped."""
         stage, halves = self, (split.a, split.b)
         rope = [self.rotary.cos_sin(m.positions) for m in halves]
 
@@ -167,7 +183,7 @@ class LlamaStage(nn.Module):
             def mlp_done(self, i, y):
                 return stage.layers[i].mlp.down_proj.add_bias(y)
 
-        x_a, x_b = run_layers_token_split(len(self.layers), x[: split.cut], x[split.cut:], self.tp, Ops())
+        x_a, x_b = run_layers_token_split(num_layers, x[: split.cut], x[split.cut:], self.tp, Ops())
         return torch.cat([x_a, x_b])
 
     # -- loading ----------------------------------------------------------------------------

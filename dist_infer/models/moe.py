@@ -124,13 +124,13 @@ class MoEStage(LlamaStage):
         self.layers = nn.ModuleList(MoEDecoderLayer(cfg, groups, dtype, i, placement.get(i, default)) for i in layers)
         self.kv_heads_local = self.layers[0].self_attn.kv_heads if len(self.layers) else 0
 
-    def _forward_token_split(self, x: torch.Tensor, split, kv_caches: list[KVCache]) -> torch.Tensor:
+    def _forward_token_split(self, x: torch.Tensor, split, kv_caches: list[KVCache], num_layers: int) -> torch.Tensor:
         """The two halves of a token-split step one after the other, not interleaved (the experts'
         all-to-alls are blocking). Exact: the second half reads the first half's keys from the cache."""
         out = []
         for meta, rows in ((split.a, x[: split.cut]), (split.b, x[split.cut:])):
             cos, sin = self.rotary.cos_sin(meta.positions)
-            for layer, kv in zip(self.layers, kv_caches):
+            for layer, kv in zip(self.layers[:num_layers], kv_caches):
                 rows = layer(rows, cos, sin, kv, meta)
             out.append(rows)
         return torch.cat(out)

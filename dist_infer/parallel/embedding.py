@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
+from dist_infer.parallel.linear import skinny_linear
 from dist_infer.parallel.sharding import padded_shard_range
 from dist_infer.parallel.tp_comm import gather_from_tp, reduce_from_tp
 from dist_infer.parallel.weights import check_shape, copy_into, narrow
@@ -52,5 +53,5 @@ class ParallelLMHead(_VocabShard):
         super().__init__(vocab, hidden, tp, dtype, name)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = gather_from_tp(F.linear(hidden, self.weight), self.tp)
+        logits = gather_from_tp(skinny_linear(hidden, self.weight).contiguous(), self.tp)
         return logits[..., : self.vocab] if logits.shape[-1] != self.vocab else logits
