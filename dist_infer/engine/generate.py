@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from loguru import logger
 
 from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups

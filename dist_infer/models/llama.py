@@ -25,7 +25,7 @@ from dist_infer.parallel import (
     VocabParallelEmbedding,
 )
 from dist_infer.parallel.token_split import run_layers_token_split
-from dist_infer.parallel.weights import check_shape, copy_into
+from dist_infer.parallel.weights import load_replicated
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -61,6 +61,18 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, cos, sin, kv, meta))
 
+    def load_weights(self, get: Callable[[str], object], prefix: str, cfg: ModelConfig) -> None:
+        for part in "qkv":
+            self.qkv_proj.weight_loader(get(f"{prefix}.{part}_proj.weight"), part)
+            if cfg.qkv_bias:
+                self.qkv_proj.weight_loader(get(f"{prefix}.{part}_proj.bias"), part, "bias")
+        self.o_proj.weight_loader(get(f"{prefix}.o_proj.weight"))
+        if cfg.o_bias:
+            self.o_proj.weight_loader(get(f"{prefix}.o_proj.bias"), "bias")
+        if getattr(cfg, "qk_norm", False):  # Qwen3: per-head RMSNorm of q and k
+            for norm in ("q_norm", "k_norm"):
+                load_replicated(getattr(self.qkv_proj, norm).weight, get(f"{prefix}.{norm}.weight"), f"{prefix}.{norm}.weight")
+
     def attend(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
@@ -83,6 +95,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activated(x))
+
+    def load_weights(self, get: Callable[[str], object], prefix: str, bias: bool = False) -> None:
+        for i, proj in enumerate(("gate_proj", "up_proj")):
+            self.gate_up_proj.weight_loader(get(f"{prefix}.{proj}.weight"), i)
+            if bias:
+                self.gate_up_proj.weight_loader(get(f"{prefix}.{proj}.bias"), i, "bias")
+        self.down_proj.weight_loader(get(f"{prefix}.down_proj.weight"))
+        if bias:
+            self.down_proj.weight_loader(get(f"{prefix}.down_proj.bias"), "bias")
 
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: down_proj's input."""
@@ -113,19 +134,33 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn.o_proj(h)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def load_weights(self, get: Callable[[str], object], cfg: ModelConfig) -> None:
+        p = f"model.layers.{self.index}"
+        self.self_attn.load_weights(get, f"{p}.self_attn", cfg)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            load_replicated(getattr(self, norm).weight, get(f"{p}.{norm}.weight"), f"{p}.{norm}.weight")
+        self.load_mlp(get, cfg)
+
+    def load_mlp(self, get: Callable[[str], object], cfg: ModelConfig) -> None:
+        """The MLP's weights (MoE layers override this)."""
+        self.mlp.load_weights(get, f"model.layers.{self.index}.mlp", cfg.mlp_bias)
+
 
 class LlamaStage(nn.Module):
     """Layers `layers` of the model on this rank's tp shard; embeds if first, projects if last."""
 
     def __init__(self, cfg: ModelConfig, tp: Communicator, layers: range, first: bool, last: bool,
-                 dtype: torch.dtype = torch.float32, cp: Optional[Communicator] = None):
+                 dtype: torch.dtype = torch.float32, cp: Optional[Communicator] = None,
+                 make_layer: Optional[Callable[[int], nn.Module]] = None):
+        """`make_layer(i)` builds decoder layer i (default: LlamaDecoderLayer; MoE families pass theirs)."""
         super().__init__()
         self.cfg, self.tp, self.layer_ids = cfg, tp, layers
         self.cp = cp
         self.first, self.last = first, last
         self.dtype = dtype
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype) if first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype, i, cp) for i in layers)
+        make_layer = make_layer or (lambda i: LlamaDecoderLayer(cfg, tp, dtype, i, cp))
+        self.layers = nn.ModuleList(make_layer(i) for i in layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype) if last else None
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -187,58 +222,13 @@ class LlamaStage(nn.Module):
         return torch.cat([x_a, x_b])
 
     # -- loading ----------------------------------------------------------------------------
-    def weight_names(self) -> list[str]:
-        """The HF tensor names this stage reads."""
-        names = []
-        if self.first:
-            names.append("model.embed_tokens.weight")
-        for layer in self.layers:
-            p = f"model.layers.{layer.index}"
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                names.append(f"{p}.self_attn.{proj}.weight")
-            if self.cfg.qkv_bias:
-                names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv"]
-            if self.cfg.o_bias:
-                names.append(f"{p}.self_attn.o_proj.bias")
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                names.append(f"{p}.mlp.{proj}.weight")
-                if self.cfg.mlp_bias:
-                    names.append(f"{p}.mlp.{proj}.bias")
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        if self.last:
-            names.append("model.norm.weight")
-            names.append("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
-        return list(dict.fromkeys(names))
-
     def load_weights(self, get: Callable[[str], object]) -> None:
         """Load this stage's shard; `get(name)` returns a weight source (tensor or lazy slice)."""
         if self.first:
             self.embed_tokens.weight_loader(get("model.embed_tokens.weight"))
         for layer in self.layers:
-            p = f"model.layers.{layer.index}"
-            attn, mlp = layer.self_attn, layer.mlp
-            for part in "qkv":
-                attn.qkv_proj.weight_loader(get(f"{p}.self_attn.{part}_proj.weight"), part)
-                if self.cfg.qkv_bias:
-                    attn.qkv_proj.weight_loader(get(f"{p}.self_attn.{part}_proj.bias"), part, "bias")
-            attn.o_proj.weight_loader(get(f"{p}.self_attn.o_proj.weight"))
-            if self.cfg.o_bias:
-                attn.o_proj.weight_loader(get(f"{p}.self_attn.o_proj.bias"), "bias")
-            for i, proj in enumerate(("gate_proj", "up_proj")):
-                mlp.gate_up_proj.weight_loader(get(f"{p}.mlp.{proj}.weight"), i)
-                if self.cfg.mlp_bias:
-                    mlp.gate_up_proj.weight_loader(get(f"{p}.mlp.{proj}.bias"), i, "bias")
-            mlp.down_proj.weight_loader(get(f"{p}.mlp.down_proj.weight"))
-            if self.cfg.mlp_bias:
-                mlp.down_proj.weight_loader(get(f"{p}.mlp.down_proj.bias"), "bias")
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                _load_full(getattr(layer, norm).weight, get(f"{p}.{norm}.weight"), f"{p}.{norm}.weight")
+            layer.load_weights(get, self.cfg)
         if self.last:
-            _load_full(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
+            load_replicated(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
             head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
             self.lm_head.weight_loader(get(head))
-
-
-def _load_full(param: torch.Tensor, source, name: str) -> None:
-    check_shape(name, source, tuple(param.shape))
-    copy_into(param, source[tuple(slice(None) for _ in param.shape)], name)

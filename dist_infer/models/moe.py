@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Mapping, Union
+from typing import Mapping, Union
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,15 @@ from dist_infer.models.llama import (
     LlamaMLP,
     LlamaStage,
     RMSNorm,
-    _load_full,
 )
-from dist_infer.parallel.moe import PHASES, ExpertParallelMoE, ExpertPlacement, imbalance, read_placement_file
+from dist_infer.parallel.moe import (
+    PHASES,
+    ExpertParallelMoE,
+    ExpertPlacement,
+    imbalance,
+    read_placement_file,
+)
+from dist_infer.parallel.weights import load_replicated
 
 Placements = Union[str, Path, Mapping[int, ExpertPlacement], None]
 
@@ -104,6 +110,11 @@ class MoEDecoderLayer(LlamaDecoderLayer):
                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, placement, tp, groups.ep, dtype,
                                      shared=shared, weights_fp32=cfg.model_type == "mixtral", name=f"{prefix}.mlp")
 
+    def load_mlp(self, get, cfg: ModelConfig) -> None:
+        if not self.sparse:
+            return super().load_mlp(get, cfg)
+        load_experts(self.mlp, get, f"model.layers.{self.index}", cfg.model_type, cfg.num_experts)
+
 
 class MoEStage(LlamaStage):
     """A pipeline stage of a Mixtral / Qwen-MoE model on this rank's tp shard and ep experts.
@@ -114,15 +125,13 @@ class MoEStage(LlamaStage):
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layers: range, first: bool, last: bool,
                  dtype: torch.dtype = torch.float32, placement: Placements = None):
-        super().__init__(cfg, groups.tp, range(layers.start, layers.start), first, last, dtype,  # embed/head/rotary
-                         cp=groups.cp)
-        self.layer_ids, self.ep = layers, groups.ep
         if isinstance(placement, (str, Path)):
             placement = read_placement_file(placement, cfg.num_experts, groups.ep.size)
         placement = placement or {}
         default = ExpertPlacement.contiguous(cfg.num_experts, groups.ep.size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(cfg, groups, dtype, i, placement.get(i, default)) for i in layers)
-        self.kv_heads_local = self.layers[0].self_attn.kv_heads if len(self.layers) else 0
+        super().__init__(cfg, groups.tp, layers, first, last, dtype, cp=groups.cp,
+                         make_layer=lambda i: MoEDecoderLayer(cfg, groups, dtype, i, placement.get(i, default)))
+        self.ep = groups.ep
 
     def _forward_token_split(self, x: torch.Tensor, split, kv_caches: list[KVCache], num_layers: int) -> torch.Tensor:
         """The two halves of a token-split step one after the other, not interleaved (the experts'
@@ -147,77 +156,20 @@ class MoEStage(LlamaStage):
         for moe in self.moe_layers().values():
             moe.stats.reset()
 
-    # -- loading ------------------------------------------------------------------------------------
-    def weight_names(self) -> list[str]:
-        """The HF tensor names this stage reads, experts in the per-expert layout transformers writes."""
-        cfg, names = self.cfg, []
-        layers, self.layers = self.layers, nn.ModuleList()
-        try:
-            names += super().weight_names()  # embedding, final norm, LM head
-        finally:
-            self.layers = layers
-        for layer in self.layers:
-            p = f"model.layers.{layer.index}"
-            names += [f"{p}.self_attn.{x}_proj.weight" for x in "qkvo"]
-            names += [f"{p}.self_attn.{x}_proj.bias" for x in "qkv" if cfg.qkv_bias]
-            names += [f"{p}.self_attn.o_proj.bias"] * cfg.o_bias
-            names += [f"{p}.self_attn.{n}.weight" for n in ("q_norm", "k_norm") if cfg.qk_norm]
-            names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-            dense = [] if layer.sparse else [f"{p}.mlp"]
-            if layer.sparse:
-                per_expert, _ = _expert_layout(cfg.model_type, p)
-                names.append(per_expert["gate"])
-                names += [per_expert[w].format(e=e) for e in layer.mlp.experts.experts
-                          for w in ("w_gate", "w_up", "w_down")]
-                if layer.mlp.shared is not None:
-                    dense.append(f"{p}.mlp.shared_expert")
-                    names.append(f"{p}.mlp.shared_expert_gate.weight")
-            names += [f"{d}.{proj}.weight" for d in dense for proj in ("gate_proj", "up_proj", "down_proj")]
-        return list(dict.fromkeys(names))
 
-    def load_weights(self, get: Callable[[str], object]) -> None:
-        """Load this stage's shard: this rank's tp slices, and of the experts only those it owns."""
-        layers, self.layers = self.layers, nn.ModuleList()
-        try:
-            super().load_weights(get)  # embedding, final norm, LM head
-        finally:
-            self.layers = layers
-        for layer in self.layers:
-            p = f"model.layers.{layer.index}"
-            self._load_attention(layer.self_attn, get, f"{p}.self_attn")
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                _load_full(getattr(layer, norm).weight, get(f"{p}.{norm}.weight"), f"{p}.{norm}.weight")
-            if layer.sparse:
-                self._load_experts(layer.mlp, get, p)
-            else:
-                _load_dense_mlp(layer.mlp, get, f"{p}.mlp")
-
-    def _load_attention(self, attn: LlamaAttention, get, prefix: str) -> None:
-        cfg = self.cfg
-        for part in "qkv":
-            attn.qkv_proj.weight_loader(get(f"{prefix}.{part}_proj.weight"), part)
-            if cfg.qkv_bias:
-                attn.qkv_proj.weight_loader(get(f"{prefix}.{part}_proj.bias"), part, "bias")
-        attn.o_proj.weight_loader(get(f"{prefix}.o_proj.weight"))
-        if cfg.o_bias:
-            attn.o_proj.weight_loader(get(f"{prefix}.o_proj.bias"), "bias")
-        if cfg.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                param = getattr(attn.qkv_proj, norm).weight
-                _load_full(param, get(f"{prefix}.{norm}.weight"), f"{prefix}.{norm}.weight")
-
-    def _load_experts(self, moe: ExpertParallelMoE, get, prefix: str) -> None:
-        per_expert, fused = _expert_layout(self.cfg.model_type, prefix)
-        moe.gate_loader(get(_first_present(get, [per_expert["gate"], fused["gate"]])))
-        if _first_present(get, [per_expert["w_gate"].format(e=0), fused["gate_up"]]) != fused["gate_up"]:
-            for e in moe.experts.experts:
-                moe.experts.load_expert(e, *(get(per_expert[w].format(e=e)) for w in ("w_gate", "w_up", "w_down")))
-        else:
-            moe.experts.load_fused(get(fused["gate_up"]), get(fused["down"]), self.cfg.num_experts)
-        if moe.shared is not None:
-            _load_dense_mlp(moe.shared.mlp, get, f"{prefix}.mlp.shared_expert")
-            _load_full(moe.shared.gate, get(f"{prefix}.mlp.shared_expert_gate.weight"),
-                       f"{prefix}.mlp.shared_expert_gate.weight")
+def load_experts(moe: ExpertParallelMoE, get, prefix: str, model_type: str, num_experts: int) -> None:
+    """A sparse layer's router, this rank's experts (per-expert or fused layout) and the shared expert."""
+    per_expert, fused = _expert_layout(model_type, prefix)
+    moe.gate_loader(get(_first_present(get, [per_expert["gate"], fused["gate"]])))
+    if _first_present(get, [per_expert["w_gate"].format(e=0), fused["gate_up"]]) != fused["gate_up"]:
+        for e in moe.experts.experts:
+            moe.experts.load_expert(e, *(get(per_expert[w].format(e=e)) for w in ("w_gate", "w_up", "w_down")))
+    else:
+        moe.experts.load_fused(get(fused["gate_up"]), get(fused["down"]), num_experts)
+    if moe.shared is not None:
+        moe.shared.mlp.load_weights(get, f"{prefix}.mlp.shared_expert")
+        load_replicated(moe.shared.gate, get(f"{prefix}.mlp.shared_expert_gate.weight"),
+                        f"{prefix}.mlp.shared_expert_gate.weight")
 
 
 def _expert_layout(model_type: str, prefix: str) -> tuple[dict, dict]:
@@ -242,12 +194,6 @@ def _first_present(get, names: list[str]) -> str:
         except (CheckpointError, KeyError):
             continue
     raise CheckpointError(f"the checkpoint has none of {names}")
-
-
-def _load_dense_mlp(mlp: LlamaMLP, get, prefix: str) -> None:
-    for i, proj in enumerate(("gate_proj", "up_proj")):
-        mlp.gate_up_proj.weight_loader(get(f"{prefix}.{proj}.weight"), i)
-    mlp.down_proj.weight_loader(get(f"{prefix}.down_proj.weight"))
 
 
 def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:

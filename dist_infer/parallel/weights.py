@@ -37,3 +37,9 @@ def copy_into(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
         raise WeightShapeError(f"{name}: shard has shape {list(value.shape)}, the layer expects {list(param.shape)}")
     with torch.no_grad():
         param.copy_(value.to(param.dtype))
+
+
+def load_replicated(param: torch.Tensor, source, name: str) -> None:
+    """Load a tensor every rank holds whole (norm weights, a router gate)."""
+    check_shape(name, source, tuple(param.shape))
+    copy_into(param, source[tuple(slice(None) for _ in param.shape)], name)
