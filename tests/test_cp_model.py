@@ -32,11 +32,9 @@ from dist_infer.models.cp_attention import (
 from dist_infer.parallel.ring_attention import merge_many
 
 sys.path.insert(0, str(Path(__file__).parent))
-from checkpoints import hf_reference, write_hf_checkpoint  # noqa: E402
+from hf_compare import CheckpointStore, assert_matches_hf, prompts_for  # noqa: E402
 
 NEW_TOKENS = 6
-ATOL = RTOL = 1e-4
-TIE_GAP = 1e-4
 TIMEOUT_S = 180  # a healthy run takes 10-20 s on 2 cores; this only bounds a hang
 LENGTHS = (3, 45, 150)  # 3 tokens: with cp 4 some ranks hold none of that prompt
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
@@ -141,52 +139,9 @@ def test_unsupported_cp_setups_are_refused_with_the_numbers():
 
 # -- the model through the CLI, against HF ----------------------------------------------------------
 
-def prompts_for(lengths, vocab: int = 128, seed: int = 4321) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-class _Store:
-    def __init__(self, root: Path):
-        self.root, self.models, self.refs = root, {}, {}
-
-    def model(self, arch: str) -> Path:
-        if arch not in self.models:
-            self.models[arch] = write_hf_checkpoint(self.root, arch, max_position_embeddings=256)
-        return self.models[arch]
-
-    def reference(self, arch: str, prompts):
-        key = (arch, tuple(map(tuple, prompts)))
-        if key not in self.refs:
-            self.refs[key] = hf_reference(self.model(arch), prompts, NEW_TOKENS)
-        return self.refs[key]
-
-
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> _Store:
-    return _Store(tmp_path_factory.mktemp("cp"))
-
-
-def assert_matches_hf(out: dict, dumped, prompts, ref_ids, ref_logits, what: str) -> None:
-    rows = out["outputs"]
-    assert len(rows) == len(prompts) == len(dumped), what
-    for b, (row, got) in enumerate(zip(rows, dumped)):
-        ids, want_ids, want = row["token_ids"], ref_ids[b], ref_logits[b]
-        assert row["prompt_token_ids"] == prompts[b]
-        assert len(ids) == NEW_TOKENS and tuple(got.shape) == tuple(want.shape), f"{what} prompt {b}"
-        steps = NEW_TOKENS
-        diverge = next((i for i in range(NEW_TOKENS) if ids[i] != want_ids[i]), None)
-        if diverge is not None:
-            top2 = want[diverge].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE_GAP, (f"{what} prompt {b} (len {len(prompts[b])}): greedy ids differ from HF at step "
-                                   f"{diverge}: ours {ids} vs HF {want_ids}; HF's top-2 gap {gap:.3g} is no near tie")
-            print(f"NOTE {what} prompt {b}: ids differ at step {diverge} on a near tie (HF top-2 gap {gap:.3g} "
-                  f"< {TIE_GAP}); compared steps 0..{diverge}")
-            steps = diverge + 1
-        for i in range(steps):
-            torch.testing.assert_close(got[i], want[i], atol=ATOL, rtol=RTOL,
-                                       msg=lambda m, i=i: f"{what} prompt {b} step {i}: logits differ from HF\n{m}")
+def store(tmp_path_factory) -> CheckpointStore:
+    return CheckpointStore(tmp_path_factory.mktemp("cp"), NEW_TOKENS)
 
 
 # id: (arch, launcher prefix or None for dist-infer's own local ranks, flags)
@@ -204,10 +159,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp_generate_matches_hf(case, store, tmp_path):
     arch, prefix, flags = CASES[case]
-    prompts = prompts_for(LENGTHS)
-    ref_ids, ref_logits = store.reference(arch, prompts)
+    prompts = prompts_for(LENGTHS, seed=4321)
+    ref_ids, ref_logits = store.reference(store.model(arch, max_position_embeddings=256), prompts)
     dump = tmp_path / "logits.pt"
-    cmd = [*(prefix or []), "dist-infer", "generate", "--model", str(store.model(arch)),
+    cmd = [*(prefix or []), "dist-infer", "generate", "--model", str(store.model(arch, max_position_embeddings=256)),
            "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop", "--json", "--dump-logits", str(dump), *flags]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]

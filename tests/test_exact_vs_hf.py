@@ -25,42 +25,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import venv_env
+
 sys.path.insert(0, str(Path(__file__).parent))
-from checkpoints import hf_reference, write_hf_checkpoint  # noqa: E402
+from hf_compare import ATOL, RTOL, CheckpointStore, assert_matches_hf, prompts_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
 TIMEOUT_S = 120
 NEW_TOKENS = 8
-ATOL = RTOL = 1e-4
-TIE_GAP = 1e-4
 
 pytestmark = pytest.mark.slow
-
-
-_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "MV2_", "SLURM_", "TORCHELASTIC_", "PRTE_")
-_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def _env() -> dict[str, str]:
-    """The venv first on PATH, and nothing that would make a child look like a rank of an outer job."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("PYTHONPATH", None)
-    return env
 
 
 def _exe(name: str) -> str:
     path = VENV_BIN / name
     return str(path) if path.exists() else (shutil.which(name) or name)
-
-
-def prompts_for(lengths: tuple[int, ...], vocab: int = 128, seed: int = 1234) -> list[list[int]]:
-    """Seeded prompts of the given lengths, ids in [3, vocab) (no pad/bos/eos)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 SHORT = (5, 17, 40)
@@ -69,7 +49,7 @@ LONG = (33, 41, 50)  # llama31-rope: its scaling only moves wavelengths > 32 pos
 
 def run_cli(args: list[str], timeout: float = TIMEOUT_S, cwd=None) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout end the whole tree (launcher and ranks) and fail."""
-    proc = subprocess.Popen(args, env=_env(), cwd=cwd or REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(args, env=venv_env(), cwd=cwd or REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -106,61 +86,9 @@ def parse_json(proc: subprocess.CompletedProcess, what: str) -> dict:
 
 # --- checkpoints and references, built once per module --------------------------------------------
 
-class _Store:
-    def __init__(self, root: Path):
-        self.root = root
-        self.models: dict[tuple, Path] = {}
-        self.refs: dict[tuple, tuple[list[list[int]], list[torch.Tensor]]] = {}
-
-    def model(self, arch: str, **kw) -> Path:
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in self.models:
-            name = arch + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
-            self.models[key] = write_hf_checkpoint(self.root, arch, subdir=name, **kw)
-        return self.models[key]
-
-    def reference(self, path: Path, prompts: list[list[int]]):
-        key = (str(path), tuple(map(tuple, prompts)))
-        if key not in self.refs:
-            self.refs[key] = hf_reference(path, prompts, NEW_TOKENS)
-        return self.refs[key]
-
-
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> _Store:
-    return _Store(tmp_path_factory.mktemp("exact"))
-
-
-def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, ref_logits, what: str) -> None:
-    rows = out["outputs"]
-    assert len(rows) == len(prompts) == len(dumped), what
-    for b, (row, got_logits) in enumerate(zip(rows, dumped)):
-        assert row["prompt_token_ids"] == prompts[b]
-        ids, want_ids, want = row["token_ids"], ref_ids[b], ref_logits[b]
-        assert len(ids) == NEW_TOKENS, f"{what} prompt {b}: {len(ids)} tokens, want {NEW_TOKENS}"
-        assert got_logits.dtype == torch.float32
-        assert tuple(got_logits.shape) == tuple(want.shape), f"{what} prompt {b}: logits {tuple(got_logits.shape)} vs HF {tuple(want.shape)}"
-        steps = NEW_TOKENS
-        diverge = next((i for i in range(NEW_TOKENS) if ids[i] != want_ids[i]), None)
-        if diverge is not None:
-            top2 = want[diverge].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE_GAP, (
-                f"{what} prompt {b} (len {len(prompts[b])}): greedy ids differ from HF at step {diverge}: "
-                f"ours {ids} vs HF {want_ids}; HF's top-2 logit gap there is {gap:.3g}, not a near tie (< {TIE_GAP})"
-            )
-            steps = diverge + 1  # the differing step still saw the same context; after it, contexts differ
-            print(f"NOTE {what} prompt {b}: ids differ at step {diverge} on a near tie "
-                  f"(HF top-2 gap {gap:.3g} < {TIE_GAP}); compared steps 0..{diverge}")
-        for i in range(steps):
-            torch.testing.assert_close(
-                got_logits[i], want[i], atol=ATOL, rtol=RTOL,
-                msg=lambda m, i=i: f"{what} prompt {b} (len {len(prompts[b])}) step {i}: logits differ from HF\n{m}",
-            )
-        # our log-probabilities of our tokens, under HF's distribution (the same ids up to a near tie)
-        want_lp = torch.log_softmax(want[:steps].double(), -1).gather(-1, torch.tensor(ids[:steps])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(row["logprobs"][:steps], dtype=torch.float64), want_lp,
-                                   atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} prompt {b}: logprobs differ from HF\n{m}")
+def store(tmp_path_factory) -> CheckpointStore:
+    return CheckpointStore(tmp_path_factory.mktemp("exact"), NEW_TOKENS)
 
 
 # --- the cases --------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import venv_env
+
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import write_hf_checkpoint  # noqa: E402
 
@@ -27,20 +29,6 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
 TIMEOUT_S = 60
 BAD_TENSOR = "model.layers.1.mlp.up_proj.weight"
-
-
-_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "MV2_", "SLURM_", "TORCHELASTIC_", "PRTE_")
-_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def _env() -> dict[str, str]:
-    """The venv first on PATH, and nothing that would make a child look like a rank of an outer job."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("PYTHONPATH", None)
-    return env
 
 
 def _exe() -> str:
@@ -106,7 +94,7 @@ def paths(tmp_path_factory) -> dict[str, Path]:
 def results(paths) -> dict[str, Result]:
     """Run every case at once, each under its own TIMEOUT_S limit."""
     cases = _build_cases(paths["model"], paths["root"])
-    env = _env()
+    env = venv_env()
     procs = {}
     for name, args in cases.items():
         cmd = [_exe(), "generate", "--max-new-tokens", "2", *args]

@@ -27,14 +27,12 @@ from conftest import last_json, run
 from dist_infer.topology import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from checkpoints import hf_reference, write_hf_checkpoint  # noqa: E402
+from hf_compare import CheckpointStore, assert_matches_hf, prompts_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 JOB_TIMEOUT = 180  # a case takes 5-20 s here; this only bounds a hang
 NEW_TOKENS = 6
-ATOL = RTOL = 1e-4
-TIE_GAP = 1e-4
 SHORT = (5, 17, 40)
 FORCED = (0, 1)  # the experts the forced checkpoint routes every token to: rank 0's for ep 2 and 4
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
@@ -48,34 +46,9 @@ def mpirun(n: int) -> list[str]:
     return [*MPIRUN, "-np", str(n), "dist-infer"]
 
 
-def prompts_for(lengths: tuple[int, ...], vocab: int = 128, seed: int = 1234) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-class _Store:
-    """Checkpoints and HF references, each built once per module."""
-
-    def __init__(self, root: Path):
-        self.root, self.models, self.refs = root, {}, {}
-
-    def model(self, arch: str, **kw) -> Path:
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in self.models:
-            name = arch + "".join(f"-{k}{v}" for k, v in sorted(kw.items())).replace(" ", "").replace(",", "_")
-            self.models[key] = write_hf_checkpoint(self.root, arch, subdir=name, **kw)
-        return self.models[key]
-
-    def reference(self, path: Path, prompts: list[list[int]]):
-        key = (str(path), tuple(map(tuple, prompts)))
-        if key not in self.refs:
-            self.refs[key] = hf_reference(path, prompts, NEW_TOKENS)
-        return self.refs[key]
-
-
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> _Store:
-    return _Store(tmp_path_factory.mktemp("moe"))
+def store(tmp_path_factory) -> CheckpointStore:
+    return CheckpointStore(tmp_path_factory.mktemp("moe"), NEW_TOKENS)
 
 
 def generate(prefix: list[str], model: Path, prompts, dump: Path, flags: list[str]) -> dict:
@@ -86,26 +59,6 @@ def generate(prefix: list[str], model: Path, prompts, dump: Path, flags: list[st
     result = run(cmd, JOB_TIMEOUT)
     assert result.returncode == 0, f"exit {result.returncode}: {' '.join(cmd)}\n{result.stderr[-4000:]}"
     return last_json(result.stdout)
-
-
-def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, ref_logits, what: str) -> None:
-    assert len(out["outputs"]) == len(prompts) == len(dumped), what
-    for b, (row, got) in enumerate(zip(out["outputs"], dumped)):
-        ids, want_ids, want = row["token_ids"], ref_ids[b], ref_logits[b]
-        assert len(ids) == NEW_TOKENS and tuple(got.shape) == tuple(want.shape), f"{what} prompt {b}"
-        steps = NEW_TOKENS
-        diverge = next((i for i in range(NEW_TOKENS) if ids[i] != want_ids[i]), None)
-        if diverge is not None:
-            top2 = want[diverge].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE_GAP, (f"{what} prompt {b} (len {len(prompts[b])}): greedy ids differ from HF at step "
-                                   f"{diverge}: ours {ids} vs HF {want_ids}; HF's top-2 gap there is {gap:.3g}, "
-                                   f"not a near tie (< {TIE_GAP})")
-            steps = diverge + 1
-            print(f"NOTE {what} prompt {b}: ids differ at step {diverge} on a near tie (HF top-2 gap {gap:.3g})")
-        for i in range(steps):
-            torch.testing.assert_close(got[i], want[i], atol=ATOL, rtol=RTOL,
-                                       msg=lambda m, i=i: f"{what} prompt {b} step {i}: logits differ from HF\n{m}")
 
 
 def flag(flags: list[str], name: str, default: int = 1) -> int:

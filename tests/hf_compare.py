@@ -1,0 +1,80 @@
+"""Comparing our generations with HF transformers: shared by the exactness tests.
+
+`assert_matches_hf` is the project's rule: greedy ids identical, logits (and the log-probs of
+the chosen ids) within fp32 tolerance at every step; the only accepted difference in ids is a
+near tie in HF's logits (top-2 gap < TIE_GAP), which the assertion names and after which the
+comparison stops (the contexts differ from there on).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkpoints import hf_reference, write_hf_checkpoint
+
+TIE_GAP = 1e-4
+ATOL = RTOL = 1e-4
+
+
+def prompts_for(lengths, vocab: int = 128, seed: int = 1234) -> list[list[int]]:
+    """Seeded prompts of the given lengths, ids in [3, vocab) (no pad/bos/eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+class CheckpointStore:
+    """Checkpoints and HF references built once per test module (both cost seconds)."""
+
+    def __init__(self, root: Path, new_tokens: int):
+        self.root, self.new_tokens = root, new_tokens
+        self.models: dict[tuple, Path] = {}
+        self.refs: dict[tuple, tuple[list[list[int]], list[torch.Tensor]]] = {}
+
+    def model(self, arch: str, **kw) -> Path:
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in self.models:
+            name = arch + "".join(f"-{k}{v}" for k, v in sorted(kw.items())).replace(" ", "").replace(",", "_")
+            self.models[key] = write_hf_checkpoint(self.root, arch, subdir=name, **kw)
+        return self.models[key]
+
+    def reference(self, path: Path, prompts: list[list[int]]):
+        key = (str(path), tuple(map(tuple, prompts)))
+        if key not in self.refs:
+            self.refs[key] = hf_reference(path, prompts, self.new_tokens)
+        return self.refs[key]
+
+
+def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, ref_logits, what: str) -> None:
+    """`out`: generate's JSON; `dumped`: its --dump-logits; ref_*: hf_reference's answer."""
+    rows = out["outputs"]
+    assert len(rows) == len(prompts) == len(dumped), what
+    for b, (row, got_logits) in enumerate(zip(rows, dumped)):
+        assert row["prompt_token_ids"] == prompts[b]
+        ids, want_ids, want = row["token_ids"], ref_ids[b], ref_logits[b]
+        new_tokens = len(want_ids)
+        assert len(ids) == new_tokens, f"{what} prompt {b}: {len(ids)} tokens, want {new_tokens}"
+        assert got_logits.dtype == torch.float32
+        assert tuple(got_logits.shape) == tuple(want.shape), f"{what} prompt {b}: logits {tuple(got_logits.shape)} vs HF {tuple(want.shape)}"
+        steps = new_tokens
+        diverge = next((i for i in range(new_tokens) if ids[i] != want_ids[i]), None)
+        if diverge is not None:
+            top2 = want[diverge].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < TIE_GAP, (
+                f"{what} prompt {b} (len {len(prompts[b])}): greedy ids differ from HF at step {diverge}: "
+                f"ours {ids} vs HF {want_ids}; HF's top-2 logit gap there is {gap:.3g}, not a near tie (< {TIE_GAP})"
+            )
+            steps = diverge + 1  # the differing step still saw the same context; after it, contexts differ
+            print(f"NOTE {what} prompt {b}: ids differ at step {diverge} on a near tie "
+                  f"(HF top-2 gap {gap:.3g} < {TIE_GAP}); compared steps 0..{diverge}")
+        for i in range(steps):
+            torch.testing.assert_close(
+                got_logits[i], want[i], atol=ATOL, rtol=RTOL,
+                msg=lambda m, i=i: f"{what} prompt {b} (len {len(prompts[b])}) step {i}: logits differ from HF\n{m}",
+            )
+        # our log-probabilities of our tokens, under HF's distribution (the same ids up to a near tie)
+        want_lp = torch.log_softmax(want[:steps].double(), -1).gather(-1, torch.tensor(ids[:steps])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(row["logprobs"][:steps], dtype=torch.float64), want_lp,
+                                   atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} prompt {b}: logprobs differ from HF\n{m}")
