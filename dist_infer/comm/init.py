@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Optional
@@ -78,6 +79,20 @@ def init_world(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, iface:
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
+    atexit.register(_destroy_at_exit)
     from dist_infer.comm.torch_backend import TorchDistCommunicator
 
     return TorchDistCommunicator(None, list(range(info.world_size)), "world", timeout)
+
+
+def _destroy_at_exit() -> None:
+    """Tear the process group down before the interpreter does: a gloo group left to C++
+    destructors at shutdown can abort the process ('terminate called without an active
+    exception') after all the work succeeded."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass

@@ -62,4 +62,6 @@ assert all(torch.equal(gathered[0], gathered[r]) for r in range(n)), "ranks disa
 
 world.barrier()
 print(f"rank {me}: shm all-reduce ok", flush=True)
+groups.destroy()
+world.destroy()
 sys.exit(0)
