@@ -18,23 +18,15 @@ from typing import Mapping, Optional, Sequence
 
 import pytest
 
+from dist_infer.topology.discovery import without_launcher_env
+
 REPO = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
 VENV_BIN = REPO / ".venv" / "bin" if (REPO / ".venv" / "bin").is_dir() else Path(sys.executable).parent
 
-# Variables a launcher leaves in its children's environment. Tests start their own jobs, so
-# none may leak in from a pytest that itself runs under srun, mpirun or torchrun.
-_LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "MV2_", "SLURM_", "TORCHELASTIC_", "PRTE_")
-_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
 def venv_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """A copy of os.environ with the venv's bin first on PATH and no launcher variables."""
-    env = {
-        k: v for k, v in os.environ.items()
-        if k not in _LAUNCHER_NAMES and not k.startswith(_LAUNCHER_PREFIXES)
-    }
+    env = without_launcher_env(os.environ)  # tests start their own jobs: nothing may leak in from an outer one
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")

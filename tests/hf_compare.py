@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from checkpoints import hf_reference, write_hf_checkpoint
 
 TIE_GAP = 1e-4

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import run
+
 from dist_infer.models.cp_attention import (
     ContextParallelError,
     cp_decode_metadata,

@@ -15,17 +15,14 @@ Seeded sampling is checked too: the same seed gives the same tokens whatever the
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import venv_env
+from conftest import run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_compare import ATOL, RTOL, CheckpointStore, assert_matches_hf, prompts_for  # noqa: E402
@@ -47,26 +44,8 @@ SHORT = (5, 17, 40)
 LONG = (33, 41, 50)  # llama31-rope: its scaling only moves wavelengths > 32 positions
 
 
-def run_cli(args: list[str], timeout: float = TIMEOUT_S, cwd=None) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout end the whole tree (launcher and ranks) and fail."""
-    proc = subprocess.Popen(args, env=venv_env(), cwd=cwd or REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(5)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(args)}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}")
-    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
+def run_cli(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return run(args, timeout)  # conftest's: own session, the whole tree ended on timeout
 
 
 def generate_args(model: Path, prompts: list[list[int]], dump: Path, extra: list[str]) -> list[str]:

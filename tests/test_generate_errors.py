@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import venv_env
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import REPO
+
 from dist_infer.topology.hostfile import Host, HostfileError, node_rank_offsets, parse_hostfile, parse_hostfile_text
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import last_json, run
+
 from dist_infer.topology import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -38,7 +38,6 @@ from dist_infer.topology import Mesh, ParallelConfig
 sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import hf_reference  # noqa: E402
 
-
 # -- routing math --------------------------------------------------------------------------------
 
 def test_topk_routing_is_softmax_then_topk():

@@ -8,8 +8,8 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import COMM_TEST_FAST, HELPERS, assert_comm_test_ok, run
+
 from dist_infer.topology import free_port
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]

@@ -33,7 +33,6 @@ from dist_infer.parallel.sharding import (  # noqa: E402
     stage_layers,
 )
 
-
 # --- shard_range ---------------------------------------------------------------------------------
 
 def test_shard_range_even_split():

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import HELPERS, run
+
 from dist_infer.parallel.ring_attention import (
     RingAttentionError,
     RingLayout,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from checkpoints import hf_reference, write_hf_checkpoint
 from conftest import HELPERS, last_json, run
+
 from dist_infer.models.attention import build_attention_metadata, split_token_halves
 from dist_infer.parallel.token_split import should_split
 

@@ -14,7 +14,6 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import COMM_TEST_FAST, HELPERS, VENV_BIN, assert_comm_test_ok, finish, run, start, venv_env
 
 JOB_TIMEOUT = 180

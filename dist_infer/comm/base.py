@@ -91,21 +91,6 @@ class PollingHandle(Handle):
         self._finish()
 
 
-class HandleList(Handle):
-    """Several handles waited on as one (a batch of point-to-point ops)."""
-
-    def __init__(self, handles: Sequence[Handle]):
-        self.handles = list(handles)
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for h in self.handles:
-            h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def is_completed(self) -> bool:
-        return all(h.is_completed() for h in self.handles)
-
-
 @dataclass
 class P2POp:
     """One send or receive of a batch; `peer` is a group rank."""

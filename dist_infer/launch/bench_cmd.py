@@ -18,6 +18,8 @@ from typing import Optional
 
 from loguru import logger
 
+from dist_infer.topology.discovery import without_launcher_env
+
 COMPARABLE = ("deepspeed", "hf", "hf-tp", "ours-1proc")
 
 
@@ -71,9 +73,8 @@ def run_ours_single_process(args) -> dict:
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
     if args.model:
         cmd += ["--model", args.model]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                        "MASTER_PORT", "OMP_NUM_THREADS") and not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env = without_launcher_env(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # one process on every core
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.peer_timeout)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

@@ -205,15 +205,16 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _stop(children: Sequence[tuple[Proc, subprocess.Popen]], grace: float = 3.0) -> None:
-    for _, p in children:
+def stop_process_groups(procs: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
+    """TERM each process group (started with start_new_session), KILL what is left after `grace` s."""
+    for p in procs:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + grace
-    for _, p in children:
+    for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -222,6 +223,10 @@ def _stop(children: Sequence[tuple[Proc, subprocess.Popen]], grace: float = 3.0)
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def _stop(children: Sequence[tuple[Proc, subprocess.Popen]]) -> None:
+    stop_process_groups([p for _, p in children])
 
 
 def run(procs: Sequence[Proc], poll_s: float = 0.05) -> int:

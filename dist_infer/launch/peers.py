@@ -60,7 +60,6 @@ import json
 import os
 import re
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -70,6 +69,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+
+from dist_infer.launch.launcher import stop_process_groups
+from dist_infer.topology.discovery import without_launcher_env
 
 PEERS = ("hf", "hf-tp", "deepspeed")
 DISTRIBUTED_PEERS = ("hf-tp", "deepspeed")
@@ -498,7 +500,7 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
         argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
                          repeats)
         load_before = os.getloadavg()[0]
-        child_env = dict(os.environ)
+        child_env = without_launcher_env(os.environ)  # we may ourselves be a rank: the peer is a job of its own
         child_env.update({
             "CUDA_VISIBLE_DEVICES": "",      # every peer runs the same fp32 CPU workload
             "DS_ACCELERATOR": "cpu",
@@ -507,8 +509,6 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         })
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK"):
-            child_env.pop(key, None)     # we may ourselves be a rank: the peer is a job of its own
         # the package must be importable by the child even when it is not installed
         root = str(Path(__file__).resolve().parents[2])
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
@@ -523,7 +523,7 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                _kill_group(proc)
+                stop_process_groups([proc], grace=5.0)
                 rc = proc.returncode
         wall = time.perf_counter() - t0
         if peer == "deepspeed":
@@ -550,26 +550,6 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
         # 1-minute load average around the run: above the core count, other work shared the cores
         metrics["loadavg_1m"] = [load_before, os.getloadavg()[0]]
         return metrics
-
-
-def _kill_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
-    """End the process group we started (torchrun and its ranks)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def run_peers(peers: Sequence[str], model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
-              timeout_s: float = DEFAULT_TIMEOUT_S, repeats: int = 1) -> dict[str, dict]:
-    """Every peer named, one after another."""
-    return {p: run_peer(p, model_path, nproc, batch, prompt_len, gen_len, timeout_s, repeats=repeats) for p in peers}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,17 @@ from typing import Callable, Mapping, Optional
 
 DEFAULT_MASTER_PORT = 29500
 
+# What launchers leave in a rank's environment. A process that starts a job of its own (a peer
+# benchmark, a test) strips these, or its children would think they are ranks of the outer job.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "NODE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "MV2_", "SLURM_", "TORCHELASTIC_", "PRTE_")
+
+
+def without_launcher_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy of `env` with every launcher's rank variables removed."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
+
 
 class DiscoveryError(RuntimeError):
     """The environment describes an inconsistent job (a rank outside the world, say)."""
