@@ -130,6 +130,20 @@ def test_generate_matches_hf(case, store, tmp_path):
     assert_matches_hf(out, torch.load(dump), prompts, ref_ids, ref_logits, case)
 
 
+def test_torch_ops_path_matches_hf(store, tmp_path):
+    """The same exactness with the native CPU kernels switched off (DIST_INFER_KERNELS=0): the
+    torch path stays the fallback on machines without a compiler, so it must stay exact too."""
+    from conftest import venv_env
+
+    model = store.model("llama-gqa")
+    prompts = prompts_for(SHORT)
+    ref_ids, ref_logits = store.reference(model, prompts)
+    dump = tmp_path / "logits.pt"
+    cmd = DIST + generate_args(model, prompts, dump, ["--tp", "2", "--nproc", "2"])
+    out = parse_json(run(cmd, TIMEOUT_S, env=venv_env({"DIST_INFER_KERNELS": "0"})), "torch-ops-tp2")
+    assert_matches_hf(out, torch.load(dump), prompts, ref_ids, ref_logits, "torch-ops-tp2")
+
+
 EOS = 2
 EOS_PROMPT_SEED = 45  # with llama-gqa, HF's greedy ids hit EOS at step 2 (prompt 0) and 1 (prompt 1), never in 2
 

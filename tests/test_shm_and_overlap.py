@@ -105,3 +105,54 @@ def test_overlap_report_json(tmp_path):
     for key in ("t_base_s", "t_overlap_s", "t_nocomm_s", "hidden_fraction"):
         assert key in report and key in report["decode"]
     assert report["t_base_s"] > 0 and report["t_nocomm_s"] > 0
+
+
+@pytest.mark.parametrize("flags,group,has_base", [(["--tp", "2", "--pp", "2"], "pp", False),
+                                                  (["--cp", "2", "--prompt-len", "48"], "cp", True)])
+def test_overlap_report_covers_pipeline_and_ring_transfers(flags, group, has_base):
+    """Pipeline sends and ring transfers measured the same way as the tp collectives: a base
+    (ring only: every transfer waited for at once), the overlapped run and the skipped one."""
+    result = run(["dist-infer", "bench", "--batch", "2", "--prompt-len", "16", "--gen-len", "3", *flags,
+                  "--overlap-report", "--timeout", "60", "--json"], timeout=240)
+    assert result.returncode == 0
+    report = last_json(result.stdout)["overlap"][group]
+    for phase in (report, report["decode"]):
+        assert phase["t_overlap_s"] > 0 and phase["t_nocomm_s"] > 0 and phase["exposed_s"] >= 0
+        assert (phase["t_base_s"] is not None) == has_base
+        assert (phase["hidden_fraction"] is not None) == has_base
+    waits = report["waiting_s"]["overlap"][group]  # seconds inside this group's calls, by op
+    assert waits and all(v >= 0 for v in waits.values())
+    assert sum(report["waiting_s"]["nocomm"].get(group, {}).values()) <= sum(waits.values()) + 0.05
+    assert f"{group} " in result.stdout and "exposed" in result.stdout
+
+
+def test_report_runs_and_profile_buckets():
+    from dist_infer.launch.bench_cmd import report_runs
+    from dist_infer.launch.profile import op_bucket
+
+    runs = {"base": {"ttft_s": 1.0, "tpot_s": 0.1}, "overlap": {"ttft_s": 0.9, "tpot_s": 0.1},
+            "nocomm": {"ttft_s": 0.8, "tpot_s": 0.08, "exposed_s": {"tp": {"all_reduce": 0.0}}}}
+    r = report_runs(runs)
+    assert r["hidden_fraction"] == pytest.approx(0.5) and r["exposed_s"] == pytest.approx(0.1)
+    assert r["decode"]["hidden_fraction"] == pytest.approx(0.0)
+    no_base = report_runs({k: v for k, v in runs.items() if k != "base"})
+    assert no_base["t_base_s"] is None and no_base["hidden_fraction"] is None
+    assert [op_bucket(n) for n in ("aten::mm", "dist_infer::skinny_linear", "aten::scaled_dot_product_attention",
+                                   "dist_infer::decode_attention", "dist_infer::comm::tp.all_reduce",
+                                   "gloo:all_reduce", "aten::mul")] == [
+        "gemm", "gemm", "attention", "attention", "comm", "comm", "other"]
+
+
+def test_bench_profile_splits_a_decode_step_by_kind_of_work(tmp_path):
+    result = run(["dist-infer", "bench", "--tp", "2", "--batch", "2", "--prompt-len", "16", "--gen-len", "4",
+                  "--profile", str(tmp_path), "--json"], timeout=180)
+    assert result.returncode == 0
+    profile = last_json(result.stdout)["profile"]
+    for phase in ("prefill_s", "decode_step_s"):
+        buckets = profile[phase]
+        assert set(buckets) == {"gemm", "attention", "comm", "other", "python", "wall"}
+        assert buckets["gemm"] > 0 and buckets["comm"] > 0 and buckets["wall"] > 0
+        assert sum(v for k, v in buckets.items() if k != "wall") >= buckets["wall"] * 0.99
+    table = (tmp_path / "rank0.txt").read_text()
+    assert "dist_infer::skinny_linear" in table or "aten::mm" in table
+    assert (tmp_path / "rank1.txt").is_file() and "decode step (ms)" in result.stdout

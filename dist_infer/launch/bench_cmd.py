@@ -21,6 +21,7 @@ from loguru import logger
 from dist_infer.topology.discovery import without_launcher_env
 
 COMPARABLE = ("deepspeed", "hf", "hf-tp", "ours-1proc")
+MEASURED_GROUPS = ("tp", "pp", "cp")  # the groups whose communication --overlap-report measures
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-report", action="store_true",
                    help="run the workload three ways (tensor parallel baseline, token-split overlap, collectives "
                         "skipped = wrong output, the lower bound) and report the fraction of communication hidden")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed runs, run the workload once more under the torch profiler and write each "
+                        "rank's op table (DIR/rank<N>.txt) and where one decode step's time goes (GEMM, attention, "
+                        "communication, other ops, Python) into the JSON as 'profile'")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
     from dist_infer.launch.generate_cmd import add_cp_variant_flag
@@ -120,7 +125,10 @@ def generation_memory(run) -> tuple[object, Optional[float], Optional[float]]:
     return result, peak, max(0.0, peak - before)
 
 
-def measure(engine, prompts, gen_len: int, repeat: int, progress) -> dict:
+def measure(engine, prompts, gen_len: int, repeat: int, progress, comms: Optional[dict] = None) -> dict:
+    """The best of `repeat` timed runs; with `comms` (axis -> MeasuredCommunicator), also the seconds
+    each group's communication kept this rank waiting in that run ("exposed_s": axis -> op -> s)."""
+    comms = comms or {}
     from dist_infer.engine.sampling import SamplingParams
 
     engine.generate([p[:16] for p in prompts], SamplingParams(max_new_tokens=3, stop_at_eos=False))  # warm-up
@@ -128,8 +136,12 @@ def measure(engine, prompts, gen_len: int, repeat: int, progress) -> dict:
         engine.stage.reset_routing_stats()  # MoE routing statistics of the timed runs only
     best = None
     for _ in range(repeat):
+        for c in comms.values():
+            c.reset()
         engine.generate(prompts, SamplingParams(max_new_tokens=gen_len, stop_at_eos=False))
         t = engine.timing.as_dict()
+        if comms:
+            t["exposed_s"] = {axis: c.reset() for axis, c in comms.items() if c.size > 1}
         if best is None or t["ttft_s"] + t["tpot_s"] * gen_len < best["ttft_s"] + best["tpot_s"] * gen_len:
             best = t
         progress()
@@ -142,19 +154,87 @@ def hidden_fraction(t_base: float, t_overlap: float, t_nocomm: float) -> float:
     return (t_base - t_overlap) / exposed if exposed > 0 else 0.0
 
 
-def overlap_report(engine, tp, prompts, args, progress) -> dict:
-    """Baseline, overlapped and no-communication runs of the same workload (TokenWeave's honest metric)."""
-    runs = {}
-    for name, mode, skip in (("base", "off", False), ("overlap", "on", False), ("nocomm", "off", True)):
-        engine.overlap, tp.skip = mode, skip
-        runs[name] = measure(engine, prompts, args.gen_len, args.repeat, progress)
-    engine.overlap, tp.skip = args.overlap, False
-
+def report_runs(runs: dict) -> dict:
+    """t_base/t_overlap/t_nocomm, the hidden fraction and the exposed time (t_overlap - t_nocomm:
+    what the communication still costs), for prefill (ttft) and per decode step, plus the
+    seconds each run spent waiting inside communication calls. No "base" run: t_base_s and
+    hidden_fraction are None."""
     def phase(key: str) -> dict:
-        t = {f"t_{n}_s": runs[n][key] for n in runs}
-        return {**t, "hidden_fraction": hidden_fraction(t["t_base_s"], t["t_overlap_s"], t["t_nocomm_s"])}
+        t = {f"t_{n}_s": runs[n][key] if n in runs else None for n in ("base", "overlap", "nocomm")}
+        hidden = None if t["t_base_s"] is None else hidden_fraction(t["t_base_s"], t["t_overlap_s"], t["t_nocomm_s"])
+        return {**t, "hidden_fraction": hidden, "exposed_s": max(0.0, t["t_overlap_s"] - t["t_nocomm_s"])}
 
-    return {**phase("ttft_s"), "decode": phase("tpot_s"), "tokens_per_prefill": sum(len(p) for p in prompts)}
+    return {**phase("ttft_s"), "decode": phase("tpot_s"), "waiting_s": {n: r.get("exposed_s", {}) for n, r in runs.items()}}
+
+
+# The runs per group: (name in the report, token split for tp, communicator mode).
+TP_RUNS = (("base", "off", "overlap"), ("overlap", "on", "overlap"), ("nocomm", "off", "skip"))
+# Ring transfers are posted in send/receive pairs, so waiting for each at once is a valid
+# no-overlap baseline. Pipeline sends are not: a stage blocking in send until the next stage
+# receives deadlocks the microbatch schedule, so pp reports the exposed time without a base.
+P2P_RUNS = {"cp": (("base", "serial"), ("overlap", "overlap"), ("nocomm", "skip")),
+            "pp": (("overlap", "overlap"), ("nocomm", "skip"))}
+
+
+def overlap_runs(engine, groups, prompts, args, progress) -> dict:
+    """The runs per measured group: how much of each kind of communication is hidden.
+
+    tp: base = no token splitting, overlap = the token-split schedule, nocomm = collectives
+    skipped. cp (ring-attention transfers) and pp (pipeline stage sends), overlapped by design:
+    base = every transfer waited for as soon as it is posted (cp only), overlap = the normal
+    schedule, nocomm = the transfers' payloads skipped."""
+    comms = {g: getattr(groups, g) for g in MEASURED_GROUPS}
+    out = {}
+    if groups.tp.size > 1:
+        runs = {}
+        for name, split, mode in TP_RUNS:
+            engine.overlap = split
+            groups.tp.set_mode(mode)
+            runs[name] = measure(engine, prompts, args.gen_len, args.repeat, progress, comms)
+        engine.overlap = args.overlap
+        groups.tp.set_mode("overlap")
+        out["tp"] = report_runs(runs)
+    for g, plan in P2P_RUNS.items():
+        comm = getattr(groups, g)
+        if comm.size == 1:
+            continue
+        runs = {}
+        for name, mode in plan:
+            comm.set_mode(mode)
+            runs[name] = measure(engine, prompts, args.gen_len, args.repeat, progress, comms)
+        comm.set_mode("overlap")
+        out[g] = report_runs(runs)
+    return out
+
+
+def overlap_report(engine, groups, prompts, args, progress) -> dict:
+    """`{"overlap": ...}` of the JSON: the tp numbers at the top level (the issue's keys), the
+    pipeline and ring transfers under "pp" and "cp"."""
+    runs = overlap_runs(engine, groups, prompts, args, progress)
+    tp = runs.pop("tp", None)
+    return {**(tp or {}), **runs, "tokens_per_prefill": sum(len(p) for p in prompts)}
+
+
+def format_overlap(overlap: dict) -> str:
+    def ms(v) -> str:
+        return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+    lines = []
+    sections = [("tp collectives (token split)", overlap if "t_overlap_s" in overlap else None),
+                ("pp stage transfers", overlap.get("pp")), ("cp ring transfers", overlap.get("cp"))]
+    for title, o in sections:
+        if not o:
+            continue
+        for phase, label in (("prefill", "prefill (ttft)"), ("decode", "decode (per step)")):
+            p = o["decode"] if phase == "decode" else o
+            hidden = "" if p["hidden_fraction"] is None else f", hidden fraction {p['hidden_fraction']:.2f}"
+            lines.append(f"overlap, {title}, {label}: base {ms(p['t_base_s'])}, overlapped {ms(p['t_overlap_s'])}, "
+                         f"no communication {ms(p['t_nocomm_s'])} -> exposed {ms(p['exposed_s'])}{hidden}")
+        waits = o.get("waiting_s", {}).get("overlap", {})
+        waits = ", ".join(f"{g} {sum(ops.values()) * 1e3:.1f} ms" for g, ops in waits.items() if ops)
+        if waits:
+            lines.append(f"  time inside communication calls in the overlapped run (whole generation): {waits}")
+    return "\n".join(lines)
 
 
 def plot(path: str, rows: list[tuple[str, dict]]) -> None:
@@ -191,7 +271,7 @@ def run_bench(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from dist_infer.comm.skipping import SkippableCommunicator
+    from dist_infer.comm.measured import MeasuredCommunicator
     from dist_infer.engine.generate import Engine
     from dist_infer.launch.generate_cmd import moe_report, overlap_options
     from dist_infer.launch.peers import make_prompts, run_peer
@@ -206,12 +286,17 @@ def run_bench(args) -> int:
     world = groups.world
     model = args.model or str(ensure_default_model())
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
-    if args.overlap_report:
-        groups = dataclasses.replace(groups, tp=SkippableCommunicator(groups.tp))
+    plain_groups = groups  # what to tear down at the end (the wrappers below share their communicators)
+    if args.overlap_report or args.profile:  # time (and for the report, serialise or skip) each group's communication
+        groups = dataclasses.replace(groups, **{g: MeasuredCommunicator(getattr(groups, g)) for g in MEASURED_GROUPS})
     stage, report = load_stage(model, groups, torch.float32, split, expert_placement=args.expert_placement)
     engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant)
     prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
-    bar = tqdm(total=args.repeat * (4 if args.overlap_report else 1) + len(peers), desc="bench", unit="run", file=sys.stderr,
+    measured_runs = 0
+    if args.overlap_report:
+        measured_runs = (len(TP_RUNS) if groups.tp.size > 1 else 0) + sum(
+            len(plan) for g, plan in P2P_RUNS.items() if getattr(groups, g).size > 1)
+    bar = tqdm(total=args.repeat * (1 + measured_runs) + len(peers), desc="bench", unit="run", file=sys.stderr,
                disable=None if world.rank == 0 else True)
     timing, gen_peak, gen_above = generation_memory(
         lambda: measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1)))
@@ -219,12 +304,17 @@ def run_bench(args) -> int:
     gen_mem[:, world.rank] = torch.tensor([gen_peak or float("nan"), gen_above or float("nan"), timing["ttft_cpu_s"]])
     world.all_reduce(gen_mem)
     moe = moe_report(stage, groups)
-    overlap = overlap_report(engine, groups.tp, prompts, args, lambda: bar.update(1)) if args.overlap_report else None
+    profile = None
+    if args.profile:
+        from dist_infer.launch.profile import profile_generation
+
+        profile = profile_generation(engine, prompts, args.gen_len, args.profile, world.rank)
+    overlap = overlap_report(engine, groups, prompts, args, lambda: bar.update(1)) if args.overlap_report else None
     peaks = torch.zeros(world.size, dtype=torch.float64)
     peaks[world.rank] = report.peak_rss_mb
     world.all_reduce(peaks)
     world.barrier()
-    groups.destroy()
+    plain_groups.destroy()
     world.destroy()
     if world.rank != 0:
         return 0
@@ -234,7 +324,8 @@ def run_bench(args) -> int:
             "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
             "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
             "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
-            "ep": args.ep, **({"moe": moe} if moe is not None else {})}
+            "ep": args.ep, **({"moe": moe} if moe is not None else {}),
+            **({"profile": profile} if profile is not None else {})}
     compare = {}
     nproc_peer = world.size
     for peer in peers:
@@ -273,14 +364,15 @@ def run_bench(args) -> int:
         from dist_infer.models.moe import format_routing_report
 
         print(format_routing_report(moe))
+    if profile is not None:
+        from dist_infer.launch.profile import format_profile
+
+        print(format_profile(profile))
     if args.save_routing:
         save_routing(args.save_routing, moe, args.ep)
     if overlap:
         ours["overlap"] = overlap
-        for phase, label in (("prefill", "prefill (ttft)"), ("decode", "decode (per step)")):
-            o = overlap[phase] if phase == "decode" else overlap
-            print(f"overlap, {label}: base {o['t_base_s'] * 1e3:.1f} ms, overlapped {o['t_overlap_s'] * 1e3:.1f} ms, "
-                  f"no communication {o['t_nocomm_s'] * 1e3:.1f} ms -> hidden fraction {o['hidden_fraction']:.2f}")
+        print(format_overlap(overlap))
     if args.plot:
         plot(args.plot, [(n, m) for n, m in rows if m.get("ok", True)])
         print(f"plot written to {args.plot}")

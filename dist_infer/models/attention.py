@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from dist_infer.kernels import cpu_kernels
+
 if TYPE_CHECKING:
     from dist_infer.models.cp_attention import ContextParallelMetadata
 
@@ -33,6 +35,13 @@ class AttentionMetadata:
     max_ctx: int
     fresh: bool  # no sequence has cached context: attend to the new keys directly
     cp: Optional["ContextParallelMetadata"] = None  # set when the sequence is sharded over cp ranks (cp_attention.py)
+    seq_lens_t: Optional[torch.Tensor] = None  # seq_lens as a tensor, for the native decode kernel
+    window: Optional[int] = None  # sliding window: a query sees the last `window` positions
+
+    @property
+    def decode(self) -> bool:
+        """One new token per sequence: the step the native decode kernels serve."""
+        return self.max_q == 1 and self.cp is None
 
     @property
     def batch(self) -> int:
@@ -93,6 +102,8 @@ def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
         max_q=max_q,
         max_ctx=max_ctx,
         fresh=fresh,
+        seq_lens_t=torch.tensor(list(seq_lens), dtype=torch.long),
+        window=sliding_window,
     )
 
 
@@ -103,6 +114,27 @@ def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     out = x.new_zeros(meta.batch * meta.max_q, *x.shape[1:])
     out[meta.pad_index] = x
     return out.view(meta.batch, meta.max_q, *x.shape[1:])
+
+
+def decode_attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                            scale: float) -> Optional[torch.Tensor]:
+    """A decode step's rotary, cache write and attention in two native calls, or None where the
+    native kernels do not apply (GPU, not fp32, no compiler): then the torch path runs.
+
+    q, k, v: [T, heads * d] before rotary (column slices of the fused QKV output). The torch
+    path spends ~40 small ops per layer here (rotary, index_copy, gathering the blocks into a
+    padded batch, masked SDPA); on the CPU that per-op overhead, not arithmetic, was most of a
+    decode step's attention time."""
+    kernels = cpu_kernels()
+    if (kernels is None or q.is_cuda or q.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or meta.seq_lens_t is None or not meta.decode):
+        return None
+    if q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+    return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
+                                    meta.window, scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.models.attention import AttentionMetadata, TokenSplit, paged_attention
+from dist_infer.kernels import cpu_kernels
+from dist_infer.models.attention import AttentionMetadata, TokenSplit, decode_attention_native, paged_attention
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.cp_attention import cp_attention, cp_last_hidden
 from dist_infer.models.rope import Rotary, apply_rotary
@@ -28,6 +29,7 @@ from dist_infer.parallel.token_split import run_layers_token_split
 from dist_infer.parallel.weights import load_replicated
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+NATIVE_MAX_ROWS = 64  # RMSNorm of up to this many rows (decode steps) runs natively; torch's threaded ops above
 
 
 class RMSNorm(nn.Module):
@@ -39,6 +41,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels() if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS else None
+        if kernels is not None and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous():
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -77,6 +82,10 @@ class LlamaAttention(nn.Module):
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
         T = x.shape[0]
+        if meta.cp is None:
+            out = decode_attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)
+            if out is not None:
+                return out
         q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.kv_heads, self.head_dim)

@@ -14,21 +14,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
+from dist_infer.kernels import cpu_kernels
+from dist_infer.kernels.build import MAX_ROWS
 from dist_infer.parallel.sharding import HeadLayout, shard_range
 from dist_infer.parallel.tp_comm import reduce_from_tp
 from dist_infer.parallel.weights import check_shape, copy_into, narrow
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x W^T, computed as (W x^T)^T when x has 2 to 4 rows (a decode step of a small batch).
+    """x W^T for the few rows of a decode step, by the kernel that streams W fastest.
 
-    Decode reads every weight once per step, so its GEMMs are bound by how fast the kernel
-    streams W. For 2-4 rows, MKL's weight-major product streams 1.2-3.3x faster than
-    F.linear on the column-parallel and LM-head shapes (measured on this 2-core EPYC, see
-    docs/benchmarks.md); for 1 row or 8+ it is no better or worse, so those keep F.linear.
+    Decode reads every weight once per step, so its GEMMs are bound by how fast W streams.
+    On the CPU the native kernel (kernels/cpu_kernels.c) walks W as one sequential stream:
+    1.7x MKL's speed for 1 row, 1.1x for 4 (docs/benchmarks.md). Without it, for 2-4 rows
+    MKL's weight-major product (W x^T)^T streams 1.2-3.3x faster than F.linear.
     """
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    if not 2 <= rows <= 4 or x.dim() != 2 or x.is_cuda:
+    if x.dim() != 2 or x.is_cuda or not 1 <= rows <= MAX_ROWS:
+        return F.linear(x, weight, bias)
+    kernels = cpu_kernels()
+    if kernels is not None and x.dtype == weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous():
+        y = kernels.skinny_linear(x, weight)
+        return y if bias is None else y.add_(bias)
+    if not 2 <= rows <= 4:
         return F.linear(x, weight, bias)
     y = torch.mm(weight, x.t()).t()
     return y if bias is None else y + bias

@@ -1,0 +1,168 @@
+"""Build `cpu_kernels.c` once per machine and load it.
+
+The shared library is compiled for this CPU (-march=native) into a cache directory keyed by
+the source, the flags and the CPU's feature flags, so a cluster with mixed nodes or an edited
+kernel never loads a stale build. Ranks that start together race benignly: each compiles to
+a private temporary name and renames it into place atomically.
+
+`DIST_INFER_KERNELS=0` turns the kernels off (torch's ops are used), for comparisons.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+from loguru import logger
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
+MAX_ROWS = 8  # skinny_linear handles 1..MAX_ROWS rows of x
+_f32 = ctypes.c_float
+_ptr, _long = ctypes.c_void_p, ctypes.c_long
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DIST_INFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_infer")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compile(cc: str, flags: tuple[str, ...], target: Path) -> Optional[str]:
+    """Compile to `target`; None on success, else the compiler's complaint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        return proc.stderr.strip()[-500:]
+    os.replace(tmp, target)
+    return None
+
+
+class _Named:
+    """A C function that shows up under its name in a torch profile (ctypes calls otherwise don't)."""
+
+    __slots__ = ("fn", "label")
+
+    def __init__(self, fn, label: str):
+        self.fn, self.label = fn, label
+
+    def __call__(self, *args):
+        if not torch._C._autograd._profiler_enabled():
+            return self.fn(*args)
+        with torch.autograd.profiler.record_function(self.label):
+            return self.fn(*args)
+
+
+class CpuKernels:
+    """The loaded library, with torch-tensor entry points."""
+
+    def __init__(self, lib: ctypes.CDLL, threaded: bool):
+        self.threaded = threaded
+        self._declare(lib)
+
+    def _declare(self, lib: ctypes.CDLL) -> None:
+        self._skinny = lib.skinny_linear
+        self._skinny.restype = ctypes.c_int
+        self._skinny.argtypes = [_ptr] * 3 + [_long] * 3 + [ctypes.c_int]
+        self._rms = lib.rms_norm
+        self._rms.restype = None
+        self._rms.argtypes = [_ptr] * 4 + [_long] * 2 + [_f32]
+        self._rope = lib.rope_cache_write
+        self._rope.restype = None
+        self._rope.argtypes = [_ptr] * 3 + [_long] * 3 + [_ptr] * 5 + [_long] * 4
+        self._attn = lib.decode_attention
+        self._attn.restype = ctypes.c_int
+        self._attn.argtypes = [_ptr] * 4 + [_long, _ptr] + [_long] * 6 + [_f32, _ptr, _ptr, _long]
+        for attr in ("_skinny", "_rms", "_rope", "_attn"):
+            fn = getattr(self, attr)
+            setattr(self, attr, _Named(fn, f"dist_infer::{fn.__name__}"))
+
+    def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight[N, K]^T for 1 <= M <= MAX_ROWS, fp32, contiguous, on the CPU."""
+        M, K = x.shape
+        N = weight.shape[0]
+        y = torch.empty(M, N, dtype=x.dtype)
+        threads = torch.get_num_threads() if self.threaded else 1
+        if self._skinny(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K, threads) != 0:
+            raise ValueError(f"skinny_linear: {M} rows is outside 1..{MAX_ROWS}")
+        return y
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """HF's RMSNorm of x [T, H] (fp32, contiguous). With `residual`: x += residual in place
+        first, and the sum is what is normalised."""
+        out = torch.empty_like(x)
+        T, H = x.shape
+        self._rms(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                  out.data_ptr(), T, H, eps)
+        return out
+
+    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotary on q [T, heads * d] in place; rotated k and v [T, kv_heads * d] into cache `slots`.
+
+        q, k, v may be column slices of one fused QKV output (row-strided, unit column stride)."""
+        T = q.shape[0]
+        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+        self._rope(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                   cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                   T, q.shape[1] // d, kv_heads, d)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                         seq_lens: torch.Tensor, max_len: int, window: Optional[int], scale: float) -> torch.Tensor:
+        """One query per sequence, q [B, heads * d], against the paged cache -> [B, heads * d]."""
+        q = q.contiguous()  # a column slice of the QKV output: rows are strided
+        B = q.shape[0]
+        _, block_size, kv_heads, d = k_cache.shape
+        out = torch.empty_like(q)
+        scratch = torch.empty(max_len, dtype=torch.float32)
+        code = self._attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                          seq_lens.data_ptr(), window or 0, B, q.shape[1] // d, kv_heads, d, block_size, scale,
+                          out.data_ptr(), scratch.data_ptr(), max_len)
+        if code != 0:
+            raise ValueError(f"decode_attention: a sequence is longer than max_len={max_len}")
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels() -> Optional[CpuKernels]:
+    """The kernels for this machine, built on first call; None where they cannot be (no compiler,
+    a failed build, or DIST_INFER_KERNELS=0)."""
+    if os.environ.get("DIST_INFER_KERNELS", "1") == "0":
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        logger.debug("no C compiler found: native CPU kernels off, torch ops used instead")
+        return None
+    source = SOURCE.read_bytes()
+    for flags, threaded in ((FLAGS + ("-fopenmp",), True), (FLAGS, False)):
+        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+        target = cache_dir() / f"cpu_kernels-{key}.so"
+        error = None if target.exists() else _compile(cc, flags, target)
+        if error is None:
+            try:
+                return CpuKernels(ctypes.CDLL(str(target)), threaded)
+            except OSError as exc:
+                error = str(exc)
+        logger.debug(f"building native CPU kernels with {' '.join(flags)} failed: {error}")
+    logger.warning("native CPU kernels could not be built (see --log-level DEBUG); torch ops used instead")
+    return None
