@@ -102,6 +102,16 @@ CASES = {
     # token-splitting overlap forced on: every step cut in two halves, sequences straddling the cut
     "gqa-tp2-overlap-on": ("llama-gqa", {}, SHORT, None, ["--tp", "2", "--nproc", "2", "--overlap", "on"]),
     "launch-tp2": ("llama-gqa", {}, SHORT, [*DIST, "launch", "--nproc-per-node", "2", "--", *DIST], ["--tp", "2"]),
+    # sequence parallelism on every step: reduce-scatter / all-gather through shared memory, through
+    # gloo, and through MPI; tp 4 with token counts 4 does not divide (padded rows), Qwen2's biases
+    "gqa-tp2-sp": ("llama-gqa", {}, SHORT, None, ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on"]),
+    "gqa-tp2-sp-gloo": ("llama-gqa", {}, SHORT, None,
+                        ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on", "--shm", "off"]),
+    "mqa-tp4-sp": ("llama-mqa", {}, SHORT, None, ["--tp", "4", "--nproc", "4", "--sequence-parallel", "on"]),
+    "qwen2-tp2-sp": ("qwen2", {}, SHORT, None, ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on"]),
+    "mpirun-mpi-tp2-sp": ("llama-gqa", {}, SHORT,
+                          [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "2", *DIST],
+                          ["--tp", "2", "--backend", "mpi", "--shm", "off", "--sequence-parallel", "on"]),
 }
 
 

@@ -105,6 +105,7 @@ def test_overlap_report_json(tmp_path):
     for key in ("t_base_s", "t_overlap_s", "t_nocomm_s", "hidden_fraction"):
         assert key in report and key in report["decode"]
     assert report["t_base_s"] > 0 and report["t_nocomm_s"] > 0
+    assert report["t_sequence_parallel_s"] > 0 and report["decode"]["t_sequence_parallel_s"] > 0
 
 
 @pytest.mark.parametrize("flags,group,has_base", [(["--tp", "2", "--pp", "2"], "pp", False),
@@ -156,3 +157,18 @@ def test_bench_profile_splits_a_decode_step_by_kind_of_work(tmp_path):
     table = (tmp_path / "rank0.txt").read_text()
     assert "dist_infer::skinny_linear" in table or "aten::mm" in table
     assert (tmp_path / "rank1.txt").is_file() and "decode step (ms)" in result.stdout
+
+
+def test_sequence_rows_cover_every_token_once():
+    from dist_infer.parallel.sequence_parallel import sequence_rows, should_sequence_parallel
+
+    for tokens in (1, 2, 5, 8, 62):
+        for tp in (2, 3, 4):
+            rows = [sequence_rows(tokens, tp, r) for r in range(tp)]
+            assert all(per == -(-tokens // tp) for _, _, per in rows)
+            covered = [t for start, count, _ in rows for t in range(start, start + count)]
+            assert covered == list(range(tokens)), (tokens, tp, rows)
+    assert should_sequence_parallel("on", 1, 2, 512) and not should_sequence_parallel("on", 4096, 1, 512)
+    assert not should_sequence_parallel("auto", 511, 2, 512) and should_sequence_parallel("auto", 512, 2, 512)
+    with pytest.raises(ValueError, match="sequence-parallel mode"):
+        should_sequence_parallel("sometimes", 1, 2, 512)

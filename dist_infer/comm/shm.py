@@ -44,15 +44,17 @@ def shm_supported() -> bool:
 
 class _ShmHandle(Handle):
     def __init__(self, comm: "ShmAllReduceCommunicator", seq: int, tensor: torch.Tensor,
-                 gather_into: Optional[torch.Tensor]):
+                 gather_into: Optional[torch.Tensor], scatter_into: Optional[torch.Tensor] = None):
         self.comm, self.seq, self.tensor, self.gather_into, self.done = comm, seq, tensor, gather_into, False
+        self.scatter_into = scatter_into
 
     def is_completed(self) -> bool:
         return self.done
 
     def wait(self, timeout: Optional[float] = None) -> None:
         if not self.done:
-            self.comm._finish(self.seq, self.tensor, self.gather_into, self.comm.timeout if timeout is None else timeout)
+            self.comm._finish(self.seq, self.tensor, self.gather_into, self.comm.timeout if timeout is None else timeout,
+                              self.scatter_into)
             self.done = True
 
 
@@ -111,6 +113,18 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         handle.wait()
         return None
 
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        """Sum over the group of `input`, of which this rank keeps its chunk in `output` (the
+        sequence-parallel layers): every rank publishes its input, and adds up only its chunk."""
+        if (self.size == 1 or input.numel() == 0 or not self._fits(input, op) or not output.is_contiguous()
+                or output.numel() * self.size != input.numel()):
+            return self.inner.reduce_scatter(output, input, op, async_op)
+        handle = self._post(input, None, output)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
     def _fits(self, tensor: torch.Tensor, op: str) -> bool:
         return (op == "sum" and not tensor.is_cuda and tensor.is_contiguous() and tensor.dtype in _SUMMABLE
                 and tensor.numel() * tensor.element_size() <= self.slot_bytes)
@@ -142,9 +156,10 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
             time.sleep(pause)
             pause = min(pause * 2, 5e-4)
 
-    def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor]) -> _ShmHandle:
-        """Publish `tensor` in this rank's slot; the handle sums the slots into it, or
-        concatenates them into `gather_into`."""
+    def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
+              scatter_into: Optional[torch.Tensor] = None) -> _ShmHandle:
+        """Publish `tensor` in this rank's slot; the handle sums the slots into it, concatenates
+        them into `gather_into`, or sums this rank's chunk of them into `scatter_into`."""
         self._seq += 1
         seq, b, me = self._seq, self._seq % NBUF, self.rank
         previous = seq - NBUF
@@ -158,11 +173,12 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         with self._fence:  # a locked instruction: large copies may use streaming stores, TSO does not order those
             pass
         self._write_flags[b, me] = seq
-        handle = _ShmHandle(self, seq, tensor, gather_into)
+        handle = _ShmHandle(self, seq, tensor, gather_into, scatter_into)
         self._unfinished[seq] = handle
         return handle
 
-    def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float) -> None:
+    def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
+                scatter_into: Optional[torch.Tensor] = None) -> None:
         b, me = seq % NBUF, self.rank
         writes = self._write_flags[b]
         self._spin(lambda: bool((writes == seq).all()), "all_reduce (shm)", timeout)
@@ -170,6 +186,13 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         slots = [self._data[b, r, :nbytes].view(tensor.dtype) for r in range(self.size)]
         if gather_into is not None:
             torch.cat(slots, out=gather_into.view(-1))
+        elif scatter_into is not None:
+            n = scatter_into.numel()
+            chunks = [slot[me * n:(me + 1) * n] for slot in slots]
+            flat = scatter_into.view(-1)
+            torch.add(chunks[0], chunks[1], out=flat)
+            for r in range(2, self.size):
+                flat.add_(chunks[r])
         else:
             flat = tensor.view(-1)
             torch.add(slots[0], slots[1], out=flat)

@@ -31,6 +31,7 @@ from dist_infer.models.cp_attention import (
 )
 from dist_infer.models.llama import LlamaStage
 from dist_infer.parallel.ring_attention import zigzag_chunks
+from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split
 
 TAG_FORWARD, TAG_BACK = 1, 2
@@ -39,6 +40,9 @@ TAG_FORWARD, TAG_BACK = 1, 2
 # finds about 1024 on H100s.
 OVERLAP_THRESHOLDS = {"cpu": 2048, "cuda": 1024}
 DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
+# Tokens per step from which `--sequence-parallel auto` applies (docs/benchmarks.md).
+SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": 512, "cuda": 512}
+DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 KIND_STOP, KIND_WORK = 0, 1
 
 
@@ -79,11 +83,15 @@ class Engine:
     """Runs one rank's pipeline stage inside the generation loop."""
 
     def __init__(self, stage: LlamaStage, groups: ParallelGroups, block_size: int = 16,
-                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD, cp_variant: str = "auto"):
+                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD, cp_variant: str = "auto",
+                 sequence_parallel: str = "off",
+                 sequence_parallel_threshold: int = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD):
         self.stage, self.groups, self.block_size = stage, groups, block_size
         self._init_cp(groups.cp, cp_variant)
         should_split(overlap, 0, 1, overlap_threshold)  # validates the mode
+        should_sequence_parallel(sequence_parallel, 0, 1, sequence_parallel_threshold)
         self.overlap, self.overlap_threshold = overlap, overlap_threshold
+        self.sequence_parallel, self.sequence_parallel_threshold = sequence_parallel, sequence_parallel_threshold
         self.pp: Communicator = groups.pp
         self.cfg = stage.cfg
         self.timing = Timing()
@@ -121,6 +129,8 @@ class Engine:
             meta = split_token_halves(q_lens, seq_lens, tables, self.block_size, self.cfg.sliding_window)
         else:
             meta = build_attention_metadata(q_lens, seq_lens, tables, self.block_size, self.cfg.sliding_window)
+            meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, sum(q_lens), self.groups.tp.size,
+                                                              self.sequence_parallel_threshold)
         with torch.inference_mode():
             out = self.stage(inputs, meta, cache.layers)
         for s, q in zip(seq_ids, q_lens):

@@ -162,13 +162,17 @@ def report_runs(runs: dict) -> dict:
     def phase(key: str) -> dict:
         t = {f"t_{n}_s": runs[n][key] if n in runs else None for n in ("base", "overlap", "nocomm")}
         hidden = None if t["t_base_s"] is None else hidden_fraction(t["t_base_s"], t["t_overlap_s"], t["t_nocomm_s"])
-        return {**t, "hidden_fraction": hidden, "exposed_s": max(0.0, t["t_overlap_s"] - t["t_nocomm_s"])}
+        extra = {"t_sequence_parallel_s": runs["sequence_parallel"][key]} if "sequence_parallel" in runs else {}
+        return {**t, "hidden_fraction": hidden, "exposed_s": max(0.0, t["t_overlap_s"] - t["t_nocomm_s"]), **extra}
 
     return {**phase("ttft_s"), "decode": phase("tpot_s"), "waiting_s": {n: r.get("exposed_s", {}) for n, r in runs.items()}}
 
 
 # The runs per group: (name in the report, token split for tp, communicator mode).
-TP_RUNS = (("base", "off", "overlap"), ("overlap", "on", "overlap"), ("nocomm", "off", "skip"))
+# tp: plain tensor parallel, token split, collectives skipped, and the sequence-parallel variant
+# (reduce-scatter + all-gather around the norms), all with the same workload.
+TP_RUNS = (("base", "off", "off", "overlap"), ("overlap", "on", "off", "overlap"), ("nocomm", "off", "off", "skip"),
+           ("sequence_parallel", "off", "on", "overlap"))
 # Ring transfers are posted in send/receive pairs, so waiting for each at once is a valid
 # no-overlap baseline. Pipeline sends are not: a stage blocking in send until the next stage
 # receives deadlocks the microbatch schedule, so pp reports the exposed time without a base.
@@ -180,18 +184,18 @@ def overlap_runs(engine, groups, prompts, args, progress) -> dict:
     """The runs per measured group: how much of each kind of communication is hidden.
 
     tp: base = no token splitting, overlap = the token-split schedule, nocomm = collectives
-    skipped. cp (ring-attention transfers) and pp (pipeline stage sends), overlapped by design:
+    skipped, and the sequence-parallel variant alongside. cp (ring-attention transfers) and pp (pipeline stage sends), overlapped by design:
     base = every transfer waited for as soon as it is posted (cp only), overlap = the normal
     schedule, nocomm = the transfers' payloads skipped."""
     comms = {g: getattr(groups, g) for g in MEASURED_GROUPS}
     out = {}
     if groups.tp.size > 1:
         runs = {}
-        for name, split, mode in TP_RUNS:
-            engine.overlap = split
+        for name, split, sp, mode in TP_RUNS:
+            engine.overlap, engine.sequence_parallel = split, sp
             groups.tp.set_mode(mode)
             runs[name] = measure(engine, prompts, args.gen_len, args.repeat, progress, comms)
-        engine.overlap = args.overlap
+        engine.overlap, engine.sequence_parallel = args.overlap, args.sequence_parallel
         groups.tp.set_mode("overlap")
         out["tp"] = report_runs(runs)
     for g, plan in P2P_RUNS.items():
@@ -228,8 +232,9 @@ def format_overlap(overlap: dict) -> str:
         for phase, label in (("prefill", "prefill (ttft)"), ("decode", "decode (per step)")):
             p = o["decode"] if phase == "decode" else o
             hidden = "" if p["hidden_fraction"] is None else f", hidden fraction {p['hidden_fraction']:.2f}"
+            sp = f"; sequence parallel {ms(p['t_sequence_parallel_s'])}" if "t_sequence_parallel_s" in p else ""
             lines.append(f"overlap, {title}, {label}: base {ms(p['t_base_s'])}, overlapped {ms(p['t_overlap_s'])}, "
-                         f"no communication {ms(p['t_nocomm_s'])} -> exposed {ms(p['exposed_s'])}{hidden}")
+                         f"no communication {ms(p['t_nocomm_s'])} -> exposed {ms(p['exposed_s'])}{hidden}{sp}")
         waits = o.get("waiting_s", {}).get("overlap", {})
         waits = ", ".join(f"{g} {sum(ops.values()) * 1e3:.1f} ms" for g, ops in waits.items() if ops)
         if waits:

@@ -67,6 +67,13 @@ def add_overlap_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-threshold", type=int, default=None,
                    help="tokens per step from which --overlap auto splits (default: measured per machine kind, "
                         "see docs/benchmarks.md)")
+    p.add_argument("--sequence-parallel", choices=("on", "off", "auto"), default="auto",
+                   help="tensor-parallel layers with the all-reduce split into reduce-scatter and all-gather, the "
+                        "residual and RMSNorm on 1/tp of the tokens each: on every step that is not token-split (on), "
+                        "never (off), or steps of at least --sequence-parallel-threshold tokens (auto, default)")
+    p.add_argument("--sequence-parallel-threshold", type=int, default=None,
+                   help="tokens per step from which --sequence-parallel auto applies (default: measured per machine "
+                        "kind, see docs/benchmarks.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,9 +90,11 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
 
 
 def overlap_options(args) -> dict:
-    from dist_infer.engine.generate import DEFAULT_OVERLAP_THRESHOLD
+    from dist_infer.engine.generate import DEFAULT_OVERLAP_THRESHOLD, DEFAULT_SEQUENCE_PARALLEL_THRESHOLD
 
-    return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD}
+    return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD,
+            "sequence_parallel": args.sequence_parallel,
+            "sequence_parallel_threshold": args.sequence_parallel_threshold or DEFAULT_SEQUENCE_PARALLEL_THRESHOLD}
 
 
 def moe_report(stage, groups) -> Optional[dict]:

@@ -37,6 +37,7 @@ class AttentionMetadata:
     cp: Optional["ContextParallelMetadata"] = None  # set when the sequence is sharded over cp ranks (cp_attention.py)
     seq_lens_t: Optional[torch.Tensor] = None  # seq_lens as a tensor, for the native decode kernel
     window: Optional[int] = None  # sliding window: a query sees the last `window` positions
+    sequence_parallel: bool = False  # the step's tp layers run sequence parallel (parallel/sequence_parallel.py)
 
     @property
     def decode(self) -> bool:

@@ -25,6 +25,11 @@ from dist_infer.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from dist_infer.parallel.sequence_parallel import (
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
+)
 from dist_infer.parallel.token_split import run_layers_token_split
 from dist_infer.parallel.weights import load_replicated
 
@@ -121,6 +126,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    supports_sequence_parallel = True
+
     def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, index: int,
                  cp: Optional[Communicator] = None):
         super().__init__()
@@ -142,6 +149,18 @@ class LlamaDecoderLayer(nn.Module):
             h, x = h[rows], x[rows]
         x = x + self.self_attn.o_proj(h)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_sequence_parallel(self, x_local: torch.Tensor, tokens: int, cos, sin, kv: KVCache,
+                                  meta: AttentionMetadata) -> torch.Tensor:
+        """The layer on this rank's rows of the residual stream (parallel/sequence_parallel.py):
+        norms and residual adds on T/tp rows, all-gather before each column-parallel projection,
+        reduce-scatter after each row-parallel one."""
+        attn, mlp = self.self_attn, self.mlp
+        tp = attn.o_proj.tp
+        h = attn.attend(gather_from_sequence_parallel(self.input_layernorm(x_local), tp, tokens), cos, sin, kv, meta)
+        x_local = x_local + attn.o_proj.add_bias(reduce_scatter_to_sequence_parallel(attn.o_proj.partial(h), tp))
+        h = mlp.activated(gather_from_sequence_parallel(self.post_attention_layernorm(x_local), tp, tokens))
+        return x_local + mlp.down_proj.add_bias(reduce_scatter_to_sequence_parallel(mlp.down_proj.partial(h), tp))
 
     def load_weights(self, get: Callable[[str], object], cfg: ModelConfig) -> None:
         p = f"model.layers.{self.index}"
@@ -194,6 +213,14 @@ class LlamaStage(nn.Module):
             unsplit = range(interleaved, len(self.layers))
         if len(unsplit):
             cos, sin = self.rotary.cos_sin(meta.positions)
+            if meta.sequence_parallel and self.tp.size > 1:
+                sp = []  # the leading layers that can run it (not the trimmed last, nor MoE layers)
+                for i in unsplit:
+                    if (trim and i == len(self.layers) - 1) or not getattr(self.layers[i], "supports_sequence_parallel", False):
+                        break
+                    sp.append(i)
+                x = self._forward_sequence_parallel(x, sp, cos, sin, kv_caches, meta)
+                unsplit = list(unsplit)[len(sp):]
             for i in unsplit:
                 rows = meta.last_token_index if trim and i == len(self.layers) - 1 else None
                 x = self.layers[i](x, cos, sin, kv_caches[i], meta, rows)
@@ -203,6 +230,18 @@ class LlamaStage(nn.Module):
         if getattr(meta, "cp", None) is not None:
             return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
         return self.lm_head(self.norm(x[last_index]))
+
+    def _forward_sequence_parallel(self, x: torch.Tensor, layers: list[int], cos, sin, kv_caches: list[KVCache],
+                                   meta: AttentionMetadata) -> torch.Tensor:
+        """Layers `layers` (consecutive, in order) with the residual stream split by rows over tp; x in
+        and out replicated."""
+        if not layers:
+            return x
+        tokens = x.shape[0]
+        x_local = scatter_to_sequence_parallel(x, self.tp)
+        for i in layers:
+            x_local = self.layers[i].forward_sequence_parallel(x_local, tokens, cos, sin, kv_caches[i], meta)
+        return gather_from_sequence_parallel(x_local, self.tp, tokens)
 
     def _forward_token_split(self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache],
                              num_layers: int) -> torch.Tensor:

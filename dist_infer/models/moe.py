@@ -89,6 +89,8 @@ class SharedExpert(nn.Module):
 class MoEDecoderLayer(LlamaDecoderLayer):
     """Llama's decoder layer (and its forward) with an expert-parallel MLP where the config says so."""
 
+    supports_sequence_parallel = False  # the expert MLP takes replicated tokens (its dispatch has its own layout)
+
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, index: int,
                  placement: ExpertPlacement):
         nn.Module.__init__(self)  # the same four parts as LlamaDecoderLayer, but no dense MLP to throw away

@@ -60,6 +60,17 @@ gathered = torch.empty(n, 513)
 world.all_gather(gathered, probe)
 assert all(torch.equal(gathered[0], gathered[r]) for r in range(n)), "ranks disagree"
 
+# reduce-scatter (sequence parallelism): my chunk of the sum, async among all-reduces in flight
+full = value(me, 6 * n, 13, torch.float32)
+mine = torch.empty(6)
+other = value(me, 50, 14, torch.float32)
+h1 = tp.all_reduce(other, async_op=True)
+h2 = tp.reduce_scatter(mine, full, async_op=True)
+h2.wait()
+h1.wait()
+assert torch.equal(mine, expected(6 * n, 13, torch.float32)[6 * me:6 * (me + 1)]), "reduce_scatter chunk wrong"
+assert torch.equal(other, expected(50, 14, torch.float32))
+
 world.barrier()
 print(f"rank {me}: shm all-reduce ok", flush=True)
 groups.destroy()
