@@ -19,7 +19,12 @@ import torch.nn.functional as F
 
 from dist_infer.kernels import cpu_kernels
 from dist_infer.kernels.build import MAX_ROWS
-from dist_infer.models.attention import build_attention_metadata, decode_attention_native, paged_attention
+from dist_infer.models.attention import (
+    attention_native,
+    build_attention_metadata,
+    last_token_attention_native,
+    paged_attention,
+)
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel.linear import skinny_linear
 
@@ -78,6 +83,7 @@ def test_rope_cache_write_on_strided_qkv_slices(q_heads, kv_heads):
     slots = torch.tensor([3, 17, 30])
     kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, slots)
     torch.testing.assert_close(q, q_ref)
+    torch.testing.assert_close(k.reshape(T, kv_heads, d), k_ref)  # rotated in place too
     torch.testing.assert_close(k_cache.view(-1, kv_heads, d)[slots], k_ref)
     torch.testing.assert_close(v_cache.view(-1, kv_heads, d)[slots], v_ref)
     untouched = torch.ones(32, dtype=torch.bool)
@@ -105,22 +111,58 @@ def test_decode_step_matches_the_torch_path(q_heads, kv_heads, window):
                           v.reshape(3, kv_heads, d), *caches, meta, 0.3)
     q, k, v = split(qkv.clone())
     native_caches = k_cache.clone(), v_cache.clone()
-    out = decode_attention_native(q, k, v, cos, sin, *native_caches, meta, 0.3)
+    out = attention_native(q, k, v, cos, sin, *native_caches, meta, 0.3)
     assert out is not None, "a CPU fp32 decode step should take the native path"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(native_caches[0], caches[0])
     torch.testing.assert_close(native_caches[1], caches[1])
 
 
-def test_prefill_and_non_fp32_keep_the_torch_path():
-    meta = build_attention_metadata([3], [3], [[0]], 4)
-    q = torch.randn(3, 32)
-    caches = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
-    cos, sin = Rotary(16, 8, 10000.0).cos_sin(meta.positions)
-    assert decode_attention_native(q, q[:, :16], q[:, 16:], cos, sin, *caches, meta, 1.0) is None
+@pytest.mark.parametrize("q_lens,seq_lens", [([3, 5], [3, 5]), ([2, 1], [6, 4])])
+def test_prefill_rotary_in_place_then_sdpa_matches_the_torch_path(q_lens, seq_lens):
+    """Prefill (fresh prompts, and new tokens on top of cached context): native rotary and cache
+    write, then torch's SDPA on the rotated slices; the last-token variant of the model's last
+    layer gives those rows of it."""
+    q_heads, kv_heads, d, bs = 4, 2, 16, 4
+    tables = [[0, 1], [2, 3]]
+    meta = build_attention_metadata(q_lens, seq_lens, tables, bs)
+    T = sum(q_lens)
+    cos, sin = Rotary(d, 64, 10000.0).cos_sin(meta.positions)
+    k_cache, v_cache = torch.randn(4, bs, kv_heads, d), torch.randn(4, bs, kv_heads, d)
+    qkv = torch.randn(T, (q_heads + 2 * kv_heads) * d)
+
+    def split(t):
+        return t.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+
+    q, k, v = split(qkv.clone())
+    caches = k_cache.clone(), v_cache.clone()
+    ref = paged_attention(apply_rotary(q.reshape(T, q_heads, d), cos, sin), apply_rotary(k.reshape(T, kv_heads, d), cos, sin),
+                          v.reshape(T, kv_heads, d), *caches, meta, 0.3)
+    q, k, v = split(qkv.clone())
+    native_caches = k_cache.clone(), v_cache.clone()
+    out = attention_native(q, k, v, cos, sin, *native_caches, meta, 0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native_caches[0], caches[0])
+    torch.testing.assert_close(native_caches[1], caches[1])
+
+    q, k, v = split(qkv.clone())
+    last_caches = k_cache.clone(), v_cache.clone()
+    q_last = q[meta.last_token_index].contiguous()
+    out_last = last_token_attention_native(q_last, k, v, cos, sin, *last_caches, meta, 0.3)
+    torch.testing.assert_close(out_last, ref[meta.last_token_index], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last_caches[0], caches[0])
+    torch.testing.assert_close(last_caches[1], caches[1])
+
+
+def test_non_fp32_and_context_parallel_keep_the_torch_path():
     decode = build_attention_metadata([1], [3], [[0]], 4)
-    half = [t.to(torch.bfloat16) for t in (q[:1], q[:1, :16], q[:1, 16:])]
-    assert decode_attention_native(*half, cos[:1], sin[:1], *[c.bfloat16() for c in caches], decode, 1.0) is None
+    q = torch.randn(1, 32)
+    caches = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    cos, sin = Rotary(16, 8, 10000.0).cos_sin(decode.positions)
+    half = [t.to(torch.bfloat16) for t in (q, q[:, :16], q[:, 16:])]
+    assert attention_native(*half, cos, sin, *[c.bfloat16() for c in caches], decode, 1.0) is None
+    decode.cp = object()  # sharded over cp ranks: cp_attention's business
+    assert attention_native(q, q[:, :16], q[:, 16:], cos, sin, *caches, decode, 1.0) is None
 
 
 def test_kernels_can_be_switched_off():
@@ -128,3 +170,13 @@ def test_kernels_can_be_switched_off():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "DIST_INFER_KERNELS": "0"}, check=True)
     assert out.stdout.strip() == "True"
+
+
+def test_malloc_tuning_applies_once_and_can_be_switched_off():
+    code = ("from dist_infer.engine.allocator import tune_malloc; import ctypes; "
+            "print(tune_malloc(), tune_malloc())")
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "DIST_INFER_MALLOC_TUNING": "0"})
+    assert on.stdout.split() == ["True", "True"]  # glibc on Linux: the thresholds are raised
+    assert off.stdout.split() == ["False", "False"]

@@ -170,5 +170,6 @@ def test_sequence_rows_cover_every_token_once():
             assert covered == list(range(tokens)), (tokens, tp, rows)
     assert should_sequence_parallel("on", 1, 2, 512) and not should_sequence_parallel("on", 4096, 1, 512)
     assert not should_sequence_parallel("auto", 511, 2, 512) and should_sequence_parallel("auto", 512, 2, 512)
+    assert not should_sequence_parallel("auto", 10**6, 2, None)  # no measured threshold: auto stays off
     with pytest.raises(ValueError, match="sequence-parallel mode"):
         should_sequence_parallel("sometimes", 1, 2, 512)

@@ -19,6 +19,7 @@ import torch
 
 from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
+from dist_infer.engine.allocator import tune_malloc
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
 from dist_infer.engine.sampling import SamplingParams, sample, sequence_generator
 from dist_infer.models.attention import build_attention_metadata, split_token_halves
@@ -40,8 +41,10 @@ TAG_FORWARD, TAG_BACK = 1, 2
 # finds about 1024 on H100s.
 OVERLAP_THRESHOLDS = {"cpu": 2048, "cuda": 1024}
 DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
-# Tokens per step from which `--sequence-parallel auto` applies (docs/benchmarks.md).
-SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": 512, "cuda": 512}
+# Tokens per step from which `--sequence-parallel auto` applies; None: auto never does. On the
+# 2-core CPU machine it was 7% slower than plain tp at 1024 and 2048 tokens and no faster in
+# decode (docs/benchmarks.md); on CUDA it is unmeasured (no GPU yet), so auto leaves it off.
+SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": None, "cuda": None}
 DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 KIND_STOP, KIND_WORK = 0, 1
 
@@ -85,8 +88,9 @@ class Engine:
     def __init__(self, stage: LlamaStage, groups: ParallelGroups, block_size: int = 16,
                  overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD, cp_variant: str = "auto",
                  sequence_parallel: str = "off",
-                 sequence_parallel_threshold: int = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD):
+                 sequence_parallel_threshold: Optional[int] = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD):
         self.stage, self.groups, self.block_size = stage, groups, block_size
+        tune_malloc()
         self._init_cp(groups.cp, cp_variant)
         should_split(overlap, 0, 1, overlap_threshold)  # validates the mode
         should_sequence_parallel(sequence_parallel, 0, 1, sequence_parallel_threshold)

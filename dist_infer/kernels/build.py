@@ -116,16 +116,24 @@ class CpuKernels:
                   out.data_ptr(), T, H, eps)
         return out
 
-    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        """Rotary on q [T, heads * d] in place; rotated k and v [T, kv_heads * d] into cache `slots`.
+    def rope_cache_write(self, q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: Optional[torch.Tensor]) -> None:
+        """Rotary on q [T, heads * d] and k [T, kv_heads * d] in place; then k and v into cache `slots`.
+        q=None: keys and values only; k=None: queries only.
 
         q, k, v may be column slices of one fused QKV output (row-strided, unit column stride)."""
-        T = q.shape[0]
-        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-        self._rope(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
-                   cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                   T, q.shape[1] // d, kv_heads, d)
+        _, _, kv_heads, d = k_cache.shape
+        rows = q if q is not None else k
+        for t in (q, k, v):
+            if t is not None and t.stride(-1) != 1:
+                raise ValueError("rope_cache_write: rows must have unit column stride")
+        self._rope(q.data_ptr() if q is not None else None, k.data_ptr() if k is not None else None,
+                   v.data_ptr() if v is not None else None, q.stride(0) if q is not None else 0,
+                   k.stride(0) if k is not None else 0, v.stride(0) if v is not None else 0,
+                   cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   slots.data_ptr() if slots is not None else None, rows.shape[0],
+                   q.shape[1] // d if q is not None else 0, kv_heads if k is not None else 0, d)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                          seq_lens: torch.Tensor, max_len: int, window: Optional[int], scale: float) -> torch.Tensor:

@@ -83,42 +83,52 @@ int skinny_linear(const float *x, const float *w, float *y, long M, long N, long
 void rms_norm(float *x, const float *residual, const float *weight, float *out, long T, long H, float eps) {
     for (long t = 0; t < T; t++) {
         float *row = x + t * H;
-        if (residual)
-            for (long i = 0; i < H; i++) row[i] += residual[t * H + i];
-        float ss = 0.f;
-        for (long i = 0; i < H; i++) ss += row[i] * row[i];
+        const float *res = residual ? residual + t * H : 0;
+        vf acc = (vf){0};
+        long i = 0;
+        for (; i + VW <= H; i += VW) {
+            vf v = load(row + i);
+            if (res) {
+                v += load(res + i);
+                memcpy(row + i, &v, sizeof v);
+            }
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (; i < H; i++) {
+            if (res) row[i] += res[i];
+            ss += row[i] * row[i];
+        }
         float inv = 1.0f / sqrtf(ss / (float)H + eps);
-        for (long i = 0; i < H; i++) out[t * H + i] = weight[i] * (row[i] * inv);
+        float *o = out + t * H;
+        for (i = 0; i < H; i++) o[i] = weight[i] * (row[i] * inv);
     }
 }
 
-/* rope_cache_write: rotary embedding (rotate-half convention) of q in place and of k, with k and
- * v written straight into their paged-cache slots. q/k/v rows may be strided views of the fused
- * QKV output (row strides ldq, ldk, ldv in floats); heads within a row are contiguous. */
-void rope_cache_write(float *q, const float *k, const float *v, long ldq, long ldk, long ldv,
+/* rope_cache_write: rotary embedding (rotate-half convention) of q and k in place, then k and
+ * v copied into their paged-cache slots. q/k/v rows may be strided views of the fused QKV
+ * output (row strides ldq, ldk, ldv in floats); heads within a row are contiguous. With
+ * q_heads = 0 only k and v are handled, with kv_heads = 0 only q (caches and slots unused). */
+static inline void rotate(float *x, const float *c, const float *s, long half) {
+    for (long i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+void rope_cache_write(float *q, float *k, const float *v, long ldq, long ldk, long ldv,
                       const float *cos, const float *sin, float *k_cache, float *v_cache,
                       const long *slots, long T, long q_heads, long kv_heads, long d) {
     long half = d / 2;
     for (long t = 0; t < T; t++) {
         const float *c = cos + t * d, *s = sin + t * d;
-        for (long h = 0; h < q_heads; h++) {
-            float *x = q + t * ldq + h * d;
-            for (long i = 0; i < half; i++) {
-                float a = x[i], b = x[i + half];
-                x[i] = a * c[i] - b * s[i];
-                x[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-        float *kc = k_cache + slots[t] * kv_heads * d, *vc = v_cache + slots[t] * kv_heads * d;
+        for (long h = 0; h < q_heads; h++) rotate(q + t * ldq + h * d, c, s, half);
         for (long h = 0; h < kv_heads; h++) {
-            const float *x = k + t * ldk + h * d;
-            float *o = kc + h * d;
-            for (long i = 0; i < half; i++) {
-                float a = x[i], b = x[i + half];
-                o[i] = a * c[i] - b * s[i];
-                o[i + half] = b * c[i + half] + a * s[i + half];
-            }
-            memcpy(vc + h * d, v + t * ldv + h * d, d * sizeof(float));
+            float *kr = k + t * ldk + h * d;
+            rotate(kr, c, s, half);
+            memcpy(k_cache + (slots[t] * kv_heads + h) * d, kr, d * sizeof(float));
+            memcpy(v_cache + (slots[t] * kv_heads + h) * d, v + t * ldv + h * d, d * sizeof(float));
         }
     }
 }

@@ -72,8 +72,9 @@ def add_overlap_flags(p: argparse.ArgumentParser) -> None:
                         "residual and RMSNorm on 1/tp of the tokens each: on every step that is not token-split (on), "
                         "never (off), or steps of at least --sequence-parallel-threshold tokens (auto, default)")
     p.add_argument("--sequence-parallel-threshold", type=int, default=None,
-                   help="tokens per step from which --sequence-parallel auto applies (default: measured per machine "
-                        "kind, see docs/benchmarks.md)")
+                   help="tokens per step from which --sequence-parallel auto applies (default: none, so auto leaves it "
+                        "off: on the CPU machine it was measured slower than plain tp, on CUDA it is not measured yet; "
+                        "see docs/benchmarks.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -117,33 +117,64 @@ def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return out.view(meta.batch, meta.max_q, *x.shape[1:])
 
 
-def decode_attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float) -> Optional[torch.Tensor]:
-    """A decode step's rotary, cache write and attention in two native calls, or None where the
-    native kernels do not apply (GPU, not fp32, no compiler): then the torch path runs.
-
-    q, k, v: [T, heads * d] before rotary (column slices of the fused QKV output). The torch
-    path spends ~40 small ops per layer here (rotary, index_copy, gathering the blocks into a
-    padded batch, masked SDPA); on the CPU that per-op overhead, not arithmetic, was most of a
-    decode step's attention time."""
+def native_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
+    """The native CPU kernels if they serve this step (CPU, fp32, not context parallel), else None."""
     kernels = cpu_kernels()
     if (kernels is None or q.is_cuda or q.dtype != torch.float32 or k_cache.dtype != torch.float32
-            or meta.seq_lens_t is None or not meta.decode):
+            or meta.seq_lens_t is None or meta.cp is not None):
+        return None
+    return kernels
+
+
+def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> Optional[torch.Tensor]:
+    """Rotary, cache write and attention with the native kernels -> [T, heads * d], or None where
+    they do not apply (GPU, not fp32, no compiler): then the torch path runs.
+
+    q, k, v: [T, heads * d] before rotary (column slices of the fused QKV output), rotated in
+    place. A decode step (one token per sequence) attends in one native call over the paged
+    cache: the torch path spends ~40 small ops per layer there (rotary, index_copy, gathering
+    the blocks into a padded batch, masked SDPA), and on the CPU that per-op overhead, not
+    arithmetic, was most of a decode step's attention time. Other steps keep torch's SDPA."""
+    kernels = native_kernels_for(q, k_cache, meta)
+    if kernels is None:
         return None
     if q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
-    return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
+    if meta.decode:
+        return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
+                                        meta.window, scale)
+    T, d = q.shape[0], k_cache.shape[-1]
+    return paged_attention(q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale,
+                           written=True)
+
+
+def last_token_attention_native(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
+    """Attention of each sequence's last new token only, every new key and value still cached:
+    the model's last layer, whose other rows nobody reads. q_last [B, heads * d] (queries of
+    rows meta.last_token_index), k, v [T, kv_heads * d]; returns [B, heads * d] or None."""
+    kernels = native_kernels_for(q_last, k_cache, meta)
+    if kernels is None or k.stride(1) != 1 or v.stride(1) != 1 or q_last.stride(1) != 1:
+        return None
+    kernels.rope_cache_write(None, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+    rows = meta.last_token_index
+    kernels.rope_cache_write(q_last, None, None, cos[rows], sin[rows], k_cache, v_cache, None)
+    return kernels.decode_attention(q_last, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
                                     meta.window, scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads * d]; writes k/v into the cache."""
+                    meta: AttentionMetadata, scale: float, written: bool = False) -> torch.Tensor:
+    """q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads * d]; writes k/v into the cache
+    (unless `written`: the caller already did)."""
     kv_heads, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    if not written:
+        k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
     if meta.fresh:
         keys, values = _pad(k, meta), _pad(v, meta)
     else:

@@ -14,7 +14,14 @@ from torch import nn
 
 from dist_infer.comm.base import Communicator
 from dist_infer.kernels import cpu_kernels
-from dist_infer.models.attention import AttentionMetadata, TokenSplit, decode_attention_native, paged_attention
+from dist_infer.models.attention import (
+    AttentionMetadata,
+    TokenSplit,
+    attention_native,
+    last_token_attention_native,
+    native_kernels_for,
+    paged_attention,
+)
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.cp_attention import cp_attention, cp_last_hidden
 from dist_infer.models.rope import Rotary, apply_rotary
@@ -25,6 +32,7 @@ from dist_infer.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from dist_infer.parallel.linear import skinny_linear
 from dist_infer.parallel.sequence_parallel import (
     gather_from_sequence_parallel,
     reduce_scatter_to_sequence_parallel,
@@ -34,11 +42,11 @@ from dist_infer.parallel.token_split import run_layers_token_split
 from dist_infer.parallel.weights import load_replicated
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-NATIVE_MAX_ROWS = 64  # RMSNorm of up to this many rows (decode steps) runs natively; torch's threaded ops above
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalise in fp32, scale in the input dtype."""
+    """HF's RMSNorm: normalise in fp32, scale in the input dtype. On the CPU in fp32 one native
+    pass per row (kernels/cpu_kernels.c) instead of six torch ops."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -46,13 +54,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels() if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS else None
-        if kernels is not None and x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous():
+        kernels = self._native(x)
+        if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    @staticmethod
+    def _native(x: torch.Tensor):
+        if x.dim() != 2 or x.dtype != torch.float32 or x.is_cuda or not x.is_contiguous():
+            return None
+        return cpu_kernels()
+
+    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, norm(x + branch)): the residual add and the next norm in one pass where
+        the native kernel serves (x is then updated in place: it is the layer's own residual)."""
+        kernels = self._native(x)
+        if kernels is not None and branch.shape == x.shape and branch.dtype == x.dtype and branch.is_contiguous():
+            return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
+        x = x + branch
+        return x, self(x)
 
 
 class LlamaAttention(nn.Module):
@@ -88,7 +111,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x)
         T = x.shape[0]
         if meta.cp is None:
-            out = decode_attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)
+            out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)
             if out is not None:
                 return out
         q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
@@ -97,6 +120,21 @@ class LlamaAttention(nn.Module):
         if meta.cp is not None:
             return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
         return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+
+
+    def attend_last_tokens(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """`attend(x)[meta.last_token_index]` for the model's last layer, computing queries and
+        attention for those rows only (keys and values of every token still go to the cache).
+        None where the native kernels do not serve the step: then the caller attends in full."""
+        qkv = self.qkv_proj
+        if type(qkv) is not QKVParallelLinear or meta.cp is not None or native_kernels_for(x, kv[0], meta) is None:
+            return None
+        qs = qkv.q_size
+        bias = qkv.bias
+        kv_out = skinny_linear(x, qkv.weight[qs:], None if bias is None else bias[qs:])
+        q = skinny_linear(x[meta.last_token_index], qkv.weight[:qs], None if bias is None else bias[:qs])
+        k, v = kv_out.split([qkv.kv_size, qkv.kv_size], dim=-1)
+        return last_token_attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)
 
 
 class LlamaMLP(nn.Module):
@@ -144,11 +182,18 @@ class LlamaDecoderLayer(nn.Module):
         token's keys in the cache, but only each sequence's last token goes on to the LM head,
         so o_proj and the MLP (most of a layer's FLOPs) run on those rows alone: exact, since
         everything after attention works row by row."""
-        h = self.self_attn.attend(self.input_layernorm(x), cos, sin, kv, meta)
+        normed = self.input_layernorm(x)
+        h = None
+        if rows is not None and rows is meta.last_token_index:
+            h = self.self_attn.attend_last_tokens(normed, cos, sin, kv, meta)
+        if h is None:
+            h = self.self_attn.attend(normed, cos, sin, kv, meta)
+            if rows is not None:
+                h = h[rows]
         if rows is not None:
-            h, x = h[rows], x[rows]
-        x = x + self.self_attn.o_proj(h)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x[rows]
+        x, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.o_proj(h))
+        return x + self.mlp(normed)
 
     def forward_sequence_parallel(self, x_local: torch.Tensor, tokens: int, cos, sin, kv: KVCache,
                                   meta: AttentionMetadata) -> torch.Tensor:

@@ -15,6 +15,8 @@ the padding never leaves this module.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dist_infer.comm.base import Communicator
@@ -62,10 +64,11 @@ def reduce_scatter_to_sequence_parallel(partial: torch.Tensor, tp: Communicator)
     return out
 
 
-def should_sequence_parallel(mode: str, tokens: int, tp_size: int, threshold: int) -> bool:
-    """Whether a step of `tokens` tokens runs sequence parallel: 'on' whenever tp > 1, 'auto' from `threshold` up."""
+def should_sequence_parallel(mode: str, tokens: int, tp_size: int, threshold: Optional[int]) -> bool:
+    """Whether a step of `tokens` tokens runs sequence parallel: 'on' whenever tp > 1, 'auto' from
+    `threshold` up (never where the threshold is None: no machine kind where it was measured to pay)."""
     if mode not in ("on", "off", "auto"):
         raise ValueError(f"sequence-parallel mode must be on, off or auto, got {mode!r}")
     if mode == "off" or tp_size == 1:
         return False
-    return mode == "on" or tokens >= threshold
+    return mode == "on" or (threshold is not None and tokens >= threshold)
