@@ -1,7 +1,7 @@
 """A communicator that measures how long communication keeps its caller waiting, and can run
 its ops without overlap or not at all, so that overlap becomes a number.
 
-`dist-infer bench --overlap-report` runs one workload three ways per group: "serial" (every
+`dist-infer bench --overlap-report` runs one workload up to three ways per group: "serial" (every
 async op waited for the moment it is posted: nothing overlaps, the baseline), "overlap" (the
 normal schedule) and "skip" (no communication: wrong output, the lower bound). The hidden
 fraction is (t_serial - t_overlap) / (t_serial - t_skip), TokenWeave's measure. In every mode
@@ -66,7 +66,7 @@ class _TimedHandle(Handle):
         return self.inner.is_completed()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        with self.owner._timed(self.op):
+        with _Span(self.owner, self.op):
             self.inner.wait(timeout)
 
 
@@ -88,14 +88,11 @@ class MeasuredCommunicator(DelegatingCommunicator):
         out, self.exposed_s = dict(self.exposed_s), defaultdict(float)
         return out
 
-    def _timed(self, op: str) -> "_Span":
-        return _Span(self, op)
-
     def _run(self, op: str, post, async_op: bool, skip_result=None, tensors=()):
         if self.mode == "skip" and skip_result is not None and all(t.is_floating_point() for t in tensors):
             skip_result()
             return DoneHandle() if async_op else None
-        with self._timed(op):
+        with _Span(self, op):
             handle = post(async_op or self.mode == "serial")
             if self.mode == "serial" and handle is not None:
                 handle.wait()

@@ -42,7 +42,7 @@ TAG_FORWARD, TAG_BACK = 1, 2
 OVERLAP_THRESHOLDS = {"cpu": 2048, "cuda": 1024}
 DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 # Tokens per step from which `--sequence-parallel auto` applies; None: auto never does. On the
-# 2-core CPU machine it was 7% slower than plain tp at 1024 and 2048 tokens and no faster in
+# 2-core CPU machine it was within noise of plain tp at 1024 and 2048 tokens and slower in
 # decode (docs/benchmarks.md); on CUDA it is unmeasured (no GPU yet), so auto leaves it off.
 SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": None, "cuda": None}
 DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]

@@ -41,8 +41,8 @@ class AttentionMetadata:
 
     @property
     def decode(self) -> bool:
-        """One new token per sequence: the step the native decode kernels serve."""
-        return self.max_q == 1 and self.cp is None
+        """One new token per sequence: the step the native decode attention serves."""
+        return self.max_q == 1
 
     @property
     def batch(self) -> int:

@@ -110,10 +110,9 @@ class LlamaAttention(nn.Module):
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
         T = x.shape[0]
-        if meta.cp is None:
-            out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)
-            if out is not None:
-                return out
+        out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)  # None: not served natively
+        if out is not None:
+            return out
         q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.kv_heads, self.head_dim)
@@ -121,13 +120,12 @@ class LlamaAttention(nn.Module):
             return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
         return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
 
-
     def attend_last_tokens(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """`attend(x)[meta.last_token_index]` for the model's last layer, computing queries and
         attention for those rows only (keys and values of every token still go to the cache).
         None where the native kernels do not serve the step: then the caller attends in full."""
         qkv = self.qkv_proj
-        if type(qkv) is not QKVParallelLinear or meta.cp is not None or native_kernels_for(x, kv[0], meta) is None:
+        if type(qkv) is not QKVParallelLinear or native_kernels_for(x, kv[0], meta) is None:
             return None
         qs = qkv.q_size
         bias = qkv.bias
