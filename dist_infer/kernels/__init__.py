@@ -3,6 +3,6 @@ skinny products). Compiled from C on first use with the system compiler and call
 ctypes; where no compiler is available everything falls back to torch. A leaf part: it
 imports nothing else from dist_infer."""
 
-from dist_infer.kernels.build import CpuKernels, cpu_kernels
+from dist_infer.kernels.build import CpuKernels, cpu_kernels, cpu_kernels_for
 
-__all__ = ["CpuKernels", "cpu_kernels"]
+__all__ = ["CpuKernels", "cpu_kernels", "cpu_kernels_for"]

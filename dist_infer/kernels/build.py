@@ -174,3 +174,10 @@ def cpu_kernels() -> Optional[CpuKernels]:
         logger.debug(f"building native CPU kernels with {' '.join(flags)} failed: {error}")
     logger.warning("native CPU kernels could not be built (see --log-level DEBUG); torch ops used instead")
     return None
+
+
+def cpu_kernels_for(*tensors: torch.Tensor) -> Optional[CpuKernels]:
+    """The kernels if every tensor is what they are written for (fp32 on the CPU), else None."""
+    if any(t.is_cuda or t.dtype != torch.float32 for t in tensors):
+        return None
+    return cpu_kernels()

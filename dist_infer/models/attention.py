@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from dist_infer.kernels import cpu_kernels
+from dist_infer.kernels import cpu_kernels_for
 
 if TYPE_CHECKING:
     from dist_infer.models.cp_attention import ContextParallelMetadata
@@ -119,11 +119,9 @@ def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
 
 def native_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
     """The native CPU kernels if they serve this step (CPU, fp32, not context parallel), else None."""
-    kernels = cpu_kernels()
-    if (kernels is None or q.is_cuda or q.dtype != torch.float32 or k_cache.dtype != torch.float32
-            or meta.seq_lens_t is None or meta.cp is not None):
+    if meta.seq_lens_t is None or meta.cp is not None:
         return None
-    return kernels
+    return cpu_kernels_for(q, k_cache)
 
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

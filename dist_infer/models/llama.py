@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import cpu_kernels
+from dist_infer.kernels import cpu_kernels_for
 from dist_infer.models.attention import (
     AttentionMetadata,
     TokenSplit,
@@ -64,15 +64,13 @@ class RMSNorm(nn.Module):
 
     @staticmethod
     def _native(x: torch.Tensor):
-        if x.dim() != 2 or x.dtype != torch.float32 or x.is_cuda or not x.is_contiguous():
-            return None
-        return cpu_kernels()
+        return cpu_kernels_for(x) if x.dim() == 2 and x.is_contiguous() else None
 
     def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + branch, norm(x + branch)): the residual add and the next norm in one pass where
         the native kernel serves (x is then updated in place: it is the layer's own residual)."""
         kernels = self._native(x)
-        if kernels is not None and branch.shape == x.shape and branch.dtype == x.dtype and branch.is_contiguous():
+        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() and cpu_kernels_for(branch):
             return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
         x = x + branch
         return x, self(x)

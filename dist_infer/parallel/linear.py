@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import cpu_kernels
+from dist_infer.kernels import cpu_kernels_for
 from dist_infer.kernels.build import MAX_ROWS
 from dist_infer.parallel.sharding import HeadLayout, shard_range
 from dist_infer.parallel.tp_comm import reduce_from_tp
@@ -32,8 +32,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.dim() != 2 or x.is_cuda or not 1 <= rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
-    kernels = cpu_kernels()
-    if kernels is not None and x.dtype == weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous():
+    kernels = cpu_kernels_for(x, weight)
+    if kernels is not None and x.is_contiguous() and weight.is_contiguous():
         y = kernels.skinny_linear(x, weight)
         return y if bias is None else y.add_(bias)
     if not 2 <= rows <= 4:
