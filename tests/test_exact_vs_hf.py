@@ -172,7 +172,7 @@ def test_eos_stop_tp2xpp2_matches_hf(store, tmp_path):
     dumped = torch.load(dump)
     for b, (row, stop) in enumerate(zip(out["outputs"], stops)):
         n = NEW_TOKENS if stop is None else stop + 1
-        assert row["finish_reason"] == ("length" if stop is None else "eos"), row
+        assert row["finish_reason"] == ("length" if stop is None else "stop"), row
         assert row["token_ids"] == ref_ids[b][:n], f"prompt {b}: {row['token_ids']} vs HF {ref_ids[b]}"
         assert dumped[b].shape == (n, ref_logits[b].shape[1])
         torch.testing.assert_close(dumped[b], ref_logits[b][:n], atol=ATOL, rtol=RTOL)

@@ -261,10 +261,15 @@ class ThreadComm(Communicator):
         output.copy_(torch.cat([values[src][self.rank] for src in range(self.size)]))
         return DoneHandle()
 
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("ThreadComm only does what the MoE layer needs")
+    def _post_broadcast(self, tensor, src):  # the engine's step plans
+        values = self._exchange(tensor.clone())
+        tensor.copy_(values[src])
+        return DoneHandle()
 
-    _post_reduce_scatter = _post_broadcast = _post_barrier = _post_p2p = split = _unsupported
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("ThreadComm only does what the MoE layer and the engine need")
+
+    _post_reduce_scatter = _post_barrier = _post_p2p = split = _unsupported
 
 
 def thread_groups(tp: int, ep: int) -> list[ParallelGroups]:
@@ -437,7 +442,7 @@ def test_in_memory_transformers_model_over_two_ep_threads(arch, tmp_path):
     """stage_from_hf_model reads transformers' fused in-memory expert tensors; ep=2 gives HF's logits."""
     from checkpoints import load_hf_model, write_hf_checkpoint
 
-    from dist_infer.engine.generate import Engine
+    from dist_infer.engine.step_loop import Engine
     from dist_infer.engine.sampling import SamplingParams
     from dist_infer.models.loader import stage_from_hf_model
 

@@ -571,7 +571,7 @@ def _assert_like_hf(outputs, prompts, ids, logits, what, eos=2):
     for b, (o, want_ids, want) in enumerate(zip(outputs, ids, logits)):
         assert o.prompt_token_ids == prompts[b]
         n = len(o.token_ids)
-        if o.finish_reason == "eos":
+        if o.finish_reason == "stop":  # OpenAI's name for an EOS stop
             assert o.token_ids[-1] == eos and eos not in o.token_ids[:-1]
         else:
             assert o.finish_reason == "length" and n == len(want_ids)

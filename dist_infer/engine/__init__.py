@@ -1,7 +1,9 @@
-"""Generation: paged KV cache, sampling, the loop that drives the pipeline stages."""
+"""The engine: paged KV cache, the iteration-level scheduler, sampling, the step loop."""
 
 from dist_infer.engine.api import ShardedModel, load, shard
-from dist_infer.engine.generate import Engine, GenerationOutput, PromptError
+from dist_infer.engine.request import Request, RequestError, RequestOutput
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.step_loop import Engine, GenerationOutput, PromptError
 
-__all__ = ["Engine", "GenerationOutput", "PromptError", "SamplingParams", "ShardedModel", "load", "shard"]
+__all__ = ["Engine", "GenerationOutput", "PromptError", "Request", "RequestError", "RequestOutput", "SamplingParams",
+           "ShardedModel", "load", "shard"]

@@ -1,14 +1,27 @@
-"""Choosing the next token: greedy, or temperature with top-k and top-p.
+"""Choosing the next token: greedy, or temperature with top-k and top-p, per request.
 
-Each sequence draws from its own generator seeded from (seed, sequence index), so a seeded run
-gives the same tokens on every rank and however the batch is cut into microbatches.
+Randomness is counter-based: token i of a request is drawn from a generator seeded from
+(seed, i). A request's whole random state is therefore its seed and how many tokens it has,
+so it samples the same tokens alone or in any batch, at any chunk size, after a preemption
+(recompute) and after moving to another instance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default limit)
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; `field` names it (the HTTP API reports it as `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -17,28 +30,49 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
-    seed: int = 0
+    seed: Optional[int] = 0  # None: the engine draws one per request
     stop_at_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end the request (the id is kept in the output)
+    stop: tuple[str, ...] = ()  # strings that end the request; the text is cut before them
+    logprobs: Optional[int] = None  # also return this many top alternatives per token (0: the chosen one only)
+    min_tokens: int = 0  # no stop (EOS, stop ids, stop strings) before this many tokens
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        def bad(name, why):
+            raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an integer >= 1")
+        if not 0 <= self.temperature <= 100:
+            bad("temperature", "must be in [0, 100]")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            bad("top_k", "must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 53:
+            bad("seed", "must be in [0, 2**53)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            bad("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def sequence_generator(seed: int, index: int) -> torch.Generator:
+def token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator for token `index` of a request seeded with `seed` (counter-based)."""
     gen = torch.Generator()
-    gen.manual_seed(seed * 1_000_003 + index)
+    gen.manual_seed((seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63))
     return gen
+
+
+def sequence_generator(seed: int, index: int) -> torch.Generator:
+    """Kept for callers of the old name: the generator of token `index` under `seed`."""
+    return token_generator(seed, index)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -57,8 +91,50 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+@dataclass
+class RowSampling:
+    """How to sample one row of logits: the request's parameters and the index of the token drawn."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    index: int = 0  # tokens the request has generated before this one
+    logprobs: int = 0  # top alternatives wanted
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, index: int) -> "RowSampling":
+        return cls(params.temperature, params.top_k, params.top_p, seed, index, params.logprobs or 0)
+
+
+@dataclass
+class SampledTokens:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float64: log-probability of each chosen token under the model
+    top_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))  # [B, N]
+    top_logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.float64))  # [B, N]
+    logits: Optional[torch.Tensor] = None  # [B, V] fp32, when the caller asked for them
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> SampledTokens:
+    """logits [B, V] -> one token per row, each row with its own parameters and generator."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(-1)
+    for b, row in enumerate(rows):
+        if row.temperature > 0:
+            probs = filter_logits(logits[b] / row.temperature, row.top_k, row.top_p).softmax(-1)
+            tokens[b] = torch.multinomial(probs, 1, generator=token_generator(row.seed, row.index))[0]
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].double()
+    n = max((r.logprobs for r in rows), default=0)
+    if n:
+        top = logprobs.topk(n, dim=-1)
+        return SampledTokens(tokens, chosen, top.indices, top.values.double())
+    return SampledTokens(tokens, chosen)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (token ids [B], log-probabilities of those tokens under the model [B])."""
+    """logits [B, V] -> (token ids, their log-probabilities), one shared parameter set, given generators."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.greedy:

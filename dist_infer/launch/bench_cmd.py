@@ -277,7 +277,7 @@ def run_bench(args) -> int:
     from tqdm import tqdm
 
     from dist_infer.comm.measured import MeasuredCommunicator
-    from dist_infer.engine.generate import Engine
+    from dist_infer.engine.step_loop import Engine
     from dist_infer.launch.generate_cmd import moe_report, overlap_options
     from dist_infer.launch.peers import make_prompts, run_peer
     from dist_infer.launch.rank import join_job
@@ -319,6 +319,7 @@ def run_bench(args) -> int:
     peaks[world.rank] = report.peak_rss_mb
     world.all_reduce(peaks)
     world.barrier()
+    engine.close()
     plain_groups.destroy()
     world.destroy()
     if world.rank != 0:

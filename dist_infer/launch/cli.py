@@ -150,6 +150,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_flags(bench)
     add_overlap_flags(bench)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve the model over the job's ranks behind an OpenAI-compatible HTTP API",
+        description="Load a checkpoint with tp x pp (x ep x cp) ranks and serve it: continuous batching with "
+                    "chunked prefill, /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. "
+                    "Rank 0 hosts the API. With --nproc N (or by default tp x pp x ep x cp) it starts the local ranks "
+                    "itself; under torchrun, mpirun or dist-infer launch it runs as one rank.",
+        epilog="example:\n  dist-infer serve --tp 2 --port 8000 &\n"
+               "  curl http://127.0.0.1:8000/v1/completions -d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_parallel_flags(serve)
+    add_rank_flags(serve)
+    from dist_infer.launch.serve_cmd import add_serve_flags
+
+    add_serve_flags(serve)
+    add_overlap_flags(serve)
+
+    bench_serve = sub.add_parser(
+        "bench-serve",
+        help="load-test any OpenAI-compatible server: TTFT, TPOT, ITL, E2E, throughput, goodput",
+        description="Send a stream of requests (Poisson or gamma arrivals, synthetic lengths, a ShareGPT file or a "
+                    "timestamped trace) to an OpenAI-compatible server and report latency percentiles and throughput.",
+    )
+    from dist_infer.launch.bench_serve import add_bench_serve_flags
+
+    add_bench_serve_flags(bench_serve)
     return parser
 
 
@@ -173,6 +201,24 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if code is not None:
         return code
     return run_rank_command(lambda: run_bench(args))
+
+
+def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from dist_infer.launch.generate_cmd import spawn_local
+    from dist_infer.launch.rank import run_rank_command
+    from dist_infer.launch.serve_cmd import run_serve
+
+    code = spawn_local(args, list(argv))
+    if code is not None:
+        return code
+    return run_rank_command(lambda: run_serve(args))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from dist_infer.launch.bench_serve import run_bench_serve
+
+    configure_logging("bench-serve", "INFO")
+    return run_bench_serve(args)
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -236,8 +282,8 @@ def cmd_comm_test(args: argparse.Namespace) -> int:
     return run_rank_command(body)
 
 
-COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test}
-RANK_COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}  # these can start their own ranks
+COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test, "bench-serve": cmd_bench_serve}
+RANK_COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}  # these can start their own ranks
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -12,12 +12,30 @@ from loguru import logger
 from dist_infer.topology import discover
 
 DEFAULT_PROMPT = "The quick brown fox"
+# The serving step's token budget. On the 2-core CPU machine, the default model prefilling a
+# 2040-token prompt in chunks beside 8 running decodes peaks at 256 tokens per step (3460 tok/s,
+# 81 ms a step; 512: 3290 tok/s, 182 ms; 1024: 2490 tok/s, 578 ms): docs/benchmarks.md.
+DEFAULT_MAX_BATCHED_TOKENS = 256
 
 
-def add_generate_flags(p: argparse.ArgumentParser) -> None:
+def model_path(args) -> str:
+    """--model, with 'default' (or nothing) meaning the built-in model, written on first use."""
+    from dist_infer.models.default_model import ensure_default_model
+
+    return str(ensure_default_model()) if args.model in (None, "default") else args.model
+
+
+def scheduler_options(args) -> dict:
+    return {"num_blocks": args.kv_blocks, "max_batched_tokens": args.max_batched_tokens,
+            "max_num_seqs": args.max_num_seqs, "chunked_prefill": not args.no_chunked_prefill,
+            "static_batching": args.scheduling == "static"}
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model and how it is laid out: shared by generate and serve."""
     p.add_argument("--model", default=None,
-                   help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json); "
-                        "default: the built-in small Llama, written to the cache on first use")
+                   help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json), or 'default': "
+                        "the built-in small Llama, written to the cache on first use (the default)")
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many local ranks (default: tp x pp x ep x cp); ignored under torchrun/mpirun/launch")
     p.add_argument("--pp-split", default=None,
@@ -25,6 +43,32 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weight and activation dtype (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default %(default)s)")
+    add_expert_placement_flag(p)
+    add_cp_variant_flag(p)
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
+    """The step loop's limits: shared by generate and serve (offline defaults: no budget, a cache for the batch)."""
+    p.add_argument("--max-batched-tokens", type=int, default=None if offline else DEFAULT_MAX_BATCHED_TOKENS,
+                   help="token budget of one forward step: running decodes first, then chunks of prompts up to it "
+                        + ("(default: none, every prompt in one step)" if offline else
+                           f"(default {DEFAULT_MAX_BATCHED_TOKENS}, measured on the 2-core CPU machine: "
+                           "see docs/benchmarks.md)"))
+    p.add_argument("--max-num-seqs", type=int, default=256 if offline else 64,
+                   help="most requests running (holding KV blocks) at once (default %(default)s)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV cache blocks per rank (default: " + ("enough for the whole batch" if offline else
+                        "what --kv-cache-memory holds, at most enough for --max-num-seqs full-length requests") + ")")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="compute each prompt in one step instead of in chunks under the token budget")
+    p.add_argument("--scheduling", choices=("continuous", "static"), default="continuous",
+                   help="continuous: requests join and leave the batch at every step (default); static: a new batch "
+                        "starts only when the whole running batch has finished (the baseline benchmarks compare with)")
+
+
+def add_generate_flags(p: argparse.ArgumentParser) -> None:
+    add_model_flags(p)
+    add_scheduler_flags(p, offline=True)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt; repeat for a batch")
     p.add_argument("--prompt-ids", action="append", default=[],
                    help="a prompt as comma-separated token ids, e.g. 1,2,3; repeat for a batch")
@@ -39,8 +83,6 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
                         "with torch.save, on rank 0; for checking against a reference")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object as the last stdout line on rank 0: outputs, parallel layout, timing")
-    add_expert_placement_flag(p)
-    add_cp_variant_flag(p)
 
 
 def add_expert_placement_flag(p: argparse.ArgumentParser) -> None:
@@ -84,13 +126,13 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
     from dist_infer.models.default_model import ensure_default_model
 
     configure_logging("launch")
-    if args.model is None:
+    if args.model in (None, "default"):
         ensure_default_model()  # once, before the ranks race for it
     return relaunch_as_local_ranks(argv, n)
 
 
 def overlap_options(args) -> dict:
-    from dist_infer.engine.generate import DEFAULT_OVERLAP_THRESHOLD, DEFAULT_SEQUENCE_PARALLEL_THRESHOLD
+    from dist_infer.engine.step_loop import DEFAULT_OVERLAP_THRESHOLD, DEFAULT_SEQUENCE_PARALLEL_THRESHOLD
 
     return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD,
             "sequence_parallel": args.sequence_parallel,
@@ -107,7 +149,7 @@ def moe_report(stage, groups) -> Optional[dict]:
 def run_generate(args) -> int:
     import torch
 
-    from dist_infer.engine.generate import Engine
+    from dist_infer.engine.step_loop import Engine
     from dist_infer.engine.sampling import SamplingParams
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.rank import join_job
@@ -120,7 +162,7 @@ def run_generate(args) -> int:
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
-    model = args.model or str(ensure_default_model())
+    model = model_path(args)
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
     stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement)
     logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
@@ -130,7 +172,8 @@ def run_generate(args) -> int:
     if args.prompt or not prompts:
         tokenizer = TextTokenizer(model)
         prompts = [tokenizer.encode(p) for p in (args.prompt or [DEFAULT_PROMPT])] + prompts
-    engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant)
+    engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant,
+                    **scheduler_options(args))
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
     timing = {"load_s": report.load_s, **engine.timing.as_dict()}
     peaks = torch.zeros(world.size, dtype=torch.float64)
@@ -147,7 +190,8 @@ def run_generate(args) -> int:
         for o in outputs:
             text = tokenizer.decode(o.token_ids) if tokenizer else ""
             rows.append({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
-                         "logprobs": o.logprobs, "text": text, "finish_reason": o.finish_reason})
+                         "logprobs": o.logprobs, "text": text, "finish_reason": o.finish_reason,
+                         "preemptions": o.num_preemptions})
             prompt_text = tokenizer.decode(o.prompt_token_ids) if tokenizer else str(o.prompt_token_ids)
             print(f"--- prompt: {prompt_text!r}\n    output: {text!r}\n    ids: {o.token_ids}")
         print(f"timing: load {timing['load_s']:.2f} s, ttft {timing['ttft_s'] * 1e3:.1f} ms, "
@@ -165,6 +209,7 @@ def run_generate(args) -> int:
             print(json.dumps({"outputs": rows, "parallel": parallel, "timing": timing,
                               "memory": {"peak_rss_mb_per_rank": peaks.tolist()}, **extra}))
     world.barrier()
+    engine.close()
     groups.destroy()
     world.destroy()
     return 0

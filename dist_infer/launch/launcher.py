@@ -229,8 +229,22 @@ def _stop(children: Sequence[tuple[Proc, subprocess.Popen]]) -> None:
     stop_process_groups([p for _, p in children])
 
 
-def run(procs: Sequence[Proc], poll_s: float = 0.05) -> int:
-    """Start `procs`, wait for all; the first that fails stops the others. Returns the exit code."""
+def _signal_all(children: Sequence[tuple[Proc, subprocess.Popen]], signum: int) -> None:
+    for _, child in children:
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 30.0) -> int:
+    """Start `procs`, wait for all; the first that fails stops the others. Returns the exit code.
+
+    SIGINT/SIGTERM is passed on to every rank, which may shut down in order (a server finishes
+    its requests and stops its followers); ranks still running `shutdown_grace_s` later, or
+    at a second signal, are killed. All ranks exiting 0 after the signal is a clean exit (0).
+    """
     children: list[tuple[Proc, subprocess.Popen]] = []
     interrupted: list[int] = []
 
@@ -249,9 +263,22 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05) -> int:
                 return 127
             children.append((proc, child))
         remaining = list(children)
+        forwarded, deadline = 0, None
         while remaining:
-            if interrupted:
-                logger.warning(f"received {signal.Signals(interrupted[0]).name}: stopping {len(remaining)} process(es)")
+            if len(interrupted) > forwarded:
+                signum = interrupted[forwarded]
+                forwarded = len(interrupted)
+                if deadline is not None:  # a second signal: no more waiting
+                    logger.warning(f"received {signal.Signals(signum).name} again: stopping {len(remaining)} process(es)")
+                    _stop(children)
+                    return 128 + signum
+                logger.warning(f"received {signal.Signals(signum).name}: passed on to {len(remaining)} process(es), "
+                               f"waiting up to {shutdown_grace_s:.0f} s for them to stop")
+                _signal_all(remaining, signum)
+                deadline = time.monotonic() + shutdown_grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                logger.error(f"{', '.join(p.label for p, _ in remaining)} still running {shutdown_grace_s:.0f} s "
+                             f"after {signal.Signals(interrupted[0]).name}: killing")
                 _stop(children)
                 return 128 + interrupted[0]
             for proc, child in list(remaining):

@@ -1,0 +1,82 @@
+"""A request's life in the engine, and what the engine reports about it after each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dist_infer.engine.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (empty prompt, ids outside the vocabulary, too long);
+    `field` names the offending input (the HTTP API reports it as `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again (its KV blocks freed)
+    RUNNING = "running"  # holds KV blocks; gets prefill chunks, then one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One prompt being served. `all_token_ids` = prompt + generated; `num_computed` of them
+    have their keys and values in the cache (and, during a step, have been scheduled)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed in use (params.seed, or one the engine drew)
+    seq_id: int = 0  # a small integer naming the sequence in step plans (unique while it lives)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    in_flight: bool = False  # a step that samples its next token is on the way (pipeline)
+    finish_reason: Optional[str] = None  # "stop", "length", "abort"
+    stop_reason: Optional[object] = None  # the stop string or token id that ended it
+    num_preemptions: int = 0
+    first_token_time: Optional[float] = None
+    text: str = ""  # detokenized output so far (when the engine has a tokenizer)
+    emitted_text: int = 0  # characters of `text` already reported
+    emitted_tokens: int = 0  # tokens already reported
+    logits: list = field(default_factory=list)  # per generated token, when the caller asked for them
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one step (or the end) added to a request: new tokens since the last report."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[list[tuple[int, float]]]  # per new token: (id, logprob) best first; [] if not asked
+    text_delta: str  # new text ('' without a tokenizer); never contains a matched stop string
+    finished: bool
+    finish_reason: Optional[str] = None  # "stop" (EOS, stop id or stop string), "length", "abort"
+    stop_reason: Optional[object] = None  # the stop string or id, None for EOS/length
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0  # in total so far
+    error: Optional[str] = None  # set when the request ended because the engine failed

@@ -1,0 +1,253 @@
+"""The iteration-level scheduler (Orca, vLLM): every step, one forward batch under a token budget.
+
+Running decodes go first (one token each), then chunks of prompts, so a long prompt never
+stalls the decodes (stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's
+Dynamic SplitFuse do). New requests are admitted while free KV blocks stay above a watermark.
+When a running request needs a block and none is free, the newest running request is
+preempted by recompute: its blocks are freed and it waits again with its prompt plus what it
+generated, which it recomputes when readmitted (the same tokens, since sampling is counter-based).
+
+The scheduler owns the block allocator and every request's block table; the ranks only store
+keys and values where the step plan says. It is pure bookkeeping (no tensors, no processes), so
+the tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from dist_infer.engine.kv_cache import BlockAllocator, blocks_for
+from dist_infer.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_batched_tokens: Optional[int] = 2048  # None: no budget (offline, everything in one step if it fits)
+    max_num_seqs: int = 256
+    watermark: float = 0.01  # fraction of blocks kept free when admitting a new request
+    chunked_prefill: bool = True  # False: a prompt is computed in one step, never cut
+    whole_prompt_steps: bool = False  # context parallel: a step is all fresh prompts or all decodes
+    static_batching: bool = False  # the baseline: admit a new batch only when the running one has finished
+
+    def __post_init__(self):
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be at least 1, got {self.max_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # tokens of the request already in the cache
+    num_tokens: int  # new tokens computed this step
+    sample: bool  # the chunk reaches the request's last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    freed: list[Request] = field(default_factory=list)  # requests whose blocks were freed since the last step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+def cp_rows_needed(num_prompt: int, num_generated: int, cp: int) -> int:
+    """An upper bound on the KV rows any one of `cp` ranks holds for a sequence: its two zigzag
+    chunks of the prompt (ceil(P / 2cp) rows each) and its round-robin share of the decode tokens."""
+    chunk = -(-num_prompt // (2 * cp))
+    return 2 * chunk + -(-num_generated // cp)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cp: int = 1):
+        self.config = config
+        self.cp = cp
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+        self._freed: list[Request] = []
+        self._watermark_blocks = int(config.watermark * config.num_blocks)
+        # context parallel: the prompt length a sequence was prefilled with (its zigzag layout)
+        self._cp_prefill: dict[str, int] = {}
+
+    # -- the queue ----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request wherever it is (finished, stopped, aborted) and free its blocks."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.allocator.num_free / self.config.num_blocks
+
+    # -- blocks -------------------------------------------------------------------------------
+    def _tokens_held(self, request: Request, computed: int) -> int:
+        """KV rows (per rank) a request holds once `computed` of its tokens are in the cache."""
+        if self.cp == 1:
+            return computed
+        prompt = self._cp_prefill.get(request.request_id, computed)
+        return cp_rows_needed(prompt, computed - prompt, self.cp)
+
+    def _blocks_to_grow(self, request: Request, new_tokens: int) -> int:
+        need = blocks_for(self._tokens_held(request, request.num_computed + new_tokens), self.config.block_size)
+        return max(0, need - len(request.block_table))
+
+    def _grow(self, request: Request, new_tokens: int) -> None:
+        for _ in range(self._blocks_to_grow(request, new_tokens)):
+            request.block_table.append(self.allocator.allocate())
+
+    def _release(self, request: Request) -> None:
+        if request.block_table:
+            self.allocator.free(request.block_table)
+            request.block_table = []
+        had_cp_shard = self._cp_prefill.pop(request.request_id, None) is not None
+        if request.num_computed or had_cp_shard:
+            self._freed.append(request)
+        request.num_computed = 0
+        request.in_flight = False
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute later: free everything, queue it first (it was admitted before the others)."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self, max_seqs: Optional[int] = None) -> SchedulerOutput:
+        """The next step's batch (at most `max_seqs` sequences). Requests whose sampled token is
+        still on the way (pipeline stages in flight) are left out until it arrives."""
+        out = SchedulerOutput()
+        max_seqs = max_seqs or self.config.max_num_seqs
+        budget = self.config.max_batched_tokens if self.config.max_batched_tokens is not None else float("inf")
+        cp_prefill_step = False
+        if self.config.whole_prompt_steps:
+            decodes_ready = any(not r.in_flight and r.num_tokens - r.num_computed == 1 for r in self.running)
+            cp_prefill_step = not decodes_ready and bool(self.waiting)
+        scheduled: set[int] = set()
+
+        # 1. running requests: decodes and unfinished prompt chunks, oldest first
+        if not cp_prefill_step:
+            for request in list(self.running):
+                if len(out.chunks) >= max_seqs:
+                    break
+                if request not in self.running or request.in_flight or id(request) in scheduled:
+                    continue
+                remaining = request.num_tokens - request.num_computed
+                if self.config.whole_prompt_steps and remaining != 1:
+                    continue
+                n = min(remaining, budget) if self.config.chunked_prefill else remaining
+                if n <= 0 or n > budget:
+                    continue
+                while self._blocks_to_grow(request, n) > self.allocator.num_free:
+                    victim = self._newest_preemptable(exclude=scheduled)
+                    if victim is None:
+                        break
+                    self._preempt(victim, out)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING or self._blocks_to_grow(request, n) > self.allocator.num_free:
+                    continue
+                self._grow(request, n)
+                self._add_chunk(out, request, n, scheduled)
+                budget -= n
+
+        # 2. waiting requests, first come first served, while blocks and the budget last
+        admitting = not self.config.static_batching or not self.running or all(
+            r.num_computed < r.num_tokens and not r.output_token_ids for r in self.running)
+        if admitting and (not self.config.whole_prompt_steps or cp_prefill_step):
+            while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+                   and len(out.chunks) < max_seqs):
+                request = self.waiting[0]
+                remaining = request.num_tokens
+                if self.config.chunked_prefill and not self.config.whole_prompt_steps:
+                    n = min(remaining, budget)
+                elif remaining <= budget or not out.chunks:
+                    n = remaining  # a prompt longer than the budget still runs, alone
+                else:
+                    break
+                if self.cp > 1:
+                    self._cp_prefill[request.request_id] = request.num_tokens
+                grow = self._blocks_to_grow(request, n)
+                if grow > self.allocator.num_free - self._watermark_blocks and (self.running or out.chunks):
+                    self._cp_prefill.pop(request.request_id, None)
+                    break  # wait for blocks (unless nothing else runs: then take what there is)
+                if grow > self.allocator.num_free:
+                    self._cp_prefill.pop(request.request_id, None)
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._grow(request, n)
+                self._add_chunk(out, request, n, scheduled)
+                budget -= n
+        out.freed, self._freed = self._freed, []
+        return out
+
+    def _add_chunk(self, out: SchedulerOutput, request: Request, n: int, scheduled: set[int]) -> None:
+        start = request.num_computed
+        request.num_computed += n
+        sample = request.num_computed == request.num_tokens
+        request.in_flight = sample
+        out.chunks.append(ScheduledChunk(request, start, n, sample))
+        scheduled.add(id(request))
+
+    def _newest_preemptable(self, exclude: set[int]) -> Optional[Request]:
+        for request in reversed(self.running):
+            if not request.in_flight and id(request) not in exclude:
+                return request
+        return None
+
+    def check_fits(self, request: Request, tokens: int) -> Optional[str]:
+        """Why a request of `tokens` tokens (prompt + max new) can never run here, or None."""
+        need = blocks_for(self._tokens_held_bound(tokens), self.config.block_size)
+        if need > self.config.num_blocks:
+            return (f"needs {need} KV blocks of {self.config.block_size} tokens for {tokens} tokens, "
+                    f"the cache has {self.config.num_blocks}")
+        return None
+
+    def _tokens_held_bound(self, tokens: int) -> int:
+        return tokens if self.cp == 1 else cp_rows_needed(tokens, 0, self.cp) + 1
+
+    def on_sampled(self, request: Request) -> None:
+        """The token sampled for `request`'s last chunk arrived (the caller appended it)."""
+        request.in_flight = False
+
+
+def fcfs(requests: list[Request], key: Callable[[Request], float] = lambda r: r.arrival_time) -> list[Request]:
+    return sorted(requests, key=key)

@@ -1,0 +1,595 @@
+"""The engine: one step loop for serving and for offline generation.
+
+The driver (world rank 0) owns the requests and the scheduler. Every step it builds a plan
+(scheduler.py), sends it to the ranks of the first pipeline stage, and runs its own share;
+each stage passes the plan on with its hidden states, and the last stage's sampler rank (the
+driver's pipeline peer) samples the flagged rows and sends the tokens back. With pipeline
+parallelism up to pp steps are in flight at once, each on a different set of requests, so
+every stage stays busy. The other ranks follow the plans and coordinate nothing else.
+
+Offline generation (`generate`) is "submit everything, run the loop": the same engine, with
+no token budget and a cache sized for the batch unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from dist_infer.comm.base import Communicator, Handle
+from dist_infer.comm.groups import ParallelGroups
+from dist_infer.engine.allocator import tune_malloc
+from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
+from dist_infer.engine.request import Request, RequestError, RequestOutput, RequestStatus
+from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, sample_rows
+from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cp_rows_needed
+from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
+from dist_infer.engine.worker import StageWorker
+from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
+from dist_infer.parallel.sequence_parallel import should_sequence_parallel
+from dist_infer.parallel.token_split import should_split
+
+TAG_FORWARD, TAG_BACK = 1, 2
+# Tokens per step from which `--overlap auto` splits, per device kind: on the 2-core CPU machine
+# splitting gains nothing at 1024 tokens and 2.5% at 2048 (docs/benchmarks.md); TokenWeave
+# finds about 1024 on H100s.
+OVERLAP_THRESHOLDS = {"cpu": 2048, "cuda": 1024}
+DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
+# Tokens per step from which `--sequence-parallel auto` applies; None: auto never does. On the
+# 2-core CPU machine it was within noise of plain tp at 1024 and 2048 tokens and slower in
+# decode (docs/benchmarks.md); on CUDA it is unmeasured (no GPU yet), so auto leaves it off.
+SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": None, "cuda": None}
+DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
+HEARTBEAT_S = 2.0  # an idle driver sends an empty plan this often, so the followers' waits never time out
+
+
+class PromptError(RequestError):
+    """A prompt the model cannot take (empty, too long, ids outside the vocabulary)."""
+
+    def __init__(self, message: str, field: str = "prompt"):
+        super().__init__(field, message)
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
+    num_preemptions: int = 0
+
+
+@dataclass
+class Timing:
+    ttft_s: float = 0.0
+    prefill_tokens: int = 0
+    sequences: int = 1
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    ttft_cpu_s: float = 0.0  # CPU time of this process (all its threads) for the prefill: load-independent cost
+    steps: int = 0
+    preemptions: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "ttft_s": self.ttft_s,
+            "prefill_tok_s": self.prefill_tokens / self.ttft_s if self.ttft_s else 0.0,
+            "decode_tok_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+            # time per output token of one sequence, i.e. per decode step of the batch (the peers' definition)
+            "tpot_s": self.decode_s * self.sequences / self.decode_tokens if self.decode_tokens else 0.0,
+            "ttft_cpu_s": self.ttft_cpu_s,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+        }
+
+
+@dataclass
+class _InFlight:
+    plan: StepPlan
+    chunks: list  # the scheduler's chunks, in plan order
+    launched: float
+    result: Optional[SampledTokens] = None  # pp=1: sampled at launch; pp>1: comes back from the last stage
+
+
+class Engine:
+    """One model instance's step loop. Every rank constructs it; world rank 0 drives."""
+
+    def __init__(self, stage, groups: ParallelGroups, block_size: int = 16,
+                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD, cp_variant: str = "auto",
+                 sequence_parallel: str = "off",
+                 sequence_parallel_threshold: Optional[int] = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
+                 num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
+                 max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
+                 static_batching: bool = False, tokenizer=None, heartbeat_s: float = HEARTBEAT_S):
+        """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget."""
+        if cp_variant not in CP_VARIANTS:
+            raise ContextParallelError(f"cp variant {cp_variant!r} is not one of {CP_VARIANTS}")
+        if groups.cp.size > 1 and groups.pp.size > 1:
+            raise ContextParallelError(f"cp with pp is not supported yet (cp={groups.cp.size}, pp={groups.pp.size})")
+        if groups.cp.size > 1 and getattr(stage, "cp", None) is None:
+            raise ContextParallelError(f"cp={groups.cp.size}: {type(stage).__name__} has no context-parallel attention")
+        should_split(overlap, 0, 1, overlap_threshold)  # validates the modes
+        should_sequence_parallel(sequence_parallel, 0, 1, sequence_parallel_threshold)
+        tune_malloc()
+        self.stage, self.groups, self.block_size = stage, groups, block_size
+        self.cfg = stage.cfg
+        self.pp: Communicator = groups.pp
+        self.cp = groups.cp
+        self.is_driver = groups.world.rank == 0
+        coords = groups.mesh.coords(groups.world.rank)
+        self.is_sampler = self.pp.rank == self.pp.size - 1 and all(coords[a] == 0 for a in ("tp", "cp", "ep", "dp"))
+        self.stage_comm = self._stage_group(groups)
+        self.worker_options = dict(overlap=overlap, overlap_threshold=overlap_threshold,
+                                   sequence_parallel=sequence_parallel,
+                                   sequence_parallel_threshold=sequence_parallel_threshold, cp_variant=cp_variant)
+        self.fixed_blocks = num_blocks
+        self.max_batched_tokens, self.max_num_seqs = max_batched_tokens, max_num_seqs
+        self.chunked_prefill, self.watermark, self.static_batching = chunked_prefill, watermark, static_batching
+        self.tokenizer = tokenizer
+        self.heartbeat_s = heartbeat_s
+        self.timing = Timing()
+        self.worker: Optional[StageWorker] = None
+        self.scheduler: Optional[Scheduler] = None
+        self._pending: list[Handle] = []
+        self._inflight: deque[_InFlight] = deque()
+        self._requests: dict[str, Request] = {}
+        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._freed: list[int] = []
+        self._next_seq = 0
+        self._step = 0
+        self._last_plan = time.monotonic()
+        self.return_logits = False
+        if num_blocks is not None:
+            self._allocate(num_blocks)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    @staticmethod
+    def _stage_group(groups: ParallelGroups) -> Communicator:
+        """The ranks of this rank's pipeline stage: the driver sends each plan to stage 0's."""
+        if groups.pp.size == 1:
+            return groups.world
+        mesh = groups.mesh
+        stages = [[r for r in range(mesh.world_size) if mesh.coords(r)["pp"] == s] for s in range(groups.pp.size)]
+        return groups.world.split(stages, "stage")
+
+    def _allocate(self, num_blocks: int) -> None:
+        kv_heads = max(1, self.stage.kv_heads_local)
+        device = next(self.stage.parameters()).device
+        cache = PagedKVCache(len(self.stage.layers), num_blocks, self.block_size, kv_heads, self.cfg.head_dim,
+                             self.stage.dtype, device)
+        self.worker = StageWorker(self.stage, self.groups, cache, self.block_size, **self.worker_options)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_batched_tokens=self.max_batched_tokens,
+            max_num_seqs=self.max_num_seqs, watermark=self.watermark,
+            chunked_prefill=self.chunked_prefill and self.cp.size == 1, whole_prompt_steps=self.cp.size > 1,
+            static_batching=self.static_batching,
+        ), cp=self.cp.size)
+
+    @property
+    def overlap(self) -> str:
+        return self.worker_options["overlap"]
+
+    @overlap.setter
+    def overlap(self, mode: str) -> None:
+        """Switch token-splitting overlap (the overlap report compares the modes on one engine)."""
+        self.worker_options["overlap"] = mode
+        if self.worker is not None:
+            self.worker.overlap = mode
+
+    @property
+    def sequence_parallel(self) -> str:
+        return self.worker_options["sequence_parallel"]
+
+    @sequence_parallel.setter
+    def sequence_parallel(self, mode: str) -> None:
+        self.worker_options["sequence_parallel"] = mode
+        if self.worker is not None:
+            self.worker.sequence_parallel = mode
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.config.num_blocks if self.scheduler else 0
+
+    def blocks_for_batch(self, prompts: list[list[int]], max_new_tokens: int) -> int:
+        """KV blocks that hold every sequence of an offline batch at full length at once."""
+        n = self.cp.size
+        rows = (lambda p: len(p) + max_new_tokens) if n == 1 else (lambda p: cp_rows_needed(len(p), max_new_tokens, n))
+        return max(1, sum(blocks_for(rows(p), self.block_size) for p in prompts))
+
+    # -- requests (driver; callable from other threads) -------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
+        """Raise RequestError naming the field if the engine can never serve this request."""
+        if not prompt_token_ids:
+            raise PromptError(f"{name} is empty")
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
+        if bad:
+            raise PromptError(f"{name} has token ids {bad[:5]} outside the vocabulary of {self.cfg.vocab_size}")
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if total > self.cfg.max_positions:
+            raise PromptError(f"{name} has {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens = "
+                              f"{total}, more than the model's {self.cfg.max_positions} positions", field="max_tokens")
+        if self.scheduler is not None:
+            why = self.scheduler.check_fits(None, total)
+            if why:
+                raise PromptError(f"{name}: {why}", field="max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        self.check_request(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(52)
+        request = Request(request_id, list(prompt_token_ids), params, seed)
+        self._commands.put(("add", request))
+        self._wakeup.set()
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """End a request wherever it is (thread-safe, idempotent); its blocks are freed."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or not self._commands.empty()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        if s is None:
+            return {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+                    "num_preemptions_total": 0, "free_blocks": 0, "total_blocks": 0}
+        return {"num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
+                "kv_cache_usage_perc": s.usage, "num_preemptions_total": s.num_preemptions,
+                "free_blocks": s.num_free_blocks, "total_blocks": s.config.num_blocks}
+
+    def _apply_commands(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return outputs
+            if command == "add":
+                arg.seq_id = self._next_seq
+                self._next_seq += 1
+                self._requests[arg.request_id] = arg
+                self.scheduler.add(arg)
+            elif command == "abort":
+                request = self._requests.get(arg)
+                if request is not None:
+                    request.finish_reason = "abort"
+                    outputs.append(self._finish(request, "abort"))
+
+    # -- the driver's step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Launch steps until pp are in flight (or nothing is schedulable), then complete the
+        oldest. Returns what the completed step added to each request."""
+        outputs = self._apply_commands()
+        while len(self._inflight) < self.pp.size:
+            scheduled = self.scheduler.schedule(self._seqs_per_step())
+            self._freed += [r.seq_id for r in scheduled.freed]
+            if not scheduled.chunks:
+                break
+            self._launch(scheduled)
+        if self._inflight:
+            outputs += self._complete(self._inflight.popleft())
+        elif time.monotonic() - self._last_plan > self.heartbeat_s:
+            self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed()))
+        return outputs
+
+    def _seqs_per_step(self) -> Optional[int]:
+        """With pp stages, each step takes about 1/pp of the live requests, so pp steps on
+        different requests chase each other through the stages (prefill and decode alike)."""
+        if self.pp.size == 1:
+            return None
+        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return max(1, -(-live // self.pp.size))
+
+    def _take_freed(self) -> list[int]:
+        freed, self._freed = self._freed, []
+        return freed
+
+    def _launch(self, scheduled: SchedulerOutput) -> None:
+        plan = StepPlan(kind=KIND_WORK, step=self._step, freed=self._take_freed(), return_logits=self.return_logits)
+        self._step += 1
+        for chunk in scheduled.chunks:
+            r = chunk.request
+            plan.seq_ids.append(r.seq_id)
+            plan.num_tokens.append(chunk.num_tokens)
+            plan.starts.append(chunk.start)
+            plan.block_tables.append(list(r.block_table))
+            plan.sample.append(chunk.sample)
+            plan.input_ids += r.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
+            if chunk.sample:
+                plan.rows.append(RowSampling.of(r.params, r.seed, len(r.output_token_ids)))
+        result = self._run_stage(plan)
+        self._inflight.append(_InFlight(plan, list(scheduled.chunks), time.perf_counter(), result))
+
+    def _send_plan(self, plan: StepPlan) -> StepPlan:
+        """Driver: the plan to every rank of stage 0 (one broadcast of sizes, two of payload)."""
+        ints, floats = encode(plan)
+        n = sizes(ints, floats)
+        comm = self.stage_comm
+        if comm.size > 1:
+            comm.broadcast(n, 0)
+            comm.broadcast(ints, 0)
+            if floats.numel():
+                comm.broadcast(floats, 0)
+        self._last_plan = time.monotonic()
+        if plan.kind != KIND_WORK and self.pp.size > 1:
+            self._post([n, ints, floats], 1, TAG_FORWARD)
+        return plan
+
+    def _run_stage(self, plan: StepPlan, inputs: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
+        """This rank's share of a work step; passes it on, or samples (sampler rank)."""
+        if self.is_driver:
+            self._send_plan(plan)
+        self.worker.forget(plan.freed)
+        if inputs is None:
+            inputs = torch.tensor(plan.input_ids, dtype=torch.long)
+        out = self.worker.execute(plan, inputs)
+        if self.pp.rank < self.pp.size - 1:
+            ints, floats = encode(plan)
+            self._post([sizes(ints, floats), ints, floats, out], self.pp.rank + 1, TAG_FORWARD)
+            return None
+        if not self.is_sampler:
+            return None
+        logits = out[torch.tensor(plan.sample_index, dtype=torch.long)]
+        sampled = sample_rows(logits, plan.rows)
+        if plan.return_logits:
+            sampled.logits = logits.float()
+        if self.pp.size > 1:
+            k = plan.top_logprobs
+            ints = torch.cat([sampled.tokens, sampled.top_ids.reshape(-1)]) if k else sampled.tokens
+            floats = torch.cat([sampled.logprobs, sampled.top_logprobs.reshape(-1)]) if k else sampled.logprobs
+            msg = [ints.contiguous(), floats.contiguous()] + ([sampled.logits.contiguous()] if plan.return_logits else [])
+            self._post(msg, 0, TAG_BACK)
+        return sampled
+
+    def _receive_sampled(self, plan: StepPlan) -> SampledTokens:
+        """Driver, pp > 1: the last stage's tokens for `plan`."""
+        n, k, last = len(plan.rows), plan.top_logprobs, self.pp.size - 1
+        ints = torch.empty(n * (1 + k), dtype=torch.long)
+        floats = torch.empty(n * (1 + k), dtype=torch.float64)
+        self.pp.recv(ints, last, TAG_BACK)
+        self.pp.recv(floats, last, TAG_BACK)
+        sampled = SampledTokens(ints[:n], floats[:n], ints[n:].view(n, k), floats[n:].view(n, k))
+        if plan.return_logits:
+            sampled.logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32)
+            self.pp.recv(sampled.logits, last, TAG_BACK)
+        return sampled
+
+    def _post(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        for t in tensors:
+            self._pending.append(self.pp.isend(t.contiguous(), dst, tag))
+        self._pending = [h for h in self._pending if not h.is_completed()]
+
+    def _drain(self) -> None:
+        for h in self._pending:
+            h.wait()
+        self._pending = []
+
+    # -- results --------------------------------------------------------------------------------
+    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
+        sampled = flight.result if flight.result is not None else self._receive_sampled(flight.plan)
+        now = time.monotonic()
+        outputs = []
+        rows = [c for c in flight.chunks if c.sample]
+        for i, chunk in enumerate(rows):
+            r = chunk.request
+            if r.finished or not r.in_flight:
+                continue  # aborted (or preempted and requeued) while the step was on its way
+            self.scheduler.on_sampled(r)
+            token = int(sampled.tokens[i])
+            r.output_token_ids.append(token)
+            r.output_logprobs.append(float(sampled.logprobs[i]))
+            if r.params.logprobs:
+                k = r.params.logprobs
+                r.output_top_logprobs.append(list(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())))
+            if flight.plan.return_logits:
+                r.logits.append(sampled.logits[i].clone())
+            if r.first_token_time is None:
+                r.first_token_time = now
+            reason = self._stop_reason(r)
+            if reason is not None:
+                outputs.append(self._finish(r, reason))
+            else:
+                outputs.append(self._delta(r))
+        self.timing.steps += 1
+        return outputs
+
+    def _stop_reason(self, r: Request) -> Optional[str]:
+        p, token, n = r.params, r.output_token_ids[-1], len(r.output_token_ids)
+        if self.tokenizer is not None:
+            r.text = self.tokenizer.decode(r.output_token_ids)
+        if n >= p.min_tokens:
+            if p.stop_at_eos and token in self.cfg.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                r.stop_reason = token
+                return "stop"
+            if p.stop and self.tokenizer is not None:
+                start = max(0, r.emitted_text - max(len(s) for s in p.stop))
+                hits = [(r.text.find(s, start), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    at, s = min(hits)
+                    r.text, r.stop_reason = r.text[:at], s
+                    return "stop"
+        if n >= p.max_new_tokens or r.num_tokens >= self.cfg.max_positions:
+            return "length"
+        return None
+
+    def _delta(self, r: Request) -> RequestOutput:
+        """New tokens and text since the last report. Text that could be the start of a stop
+        string, or an incomplete character, is held back until it is certain."""
+        text_end = len(r.text)
+        if not r.finished:
+            if r.params.stop:
+                text_end = max(r.emitted_text, text_end - (max(len(s) for s in r.params.stop) - 1))
+            while text_end > r.emitted_text and r.text[text_end - 1] == "\ufffd":
+                text_end -= 1
+        k = r.emitted_tokens
+        out = RequestOutput(
+            request_id=r.request_id, new_token_ids=r.output_token_ids[k:], new_logprobs=r.output_logprobs[k:],
+            new_top_logprobs=r.output_top_logprobs[k:] if r.params.logprobs else [],
+            text_delta=r.text[r.emitted_text:text_end], finished=r.finished, finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason, num_prompt_tokens=len(r.prompt_token_ids),
+            num_generated_tokens=len(r.output_token_ids))
+        r.emitted_tokens, r.emitted_text = len(r.output_token_ids), text_end
+        return out
+
+    def _finish(self, r: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(r, reason)
+        self._requests.pop(r.request_id, None)
+        return self._delta(r)
+
+    # -- followers ------------------------------------------------------------------------------
+    def _receive_plan(self) -> tuple[StepPlan, Optional[torch.Tensor]]:
+        if self.pp.rank == 0:
+            n = torch.empty(2, dtype=torch.long)
+            self.stage_comm.broadcast(n, 0)
+            ints, floats = torch.empty(int(n[0]), dtype=torch.long), torch.empty(int(n[1]), dtype=torch.float64)
+            self.stage_comm.broadcast(ints, 0)
+            if floats.numel():
+                self.stage_comm.broadcast(floats, 0)
+            return decode(ints, floats), None
+        prev = self.pp.rank - 1
+        n = torch.empty(2, dtype=torch.long)
+        self.pp.recv(n, prev, TAG_FORWARD)
+        ints, floats = torch.empty(int(n[0]), dtype=torch.long), torch.empty(int(n[1]), dtype=torch.float64)
+        self.pp.recv(ints, prev, TAG_FORWARD)
+        self.pp.recv(floats, prev, TAG_FORWARD)
+        plan = decode(ints, floats)
+        hidden = None
+        if plan.kind == KIND_WORK:
+            hidden = torch.empty(plan.total_tokens, self.cfg.hidden_size, dtype=self.stage.dtype)
+            self.pp.recv(hidden, prev, TAG_FORWARD)
+        return plan, hidden
+
+    def follow(self) -> None:
+        """Every rank but the driver: run the plans as they come, until the driver says stop."""
+        while True:
+            plan, hidden = self._receive_plan()
+            if plan.kind != KIND_WORK:
+                self.worker.forget(plan.freed)
+                if self.pp.rank < self.pp.size - 1:
+                    ints, floats = encode(plan)
+                    self._post([sizes(ints, floats), ints, floats], self.pp.rank + 1, TAG_FORWARD)
+                if plan.kind == KIND_STOP:
+                    self._drain()
+                    return
+                continue
+            self._run_stage(plan, hidden)
+
+    def close(self) -> None:
+        """Release the stage group this engine made (pp > 1); the caller owns the others."""
+        if self.stage_comm is not self.groups.world:
+            self.stage_comm.destroy()
+
+    def stop_followers(self) -> None:
+        """Driver: tell every other rank the loop is over."""
+        while self._inflight:
+            self._complete(self._inflight.popleft())
+        self._send_plan(StepPlan(kind=KIND_STOP, step=self._step, freed=self._take_freed()))
+        self._drain()
+
+    # -- serving: the driver's loop -----------------------------------------------------------------
+    def run_driver(self, publish: Callable[[list[RequestOutput]], None], should_stop: Callable[[], bool]) -> None:
+        """Step until `should_stop()`; hand each step's outputs to `publish`. Sleeps while idle."""
+        while not should_stop():
+            if not self._requests and not self._inflight and self._commands.empty():
+                self._wakeup.wait(self.heartbeat_s / 2)
+                self._wakeup.clear()
+            outputs = self.step()
+            if outputs:
+                publish(outputs)
+        self.stop_followers()
+
+    # -- offline ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams(),
+                 return_logits: bool = False) -> list[GenerationOutput]:
+        """Collective: every rank calls it with the same prompts; every rank gets the outputs."""
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise PromptError("no prompts given")
+        for i, p in enumerate(prompts):
+            self.check_request(p, params, name=f"prompt {i}")
+        if self.fixed_blocks is None:
+            need = self.blocks_for_batch(prompts, params.max_new_tokens)
+            if self.scheduler is None or self.num_blocks < need or self.scheduler.has_unfinished():
+                self._allocate(need)
+        self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts), sequences=len(prompts))
+        if not self.is_driver:
+            self.follow()
+            return self._share_outputs(None, prompts, return_logits)
+        self.return_logits = return_logits
+        preempted_before = self.scheduler.num_preemptions
+        requests = [self.add_request(f"offline-{self._step}-{i}", p, params) for i, p in enumerate(prompts)]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        first_done = None
+        while self.has_unfinished():
+            self.step()
+            if first_done is None and all(r.output_token_ids for r in requests):
+                first_done = time.perf_counter()
+                self.timing.ttft_s = first_done - start
+                self.timing.ttft_cpu_s = time.process_time() - cpu_start
+        end = time.perf_counter()
+        self.stop_followers()
+        self.return_logits = False
+        self.timing.decode_tokens = sum(max(0, len(r.output_token_ids) - 1) for r in requests)
+        self.timing.decode_s = end - (first_done or end)
+        self.timing.preemptions = self.scheduler.num_preemptions - preempted_before
+        outputs = [GenerationOutput(r.prompt_token_ids, r.output_token_ids, r.output_logprobs,
+                                    r.finish_reason, r.logits, r.num_preemptions) for r in requests]
+        return self._share_outputs(outputs, prompts, return_logits)
+
+    def _share_outputs(self, outputs: Optional[list[GenerationOutput]], prompts: list[list[int]],
+                       return_logits: bool) -> list[GenerationOutput]:
+        """The driver's outputs to every rank (so each rank of a library call gets the answer)."""
+        world = self.groups.world
+        if world.size == 1:
+            return outputs
+        n = len(prompts)
+        reasons = ("stop", "length", "abort")
+        if outputs is not None:
+            ints = [n] + [x for o in outputs for x in (len(o.token_ids), reasons.index(o.finish_reason or "abort"))]
+            ints += [t for o in outputs for t in o.token_ids]
+            head = torch.tensor([len(ints)], dtype=torch.long)
+        else:
+            head = torch.empty(1, dtype=torch.long)
+        world.broadcast(head, 0)
+        payload = torch.tensor(ints, dtype=torch.long) if outputs is not None else torch.empty(int(head[0]), dtype=torch.long)
+        world.broadcast(payload, 0)
+        v = payload.tolist()
+        lens = v[1:1 + 2 * n:2]
+        total = sum(lens)
+        lp = torch.tensor([x for o in outputs for x in o.logprobs], dtype=torch.float64) if outputs is not None \
+            else torch.empty(total, dtype=torch.float64)
+        if total:
+            world.broadcast(lp, 0)
+        logits = None
+        if return_logits and total:
+            logits = torch.cat([torch.stack(o.logits) for o in outputs]).float() if outputs is not None \
+                else torch.empty(total, self.cfg.vocab_size, dtype=torch.float32)
+            world.broadcast(logits, 0)
+        if outputs is not None:
+            return outputs
+        result, at = [], 1 + 2 * n
+        flat = 0
+        for i in range(n):
+            k, reason = v[1 + 2 * i], reasons[v[2 + 2 * i]]
+            ids = v[at:at + k]
+            at += k
+            out = GenerationOutput(list(prompts[i]), ids, lp[flat:flat + k].tolist(), reason)
+            if logits is not None:
+                out.logits = list(logits[flat:flat + k])
+            flat += k
+            result.append(out)
+        return result

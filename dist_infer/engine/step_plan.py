@@ -1,0 +1,93 @@
+"""The step plan: what the driver tells every other rank about one forward step.
+
+Which sequences, how many new tokens each, where their context starts, their block tables,
+the token ids (for the first pipeline stage), which rows to sample and how, and which
+sequences were freed since the last plan (context-parallel ranks keep their own shard
+bookkeeping). Nothing else is coordinated. Encoded as one int64 and one float64 tensor so it
+travels as two messages; `encode`/`decode` are pure and tested without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dist_infer.engine.sampling import RowSampling
+
+KIND_STOP, KIND_IDLE, KIND_WORK = 0, 1, 2
+_HEAD = 9  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs
+_PER_SEQ = 5  # seq id, new tokens, context before, table length, sample flag
+_PER_ROW = 6  # temperature, top_k, top_p, seed, index, logprobs
+
+
+@dataclass
+class StepPlan:
+    kind: int = KIND_WORK
+    step: int = 0
+    seq_ids: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # new tokens per sequence
+    starts: list[int] = field(default_factory=list)  # tokens already cached per sequence
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    rows: list[RowSampling] = field(default_factory=list)  # one per sampled sequence, in order
+    input_ids: list[int] = field(default_factory=list)  # the new tokens, flattened
+    freed: list[int] = field(default_factory=list)  # seq ids whose cache the ranks may forget
+    return_logits: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [s + n for s, n in zip(self.starts, self.num_tokens)]
+
+    @property
+    def sample_index(self) -> list[int]:
+        return [i for i, s in enumerate(self.sample) if s]
+
+    @property
+    def top_logprobs(self) -> int:
+        return max((r.logprobs for r in self.rows), default=0)
+
+
+def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(plan.seq_ids)
+    head = [plan.kind, plan.step, n, plan.total_tokens, sum(len(t) for t in plan.block_tables), len(plan.rows),
+            len(plan.freed), int(plan.return_logits), plan.top_logprobs]
+    per_seq = []
+    for i in range(n):
+        per_seq += [plan.seq_ids[i], plan.num_tokens[i], plan.starts[i], len(plan.block_tables[i]), int(plan.sample[i])]
+    tables = [b for t in plan.block_tables for b in t]
+    ints = torch.tensor(head + per_seq + tables + list(plan.input_ids) + list(plan.freed), dtype=torch.long)
+    floats = torch.tensor([[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs] for r in plan.rows],
+                          dtype=torch.float64).reshape(-1)  # seeds < 2**53 are exact in float64
+    return ints, floats
+
+
+def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
+    v = ints.tolist()
+    kind, step, n, tokens, table_entries, rows, freed, logits, _ = v[:_HEAD]
+    at = _HEAD
+    per_seq = [v[at + i * _PER_SEQ: at + (i + 1) * _PER_SEQ] for i in range(n)]
+    at += n * _PER_SEQ
+    tables = []
+    for row in per_seq:
+        tables.append(v[at: at + row[3]])
+        at += row[3]
+    input_ids = v[at: at + tokens]
+    at += tokens
+    freed_ids = v[at: at + freed]
+    f = floats.view(-1, _PER_ROW).tolist() if rows else []
+    return StepPlan(
+        kind=kind, step=step, seq_ids=[r[0] for r in per_seq], num_tokens=[r[1] for r in per_seq],
+        starts=[r[2] for r in per_seq], block_tables=tables, sample=[bool(r[4]) for r in per_seq],
+        rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp)) for t, k, p, s, i, lp in f],
+        input_ids=input_ids, freed=freed_ids, return_logits=bool(logits),
+    )
+
+
+def sizes(ints: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+    """The two payload lengths, sent first so the receivers can size their buffers."""
+    return torch.tensor([ints.numel(), floats.numel()], dtype=torch.long)

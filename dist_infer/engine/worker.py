@@ -1,0 +1,102 @@
+"""One rank's share of a step: turn the step plan into attention metadata and run the stage.
+
+Every rank of an instance runs the same plans in the same order, so the KV cache needs no
+bookkeeping of its own: keys and values go where the plan's block tables say. Context-parallel
+ranks are the exception: each holds its zigzag share of a prompt and a round-robin share of
+the decode tokens, so each keeps its own block tables (from the plan's sequence ids and token
+counts), and frees them when the plan lists the sequence as freed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dist_infer.comm.groups import ParallelGroups
+from dist_infer.engine.kv_cache import PagedKVCache
+from dist_infer.engine.step_plan import StepPlan
+from dist_infer.models.attention import build_attention_metadata, split_token_halves
+from dist_infer.models.cp_attention import (
+    ContextParallelError,
+    cp_decode_metadata,
+    cp_decode_owner,
+    cp_prefill_metadata,
+)
+from dist_infer.parallel.ring_attention import zigzag_chunks
+from dist_infer.parallel.sequence_parallel import should_sequence_parallel
+from dist_infer.parallel.token_split import should_split
+
+
+class StageWorker:
+    def __init__(self, stage, groups: ParallelGroups, cache: PagedKVCache, block_size: int,
+                 overlap: str, overlap_threshold: int, sequence_parallel: str,
+                 sequence_parallel_threshold: Optional[int], cp_variant: str):
+        self.stage, self.groups, self.cache, self.block_size = stage, groups, cache, block_size
+        self.cfg = stage.cfg
+        self.overlap, self.overlap_threshold = overlap, overlap_threshold
+        self.sequence_parallel, self.sequence_parallel_threshold = sequence_parallel, sequence_parallel_threshold
+        self.cp, self.cp_variant = groups.cp, cp_variant
+        self._cp_prompt_len: dict[int, int] = {}  # sequence -> prompt length it was prefilled with
+        self._cp_len: dict[int, int] = {}  # sequence -> tokens so far, all cp ranks together
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Sequences that finished or were preempted: drop this rank's own bookkeeping of them."""
+        if self.cp.size == 1:
+            return
+        for s in seq_ids:
+            self.cache.free(s)
+            self._cp_prompt_len.pop(s, None)
+            self._cp_len.pop(s, None)
+
+    def execute(self, plan: StepPlan, inputs: torch.Tensor) -> torch.Tensor:
+        """Run the stage on `inputs` (token ids on the first stage, hidden states after it)."""
+        if self.cp.size > 1:
+            return self._execute_cp(plan, inputs)
+        q_lens, seq_lens = plan.num_tokens, plan.seq_lens
+        if should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold):
+            meta = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+        else:
+            meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+            meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
+                                                              self.groups.tp.size, self.sequence_parallel_threshold)
+        with torch.inference_mode():
+            return self.stage(inputs, meta, self.cache.layers)
+
+    def _execute_cp(self, plan: StepPlan, inputs: torch.Tensor) -> torch.Tensor:
+        """A prefill of whole fresh prompts on this rank's zigzag share, or a decode token run on
+        every cp rank and stored on one (round-robin)."""
+        n, me = self.cp.size, self.cp.rank
+        seq_ids, q_lens, cache = plan.seq_ids, plan.num_tokens, self.cache
+        if all(start == 0 for start in plan.starts):
+            local = [zigzag_chunks(q, n, me).num_rows for q in q_lens]
+            tables = [cache.reserve(s, m) for s, m in zip(seq_ids, local)]
+            attn = self.stage.layers[0].self_attn if len(self.stage.layers) else None
+            meta, mine = cp_prefill_metadata(q_lens, n, me, tables, self.block_size, self.cp_variant,
+                                             attn.q_heads if attn else 1, attn.kv_heads if attn else 1,
+                                             self.cfg.sliding_window, next(self.stage.parameters()).device.type,
+                                             torch.empty((), dtype=self.stage.dtype).element_size())
+            starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+            inputs = inputs[torch.tensor([st + p for st, pos in zip(starts, mine) for p in pos], dtype=torch.long)]
+            for s, q in zip(seq_ids, q_lens):
+                self._cp_prompt_len[s] = self._cp_len[s] = q
+            added = local
+        elif all(q == 1 for q in q_lens) and all(s in self._cp_len for s in seq_ids):
+            positions = [self._cp_len[s] for s in seq_ids]
+            store = [cp_decode_owner(p, self._cp_prompt_len[s], n) == me for p, s in zip(positions, seq_ids)]
+            added = [int(x) for x in store]
+            tables = [cache.reserve(s, a) for s, a in zip(seq_ids, added)]
+            local_lens = [cache.lengths[s] + a for s, a in zip(seq_ids, added)]
+            meta = cp_decode_metadata(positions, store, local_lens, tables, self.block_size)
+            for s in seq_ids:
+                self._cp_len[s] += 1
+        else:
+            raise ContextParallelError(
+                f"a cp step is a prefill of fresh prompts or one new token per cached sequence; got sequences "
+                f"{seq_ids} with {q_lens} new tokens after {plan.starts} cached (prefill on top of cached context "
+                f"is not supported yet)")
+        with torch.inference_mode():
+            out = self.stage(inputs, meta, cache.layers)
+        for s, a in zip(seq_ids, added):
+            cache.advance(s, a)
+        return out

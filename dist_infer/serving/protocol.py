@@ -1,0 +1,244 @@
+"""The OpenAI request bodies we accept, and their translation into the engine's SamplingParams.
+
+Fields follow OpenAI's API plus vLLM's extras (top_k, min_tokens, ignore_eos, stop_token_ids,
+return_token_ids), so clients written for either work unchanged. Fields we do not know are
+ignored, as OpenAI-compatible servers do; fields we know but cannot honour (n > 1, echo,
+penalties, ...) are refused with a 400 naming them rather than silently ignored, since the
+client would otherwise get something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dist_infer.engine.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_MAX_TOKENS_CAP = 4096  # chat's default max_tokens is "what fits", at most this many
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engine's own default is greedy)
+
+# SamplingParams' names for what the API calls otherwise
+_API_NAME = {"max_new_tokens": "max_tokens", "stop_at_eos": "ignore_eos"}
+
+
+class ProtocolError(ValueError):
+    """A request body we cannot serve; `field` names the offending input (the `param` of the 400)."""
+
+    def __init__(self, field: Optional[str], message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: Optional[bool] = False  # a last chunk with empty choices and the usage
+    continuous_usage_stats: Optional[bool] = False  # vLLM: the usage so far in every chunk
+
+
+class _GenerationRequest(BaseModel):
+    """What completions and chat share: the model, sampling and streaming fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # vLLM; -1 or 0: no limit
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None  # vLLM
+    ignore_eos: Optional[bool] = False  # vLLM
+    min_tokens: Optional[int] = 0  # vLLM
+    n: Optional[int] = 1
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    return_token_ids: Optional[bool] = None  # vLLM; accepted, token ids are always returned
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # vLLM
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def refuse_unsupported(self) -> None:
+        """Known fields whose values we cannot honour."""
+        if self.n not in (None, 1):
+            raise ProtocolError("n", f"n must be 1 (one choice per request is supported), got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ProtocolError(name, f"{name} is not supported (only 0), got {getattr(self, name)}")
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise ProtocolError("repetition_penalty", f"repetition_penalty is not supported (only 1), "
+                                                      f"got {self.repetition_penalty}")
+        if self.logit_bias:
+            raise ProtocolError("logit_bias", "logit_bias is not supported")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and (self.stream_options.include_usage or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: Any = None  # a string, token ids, or a list of exactly one of those (see prompt_of)
+    logprobs: Optional[int] = None  # top alternatives per token, 0..MAX_LOGPROBS
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ProtocolError("echo", "echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ProtocolError("best_of", f"best_of must be 1, got {self.best_of}")
+        if self.suffix:
+            raise ProtocolError("suffix", "suffix is not supported")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: Any = None  # validated by chat.normalize_messages
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens; wins over it
+    add_generation_prompt: Optional[bool] = True  # vLLM
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: more variables for the template
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            raise ProtocolError("top_logprobs", "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM): a prompt, or chat messages rendered with the template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Any = None
+    add_special_tokens: Optional[bool] = True
+    add_generation_prompt: Optional[bool] = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def parse_body(model_cls: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; a ProtocolError naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise ProtocolError(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise protocol_error_of(exc) from None
+
+
+def protocol_error_of(exc: ValidationError) -> ProtocolError:
+    """pydantic's first error as one readable line with its field."""
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    field = loc[0] if loc else None
+    where = ".".join(loc) or "body"
+    got = first.get("input")
+    return ProtocolError(field, f"{where}: {first.get('msg', 'invalid')}, got {_short(got)}")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def prompt_of(value: Any) -> Union[str, list[int]]:
+    """The one prompt of a completions body: a string or token ids, bare or as a list of one.
+    A batch of several prompts is refused (one choice per request)."""
+    if value is None:
+        raise ProtocolError("prompt", "prompt is required")
+    if isinstance(value, str):
+        if not value:
+            raise ProtocolError("prompt", "prompt is empty")
+        return value
+    if not isinstance(value, list):
+        raise ProtocolError("prompt", f"prompt must be a string or a list of token ids, got {type(value).__name__}")
+    if not value:
+        raise ProtocolError("prompt", "prompt is empty")
+    if all(_is_token_id(t) for t in value):
+        return list(value)
+    if all(isinstance(p, (str, list)) for p in value):
+        if len(value) != 1:
+            raise ProtocolError("prompt", f"prompt holds a batch of {len(value)} prompts; send one prompt per request")
+        return prompt_of(value[0])
+    bad = next(t for t in value if not _is_token_id(t))
+    raise ProtocolError("prompt", f"prompt token ids must be integers, got {_short(bad)}")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def default_chat_max_tokens(prompt_len: int, max_model_len: int) -> int:
+    """Chat without max_tokens: as many as the positions leave (OpenAI's behaviour), capped."""
+    return max(0, min(max_model_len - prompt_len, CHAT_MAX_TOKENS_CAP))
+
+
+def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: bool) -> SamplingParams:
+    """The engine's SamplingParams for a validated body; a ProtocolError naming the API field
+    (not SamplingParams' own names) when a value is out of range."""
+    req.refuse_unsupported()
+    num_logprobs = req.num_logprobs
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise ProtocolError(field, f"{field} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    if max_tokens is None or max_tokens < 1:
+        raise ProtocolError("max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens}")
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k == -1:
+        top_k = 0  # vLLM's "off"
+    if top_k < 0:
+        raise ProtocolError("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(stop) and not has_tokenizer:
+        raise ProtocolError("stop", "stop strings need a tokenizer and this model has none; use stop_token_ids")
+    temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not math.isfinite(value):
+            raise ProtocolError(name, f"{name} must be a finite number, got {value}")
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
+            stop_at_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()), stop=tuple(stop),
+            logprobs=num_logprobs, min_tokens=req.min_tokens or 0)
+    except SamplingParamsError as exc:
+        field = _API_NAME.get(exc.field, exc.field)
+        message = str(exc)
+        for ours, theirs in _API_NAME.items():
+            message = message.replace(ours, theirs)
+        raise ProtocolError(field, message) from None

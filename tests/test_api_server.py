@@ -1,0 +1,610 @@
+"""The OpenAI-compatible HTTP API over real HTTP on 127.0.0.1, in front of a fake engine.
+
+The fake implements the engine interface the server codes against (serving/api_server.py's
+docstring): it "generates" token i = 32 + (sum(prompt) + i) % 90 (printable characters for the
+one-character-per-token fake tokenizer), a short sleep per token, honours max_tokens,
+stop_token_ids and abort, and counts KV blocks, so the tests can check exact tokens, that a
+client that leaves aborts its request, and that every block comes back. The app runs on
+uvicorn in a background thread; the official `openai` client and raw httpx talk to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import openai
+import pytest
+
+from dist_infer.engine.request import RequestError, RequestOutput
+from dist_infer.serving.api_server import DrainingServer, build_app, serve_http
+from dist_infer.serving.errors import EngineDeadError, QueueFullError
+
+MODEL = "fake-model"
+MAX_MODEL_LEN = 128
+VOCAB = 1000
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with a user turn') }}"
+    "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def fake_tokens(prompt_ids: list[int], n: int) -> list[int]:
+    return [32 + (sum(prompt_ids) + i) % 90 for i in range(n)]
+
+
+class FakeTokenizer:
+    """One printable ASCII character per token (id = its code); BOS 1, EOS 2."""
+
+    bos_id, eos_id = 1, 2
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = [ord(c) if 32 <= ord(c) < 127 else ord("?") for c in text]
+        return [self.bos_id] + ids if add_bos else ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return "".join(chr(i) for i in ids if 32 <= i < 127)
+
+    def token(self, token_id: int) -> str:
+        return {1: "<s>", 2: "</s>"}.get(token_id, chr(token_id) if 32 <= token_id < 127 else f"<{token_id}>")
+
+
+class FakeEngine:
+    """The EngineClient interface with deterministic tokens (see the module docstring)."""
+
+    model_name = MODEL
+    block_size = 4
+    total_blocks = 512
+
+    def __init__(self):
+        self.max_model_len = MAX_MODEL_LEN
+        self.vocab_size = VOCAB
+        self.tokenizer = FakeTokenizer()
+        self.chat_template = CHAT_TEMPLATE
+        self.free_blocks = self.total_blocks
+        self.aborted: list[str] = []
+        self.started: list[str] = []
+        self._held: dict[str, int] = {}
+        self._abort_flags: set[str] = set()
+        self.reset()
+
+    def reset(self):
+        self.token_delay = 0.002
+        self.dead_reason: Optional[str] = None
+        self.queue_full = False
+        self.die_after: Optional[int] = None
+        self.accepting = True
+
+    def check_request(self, prompt_token_ids, params):
+        if not prompt_token_ids:
+            raise RequestError("prompt", "prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError("prompt", f"prompt has token ids {bad[:5]} outside the vocabulary of {self.vocab_size}")
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise RequestError("max_tokens", f"prompt has {len(prompt_token_ids)} tokens + {params.max_new_tokens} "
+                                             f"new tokens = {total}, more than the model's {self.max_model_len} positions")
+
+    def _release(self, request_id: str) -> None:
+        self.free_blocks += self._held.pop(request_id, 0)
+
+    def abort(self, request_id: str) -> None:
+        if request_id not in self.aborted:
+            self.aborted.append(request_id)
+        self._abort_flags.add(request_id)
+        self._release(request_id)
+
+    def stats(self) -> dict:
+        used = self.total_blocks - self.free_blocks
+        return {"num_requests_running": len(self._held), "num_requests_waiting": 0,
+                "kv_cache_usage_perc": used / self.total_blocks, "num_preemptions_total": 7,
+                "free_blocks": self.free_blocks, "total_blocks": self.total_blocks}
+
+    def begin_shutdown(self) -> None:
+        self.accepting = False
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        if self.queue_full or not self.accepting:
+            raise QueueFullError(retry_after_s=2.5)
+        self.check_request(prompt_token_ids, params)
+        self._held[request_id] = -(-(len(prompt_token_ids) + params.max_new_tokens) // self.block_size)
+        self.free_blocks -= self._held[request_id]
+        self.started.append(request_id)
+        n_prompt = len(prompt_token_ids)
+        try:
+            for i, token in enumerate(fake_tokens(prompt_token_ids, params.max_new_tokens)):
+                await asyncio.sleep(self.token_delay)
+                if request_id in self._abort_flags:
+                    yield RequestOutput(request_id, [], [], [], "", True, "abort", None, n_prompt, i)
+                    return
+                if self.die_after is not None and i >= self.die_after:
+                    raise EngineDeadError("rank 1 died (fake)")
+                lp = -0.25 - 0.1 * (i % 3)
+                top = [(token + k, lp - k) for k in range(params.logprobs or 0)]
+                reason, stop_reason = None, None
+                if token in params.stop_token_ids:
+                    reason, stop_reason = "stop", token
+                elif i + 1 == params.max_new_tokens:
+                    reason = "length"
+                yield RequestOutput(request_id, [token], [lp], [top] if params.logprobs else [],
+                                    self.tokenizer.decode([token]), reason is not None, reason, stop_reason,
+                                    n_prompt, i + 1)
+                if reason is not None:
+                    return
+        finally:
+            self._release(request_id)
+
+
+@dataclass
+class Served:
+    engine: FakeEngine
+    url: str
+    server: DrainingServer
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+
+def start_in_thread(engine: FakeEngine, grace_s: float = 5.0) -> tuple[Served, threading.Thread]:
+    app = build_app(engine, MODEL)
+    ready = threading.Event()
+    port = {}
+    server = DrainingServer(app, "127.0.0.1", 0, grace_s=grace_s,
+                            on_ready=lambda host, p: (port.update(p=p), ready.set()))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    return Served(engine, f"http://127.0.0.1:{port['p']}", server), thread
+
+
+@pytest.fixture(scope="module")
+def served():
+    served, thread = start_in_thread(FakeEngine())
+    yield served
+    served.server.request_shutdown()
+    thread.join(30)
+
+
+@pytest.fixture(autouse=True)
+def fresh_engine(request):
+    if "served" in request.fixturenames:
+        request.getfixturevalue("served").engine.reset()
+    yield
+
+
+def http() -> httpx.Client:
+    return httpx.Client(trust_env=False, timeout=30)  # loopback only, whatever the environment says
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.v1, api_key="x", max_retries=0, http_client=http())
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(0.02)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parse a whole SSE body strictly: `data: ...` then a blank line, every event."""
+    text = response.read().decode()
+    assert text.endswith("\n\n"), text[-200:]
+    events = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    assert events and events[-1] == "[DONE]", events[-3:]
+    assert "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+# -- the official client ------------------------------------------------------------------------------
+
+def test_openai_client_completions(served):
+    c = client(served)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    prompt_ids = FakeTokenizer().encode("Hello there")
+    want = fake_tokens(prompt_ids, 7)
+    r = c.completions.create(model=MODEL, prompt="Hello there", max_tokens=7, temperature=0)
+    choice = r.choices[0]
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
+    assert choice.token_ids == want and choice.text == "".join(map(chr, want))
+    assert choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt_ids), 7,
+                                                                                         len(prompt_ids) + 7)
+    assert r.model_extra["prompt_token_ids"] == prompt_ids
+
+    by_ids = c.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=7)
+    assert by_ids.choices[0].token_ids == want
+    default_len = c.completions.create(prompt=[prompt_ids], model=MODEL)  # a list of one prompt; default 16 tokens
+    assert default_len.usage.completion_tokens == 16
+
+    text, ids, usage, chunks = "", [], None, 0
+    for chunk in c.completions.create(model=MODEL, prompt="Hello there", max_tokens=7, stream=True,
+                                      stream_options={"include_usage": True}):
+        chunks += 1
+        if chunk.choices:
+            text += chunk.choices[0].text
+            ids += chunk.choices[0].token_ids
+        if chunk.usage:
+            usage = chunk.usage
+    assert ids == want and text == choice.text and chunks == 8
+    assert usage.completion_tokens == 7 and usage.prompt_tokens == len(prompt_ids)
+
+
+def test_openai_client_chat(served):
+    c = client(served)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    rendered = "<s><|system|>Be brief.\n<|user|>Say hi\n<|assistant|>"
+    prompt_ids = FakeTokenizer().encode(rendered)
+    want = fake_tokens(prompt_ids, 5)
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.7, seed=3)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content == "".join(map(chr, want))
+    assert r.choices[0].token_ids == want and r.model_extra["prompt_token_ids"] == prompt_ids
+    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == len(prompt_ids)
+
+    new_name = c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3)
+    assert new_name.usage.completion_tokens == 3
+    defaulted = c.chat.completions.create(model=MODEL, messages=messages)  # fills the positions
+    assert defaulted.usage.total_tokens == MAX_MODEL_LEN and defaulted.choices[0].finish_reason == "length"
+
+    pieces = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert pieces[0].choices[0].delta.role == "assistant" and pieces[0].choices[0].delta.content == ""
+    assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == msg.content
+    assert [t for p in pieces if p.choices for t in p.choices[0].token_ids] == want
+    assert pieces[-1].choices == [] and pieces[-1].usage.completion_tokens == 5
+    assert [p.choices[0].finish_reason for p in pieces if p.choices][-1] == "length"
+
+
+# -- raw HTTP: wire format ---------------------------------------------------------------------------
+
+def test_completion_stream_wire_format(served):
+    prompt = [1, 40, 41, 42]
+    want = fake_tokens(prompt, 4)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with http() as h, h.stream("POST", served.v1 + "/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    chunks, usage = events[:-1], events[-1]
+    assert len(chunks) == 4 and all(len(c["choices"]) == 1 for c in chunks)
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in want], "every chunk carries its new ids"
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+def test_chat_stream_wire_format_and_logprobs(served):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}], "max_tokens": 3,
+            "stream": True, "logprobs": True, "top_logprobs": 2}
+    with http() as h, h.stream("POST", served.v1 + "/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["object"] == "chat.completion.chunk" and isinstance(events[0]["prompt_token_ids"], list)
+    content = events[1:]
+    assert len(content) == 3 and all("usage" not in e for e in events), "no usage unless asked for"
+    for e in content:
+        (entry,) = e["choices"][0]["logprobs"]["content"]
+        assert entry["token"] == chr(e["choices"][0]["token_ids"][0]) and len(entry["top_logprobs"]) == 2
+        assert entry["bytes"] == list(entry["token"].encode())
+
+
+def test_completion_logprobs_shape(served):
+    with http() as h:
+        r = h.post(served.v1 + "/completions", json={"prompt": [1, 50, 60], "max_tokens": 3, "logprobs": 2}).json()
+        zero = h.post(served.v1 + "/completions", json={"prompt": [1, 50, 60], "max_tokens": 3, "logprobs": 0}).json()
+    lp = r["choices"][0]["logprobs"]
+    ids = r["choices"][0]["token_ids"]
+    assert lp["tokens"] == [chr(t) for t in ids] and lp["text_offset"] == [0, 1, 2]
+    assert len(lp["token_logprobs"]) == 3 and all(isinstance(x, float) for x in lp["token_logprobs"])
+    assert all(len(d) == 2 for d in lp["top_logprobs"]) and all(lp["tokens"][i] in d for i, d in enumerate(lp["top_logprobs"]))
+    assert [list(d) for d in zero["choices"][0]["logprobs"]["top_logprobs"]] == [[chr(t)] for t in ids]
+
+
+def test_stop_token_ids_and_ignored_fields(served):
+    prompt = [1, 20, 30]
+    want = fake_tokens(prompt, 6)
+    body = {"prompt": prompt, "max_tokens": 6, "stop_token_ids": [want[2]], "ignore_eos": True, "top_k": -1,
+            "min_tokens": 0, "return_token_ids": True, "some_future_field": {"x": 1}, "user": "u"}
+    with http() as h:
+        r = h.post(served.v1 + "/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want[:3] and choice["finish_reason"] == "stop" and choice["stop_reason"] == want[2]
+
+
+def test_tokenize_and_detokenize(served):
+    with http() as h:
+        t = h.post(served.url + "/tokenize", json={"prompt": "abc"}).json()
+        assert t["tokens"] == [1, 97, 98, 99] and t["count"] == 4 and t["max_model_len"] == MAX_MODEL_LEN
+        assert h.post(served.url + "/detokenize", json={"tokens": [97, 98]}).json() == {"prompt": "ab"}
+        bad = h.post(served.url + "/detokenize", json={"tokens": [5000]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+BAD = [
+    # (endpoint, body: dict or raw text, param, text the message must contain)
+    ("completions", "not json", None, "JSON"),
+    ("completions", "[1, 2]", None, "object"),
+    ("completions", "", None, "empty"),
+    ("completions", {"prompt": "hi", "model": "nope"}, "model", "nope"),
+    ("completions", {"prompt": [1, 10 ** 7]}, "prompt", "vocabulary"),
+    ("completions", {"prompt": [1, 2], "max_tokens": 5000}, "max_tokens", str(MAX_MODEL_LEN)),
+    ("completions", {"prompt": [1, 2], "max_tokens": -1}, "max_tokens", ">= 1"),
+    ("completions", {"prompt": [1, 2], "max_tokens": "lots"}, "max_tokens", None),
+    ("completions", {"prompt": [1, 2], "temperature": -2}, "temperature", None),
+    ("completions", {"prompt": [1, 2], "temperature": 1e9}, "temperature", None),
+    ("completions", {"prompt": [1, 2], "top_p": 7}, "top_p", None),
+    ("completions", {"prompt": [1, 2], "top_k": -5}, "top_k", None),
+    ("completions", {"prompt": [1, 2], "seed": -1}, "seed", None),
+    ("completions", {"prompt": [1, 2], "logprobs": 50}, "logprobs", "20"),
+    ("completions", {"prompt": [1, 2], "n": 2}, "n", None),
+    ("completions", {"prompt": [1, 2], "echo": True}, "echo", None),
+    ("completions", {"prompt": [1, 2], "max_tokens": 4, "min_tokens": 9}, "min_tokens", None),
+    ("completions", {"prompt": [1, 2], "presence_penalty": 0.5}, "presence_penalty", None),
+    ("completions", {"prompt": [1, 2], "stream_options": "yes"}, "stream_options", None),
+    ("completions", {"prompt": ""}, "prompt", "empty"),
+    ("completions", {"prompt": []}, "prompt", "empty"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt", "batch"),
+    ("completions", {"prompt": [[1, 2], [3]]}, "prompt", "batch"),
+    ("completions", {"prompt": [1, "x"]}, "prompt", None),
+    ("completions", {"max_tokens": 3}, "prompt", "required"),
+    ("chat/completions", {"messages": []}, "messages", None),
+    ("chat/completions", {"prompt": "hi"}, "messages", None),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, "messages", "user turn"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+     "top_logprobs", "20"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens", None),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, "model", "gpt-4"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,needle", BAD, ids=[f"{e}:{p}:{i}" for i, (e, _, p, _) in enumerate(BAD)])
+def test_bad_request_is_400_naming_the_field(served, endpoint, body, param, needle):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    with http() as h:
+        r = h.post(f"{served.v1}/{endpoint}", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == 400, (body, r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400 and err["message"], err
+    assert err["param"] == param, (body, err)
+    if needle:
+        assert needle in err["message"], (body, err)
+
+
+def test_bad_requests_leave_the_server_serving(served):
+    """Bad and good requests at once: the good ones complete, exactly."""
+
+    async def go():
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as h:
+            good = [h.post(served.v1 + "/completions", json={"prompt": [1, i], "max_tokens": 5}) for i in range(4)]
+            bad = [h.post(served.v1 + "/completions", content=b"{", headers={"content-type": "application/json"}),
+                   h.post(served.v1 + "/completions", json={"prompt": [1, 2], "top_p": 0})]
+            return await asyncio.gather(*good), await asyncio.gather(*bad)
+
+    good, bad = asyncio.run(go())
+    assert [r.status_code for r in bad] == [400, 400]
+    assert [r.json()["choices"][0]["token_ids"] for r in good] == [fake_tokens([1, i], 5) for i in range(4)]
+
+
+def test_unknown_route_is_404_in_openai_shape(served):
+    with http() as h:
+        r = h.get(served.v1 + "/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_queue_full_is_503_with_retry_after(served):
+    served.engine.queue_full = True
+    with http() as h:
+        for stream in (False, True):
+            r = h.post(served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": stream})
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "3"
+            assert r.json()["error"]["type"] == "ServiceUnavailableError"
+        served.engine.queue_full = False
+        assert h.post(served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 2}).status_code == 200
+
+
+def test_engine_death_is_500_or_an_error_event(served):
+    engine = served.engine
+    engine.die_after = 2
+    with http() as h:
+        with h.stream("POST", served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 9, "stream": True}) as r:
+            assert r.status_code == 200
+            events = sse_events(r)
+        assert [len(e["choices"][0]["token_ids"]) for e in events[:-1]] == [1, 1]
+        assert events[-1]["error"]["code"] == 500 and "rank 1 died" in events[-1]["error"]["message"]
+        r = h.post(served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 9})
+        assert r.status_code == 500 and "rank 1 died" in r.json()["error"]["message"]
+
+        engine.die_after = None
+        engine.dead_reason = "rank 3 exited with SIGKILL"
+        health = h.get(served.url + "/health")
+        assert health.status_code == 503 and "SIGKILL" in health.json()["error"]["message"]
+        r = h.post(served.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+        engine.dead_reason = None
+        assert h.get(served.url + "/health").status_code == 200
+    wait_for(lambda: engine.free_blocks == engine.total_blocks, what="every block free again")
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+
+def scrape(served: Served) -> dict[str, float]:
+    """name{labels} -> value."""
+    with http() as h:
+        text = h.get(served.url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_names_and_token_counts(served):
+    label = f'model_name="{MODEL}"'
+    before = scrape(served)
+    with http() as h:
+        h.post(served.v1 + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 5}).raise_for_status()
+        with h.stream("POST", served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 4, "stream": True}) as r:
+            sse_events(r)
+    after = scrape(served)
+
+    def delta(key):
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta(f"dist_infer:generation_tokens_total{{{label}}}") == 9
+    assert delta(f"dist_infer:prompt_tokens_total{{{label}}}") == 5
+    assert delta(f'dist_infer:request_success_total{{finished_reason="length",{label}}}') == 2
+    assert delta(f"dist_infer:time_to_first_token_seconds_count{{{label}}}") == 2
+    assert delta(f"dist_infer:e2e_request_latency_seconds_count{{{label}}}") == 2
+    assert delta(f"dist_infer:inter_token_latency_seconds_count{{{label}}}") == 7
+    assert delta(f"dist_infer:request_generation_tokens_sum{{{label}}}") == 9
+    assert delta(f"dist_infer:request_prompt_tokens_sum{{{label}}}") == 5
+    assert after[f"dist_infer:num_preemptions_total{{{label}}}"] == 7
+    assert after[f"dist_infer:kv_cache_usage_perc{{{label}}}"] == 0.0
+    assert after[f"dist_infer:num_requests_running{{{label}}}"] == 0.0
+    assert f"dist_infer:num_requests_waiting{{{label}}}" in after
+
+
+def test_two_apps_in_one_process_have_their_own_registries():
+    a, b = build_app(FakeEngine(), "a"), build_app(FakeEngine(), "b")
+    assert a.state.serving.metrics.registry is not b.state.serving.metrics.registry
+
+
+# -- clients that leave ----------------------------------------------------------------------------------
+
+def test_client_leaving_a_stream_aborts_its_request(served):
+    engine = served.engine
+    engine.token_delay = 0.05
+    body = {"prompt": [1, 5, 6], "max_tokens": 100, "stream": True}
+    with http() as h, h.stream("POST", served.v1 + "/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        request_id = json.loads(first[len("data: "):])["id"]
+    # the connection is closed with the request still generating
+    wait_for(lambda: request_id in engine.aborted, what=f"abort({request_id})")
+    wait_for(lambda: engine.free_blocks == engine.total_blocks, what="every block free again")
+
+
+def test_client_leaving_a_pending_answer_aborts_its_request(served):
+    engine = served.engine
+    engine.token_delay = 0.05
+    n_started = len(engine.started)
+    with httpx.Client(trust_env=False, timeout=httpx.Timeout(30, read=0.5)) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post(served.v1 + "/completions", json={"prompt": [1, 7], "max_tokens": 100})
+    wait_for(lambda: len(engine.started) > n_started, what="the request started")
+    request_id = engine.started[n_started]
+    wait_for(lambda: request_id in engine.aborted, what=f"abort({request_id})")
+    wait_for(lambda: engine.free_blocks == engine.total_blocks, what="every block free again")
+
+
+# -- shutdown -------------------------------------------------------------------------------------------
+
+def test_shutdown_lets_running_streams_finish():
+    engine = FakeEngine()
+    engine.token_delay = 0.02
+    served, thread = start_in_thread(engine, grace_s=20)
+    body = {"prompt": [1, 9], "max_tokens": 30, "stream": True}
+    with http() as h, h.stream("POST", served.v1 + "/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        served.server.request_shutdown()
+        wait_for(lambda: not engine.accepting, what="the engine told to stop accepting")
+        try:  # a new request: refused at the socket once uvicorn stops listening, 503 before that
+            with http() as other:
+                late = other.post(served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert late.status_code == 503 and "retry-after" in late.headers, late.text
+        except httpx.ConnectError:
+            pass
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length" and len(rest) == 29
+    thread.join(30)
+    assert not thread.is_alive()
+    assert engine.aborted == []
+
+
+def test_shutdown_aborts_what_outlives_the_grace_period():
+    engine = FakeEngine()
+    engine.token_delay = 0.05
+    served, thread = start_in_thread(engine, grace_s=0.3)
+    body = {"prompt": [1, 9], "max_tokens": 120, "stream": True}
+    with http() as h, h.stream("POST", served.v1 + "/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        served.server.request_shutdown()
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+    thread.join(30)
+    assert not thread.is_alive() and len(engine.aborted) == 1
+
+
+def _serve_fake_engine_main(ready_file: str, token_delay: float, grace_s: float) -> None:
+    """Entry point of the SIGTERM test's subprocess: the fake engine behind serve_http."""
+    engine = FakeEngine()
+    engine.token_delay = token_delay
+
+    def ready(host: str, port: int) -> None:
+        Path(ready_file).write_text(json.dumps({"port": port}))
+
+    serve_http(build_app(engine, MODEL), "127.0.0.1", 0, on_ready=ready, grace_s=grace_s,
+               on_shutdown=lambda: print("on_shutdown called", flush=True))
+    print(f"serve_http returned; aborted={engine.aborted}", flush=True)
+
+
+def test_sigterm_drains_and_exits_0(tmp_path):
+    ready_file = tmp_path / "ready.json"
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from test_api_server import _serve_fake_engine_main; "
+            f"_serve_fake_engine_main({str(ready_file)!r}, 0.02, 20.0)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: ready_file.exists() and ready_file.read_text() or proc.poll() is not None, timeout=60,
+                 what="the server ready")
+        assert proc.poll() is None, proc.communicate()[0]
+        url = f"http://127.0.0.1:{json.loads(ready_file.read_text())['port']}/v1"
+        with http() as h, h.stream("POST", url + "/completions",
+                                   json={"prompt": [1, 3], "max_tokens": 40, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
+        assert sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in rest[:-1]) == 39
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "on_shutdown called" in out and "serve_http returned; aborted=[]" in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
