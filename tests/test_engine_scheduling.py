@@ -318,3 +318,95 @@ def test_requests_the_engine_cannot_take_name_the_field(llama):
     with pytest.raises(RequestError, match="positions") as info:
         engine.add_request("y", [5], SamplingParams(max_new_tokens=engine.cfg.max_positions))
     assert info.value.field == "max_tokens"
+
+
+def test_static_batching_admits_only_when_the_batch_is_done():
+    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=None, static_batching=True,
+                                  chunked_prefill=False))
+    s.add(_request(0, 3, max_new=2))
+    s.add(_request(1, 4, max_new=2))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1"], "one batch of everything waiting"
+    _finish_step(s, out)
+    s.add(_request(2, 3))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1"], "r2 waits for the batch"
+    _finish_step(s, out)
+    for r in list(s.running):
+        s.finish(r, "length")
+    assert [c.request.request_id for c in s.schedule().chunks] == ["r2"]
+
+
+def test_context_parallel_steps_alternate_so_new_prompts_join():
+    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=None, whole_prompt_steps=True),
+                  cp=2)
+    a = _request(0, 9, max_new=50)
+    s.add(a)
+    out = s.schedule()
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 9)]
+    _finish_step(s, out)
+    s.add(_request(1, 6))
+    kinds = []
+    for _ in range(4):
+        out = s.schedule()
+        kinds.append(sorted((c.request.request_id, c.num_tokens) for c in out.chunks))
+        assert all(c.num_tokens == 1 for c in out.chunks) or all(c.start == 0 for c in out.chunks), \
+            "a cp step is all decodes or all fresh prompts"
+        _finish_step(s, out)
+    assert kinds[0] == [("r1", 6)] or kinds[1] == [("r1", 6)], f"r1 must join early, not after r0 ends: {kinds}"
+
+
+def test_a_batch_with_one_seed_gives_each_request_its_own_stream(llama):
+    _, model = llama
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    same = [[5, 6, 7]] * 4
+    outs = engine.generate(same, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, stop_at_eos=False))
+    assert len({tuple(o.token_ids) for o in outs}) > 1, "identical prompts, one seed: still different draws"
+    again = engine.generate(same, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, stop_at_eos=False))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+class _CharTokenizer:
+    """One character per token id (id 10 + ord offset), enough to test stop strings."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + (i % 26)) for i in ids)
+
+
+def test_stop_strings_min_tokens_and_held_back_text(llama):
+    from dist_infer.engine.request import RequestStatus
+
+    _, model = llama
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups, num_blocks=64, tokenizer=_CharTokenizer())
+
+    def feed(params, tokens):
+        """Drive _stop_reason/_delta with chosen tokens: the text the client sees, and why it ended."""
+        r = Request("t", [3, 4], params, seed=0)
+        r.status = RequestStatus.RUNNING
+        engine.scheduler.running.append(r)
+        seen, reason = "", None
+        for t in tokens:
+            r.output_token_ids.append(t)
+            reason = engine._stop_reason(r)
+            out = engine._finish(r, reason) if reason else engine._delta(r)
+            seen += out.text_delta
+            if reason:
+                break
+        return seen, reason, r
+
+    # tokens spell "xyzab": the stop "za" spans two tokens and is cut off the text
+    word = [ord(c) - ord("a") for c in "xyzab"]
+    seen, reason, r = feed(SamplingParams(max_new_tokens=10, stop=("za",)), word)
+    assert (seen, reason, r.stop_reason) == ("xy", "stop", "za")
+    # a stop that appeared before min_tokens does not count later
+    seen, reason, _ = feed(SamplingParams(max_new_tokens=5, stop=("x",), min_tokens=3), [ord(c) - ord("a") for c in "xqrst"])
+    assert (seen, reason) == ("xqrst", "length")
+    # EOS cannot be sampled below min_tokens
+    eos = next(iter(engine.cfg.eos_token_ids))
+    logits = torch.zeros(1, engine.cfg.vocab_size)
+    logits[0, eos] = 10.0
+    row = RowSampling.of(SamplingParams(min_tokens=2), 0, 0)
+    assert int(sample_rows(logits, [row], (eos,)).tokens[0]) != eos
+    assert int(sample_rows(logits, [RowSampling.of(SamplingParams(min_tokens=2), 0, 2)], (eos,)).tokens[0]) == eos

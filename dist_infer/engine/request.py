@@ -50,6 +50,7 @@ class Request:
     text: str = ""  # detokenized output so far (when the engine has a tokenizer)
     emitted_text: int = 0  # characters of `text` already reported
     emitted_tokens: int = 0  # tokens already reported
+    stop_search_from: int = 0  # stop strings are looked for from here on (text before min_tokens is out)
     logits: list = field(default_factory=list)  # per generated token, when the caller asked for them
 
     @property

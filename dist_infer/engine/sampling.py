@@ -70,6 +70,11 @@ def token_generator(seed: int, index: int) -> torch.Generator:
     return gen
 
 
+def batch_seed(seed: Optional[int], index: int) -> Optional[int]:
+    """The seed of request `index` of a batch submitted with one seed (each its own stream)."""
+    return None if seed is None else (seed * 1_000_003 + index) % (2 ** 52)
+
+
 def sequence_generator(seed: int, index: int) -> torch.Generator:
     """Kept for callers of the old name: the generator of token `index` under `seed`."""
     return token_generator(seed, index)
@@ -101,10 +106,12 @@ class RowSampling:
     seed: int = 0
     index: int = 0  # tokens the request has generated before this one
     logprobs: int = 0  # top alternatives wanted
+    ban_eos: int = 0  # 1: EOS may not be drawn (the request is below its min_tokens)
 
     @classmethod
     def of(cls, params: SamplingParams, seed: int, index: int) -> "RowSampling":
-        return cls(params.temperature, params.top_k, params.top_p, seed, index, params.logprobs or 0)
+        ban = int(params.stop_at_eos and index < params.min_tokens)
+        return cls(params.temperature, params.top_k, params.top_p, seed, index, params.logprobs or 0, ban)
 
 
 @dataclass
@@ -116,9 +123,13 @@ class SampledTokens:
     logits: Optional[torch.Tensor] = None  # [B, V] fp32, when the caller asked for them
 
 
-def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> SampledTokens:
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling], eos_ids: tuple[int, ...] = ()) -> SampledTokens:
     """logits [B, V] -> one token per row, each row with its own parameters and generator."""
     logits = logits.float()
+    banned = [b for b, r in enumerate(rows) if r.ban_eos]
+    if banned and eos_ids:
+        logits = logits.clone()
+        logits[torch.tensor(banned)[:, None], torch.tensor(list(eos_ids))[None, :]] = float("-inf")
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(-1)
     for b, row in enumerate(rows):

@@ -3,9 +3,12 @@
 Running decodes go first (one token each), then chunks of prompts, so a long prompt never
 stalls the decodes (stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's
 Dynamic SplitFuse do). New requests are admitted while free KV blocks stay above a watermark.
-When a running request needs a block and none is free, the newest running request is
-preempted by recompute: its blocks are freed and it waits again with its prompt plus what it
-generated, which it recomputes when readmitted (the same tokens, since sampling is counter-based).
+When a running request needs a block and none is free, the newest running request that is
+not already in this step or waiting for a sampled token (pipeline) is preempted by recompute
+(possibly the request itself): its blocks are freed and it waits again, first in line, with its
+prompt plus what it generated, which it recomputes when readmitted. Sampling is counter-based, so
+the tokens it goes on with are the ones it would have drawn (up to a near tie in greedy logits,
+since the recompute is a prefill, not decode steps).
 
 The scheduler owns the block allocator and every request's block table; the ranks only store
 keys and values where the step plan says. It is pure bookkeeping (no tensors, no processes), so
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from dist_infer.engine.kv_cache import BlockAllocator, blocks_for
 from dist_infer.engine.request import Request, RequestStatus
@@ -80,6 +83,7 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * config.num_blocks)
         # context parallel: the prompt length a sequence was prefilled with (its zigzag layout)
         self._cp_prefill: dict[str, int] = {}
+        self._last_step_prefill = False
 
     # -- the queue ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -149,43 +153,48 @@ class Scheduler:
         out.preempted.append(request)
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self, max_seqs: Optional[int] = None) -> SchedulerOutput:
+    def schedule(self, max_seqs: Optional[int] = None, prefill_cap: Optional[int] = None) -> SchedulerOutput:
         """The next step's batch (at most `max_seqs` sequences). Requests whose sampled token is
-        still on the way (pipeline stages in flight) are left out until it arrives."""
+        still on the way (pipeline stages in flight) are left out until it arrives.
+        `prefill_cap`: prompt tokens allowed beside the step's decodes (the engine sizes it from
+        measured step times so decodes are not stalled); a step without decodes is not capped."""
         out = SchedulerOutput()
         max_seqs = max_seqs or self.config.max_num_seqs
         budget = self.config.max_batched_tokens if self.config.max_batched_tokens is not None else float("inf")
         cp_prefill_step = False
-        if self.config.whole_prompt_steps:
+        if self.config.whole_prompt_steps:  # alternate: a prefill step after each decode step while prompts wait
             decodes_ready = any(not r.in_flight and r.num_tokens - r.num_computed == 1 for r in self.running)
-            cp_prefill_step = not decodes_ready and bool(self.waiting)
+            cp_prefill_step = bool(self.waiting) and (not decodes_ready or not self._last_step_prefill)
         scheduled: set[int] = set()
 
-        # 1. running requests: decodes and unfinished prompt chunks, oldest first
+        # 1. running requests: first every decode, then unfinished prompts' chunks, oldest first
         if not cp_prefill_step:
-            for request in list(self.running):
-                if len(out.chunks) >= max_seqs:
-                    break
-                if request not in self.running or request.in_flight or id(request) in scheduled:
-                    continue
-                remaining = request.num_tokens - request.num_computed
-                if self.config.whole_prompt_steps and remaining != 1:
-                    continue
-                n = min(remaining, budget) if self.config.chunked_prefill else remaining
-                if n <= 0 or n > budget:
-                    continue
-                while self._blocks_to_grow(request, n) > self.allocator.num_free:
-                    victim = self._newest_preemptable(exclude=scheduled)
-                    if victim is None:
+            for decodes in (True, False):
+                if not decodes and out.chunks and prefill_cap is not None:
+                    budget = min(budget, prefill_cap)
+                for request in list(self.running):
+                    if len(out.chunks) >= max_seqs:
                         break
-                    self._preempt(victim, out)
-                    if victim is request:
-                        break
-                if request.status is not RequestStatus.RUNNING or self._blocks_to_grow(request, n) > self.allocator.num_free:
-                    continue
-                self._grow(request, n)
-                self._add_chunk(out, request, n, scheduled)
-                budget -= n
+                    if request not in self.running or request.in_flight or id(request) in scheduled:
+                        continue
+                    remaining = request.num_tokens - request.num_computed
+                    if (remaining == 1) != decodes or (self.config.whole_prompt_steps and remaining != 1):
+                        continue
+                    n = min(remaining, budget) if self.config.chunked_prefill else remaining
+                    if n <= 0 or n > budget:
+                        continue
+                    while self._blocks_to_grow(request, n) > self.allocator.num_free:
+                        victim = self._newest_preemptable(exclude=scheduled)
+                        if victim is None:
+                            break
+                        self._preempt(victim, out)
+                        if victim is request:
+                            break
+                    if request.status is not RequestStatus.RUNNING or self._blocks_to_grow(request, n) > self.allocator.num_free:
+                        continue
+                    self._grow(request, n)
+                    self._add_chunk(out, request, n, scheduled)
+                    budget -= n
 
         # 2. waiting requests, first come first served, while blocks and the budget last
         admitting = not self.config.static_batching or not self.running or all(
@@ -217,6 +226,8 @@ class Scheduler:
                 self._add_chunk(out, request, n, scheduled)
                 budget -= n
         out.freed, self._freed = self._freed, []
+        if out.chunks:
+            self._last_step_prefill = cp_prefill_step
         return out
 
     def _add_chunk(self, out: SchedulerOutput, request: Request, n: int, scheduled: set[int]) -> None:
@@ -233,21 +244,19 @@ class Scheduler:
                 return request
         return None
 
-    def check_fits(self, request: Request, tokens: int) -> Optional[str]:
-        """Why a request of `tokens` tokens (prompt + max new) can never run here, or None."""
-        need = blocks_for(self._tokens_held_bound(tokens), self.config.block_size)
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> Optional[str]:
+        """Why a request can never run here (its full length needs more blocks than there are), or None."""
+        tokens = prompt_len + max_new_tokens
+        # cp: a shard holds at most 2 ceil(a / 2cp) + ceil(b / cp) <= ceil((a + b) / cp) + 2 rows for a
+        # prompt of a tokens and b decoded ones, however a preemption redrew the line between them
+        rows = tokens if self.cp == 1 else -(-(tokens - 1) // self.cp) + 2
+        need = blocks_for(rows, self.config.block_size)
         if need > self.config.num_blocks:
             return (f"needs {need} KV blocks of {self.config.block_size} tokens for {tokens} tokens, "
                     f"the cache has {self.config.num_blocks}")
         return None
 
-    def _tokens_held_bound(self, tokens: int) -> int:
-        return tokens if self.cp == 1 else cp_rows_needed(tokens, 0, self.cp) + 1
-
     def on_sampled(self, request: Request) -> None:
         """The token sampled for `request`'s last chunk arrived (the caller appended it)."""
         request.in_flight = False
 
-
-def fcfs(requests: list[Request], key: Callable[[Request], float] = lambda r: r.arrival_time) -> list[Request]:
-    return sorted(requests, key=key)

@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -28,7 +28,7 @@ from dist_infer.comm.groups import ParallelGroups
 from dist_infer.engine.allocator import tune_malloc
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
 from dist_infer.engine.request import Request, RequestError, RequestOutput, RequestStatus
-from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, sample_rows
+from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, batch_seed, sample_rows
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cp_rows_needed
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
 from dist_infer.engine.worker import StageWorker
@@ -108,8 +108,13 @@ class Engine:
                  sequence_parallel_threshold: Optional[int] = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
-                 static_batching: bool = False, tokenizer=None, heartbeat_s: float = HEARTBEAT_S):
-        """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget."""
+                 static_batching: bool = False, decode_stall_limit: Optional[float] = None,
+                 tokenizer=None, heartbeat_s: float = HEARTBEAT_S):
+        """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
+        decode_stall_limit F: beside running decodes, prompt chunks are cut so a step takes about F
+        times a decode-only step (from measured step times; pp=1); None: only the budget cuts them."""
+        if decode_stall_limit is not None and decode_stall_limit <= 1:
+            raise ValueError(f"decode_stall_limit must be above 1 (a multiple of a decode step), got {decode_stall_limit}")
         if cp_variant not in CP_VARIANTS:
             raise ContextParallelError(f"cp variant {cp_variant!r} is not one of {CP_VARIANTS}")
         if groups.cp.size > 1 and groups.pp.size > 1:
@@ -135,6 +140,9 @@ class Engine:
         self.chunked_prefill, self.watermark, self.static_batching = chunked_prefill, watermark, static_batching
         self.tokenizer = tokenizer
         self.heartbeat_s = heartbeat_s
+        self.decode_stall_limit = decode_stall_limit
+        self._decode_step_s: Optional[float] = None  # moving averages of measured step times
+        self._prefill_token_s: Optional[float] = None
         self.timing = Timing()
         self.worker: Optional[StageWorker] = None
         self.scheduler: Optional[Scheduler] = None
@@ -162,13 +170,16 @@ class Engine:
         return groups.world.split(stages, "stage")
 
     def _allocate(self, num_blocks: int) -> None:
+        budget = self.max_batched_tokens
+        if not self.chunked_prefill and budget is not None and budget < self.cfg.max_positions:
+            budget = self.cfg.max_positions  # unchunked, any prompt must fit in one step (vLLM's rule too)
         kv_heads = max(1, self.stage.kv_heads_local)
         device = next(self.stage.parameters()).device
         cache = PagedKVCache(len(self.stage.layers), num_blocks, self.block_size, kv_heads, self.cfg.head_dim,
                              self.stage.dtype, device)
         self.worker = StageWorker(self.stage, self.groups, cache, self.block_size, **self.worker_options)
         self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=num_blocks, block_size=self.block_size, max_batched_tokens=self.max_batched_tokens,
+            num_blocks=num_blocks, block_size=self.block_size, max_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs, watermark=self.watermark,
             chunked_prefill=self.chunked_prefill and self.cp.size == 1, whole_prompt_steps=self.cp.size > 1,
             static_batching=self.static_batching,
@@ -218,7 +229,7 @@ class Engine:
             raise PromptError(f"{name} has {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens = "
                               f"{total}, more than the model's {self.cfg.max_positions} positions", field="max_tokens")
         if self.scheduler is not None:
-            why = self.scheduler.check_fits(None, total)
+            why = self.scheduler.check_fits(len(prompt_token_ids), params.max_new_tokens)
             if why:
                 raise PromptError(f"{name}: {why}", field="max_tokens")
 
@@ -272,7 +283,7 @@ class Engine:
         oldest. Returns what the completed step added to each request."""
         outputs = self._apply_commands()
         while len(self._inflight) < self.pp.size:
-            scheduled = self.scheduler.schedule(self._seqs_per_step())
+            scheduled = self.scheduler.schedule(self._seqs_per_step(), self._prefill_cap())
             self._freed += [r.seq_id for r in scheduled.freed]
             if not scheduled.chunks:
                 break
@@ -291,6 +302,27 @@ class Engine:
         live = len(self.scheduler.running) + len(self.scheduler.waiting)
         return max(1, -(-live // self.pp.size))
 
+    def _prefill_cap(self) -> Optional[int]:
+        """Prompt tokens to put beside this step's decodes so the step lasts about
+        decode_stall_limit decode steps (Sarathi-Serve's budget from the inter-token latency
+        target, but measured here instead of profiled beforehand)."""
+        if self.decode_stall_limit is None or self._decode_step_s is None or not self._prefill_token_s:
+            return None
+        return max(16, int((self.decode_stall_limit - 1) * self._decode_step_s / self._prefill_token_s))
+
+    def _learn_step_time(self, flight: "_InFlight", elapsed: float) -> None:
+        prefill = sum(c.num_tokens for c in flight.chunks if c.num_tokens > 1)
+        decodes = sum(1 for c in flight.chunks if c.num_tokens == 1)
+
+        def ema(old: Optional[float], new: float) -> float:
+            return new if old is None else 0.8 * old + 0.2 * new
+
+        if prefill == 0 and decodes:
+            self._decode_step_s = ema(self._decode_step_s, elapsed)
+        elif prefill >= 8 and (decodes == 0 or self._decode_step_s is not None):
+            base = self._decode_step_s if decodes else 0.0
+            self._prefill_token_s = ema(self._prefill_token_s, max(elapsed - base, 0.0) / prefill)
+
     def _take_freed(self) -> list[int]:
         freed, self._freed = self._freed, []
         return freed
@@ -308,8 +340,9 @@ class Engine:
             plan.input_ids += r.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
             if chunk.sample:
                 plan.rows.append(RowSampling.of(r.params, r.seed, len(r.output_token_ids)))
+        launched = time.perf_counter()
         result = self._run_stage(plan)
-        self._inflight.append(_InFlight(plan, list(scheduled.chunks), time.perf_counter(), result))
+        self._inflight.append(_InFlight(plan, list(scheduled.chunks), launched, result))
 
     def _send_plan(self, plan: StepPlan) -> StepPlan:
         """Driver: the plan to every rank of stage 0 (one broadcast of sizes, two of payload)."""
@@ -341,7 +374,7 @@ class Engine:
         if not self.is_sampler:
             return None
         logits = out[torch.tensor(plan.sample_index, dtype=torch.long)]
-        sampled = sample_rows(logits, plan.rows)
+        sampled = sample_rows(logits, plan.rows, tuple(self.cfg.eos_token_ids))
         if plan.return_logits:
             sampled.logits = logits.float()
         if self.pp.size > 1:
@@ -378,6 +411,8 @@ class Engine:
     # -- results --------------------------------------------------------------------------------
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         sampled = flight.result if flight.result is not None else self._receive_sampled(flight.plan)
+        if self.pp.size == 1:
+            self._learn_step_time(flight, time.perf_counter() - flight.launched)
         now = time.monotonic()
         outputs = []
         rows = [c for c in flight.chunks if c.sample]
@@ -405,7 +440,11 @@ class Engine:
         return outputs
 
     def _stop_reason(self, r: Request) -> Optional[str]:
+        """Why `r` ends after its newest token, or None. Stop strings are looked for only in text
+        that is new since the last token (plus the length of a stop string, for one that spans
+        tokens), and only from min_tokens on; EOS cannot come before min_tokens (the sampler bans it)."""
         p, token, n = r.params, r.output_token_ids[-1], len(r.output_token_ids)
+        before = len(r.text)
         if self.tokenizer is not None:
             r.text = self.tokenizer.decode(r.output_token_ids)
         if n >= p.min_tokens:
@@ -415,13 +454,16 @@ class Engine:
                 r.stop_reason = token
                 return "stop"
             if p.stop and self.tokenizer is not None:
-                start = max(0, r.emitted_text - max(len(s) for s in p.stop))
+                longest = max(len(s) for s in p.stop)
+                start = max(0, before - longest + 1, r.stop_search_from)
                 hits = [(r.text.find(s, start), s) for s in p.stop]
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
                     at, s = min(hits)
                     r.text, r.stop_reason = r.text[:at], s
                     return "stop"
+        elif n == p.min_tokens - 1:
+            r.stop_search_from = len(r.text)  # text before min_tokens can never hold the stop
         if n >= p.max_new_tokens or r.num_tokens >= self.cfg.max_positions:
             return "length"
         return None
@@ -523,7 +565,8 @@ class Engine:
             self.check_request(p, params, name=f"prompt {i}")
         if self.fixed_blocks is None:
             need = self.blocks_for_batch(prompts, params.max_new_tokens)
-            if self.scheduler is None or self.num_blocks < need or self.scheduler.has_unfinished():
+            if self.scheduler is None or self.num_blocks < need:
+                self.worker = self.scheduler = None  # the old cache goes before the new one is made
                 self._allocate(need)
         self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts), sequences=len(prompts))
         if not self.is_driver:
@@ -531,7 +574,8 @@ class Engine:
             return self._share_outputs(None, prompts, return_logits)
         self.return_logits = return_logits
         preempted_before = self.scheduler.num_preemptions
-        requests = [self.add_request(f"offline-{self._step}-{i}", p, params) for i, p in enumerate(prompts)]
+        requests = [self.add_request(f"offline-{self._step}-{i}", p, replace(params, seed=batch_seed(params.seed, i)))
+                    for i, p in enumerate(prompts)]
         start, cpu_start = time.perf_counter(), time.process_time()
         first_done = None
         while self.has_unfinished():

@@ -18,7 +18,7 @@ from dist_infer.engine.sampling import RowSampling
 KIND_STOP, KIND_IDLE, KIND_WORK = 0, 1, 2
 _HEAD = 9  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs
 _PER_SEQ = 5  # seq id, new tokens, context before, table length, sample flag
-_PER_ROW = 6  # temperature, top_k, top_p, seed, index, logprobs
+_PER_ROW = 7  # temperature, top_k, top_p, seed, index, logprobs, ban_eos
 
 
 @dataclass
@@ -61,7 +61,7 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         per_seq += [plan.seq_ids[i], plan.num_tokens[i], plan.starts[i], len(plan.block_tables[i]), int(plan.sample[i])]
     tables = [b for t in plan.block_tables for b in t]
     ints = torch.tensor(head + per_seq + tables + list(plan.input_ids) + list(plan.freed), dtype=torch.long)
-    floats = torch.tensor([[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs] for r in plan.rows],
+    floats = torch.tensor([[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs, r.ban_eos] for r in plan.rows],
                           dtype=torch.float64).reshape(-1)  # seeds < 2**53 are exact in float64
     return ints, floats
 
@@ -83,7 +83,7 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
     return StepPlan(
         kind=kind, step=step, seq_ids=[r[0] for r in per_seq], num_tokens=[r[1] for r in per_seq],
         starts=[r[2] for r in per_seq], block_tables=tables, sample=[bool(r[4]) for r in per_seq],
-        rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp)) for t, k, p, s, i, lp in f],
+        rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp), int(b)) for t, k, p, s, i, lp, b in f],
         input_ids=input_ids, freed=freed_ids, return_logits=bool(logits),
     )
 

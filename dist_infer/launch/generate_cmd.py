@@ -16,6 +16,7 @@ DEFAULT_PROMPT = "The quick brown fox"
 # 2040-token prompt in chunks beside 8 running decodes peaks at 256 tokens per step (3460 tok/s,
 # 81 ms a step; 512: 3290 tok/s, 182 ms; 1024: 2490 tok/s, 578 ms): docs/benchmarks.md.
 DEFAULT_MAX_BATCHED_TOKENS = 256
+DEFAULT_DECODE_STALL_LIMIT = 0.0
 
 
 def model_path(args) -> str:
@@ -28,7 +29,8 @@ def model_path(args) -> str:
 def scheduler_options(args) -> dict:
     return {"num_blocks": args.kv_blocks, "max_batched_tokens": args.max_batched_tokens,
             "max_num_seqs": args.max_num_seqs, "chunked_prefill": not args.no_chunked_prefill,
-            "static_batching": args.scheduling == "static"}
+            "static_batching": args.scheduling == "static",
+            "decode_stall_limit": getattr(args, "decode_stall_limit", 0) or None}
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,13 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
                         "what --kv-cache-memory holds, at most enough for --max-num-seqs full-length requests") + ")")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="compute each prompt in one step instead of in chunks under the token budget")
+    if not offline:
+        p.add_argument("--decode-stall-limit", type=float, default=DEFAULT_DECODE_STALL_LIMIT,
+                       help="beside running decodes, cut prompt chunks so that a step takes about this many times a "
+                            "decode-only step (from measured step times), keeping inter-token latency smooth while long "
+                            "prompts are prefilled (2 meets Sarathi-Serve's p99/median ITL <= 2 on the CPU machine, at a "
+                            "cost in TTFT and throughput under load: docs/benchmarks.md); 0: only --max-batched-tokens "
+                            "cuts them (default %(default)s)")
     p.add_argument("--scheduling", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join and leave the batch at every step (default); static: a new batch "
                         "starts only when the whole running batch has finished (the baseline benchmarks compare with)")

@@ -38,6 +38,11 @@ class AttentionMetadata:
     seq_lens_t: Optional[torch.Tensor] = None  # seq_lens as a tensor, for the native decode kernel
     window: Optional[int] = None  # sliding window: a query sees the last `window` positions
     sequence_parallel: bool = False  # the step's tp layers run sequence parallel (parallel/sequence_parallel.py)
+    # A mixed step (decodes beside prompt chunks, or prompts of different lengths) attends in parts:
+    # (rows of the step's tokens, their own metadata). Padding every sequence to the longest
+    # query would cost batch x longest chunk query rows: 60 decodes beside a 256-token chunk
+    # would attend 15360 rows instead of 316.
+    parts: Optional[list[tuple[torch.Tensor, "AttentionMetadata"]]] = None
 
     @property
     def decode(self) -> bool:
@@ -91,7 +96,11 @@ def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
         mask[padded_rows] = False
         mask[..., 0] |= padded_rows  # padded query rows look at one key: no NaN, result discarded
         mask = mask.unsqueeze(1)
+    parts = None
+    if B > 1 and len(set(query_lens)) > 1:
+        parts = _parts(query_lens, seq_lens, block_tables, block_size, sliding_window)
     return AttentionMetadata(
+        parts=parts,
         positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         query_lens=list(query_lens),
@@ -106,6 +115,36 @@ def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
         seq_lens_t=torch.tensor(list(seq_lens), dtype=torch.long),
         window=sliding_window,
     )
+
+
+def _parts(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+           block_size: int, sliding_window: Optional[int]) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    """The decodes together (one packed batch), each longer query on its own."""
+    starts = [sum(query_lens[:b]) for b in range(len(query_lens))]
+    decodes = [b for b, q in enumerate(query_lens) if q == 1]
+    groups = ([decodes] if decodes else []) + [[b] for b, q in enumerate(query_lens) if q > 1]
+    out = []
+    for g in groups:
+        rows = torch.tensor([r for b in g for r in range(starts[b], starts[b] + query_lens[b])], dtype=torch.long)
+        sub = build_attention_metadata([query_lens[b] for b in g], [seq_lens[b] for b in g],
+                                       [block_tables[b] for b in g], block_size, sliding_window)
+        out.append((rows, sub))
+    return out
+
+
+def _attend_in_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, kernels=None) -> torch.Tensor:
+    """Attention of a mixed step, part by part; the cache already holds every new key and value.
+    q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads * d]."""
+    T, heads, d = q.shape
+    out = q.new_empty(T, heads * d)
+    for rows, sub in meta.parts:
+        if kernels is not None and sub.decode:
+            out[rows] = kernels.decode_attention(q[rows].reshape(len(rows), heads * d), k_cache, v_cache,
+                                                 sub.block_tables, sub.seq_lens_t, sub.max_ctx, sub.window, scale)
+        else:
+            out[rows] = paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, sub, scale, written=True)
+    return out
 
 
 def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -145,6 +184,9 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
                                         meta.window, scale)
     T, d = q.shape[0], k_cache.shape[-1]
+    if meta.parts is not None:
+        return _attend_in_parts(q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale,
+                                kernels)
     return paged_attention(q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale,
                            written=True)
 
@@ -173,6 +215,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not written:
         k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    if meta.parts is not None:
+        return _attend_in_parts(q, k, v, k_cache, v_cache, meta, scale)
     if meta.fresh:
         keys, values = _pad(k, meta), _pad(v, meta)
     else:

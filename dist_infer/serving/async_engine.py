@@ -49,7 +49,8 @@ class AsyncEngine:
         try:
             self.engine.run_driver(self._publish, self._stop.is_set)
         except BaseException as exc:  # noqa: BLE001 - every client must hear about it
-            self.dead_reason = f"{type(exc).__name__}: {exc}"
+            with self._lock:  # a request registering now either sees dead_reason or is failed here
+                self.dead_reason = f"{type(exc).__name__}: {exc}"
             logger.error(f"the engine stopped: {self.dead_reason}")
             self._fail_all(EngineDeadError(self.dead_reason))
             if self._on_dead is not None:
@@ -105,6 +106,8 @@ class AsyncEngine:
             raise QueueFullError(retry_after_s=1.0)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), q)

@@ -1,0 +1,177 @@
+"""Serving benchmarks, side by side in one run: the same request stream against each server
+configuration in turn (start it, wait until ready, `dist-infer bench-serve --json`, stop it),
+then the ratios. Every figure in docs/benchmarks.md's serving section comes from here.
+
+    python benchmarks/serve_compare.py batching   # continuous vs static batching, same stream
+    python benchmarks/serve_compare.py chunking   # chunked prefill on vs off: long prompts amid decodes
+    python benchmarks/serve_compare.py hf         # ours vs `transformers serve` on the same model and stream
+
+Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path, env: dict | None = None):
+        self.name, self.port = name, port
+        self.log = open(log_dir / f"{name}.log", "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{name} exited {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"{name} not ready after 300 s; see {self.log.name}")
+            time.sleep(0.5)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def ours(name: str, model: str, port: int, log_dir: Path, *flags: str) -> Server:
+    return Server(name, [str(BIN / "dist-infer"), "serve", "--model", model, "--port", str(port), *flags], port, log_dir)
+
+
+def bench(url: str, args: list[str], out: Path) -> dict:
+    cmd = [str(BIN / "dist-infer"), "bench-serve", "--url", url, "--json", "--save-results", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"bench-serve failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
+
+
+def run_pair(configs, bench_args, log_dir: Path) -> dict:
+    results = {}
+    for name, start in configs:
+        server = start(name, free_port(), log_dir)
+        try:
+            results[name] = bench(server.url, bench_args, log_dir / f"{name}.json")
+        finally:
+            server.stop()
+        s = results[name]
+        print(f"{name:>12}: {s['completed']} ok / {s['failed']} failed, {s['request_throughput']:.2f} req/s, "
+              f"{s['output_throughput']:.1f} out tok/s, TTFT p50 {s['ttft_ms']['median']:.0f} p99 "
+              f"{s['ttft_ms']['p99']:.0f} ms, ITL p50 {s['itl_ms']['median']:.1f} p99 {s['itl_ms']['p99']:.1f} ms, "
+              f"TPOT p50 {s['tpot_ms']['median']:.1f} ms", flush=True)
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenario", choices=("batching", "chunking", "hf"))
+    p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the built-in model)")
+    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--request-rate", type=float, default=4.0)
+    p.add_argument("--flags", default="", help="extra flags for our server, e.g. '--tp 2'")
+    p.add_argument("--out", default=None, help="write the combined JSON here")
+    args = p.parse_args()
+    model = args.model
+    if model == "default":
+        from dist_infer.models.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    log_dir = Path(tempfile.mkdtemp(prefix=f"serve-{args.scenario}-"))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    extra = args.flags.split()
+    common = ["--num-prompts", str(args.num_prompts), "--seed", "1", "--vocab-size", str(vocab)]
+    print(f"uptime before: {os.getloadavg()}; logs in {log_dir}", flush=True)
+    if args.scenario == "batching":
+        stream = common + ["--request-rate", str(args.request_rate), "--input-len", "128", "--output-len", "64",
+                           "--prompt-ids", "--ignore-eos"]
+        results = run_pair([
+            ("continuous", lambda n, port, d: ours(n, model, port, d, *extra)),
+            ("static", lambda n, port, d: ours(n, model, port, d, "--scheduling", "static", "--no-chunked-prefill",
+                                                "--max-batched-tokens", "1000000", *extra)),
+        ], stream, log_dir)
+        c, s = results["continuous"], results["static"]
+        results["ratios"] = {"throughput_continuous_over_static": c["output_throughput"] / s["output_throughput"],
+                             "ttft_p99_static_over_continuous": s["ttft_ms"]["p99"] / c["ttft_ms"]["p99"]}
+    elif args.scenario == "chunking":
+        trace = log_dir / "trace.csv"
+        rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+        rows += [f"{0.25 * i:.2f},32,128" for i in range(8)]  # chats that keep decoding for a while
+        rows += [f"{1.0 + 1.0 * i:.2f},2000,4" for i in range(8)]  # long prompts landing amid their decodes
+        trace.write_text("\n".join(rows) + "\n")
+        stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
+        results = run_pair([
+            ("unchunked", lambda n, port, d: ours(n, model, port, d, "--no-chunked-prefill", "--decode-stall-limit", "0",
+                                                   *extra)),
+            ("chunked-256", lambda n, port, d: ours(n, model, port, d, "--decode-stall-limit", "0", *extra)),
+            ("chunked-32", lambda n, port, d: ours(n, model, port, d, "--max-batched-tokens", "32",
+                                                    "--decode-stall-limit", "0", *extra)),
+            ("chunked-adaptive", lambda n, port, d: ours(n, model, port, d, "--decode-stall-limit", "2", *extra)),
+        ], stream, log_dir)
+        for name in ("unchunked", "chunked-256", "chunked-32", "chunked-adaptive"):
+            r = json.loads((log_dir / f"{name}.json").read_text())
+            itl = sorted(g for rec in r.get("requests", r if isinstance(r, list) else []) for g in rec.get("itl", []))
+            stats = results[name]["itl_ms"]
+            results[name]["itl_p99_over_median"] = stats["p99"] / stats["median"]
+            results[name]["itl_max_ms"] = 1000 * itl[-1] if itl else None
+            print(f"{name:>12}: ITL p99 / median = {results[name]['itl_p99_over_median']:.2f}, max ITL "
+                  f"{results[name]['itl_max_ms'] or float('nan'):.0f} ms, TTFT p99 {results[name]['ttft_ms']['p99']:.0f} ms")
+    else:
+        # text prompts (HF's server takes no token ids) and no ignore_eos (HF refuses the field); greedy, so both
+        # servers generate the same tokens and stop at the same EOS
+        stream = common + ["--request-rate", str(args.request_rate), "--input-len", "128", "--output-len", "64",
+                           "--model", model]
+        hf_cli = shutil.which("transformers", path=str(BIN)) or "transformers"
+        results = run_pair([
+            ("ours", lambda n, port, d: ours(n, model, port, d, "--served-model-name", model, *extra)),
+            ("hf-serve-cb", lambda n, port, d: Server(n, [hf_cli, "serve", model, "--port", str(port),
+                                                          "--continuous-batching"], port, d,
+                                                      env={"HF_HUB_OFFLINE": "1"})),
+        ], stream, log_dir)
+        o, h = results["ours"], results["hf-serve-cb"]
+        results["ratios"] = {"throughput_ours_over_hf": o["output_throughput"] / h["output_throughput"],
+                             "ttft_p99_hf_over_ours": h["ttft_ms"]["p99"] / o["ttft_ms"]["p99"]}
+    if "ratios" in results:
+        print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in results["ratios"].items()))
+    print(f"uptime after: {os.getloadavg()}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
