@@ -410,3 +410,21 @@ def test_stop_strings_min_tokens_and_held_back_text(llama):
     row = RowSampling.of(SamplingParams(min_tokens=2), 0, 0)
     assert int(sample_rows(logits, [row], (eos,)).tokens[0]) != eos
     assert int(sample_rows(logits, [RowSampling.of(SamplingParams(min_tokens=2), 0, 2)], (eos,)).tokens[0]) == eos
+
+
+def test_context_parallel_decodes_go_on_while_a_prompt_waits_for_blocks():
+    s = Scheduler(SchedulerConfig(num_blocks=9, block_size=4, max_batched_tokens=7, whole_prompt_steps=True,
+                                  watermark=0.0), cp=2)
+    for i in range(3):
+        s.add(_request(i, 16, max_new=6))
+    steps = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        assert out.chunks, f"stuck at step {steps}: waiting {[r.request_id for r in s.waiting]}"
+        _finish_step(s, out)
+        for r in list(s.running):
+            if len(r.output_token_ids) >= r.params.max_new_tokens:
+                s.finish(r, "length")
+        steps += 1
+        assert steps < 100
+    assert s.num_free_blocks == 9

@@ -154,17 +154,25 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self, max_seqs: Optional[int] = None, prefill_cap: Optional[int] = None) -> SchedulerOutput:
+        out = self._schedule(max_seqs, prefill_cap, prompts_first=True)
+        if not out.chunks and self.config.whole_prompt_steps:
+            # cp: the waiting prompts do not fit yet; the running requests decode (and free blocks)
+            out = self._schedule(max_seqs, prefill_cap, prompts_first=False, freed=out.freed, preempted=out.preempted)
+        return out
+
+    def _schedule(self, max_seqs: Optional[int], prefill_cap: Optional[int], prompts_first: bool,
+                  freed: Optional[list] = None, preempted: Optional[list] = None) -> SchedulerOutput:
         """The next step's batch (at most `max_seqs` sequences). Requests whose sampled token is
         still on the way (pipeline stages in flight) are left out until it arrives.
         `prefill_cap`: prompt tokens allowed beside the step's decodes (the engine sizes it from
         measured step times so decodes are not stalled); a step without decodes is not capped."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(preempted=list(preempted or []))
         max_seqs = max_seqs or self.config.max_num_seqs
         budget = self.config.max_batched_tokens if self.config.max_batched_tokens is not None else float("inf")
         cp_prefill_step = False
         if self.config.whole_prompt_steps:  # alternate: a prefill step after each decode step while prompts wait
             decodes_ready = any(not r.in_flight and r.num_tokens - r.num_computed == 1 for r in self.running)
-            cp_prefill_step = bool(self.waiting) and (not decodes_ready or not self._last_step_prefill)
+            cp_prefill_step = prompts_first and bool(self.waiting) and (not decodes_ready or not self._last_step_prefill)
         scheduled: set[int] = set()
 
         # 1. running requests: first every decode, then unfinished prompts' chunks, oldest first
@@ -225,7 +233,7 @@ class Scheduler:
                 self._grow(request, n)
                 self._add_chunk(out, request, n, scheduled)
                 budget -= n
-        out.freed, self._freed = self._freed, []
+        out.freed, self._freed = list(freed or []) + self._freed, []
         if out.chunks:
             self._last_step_prefill = cp_prefill_step
         return out
