@@ -97,6 +97,31 @@ def run_pair(configs, bench_args, log_dir: Path) -> dict:
     return results
 
 
+def plot(log_dir: Path, names: list[str], out: Path, title: str) -> None:
+    """CDFs of TTFT and ITL for each configuration, side by side (from bench-serve's per-request records)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        records = [r for r in json.loads((log_dir / f"{name}.json").read_text())["requests"] if r["success"]]
+        for ax, values in zip(axes, ([r["ttft"] for r in records], [g for r in records for g in r["itl"]])):
+            v = np.sort(np.asarray(values) * 1000)
+            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
+    for ax, what in zip(axes, ("time to first token (ms)", "inter-token latency (ms)")):
+        ax.set_xscale("log")
+        ax.set_xlabel(what)
+        ax.set_ylabel("fraction of requests" if "first" in what else "fraction of tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", choices=("batching", "chunking", "hf"))
@@ -105,6 +130,7 @@ def main() -> int:
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--flags", default="", help="extra flags for our server, e.g. '--tp 2'")
     p.add_argument("--out", default=None, help="write the combined JSON here")
+    p.add_argument("--plot", default=None, help="write CDFs of TTFT and ITL per configuration to this PNG")
     args = p.parse_args()
     model = args.model
     if model == "default":
@@ -170,6 +196,9 @@ def main() -> int:
     print(f"uptime after: {os.getloadavg()}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        names = [k for k in results if k != "ratios"]
+        plot(log_dir, names, Path(args.plot), f"{args.scenario}: {Path(model).name}")
     return 0
 
 
