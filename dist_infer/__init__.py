@@ -6,6 +6,10 @@ launch -> serving -> engine -> models -> parallel -> comm -> topology.
 
 __version__ = "0.1.0"
 
+from loguru import logger as _logger
+
+_logger.disable("dist_infer")  # a library stays quiet unless its user enables it; the CLI does
+
 
 def __getattr__(name):
     """`dist_infer.shard` and `dist_infer.load` without importing torch at `import dist_infer`."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 import torch
@@ -174,17 +173,15 @@ def test_backend_errors():
 # -- handles ------------------------------------------------------------------------------------
 
 
-def test_polling_handle_times_out_quickly():
+@pytest.mark.timeout(60)  # a wait that ignored its timeout would hang here: the test then fails, no clock needed
+def test_polling_handle_times_out():
     h = PollingHandle(lambda: False, "all_reduce on group 'tp' (stuck)", timeout=0.3)
-    t0 = time.monotonic()
     with pytest.raises(CommTimeoutError, match=r"all_reduce on group 'tp' \(stuck\) did not complete"):
         h.wait()
-    assert time.monotonic() - t0 < 2.0
     assert not h.is_completed()
-    t0 = time.monotonic()
+    forever = PollingHandle(lambda: False, "all_reduce on group 'tp' (stuck)", timeout=3600)
     with pytest.raises(CommTimeoutError):
-        h.wait(timeout=0.05)  # an explicit timeout overrides the handle's
-    assert time.monotonic() - t0 < 1.0
+        forever.wait(timeout=0.05)  # an explicit timeout overrides the handle's hour
     assert issubclass(CommTimeoutError, CommError)
 
 

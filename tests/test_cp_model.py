@@ -29,7 +29,7 @@ from dist_infer.models.cp_attention import (
     cp_prefill_metadata,
     shard_decode_attention,
 )
-from dist_infer.parallel.ring_attention import merge_many
+from dist_infer.parallel.ring.lse import merge_many
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_compare import CheckpointStore, assert_matches_hf, prompts_for  # noqa: E402

@@ -289,3 +289,16 @@ def test_complete_info_does_not_talk_to_mpi():
 def test_half_set_launcher_variables_name_the_missing_one(env, missing):
     with pytest.raises(DiscoveryError, match=missing):
         discover(env)
+
+
+def test_slurm_tasks_per_node_with_repeats():
+    from dist_infer.topology.discovery import DiscoveryError, parse_slurm_tasks_per_node
+
+    assert parse_slurm_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert parse_slurm_tasks_per_node("4") == [4]
+    with pytest.raises(DiscoveryError, match="'2x3'"):
+        parse_slurm_tasks_per_node("2x3")
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_NNODES": "4", "SLURM_NODEID": "3",
+           "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2(x3),1", "SLURM_JOB_ID": "1"}
+    info = discover(env)
+    assert info.local_world_size == 1 and info.world_size == 7

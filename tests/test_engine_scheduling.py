@@ -18,7 +18,7 @@ from dist_infer.engine.request import Request, RequestError
 from dist_infer.engine.sampling import RowSampling, SamplingParams, SamplingParamsError, sample_rows
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, cp_rows_needed
 from dist_infer.engine.step_plan import KIND_WORK, StepPlan, decode, encode
-from dist_infer.parallel.ring_attention import zigzag_chunks
+from dist_infer.parallel.ring.shards import zigzag_chunks
 
 
 def _request(i: int, prompt_len: int, max_new: int = 4) -> Request:

@@ -19,12 +19,8 @@ import torch.nn.functional as F
 
 from dist_infer.kernels import cpu_kernels
 from dist_infer.kernels.build import MAX_ROWS
-from dist_infer.models.attention import (
-    attention_native,
-    build_attention_metadata,
-    last_token_attention_native,
-    paged_attention,
-)
+from dist_infer.models.attention import attention_native, last_token_attention_native, paged_attention
+from dist_infer.models.attention_metadata import build_attention_metadata
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel.linear import skinny_linear
 

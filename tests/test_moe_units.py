@@ -20,18 +20,11 @@ import torch.nn.functional as F
 from dist_infer.comm.base import Communicator, DoneHandle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.models.config import ModelConfig, ModelConfigError
-from dist_infer.parallel.moe import (
-    ExpertParallelMoE,
-    ExpertPlacement,
-    RoutingStats,
-    balanced_placement,
-    dispatch_order,
-    imbalance,
-    read_placement_file,
-    token_chunk,
-    topk_routing,
-    write_routing_file,
-)
+from dist_infer.parallel.moe.layer import ExpertParallelMoE
+from dist_infer.parallel.moe.placement import ExpertPlacement, balanced_placement, imbalance
+from dist_infer.parallel.moe.routing import dispatch_order, token_chunk, topk_routing
+from dist_infer.parallel.moe.routing_file import read_placement_file, write_routing_file
+from dist_infer.parallel.moe.stats import RoutingStats
 from dist_infer.parallel.sharding import ShardingError
 from dist_infer.topology import Mesh, ParallelConfig
 

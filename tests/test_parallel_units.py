@@ -21,7 +21,8 @@ from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint  # noqa
 
 from dist_infer.engine.kv_cache import BlockAllocator, CacheFullError, PagedKVCache, blocks_for  # noqa: E402
 from dist_infer.engine.sampling import SamplingParams, filter_logits, sample, sequence_generator  # noqa: E402
-from dist_infer.models.attention import build_attention_metadata, paged_attention  # noqa: E402
+from dist_infer.models.attention import paged_attention  # noqa: E402
+from dist_infer.models.attention_metadata import build_attention_metadata  # noqa: E402
 from dist_infer.models.config import ModelConfig, ModelConfigError  # noqa: E402
 from dist_infer.models.rope import Rotary, apply_rotary, inverse_frequencies  # noqa: E402
 from dist_infer.parallel.sharding import (  # noqa: E402

@@ -54,8 +54,6 @@ def _check_ok(m: dict, peer: str, tp: int) -> None:
     assert m["peer"] == peer and m["tp"] == tp and m["error"] is None
     for key in ("prefill_tok_s", "decode_tok_s", "ttft_s", "tpot_s", "peak_rss_mb"):
         assert m[key] is not None and m[key] > 0, (peer, key, m[key])
-    assert abs(m["prefill_tok_s"] * m["ttft_s"] - BATCH * PROMPT_LEN) < 1e-6 * BATCH * PROMPT_LEN
-    assert abs(m["decode_tok_s"] * m["tpot_s"] - BATCH) < 1e-6 * BATCH
     ids = m["token_ids"]
     assert len(ids) == BATCH and all(len(row) == GEN_LEN for row in ids)
     assert all(0 <= t < 128 for row in ids for t in row)

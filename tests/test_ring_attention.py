@@ -18,20 +18,14 @@ import pytest
 import torch
 from conftest import HELPERS, run
 
-from dist_infer.parallel.ring_attention import (
-    RingAttentionError,
-    RingLayout,
-    _attend_blocks,
-    attention_with_lse,
-    attention_with_lse_reference,
-    choose_ring_variant,
-    merge_many,
-    merge_partials,
-    plan_blocks,
-    ring_step_flops,
-    runs_from_positions,
-    zigzag_chunks,
-)
+from dist_infer.parallel.ring.blocks import plan_blocks, ring_step_flops
+from dist_infer.parallel.ring.errors import RingAttentionError
+from dist_infer.parallel.ring.layout import RingLayout
+from dist_infer.parallel.ring.local_attention import attention_with_lse, attention_with_lse_reference
+from dist_infer.parallel.ring.lse import merge_many, merge_partials
+from dist_infer.parallel.ring.ring_loops import _attend_blocks
+from dist_infer.parallel.ring.shards import runs_from_positions, zigzag_chunks
+from dist_infer.parallel.ring.variant import choose_ring_variant
 
 JOB = HELPERS / "ring_attention_job.py"
 JOB_TIMEOUT = 180  # a healthy job takes 10-20 s on 2 cores; this only bounds a hang

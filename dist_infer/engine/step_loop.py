@@ -27,7 +27,7 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.engine.allocator import tune_malloc
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
-from dist_infer.engine.request import Request, RequestError, RequestOutput, RequestStatus
+from dist_infer.engine.request import Request, RequestError, RequestOutput
 from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, batch_seed, sample_rows
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cp_rows_needed
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes

@@ -16,14 +16,14 @@ import torch
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.engine.kv_cache import PagedKVCache
 from dist_infer.engine.step_plan import StepPlan
-from dist_infer.models.attention import build_attention_metadata, split_token_halves
+from dist_infer.models.attention_metadata import build_attention_metadata, split_token_halves
 from dist_infer.models.cp_attention import (
     ContextParallelError,
     cp_decode_metadata,
     cp_decode_owner,
     cp_prefill_metadata,
 )
-from dist_infer.parallel.ring_attention import zigzag_chunks
+from dist_infer.parallel.ring.shards import zigzag_chunks
 from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split
 

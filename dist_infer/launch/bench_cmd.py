@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -25,11 +26,9 @@ MEASURED_GROUPS = ("tp", "pp", "cp")  # the groups whose communication --overlap
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the built-in small Llama)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="start this many local ranks (default: tp x pp x ep x cp); ignored under a launcher")
-    p.add_argument("--pp-split", default=None, help="layers per pipeline stage, comma separated")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size (default %(default)s)")
+    from dist_infer.launch.generate_cmd import add_model_flags
+
+    add_model_flags(p)  # the same model and layout flags as generate and serve
     p.add_argument("--batch", type=int, default=4, help="prompts per batch (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default %(default)s)")
     p.add_argument("--gen-len", type=int, default=32, help="new tokens per prompt (default %(default)s)")
@@ -49,12 +48,6 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "communication, other ops, Python) into the JSON as 'profile'")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
-    from dist_infer.launch.generate_cmd import add_cp_variant_flag
-
-    add_cp_variant_flag(p)
-    from dist_infer.launch.generate_cmd import add_expert_placement_flag
-
-    add_expert_placement_flag(p)
     p.add_argument("--save-routing", default=None, metavar="FILE",
                    help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "
                         "for this ep to FILE, for --expert-placement")
@@ -264,7 +257,7 @@ def plot(path: str, rows: list[tuple[str, dict]]) -> None:
 
 def save_routing(path: str, moe: Optional[dict], ep: int) -> None:
     """The measured tokens per expert and a balanced placement for `ep`, for --expert-placement."""
-    from dist_infer.parallel.moe import write_routing_file
+    from dist_infer.parallel.moe.routing_file import write_routing_file
 
     if moe is None:
         raise SystemExit("dist-infer bench: --save-routing needs a mixture-of-experts model")
@@ -278,23 +271,24 @@ def run_bench(args) -> int:
 
     from dist_infer.comm.measured import MeasuredCommunicator
     from dist_infer.engine.step_loop import Engine
-    from dist_infer.launch.generate_cmd import moe_report, overlap_options
+    from dist_infer.launch.generate_cmd import model_path, moe_report, overlap_options
     from dist_infer.launch.peers import make_prompts, run_peer
     from dist_infer.launch.rank import join_job
-    from dist_infer.models.default_model import ensure_default_model
     from dist_infer.models.loader import load_stage
     from dist_infer.topology import ParallelConfig
 
     peers = parse_compare(args.compare)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("dist-infer bench: --plot needs matplotlib: pip install 'dist_infer[plot]'")
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
-    model = args.model or str(ensure_default_model())
+    model = model_path(args)
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
     plain_groups = groups  # what to tear down at the end (the wrappers below share their communicators)
     if args.overlap_report or args.profile:  # time (and for the report, serialise or skip) each group's communication
         groups = dataclasses.replace(groups, **{g: MeasuredCommunicator(getattr(groups, g)) for g in MEASURED_GROUPS})
-    stage, report = load_stage(model, groups, torch.float32, split, expert_placement=args.expert_placement)
+    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement)
     engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant)
     prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
     measured_runs = 0

@@ -14,6 +14,8 @@ a choice, usage in every chunk) used when present.
 
 from __future__ import annotations
 
+import importlib.util
+
 import argparse
 import asyncio
 import csv
@@ -872,6 +874,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
     try:
         slo = parse_slo(args.slo) if isinstance(args.slo, str) else args.slo
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise InputError("--plot needs matplotlib: pip install 'dist_infer[plot]'")
         for flag, output in (("--plot", args.plot), ("--save-results", args.save_results)):
             if output and not Path(output).resolve().parent.is_dir():  # fail now, not after the whole run
                 raise InputError(f"{flag} {output}: directory {Path(output).resolve().parent} does not exist")

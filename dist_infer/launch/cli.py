@@ -203,8 +203,18 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return run_rank_command(lambda: run_bench(args))
 
 
+def _need(modules: Sequence[str], extra: str, command: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"dist-infer {command}: needs {', '.join(missing)}: pip install 'dist_infer[{extra}]'")
+
+
 def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.launch.generate_cmd import spawn_local
+
+    _need(("fastapi", "uvicorn", "prometheus_client", "jinja2"), "serve", "serve")
     from dist_infer.launch.rank import run_rank_command
     from dist_infer.launch.serve_cmd import run_serve
 
@@ -215,6 +225,7 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    _need(("httpx",), "serve", "bench-serve")
     from dist_infer.launch.bench_serve import run_bench_serve
 
     configure_logging("bench-serve", "INFO")
@@ -288,6 +299,7 @@ RANK_COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serv
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    logger.enable("dist_infer")  # the library is silent by default (dist_infer/__init__.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:

@@ -162,7 +162,6 @@ def run_generate(args) -> int:
     from dist_infer.engine.sampling import SamplingParams
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.rank import join_job
-    from dist_infer.models.default_model import ensure_default_model
     from dist_infer.models.loader import load_stage
     from dist_infer.topology import ParallelConfig
 

@@ -9,6 +9,7 @@ from loguru import logger
 
 def configure_logging(who: str, level: str = "INFO") -> None:
     """Send logs to stderr as `[who] HH:MM:SS LEVEL message`, `who` being e.g. 'rank 3/8'."""
+    logger.enable("dist_infer")  # the library is silent until a program sets up its logging
     logger.remove()
     logger.add(
         sys.stderr,

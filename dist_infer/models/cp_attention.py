@@ -1,8 +1,8 @@
 """Attention with the sequence sharded over the context-parallel (cp) group.
 
 Prefill: each cp rank holds its zigzag share of every prompt (its tokens, their original
-positions, their KV-cache rows) and ring attention (parallel/ring_attention.py) computes the
-exact causal attention across the ranks. Decode: every cp rank runs the new token (the same
+positions, their KV-cache rows) and ring attention (parallel/ring/) computes the exact
+causal attention across the ranks. Decode: every cp rank runs the new token (the same
 on all of them), attends it to its own KV-cache shard, and the partial results are merged
 across cp by log-sum-exp; the new token's K/V is stored on one rank only, round-robin, so the
 shards stay even. No rank ever holds a whole sequence's keys and values.
@@ -13,41 +13,23 @@ every layer then calls `cp_attention` with the cp communicator it was built with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from dist_infer.comm.base import Communicator
-from dist_infer.models.attention import AttentionMetadata
-from dist_infer.parallel.ring_attention import (
-    HARDWARE_ESTIMATES,
-    VARIANTS,
-    Block,
-    RingLayout,
-    choose_ring_variant,
-    merge_across_ranks,
-    ring_attention,
-    zigzag_chunks,
-)
+from dist_infer.models.attention_metadata import AttentionMetadata, ContextParallelMetadata
+from dist_infer.parallel.ring.layout import RingLayout
+from dist_infer.parallel.ring.lse import merge_across_ranks
+from dist_infer.parallel.ring.ring_loops import ring_attention
+from dist_infer.parallel.ring.shards import zigzag_chunks
+from dist_infer.parallel.ring.variant import HARDWARE_ESTIMATES, VARIANTS, choose_ring_variant
 
 CP_VARIANTS = ("auto",) + VARIANTS
 
 
 class ContextParallelError(ValueError):
     """A step the cp path cannot run; the message names the numbers."""
-
-
-@dataclass
-class ContextParallelMetadata:
-    """What the cp path adds to a step's AttentionMetadata."""
-
-    phase: str  # "prefill" (ring over the new tokens) | "decode" (attend the local shard, merge)
-    variant: str  # prefill: "pass-kv" | "pass-q"
-    layout: Optional[RingLayout]  # prefill: every cp rank's rows
-    steps: Optional[list[list[Block]]]  # prefill: this rank's blocks per ring step, shared by all layers
-    store_rows: Optional[torch.Tensor]  # rows whose K/V this rank stores (None: all); slots in slot_mapping
-    last_rows: torch.Tensor  # prefill: [B] this rank's row of each sequence's last token, -1 if another rank has it
 
 
 def _slot(table: Sequence[int], index: int, block_size: int) -> int:

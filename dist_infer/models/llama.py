@@ -15,13 +15,12 @@ from torch import nn
 from dist_infer.comm.base import Communicator
 from dist_infer.kernels import cpu_kernels_for
 from dist_infer.models.attention import (
-    AttentionMetadata,
-    TokenSplit,
     attention_native,
     last_token_attention_native,
     native_kernels_for,
     paged_attention,
 )
+from dist_infer.models.attention_metadata import AttentionMetadata, TokenSplit
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.cp_attention import cp_attention, cp_last_hidden
 from dist_infer.models.rope import Rotary, apply_rotary
@@ -57,10 +56,7 @@ class RMSNorm(nn.Module):
         kernels = self._native(x)
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     @staticmethod
     def _native(x: torch.Tensor):

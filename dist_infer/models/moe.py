@@ -36,13 +36,10 @@ from dist_infer.models.llama import (
     LlamaStage,
     RMSNorm,
 )
-from dist_infer.parallel.moe import (
-    PHASES,
-    ExpertParallelMoE,
-    ExpertPlacement,
-    imbalance,
-    read_placement_file,
-)
+from dist_infer.parallel.moe.layer import ExpertParallelMoE
+from dist_infer.parallel.moe.placement import ExpertPlacement, imbalance
+from dist_infer.parallel.moe.routing_file import read_placement_file
+from dist_infer.parallel.moe.stats import PHASES
 from dist_infer.parallel.weights import load_replicated
 
 Placements = Union[str, Path, Mapping[int, ExpertPlacement], None]
@@ -121,7 +118,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 class MoEStage(LlamaStage):
     """A pipeline stage of a Mixtral / Qwen-MoE model on this rank's tp shard and ep experts.
 
-    `placement`: per-layer expert placements, or a routing file (see parallel/moe.py) to read
+    `placement`: per-layer expert placements, or a routing file (see parallel/moe/routing_file.py) to read
     them from; layers without one use the contiguous placement.
     """
 

@@ -75,6 +75,29 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
+def parse_slurm_tasks_per_node(value: str) -> list[int]:
+    """Slurm's per-node task counts, e.g. '2(x3),1' -> [2, 2, 2, 1] (SLURM_TASKS_PER_NODE format)."""
+    counts = []
+    for part in value.split(","):
+        part = part.strip()
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not match:
+            raise DiscoveryError(f"Slurm tasks per node {value!r}: cannot read {part!r} (expected N or N(xM))")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _slurm_local_world(env: Mapping[str, str], world: int, nodes: int) -> int:
+    """Ranks on this node: its entry of SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, else an even share."""
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value = env.get(name)
+        if value:
+            counts = parse_slurm_tasks_per_node(value)
+            node = _int(env, "SLURM_NODEID") or 0
+            return counts[node] if node < len(counts) else counts[-1]
+    return -(-world // nodes)
+
+
 def _rank_and_size(env: Mapping[str, str], rank_var: str, size_var: str) -> tuple[int, int]:
     """Both variables of a launcher, or a DiscoveryError naming the one that is missing."""
     rank, size = _int(env, rank_var), _int(env, size_var)
@@ -176,7 +199,7 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _rank_and_size(env, "SLURM_PROCID", "SLURM_NTASKS")
         nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
-        local_world = _int(env, "SLURM_NTASKS_PER_NODE") or -(-world // nodes)
+        local_world = _slurm_local_world(env, world, nodes)
         if addr is None and env.get("SLURM_JOB_NODELIST"):
             hosts = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])
             addr = hosts[0] if hosts else None

@@ -26,14 +26,10 @@ from dist_infer.comm import build_groups, init_world
 from dist_infer.comm.delegating import DelegatingCommunicator
 from dist_infer.launch.rank import run_rank_command
 from dist_infer.models.rope import Rotary, apply_rotary
-from dist_infer.parallel.ring_attention import (
-    RingLayout,
-    ring_attention,
-    ring_attention_pass_kv,
-    ring_attention_pass_q,
-    ring_step_flops,
-    zigzag_chunks,
-)
+from dist_infer.parallel.ring.blocks import ring_step_flops
+from dist_infer.parallel.ring.layout import RingLayout
+from dist_infer.parallel.ring.ring_loops import ring_attention, ring_attention_pass_kv, ring_attention_pass_q
+from dist_infer.parallel.ring.shards import zigzag_chunks
 from dist_infer.topology import Mesh, ParallelConfig
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
