@@ -35,6 +35,7 @@ def _abort_mpi(code: int) -> None:
 
 def run_rank_command(body: Callable[[], int]) -> int:
     """Run a rank-side command; on any error log it with the rank and end the process now."""
+    logger.enable("dist_infer")  # a rank program reports its errors, whatever set up (or not) its logging
     try:
         code = body()
     except KeyboardInterrupt:
