@@ -26,7 +26,7 @@ MEASURED_GROUPS = ("tp", "pp", "cp")  # the groups whose communication --overlap
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    from dist_infer.launch.generate_cmd import add_model_flags
+    from dist_infer.launch.model_options import add_model_flags
 
     add_model_flags(p)  # the same model and layout flags as generate and serve
     p.add_argument("--batch", type=int, default=4, help="prompts per batch (default %(default)s)")
@@ -270,11 +270,10 @@ def run_bench(args) -> int:
     from tqdm import tqdm
 
     from dist_infer.comm.measured import MeasuredCommunicator
-    from dist_infer.engine.step_loop import Engine
-    from dist_infer.launch.generate_cmd import model_path, moe_report, overlap_options
+    from dist_infer.launch.generate_cmd import moe_report
+    from dist_infer.launch.model_options import build_engine, load_model
     from dist_infer.launch.peers import make_prompts, run_peer
     from dist_infer.launch.rank import join_job
-    from dist_infer.models.loader import load_stage
     from dist_infer.topology import ParallelConfig
 
     peers = parse_compare(args.compare)
@@ -283,13 +282,11 @@ def run_bench(args) -> int:
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
-    model = model_path(args)
-    split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
     plain_groups = groups  # what to tear down at the end (the wrappers below share their communicators)
     if args.overlap_report or args.profile:  # time (and for the report, serialise or skip) each group's communication
         groups = dataclasses.replace(groups, **{g: MeasuredCommunicator(getattr(groups, g)) for g in MEASURED_GROUPS})
-    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement)
-    engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant)
+    stage, report, model = load_model(args, groups)
+    engine = build_engine(args, stage, groups)
     prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
     measured_runs = 0
     if args.overlap_report:

@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dist_infer.launch.generate_cmd import run_generate, spawn_local
-    from dist_infer.launch.rank import run_rank_command
+    from dist_infer.launch.generate_cmd import run_generate
+    from dist_infer.launch.rank import run_rank_command, spawn_local
 
     code = spawn_local(args, list(argv))
     if code is not None:
@@ -193,8 +193,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.launch.bench_cmd import parse_compare, run_bench
-    from dist_infer.launch.generate_cmd import spawn_local
-    from dist_infer.launch.rank import run_rank_command
+    from dist_infer.launch.rank import run_rank_command, spawn_local
 
     parse_compare(args.compare)  # a typo fails here, before any rank starts
     code = spawn_local(args, list(argv))
@@ -212,7 +211,7 @@ def _need(modules: Sequence[str], extra: str, command: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dist_infer.launch.generate_cmd import spawn_local
+    from dist_infer.launch.rank import spawn_local
 
     _need(("fastapi", "uvicorn", "prometheus_client", "jinja2"), "serve", "serve")
     from dist_infer.launch.rank import run_rank_command

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 from loguru import logger
 
 from dist_infer.comm import ParallelGroups, build_groups, discover_rank, init_world
 from dist_infer.launch.logs import configure_logging
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Mesh, ParallelConfig, discover
 
 
 def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
@@ -50,3 +50,24 @@ def run_rank_command(body: Callable[[], int]) -> int:
         _abort_mpi(code)
         os._exit(code)  # skip interpreter teardown that may block on peers
     return code
+
+
+def world_needed(args) -> int:
+    return args.tp * args.pp * args.ep * args.cp
+
+
+def spawn_local(args, argv: list[str]) -> Optional[int]:
+    """Outside any launcher, start the ranks ourselves; returns the exit code, or None to run in-process."""
+    if discover(os.environ) is not None:
+        return None
+    n = args.nproc or world_needed(args)
+    if n == 1:
+        return None
+    from dist_infer.launch.launcher import relaunch_as_local_ranks
+    from dist_infer.launch.logs import configure_logging
+    from dist_infer.models.default_model import ensure_default_model
+
+    configure_logging("launch")
+    if args.model in (None, "default"):
+        ensure_default_model()  # once, before the ranks race for it
+    return relaunch_as_local_ranks(argv, n)

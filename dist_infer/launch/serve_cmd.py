@@ -21,7 +21,7 @@ KV_CACHE_MEMORY_DEFAULT = "1G"
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    from dist_infer.launch.generate_cmd import add_model_flags, add_scheduler_flags
+    from dist_infer.launch.model_options import add_model_flags, add_scheduler_flags
 
     add_model_flags(p)
     add_scheduler_flags(p, offline=False)
@@ -78,19 +78,15 @@ def chat_template_of(model: str) -> Optional[str]:
 def run_serve(args) -> int:
     import torch
 
-    from dist_infer.engine.step_loop import Engine
     from dist_infer.engine.tokenizer import TextTokenizer
-    from dist_infer.launch.generate_cmd import model_path, overlap_options, scheduler_options
+    from dist_infer.launch.model_options import build_engine, load_model, scheduler_options
     from dist_infer.launch.rank import join_job
-    from dist_infer.models.loader import load_stage
     from dist_infer.topology import ParallelConfig
 
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
-    model = model_path(args)
-    split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
-    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement)
+    stage, report, model = load_model(args, groups)
     options = scheduler_options(args)
     if options["num_blocks"] is None:  # every rank must use the same count: the smallest that fits everywhere
         mine = default_kv_blocks(stage, args.block_size, _memory_bytes(args.kv_cache_memory), args.max_num_seqs)
@@ -103,8 +99,7 @@ def run_serve(args) -> int:
             tokenizer = TextTokenizer(model)
         except Exception as exc:  # noqa: BLE001 - token-id prompts still work
             logger.warning(f"no tokenizer ({exc}); only token-id prompts will be accepted")
-    engine = Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant,
-                    tokenizer=tokenizer, heartbeat_s=min(2.0, args.timeout / 4), **options)
+    engine = build_engine(args, stage, groups, tokenizer=tokenizer, heartbeat_s=min(2.0, args.timeout / 4), **options)
     logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s; "
                 f"KV cache {engine.num_blocks} blocks of {args.block_size} tokens")
     if world.rank != 0:

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional
 
+from dist_infer.topology.network import own_address
+
 DEFAULT_MASTER_PORT = 29500
 
 # What launchers leave in a rank's environment. A process that starts a job of its own (a peer
@@ -236,34 +238,10 @@ def single_process() -> RankInfo:
     return RankInfo(0, 1, 0, 1, 0, "127.0.0.1", None, "single")
 
 
-def local_address_towards(host: str) -> str:
-    """The address of this machine on the interface that routes to `host` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _own_address() -> str:
-    """This host's address others can reach: the hostname's resolution unless it is loopback."""
-    try:
-        addr = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        addr = "127.0.0.1"
-    if addr.startswith("127."):
-        from dist_infer.topology.network import interface_addresses
-
-        others = [a for name, a in interface_addresses().items() if not a.startswith("127.")]
-        addr = others[0] if others else addr
-    return addr
 
 
 def resolve_with_mpi(info: Optional[RankInfo], comm=None, port_picker: Callable[[], int] = free_port) -> RankInfo:
@@ -296,7 +274,7 @@ def resolve_with_mpi(info: Optional[RankInfo], comm=None, port_picker: Callable[
         return info
     payload = None
     if comm.Get_rank() == 0:
-        addr = info.master_addr or ("127.0.0.1" if info.num_nodes == 1 else _own_address())
+        addr = info.master_addr or ("127.0.0.1" if info.num_nodes == 1 else own_address())
         payload = (addr, info.master_port or port_picker())
     addr, port = comm.bcast(payload, root=0)
     return replace(info, master_addr=addr, master_port=port)

@@ -12,7 +12,28 @@ import socket
 import struct
 from typing import Mapping, MutableMapping, Optional
 
-from dist_infer.topology.discovery import local_address_towards
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine on the interface that routes to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def own_address() -> str:
+    """This host's address others can reach: the hostname's resolution unless it is loopback."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        addr = "127.0.0.1"
+    if addr.startswith("127."):
+        others = [a for name, a in interface_addresses().items() if not a.startswith("127.")]
+        addr = others[0] if others else addr
+    return addr
 
 _SIOCGIFADDR = 0x8915
 
