@@ -79,6 +79,7 @@ def init_world(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, iface:
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
+    atexit.unregister(_destroy_at_exit)  # one hook, however often a process joins
     atexit.register(_destroy_at_exit)
     from dist_infer.comm.torch_backend import TorchDistCommunicator
 

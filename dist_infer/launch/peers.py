@@ -59,7 +59,6 @@ import glob
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -70,7 +69,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from dist_infer.launch.launcher import stop_process_groups
+from dist_infer.launch.launcher import stop_process_groups, threads_per_rank
+from dist_infer.models.checkpoint import peak_rss_mb
 from dist_infer.topology.discovery import without_launcher_env
 
 PEERS = ("hf", "hf-tp", "deepspeed")
@@ -115,20 +115,6 @@ def _versions() -> dict[str, str]:
         if mod is not None:
             out[name] = getattr(mod, "__version__", "?")
     return out
-
-
-def default_threads(world_size: int) -> int:
-    """Cores each rank may use: this process's cores shared evenly between the local ranks."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, world_size))
-
-
-def _peak_rss_mb() -> float:
-    # ru_maxrss is KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +208,7 @@ def _dist_env() -> tuple[int, int]:
 
 def _finish(peer: str, tp: int, threads: int, load_s: float, timing: dict, batch: int, prompt_len: int,
             gen_len: int, world_size: int) -> dict[str, Any]:
-    rss = _peak_rss_mb()
+    rss = peak_rss_mb()
     rss_max, rss_total = rss, rss
     if world_size > 1:
         import torch
@@ -265,7 +251,7 @@ def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    threads = threads or default_threads(1)
+    threads = threads or threads_per_rank(1)
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -283,7 +269,7 @@ def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, thread
     from transformers import AutoModelForCausalLM
 
     _, world = _dist_env()
-    threads = threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    threads = threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     torch.set_num_threads(threads)
     _init_gloo(timeout_s)  # transformers would do the same (gloo for a CPU accelerator); ours sets the timeout
     t0 = time.perf_counter()
@@ -315,7 +301,7 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
     # sets it, torchrun does not); without it the kernel segfaults on the first forward.
     os.environ["LOCAL_SIZE"] = str(local_world)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    threads = threads or default_threads(local_world)
+    threads = threads or threads_per_rank(local_world)
     torch.set_num_threads(threads)
 
     import deepspeed

@@ -7,9 +7,7 @@ interface whose address routes to the master address, unless the user named one.
 
 from __future__ import annotations
 
-import fcntl
 import socket
-import struct
 from typing import Mapping, MutableMapping, Optional
 
 
@@ -35,19 +33,16 @@ def own_address() -> str:
         addr = others[0] if others else addr
     return addr
 
-_SIOCGIFADDR = 0x8915
-
-
 def interface_addresses() -> dict[str, str]:
-    """IPv4 address of each interface that has one, by interface name (Linux)."""
+    """IPv4 address of each interface that has one, by interface name."""
+    import psutil
+
     out: dict[str, str] = {}
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-        out[name] = socket.inet_ntoa(packed[20:24])
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET:
+                out[name] = a.address
+                break
     return out
 
 
