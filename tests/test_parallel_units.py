@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint  # noqa: E402
 
 from dist_infer.engine.kv_cache import BlockAllocator, CacheFullError, PagedKVCache, blocks_for  # noqa: E402
-from dist_infer.engine.sampling import SamplingParams, filter_logits, sample, sequence_generator  # noqa: E402
+from dist_infer.engine.sampling import RowSampling, SamplingParams, filter_logits, sample_rows  # noqa: E402
 from dist_infer.models.attention import paged_attention  # noqa: E402
 from dist_infer.models.attention_metadata import build_attention_metadata  # noqa: E402
 from dist_infer.models.config import ModelConfig, ModelConfigError  # noqa: E402
@@ -341,9 +341,9 @@ def test_filter_logits_top_p():
 def test_sample_greedy_and_logprobs():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 50, generator=gen)
-    tokens, logprobs = sample(logits, SamplingParams(temperature=0.0), [sequence_generator(0, i) for i in range(3)])
-    assert tokens.tolist() == logits.argmax(-1).tolist()
-    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+    out = sample_rows(logits, [RowSampling() for _ in range(3)])
+    assert out.tokens.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(out.logprobs.float(), torch.log_softmax(logits, -1).gather(-1, out.tokens[:, None])[:, 0])
 
 
 def test_sample_seeded_is_deterministic_and_per_sequence():
@@ -352,19 +352,22 @@ def test_sample_seeded_is_deterministic_and_per_sequence():
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
 
     def draw(rows, seed=7, steps=6):
-        gens = [sequence_generator(seed, i) for i in rows]
-        return torch.stack([sample(logits[rows], params, gens)[0] for _ in range(steps)], 1).tolist()
+        """Tokens 0..steps-1 of each row's request (the row index is its own seed offset)."""
+        return [[int(sample_rows(logits[[b]], [RowSampling.of(params, seed + b, i)]).tokens[0]) for i in range(steps)]
+                for b in rows]
 
     full = draw([0, 1, 2, 3])
     assert full == draw([0, 1, 2, 3]), "same seed, same tokens"
     assert [full[1], full[3]] == draw([1, 3]), "a sequence's draws do not depend on the rest of the batch"
-    assert full[2] == draw([2])[0]
     assert full != draw([0, 1, 2, 3], seed=8), "another seed, other tokens"
+    batched = [sample_rows(logits, [RowSampling.of(params, 7 + b, i) for b in range(4)]).tokens.tolist()
+               for i in range(6)]
+    assert [list(col) for col in zip(*batched)] == full, "the same draws in one batched call"
     allowed = torch.isfinite(filter_logits(logits / 0.8, 20, 0.9))
     for b, row in enumerate(full):
         assert all(allowed[b, t] for t in row), "samples only from the filtered set"
     one = SamplingParams(temperature=1.0, top_k=1, seed=3)
-    tokens, _ = sample(logits, one, [sequence_generator(3, i) for i in range(4)])
+    tokens = sample_rows(logits, [RowSampling.of(one, 3, 0) for _ in range(4)]).tokens
     assert tokens.tolist() == logits.argmax(-1).tolist(), "top_k=1 is greedy"
 
 

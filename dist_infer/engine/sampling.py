@@ -75,11 +75,6 @@ def batch_seed(seed: Optional[int], index: int) -> Optional[int]:
     return None if seed is None else (seed * 1_000_003 + index) % (2 ** 52)
 
 
-def sequence_generator(seed: int, index: int) -> torch.Generator:
-    """Kept for callers of the old name: the generator of token `index` under `seed`."""
-    return token_generator(seed, index)
-
-
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set to -inf every logit outside the top-k and outside the smallest top-p nucleus."""
     logits = logits.clone()
@@ -142,15 +137,3 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampling], eos_ids: tuple[in
         top = logprobs.topk(n, dim=-1)
         return SampledTokens(tokens, chosen, top.indices, top.values.double())
     return SampledTokens(tokens, chosen)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (token ids, their log-probabilities), one shared parameter set, given generators."""
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if params.greedy:
-        tokens = logits.argmax(-1)
-    else:
-        probs = filter_logits(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
-        tokens = torch.stack([torch.multinomial(probs[b], 1, generator=generators[b])[0] for b in range(len(generators))])
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
