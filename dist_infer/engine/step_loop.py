@@ -341,35 +341,37 @@ class Engine:
             if chunk.sample:
                 plan.rows.append(RowSampling.of(r.params, r.seed, len(r.output_token_ids)))
         launched = time.perf_counter()
-        result = self._run_stage(plan)
+        result = self._send_plan(plan)
         self._inflight.append(_InFlight(plan, list(scheduled.chunks), launched, result))
 
-    def _send_plan(self, plan: StepPlan) -> StepPlan:
-        """Driver: the plan to every rank of stage 0 (one broadcast of sizes, two of payload)."""
+    def _send_plan(self, plan: StepPlan) -> Optional[SampledTokens]:
+        """Driver: the plan to every rank of stage 0 (one broadcast of its sizes, two of its
+        payload), then this rank's own share of it."""
         ints, floats = encode(plan)
-        n = sizes(ints, floats)
+        wire = [sizes(ints, floats), ints, floats]
         comm = self.stage_comm
         if comm.size > 1:
-            comm.broadcast(n, 0)
-            comm.broadcast(ints, 0)
-            if floats.numel():
-                comm.broadcast(floats, 0)
+            for t in wire:
+                if t.numel():
+                    comm.broadcast(t, 0)
         self._last_plan = time.monotonic()
-        if plan.kind != KIND_WORK and self.pp.size > 1:
-            self._post([n, ints, floats], 1, TAG_FORWARD)
-        return plan
+        return self._run_stage(plan, wire)
 
-    def _run_stage(self, plan: StepPlan, inputs: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
-        """This rank's share of a work step; passes it on, or samples (sampler rank)."""
-        if self.is_driver:
-            self._send_plan(plan)
+    def _run_stage(self, plan: StepPlan, wire: list[torch.Tensor],
+                   hidden: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
+        """This rank's share of a plan as it arrived (`wire`: its encoded tensors, passed on
+        unchanged): forget freed sequences, run the stage on a work step, pass it on, or sample
+        (the sampler rank)."""
         self.worker.forget(plan.freed)
-        if inputs is None:
-            inputs = torch.tensor(plan.input_ids, dtype=torch.long)
+        last_stage = self.pp.rank == self.pp.size - 1
+        if plan.kind != KIND_WORK:
+            if not last_stage:
+                self._post(wire, self.pp.rank + 1, TAG_FORWARD)
+            return None
+        inputs = hidden if hidden is not None else torch.tensor(plan.input_ids, dtype=torch.long)
         out = self.worker.execute(plan, inputs)
-        if self.pp.rank < self.pp.size - 1:
-            ints, floats = encode(plan)
-            self._post([sizes(ints, floats), ints, floats, out], self.pp.rank + 1, TAG_FORWARD)
+        if not last_stage:
+            self._post(wire + [out], self.pp.rank + 1, TAG_FORWARD)
             return None
         if not self.is_sampler:
             return None
@@ -493,42 +495,34 @@ class Engine:
         return self._delta(r)
 
     # -- followers ------------------------------------------------------------------------------
-    def _receive_plan(self) -> tuple[StepPlan, Optional[torch.Tensor]]:
+    def _receive_plan(self) -> tuple[StepPlan, list[torch.Tensor], Optional[torch.Tensor]]:
+        """Follower: the next plan (from the driver's broadcast on stage 0, from the previous
+        stage after it), its encoded tensors, and the hidden states of a work step (stage > 0)."""
         if self.pp.rank == 0:
-            n = torch.empty(2, dtype=torch.long)
-            self.stage_comm.broadcast(n, 0)
-            ints, floats = torch.empty(int(n[0]), dtype=torch.long), torch.empty(int(n[1]), dtype=torch.float64)
-            self.stage_comm.broadcast(ints, 0)
-            if floats.numel():
-                self.stage_comm.broadcast(floats, 0)
-            return decode(ints, floats), None
-        prev = self.pp.rank - 1
+            receive = lambda t: self.stage_comm.broadcast(t, 0)  # noqa: E731
+        else:
+            receive = lambda t: self.pp.recv(t, self.pp.rank - 1, TAG_FORWARD)  # noqa: E731
         n = torch.empty(2, dtype=torch.long)
-        self.pp.recv(n, prev, TAG_FORWARD)
+        receive(n)
         ints, floats = torch.empty(int(n[0]), dtype=torch.long), torch.empty(int(n[1]), dtype=torch.float64)
-        self.pp.recv(ints, prev, TAG_FORWARD)
-        self.pp.recv(floats, prev, TAG_FORWARD)
+        for t in (ints, floats):
+            if t.numel() or self.pp.rank > 0:  # the broadcast skips empty payloads; sends carry them
+                receive(t)
         plan = decode(ints, floats)
         hidden = None
-        if plan.kind == KIND_WORK:
+        if plan.kind == KIND_WORK and self.pp.rank > 0:
             hidden = torch.empty(plan.total_tokens, self.cfg.hidden_size, dtype=self.stage.dtype)
-            self.pp.recv(hidden, prev, TAG_FORWARD)
-        return plan, hidden
+            receive(hidden)
+        return plan, [n, ints, floats], hidden
 
     def follow(self) -> None:
         """Every rank but the driver: run the plans as they come, until the driver says stop."""
         while True:
-            plan, hidden = self._receive_plan()
-            if plan.kind != KIND_WORK:
-                self.worker.forget(plan.freed)
-                if self.pp.rank < self.pp.size - 1:
-                    ints, floats = encode(plan)
-                    self._post([sizes(ints, floats), ints, floats], self.pp.rank + 1, TAG_FORWARD)
-                if plan.kind == KIND_STOP:
-                    self._drain()
-                    return
-                continue
-            self._run_stage(plan, hidden)
+            plan, wire, hidden = self._receive_plan()
+            self._run_stage(plan, wire, hidden)
+            if plan.kind == KIND_STOP:
+                self._drain()
+                return
 
     def close(self) -> None:
         """Release the stage group this engine made (pp > 1); the caller owns the others."""
