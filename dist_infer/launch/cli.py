@@ -24,18 +24,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def parse_size(text: str) -> int:
+    """A byte count like 4K, 256KB, 1.5M or 2GiB (binary units)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    part = text.strip().lower()
+    part = part[:-2] if part.endswith("ib") else part.rstrip("b")
+    mult = units.get(part[-1:], 1)
+    number = part[:-1] if part[-1:] in units else part
+    try:
+        return int(float(number) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text.strip()!r}; use e.g. 4K, 256M, 2G")
+
+
 def _sizes(text: str) -> list[int]:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower().rstrip("b")
-        mult = units.get(part[-1:], 1)
-        number = part[:-1] if part[-1:] in units else part
-        try:
-            out.append(int(float(number) * mult))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad size {part!r}; use e.g. 4K,256K,4M")
-    return out
+    return [parse_size(part) for part in text.split(",")]
 
 
 def add_rank_flags(p: argparse.ArgumentParser) -> None:

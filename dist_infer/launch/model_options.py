@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-# The serving step's token budget. On the 2-core CPU machine, the default model prefilling a
-# 2040-token prompt in chunks beside 8 running decodes peaks at 256 tokens per step (3460 tok/s,
-# 81 ms a step; 512: 3290 tok/s, 182 ms; 1024: 2490 tok/s, 578 ms): docs/benchmarks.md.
+# The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
+# chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
+# model, 27 ms steps) and 83% (125M Llama, 315 ms steps) of the best prefill throughput; larger
+# chunks buy little throughput for much longer decode stalls (docs/benchmarks.md).
 DEFAULT_MAX_BATCHED_TOKENS = 256
 DEFAULT_DECODE_STALL_LIMIT = 0.0
 

@@ -21,6 +21,7 @@ KV_CACHE_MEMORY_DEFAULT = "1G"
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from dist_infer.launch.cli import parse_size
     from dist_infer.launch.model_options import add_model_flags, add_scheduler_flags
 
     add_model_flags(p)
@@ -29,7 +30,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s; 0: a free one, logged)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the checkpoint directory's name)")
-    p.add_argument("--kv-cache-memory", default=KV_CACHE_MEMORY_DEFAULT,
+    p.add_argument("--kv-cache-memory", type=parse_size, default=KV_CACHE_MEMORY_DEFAULT,
                    help="memory per rank for the KV cache when --kv-blocks is not given, e.g. 512M, 2G "
                         "(default %(default)s)")
     p.add_argument("--max-queue", type=int, default=1024,
@@ -37,16 +38,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
     p.add_argument("--ready-file", default=None,
                    help="write {host, port, pid} as JSON to this file once the API accepts requests (for scripts)")
-
-
-def _memory_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().rstrip("ib").rstrip("b")
-    mult = units.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except ValueError:
-        raise SystemExit(f"dist-infer serve: --kv-cache-memory {text!r} is not a size like 512M or 2G")
 
 
 def default_kv_blocks(stage, block_size: int, memory_bytes: int, max_num_seqs: int) -> int:
@@ -89,7 +80,7 @@ def run_serve(args) -> int:
     stage, report, model = load_model(args, groups)
     options = scheduler_options(args)
     if options["num_blocks"] is None:  # every rank must use the same count: the smallest that fits everywhere
-        mine = default_kv_blocks(stage, args.block_size, _memory_bytes(args.kv_cache_memory), args.max_num_seqs)
+        mine = default_kv_blocks(stage, args.block_size, args.kv_cache_memory, args.max_num_seqs)
         blocks = torch.tensor([mine], dtype=torch.long)
         world.all_reduce(blocks, "min")
         options["num_blocks"] = int(blocks[0])
