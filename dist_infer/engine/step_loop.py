@@ -247,6 +247,10 @@ class Engine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    def wake(self) -> None:
+        """Cut an idle driver's wait short (a stop was asked for from another thread)."""
+        self._wakeup.set()
+
     def has_unfinished(self) -> bool:
         return bool(self._requests) or not self._commands.empty()
 

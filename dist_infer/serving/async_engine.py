@@ -74,7 +74,7 @@ class AsyncEngine:
         """End the step loop (it tells the other ranks to stop) and wait for it."""
         self.accepting = False
         self._stop.set()
-        self.engine._wakeup.set()
+        self.engine.wake()
         if self._thread is not None:
             self._thread.join(timeout)
 
