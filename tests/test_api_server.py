@@ -489,10 +489,11 @@ def test_metrics_names_and_token_counts(served):
     assert delta(f"dist_infer:inter_token_latency_seconds_count{{{label}}}") == 7
     assert delta(f"dist_infer:request_generation_tokens_sum{{{label}}}") == 9
     assert delta(f"dist_infer:request_prompt_tokens_sum{{{label}}}") == 5
-    assert after[f"dist_infer:num_preemptions_total{{{label}}}"] == 7
-    assert after[f"dist_infer:kv_cache_usage_perc{{{label}}}"] == 0.0
-    assert after[f"dist_infer:num_requests_running{{{label}}}"] == 0.0
-    assert f"dist_infer:num_requests_waiting{{{label}}}" in after
+    engine = f'engine="0",{label}'  # vLLM's label for the instance the engine state is of
+    assert after[f"dist_infer:num_preemptions_total{{{engine}}}"] == 7
+    assert after[f"dist_infer:kv_cache_usage_perc{{{engine}}}"] == 0.0
+    assert after[f"dist_infer:num_requests_running{{{engine}}}"] == 0.0
+    assert f"dist_infer:num_requests_waiting{{{engine}}}" in after
 
 
 def test_two_apps_in_one_process_have_their_own_registries():

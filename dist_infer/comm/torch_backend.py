@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -40,6 +41,36 @@ class TorchWorkHandle(Handle):
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
+
+
+class WatchedWorkHandle(TorchWorkHandle):
+    """gloo's send and receive Works only learn they are complete inside wait() (is_completed()
+    stays False until someone waits), so polling them never succeeds and a waiter must exist. A
+    thread per posted op waits (the only caller of the Works' wait: gloo's completion count is
+    consumed by whoever waits), and is_completed() / wait() read its result."""
+
+    def __init__(self, works, describe: str, timeout: float):
+        super().__init__(works, describe, timeout)
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        threading.Thread(target=self._watch, name="gloo-p2p-wait", daemon=True).start()
+
+    def _watch(self) -> None:
+        try:
+            super().wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._error = exc
+        self._done.set()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        if not self._done.wait(limit):
+            raise CommTimeoutError(f"{self._describe} did not complete within {limit:.0f} s")
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
 
 
 def _contiguous(op: str, *tensors: torch.Tensor) -> None:
@@ -94,7 +125,10 @@ class TorchDistCommunicator(Communicator):
             (dist.isend if ops[0].kind == "send" else dist.irecv)(ops[0].tensor, self.ranks[ops[0].peer], self.group, ops[0].tag)
         ]
         kinds = "+".join(sorted({o.kind for o in ops}))
-        return self._handle(list(works), f"{kinds} with peers {sorted({o.peer for o in ops})}")
+        describe = self.describe(f"{kinds} with peers {sorted({o.peer for o in ops})}")
+        if self.backend == "gloo":
+            return WatchedWorkHandle(list(works), describe, self.timeout)
+        return TorchWorkHandle(list(works), describe, self.timeout)
 
     def split(self, groups, name):
         world = dist.get_world_size()

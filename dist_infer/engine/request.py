@@ -19,9 +19,31 @@ class RequestError(ValueError):
         self.field = field
 
 
+class PromptError(RequestError):
+    """A prompt the model cannot take (empty, too long, ids outside the vocabulary)."""
+
+    def __init__(self, message: str, field: str = "prompt"):
+        super().__init__(field, message)
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int,
+                 name: str = "prompt") -> None:
+    """Raise PromptError naming the field if no instance of this model could ever serve the request."""
+    if not prompt_token_ids:
+        raise PromptError(f"{name} is empty")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise PromptError(f"{name} has token ids {bad[:5]} outside the vocabulary of {vocab_size}")
+    total = len(prompt_token_ids) + params.max_new_tokens
+    if total > max_positions:
+        raise PromptError(f"{name} has {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens = "
+                          f"{total}, more than the model's {max_positions} positions", field="max_tokens")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued again (its KV blocks freed)
     RUNNING = "running"  # holds KV blocks; gets prefill chunks, then one token per step
+    MIGRATING = "migrating"  # paused while it moves to another instance; keeps its blocks until it has
     FINISHED = "finished"
 
 

@@ -71,6 +71,24 @@ def cp_rows_needed(num_prompt: int, num_generated: int, cp: int) -> int:
     return 2 * chunk + -(-num_generated // cp)
 
 
+def blocks_at_full_length(prompt_len: int, max_new_tokens: int, block_size: int, cp: int = 1) -> int:
+    """KV blocks (per rank) a request holds at its full length."""
+    tokens = prompt_len + max_new_tokens
+    # cp: a shard holds at most 2 ceil(a / 2cp) + ceil(b / cp) <= ceil((a + b) / cp) + 2 rows for a
+    # prompt of a tokens and b decoded ones, however a preemption redrew the line between them
+    rows = tokens if cp == 1 else -(-(tokens - 1) // cp) + 2
+    return blocks_for(rows, block_size)
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, num_blocks: int, block_size: int, cp: int = 1) -> Optional[str]:
+    """Why a request can never run in a cache of `num_blocks` (its full length needs more), or None."""
+    tokens = prompt_len + max_new_tokens
+    need = blocks_at_full_length(prompt_len, max_new_tokens, block_size, cp)
+    if need > num_blocks:
+        return f"needs {need} KV blocks of {block_size} tokens for {tokens} tokens, the cache has {num_blocks}"
+    return None
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cp: int = 1):
         self.config = config
@@ -96,7 +114,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request.status is RequestStatus.WAITING:
             try:
                 self.waiting.remove(request)
             except ValueError:
@@ -107,6 +125,43 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # -- migration: a request leaves or joins with its blocks ----------------------------------------
+    def pause(self, request: Request) -> None:
+        """Take a request out of scheduling, blocks and all (it is moving to another instance)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.MIGRATING
+
+    def resume(self, request: Request) -> None:
+        """A paused request goes on here (its move failed)."""
+        self.install(request, request.block_table)
+
+    def hand_over(self, request: Request) -> None:
+        """A paused request now lives elsewhere: free its blocks, forget it."""
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+
+    def install(self, request: Request, blocks: list[int]) -> None:
+        """A request arrives with its first `num_computed` tokens in `blocks`: it runs next step
+        (or waits for admission, if none of it is computed)."""
+        request.block_table, request.in_flight = list(blocks), False
+        if request.num_computed == 0:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    @property
+    def watermark_blocks(self) -> int:
+        return self._watermark_blocks
+
+    def waiting_demand(self) -> int:
+        """KV blocks the waiting queue needs to be admitted (Llumnix counts them as used)."""
+        return sum(blocks_for(self._tokens_held(r, r.num_tokens), self.config.block_size) for r in self.waiting)
 
     @property
     def num_free_blocks(self) -> int:
@@ -254,15 +309,7 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> Optional[str]:
         """Why a request can never run here (its full length needs more blocks than there are), or None."""
-        tokens = prompt_len + max_new_tokens
-        # cp: a shard holds at most 2 ceil(a / 2cp) + ceil(b / cp) <= ceil((a + b) / cp) + 2 rows for a
-        # prompt of a tokens and b decoded ones, however a preemption redrew the line between them
-        rows = tokens if self.cp == 1 else -(-(tokens - 1) // self.cp) + 2
-        need = blocks_for(rows, self.config.block_size)
-        if need > self.config.num_blocks:
-            return (f"needs {need} KV blocks of {self.config.block_size} tokens for {tokens} tokens, "
-                    f"the cache has {self.config.num_blocks}")
-        return None
+        return check_fits(prompt_len, max_new_tokens, self.config.num_blocks, self.config.block_size, self.cp)
 
     def on_sampled(self, request: Request) -> None:
         """The token sampled for `request`'s last chunk arrived (the caller appended it)."""

@@ -27,7 +27,9 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.engine.allocator import tune_malloc
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
-from dist_infer.engine.request import Request, RequestError, RequestOutput
+from dist_infer.engine.kv_transfer import BlockMover, KVLayout, TransferOp
+from dist_infer.engine.migration import MigrationEndpoint
+from dist_infer.engine.request import PromptError, Request, RequestOutput, check_prompt
 from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, batch_seed, sample_rows
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cp_rows_needed
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
@@ -49,12 +51,6 @@ SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": None, "cuda": None}
 DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 HEARTBEAT_S = 2.0  # an idle driver sends an empty plan this often, so the followers' waits never time out
 
-
-class PromptError(RequestError):
-    """A prompt the model cannot take (empty, too long, ids outside the vocabulary)."""
-
-    def __init__(self, message: str, field: str = "prompt"):
-        super().__init__(field, message)
 
 
 @dataclass
@@ -152,7 +148,11 @@ class Engine:
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._freed: list[int] = []
+        self._transfers: list[TransferOp] = []  # KV block moves for the next plan (live migration)
+        self.mover: Optional[BlockMover] = None
+        self.migration: Optional[MigrationEndpoint] = None
         self._next_seq = 0
+        self.requests_added = 0  # add commands applied (the API counts what it sent and has not been seen)
         self._step = 0
         self._last_plan = time.monotonic()
         self.return_logits = False
@@ -184,6 +184,30 @@ class Engine:
             chunked_prefill=self.chunked_prefill and self.cp.size == 1, whole_prompt_steps=self.cp.size > 1,
             static_batching=self.static_batching,
         ), cp=self.cp.size)
+
+    def enable_migration(self, world: Communicator, layouts: list[KVLayout], index: int,
+                         notify: Callable[..., None] = lambda *a: None) -> None:
+        """Every rank: take part in moving KV blocks between this instance (`layouts[index]`) and
+        the others, over `world` (which all their ranks share). The driver also gets the
+        migration endpoint the serving layer drives; `notify` reports its events."""
+        if self.cp.size > 1:
+            raise ContextParallelError("live migration of context-parallel instances is not supported")
+        if self.worker is None:
+            raise RuntimeError("migration needs a fixed KV cache (num_blocks)")
+        self.mover = BlockMover(world, layouts, index, self.worker.cache.layers, self.stage.layer_ids)
+        if self.is_driver:
+            self.migration = MigrationEndpoint(self, notify)
+
+    def queue_transfer(self, op: TransferOp) -> None:
+        """Driver: a KV block move every rank makes with the next plan (sent at once if idle)."""
+        self._transfers.append(op)
+
+    def adopt(self, request: Request, blocks: list[int]) -> None:
+        """Driver: a request that migrated here, its computed tokens' KV in `blocks`."""
+        request.seq_id = self._next_seq
+        self._next_seq += 1
+        self._requests[request.request_id] = request
+        self.scheduler.install(request, blocks)
 
     @property
     def overlap(self) -> str:
@@ -219,15 +243,7 @@ class Engine:
     # -- requests (driver; callable from other threads) -------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
         """Raise RequestError naming the field if the engine can never serve this request."""
-        if not prompt_token_ids:
-            raise PromptError(f"{name} is empty")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
-        if bad:
-            raise PromptError(f"{name} has token ids {bad[:5]} outside the vocabulary of {self.cfg.vocab_size}")
-        total = len(prompt_token_ids) + params.max_new_tokens
-        if total > self.cfg.max_positions:
-            raise PromptError(f"{name} has {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens = "
-                              f"{total}, more than the model's {self.cfg.max_positions} positions", field="max_tokens")
+        check_prompt(prompt_token_ids, params, self.cfg.vocab_size, self.cfg.max_positions, name)
         if self.scheduler is not None:
             why = self.scheduler.check_fits(len(prompt_token_ids), params.max_new_tokens)
             if why:
@@ -247,6 +263,12 @@ class Engine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the step loop's thread before the next step (thread-safe): how the serving
+        layer drives a migration without touching the scheduler from another thread."""
+        self._commands.put(("call", fn))
+        self._wakeup.set()
+
     def wake(self) -> None:
         """Cut an idle driver's wait short (a stop was asked for from another thread)."""
         self._wakeup.set()
@@ -261,7 +283,10 @@ class Engine:
                     "num_preemptions_total": 0, "free_blocks": 0, "total_blocks": 0}
         return {"num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
                 "kv_cache_usage_perc": s.usage, "num_preemptions_total": s.num_preemptions,
-                "free_blocks": s.num_free_blocks, "total_blocks": s.config.num_blocks}
+                "free_blocks": s.num_free_blocks, "total_blocks": s.config.num_blocks,
+                "watermark_blocks": s.watermark_blocks, "waiting_demand_blocks": s.waiting_demand(),
+                "running_ids": [r.request_id for r in s.running], "waiting_ids": [r.request_id for r in s.waiting],
+                "running_blocks": [len(r.block_table) for r in s.running], "requests_added": self.requests_added}
 
     def _apply_commands(self) -> list[RequestOutput]:
         outputs = []
@@ -271,10 +296,13 @@ class Engine:
             except queue.Empty:
                 return outputs
             if command == "add":
+                self.requests_added += 1
                 arg.seq_id = self._next_seq
                 self._next_seq += 1
                 self._requests[arg.request_id] = arg
                 self.scheduler.add(arg)
+            elif command == "call":
+                arg()
             elif command == "abort":
                 request = self._requests.get(arg)
                 if request is not None:
@@ -292,10 +320,15 @@ class Engine:
             if not scheduled.chunks:
                 break
             self._launch(scheduled)
+        if self._transfers:  # nothing to run this step, but blocks to move: an idle plan carries them
+            self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed(),
+                                     transfers=self._take_transfers()))
         if self._inflight:
             outputs += self._complete(self._inflight.popleft())
         elif time.monotonic() - self._last_plan > self.heartbeat_s:
             self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed()))
+        if self.migration is not None:
+            self.migration.poll()
         return outputs
 
     def _seqs_per_step(self) -> Optional[int]:
@@ -331,8 +364,13 @@ class Engine:
         freed, self._freed = self._freed, []
         return freed
 
+    def _take_transfers(self) -> list[TransferOp]:
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
     def _launch(self, scheduled: SchedulerOutput) -> None:
-        plan = StepPlan(kind=KIND_WORK, step=self._step, freed=self._take_freed(), return_logits=self.return_logits)
+        plan = StepPlan(kind=KIND_WORK, step=self._step, freed=self._take_freed(), return_logits=self.return_logits,
+                        transfers=self._take_transfers())
         self._step += 1
         for chunk in scheduled.chunks:
             r = chunk.request
@@ -367,6 +405,10 @@ class Engine:
         unchanged): forget freed sequences, run the stage on a work step, pass it on, or sample
         (the sampler rank)."""
         self.worker.forget(plan.freed)
+        if self.mover is not None:
+            for op in plan.transfers:  # before the forward: a commit's blocks are in before they are read
+                self.mover.apply(op)
+            self.mover.poll()
         last_stage = self.pp.rank == self.pp.size - 1
         if plan.kind != KIND_WORK:
             if not last_stage:
@@ -537,19 +579,25 @@ class Engine:
         """Driver: tell every other rank the loop is over."""
         while self._inflight:
             self._complete(self._inflight.popleft())
-        self._send_plan(StepPlan(kind=KIND_STOP, step=self._step, freed=self._take_freed()))
+        self._send_plan(StepPlan(kind=KIND_STOP, step=self._step, freed=self._take_freed(),
+                                 transfers=self._take_transfers()))
         self._drain()
 
     # -- serving: the driver's loop -----------------------------------------------------------------
-    def run_driver(self, publish: Callable[[list[RequestOutput]], None], should_stop: Callable[[], bool]) -> None:
-        """Step until `should_stop()`; hand each step's outputs to `publish`. Sleeps while idle."""
+    def run_driver(self, publish: Callable[[list[RequestOutput]], None], should_stop: Callable[[], bool],
+                   after_step: Optional[Callable[[], None]] = None) -> None:
+        """Step until `should_stop()`; hand each step's outputs to `publish`, then call
+        `after_step`. Sleeps while idle (briefly, while migrating blocks are on the way)."""
         while not should_stop():
             if not self._requests and not self._inflight and self._commands.empty():
-                self._wakeup.wait(self.heartbeat_s / 2)
+                moving = self.migration is not None and self.migration.busy
+                self._wakeup.wait(0.002 if moving else self.heartbeat_s / 2)
                 self._wakeup.clear()
             outputs = self.step()
             if outputs:
                 publish(outputs)
+            if after_step is not None:
+                after_step()
         self.stop_followers()
 
     # -- offline ---------------------------------------------------------------------------------

@@ -15,12 +15,22 @@ from dist_infer.launch.logs import configure_logging
 from dist_infer.topology import Mesh, ParallelConfig, discover
 
 
-def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
-             shm: str = "auto") -> ParallelGroups:
+def join_world(backend: str, timeout: float, iface=None, log_level: str = "INFO",
+               check: Optional[Callable[[int], None]] = None):
+    """Join the job's world communicator; `check(world_size)` validates first (a clear error, no hang)."""
     info = discover_rank(backend)
     configure_logging(f"rank {info.rank}/{info.world_size}", log_level)
-    mesh = Mesh.build(config, info.world_size)  # validate before any rendezvous: a clear error, no hang
-    world = init_world(backend, timeout=timeout, iface=iface, info=info)
+    if check is not None:
+        check(info.world_size)
+    return init_world(backend, timeout=timeout, iface=iface, info=info), info
+
+
+def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
+             shm: str = "auto") -> ParallelGroups:
+    meshes = []
+    world, info = join_world(backend, timeout, iface, log_level,
+                             check=lambda n: meshes.append(Mesh.build(config, n)))
+    mesh = meshes[0]
     if info.rank == 0:
         logger.info(f"{info.world_size} ranks via {info.launcher}, backend {world.backend}, mesh {mesh.describe()}")
     mesh.warn_about_layout(info.local_world_size)
@@ -53,6 +63,10 @@ def run_rank_command(body: Callable[[], int]) -> int:
 
 
 def world_needed(args) -> int:
+    if getattr(args, "instances", None):
+        from dist_infer.serving.instances import parse_instances
+
+        return sum(s.size for s in parse_instances(args.instances, args.tp, args.pp))
     return args.tp * args.pp * args.ep * args.cp
 
 

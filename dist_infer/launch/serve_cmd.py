@@ -1,9 +1,12 @@
 """`dist-infer serve`: the model over the job's ranks behind an OpenAI-compatible HTTP API.
 
-Rank 0 hosts the API and drives the step loop; every other rank follows the step plans. On
-SIGTERM the server stops accepting, lets running requests finish (or aborts them after a
-grace period), tells the other ranks to stop, and exits 0. If the engine fails (a rank died,
-a wait timed out) the server exits non-zero with the reason.
+The job's ranks form one model instance, or several with `--instances tp2,tp1,tp1` (each its own
+ranks, layout and step loop). World rank 0 hosts the API (serving/cluster.py): it dispatches
+each request to an instance, owns every client's stream, and moves live requests between
+instances. Each instance's first rank drives its step loop (serving/instance_server.py); the
+other ranks follow the step plans. On SIGTERM the server stops accepting, lets running requests
+finish (or aborts them after a grace period), tells every instance to stop, and exits 0. If an
+instance fails (a rank died, a wait timed out) the server exits non-zero with the reason.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import argparse
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
 from loguru import logger
 
 KV_CACHE_MEMORY_DEFAULT = "1G"
+SWITCH_INTERVAL_S = 5e-4
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +41,20 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=1024,
                    help="requests that may wait for admission; past it new requests get HTTP 503 with Retry-After "
                         "(default %(default)s)")
+    p.add_argument("--instances", default=None,
+                   help="several model instances in one job, each with its own ranks and step loop, behind one API: "
+                        "a count of --tp x --pp instances (--instances 3), or one layout per instance "
+                        "(--instances tp2,tp1,tp1; tpNppM). The job needs the sum of their sizes in ranks. "
+                        "Default: one instance over all ranks")
+    p.add_argument("--dispatch", choices=("load", "rr", "queue"), default="load",
+                   help="which instance a new request goes to: load (Llumnix's freeness: free KV blocks left after "
+                        "the queued demand, per request; default), rr (round robin), queue (shortest queue)")
+    p.add_argument("--migrate-interval", type=float, default=1.0,
+                   help="seconds between the migration controller's rounds, which move live requests from the most "
+                        "to the least loaded instance (0: only forced or drain migrations; default %(default)s)")
+    p.add_argument("--migration-timeout", type=float, default=30.0,
+                   help="seconds an instance may take to answer a migration step before the migration is given up "
+                        "(the request stays on its source; default %(default)s)")
     p.add_argument("--ready-file", default=None,
                    help="write {host, port, pid} as JSON to this file once the API accepts requests (for scripts)")
 
@@ -66,69 +85,198 @@ def chat_template_of(model: str) -> Optional[str]:
     return template if isinstance(template, str) else None
 
 
+def _join(args):
+    """-> (world, this rank's instance index, the instance specs, the instance's groups)."""
+    from dist_infer.launch.rank import join_job, join_world
+    from dist_infer.serving.instances import InstanceSpec, check_world, join_instance, parse_instances
+    from dist_infer.topology import ParallelConfig
+
+    if not args.instances:
+        groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+                          args.timeout, args.iface, args.log_level, args.shm)
+        return groups.world, 0, [InstanceSpec(args.tp, args.pp)], groups
+    if args.ep > 1 or args.cp > 1:
+        raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
+    specs = parse_instances(args.instances, args.tp, args.pp)
+    world, _ = join_world(args.backend, args.timeout, args.iface, args.log_level, check=lambda n: check_world(specs, n))
+    index, groups = join_instance(world, specs, args.shm)
+    if world.rank == 0:
+        logger.info(f"{len(specs)} instances: " + ", ".join(f"{i}: {s.describe()}" for i, s in enumerate(specs)))
+    return world, index, specs, groups
+
+
+def _share_hub_address(world, address: Optional[tuple], key: Optional[bytes]) -> tuple[tuple, bytes]:
+    """World rank 0's API address and connection key, to every rank (a collective)."""
+    import torch
+
+    buf = torch.zeros(512, dtype=torch.uint8)
+    if address is not None:
+        raw = json.dumps({"host": address[0], "port": address[1], "key": key.decode()}).encode()
+        buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    if world.size > 1:
+        world.broadcast(buf, 0)
+    info = json.loads(bytes(buf[buf != 0].tolist()).decode())
+    return (info["host"], info["port"]), info["key"].encode()
+
+
+def _hub_host() -> str:
+    """The address the instances' drivers reach world rank 0 at: the one facing the rendezvous host."""
+    from dist_infer.topology.network import local_address_towards
+
+    master = os.environ.get("MASTER_ADDR")
+    if not master or master in ("localhost", "127.0.0.1"):
+        return "127.0.0.1"
+    return local_address_towards(master)
+
+
 def run_serve(args) -> int:
     import torch
 
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.model_options import build_engine, load_model, scheduler_options
-    from dist_infer.launch.rank import join_job
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.serving.instances import kv_layouts
 
-    groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                      args.timeout, args.iface, args.log_level, args.shm)
-    world = groups.world
+    world, index, specs, groups = _join(args)
+    # A serving process runs its step loop beside threads that relay requests, outputs and migration
+    # calls; hand the GIL over more often than every 5 ms so a relayed message does not wait out a
+    # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     stage, report, model = load_model(args, groups)
     options = scheduler_options(args)
-    if options["num_blocks"] is None:  # every rank must use the same count: the smallest that fits everywhere
+    if options["num_blocks"] is None:  # every rank of an instance uses the same count: the smallest that fits on all
         mine = default_kv_blocks(stage, args.block_size, args.kv_cache_memory, args.max_num_seqs)
         blocks = torch.tensor([mine], dtype=torch.long)
-        world.all_reduce(blocks, "min")
+        groups.world.all_reduce(blocks, "min")
         options["num_blocks"] = int(blocks[0])
+    driver = groups.world.rank == 0
     tokenizer = None
-    if world.rank == 0:
+    if driver:
         try:
             tokenizer = TextTokenizer(model)
         except Exception as exc:  # noqa: BLE001 - token-id prompts still work
             logger.warning(f"no tokenizer ({exc}); only token-id prompts will be accepted")
     engine = build_engine(args, stage, groups, tokenizer=tokenizer, heartbeat_s=min(2.0, args.timeout / 4), **options)
-    logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s; "
+    if len(specs) > 1:
+        engine.enable_migration(world, kv_layouts(specs, stage.cfg), index)
+    logger.info(f"instance {index}: loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s; "
                 f"KV cache {engine.num_blocks} blocks of {args.block_size} tokens")
-    if world.rank != 0:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 shuts the job down in order and tells us
-            signal.signal(sig, lambda signum, _: logger.info(f"{signal.Signals(signum).name}: waiting for rank 0 to stop"))
+    pids = torch.empty(groups.world.size, dtype=torch.long)
+    groups.world.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.long))
+    listener = key = None
+    if world.rank == 0:
+        import secrets
+        from multiprocessing.connection import Listener
+
+        key = secrets.token_hex(16).encode()
+        listener = Listener((_hub_host(), 0), authkey=key)
+    address, key = _share_hub_address(world, listener.address if listener else None, key)
+    code = 0
+    if not driver:
+        _ignore_stop_signals("the instance's driver")
         engine.follow()
-        code = 0
     else:
-        code = _serve_on_driver(args, engine, model, tokenizer)
+        hello = {"index": index, "layout": specs[index].describe(), "pids": pids.tolist(),
+                 "total_blocks": engine.num_blocks, "block_size": args.block_size, "cp": args.cp,
+                 "max_positions": stage.cfg.max_positions, "vocab_size": stage.cfg.vocab_size,
+                 "block_bytes": _block_bytes(stage, args.block_size)}
+        if world.rank == 0:
+            code = _serve_api(args, engine, hello, listener, address, key, len(specs), model, tokenizer)
+        else:
+            _ignore_stop_signals("the API process (world rank 0)")
+            _run_instance(engine, index, address, key, hello)
     engine.close()
     groups.destroy()
+    if groups.world is not world:
+        groups.world.destroy()
     world.destroy()
     return code
 
 
-def _serve_on_driver(args, engine, model: str, tokenizer) -> int:
-    from dist_infer.serving.api_server import build_app, serve_http
-    from dist_infer.serving.async_engine import AsyncEngine
+def _block_bytes(stage, block_size: int) -> int:
+    """Bytes of one KV block over the whole model (all layers, all KV heads): what a migration moves."""
+    import torch
 
+    cfg = stage.cfg
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=stage.dtype).element_size()
+
+
+def _ignore_stop_signals(who: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the API process shuts the job down in order and tells us
+        signal.signal(sig, lambda signum, _: logger.info(f"{signal.Signals(signum).name}: waiting for {who} to stop"))
+
+
+def _run_instance(engine, index: int, address: tuple, key: bytes, hello: dict) -> None:
+    from multiprocessing.connection import Client
+
+    from dist_infer.serving.instance_server import InstanceServer, no_delay
+
+    InstanceServer(engine, index, no_delay(Client(address, authkey=key))).run(hello)
+
+
+def _accept_instances(listener, count: int, timeout: float) -> list:
+    """The drivers' connections, in instance order (each says hello first)."""
+    import threading
+
+    from dist_infer.serving.instance_server import no_delay
+
+    conns: dict[int, tuple] = {}
+    failure: list[BaseException] = []
+
+    def accept() -> None:
+        try:
+            while len(conns) < count:
+                conn = no_delay(listener.accept())
+                if not conn.poll(timeout):
+                    raise TimeoutError("an instance driver connected but said nothing")
+                hello = conn.recv()
+                conns[hello[1]["index"]] = (conn, hello[1])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failure.append(exc)
+
+    t = threading.Thread(target=accept, name="accept-instances", daemon=True)
+    t.start()
+    t.join(timeout)
+    if failure:
+        raise failure[0]
+    if len(conns) < count:
+        missing = sorted(set(range(count)) - set(conns))
+        raise TimeoutError(f"instances {missing} did not connect to the API process within {timeout:g} s")
+    return [conns[i] for i in range(count)]
+
+
+def _serve_api(args, engine, hello: dict, listener, address: tuple, key: bytes, count: int, model: str,
+               tokenizer) -> int:
+    import threading
+
+    from dist_infer.serving.api_server import build_app, serve_http
+    from dist_infer.serving.cluster import Cluster, InstanceClient
+
+    local = threading.Thread(target=_run_instance, args=(engine, 0, address, key, hello), name="instance-0", daemon=True)
+    local.start()
+    clients = [InstanceClient(i, conn, h) for i, (conn, h) in enumerate(_accept_instances(listener, count, args.timeout))]
+    listener.close()
     name = args.served_model_name or (Path(model).name if args.model not in (None, "default") else "default")
 
     def on_dead(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why
 
-    bridge = AsyncEngine(engine, name, tokenizer, chat_template_of(model), args.max_queue, on_dead=on_dead)
-    bridge.start()
-    app = build_app(bridge, name)
+    cluster = Cluster(clients, name, tokenizer, chat_template_of(model), args.max_queue, args.dispatch,
+                      args.migrate_interval, migration_timeout=args.migration_timeout, on_dead=on_dead)
+    cluster.start()
+    app = build_app(cluster, name)
 
     def ready(host: str, port: int) -> None:
-        logger.info(f"serving {name!r} on http://{host}:{port}/v1 (max {args.max_num_seqs} running, "
-                    f"{args.max_batched_tokens} tokens per step)")
+        layouts = ", ".join(c.hello["layout"] for c in clients)
+        logger.info(f"serving {name!r} on http://{host}:{port}/v1 with {count} instance(s) [{layouts}] "
+                    f"(max {args.max_num_seqs} running, {args.max_batched_tokens} tokens per step each)")
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
 
     serve_http(app, args.host, args.port, on_ready=ready)
-    bridge.stop()
-    if bridge.dead_reason is not None:
-        logger.error(f"the server stopped because the engine failed: {bridge.dead_reason}")
+    cluster.stop()
+    local.join(60)
+    if cluster.dead_reason is not None:
+        logger.error(f"the server stopped because an instance failed: {cluster.dead_reason}")
         return 1
     logger.info("server stopped")
     return 0

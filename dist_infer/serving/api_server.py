@@ -6,7 +6,7 @@ Shaped as OpenAI and vLLM shape it, so existing clients and dashboards work unch
 token ids (vLLM's `return_token_ids` shape, always on): `prompt_token_ids`, and per choice
 `token_ids` (in a stream: each chunk's new ids), so clients can check tokens exactly.
 
-The engine is anything with the EngineClient interface (serving/async_engine.py implements it):
+The engine is anything with the EngineClient interface (serving/cluster.py implements it):
 
     model_name: str; max_model_len: int; vocab_size: int
     tokenizer: Optional[TextTokenizer]   # None: token-id prompts only
@@ -589,6 +589,9 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
     async def metrics():
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if hasattr(engine, "describe_instances"):
+        add_admin_routes(app, engine)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body: TokenizeRequest = parse_body(TokenizeRequest, await read_json(request))
@@ -616,6 +619,42 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
 
 
 # -- serving ------------------------------------------------------------------------------------------
+
+def add_admin_routes(app: FastAPI, cluster) -> None:
+    """Operators' (and tests') view of the instances: their load and requests, a forced
+    migration, and draining one instance (serving/cluster.py does the work)."""
+    from dist_infer.serving.cluster import AdminError
+
+    def admin_error(exc: AdminError) -> JSONResponse:
+        return error_response(ApiError(exc.status, str(exc)))
+
+    @app.get("/admin/instances")
+    async def instances():
+        return {"instances": cluster.describe_instances()}
+
+    @app.post("/admin/migrate")
+    async def migrate(request: Request):
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str) \
+                or not isinstance(body.get("to_instance"), int):
+            raise ApiError(400, 'the body must be {"request_id": "<id>", "to_instance": <index>}', "request_id")
+        try:
+            future = cluster.migrate_now(body["request_id"], body["to_instance"], body.get("mode", "live"))
+        except AdminError as exc:
+            return admin_error(exc)
+        result = (await asyncio.wrap_future(future)).as_dict()
+        if result["outcome"] != "ok":
+            return JSONResponse({**error_body(409, f"the migration did not happen: {result['outcome']}: "
+                                                    f"{result['message']}"), "migration": result}, status_code=409)
+        return result
+
+    @app.post("/admin/instances/{index}/drain")
+    async def drain(index: int):
+        try:
+            return JSONResponse(cluster.drain(index), status_code=202)
+        except AdminError as exc:
+            return admin_error(exc)
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, shutting down as a model server should: on SIGTERM/SIGINT (or request_shutdown())

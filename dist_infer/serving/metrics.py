@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from dist_infer.engine.request import RequestOutput
 
@@ -53,17 +53,38 @@ class EngineStatsCollector:
         self.model_name = model_name
 
     def _families(self, stats: Optional[dict]):
+        """The gauges per instance (vLLM's `engine` label, the instance index) when the server
+        runs several, else per model; then the preemption and migration counters."""
+        per = (stats or {}).get("instances") or ([dict(stats, engine="0")] if stats is not None else [])
         families = []
         for key, doc in self.GAUGES.items():
-            g = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name"])
-            if stats is not None:
-                g.add_metric([self.model_name], float(stats.get(key, 0.0)))
+            g = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name", "engine"])
+            for s in per:
+                g.add_metric([self.model_name, s["engine"]], float(s.get(key, 0.0)))
             families.append(g)
         c = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted (KV blocks taken back) so far.",
-                                labels=["model_name"])
-        if stats is not None:
-            c.add_metric([self.model_name], float(stats.get("num_preemptions_total", 0)))
+                                labels=["model_name", "engine"])
+        for s in per:
+            c.add_metric([self.model_name, s["engine"]], float(s.get("num_preemptions_total", 0)))
         families.append(c)
+        m = CounterMetricFamily(PREFIX + "migrations", "Live request migrations between instances, by outcome "
+                                "(ok, or why not: no_room, source_ended, source_preempted, dest_failed, ...).",
+                                labels=["model_name", "outcome"])
+        for outcome, n in sorted((stats or {}).get("migrations_total", {}).items()):
+            m.add_metric([self.model_name, outcome], float(n))
+        families.append(m)
+        h = HistogramMetricFamily(PREFIX + "migration_downtime_seconds",
+                                  "Time a migrated request did not run: from its pause on the source to its "
+                                  "commit on the destination (seconds).", labels=["model_name"])
+        downtime = (stats or {}).get("migration_downtime")
+        if downtime is not None:
+            bounds, counts, total = downtime
+            cumulative, running = [], 0
+            for bound, n in zip(list(bounds) + [float("inf")], counts):
+                running += n
+                cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(running)))
+            h.add_metric([self.model_name], cumulative, total)
+        families.append(h)
         return families
 
     def describe(self):

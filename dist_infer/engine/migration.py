@@ -1,0 +1,265 @@
+"""One instance's side of a live request migration, on its driver (the step loop's thread).
+
+The serving layer's orchestrator (serving/migration.py) calls these between steps, in this
+order, and every call answers through `reply(result)` or `reply(exception)`:
+
+    source                                  destination
+    start_out(m, request_id, peer)          reserve_in(m, peer, blocks)   (no room: refused)
+    send_out(m, stage)  -> (first, count)   recv_in(m, stage, first, count)     } a few stages
+    ... each side reports (m, stage) done through `notify` once its own transfers are out ...
+    pause_out(m, stage) -> (state, first, count)   (answers once the request is paused)
+                                            recv_in(...) for the rest, then commit_in(m, state)
+    release_out(m)   (or resume_out(m) if the commit failed)      cancel_in(m) on any failure
+
+While the stages run the request keeps decoding on the source; only between pause_out and
+commit_in is it stopped (the downtime). A stage sends only blocks that are full, which never
+change again; the pause sends the rest. If the request ends on the source (finished, aborted,
+preempted) before it is paused, the next call raises MigrationAborted and the request ends or
+stays where it is. The destination's reserved blocks are its own until commit or cancel;
+nothing is freed twice, nothing leaks.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from dist_infer.engine.kv_cache import CacheFullError, blocks_for
+from dist_infer.engine.kv_transfer import TransferOp
+from dist_infer.engine.request import Request, RequestStatus
+
+Reply = Callable[[object], None]
+
+
+class MigrationAborted(RuntimeError):
+    """The migration cannot go on; `outcome` says why in a word (the migrations_total label)."""
+
+    def __init__(self, outcome: str, message: str):
+        super().__init__(message)
+        self.outcome = outcome
+
+
+@dataclass
+class _Out:
+    request: Request
+    peer: int
+    preemptions: int  # the request's count at the start: one more and the sent blocks are stale
+    sent: int = 0  # blocks of the table already sent
+    stages: set = field(default_factory=set)  # stages whose sends are still out
+    pause_reply: Optional[Reply] = None
+    pause_stage: int = 0
+    paused: bool = False
+    send_kv: bool = True
+
+
+@dataclass
+class _In:
+    peer: int
+    blocks: list[int]
+    stages: set = field(default_factory=set)
+
+
+class MigrationEndpoint:
+    """The driver's migrations in and out; `notify(event, *args)` tells the orchestrator that a
+    stage's transfers are out (this rank's share) or that a migration died on its own."""
+
+    def __init__(self, engine, notify: Callable[..., None]):
+        self.engine = engine
+        self.notify = notify
+        self._out: dict[int, _Out] = {}
+        self._in: dict[int, _In] = {}
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
+    # -- source --------------------------------------------------------------------------------
+    def start_out(self, mid: int, request_id: str, peer: int, reply: Reply) -> None:
+        r = self.engine._requests.get(request_id)
+        if r is None or r.finished:
+            return reply(MigrationAborted("not_found", f"request {request_id} is not on this instance"))
+        if any(o.request is r for o in self._out.values()):
+            return reply(MigrationAborted("busy", f"request {request_id} is already migrating"))
+        self._out[mid] = _Out(r, peer, r.num_preemptions)
+        reply({"blocks": len(r.block_table), "num_tokens": r.num_tokens, "running": r.status is RequestStatus.RUNNING})
+
+    def _live(self, mid: int) -> _Out:
+        out = self._out.get(mid)
+        if out is None:
+            raise MigrationAborted("source_ended", f"migration {mid} is not known on the source")
+        r = out.request
+        if r.finished:
+            self._out.pop(mid)
+            raise MigrationAborted("source_ended", f"request {r.request_id} ended on the source ({r.finish_reason})")
+        if r.num_preemptions != out.preemptions:
+            self._out.pop(mid)
+            raise MigrationAborted("source_preempted", f"request {r.request_id} was preempted on the source")
+        return out
+
+    def _queue_send(self, mid: int, out: _Out, stage: int, upto: int) -> tuple[int, int]:
+        first, count = out.sent, upto - out.sent
+        if count > 0:
+            self.engine.queue_transfer(TransferOp(TransferOp.SEND, mid, stage, out.peer, out.request.block_table[first:upto]))
+            out.stages.add(stage)
+        else:
+            self.notify("stage_done", mid, stage)
+        out.sent = max(out.sent, upto)
+        return first, max(0, count)
+
+    def send_out(self, mid: int, stage: int, reply: Reply) -> None:
+        """Send the blocks that filled up since the last stage (the request goes on decoding)."""
+        try:
+            out = self._live(mid)
+        except MigrationAborted as exc:
+            return reply(exc)
+        r = out.request
+        full = r.num_computed // self.block_size if r.status is RequestStatus.RUNNING else 0
+        reply(self._queue_send(mid, out, stage, full))
+
+    def pause_out(self, mid: int, stage: int, send_kv: bool = True, *, reply: Reply) -> None:
+        """Stop scheduling the request (once its sampled token is back), send what is left, and
+        answer with the request's state. Without `send_kv` nothing is sent and the state says
+        nothing is computed: the destination recomputes the KV (the baseline live migration beats)."""
+        try:
+            out = self._live(mid)
+        except MigrationAborted as exc:
+            return reply(exc)
+        out.pause_reply, out.pause_stage, out.send_kv = reply, stage, send_kv
+        self.poll()
+
+    def _finish_pause(self, mid: int, out: _Out) -> None:
+        r = out.request
+        self.scheduler.pause(r)
+        out.paused = True
+        reply, out.pause_reply = out.pause_reply, None
+        state = self._snapshot(r)
+        if not out.send_kv:
+            state.num_computed = 0
+            return reply((state, 0, 0))
+        first, count = self._queue_send(mid, out, out.pause_stage, blocks_for(r.num_computed, self.block_size))
+        reply((state, first, count))
+
+    @staticmethod
+    def _snapshot(r: Request) -> Request:
+        """What travels: the request without its block table; times as ages (clocks differ by host)."""
+        state = copy.copy(r)
+        state.block_table, state.logits, state.in_flight = [], [], False
+        now = time.monotonic()
+        state.arrival_time = now - r.arrival_time
+        state.first_token_time = None if r.first_token_time is None else now - r.first_token_time
+        return state
+
+    def release_out(self, mid: int, reply: Reply) -> None:
+        """The destination has it: free it here, without a word to the client (it streams on)."""
+        out = self._out.pop(mid, None)
+        if out is not None and not out.request.finished:
+            self.scheduler.hand_over(out.request)
+            self.engine._requests.pop(out.request.request_id, None)
+        reply(True)
+
+    def resume_out(self, mid: int, reply: Reply) -> None:
+        """The migration failed: the request goes on here (if it was paused, from where it stopped)."""
+        out = self._out.pop(mid, None)
+        if out is not None and out.paused and not out.request.finished:
+            self.scheduler.resume(out.request)
+        elif out is not None and out.pause_reply is not None:
+            out.pause_reply(MigrationAborted("cancelled", f"migration {mid} was cancelled"))
+        reply(True)
+
+    # -- destination ---------------------------------------------------------------------------
+    def reserve_in(self, mid: int, peer: int, num_blocks: int, reply: Reply) -> None:
+        s = self.scheduler
+        spare = s.num_free_blocks - s.watermark_blocks
+        if num_blocks > spare:
+            return reply(MigrationAborted("no_room", f"needs {num_blocks} KV blocks, {max(0, spare)} are spare "
+                                                     f"({s.num_free_blocks} free, watermark {s.watermark_blocks})"))
+        self._in[mid] = _In(peer, [s.allocator.allocate() for _ in range(num_blocks)])
+        reply(num_blocks)
+
+    def recv_in(self, mid: int, stage: int, first: int, count: int, reply: Reply) -> None:
+        got = self._in.get(mid)
+        if got is None:
+            return reply(MigrationAborted("dest_failed", f"migration {mid} is not known on the destination"))
+        if count > 0:
+            if first + count > len(got.blocks):
+                self._grow(got, first + count)
+            self.engine.queue_transfer(TransferOp(TransferOp.RECV, mid, stage, got.peer, got.blocks[first:first + count]))
+            got.stages.add(stage)
+        else:
+            self.notify("stage_done", mid, stage)
+        reply(True)
+
+    def _grow(self, got: _In, blocks: int) -> None:
+        s = self.scheduler
+        while len(got.blocks) < blocks:
+            try:
+                got.blocks.append(s.allocator.allocate())
+            except CacheFullError:
+                raise MigrationAborted("no_room", f"the destination ran out of KV blocks at {len(got.blocks)}") from None
+
+    def commit_in(self, mid: int, state: Request, reply: Reply) -> None:
+        """Every rank waits for the blocks still on the way, then the request runs here."""
+        got = self._in.get(mid)
+        if got is None:
+            return reply(MigrationAborted("dest_failed", f"migration {mid} is not known on the destination"))
+        need = blocks_for(state.num_computed, self.block_size)
+        try:
+            self._grow(got, need)
+        except MigrationAborted as exc:
+            self._cancel(mid)
+            return reply(exc)
+        self._in.pop(mid)
+        self.scheduler.allocator.free(got.blocks[need:])
+        self.engine.queue_transfer(TransferOp(TransferOp.COMMIT, mid, peer=got.peer))
+        r = copy.copy(state)
+        now = time.monotonic()
+        r.arrival_time = now - state.arrival_time
+        r.first_token_time = None if state.first_token_time is None else now - state.first_token_time
+        self.engine.adopt(r, got.blocks[:need])
+        reply(True)
+
+    def cancel_in(self, mid: int, reply: Reply) -> None:
+        self._cancel(mid)
+        reply(True)
+
+    def _cancel(self, mid: int) -> None:
+        got = self._in.pop(mid, None)
+        if got is not None:
+            self.engine.queue_transfer(TransferOp(TransferOp.CANCEL, mid, peer=got.peer))
+            self.scheduler.allocator.free(got.blocks)
+
+    # -- every step ----------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return any(o.stages or o.pause_reply for o in self._out.values()) or any(i.stages for i in self._in.values())
+
+    def poll(self) -> None:
+        """Report stages whose transfers are out; pause what waited for its sampled token; drop
+        migrations whose request ended on the source."""
+        mover = self.engine.mover
+        for mid, out in list(self._out.items()):
+            for stage in [s for s in out.stages if mover.stage_done(mid, s)]:
+                out.stages.discard(stage)
+                self.notify("stage_done", mid, stage)
+            if out.pause_reply is not None:
+                if out.request.finished:
+                    reply, out.pause_reply = out.pause_reply, None
+                    self._out.pop(mid, None)
+                    reply(MigrationAborted("source_ended", f"request {out.request.request_id} ended on the source "
+                                                           f"({out.request.finish_reason})"))
+                elif not out.request.in_flight:
+                    self._finish_pause(mid, out)
+        for mid, got in self._in.items():
+            for stage in [s for s in got.stages if mover.stage_done(mid, s)]:
+                got.stages.discard(stage)
+                self.notify("stage_done", mid, stage)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(len(i.blocks) for i in self._in.values())

@@ -1,0 +1,146 @@
+"""An instance's driver: its step loop, fed over one connection by the API process.
+
+The API process (serving/cluster.py) owns the clients' streams and decides which instance runs
+each request; every instance's driver (its first rank) connects to it and then only does what
+it is told: add and abort requests, and the calls of a migration (engine/migration.py). After
+every step it sends the step's outputs and its load back. The wire is multiprocessing's
+authenticated connection (pickled tuples over TCP), so instances on other hosts work the same.
+
+    API -> instance   ("add", request_id, prompt_ids, params) | ("abort", request_id)
+                      ("call", call_id, method, args) | ("stop",)
+    instance -> API   ("hello", info) | ("out", [RequestOutput]) | ("stats", dict)
+                      ("reply", call_id, ok, value) | ("event", name, args) | ("dead", reason)
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Optional
+
+from loguru import logger
+
+from dist_infer.engine.migration import MigrationAborted
+from dist_infer.engine.request import RequestError, RequestOutput
+
+STATS_EVERY_S = 0.1  # an instance's load reaches the API at least this often while it changes
+MIGRATION_CALLS = {"start_out", "send_out", "pause_out", "release_out", "resume_out",
+                   "reserve_in", "recv_in", "commit_in", "cancel_in"}
+
+
+def no_delay(conn: Connection) -> Connection:
+    """Turn off Nagle's algorithm on a connection's TCP socket: the wire carries small messages
+    both ways, and a small write behind an unacknowledged one otherwise waits for the peer's
+    delayed ACK (40 ms on Linux), which had made every migration call take that long."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup of the same socket
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+class InstanceServer:
+    def __init__(self, engine, index: int, conn: Connection):
+        self.engine, self.index, self.conn = engine, index, conn
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last_stats: Optional[dict] = None
+        self._last_stats_at = 0.0
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError, BrokenPipeError) as exc:
+                if not self._stop.is_set():
+                    logger.error(f"instance {self.index}: the API process is gone ({exc}); stopping")
+                self._stop.set()
+                self.engine.wake()
+
+    # -- the API's messages (a reader thread) ----------------------------------------------------
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.conn.recv()
+            except (OSError, EOFError):
+                if not self._stop.is_set():
+                    logger.error(f"instance {self.index}: lost the connection to the API process; stopping")
+                break
+            kind = message[0]
+            if kind == "add":
+                self._add(*message[1:])
+            elif kind == "abort":
+                self.engine.abort(message[1])
+            elif kind == "call":
+                self._call(*message[1:])
+            elif kind == "stop":
+                break
+        self._stop.set()
+        self.engine.wake()
+
+    def _add(self, request_id: str, prompt_ids: list[int], params) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except RequestError as exc:
+            self.send(("out", [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc))]))
+
+    def _call(self, call_id: int, method: str, args: tuple) -> None:
+        def reply(value: object) -> None:
+            if isinstance(value, MigrationAborted):
+                self.send(("reply", call_id, False, (value.outcome, str(value))))
+            elif isinstance(value, BaseException):
+                self.send(("reply", call_id, False, ("error", f"{type(value).__name__}: {value}")))
+            else:
+                self.send(("reply", call_id, True, value))
+
+        if method not in MIGRATION_CALLS or self.engine.migration is None:
+            return reply(ValueError(f"instance {self.index} takes no call {method!r} (one instance: no migration)"))
+        target = getattr(self.engine.migration, method)
+
+        def run() -> None:
+            try:
+                target(*args, reply=reply)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it, the step loop goes on
+                reply(exc)
+
+        self.engine.call_soon(run)
+
+    # -- the step loop (this thread) ---------------------------------------------------------------
+    def _notify(self, event: str, *args) -> None:
+        self.send(("event", event, args))
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self.send(("out", outputs))
+
+    def _after_step(self) -> None:
+        """Send the load when it changed: at once if the batch or the queue did (or the instance is
+        idle), else at most every STATS_EVERY_S (the API's dispatcher and migration controller read it)."""
+        stats = self.engine.stats()
+        if stats == self._last_stats:
+            return
+        key = lambda s: (s["num_requests_running"], s["num_requests_waiting"], s["requests_added"])  # noqa: E731
+        now = time.monotonic()
+        idle = not stats["num_requests_running"] and not stats["num_requests_waiting"]
+        if self._last_stats is None or key(stats) != key(self._last_stats) or idle \
+                or now - self._last_stats_at >= STATS_EVERY_S:
+            self.send(("stats", stats))
+            self._last_stats, self._last_stats_at = stats, now
+
+    def run(self, hello: dict) -> None:
+        """Serve until the API says stop or goes away; raises (after telling the API) if the engine fails."""
+        if self.engine.migration is not None:
+            self.engine.migration.notify = self._notify
+        self.send(("hello", hello))
+        reader = threading.Thread(target=self._read, name=f"instance-{self.index}-commands", daemon=True)
+        reader.start()
+        try:
+            self.engine.run_driver(self._publish, self._stop.is_set, self._after_step)
+        except BaseException as exc:
+            self.send(("dead", f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            self._stop.set()
+            try:
+                self.conn.close()
+            except OSError:
+                pass

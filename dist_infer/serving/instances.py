@@ -1,0 +1,96 @@
+"""Several model instances in one job: `--instances tp2,tp1,tp1` (or `--instances 3` with --tp/--pp).
+
+Each instance gets a consecutive range of world ranks and its own mesh inside it, so its step
+loop, tensor- and pipeline-parallel groups are its own; all of them share the world
+communicator, over which KV blocks move when a request migrates between instances.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dist_infer.comm import ParallelGroups, build_groups
+from dist_infer.comm.base import Communicator
+from dist_infer.engine.kv_transfer import KVLayout
+from dist_infer.topology import Mesh, ParallelConfig
+
+
+class InstancesError(ValueError):
+    """An --instances value that does not parse or does not fit the world."""
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pp
+
+    def describe(self) -> str:
+        return f"tp{self.tp}" + (f"pp{self.pp}" if self.pp > 1 else "")
+
+
+_ITEM = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?$")
+
+
+def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
+    """'3' -> three instances of tp x pp; 'tp2,tp1,tp2pp2' -> one per item."""
+    text = (text or "").strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise InstancesError(f"--instances {text}: at least one instance")
+        return [InstanceSpec(tp, pp)] * int(text)
+    specs = []
+    for item in text.split(","):
+        m = _ITEM.match(item.strip())
+        if not item.strip() or m is None or not (m.group(1) or m.group(2)):
+            raise InstancesError(f"--instances {text!r}: item {item.strip()!r} is not a count or a layout like "
+                                 f"tp2, pp2 or tp2pp2")
+        spec = InstanceSpec(int(m.group(1) or 1), int(m.group(2) or 1))
+        if spec.tp < 1 or spec.pp < 1:
+            raise InstancesError(f"--instances {text!r}: item {item.strip()!r} has a size below 1")
+        specs.append(spec)
+    return specs
+
+
+def base_ranks(specs: list[InstanceSpec]) -> list[int]:
+    """The first world rank of each instance."""
+    out, at = [], 0
+    for spec in specs:
+        out.append(at)
+        at += spec.size
+    return out
+
+
+def check_world(specs: list[InstanceSpec], world_size: int) -> None:
+    need = sum(s.size for s in specs)
+    if need != world_size:
+        sizes = " + ".join(f"{s.describe()}={s.size}" for s in specs)
+        raise InstancesError(f"--instances needs {sizes} = {need} ranks, the job has {world_size}")
+
+
+def instance_of(specs: list[InstanceSpec], rank: int) -> int:
+    for i, base in enumerate(base_ranks(specs)):
+        if base <= rank < base + specs[i].size:
+            return i
+    raise InstancesError(f"rank {rank} is outside the {sum(s.size for s in specs)} ranks of the instances")
+
+
+def join_instance(world: Communicator, specs: list[InstanceSpec], shm: str = "auto") -> tuple[int, ParallelGroups]:
+    """Collective over the world: this rank's instance index and that instance's groups."""
+    check_world(specs, world.size)
+    ranges = [list(range(b, b + s.size)) for b, s in zip(base_ranks(specs), specs)]
+    mine = instance_of(specs, world.rank)
+    comm = world if len(specs) == 1 else world.split(ranges, "instance")
+    spec = specs[mine]
+    mesh = Mesh.build(ParallelConfig(tp=spec.tp, pp=spec.pp), spec.size)
+    return mine, build_groups(comm, mesh, shm)
+
+
+def kv_layouts(specs: list[InstanceSpec], cfg) -> list[KVLayout]:
+    """Every instance's KV layout, for the block transfers between them."""
+    return [KVLayout(base, s.tp, s.pp, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+            for base, s in zip(base_ranks(specs), specs)]

@@ -1,0 +1,149 @@
+"""The pure parts of live migration: who sends which KV heads and layers to whom, the step plan's
+transfer ops, --instances parsing, the dispatch policies and the migration controller's choices."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dist_infer.engine.kv_transfer import KVLayout, TransferError, TransferOp, migration_tag, transfer_map
+from dist_infer.engine.sampling import RowSampling
+from dist_infer.engine.step_plan import KIND_IDLE, StepPlan, decode, encode
+from dist_infer.serving.dispatch import Dispatcher, InstanceLoad
+from dist_infer.serving.instances import InstancesError, InstanceSpec, base_ranks, check_world, parse_instances
+from dist_infer.serving.rebalance import MoveCandidate, plan_moves
+
+
+def _layout(tp, pp=1, layers=4, heads=8, kv=2, base=0):
+    return KVLayout(base, tp, pp, layers, heads, kv)
+
+
+PAIRS = [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (4, 1)), ((4, 1), (2, 1)), ((1, 1), (4, 1)),
+         ((4, 1), (1, 1)), ((2, 2), (1, 1)), ((1, 1), (2, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 3)), ((8, 1), (2, 2))]
+
+
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_every_destination_head_and_layer_comes_exactly_once_from_an_owner(src, dst):
+    s = _layout(*src, layers=6)
+    d = _layout(*dst, layers=6, base=s.size)
+    pieces = transfer_map(s, d)
+    for rank in range(d.size):
+        got = [(layer, h, p.src) for p in pieces if p.dst == rank for layer in p.layers for h in p.heads]
+        want = {(layer, h) for layer in d.layers_of(rank) for h in d.heads_of(rank)}
+        assert sorted((layer, h) for layer, h, _ in got) == sorted(want), f"dst rank {rank}"
+        for layer, h, sender in got:
+            assert layer in s.layers_of(sender) and h in s.heads_of(sender), (layer, h, sender)
+
+
+def test_replicated_heads_spread_over_their_owners():
+    # 2 KV heads on tp4: ranks 0,1 hold head 0, ranks 2,3 head 1; tp4 -> tp4 takes each head from
+    # both replicas in turn instead of always the first
+    pieces = transfer_map(_layout(4), _layout(4))
+    assert sorted((p.src, p.dst) for p in pieces) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    # tp2 -> tp4: each destination rank gets its one head from the single owner
+    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(2), _layout(4))) == \
+        [(0, 0, (0,)), (0, 1, (0,)), (1, 2, (1,)), (1, 3, (1,))]
+
+
+def test_tp2_to_tp1_sends_two_half_messages_and_tp1_to_tp2_one_each():
+    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(2), _layout(1))) == \
+        [(0, 0, (0,)), (1, 0, (1,))]
+    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(1), _layout(2))) == \
+        [(0, 0, (0,)), (0, 1, (1,))]
+
+
+def test_pipeline_stages_split_by_layer_range():
+    pieces = transfer_map(_layout(1, pp=2, layers=6), _layout(1, pp=3, layers=6))
+    assert sorted((p.src, p.dst, (p.layers.start, p.layers.stop)) for p in pieces) == \
+        [(0, 0, (0, 2)), (0, 1, (2, 3)), (1, 1, (3, 4)), (1, 2, (4, 6))]
+
+
+def test_different_models_do_not_exchange_blocks():
+    with pytest.raises(TransferError, match="different models"):
+        transfer_map(_layout(1, layers=4), _layout(1, layers=6))
+
+
+def test_tags_stay_in_mpi_range_and_apart():
+    tags = {migration_tag(m, s) for m, s in itertools.product(range(900), range(32))}
+    assert len(tags) == 900 * 32 and max(tags) <= 32767
+    with pytest.raises(TransferError):
+        migration_tag(1, 32)
+
+
+def test_plan_carries_transfer_ops():
+    ops = [TransferOp(TransferOp.SEND, 7, 2, 1, [5, 9, 11]), TransferOp(TransferOp.COMMIT, 8, peer=0),
+           TransferOp(TransferOp.RECV, 9, 0, 2, [3])]
+    plan = StepPlan(seq_ids=[4], num_tokens=[1], starts=[10], block_tables=[[1, 2, 3]], sample=[True],
+                    rows=[RowSampling(0.0, 0, 1.0, 3, 4, 0, 0)], input_ids=[42], freed=[6], transfers=ops)
+    back = decode(*encode(plan))
+    assert back.transfers == ops and back.freed == [6] and back.input_ids == [42] and back.block_tables == [[1, 2, 3]]
+    idle = decode(*encode(StepPlan(kind=KIND_IDLE, transfers=ops[:1])))
+    assert idle.kind == KIND_IDLE and idle.transfers == ops[:1]
+
+
+def test_parse_instances():
+    assert parse_instances("tp2,tp1,tp1") == [InstanceSpec(2), InstanceSpec(1), InstanceSpec(1)]
+    assert parse_instances("3", tp=2) == [InstanceSpec(2)] * 3
+    assert parse_instances("tp2pp2, pp2") == [InstanceSpec(2, 2), InstanceSpec(1, 2)]
+    assert base_ranks(parse_instances("tp2,tp1,tp4")) == [0, 2, 3]
+    for bad in ("tp2,,tp1", "tpx", "dp2", "0", "tp0"):
+        with pytest.raises(InstancesError):
+            parse_instances(bad)
+    with pytest.raises(InstancesError, match=r"tp2=2 \+ tp1=1 = 3 ranks, the job has 4"):
+        check_world(parse_instances("tp2,tp1"), 4)
+
+
+def _load(i, free, total=100, running=0, waiting=0, demand=0, pending=0, pending_blocks=0, accepting=True):
+    return InstanceLoad(i, free, total, 0, demand, running, waiting, pending, pending_blocks, accepting)
+
+
+def test_load_dispatch_counts_queued_and_pending_demand():
+    d = Dispatcher("load")
+    # instance 0 has more free blocks, but its queue needs them all
+    assert d.choose([_load(0, 80, running=2, waiting=2, demand=70), _load(1, 50, running=2)], 4) == 1
+    # requests sent but not yet seen count as load
+    assert d.choose([_load(0, 60, pending=3, pending_blocks=30), _load(1, 50)], 4) == 1
+    # an instance that can never hold the request, or is draining, gets none
+    assert d.choose([_load(0, 60, total=3), _load(1, 1)], 4) == 1
+    assert d.choose([_load(0, 90, accepting=False), _load(1, 10)], 4) == 1
+    assert d.choose([_load(0, 90, accepting=False)], 4) is None
+
+
+def test_round_robin_and_shortest_queue():
+    rr = Dispatcher("rr")
+    loads = [_load(0, 10), _load(1, 10), _load(2, 10, accepting=False)]
+    assert [rr.choose(loads, 1) for _ in range(4)] == [0, 1, 0, 1]
+    q = Dispatcher("queue")
+    assert q.choose([_load(0, 10, waiting=3), _load(1, 10, running=5, waiting=1), _load(2, 10, pending=2)], 1) == 1
+    with pytest.raises(ValueError):
+        Dispatcher("random")
+
+
+def _cands(*pairs):
+    return [MoveCandidate(r, b, b > 0) for r, b in pairs]
+
+
+def test_controller_moves_the_cheapest_request_from_the_most_to_the_least_loaded():
+    loads = [_load(0, 4, running=3, waiting=1, demand=10), _load(1, 90, running=1), _load(2, 60, running=1)]
+    cands = {0: _cands(("w", 0), ("big", 30), ("small", 3)), 1: _cands(("x", 5)), 2: _cands(("y", 5))}
+    moves = plan_moves(loads, cands, busy=set(), cooling=set(), draining=set())
+    assert [(m.request_id, m.src, m.dst, m.reason) for m in moves] == [("w", 0, 1, "queue")]
+    # the waiting one just moved: the next cheapest running one goes
+    moves = plan_moves(loads, cands, busy=set(), cooling={"w"}, draining=set())
+    assert [(m.request_id, m.dst) for m in moves] == [("small", 1)]
+
+
+def test_controller_leaves_balanced_busy_and_full_instances_alone():
+    balanced = [_load(0, 50, running=2), _load(1, 52, running=2)]
+    assert plan_moves(balanced, {0: _cands(("a", 3))}, set(), set(), set()) == []
+    loaded = [_load(0, 2, running=4, demand=8, waiting=1), _load(1, 90)]
+    assert plan_moves(loaded, {0: _cands(("a", 3))}, busy={1}, cooling=set(), draining=set()) == []
+    no_room = [_load(0, 2, running=4, demand=8, waiting=1), _load(1, 10)]
+    assert plan_moves(no_room, {0: _cands(("a", 30))}, set(), set(), set()) == []
+
+
+def test_drain_moves_everything_even_when_balanced():
+    loads = [_load(0, 50, running=2), _load(1, 50, running=2)]
+    moves = plan_moves(loads, {0: _cands(("a", 3), ("b", 1))}, set(), set(), draining={0})
+    assert [(m.request_id, m.src, m.dst, m.reason) for m in moves] == [("b", 0, 1, "drain")]
