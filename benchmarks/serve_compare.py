@@ -5,6 +5,7 @@ then the ratios. Every figure in docs/benchmarks.md's serving section comes from
     python benchmarks/serve_compare.py batching   # continuous vs static batching, same stream
     python benchmarks/serve_compare.py chunking   # chunked prefill on vs off: long prompts amid decodes
     python benchmarks/serve_compare.py hf         # ours vs `transformers serve` on the same model and stream
+    python benchmarks/serve_compare.py migration  # 2 instances under memory pressure: rr vs load vs load + migration
 
 Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
 """
@@ -81,12 +82,26 @@ def bench(url: str, args: list[str], out: Path) -> dict:
     return json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
 
 
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as name -> value, summed over labels."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{")[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 def run_pair(configs, bench_args, log_dir: Path) -> dict:
     results = {}
     for name, start in configs:
         server = start(name, free_port(), log_dir)
         try:
             results[name] = bench(server.url, bench_args, log_dir / f"{name}.json")
+            metrics = scrape(server.url)
+            results[name]["preemptions"] = metrics.get("dist_infer:num_preemptions_total", 0.0)
+            results[name]["migrations"] = metrics.get("dist_infer:migrations_total", 0.0)
         finally:
             server.stop()
         s = results[name]
@@ -124,12 +139,16 @@ def plot(log_dir: Path, names: list[str], out: Path, title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=("batching", "chunking", "hf"))
+    p.add_argument("scenario", choices=("batching", "chunking", "hf", "migration"))
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the built-in model)")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--request-rate", type=float, default=4.0)
     p.add_argument("--flags", default="", help="extra flags for our server, e.g. '--tp 2'")
     p.add_argument("--out", default=None, help="write the combined JSON here")
+    p.add_argument("--kv-blocks", type=int, default=96, help="migration: KV blocks per instance (16 tokens each)")
+    p.add_argument("--bursts", type=int, default=6, help="migration: bursts of 9 requests (3 long, 6 short)")
+    p.add_argument("--burst-gap", type=float, default=3.0, help="migration: seconds between bursts")
+    p.add_argument("--migrate-interval", type=float, default=0.2, help="migration: the controller's interval")
     p.add_argument("--plot", default=None, help="write CDFs of TTFT and ITL per configuration to this PNG")
     args = p.parse_args()
     model = args.model
@@ -176,6 +195,30 @@ def main() -> int:
             results[name]["itl_max_ms"] = 1000 * itl[-1] if itl else None
             print(f"{name:>12}: ITL p99 / median = {results[name]['itl_p99_over_median']:.2f}, max ITL "
                   f"{results[name]['itl_max_ms'] or float('nan'):.0f} ms, TTFT p99 {results[name]['ttft_ms']['p99']:.0f} ms")
+    elif args.scenario == "migration":
+        # bursts of long and short requests onto 2 instances whose caches hold about two long ones each
+        trace = log_dir / "trace.csv"
+        rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+        for burst in range(args.bursts):
+            t = burst * args.burst_gap
+            rows += [f"{t + 0.01 * i:.2f},{400 if i % 3 == 0 else 48},{256 if i % 3 == 0 else 32}" for i in range(9)]
+        trace.write_text("\n".join(rows) + "\n")
+        stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
+        pressure = ["--instances", "2", "--kv-blocks", str(args.kv_blocks), "--block-size", "16", *extra]
+        results = run_pair([
+            ("rr", lambda n, port, d: ours(n, model, port, d, *pressure, "--dispatch", "rr", "--migrate-interval", "0")),
+            ("load", lambda n, port, d: ours(n, model, port, d, *pressure, "--dispatch", "load",
+                                             "--migrate-interval", "0")),
+            ("load+migration", lambda n, port, d: ours(n, model, port, d, *pressure, "--dispatch", "load",
+                                                       "--migrate-interval", str(args.migrate_interval))),
+        ], stream, log_dir)
+        for name in ("rr", "load", "load+migration"):
+            r = results[name]
+            print(f"{name:>15}: TTFT p99 {r['ttft_ms']['p99']:.0f} ms, E2E p99 {r['e2e_ms']['p99']:.0f} ms, "
+                  f"preemptions {r['preemptions']:.0f}, migrations {r['migrations']:.0f}")
+        rr, lm = results["rr"], results["load+migration"]
+        results["ratios"] = {"ttft_p99_migration_over_rr": lm["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"],
+                             "preemptions_migration_over_rr": lm["preemptions"] / max(1.0, rr["preemptions"])}
     else:
         # text prompts (HF's server takes no token ids) and no ignore_eos (HF refuses the field); greedy, so both
         # servers generate the same tokens and stop at the same EOS

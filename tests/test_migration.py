@@ -172,6 +172,31 @@ def test_seeded_sampling_continues_bit_identically(server):
     _assert_all_blocks_free(server)
 
 
+def test_migration_between_prefill_chunks(server):
+    """A long prompt prefilled in chunks of 64 tokens moves before its first token: the destination
+    goes on with the chunks from where the source stopped."""
+    prompt = prompts_for([900], seed=17)[0]
+
+    async def go():
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(_stream(client, server.url, prompt, max_tokens=50))
+            while True:  # the request is known to the API as soon as it is dispatched
+                placed = [(i["index"], r) for i in _instances(server) for r in i["requests"]]
+                if placed:
+                    break
+                await asyncio.sleep(0.005)
+            (src, request_id), = placed
+            r = await _migrate(client, server.url, request_id, 1 - src)
+            moved = await task
+            alone = await _stream(client, server.url, prompt, max_tokens=50)
+            return r, moved, alone
+
+    r, moved, alone = run_async(go())
+    assert r.status_code == 200 and r.json()["outcome"] == "ok", r.text
+    assert moved["token_ids"] == alone["token_ids"] and len(moved["token_ids"]) == 50
+    _assert_all_blocks_free(server)
+
+
 def test_no_room_on_the_destination_keeps_the_request_on_the_source(server):
     """A request holding about half of instance 1's blocks leaves no room for a longer one from instance 0."""
     # the big one holds 60 of instance 1's 120 blocks at first, more as it decodes; moving the other
@@ -317,3 +342,34 @@ def test_admin_errors_name_the_problem(server):
 
 def test_sigterm_stops_every_instance(server):
     assert server.stop() == 0, server.log()[-4000:]
+
+
+def test_migration_between_pipeline_and_tensor_parallel_instances(checkpoint, tmp_path):
+    """pp2 (layers 0-1 on one rank, 2-3 on the next) <-> tp1: each stage's rank sends or receives
+    just its layers; with pp the pause waits for the request's sampled token to come back."""
+    prompts = prompts_for([17, 33, 9], seed=31)
+    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "pp2,tp1", "--block-size", "16",
+                              "--kv-blocks", "120", "--migrate-interval", "0", "--dispatch", "rr", "--timeout", "60"]) as job:
+        async def go():
+            async with httpx.AsyncClient() as client:
+                moves = []
+
+                async def moved_stream(prompt, after):
+                    async def on_token(request_id, n):
+                        if n >= after and not any(m[0] == request_id for m in moves):
+                            src = _where(job, request_id)
+                            moves.append((request_id, src, await _migrate(client, job.url, request_id, 1 - src)))
+
+                    return await _stream(client, job.url, prompt, on_token)
+
+                moved = await asyncio.gather(*(moved_stream(p, 2 + 3 * i) for i, p in enumerate(prompts)))
+                alone = [await _stream(client, job.url, p) for p in prompts]
+                return moved, alone, moves
+
+        moved, alone, moves = run_async(go())
+        for m, a in zip(moved, alone):
+            assert m["token_ids"] == a["token_ids"] and len(m["token_ids"]) == LONG
+        assert all(r.status_code == 200 and r.json()["outcome"] == "ok" for _, _, r in moves), [r.text for *_, r in moves]
+        assert len(moves) == len(prompts) and {src for _, src, _ in moves} == {0, 1}, "rr: both directions"
+        _assert_all_blocks_free(job)
+        assert job.stop() == 0, job.log()[-4000:]

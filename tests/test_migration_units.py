@@ -110,6 +110,15 @@ def test_load_dispatch_counts_queued_and_pending_demand():
     assert d.choose([_load(0, 90, accepting=False)], 4) is None
 
 
+def test_load_dispatch_places_a_long_request_where_it_leaves_the_most_per_request():
+    # A holds one long request (55 blocks left after its growth), B two short ones (86 left): A's
+    # freeness is higher now, but a 41-block request leaves (55-41)/2 = 7 there and (86-41)/3 = 15 on B
+    a = InstanceLoad(0, 80, 96, running=1, growth_blocks=25)
+    b = InstanceLoad(1, 90, 96, running=2, growth_blocks=4)
+    assert a.freeness > b.freeness
+    assert Dispatcher("load").choose([a, b], 41) == 1
+
+
 def test_round_robin_and_shortest_queue():
     rr = Dispatcher("rr")
     loads = [_load(0, 10), _load(1, 10), _load(2, 10, accepting=False)]

@@ -109,3 +109,42 @@ def test_netns_ssh_helper_refuses_unknown_host():
     result = run([str(HELPERS / "netns_ssh.sh"), "10.231.0.9", "true"], 30, env=env)
     assert result.returncode == 255
     assert "no namespace for host '10.231.0.9'" in result.stderr
+
+
+def test_live_migration_between_instances_on_two_hosts(two_hosts, tmp_path):
+    """`serve --instances 2` with one instance per "host": a request moved mid-decode from one host's
+    instance to the other's (its KV over the veth) streams on with exactly its unmoved tokens."""
+    import json
+    import signal
+
+    from checkpoints import write_hf_checkpoint
+    from hf_compare import prompts_for
+
+    ckpt = write_hf_checkpoint(tmp_path, "llama-gqa", max_position_embeddings=1024, hidden_size=384,
+                               num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536, num_hidden_layers=4)
+    hostfile = tmp_path / "hosts1"
+    hostfile.write_text(f"{two_hosts.addrs[0]} slots=1\n{two_hosts.addrs[1]} slots=1\n")
+    ready = tmp_path / "ready.json"
+    dist_infer = str(VENV_BIN / "dist-infer")
+    serve = ["serve", "--model", str(ckpt), "--instances", "2", "--kv-blocks", "64", "--migrate-interval", "0",
+             "--timeout", "60", "--port", "0", "--ready-file", str(ready)]
+    procs = [start(["ip", "netns", "exec", ns, dist_infer, "launch", "--hostfile", hostfile, "--node-rank", str(k),
+                    "--", "dist-infer", *serve]) for k, ns in enumerate(two_hosts.names)]
+    try:
+        prompt = ",".join(map(str, prompts_for([24], seed=9)[0]))
+        client = run(["ip", "netns", "exec", two_hosts.names[0], str(VENV_BIN / "python"),
+                      str(HELPERS / "migrate_client.py"), str(ready), prompt, "300"], JOB_TIMEOUT)
+        assert client.returncode == 0, client.stderr[-3000:]
+        out = json.loads(client.stdout.strip().splitlines()[-1])
+        procs[0].send_signal(signal.SIGTERM)
+        results = [finish(p, JOB_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert out["migration"]["outcome"] == "ok" and out["migration"]["blocks"] > 0, out["migration"]
+    assert out["moved"] == out["alone"] and len(out["moved"]) == 300
+    assert all(i["free_blocks"] == i["total_blocks"] for i in out["instances"]), out["instances"]
+    for k, result in enumerate(results):
+        assert result.returncode == 0, f"node {k} exited {result.returncode}: {result.stderr[-3000:]}"

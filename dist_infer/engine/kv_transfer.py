@@ -9,12 +9,14 @@ their shared layers and heads, so a stage is a handful of large messages, not on
 
 `BlockMover` is one rank's side of it: the step plan says "send these blocks of migration M"
 or "receive into these", the mover copies the blocks into a contiguous buffer and posts the
-send, or posts the receive and scatters the buffer into the cache blocks once it has arrived.
-Nothing blocks the step loop but the commit, which waits for what is still on the way.
+send, or posts the receive and scatters the buffer into the cache blocks once it has arrived,
+both copies on a helper thread. Nothing blocks the step loop but the commit, which waits for
+what is still on the way.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -122,18 +124,25 @@ class TransferOp:
 class _Posted:
     migration_id: int
     stage: int
-    handle: Handle
-    buffer: torch.Tensor
+    buffer: Optional[torch.Tensor] = None
+    handle: Optional[Handle] = None
+    work: Optional[Future] = None  # the copy into the buffer and the send (sends), the scatter (receives)
     # receives: where the buffer goes once it is in (local layer indices, local head slice, block ids)
     layers: Optional[range] = None
     heads: Optional[slice] = None
     blocks: Optional[torch.Tensor] = None
     cancelled: bool = False
 
+    def sent(self) -> bool:
+        return self.work.done() and (self.work.exception() is not None or self.work.result().is_completed())
+
 
 class BlockMover:
     """One rank's sends and receives of migrating KV blocks, driven by the step plans.
 
+    The copies (blocks into a send buffer, a received buffer into blocks) run on a helper thread,
+    so a stage of hundreds of megabytes never holds up the step loop: full blocks never change,
+    and the blocks a receive fills are reserved for it, so nothing else touches them meanwhile.
     `layouts[i]` is instance i's KVLayout; `me` this rank's instance; `world` the communicator
     every instance's ranks share (peers are addressed by world rank)."""
 
@@ -144,6 +153,7 @@ class BlockMover:
         self.cache_layers, self.layer_ids = cache_layers, layer_ids
         self._sends: list[_Posted] = []
         self._recvs: list[_Posted] = []
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def apply(self, op: TransferOp) -> None:
         if op.kind == TransferOp.SEND:
@@ -167,6 +177,10 @@ class BlockMover:
         mine = self.layouts[self.me].heads_of(self.local)
         return slice(heads.start - mine.start, heads.stop - mine.start)
 
+    def _buffer(self, layers: int, blocks: int, heads: int) -> torch.Tensor:
+        k0 = self.cache_layers[0][0]
+        return torch.empty((layers, 2, blocks, k0.shape[1], heads, k0.shape[3]), dtype=k0.dtype, device=k0.device)
+
     def _post_sends(self, op: TransferOp) -> None:
         index = torch.tensor(op.blocks, dtype=torch.long)
         peer = self.layouts[op.peer]
@@ -175,27 +189,28 @@ class BlockMover:
             if piece.src != self.local:
                 continue
             hs = self._own_heads(piece.heads)
-            parts = []
-            for layer in piece.layers:
-                k, v = self.cache_layers[layer - self.layer_ids.start]
-                parts.append(torch.stack([k.index_select(0, index)[:, :, hs], v.index_select(0, index)[:, :, hs]]))
-            buffer = torch.stack(parts).contiguous()  # [layers, 2, blocks, block_size, heads, head_dim]
-            handle = self.world.isend(buffer, peer.base_rank + piece.dst, tag)
-            self._sends.append(_Posted(op.migration_id, op.stage, handle, buffer))
+            buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
+
+            def gather_and_send(piece=piece, hs=hs, buffer=buffer) -> Handle:
+                for i, layer in enumerate(piece.layers):  # [layers, 2, blocks, block_size, heads, head_dim]
+                    k, v = self.cache_layers[layer - self.layer_ids.start]
+                    torch.index_select(k[:, :, hs], 0, index, out=buffer[i, 0])
+                    torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
+                return self.world.isend(buffer, peer.base_rank + piece.dst, tag)
+
+            self._sends.append(_Posted(op.migration_id, op.stage, buffer, work=self._copier.submit(gather_and_send)))
 
     def _post_recvs(self, op: TransferOp) -> None:
         index = torch.tensor(op.blocks, dtype=torch.long)
         peer = self.layouts[op.peer]
         tag = migration_tag(op.migration_id, op.stage)
-        k0 = self.cache_layers[0][0] if self.cache_layers else None
         for piece in self._pieces(op.peer, self.me):
             if piece.dst != self.local:
                 continue
-            shape = (len(piece.layers), 2, len(op.blocks), k0.shape[1], len(piece.heads), k0.shape[3])
-            buffer = torch.empty(shape, dtype=k0.dtype, device=k0.device)
+            buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
             handle = self.world.irecv(buffer, peer.base_rank + piece.src, tag)
             local_layers = range(piece.layers.start - self.layer_ids.start, piece.layers.stop - self.layer_ids.start)
-            self._recvs.append(_Posted(op.migration_id, op.stage, handle, buffer, local_layers,
+            self._recvs.append(_Posted(op.migration_id, op.stage, buffer, handle, None, local_layers,
                                        self._own_heads(piece.heads), index))
 
     def _scatter(self, p: _Posted) -> None:
@@ -207,23 +222,30 @@ class BlockMover:
             v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
 
     def poll(self) -> None:
-        """Scatter what has arrived; let go of sends that are out."""
-        still = []
+        """Start scattering what has arrived; let go of what is done."""
         for p in self._recvs:
-            if p.handle.is_completed():
-                self._scatter(p)
-            else:
-                still.append(p)
-        self._recvs = still
-        self._sends = [p for p in self._sends if not p.handle.is_completed()]
+            if p.work is None and p.handle.is_completed():
+                p.handle.wait(0)  # raises if the receive failed
+                p.work = self._copier.submit(self._scatter, p)
+        self._recvs = [p for p in self._recvs if not (p.work is not None and p.work.done() and self._settle(p))]
+        self._sends = [p for p in self._sends if not (p.sent() and self._settle(p))]
+
+    @staticmethod
+    def _settle(p: _Posted) -> bool:
+        """Raise here, on the step loop, if the copy or the transfer failed (a peer died)."""
+        result = p.work.result()
+        (p.handle or result).wait(0)
+        return True
 
     def complete(self, migration_id: int, timeout: Optional[float] = None) -> None:
-        """Wait for every receive of a migration and scatter it (the commit: the sequence runs next)."""
+        """Wait for every receive of a migration and its scatter (the commit: the sequence runs next)."""
         still = []
         for p in self._recvs:
             if p.migration_id == migration_id:
                 p.handle.wait(timeout)
-                self._scatter(p)
+                if p.work is None:
+                    p.work = self._copier.submit(self._scatter, p)
+                p.work.result(timeout)
             else:
                 still.append(p)
         self._recvs = still

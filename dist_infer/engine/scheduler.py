@@ -159,9 +159,17 @@ class Scheduler:
     def watermark_blocks(self) -> int:
         return self._watermark_blocks
 
+    def _full_length_blocks(self, r: Request) -> int:
+        return blocks_for(self._tokens_held(r, len(r.prompt_token_ids) + r.params.max_new_tokens), self.config.block_size)
+
     def waiting_demand(self) -> int:
-        """KV blocks the waiting queue needs to be admitted (Llumnix counts them as used)."""
-        return sum(blocks_for(self._tokens_held(r, r.num_tokens), self.config.block_size) for r in self.waiting)
+        """KV blocks the waiting queue needs to run to the end (Llumnix counts queued demand as used;
+        max_tokens tells us the rest of it)."""
+        return sum(self._full_length_blocks(r) for r in self.waiting)
+
+    def growth_demand(self) -> int:
+        """KV blocks the running requests still need to reach their max_tokens."""
+        return sum(max(0, self._full_length_blocks(r) - len(r.block_table)) for r in self.running)
 
     @property
     def num_free_blocks(self) -> int:

@@ -285,6 +285,7 @@ class Engine:
                 "kv_cache_usage_perc": s.usage, "num_preemptions_total": s.num_preemptions,
                 "free_blocks": s.num_free_blocks, "total_blocks": s.config.num_blocks,
                 "watermark_blocks": s.watermark_blocks, "waiting_demand_blocks": s.waiting_demand(),
+                "growth_blocks": s.growth_demand(),
                 "running_ids": [r.request_id for r in s.running], "waiting_ids": [r.request_id for r in s.waiting],
                 "running_blocks": [len(r.block_table) for r in s.running], "requests_added": self.requests_added}
 

@@ -23,7 +23,6 @@ from typing import AsyncIterator, Callable, Optional
 
 from loguru import logger
 
-from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.migration import MigrationAborted
 from dist_infer.engine.request import RequestError, RequestOutput, check_prompt
 from dist_infer.engine.sampling import SamplingParams
@@ -77,7 +76,7 @@ class InstanceClient:
                             s["waiting_demand_blocks"], s["num_requests_running"], s["num_requests_waiting"],
                             len(self.pending), sum(b for _, b in self.pending),
                             accepting=not self.draining and self.dead is None,
-                            running_blocks=tuple(s["running_blocks"]))
+                            running_blocks=tuple(s["running_blocks"]), growth_blocks=s.get("growth_blocks", 0))
 
     def describe(self) -> dict:
         s, load = self.stats, self.load()
@@ -425,7 +424,7 @@ class Cluster:
                 raise QueueFullError(retry_after_s=5.0)
             client = self.instances[index]
             client.sent += 1
-            client.pending.append((client.sent, blocks_for(len(prompt_token_ids), self.block_size)))
+            client.pending.append((client.sent, need))
             self._owner[request_id] = index
         return client
 

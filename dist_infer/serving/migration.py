@@ -38,7 +38,7 @@ class MigrationResult:
     stages: int = 0
     blocks: int = 0
     bytes: int = 0
-    phases_ms: Optional[dict] = None  # the downtime's parts: pause on the source, the last receive posted, commit
+    phases_ms: Optional[dict] = None  # pause (waits for the source's current step), last receive posted, commit
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -83,7 +83,10 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         posted_at = time.perf_counter()
         await cluster.call(dst, "commit_in", mid, state, timeout=timeout, failure="dest_failed")
         reserved = False
-        result.downtime_s = time.perf_counter() - pause_at
+        # downtime: from the source's answer that the request is paused (its last step there is done)
+        # to the destination's that it has taken it over; the wait for the source's current step
+        # before that is not downtime (the request is computing its next token in it)
+        result.downtime_s = time.perf_counter() - paused_at
         result.phases_ms = {"pause": 1e3 * (paused_at - pause_at), "recv": 1e3 * (posted_at - paused_at),
                             "commit": 1e3 * (time.perf_counter() - posted_at)}
         result.stages, result.blocks = stage + 1, sent
