@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from loguru import logger
 
 from dist_infer.comm.base import Communicator, Handle
 from dist_infer.parallel.sharding import HeadLayout, stage_layers
@@ -153,6 +154,7 @@ class BlockMover:
         self.cache_layers, self.layer_ids = cache_layers, layer_ids
         self._sends: list[_Posted] = []
         self._recvs: list[_Posted] = []
+        self.failures: set[int] = set()  # migrations a transfer of which failed on this rank
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def apply(self, op: TransferOp) -> None:
@@ -225,17 +227,26 @@ class BlockMover:
         """Start scattering what has arrived; let go of what is done."""
         for p in self._recvs:
             if p.work is None and p.handle.is_completed():
-                p.handle.wait(0)  # raises if the receive failed
+                if self._failed(p, lambda: p.handle.wait(0)):
+                    p.cancelled = True  # nothing arrived: the blocks stay as they were
                 p.work = self._copier.submit(self._scatter, p)
         self._recvs = [p for p in self._recvs if not (p.work is not None and p.work.done() and self._settle(p))]
         self._sends = [p for p in self._sends if not (p.sent() and self._settle(p))]
 
-    @staticmethod
-    def _settle(p: _Posted) -> bool:
-        """Raise here, on the step loop, if the copy or the transfer failed (a peer died)."""
-        result = p.work.result()
-        (p.handle or result).wait(0)
+    def _settle(self, p: _Posted) -> bool:
+        """A finished copy and transfer: a failure (the peer died) is logged and the stage counts as
+        over; the orchestrator, which sees the peer gone, undoes the migration. The step loop goes on."""
+        self._failed(p, lambda: (p.handle or p.work.result()).wait(0))
         return True
+
+    def _failed(self, p: _Posted, check) -> bool:
+        try:
+            check()
+            return False
+        except Exception as exc:  # noqa: BLE001 - a migration's transfer must not end the instance
+            self.failures.add(p.migration_id)
+            logger.warning(f"migration {p.migration_id} stage {p.stage}: transfer failed: {exc}")
+            return True
 
     def complete(self, migration_id: int, timeout: Optional[float] = None) -> None:
         """Wait for every receive of a migration and its scatter (the commit: the sequence runs next)."""

@@ -243,10 +243,14 @@ class MigrationEndpoint:
         """Report stages whose transfers are out; pause what waited for its sampled token; drop
         migrations whose request ended on the source."""
         mover = self.engine.mover
+
+        def report(mid: int, stages: set) -> None:
+            for stage in [s for s in stages if mover.stage_done(mid, s)]:
+                stages.discard(stage)
+                self.notify("stage_failed" if mid in mover.failures else "stage_done", mid, stage)
+
         for mid, out in list(self._out.items()):
-            for stage in [s for s in out.stages if mover.stage_done(mid, s)]:
-                out.stages.discard(stage)
-                self.notify("stage_done", mid, stage)
+            report(mid, out.stages)
             if out.pause_reply is not None:
                 if out.request.finished:
                     reply, out.pause_reply = out.pause_reply, None
@@ -256,9 +260,7 @@ class MigrationEndpoint:
                 elif not out.request.in_flight:
                     self._finish_pause(mid, out)
         for mid, got in self._in.items():
-            for stage in [s for s in got.stages if mover.stage_done(mid, s)]:
-                got.stages.discard(stage)
-                self.notify("stage_done", mid, stage)
+            report(mid, got.stages)
 
     @property
     def reserved_blocks(self) -> int:

@@ -197,10 +197,15 @@ class Cluster:
                 entry[0].set_exception(MigrationAborted(*value))
         else:
             _, name, args = message
-            key = (client.index, (name, *args))
+            failed = name == "stage_failed"  # it answers the wait for that stage's stage_done
+            key = (client.index, ("stage_done" if failed else name, *args))
             fut = self._events.setdefault(key, self.loop.create_future())
             if not fut.done():
-                fut.set_result(True)
+                if failed:
+                    fut.set_exception(MigrationAborted("transfer_failed", f"instance {client.index}: a KV transfer "
+                                                                          f"of migration {args[0]} stage {args[1]} failed"))
+                else:
+                    fut.set_result(True)
 
     def _instance_died(self, client: InstanceClient, reason: str) -> None:
         client.dead = reason
@@ -256,6 +261,7 @@ class Cluster:
                                                     f"{event[1]} stage {event[2]} within {timeout:g} s "
                                                     f"({self.instances[index].dead or 'alive'})")
                 await asyncio.wait([fut], timeout=0.05)
+            fut.result()  # raises MigrationAborted if the instance reported the stage failed
         finally:
             self._events.pop(key, None)
 
@@ -281,7 +287,9 @@ class Cluster:
                 self._moving.pop(request_id, None)
                 self._aborted.discard(request_id)
             for key in [k for k in self._events if k[1][1] == mid]:  # reports nobody waited for
-                self._events.pop(key, None)
+                fut = self._events.pop(key)
+                if fut.done() and not fut.cancelled():
+                    fut.exception()  # retrieved: no "never retrieved" warning for a failure nobody awaited
         self._moved_at[request_id] = time.monotonic()
         self.outcomes[result.outcome] += 1
         self.history.append(result)
