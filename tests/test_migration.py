@@ -373,3 +373,68 @@ def test_migration_between_pipeline_and_tensor_parallel_instances(checkpoint, tm
         assert len(moves) == len(prompts) and {src for _, src, _ in moves} == {0, 1}, "rr: both directions"
         _assert_all_blocks_free(job)
         assert job.stop() == 0, job.log()[-4000:]
+
+
+async def _stream_or_error(client, url, prompt, **body) -> dict:
+    """Stream one completion; an error event or a broken stream ends it (recorded, not raised)."""
+    ids, request_id, error = [], None, None
+    body = {"prompt": prompt, "stream": True, "max_tokens": LONG, "temperature": 0, "ignore_eos": True, **body}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:  # it failed before its first token: an error answer, not a stream
+                return {"id": None, "token_ids": [], "error": httpx.Response(200, content=await r.aread()).json()
+                        ["error"]["message"], "status": r.status_code}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = httpx.Response(200, content=line[6:]).json()
+                if "error" in event:
+                    error = event["error"]["message"]
+                    break
+                request_id = event["id"]
+                ids += event["choices"][0].get("token_ids") or []
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"id": request_id, "token_ids": ids, "error": error}
+
+
+def test_an_instance_that_dies_ends_only_its_own_requests(checkpoint, tmp_path):
+    """Instance 1's rank is killed while a migration to it waits (its driver stopped) and one of its
+    own requests streams: the migration is undone (the request finishes on instance 0 with exactly
+    its unmoved tokens), instance 1's client gets an error, and instance 0 serves on; SIGTERM ends
+    the job with 0."""
+    prompts = prompts_for([12, 20], seed=41)
+    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "2", "--kv-blocks", "120", "--migrate-interval", "0",
+                              "--dispatch", "rr", "--migration-timeout", "60", "--timeout", "60"]) as job:
+        victim = _instances(job)[1]["pids"][0]
+
+        async def go():
+            async with httpx.AsyncClient() as client:
+                out = {}
+
+                async def on_token(request_id, n):
+                    if n == 2 and "move" not in out:
+                        out["move"] = "started"
+                        os.kill(victim, signal.SIGSTOP)  # the reserve waits...
+                        move = asyncio.create_task(_migrate(client, job.url, request_id, 1))
+                        await asyncio.sleep(0.5)
+                        os.kill(victim, signal.SIGKILL)  # ...and the destination dies under it
+                        out["move"] = await move
+
+                survivor = asyncio.create_task(_stream(client, job.url, prompts[0], on_token))  # rr: instance 0
+                await asyncio.sleep(0.05)
+                doomed = asyncio.create_task(_stream_or_error(client, job.url, prompts[1], max_tokens=1500))  # instance 1
+                moved, lost = await survivor, await doomed
+                alone = await _stream(client, job.url, prompts[0])  # instance 1 is gone: served by instance 0
+                return out["move"], moved, lost, alone
+
+        move, moved, lost, alone = run_async(go())
+        assert move.status_code == 409 and move.json()["migration"]["outcome"] == "dest_failed", move.text
+        assert moved["token_ids"] == alone["token_ids"] and len(moved["token_ids"]) == LONG
+        assert lost["error"] is not None and "instance 1" in lost["error"], lost
+        insts = _instances(job)
+        assert insts[1]["dead"] and not insts[0]["dead"], insts
+        assert insts[0]["free_blocks"] == insts[0]["total_blocks"], insts
+        assert job.stop() == 0, job.log()[-4000:]
+    log = job.log_path.read_text()
+    assert "the others go on" in log and "the other instances serve on" in log, log[-4000:]

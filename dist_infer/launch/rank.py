@@ -84,4 +84,17 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
     configure_logging("launch")
     if args.model in (None, "default"):
         ensure_default_model()  # once, before the ranks race for it
-    return relaunch_as_local_ranks(argv, n)
+    return relaunch_as_local_ranks(argv, n, failure_domains(args))
+
+
+def failure_domains(args) -> Optional[list[list[int]]]:
+    """Several serving instances: each one's ranks fail together and alone (rank 0 hosts the API
+    and is in none: its failure ends the job)."""
+    if not getattr(args, "instances", None):
+        return None
+    from dist_infer.serving.instances import base_ranks, parse_instances
+
+    specs = parse_instances(args.instances, args.tp, args.pp)
+    if len(specs) < 2:
+        return None
+    return [[r for r in range(b, b + s.size) if r != 0] for b, s in zip(base_ranks(specs), specs)]

@@ -208,16 +208,30 @@ class Cluster:
                     fut.set_result(True)
 
     def _instance_died(self, client: InstanceClient, reason: str) -> None:
+        """An instance failed: its requests end with an error their clients see, its migrations are
+        undone, and the other instances serve on. When none is left, the server stops."""
         client.dead = reason
+        what = f"instance {client.index} ({client.hello['layout']}): {reason}"
         with self._lock:
-            self.dead_reason = self.dead_reason or f"instance {client.index} ({client.hello['layout']}): {reason}"
-            streams = list(self._streams.values())
-        logger.error(f"instance {client.index} failed: {reason}")
+            last = all(c.dead is not None for c in self.instances)
+            if last:
+                self.dead_reason = self.dead_reason or what
+                streams = list(self._streams.values())
+            else:
+                lost = [r for r, i in self._owner.items() if i == client.index]
+                streams = [self._streams[r] for r in lost if r in self._streams]
+                for r in lost:
+                    self._owner.pop(r, None)
+        if not last:
+            logger.error(f"instance {client.index} failed ({reason}); its {len(streams)} request(s) end with an error, "
+                         f"the other instances serve on")
+        else:
+            logger.error(f"instance {client.index} failed: {reason}")
         self.loop.call_soon_threadsafe(self._fail_calls, client.index)
-        error = EngineDeadError(self.dead_reason)
+        error = EngineDeadError(self.dead_reason if last else f"instance {what}")
         for loop, q in streams:
             loop.call_soon_threadsafe(q.put_nowait, error)
-        if self._on_dead is not None:
+        if last and self._on_dead is not None:
             self._on_dead(self.dead_reason)
 
     def _fail_calls(self, index: int) -> None:
@@ -266,12 +280,13 @@ class Cluster:
             self._events.pop(key, None)
 
     def moved(self, request_id: str, src: int, dst: int) -> None:
-        """The destination has the request: its outputs come from there now."""
+        """The destination has the request: its outputs come from there now (unless its client left
+        or its source died meanwhile: then nobody listens, and the destination drops it)."""
         with self._lock:
-            if self._owner.get(request_id) == src:
+            listened = self._owner.get(request_id) == src and request_id not in self._aborted
+            if listened:
                 self._owner[request_id] = dst
-            aborted = request_id in self._aborted
-        if aborted:
+        if not listened:
             self.instances[dst].send(("abort", request_id))
 
     async def _migrate(self, request_id: str, src: int, dst: int, reason: str, mode: str = "live") -> MigrationResult:
