@@ -4,9 +4,10 @@ One job serves a tp2 and a tp1 instance of the same random checkpoint (3 ranks).
 are moved mid-decode, at random points and both ways (tp2 -> tp1 and back), stream on without a
 break and produce exactly the tokens they produce unmoved, which equal HF transformers' (a near
 tie is the only excuse, and the assertion names it); a seeded sampled request continues
-bit-identically. Then the abort paths (no room on the destination, a destination that stops
-answering, a client that leaves mid-migration) and draining an instance. After each test every
-instance has all its KV blocks free again.
+bit-identically; a prompt moves between its prefill chunks. Then the abort paths (no room on the
+destination, a destination that stops answering, a client that leaves mid-migration, a destination
+that dies) and draining an instance. Separate jobs move requests between a pp2 and a tp1 instance,
+and over MPI. After each test every instance has all its KV blocks free again.
 """
 
 from __future__ import annotations
@@ -438,3 +439,37 @@ def test_an_instance_that_dies_ends_only_its_own_requests(checkpoint, tmp_path):
         assert job.stop() == 0, job.log()[-4000:]
     log = job.log_path.read_text()
     assert "the others go on" in log and "the other instances serve on" in log, log[-4000:]
+
+
+def test_migration_over_mpi(checkpoint, tmp_path):
+    """The KV blocks travel over MPI (mpi4py) when the job runs on it: under mpirun, --backend mpi."""
+    import shutil
+
+    from conftest import venv_env
+
+    mpirun = shutil.which("mpirun", path=venv_env()["PATH"])
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    from serving_helpers import DIST
+
+    prompt = prompts_for([14], seed=51)[0]
+    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1", "--backend", "mpi", "--kv-blocks", "120",
+                              "--migrate-interval", "0", "--timeout", "60"],
+                   prefix=[mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2"] + DIST) as job:
+        async def go():
+            async with httpx.AsyncClient() as client:
+                out = {}
+
+                async def on_token(request_id, n):
+                    if n >= 3 and "r" not in out:
+                        out["r"] = await _migrate(client, job.url, request_id, 1 - _where(job, request_id))
+
+                moved = await _stream(client, job.url, prompt, on_token)
+                alone = await _stream(client, job.url, prompt)
+                return out["r"], moved, alone
+
+        r, moved, alone = run_async(go())
+        assert r.status_code == 200 and r.json()["outcome"] == "ok", r.text
+        assert moved["token_ids"] == alone["token_ids"]
+        _assert_all_blocks_free(job)
+        assert job.stop(api_only=True) == 0, job.log()[-4000:]
