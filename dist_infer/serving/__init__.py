@@ -1,1 +1,2 @@
-"""Serving: the OpenAI-compatible HTTP API in front of the engine, and the bridge between them."""
+"""Serving: the OpenAI-compatible HTTP API, the model instances behind it, and live request
+migration between them."""
