@@ -45,31 +45,42 @@ class TorchWorkHandle(Handle):
 
 class WatchedWorkHandle(TorchWorkHandle):
     """gloo's send and receive Works only learn they are complete inside wait() (is_completed()
-    stays False until someone waits), so polling them never succeeds and a waiter must exist. A
-    thread per posted op waits (the only caller of the Works' wait: gloo's completion count is
-    consumed by whoever waits), and is_completed() / wait() read its result."""
+    stays False until someone waits), so polling them never succeeds. The first is_completed()
+    starts a thread that waits; a wait() that comes first just waits, with no thread. Either way
+    the Works are waited by one caller only (gloo's completion count is consumed by whoever
+    waits), and the result is shared."""
 
     def __init__(self, works, describe: str, timeout: float):
         super().__init__(works, describe, timeout)
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
-        threading.Thread(target=self._watch, name="gloo-p2p-wait", daemon=True).start()
+        self._lock = threading.Lock()
+        self._waiter = False  # someone (a thread, or a wait() call) waits on the Works
 
-    def _watch(self) -> None:
+    def _claim(self) -> bool:
+        with self._lock:
+            first, self._waiter = not self._waiter, True
+            return first
+
+    def _wait_works(self, timeout: Optional[float] = None) -> None:
         try:
-            super().wait()
+            super().wait(timeout)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         self._done.set()
 
     def wait(self, timeout: Optional[float] = None) -> None:
         limit = self._timeout if timeout is None else timeout
-        if not self._done.wait(limit):
+        if self._claim():
+            self._wait_works(limit)
+        elif not self._done.wait(limit):
             raise CommTimeoutError(f"{self._describe} did not complete within {limit:.0f} s")
         if self._error is not None:
             raise self._error
 
     def is_completed(self) -> bool:
+        if not self._done.is_set() and self._claim():
+            threading.Thread(target=self._wait_works, name="gloo-p2p-wait", daemon=True).start()
         return self._done.is_set()
 
 
