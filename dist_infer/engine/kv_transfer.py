@@ -179,6 +179,9 @@ class BlockMover:
         mine = self.layouts[self.me].heads_of(self.local)
         return slice(heads.start - mine.start, heads.stop - mine.start)
 
+    def _own_layers(self, layers: range) -> range:
+        return range(layers.start - self.layer_ids.start, layers.stop - self.layer_ids.start)
+
     def _buffer(self, layers: int, blocks: int, heads: int) -> torch.Tensor:
         k0 = self.cache_layers[0][0]
         return torch.empty((layers, 2, blocks, k0.shape[1], heads, k0.shape[3]), dtype=k0.dtype, device=k0.device)
@@ -194,8 +197,9 @@ class BlockMover:
             buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
 
             def gather_and_send(piece=piece, hs=hs, buffer=buffer) -> Handle:
-                for i, layer in enumerate(piece.layers):  # [layers, 2, blocks, block_size, heads, head_dim]
-                    k, v = self.cache_layers[layer - self.layer_ids.start]
+                # buffer: [layers, 2 (K, V), blocks, block_size, heads, head_dim]
+                for i, layer in enumerate(self._own_layers(piece.layers)):
+                    k, v = self.cache_layers[layer]
                     torch.index_select(k[:, :, hs], 0, index, out=buffer[i, 0])
                     torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
                 return self.world.isend(buffer, peer.base_rank + piece.dst, tag)
@@ -211,9 +215,9 @@ class BlockMover:
                 continue
             buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
             handle = self.world.irecv(buffer, peer.base_rank + piece.src, tag)
-            local_layers = range(piece.layers.start - self.layer_ids.start, piece.layers.stop - self.layer_ids.start)
-            self._recvs.append(_Posted(op.migration_id, op.stage, buffer, handle, None, local_layers,
-                                       self._own_heads(piece.heads), index))
+            self._recvs.append(_Posted(op.migration_id, op.stage, buffer, handle=handle,
+                                       layers=self._own_layers(piece.layers), heads=self._own_heads(piece.heads),
+                                       blocks=index))
 
     def _scatter(self, p: _Posted) -> None:
         if p.cancelled:

@@ -81,7 +81,7 @@ class MigrationEndpoint:
 
     # -- source --------------------------------------------------------------------------------
     def start_out(self, mid: int, request_id: str, peer: int, reply: Reply) -> None:
-        r = self.engine._requests.get(request_id)
+        r = self.engine.find(request_id)
         if r is None or r.finished:
             return reply(MigrationAborted("not_found", f"request {request_id} is not on this instance"))
         if any(o.request is r for o in self._out.values()):
@@ -159,8 +159,7 @@ class MigrationEndpoint:
         """The destination has it: free it here, without a word to the client (it streams on)."""
         out = self._out.pop(mid, None)
         if out is not None and not out.request.finished:
-            self.scheduler.hand_over(out.request)
-            self.engine._requests.pop(out.request.request_id, None)
+            self.engine.hand_over(out.request)
         reply(True)
 
     def resume_out(self, mid: int, reply: Reply) -> None:

@@ -160,7 +160,7 @@ class Scheduler:
         return self._watermark_blocks
 
     def _full_length_blocks(self, r: Request) -> int:
-        return blocks_for(self._tokens_held(r, len(r.prompt_token_ids) + r.params.max_new_tokens), self.config.block_size)
+        return blocks_at_full_length(len(r.prompt_token_ids), r.params.max_new_tokens, self.config.block_size, self.cp)
 
     def waiting_demand(self) -> int:
         """KV blocks the waiting queue needs to run to the end (Llumnix counts queued demand as used;

@@ -202,6 +202,16 @@ class Engine:
         """Driver: a KV block move every rank makes with the next plan (sent at once if idle)."""
         self._transfers.append(op)
 
+    def find(self, request_id: str) -> Optional[Request]:
+        """Driver: the live request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def hand_over(self, request: Request) -> None:
+        """Driver: a paused request now lives on another instance: free its blocks, forget it here
+        (no output: its client streams on from there)."""
+        self.scheduler.hand_over(request)
+        self._requests.pop(request.request_id, None)
+
     def adopt(self, request: Request, blocks: list[int]) -> None:
         """Driver: a request that migrated here, its computed tokens' KV in `blocks`."""
         request.seq_id = self._next_seq

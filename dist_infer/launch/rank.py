@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from loguru import logger
 
@@ -14,23 +14,21 @@ from dist_infer.comm import ParallelGroups, build_groups, discover_rank, init_wo
 from dist_infer.launch.logs import configure_logging
 from dist_infer.topology import Mesh, ParallelConfig, discover
 
+T = TypeVar("T")
 
-def join_world(backend: str, timeout: float, iface=None, log_level: str = "INFO",
-               check: Optional[Callable[[int], None]] = None):
-    """Join the job's world communicator; `check(world_size)` validates first (a clear error, no hang)."""
+
+def join_world(backend: str, timeout: float, iface, log_level: str, check: Callable[[int], T]):
+    """Join the job's world communicator -> (world, rank info, check(world size)). `check`
+    validates the layout before any rendezvous, so a bad one is a clear error, not a hang."""
     info = discover_rank(backend)
     configure_logging(f"rank {info.rank}/{info.world_size}", log_level)
-    if check is not None:
-        check(info.world_size)
-    return init_world(backend, timeout=timeout, iface=iface, info=info), info
+    checked = check(info.world_size)
+    return init_world(backend, timeout=timeout, iface=iface, info=info), info, checked
 
 
 def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
              shm: str = "auto") -> ParallelGroups:
-    meshes = []
-    world, info = join_world(backend, timeout, iface, log_level,
-                             check=lambda n: meshes.append(Mesh.build(config, n)))
-    mesh = meshes[0]
+    world, info, mesh = join_world(backend, timeout, iface, log_level, check=lambda n: Mesh.build(config, n))
     if info.rank == 0:
         logger.info(f"{info.world_size} ranks via {info.launcher}, backend {world.backend}, mesh {mesh.describe()}")
     mesh.warn_about_layout(info.local_world_size)

@@ -98,7 +98,7 @@ def _join(args):
     if args.ep > 1 or args.cp > 1:
         raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
     specs = parse_instances(args.instances, args.tp, args.pp)
-    world, _ = join_world(args.backend, args.timeout, args.iface, args.log_level, check=lambda n: check_world(specs, n))
+    world, _, _ = join_world(args.backend, args.timeout, args.iface, args.log_level, check=lambda n: check_world(specs, n))
     index, groups = join_instance(world, specs, args.shm)
     if world.rank == 0:
         logger.info(f"{len(specs)} instances: " + ", ".join(f"{i}: {s.describe()}" for i, s in enumerate(specs)))
