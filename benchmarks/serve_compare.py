@@ -6,6 +6,8 @@ then the ratios. Every figure in docs/benchmarks.md's serving section comes from
     python benchmarks/serve_compare.py chunking   # chunked prefill on vs off: long prompts amid decodes
     python benchmarks/serve_compare.py hf         # ours vs `transformers serve` on the same model and stream
     python benchmarks/serve_compare.py migration  # 2 instances under memory pressure: rr vs load vs load + migration
+    python benchmarks/serve_compare.py pd         # prefill/decode instances vs the same ranks serving mixed
+    python benchmarks/serve_compare.py failover   # kill an instance under a stream: lost requests, recovery time
 
 Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
 """
@@ -137,9 +139,53 @@ def plot(log_dir: Path, names: list[str], out: Path, title: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def failover(model: str, log_dir: Path, common: list[str], args, extra: list[str]) -> dict:
+    """A stream over two instances; instance 1's driver is SIGKILLed `--kill-after` s in. Its requests
+    go on on instance 0: none may be lost. Then instance 1 is restarted and its time to serve again
+    taken. Recovery per request: from the death to its next token (the server's histogram and log)."""
+    import re
+    import threading
+
+    server = ours("failover", model, free_port(), log_dir, "--instances", "tp1,tp1", "--migrate-interval", "0", *extra)
+    out: dict = {}
+    stream = common + ["--request-rate", str(args.request_rate), "--input-len", "128", "--output-len", "128",
+                       "--prompt-ids", "--ignore-eos"]
+    try:
+        runner = threading.Thread(target=lambda: out.update(bench(server.url, stream, log_dir / "failover.json")))
+        runner.start()
+        time.sleep(args.kill_after)
+        victim = httpx.get(server.url + "/admin/instances", timeout=30).json()["instances"][1]
+        held = len(victim["requests"])
+        os.kill(victim["pids"][0], signal.SIGKILL)
+        runner.join()
+        metrics = scrape(server.url)
+        started = time.monotonic()
+        restart = httpx.post(server.url + "/admin/instances/1/restart", timeout=30)
+        assert restart.status_code == 202, restart.text
+        while httpx.get(server.url + "/admin/instances", timeout=30).json()["instances"][1]["state"] != "serving":
+            time.sleep(0.05)
+        restart_s = time.monotonic() - started
+        log = (log_dir / "failover.log").read_text()
+    finally:
+        server.stop()
+    seconds = sorted(float(x) / 1000 for x in re.findall(r"streams again (\d+) ms after", log))
+    s = out
+    result = {"failover": s, "requests_on_killed_instance": held,
+              "requests_lost": metrics.get("dist_infer:requests_lost_total"), "failed": s["failed"],
+              "recovered": len(seconds),
+              "recovery_s": {"median": seconds[len(seconds) // 2] if seconds else None,
+                             "max": seconds[-1] if seconds else None},
+              "restart_to_serving_s": restart_s}
+    print(f"killed instance 1 holding {held} request(s): {s['completed']} completed, {s['failed']} failed, "
+          f"lost {result['requests_lost']:.0f}, recovered {len(seconds)}, recovery median "
+          f"{result['recovery_s']['median']} s, max {result['recovery_s']['max']} s; restarted and serving again in "
+          f"{restart_s:.1f} s", flush=True)
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=("batching", "chunking", "hf", "migration"))
+    p.add_argument("scenario", choices=("batching", "chunking", "hf", "migration", "pd", "failover"))
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the built-in model)")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--request-rate", type=float, default=4.0)
@@ -150,6 +196,10 @@ def main() -> int:
     p.add_argument("--burst-gap", type=float, default=3.0, help="migration: seconds between bursts")
     p.add_argument("--migrate-interval", type=float, default=0.2, help="migration: the controller's interval")
     p.add_argument("--plot", default=None, help="write CDFs of TTFT and ITL per configuration to this PNG")
+    p.add_argument("--pd-instances", default="prefill:tp1,decode:tp1",
+                   help="pd: the disaggregated layout; the mixed one is the same without roles")
+    p.add_argument("--long-prompt", type=int, default=1500, help="pd: tokens of each long prompt")
+    p.add_argument("--kill-after", type=float, default=3.0, help="failover: seconds into the stream to kill instance 1")
     args = p.parse_args()
     model = args.model
     if model == "default":
@@ -219,6 +269,28 @@ def main() -> int:
         rr, lm = results["rr"], results["load+migration"]
         results["ratios"] = {"ttft_p99_migration_over_rr": lm["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"],
                              "preemptions_migration_over_rr": lm["preemptions"] / max(1.0, rr["preemptions"])}
+    elif args.scenario == "pd":
+        # chats that decode for a while, and long prompts landing among them (as in `chunking`)
+        trace = log_dir / "trace.csv"
+        rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+        rows += [f"{0.2 * i:.2f},32,160" for i in range(16)]
+        rows += [f"{0.5 + 0.6 * i:.2f},{args.long_prompt},16" for i in range(10)]
+        trace.write_text("\n".join(rows) + "\n")
+        stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
+        mixed = ",".join(item.split(":")[-1] for item in args.pd_instances.split(","))
+        results = run_pair([
+            ("mixed", lambda n, port, d: ours(n, model, port, d, "--instances", mixed, "--migrate-interval", "0",
+                                              *extra)),
+            ("disaggregated", lambda n, port, d: ours(n, model, port, d, "--instances", args.pd_instances,
+                                                       "--migrate-interval", "0", *extra)),
+        ], stream, log_dir)
+        m, pd = results["mixed"], results["disaggregated"]
+        results["layouts"] = {"mixed": mixed, "disaggregated": args.pd_instances}
+        results["ratios"] = {"ttft_p99_mixed_over_pd": m["ttft_ms"]["p99"] / pd["ttft_ms"]["p99"],
+                             "itl_p99_mixed_over_pd": m["itl_ms"]["p99"] / pd["itl_ms"]["p99"],
+                             "throughput_pd_over_mixed": pd["output_throughput"] / m["output_throughput"]}
+    elif args.scenario == "failover":
+        results = failover(model, log_dir, common, args, extra)
     else:
         # text prompts (HF's server takes no token ids) and no ignore_eos (HF refuses the field); greedy, so both
         # servers generate the same tokens and stop at the same EOS
@@ -240,7 +312,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
-        names = [k for k in results if k != "ratios"]
+        names = [k for k, v in results.items() if isinstance(v, dict) and "ttft_ms" in v]
         plot(log_dir, names, Path(args.plot), f"{args.scenario}: {Path(model).name}")
     return 0
 

@@ -130,5 +130,65 @@ async def stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], del
     return {"token_ids": ids, "text": text, "finish_reason": finish, "usage": usage, "chunks": chunks}
 
 
+def instances(server) -> list[dict]:
+    return httpx.get(server.url + "/admin/instances", timeout=30).json()["instances"]
+
+
+def where(server, request_id: str) -> int:
+    for inst in instances(server):
+        if request_id in inst["requests"]:
+            return inst["index"]
+    raise AssertionError(f"{request_id} is on no instance: {instances(server)}")
+
+
+def assert_all_blocks_free(server, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        insts = instances(server)
+        if all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in insts):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not all free again: {insts}")
+        time.sleep(0.1)
+
+
+async def stream_tokens(client, url, prompt, on_token=None, errors_ok: bool = False, **body) -> dict:
+    """Stream one completion (greedy, 400 tokens, EOS ignored unless `body` says otherwise);
+    `on_token(request_id, tokens so far)` may act mid-stream (await-able).
+    With `errors_ok` an error (an error answer, an error event, a broken stream) ends it and is
+    returned as "error" instead of failing the test."""
+    ids, request_id, finish, error = [], None, None, None
+    body = {"prompt": prompt, "stream": True, "max_tokens": 400, "temperature": 0, "ignore_eos": True, **body}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:  # failed before its first token: an error answer, not a stream
+                assert errors_ok, await r.aread()
+                return {"id": None, "token_ids": [], "error": json.loads(await r.aread())["error"]["message"]}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    assert errors_ok, event
+                    error = event["error"]["message"]
+                    break
+                request_id = event["id"]
+                for choice in event["choices"]:
+                    ids += choice.get("token_ids") or []
+                    finish = choice.get("finish_reason") or finish
+                if on_token is not None:
+                    await on_token(request_id, len(ids))
+    except httpx.HTTPError as exc:
+        if not errors_ok:
+            raise
+        error = f"{type(exc).__name__}: {exc}"
+    return {"id": request_id, "token_ids": ids, "finish_reason": finish, "error": error}
+
+
+async def force_migrate(client, url, request_id, to_instance) -> httpx.Response:
+    return await client.post(url + "/admin/migrate", json={"request_id": request_id, "to_instance": to_instance},
+                             timeout=120)
+
+
 def run_async(coro):
     return asyncio.run(coro)

@@ -1,22 +1,29 @@
 """The pure parts of live migration: who sends which KV heads and layers to whom, the step plan's
-transfer ops, --instances parsing, the dispatch policies and the migration controller's choices."""
+transfer ops, --instances parsing (layouts and roles), the command line of an instance started on
+its own, the dispatch policies and the migration controller's choices; and the KV link between
+two endpoints in one process (threads, real sockets)."""
 
 from __future__ import annotations
 
-import itertools
+import threading
 
 import pytest
+import torch
 
-from dist_infer.engine.kv_transfer import KVLayout, TransferError, TransferOp, migration_tag, transfer_map
+from dist_infer.comm.base import CommTimeoutError
+from dist_infer.comm.peer_link import PeerLink, PeerLinkError
+from dist_infer.engine.kv_transfer import KVLayout, PeerInstance, TransferError, TransferOp, transfer_map
+from dist_infer.launch.serve_cmd import instance_argv
 from dist_infer.engine.sampling import RowSampling
 from dist_infer.engine.step_plan import KIND_IDLE, StepPlan, decode, encode
 from dist_infer.serving.dispatch import Dispatcher, InstanceLoad
-from dist_infer.serving.instances import InstancesError, InstanceSpec, base_ranks, check_world, parse_instances
+from dist_infer.serving.instances import (InstancesError, InstanceSpec, base_ranks, check_roles, check_world,
+                                         parse_instances)
 from dist_infer.serving.rebalance import MoveCandidate, plan_moves
 
 
-def _layout(tp, pp=1, layers=4, heads=8, kv=2, base=0):
-    return KVLayout(base, tp, pp, layers, heads, kv)
+def _layout(tp, pp=1, layers=4, heads=8, kv=2):
+    return KVLayout(tp, pp, layers, heads, kv)
 
 
 PAIRS = [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (4, 1)), ((4, 1), (2, 1)), ((1, 1), (4, 1)),
@@ -26,7 +33,7 @@ PAIRS = [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (4, 1)), ((4, 1), (2, 1)),
 @pytest.mark.parametrize("src,dst", PAIRS)
 def test_every_destination_head_and_layer_comes_exactly_once_from_an_owner(src, dst):
     s = _layout(*src, layers=6)
-    d = _layout(*dst, layers=6, base=s.size)
+    d = _layout(*dst, layers=6)
     pieces = transfer_map(s, d)
     for rank in range(d.size):
         got = [(layer, h, p.src) for p in pieces if p.dst == rank for layer in p.layers for h in p.heads]
@@ -64,22 +71,80 @@ def test_different_models_do_not_exchange_blocks():
         transfer_map(_layout(1, layers=4), _layout(1, layers=6))
 
 
-def test_tags_stay_in_mpi_range_and_apart():
-    tags = {migration_tag(m, s) for m, s in itertools.product(range(900), range(32))}
-    assert len(tags) == 900 * 32 and max(tags) <= 32767
-    with pytest.raises(TransferError):
-        migration_tag(1, 32)
-
-
 def test_plan_carries_transfer_ops():
-    ops = [TransferOp(TransferOp.SEND, 7, 2, 1, [5, 9, 11]), TransferOp(TransferOp.COMMIT, 8, peer=0),
-           TransferOp(TransferOp.RECV, 9, 0, 2, [3])]
+    peer = PeerInstance(2, 2, 1, (("127.0.0.1", 40001), ("10.0.0.7", 65535)))
+    ops = [TransferOp(TransferOp.SEND, 7, 2, peer, [5, 9, 11]), TransferOp(TransferOp.COMMIT, 8),
+           TransferOp(TransferOp.RECV, 9, 0, PeerInstance(0, 1, 2, (("192.168.1.2", 5),)), [3])]
     plan = StepPlan(seq_ids=[4], num_tokens=[1], starts=[10], block_tables=[[1, 2, 3]], sample=[True],
                     rows=[RowSampling(0.0, 0, 1.0, 3, 4, 0, 0)], input_ids=[42], freed=[6], transfers=ops)
     back = decode(*encode(plan))
     assert back.transfers == ops and back.freed == [6] and back.input_ids == [42] and back.block_tables == [[1, 2, 3]]
     idle = decode(*encode(StepPlan(kind=KIND_IDLE, transfers=ops[:1])))
     assert idle.kind == KIND_IDLE and idle.transfers == ops[:1]
+    with pytest.raises(TransferError, match="IPv4"):
+        TransferOp(TransferOp.SEND, 1, 0, PeerInstance(0, 1, 1, (("::1", 5),)), [1]).encode()
+
+
+def test_peer_link_matches_messages_to_receives_in_any_order():
+    a, b = PeerLink(timeout=5.0), PeerLink(timeout=5.0)
+    try:
+        x = torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4)
+        y = torch.randn(5, dtype=torch.float32)
+        a.send(x, b.address, (1, 0, 0))  # before its receive is posted: it waits in memory
+        got_x = torch.empty_like(x)
+        h = b.irecv(got_x, a.address, (1, 0, 0))
+        h.wait()
+        assert torch.equal(got_x, x)
+        seen = threading.Event()
+        got_y = torch.empty_like(y)
+        h = b.irecv(got_y, a.address, (1, 1, 0), on_done=lambda _: seen.set())  # posted first: filled in place
+        a.isend(y, b.address, (1, 1, 0)).wait()
+        h.wait()
+        assert seen.wait(5) and torch.equal(got_y, y)
+        # a cancelled migration's receives fail, and its late messages are dropped
+        h = b.irecv(torch.empty(3), a.address, (2, 0, 0))
+        b.drop(2)
+        with pytest.raises(PeerLinkError, match="cancelled"):
+            h.wait()
+        a.send(torch.ones(3), b.address, (2, 0, 1))
+        # a size mismatch is named; a message that never comes times out
+        a.send(torch.ones(4), b.address, (3, 0, 0))
+        with pytest.raises(PeerLinkError, match="16 bytes, the receive expects 12"):
+            b.irecv(torch.empty(3), a.address, (3, 0, 0)).wait()
+        with pytest.raises(CommTimeoutError, match=r"no message \(4, 0, 0\)"):
+            b.irecv(torch.empty(3), a.address, (4, 0, 0)).wait(0.2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_peer_link_fails_receives_when_the_sender_goes_away():
+    a, b = PeerLink(timeout=5.0), PeerLink(timeout=5.0)
+    try:
+        a.send(torch.ones(1), b.address, (1, 0, 0))  # connects
+        b.irecv(torch.empty(1), a.address, (1, 0, 0)).wait()
+        h = b.irecv(torch.empty(2), a.address, (1, 1, 0))
+        a.close()
+        with pytest.raises(PeerLinkError, match="closed before"):
+            h.wait()
+        with pytest.raises(PeerLinkError, match="is gone"):  # and later receives from it fail at once
+            b.irecv(torch.empty(2), a.address, (1, 2, 0)).wait()
+        dead = PeerLink(timeout=1.0)
+        gone = dead.address
+        dead.close()
+        with pytest.raises(PeerLinkError, match="failed"):
+            b.isend(torch.ones(1), gone, (1, 0, 0)).wait()
+    finally:
+        b.close()
+
+
+def test_instance_argv_keeps_the_model_flags_and_drops_the_apis():
+    spec = parse_instances("decode:tp2")[0]
+    argv = ["serve", "--model", "/m", "--instances", "tp2,tp1", "--port=8001", "--kv-blocks", "64",
+            "--ready-file", "/r.json", "--dispatch", "rr", "--backend", "mpi", "--max-num-seqs", "8"]
+    assert instance_argv(argv, 3, spec, ("10.0.0.1", 4242)) == [
+        "serve", "--model", "/m", "--kv-blocks", "64", "--max-num-seqs", "8", "--instances", "decode:tp2",
+        "--join", "10.0.0.1:4242", "--instance-index", "3"]
 
 
 def test_parse_instances():
@@ -87,9 +152,18 @@ def test_parse_instances():
     assert parse_instances("3", tp=2) == [InstanceSpec(2)] * 3
     assert parse_instances("tp2pp2, pp2") == [InstanceSpec(2, 2), InstanceSpec(1, 2)]
     assert base_ranks(parse_instances("tp2,tp1,tp4")) == [0, 2, 3]
-    for bad in ("tp2,,tp1", "tpx", "dp2", "0", "tp0"):
+    assert parse_instances("prefill:tp2,decode:tp1,decode:tp1") == \
+        [InstanceSpec(2, 1, "prefill"), InstanceSpec(1, 1, "decode"), InstanceSpec(1, 1, "decode")]
+    assert parse_instances("prefill:tp2,tp1")[1].role == "mixed"
+    assert [s.describe() for s in parse_instances("prefill:tp2pp2,mixed:tp1")] == ["prefill:tp2pp2", "tp1"]
+    for bad in ("tp2,,tp1", "tpx", "dp2", "0", "tp0", "prefil:tp1", "prefill:"):
         with pytest.raises(InstancesError):
             parse_instances(bad)
+    with pytest.raises(InstancesError, match="need a decode"):
+        check_roles(parse_instances("prefill:tp1,prefill:tp1"))
+    with pytest.raises(InstancesError, match="need a decode"):
+        check_roles(parse_instances("decode:tp1"))
+    check_roles(parse_instances("prefill:tp1,tp1"))
     with pytest.raises(InstancesError, match=r"tp2=2 \+ tp1=1 = 3 ranks, the job has 4"):
         check_world(parse_instances("tp2,tp1"), 4)
 

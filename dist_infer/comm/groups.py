@@ -64,7 +64,7 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
             continue
         comms[axis] = world.split(groups, axis)
     if shm == "auto" and comms["tp"].size > 1 and shm_supported():
-        nodes = node_ids(world)
+        nodes = dict(zip(world.ranks, node_ids(world)))  # by global rank: `world` may itself be a subgroup
         if len({nodes[r] for r in comms["tp"].ranks}) == 1:
             comms["tp"] = ShmAllReduceCommunicator(comms["tp"])
     return ParallelGroups(world=world, mesh=mesh, **comms)

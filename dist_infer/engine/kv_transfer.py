@@ -8,14 +8,18 @@ it. One message per (source rank, destination rank) pair carries all of a stage'
 their shared layers and heads, so a stage is a handful of large messages, not one per block.
 
 `BlockMover` is one rank's side of it: the step plan says "send these blocks of migration M"
-or "receive into these", the mover copies the blocks into a contiguous buffer and posts the
-send, or posts the receive and scatters the buffer into the cache blocks once it has arrived,
-both copies on a helper thread. Nothing blocks the step loop but the commit, which waits for
-what is still on the way.
+or "receive into these", the mover copies the blocks into a contiguous buffer and sends it, or
+posts the receive and scatters the buffer into the cache blocks the moment it has arrived, both
+copies on a helper thread. The bytes travel over each rank's PeerLink (comm/peer_link.py), not a
+shared communicator: instances are separate jobs that die and restart on their own. A follower
+rank tells its driver when its share of a stage is in, so the driver's "stage done" means the
+whole instance has it, and the commit never waits for (or trusts) data that is not there.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,11 +27,17 @@ from typing import Optional
 import torch
 from loguru import logger
 
-from dist_infer.comm.base import Communicator, Handle
+from dist_infer.comm.base import Handle
+from dist_infer.comm.peer_link import Address, PeerLink, RecvHandle
 from dist_infer.parallel.sharding import HeadLayout, stage_layers
 
-TAG_BASE = 1000  # keeps migration tags clear of the pipeline's
-TAG_STAGES = 32  # stages per migration that get their own tag
+ACK = 1 << 20  # a follower's "my share of this stage is in" message: key (migration, stage, ACK + rank)
+# Up to this many bytes a stage's copies run where they are asked for (the step thread sends, the
+# link's reader thread scatters) instead of on the helper thread: a paused request's last blocks
+# must not wait for a thread that competes with a long prefill forward for the cores (measured:
+# 25-78 ms per prefill -> decode hand-over on the 2-core machine through the helper, see
+# docs/benchmarks.md).
+INLINE_BYTES = 8 << 20
 
 
 class TransferError(RuntimeError):
@@ -38,7 +48,6 @@ class TransferError(RuntimeError):
 class KVLayout:
     """How one instance lays out its KV cache over its ranks (rank = tp index + tp * pp index)."""
 
-    base_rank: int  # the instance's first world rank
     tp: int
     pp: int
     num_layers: int
@@ -94,11 +103,29 @@ def transfer_map(src: KVLayout, dst: KVLayout) -> list[Piece]:
     return pieces
 
 
-def migration_tag(migration_id: int, stage: int) -> int:
-    """The message tag of one stage of one migration (MPI guarantees tags up to 32767)."""
-    if not 0 <= stage < TAG_STAGES:
-        raise TransferError(f"stage {stage} of migration {migration_id}: at most {TAG_STAGES} stages")
-    return TAG_BASE + (migration_id % 900) * TAG_STAGES + stage
+@dataclass(frozen=True)
+class PeerInstance:
+    """The other side of a migration: its index, layout, and each of its ranks' link address."""
+
+    index: int
+    tp: int
+    pp: int
+    addresses: tuple[Address, ...]
+
+    @staticmethod
+    def from_hello(hello: dict) -> "PeerInstance":
+        return PeerInstance(hello["index"], hello["tp"], hello["pp"], tuple(tuple(a) for a in hello["addresses"]))
+
+
+def ip_to_int(host: str) -> int:
+    try:
+        return int.from_bytes(socket.inet_aton(host), "big")
+    except OSError:
+        raise TransferError(f"KV links take IPv4 addresses; {host!r} is not one") from None
+
+
+def int_to_ip(value: int) -> str:
+    return socket.inet_ntoa(value.to_bytes(4, "big"))
 
 
 @dataclass
@@ -109,33 +136,44 @@ class TransferOp:
     kind: int
     migration_id: int
     stage: int = 0
-    peer: int = 0  # the other instance's index
+    peer: Optional[PeerInstance] = None  # the other instance (SEND, RECV)
     blocks: list[int] = field(default_factory=list)  # this instance's block ids, in sequence order
 
     def encode(self) -> list[int]:
-        return [self.kind, self.migration_id, self.stage, self.peer, len(self.blocks), *self.blocks]
+        p = self.peer
+        peer = [-1, 0, 0, 0] if p is None else [p.index, p.tp, p.pp, len(p.addresses)]
+        addresses = [] if p is None else [x for host, port in p.addresses for x in (ip_to_int(host), port)]
+        return [self.kind, self.migration_id, self.stage, *peer, *addresses, len(self.blocks), *self.blocks]
 
     @staticmethod
     def decode(v: list[int], at: int) -> tuple["TransferOp", int]:
-        kind, mid, stage, peer, n = v[at:at + 5]
-        return TransferOp(kind, mid, stage, peer, v[at + 5:at + 5 + n]), at + 5 + n
+        kind, mid, stage, index, tp, pp, n = v[at:at + 7]
+        at += 7
+        addresses = tuple((int_to_ip(v[at + 2 * i]), v[at + 2 * i + 1]) for i in range(n))
+        at += 2 * n
+        peer = None if index < 0 else PeerInstance(index, tp, pp, addresses)
+        count = v[at]
+        return TransferOp(kind, mid, stage, peer, v[at + 1:at + 1 + count]), at + 1 + count
 
 
 @dataclass
 class _Posted:
+    kind: str  # "send", "recv" (KV into blocks), "ack" (the driver hears a follower's share is in)
     migration_id: int
     stage: int
     buffer: Optional[torch.Tensor] = None
     handle: Optional[Handle] = None
-    work: Optional[Future] = None  # the copy into the buffer and the send (sends), the scatter (receives)
+    work: Optional[Future] = None  # sends: the gather and send; receives: the scatter once it is in
     # receives: where the buffer goes once it is in (local layer indices, local head slice, block ids)
     layers: Optional[range] = None
     heads: Optional[slice] = None
     blocks: Optional[torch.Tensor] = None
     cancelled: bool = False
 
-    def sent(self) -> bool:
-        return self.work.done() and (self.work.exception() is not None or self.work.result().is_completed())
+    def done(self) -> bool:
+        if self.kind == "ack":
+            return self.handle.is_completed()
+        return self.work is not None and self.work.done()
 
 
 class BlockMover:
@@ -144,18 +182,22 @@ class BlockMover:
     The copies (blocks into a send buffer, a received buffer into blocks) run on a helper thread,
     so a stage of hundreds of megabytes never holds up the step loop: full blocks never change,
     and the blocks a receive fills are reserved for it, so nothing else touches them meanwhile.
-    `layouts[i]` is instance i's KVLayout; `me` this rank's instance; `world` the communicator
-    every instance's ranks share (peers are addressed by world rank)."""
+    `layout` is this instance's; `local` this rank's index in it; `addresses` every rank of the
+    instance's link address (a follower tells the driver, rank 0, that its share is in)."""
 
-    def __init__(self, world: Communicator, layouts: list[KVLayout], me: int, cache_layers: list,
-                 layer_ids: range):
-        self.world, self.layouts, self.me = world, layouts, me
-        self.local = world.rank - layouts[me].base_rank
+    def __init__(self, link: PeerLink, layout: KVLayout, local: int, addresses: list[Address],
+                 cache_layers: list, layer_ids: range):
+        self.link, self.layout, self.local, self.addresses = link, layout, local, list(addresses)
         self.cache_layers, self.layer_ids = cache_layers, layer_ids
-        self._sends: list[_Posted] = []
-        self._recvs: list[_Posted] = []
-        self.failures: set[int] = set()  # migrations a transfer of which failed on this rank
+        self._posted: list[_Posted] = []
+        self._pending_in: dict[tuple[int, int], list] = {}  # (migration, stage) -> [receives left, failed]
+        self._lock = threading.Lock()
+        self.failures: set[int] = set()  # migrations a transfer of which failed on this rank (or a follower)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
+
+    def _peer_layout(self, peer: PeerInstance) -> KVLayout:
+        own = self.layout
+        return KVLayout(peer.tp, peer.pp, own.num_layers, own.num_heads, own.num_kv_heads)
 
     def apply(self, op: TransferOp) -> None:
         if op.kind == TransferOp.SEND:
@@ -165,18 +207,13 @@ class BlockMover:
         elif op.kind == TransferOp.COMMIT:
             self.complete(op.migration_id)
         elif op.kind == TransferOp.CANCEL:
-            for p in self._recvs:
-                if p.migration_id == op.migration_id:
-                    p.cancelled = True  # it may still arrive; it is then dropped, not scattered
+            self._cancel(op.migration_id)
         else:
             raise TransferError(f"unknown transfer op {op.kind}")
         self.poll()
 
-    def _pieces(self, src: int, dst: int) -> list[Piece]:
-        return transfer_map(self.layouts[src], self.layouts[dst])
-
     def _own_heads(self, heads: range) -> slice:
-        mine = self.layouts[self.me].heads_of(self.local)
+        mine = self.layout.heads_of(self.local)
         return slice(heads.start - mine.start, heads.stop - mine.start)
 
     def _own_layers(self, layers: range) -> range:
@@ -188,88 +225,149 @@ class BlockMover:
 
     def _post_sends(self, op: TransferOp) -> None:
         index = torch.tensor(op.blocks, dtype=torch.long)
-        peer = self.layouts[op.peer]
-        tag = migration_tag(op.migration_id, op.stage)
-        for piece in self._pieces(self.me, op.peer):
+        for piece in transfer_map(self.layout, self._peer_layout(op.peer)):
             if piece.src != self.local:
                 continue
             hs = self._own_heads(piece.heads)
             buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
+            to = op.peer.addresses[piece.dst]
 
-            def gather_and_send(piece=piece, hs=hs, buffer=buffer) -> Handle:
+            def gather_and_send(piece=piece, hs=hs, buffer=buffer, to=to) -> None:
                 # buffer: [layers, 2 (K, V), blocks, block_size, heads, head_dim]
                 for i, layer in enumerate(self._own_layers(piece.layers)):
                     k, v = self.cache_layers[layer]
                     torch.index_select(k[:, :, hs], 0, index, out=buffer[i, 0])
                     torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
-                return self.world.isend(buffer, peer.base_rank + piece.dst, tag)
+                self.link.send(buffer, to, (op.migration_id, op.stage, self.local))
 
-            self._sends.append(_Posted(op.migration_id, op.stage, buffer, work=self._copier.submit(gather_and_send)))
+            if buffer.numel() * buffer.element_size() <= INLINE_BYTES:
+                work: Future = Future()
+                try:
+                    gather_and_send()
+                    work.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - recorded as the stage's failure by poll
+                    work.set_exception(exc)
+            else:
+                work = self._copier.submit(gather_and_send)
+            self._posted.append(_Posted("send", op.migration_id, op.stage, buffer, work=work))
 
     def _post_recvs(self, op: TransferOp) -> None:
         index = torch.tensor(op.blocks, dtype=torch.long)
-        peer = self.layouts[op.peer]
-        tag = migration_tag(op.migration_id, op.stage)
-        for piece in self._pieces(op.peer, self.me):
-            if piece.dst != self.local:
-                continue
+        pieces = transfer_map(self._peer_layout(op.peer), self.layout)
+        mine = [p for p in pieces if p.dst == self.local]
+        key = (op.migration_id, op.stage)
+        self._pending_in[key] = [len(mine), False]
+        for piece in mine:
             buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
-            handle = self.world.irecv(buffer, peer.base_rank + piece.src, tag)
-            self._recvs.append(_Posted(op.migration_id, op.stage, buffer, handle=handle,
-                                       layers=self._own_layers(piece.layers), heads=self._own_heads(piece.heads),
-                                       blocks=index))
+            p = _Posted("recv", op.migration_id, op.stage, buffer, layers=self._own_layers(piece.layers),
+                        heads=self._own_heads(piece.heads), blocks=index)
+            self._posted.append(p)
+            p.handle = self.link.irecv(buffer, op.peer.addresses[piece.src], (op.migration_id, op.stage, piece.src),
+                                       on_done=lambda h, p=p: self._arrived(p, h))
+        if self.local == 0:  # the driver: each follower's word that its share is in
+            for d in sorted({p.dst for p in pieces} - {0}):
+                flag = torch.zeros(1, dtype=torch.long)
+                self._posted.append(_Posted("ack", op.migration_id, op.stage, flag, handle=self.link.irecv(
+                    flag, self.addresses[d], (op.migration_id, op.stage, ACK + d))))
 
-    def _scatter(self, p: _Posted) -> None:
-        if p.cancelled:
+    def _arrived(self, p: _Posted, handle: RecvHandle) -> None:
+        if p.buffer.numel() * p.buffer.element_size() > INLINE_BYTES:
+            p.work = self._copier.submit(self._scatter, p, handle)
             return
-        for i, layer in enumerate(p.layers):
-            k, v = self.cache_layers[layer]
-            k[:, :, p.heads][p.blocks] = p.buffer[i, 0]
-            v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
+        work: Future = Future()
+        try:
+            self._scatter(p, handle)
+            work.set_result(None)
+        except Exception as exc:  # noqa: BLE001 - recorded as the stage's failure by poll
+            work.set_exception(exc)
+        p.work = work
+
+    def _scatter(self, p: _Posted, handle: RecvHandle) -> None:
+        ok = False
+        try:
+            if not p.cancelled:
+                handle.wait(0)  # raises if it failed; copies a staged (device) buffer into place
+                for i, layer in enumerate(p.layers):
+                    k, v = self.cache_layers[layer]
+                    k[:, :, p.heads][p.blocks] = p.buffer[i, 0]
+                    v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
+                ok = True
+        finally:
+            self._share_done(p, ok)
+
+    def _share_done(self, p: _Posted, ok: bool) -> None:
+        """One receive of a stage is over; the last one of this rank tells the driver."""
+        with self._lock:
+            entry = self._pending_in.get((p.migration_id, p.stage))
+            if entry is None:
+                return
+            entry[0] -= 1
+            entry[1] = entry[1] or not ok
+            last = entry[0] <= 0
+        if last and self.local != 0 and not p.cancelled:
+            try:
+                self.link.send(torch.tensor([0 if entry[1] else 1], dtype=torch.long), self.addresses[0],
+                               (p.migration_id, p.stage, ACK + self.local))
+            except Exception as exc:  # noqa: BLE001 - the driver is gone: its instance is ending anyway
+                logger.warning(f"migration {p.migration_id} stage {p.stage}: could not tell the driver: {exc}")
+
+    def _cancel(self, migration_id: int) -> None:
+        for p in self._posted:
+            if p.migration_id == migration_id and p.kind != "send":
+                p.cancelled = True  # it may still arrive; it is then dropped, not scattered
+        self.link.drop(migration_id)
 
     def poll(self) -> None:
-        """Start scattering what has arrived; let go of what is done."""
-        for p in self._recvs:
-            if p.work is None and p.handle.is_completed():
-                if self._failed(p, lambda: p.handle.wait(0)):
-                    p.cancelled = True  # nothing arrived: the blocks stay as they were
-                p.work = self._copier.submit(self._scatter, p)
-        self._recvs = [p for p in self._recvs if not (p.work is not None and p.work.done() and self._settle(p))]
-        self._sends = [p for p in self._sends if not (p.sent() and self._settle(p))]
+        """Let go of what is done, recording failures (the orchestrator undoes those migrations)."""
+        still = []
+        for p in self._posted:
+            if not p.done():
+                still.append(p)
+            elif not p.cancelled:
+                self._check(p)
+        self._posted = still
+        with self._lock:
+            live = {(p.migration_id, p.stage) for p in still if p.kind == "recv"}
+            self._pending_in = {k: v for k, v in self._pending_in.items() if k in live or v[0] > 0}
 
-    def _settle(self, p: _Posted) -> bool:
-        """A finished copy and transfer: a failure (the peer died) is logged and the stage counts as
-        over; the orchestrator, which sees the peer gone, undoes the migration. The step loop goes on."""
-        self._failed(p, lambda: (p.handle or p.work.result()).wait(0))
-        return True
-
-    def _failed(self, p: _Posted, check) -> bool:
+    def _check(self, p: _Posted) -> None:
         try:
-            check()
-            return False
+            if p.kind == "ack":
+                p.handle.wait(0)
+                if int(p.buffer[0]) != 1:
+                    raise TransferError("a follower rank's share of it failed")
+            else:
+                p.work.result(0)
         except Exception as exc:  # noqa: BLE001 - a migration's transfer must not end the instance
             self.failures.add(p.migration_id)
             logger.warning(f"migration {p.migration_id} stage {p.stage}: transfer failed: {exc}")
-            return True
 
     def complete(self, migration_id: int, timeout: Optional[float] = None) -> None:
-        """Wait for every receive of a migration and its scatter (the commit: the sequence runs next)."""
-        still = []
-        for p in self._recvs:
-            if p.migration_id == migration_id:
-                p.handle.wait(timeout)
-                if p.work is None:
-                    p.work = self._copier.submit(self._scatter, p)
-                p.work.result(timeout)
-            else:
-                still.append(p)
-        self._recvs = still
+        """The commit: every receive of the migration is in and scattered (the orchestrator has
+        waited for the whole instance's stage reports before committing, so this does not wait
+        long); the sequence runs next."""
+        limit = self.link.timeout if timeout is None else timeout
+        for p in self._posted:
+            if p.migration_id == migration_id and p.kind == "recv":
+                try:
+                    p.handle.wait(limit)
+                    while p.work is None:  # the callback that submits the scatter is a moment behind
+                        threading.Event().wait(0.001)
+                    p.work.result(limit)
+                except Exception as exc:  # noqa: BLE001 - logged; the orchestrator saw the stage fail
+                    self.failures.add(migration_id)
+                    logger.error(f"migration {migration_id}: committed with a receive that failed: {exc}")
+        self.poll()
 
     def stage_done(self, migration_id: int, stage: int) -> bool:
-        """This rank's sends and receives of that stage are complete (and the receives scattered)."""
+        """This rank's sends and receives of that stage are complete (receives scattered), and on
+        the driver, every follower has said so of its own."""
         self.poll()
-        return not any(p.migration_id == migration_id and p.stage == stage for p in self._sends + self._recvs)
+        return not any(p.migration_id == migration_id and p.stage == stage for p in self._posted)
 
     @property
     def busy(self) -> bool:
-        return bool(self._sends or self._recvs)
+        return bool(self._posted)
+
+    def close(self) -> None:
+        self._copier.shutdown(wait=False)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from dist_infer.engine.kv_cache import CacheFullError, blocks_for
-from dist_infer.engine.kv_transfer import TransferOp
+from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.request import Request, RequestStatus
 
 Reply = Callable[[object], None]
@@ -44,7 +44,7 @@ class MigrationAborted(RuntimeError):
 @dataclass
 class _Out:
     request: Request
-    peer: int
+    peer: PeerInstance
     preemptions: int  # the request's count at the start: one more and the sent blocks are stale
     sent: int = 0  # blocks of the table already sent
     stages: set = field(default_factory=set)  # stages whose sends are still out
@@ -56,7 +56,7 @@ class _Out:
 
 @dataclass
 class _In:
-    peer: int
+    peer: PeerInstance
     blocks: list[int]
     stages: set = field(default_factory=set)
 
@@ -80,7 +80,7 @@ class MigrationEndpoint:
         return self.engine.block_size
 
     # -- source --------------------------------------------------------------------------------
-    def start_out(self, mid: int, request_id: str, peer: int, reply: Reply) -> None:
+    def start_out(self, mid: int, request_id: str, peer: PeerInstance, reply: Reply) -> None:
         r = self.engine.find(request_id)
         if r is None or r.finished:
             return reply(MigrationAborted("not_found", f"request {request_id} is not on this instance"))
@@ -172,7 +172,7 @@ class MigrationEndpoint:
         reply(True)
 
     # -- destination ---------------------------------------------------------------------------
-    def reserve_in(self, mid: int, peer: int, num_blocks: int, reply: Reply) -> None:
+    def reserve_in(self, mid: int, peer: PeerInstance, num_blocks: int, reply: Reply) -> None:
         s = self.scheduler
         spare = s.num_free_blocks - s.watermark_blocks
         if num_blocks > spare:
@@ -215,7 +215,7 @@ class MigrationEndpoint:
             return reply(exc)
         self._in.pop(mid)
         self.scheduler.allocator.free(got.blocks[need:])
-        self.engine.queue_transfer(TransferOp(TransferOp.COMMIT, mid, peer=got.peer))
+        self.engine.queue_transfer(TransferOp(TransferOp.COMMIT, mid))
         r = copy.copy(state)
         now = time.monotonic()
         r.arrival_time = now - state.arrival_time
@@ -230,7 +230,7 @@ class MigrationEndpoint:
     def _cancel(self, mid: int) -> None:
         got = self._in.pop(mid, None)
         if got is not None:
-            self.engine.queue_transfer(TransferOp(TransferOp.CANCEL, mid, peer=got.peer))
+            self.engine.queue_transfer(TransferOp(TransferOp.CANCEL, mid))
             self.scheduler.allocator.free(got.blocks)
 
     # -- every step ----------------------------------------------------------------------------

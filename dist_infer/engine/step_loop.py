@@ -25,6 +25,7 @@ import torch
 
 from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
+from dist_infer.comm.peer_link import PeerLink
 from dist_infer.engine.allocator import tune_malloc
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
 from dist_infer.engine.kv_transfer import BlockMover, KVLayout, TransferOp
@@ -185,16 +186,19 @@ class Engine:
             static_batching=self.static_batching,
         ), cp=self.cp.size)
 
-    def enable_migration(self, world: Communicator, layouts: list[KVLayout], index: int,
+    def enable_migration(self, link: PeerLink, addresses: list[tuple[str, int]],
                          notify: Callable[..., None] = lambda *a: None) -> None:
-        """Every rank: take part in moving KV blocks between this instance (`layouts[index]`) and
-        the others, over `world` (which all their ranks share). The driver also gets the
-        migration endpoint the serving layer drives; `notify` reports its events."""
+        """Every rank: take part in moving KV blocks between this instance and others over `link`
+        (this rank's endpoint; `addresses` every rank of this instance's, in rank order). The
+        driver also gets the migration endpoint the serving layer drives; `notify` reports its events."""
         if self.cp.size > 1:
             raise ContextParallelError("live migration of context-parallel instances is not supported")
         if self.worker is None:
             raise RuntimeError("migration needs a fixed KV cache (num_blocks)")
-        self.mover = BlockMover(world, layouts, index, self.worker.cache.layers, self.stage.layer_ids)
+        cfg = self.cfg
+        layout = KVLayout(self.groups.tp.size, self.pp.size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
+        self.mover = BlockMover(link, layout, self.groups.world.rank, addresses, self.worker.cache.layers,
+                                self.stage.layer_ids)
         if self.is_driver:
             self.migration = MigrationEndpoint(self, notify)
 
@@ -267,6 +271,31 @@ class Engine:
         self._commands.put(("add", request))
         self._wakeup.set()
         return request
+
+    def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       progress: dict) -> Request:
+        """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
+        already has, prefilled again with them, and reports only what is new. `progress`:
+        token_ids, logprobs, top_logprobs, text_chars (reported so far), age_s, first_token_age_s.
+        With the same seed (sampling draws from (seed, position)) it continues exactly as it would have."""
+        self.check_request(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else secrets.randbits(52)
+        r = Request(request_id, list(prompt_token_ids), params, seed)
+        tokens = list(progress["token_ids"])
+        r.output_token_ids, r.output_logprobs = tokens, list(progress["logprobs"])
+        r.output_top_logprobs = [[tuple(x) for x in row] for row in progress["top_logprobs"]]
+        if self.tokenizer is not None and tokens:
+            r.text = self.tokenizer.decode(tokens)
+            if 1 < params.min_tokens <= len(tokens) + 1:
+                r.stop_search_from = len(self.tokenizer.decode(tokens[:params.min_tokens - 1]))
+        r.emitted_tokens, r.emitted_text = len(tokens), int(progress["text_chars"])
+        now = time.monotonic()
+        r.arrival_time = now - progress["age_s"]
+        if tokens and progress.get("first_token_age_s") is not None:
+            r.first_token_time = now - progress["first_token_age_s"]
+        self._commands.put(("add", r))
+        self._wakeup.set()
+        return r
 
     def abort(self, request_id: str) -> None:
         """End a request wherever it is (thread-safe, idempotent); its blocks are freed."""

@@ -223,6 +223,7 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     code = spawn_local(args, list(argv))
     if code is not None:
         return code
+    args.argv = list(argv)  # to start an instance again as a job of its own (restart, scale-up)
     return run_rank_command(lambda: run_serve(args))
 
 

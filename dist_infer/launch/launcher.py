@@ -295,6 +295,8 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
                 _stop(children)
                 return 128 + interrupted[0]
             for proc, child in list(remaining):
+                if (proc, child) not in remaining:
+                    continue  # stopped just now with a mate of its instance
                 code = child.poll()
                 if code is None:
                     continue

@@ -622,7 +622,7 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
 
 def add_admin_routes(app: FastAPI, cluster) -> None:
     """Operators' (and tests') view of the instances: their load and requests, a forced
-    migration, and draining one instance (serving/cluster.py does the work)."""
+    migration, draining, stopping, restarting and adding an instance (serving/cluster.py does the work)."""
     from dist_infer.serving.cluster import AdminError
 
     def admin_error(exc: AdminError) -> JSONResponse:
@@ -652,6 +652,30 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     async def drain(index: int):
         try:
             return JSONResponse(cluster.drain(index), status_code=202)
+        except AdminError as exc:
+            return admin_error(exc)
+
+    @app.post("/admin/instances/{index}/stop")
+    async def stop(index: int):
+        try:
+            return JSONResponse(cluster.stop_instance(index), status_code=202)
+        except AdminError as exc:
+            return admin_error(exc)
+
+    @app.post("/admin/instances/{index}/restart")
+    async def restart(index: int):
+        try:
+            return JSONResponse(cluster.restart_instance(index), status_code=202)
+        except AdminError as exc:
+            return admin_error(exc)
+
+    @app.post("/admin/instances")
+    async def add(request: Request):
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("layout"), str):
+            raise ApiError(400, 'the body must be {"layout": "tp1"} (one --instances item, e.g. decode:tp2)', "layout")
+        try:
+            return JSONResponse(cluster.add_instance(body["layout"]), status_code=202)
         except AdminError as exc:
             return admin_error(exc)
 

@@ -7,6 +7,7 @@ every step it sends the step's outputs and its load back. The wire is multiproce
 authenticated connection (pickled tuples over TCP), so instances on other hosts work the same.
 
     API -> instance   ("add", request_id, prompt_ids, params) | ("abort", request_id)
+                      ("resume", request_id, prompt_ids, params, progress)  (its instance died)
                       ("call", call_id, method, args) | ("stop",)
     instance -> API   ("hello", info) | ("out", [RequestOutput]) | ("stats", dict)
                       ("reply", call_id, ok, value) | ("event", name, args) | ("dead", reason)
@@ -69,6 +70,8 @@ class InstanceServer:
             kind = message[0]
             if kind == "add":
                 self._add(*message[1:])
+            elif kind == "resume":
+                self._add(*message[1:])
             elif kind == "abort":
                 self.engine.abort(message[1])
             elif kind == "call":
@@ -78,9 +81,12 @@ class InstanceServer:
         self._stop.set()
         self.engine.wake()
 
-    def _add(self, request_id: str, prompt_ids: list[int], params) -> None:
+    def _add(self, request_id: str, prompt_ids: list[int], params, progress: Optional[dict] = None) -> None:
         try:
-            self.engine.add_request(request_id, prompt_ids, params)
+            if progress is None:
+                self.engine.add_request(request_id, prompt_ids, params)
+            else:
+                self.engine.resume_request(request_id, prompt_ids, params, progress)
         except RequestError as exc:
             self.send(("out", [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc))]))
 
@@ -94,7 +100,7 @@ class InstanceServer:
                 self.send(("reply", call_id, True, value))
 
         if method not in MIGRATION_CALLS or self.engine.migration is None:
-            return reply(ValueError(f"instance {self.index} takes no call {method!r} (one instance: no migration)"))
+            return reply(ValueError(f"instance {self.index} takes no call {method!r} (a context-parallel instance does not migrate)"))
         target = getattr(self.engine.migration, method)
 
         def run() -> None:

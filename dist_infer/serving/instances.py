@@ -1,8 +1,11 @@
-"""Several model instances in one job: `--instances tp2,tp1,tp1` (or `--instances 3` with --tp/--pp).
+"""Several model instances behind one API: `--instances tp2,tp1,tp1` (or `--instances 3` with
+--tp/--pp), each optionally with a role: `prefill:tp2,decode:tp1,decode:tp1`.
 
-Each instance gets a consecutive range of world ranks and its own mesh inside it, so its step
-loop, tensor- and pipeline-parallel groups are its own; all of them share the world
-communicator, over which KV blocks move when a request migrates between instances.
+Started in one job, each instance gets a consecutive range of world ranks and its own mesh
+inside it, so its step loop, tensor- and pipeline-parallel groups are its own. After start-up
+no instance waits on another's ranks: KV blocks move between instances over each rank's own
+link (comm/peer_link.py), so an instance can die, be stopped, or be started again as a job of
+its own (`serve --join`) while the others serve on.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from dataclasses import dataclass
 
 from dist_infer.comm import ParallelGroups, build_groups
 from dist_infer.comm.base import Communicator
-from dist_infer.engine.kv_transfer import KVLayout
 from dist_infer.topology import Mesh, ParallelConfig
+
+ROLES = ("mixed", "prefill", "decode")
 
 
 class InstancesError(ValueError):
@@ -22,18 +26,26 @@ class InstancesError(ValueError):
 
 @dataclass(frozen=True)
 class InstanceSpec:
+    """One instance's layout and role: 'prefill' instances take new prompts and hand each request
+    to a 'decode' instance after its first token; 'mixed' ones do both (the default)."""
+
     tp: int = 1
     pp: int = 1
+    role: str = "mixed"
 
     @property
     def size(self) -> int:
         return self.tp * self.pp
 
-    def describe(self) -> str:
+    @property
+    def layout(self) -> str:
         return f"tp{self.tp}" + (f"pp{self.pp}" if self.pp > 1 else "")
 
+    def describe(self) -> str:
+        return self.layout if self.role == "mixed" else f"{self.role}:{self.layout}"
 
-_ITEM = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?$")
+
+_ITEM = re.compile(r"^(?:(mixed|prefill|decode):)?(?:tp(\d+))?(?:pp(\d+))?$")
 
 
 def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
@@ -46,14 +58,22 @@ def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
     specs = []
     for item in text.split(","):
         m = _ITEM.match(item.strip())
-        if not item.strip() or m is None or not (m.group(1) or m.group(2)):
+        if not item.strip() or m is None or not (m.group(2) or m.group(3)):
             raise InstancesError(f"--instances {text!r}: item {item.strip()!r} is not a count or a layout like "
-                                 f"tp2, pp2 or tp2pp2")
-        spec = InstanceSpec(int(m.group(1) or 1), int(m.group(2) or 1))
+                                 f"tp2, pp2, tp2pp2, optionally with a role: prefill:tp2, decode:tp1")
+        spec = InstanceSpec(int(m.group(2) or 1), int(m.group(3) or 1), m.group(1) or "mixed")
         if spec.tp < 1 or spec.pp < 1:
             raise InstancesError(f"--instances {text!r}: item {item.strip()!r} has a size below 1")
         specs.append(spec)
     return specs
+
+
+def check_roles(specs: list[InstanceSpec]) -> None:
+    """A server's instances together must both prefill and decode."""
+    roles = {s.role for s in specs}
+    if ("prefill" in roles) != ("decode" in roles) and "mixed" not in roles:
+        raise InstancesError(f"--instances {','.join(s.describe() for s in specs)}: prefill instances need a decode "
+                             f"(or mixed) instance to hand requests to, and decode instances need one that prefills")
 
 
 def base_ranks(specs: list[InstanceSpec]) -> list[int]:
@@ -88,9 +108,3 @@ def join_instance(world: Communicator, specs: list[InstanceSpec], shm: str = "au
     spec = specs[mine]
     mesh = Mesh.build(ParallelConfig(tp=spec.tp, pp=spec.pp), spec.size)
     return mine, build_groups(comm, mesh, shm)
-
-
-def kv_layouts(specs: list[InstanceSpec], cfg) -> list[KVLayout]:
-    """Every instance's KV layout, for the block transfers between them."""
-    return [KVLayout(base, s.tp, s.pp, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
-            for base, s in zip(base_ranks(specs), specs)]

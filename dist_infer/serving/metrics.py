@@ -73,19 +73,34 @@ class EngineStatsCollector:
         for outcome, n in sorted((stats or {}).get("migrations_total", {}).items()):
             m.add_metric([self.model_name, outcome], float(n))
         families.append(m)
-        h = HistogramMetricFamily(PREFIX + "migration_downtime_seconds",
-                                  "Time a migrated request did not run: from its pause on the source to its "
-                                  "commit on the destination (seconds).", labels=["model_name"])
-        downtime = (stats or {}).get("migration_downtime")
-        if downtime is not None:
-            bounds, counts, total = downtime
+        families.append(self._histogram(stats, "migration_downtime", "migration_downtime_seconds",
+                                        "Time a migrated request did not run: from its pause on the source to its "
+                                        "commit on the destination (seconds)."))
+        families.append(self._histogram(stats, "requests_recovered", "request_recovery_seconds",
+                                        "Requests whose instance died and that streamed on from another: time from "
+                                        "the death to their next token (seconds)."))
+        for key, name, doc in (("instance_failures_total", "instance_failures", "Instances that died."),
+                               ("requests_lost_total", "requests_lost",
+                                "Requests that ended with an error because their instance died and no other "
+                                "could take them over.")):
+            if stats is None or key in stats:
+                c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                c.add_metric([self.model_name], float((stats or {}).get(key, 0)))
+                families.append(c)
+        return families
+
+    def _histogram(self, stats: Optional[dict], key: str, name: str, doc: str) -> HistogramMetricFamily:
+        """A histogram from a stats entry (bucket bounds, counts per bucket, sum)."""
+        h = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        entry = (stats or {}).get(key)
+        if entry is not None:
+            bounds, counts, total = entry
             cumulative, running = [], 0
             for bound, n in zip(list(bounds) + [float("inf")], counts):
                 running += n
                 cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(running)))
             h.add_metric([self.model_name], cumulative, total)
-        families.append(h)
-        return families
+        return h
 
     def describe(self):
         return self._families(None)

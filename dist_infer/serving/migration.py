@@ -38,7 +38,7 @@ class MigrationResult:
     stages: int = 0
     blocks: int = 0
     bytes: int = 0
-    phases_ms: Optional[dict] = None  # pause (waits for the source's current step), last receive posted, commit
+    phases_ms: Optional[dict] = None  # pause (waits for the source's current step), transfer of the rest, commit
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -48,24 +48,27 @@ MODES = ("live", "recompute")
 
 
 async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason: str,
-                  timeout: float = CALL_TIMEOUT_S, mode: str = "live") -> MigrationResult:
+                  timeout: float = CALL_TIMEOUT_S, mode: str = "live", max_stages: int = MAX_STAGES) -> MigrationResult:
     """Move `request_id` from instance `src` to `dst` (`cluster` routes the calls and streams).
-    mode 'recompute': no KV moves; the destination prefills the request's tokens again."""
+    mode 'recompute': no KV moves; the destination prefills the request's tokens again.
+    `max_stages` 0: pause at once and send everything in one stage (prefill -> decode hand-over)."""
     result = MigrationResult(request_id, src, dst, reason, "ok")
     started = time.perf_counter()
+
     def stage_done(inst: int, stage: int):
-        return cluster.wait_event(inst, ("stage_done", mid, stage), timeout, "source_failed" if inst == src else "dest_failed")
+        return cluster.wait_event(inst, ("stage_done", mid, stage), timeout,
+                                  "source_failed" if inst == src else "dest_failed", watch=(src, dst))
 
     reserved = False
     try:
-        info = await cluster.call(src, "start_out", mid, request_id, dst, timeout=timeout)
+        info = await cluster.call(src, "start_out", mid, request_id, cluster.peer(dst), timeout=timeout)
         reserved = True  # from here on a failure cancels on the destination (a no-op if it reserved nothing;
         # a reserve that answers too late is undone by the cancel queued behind it)
         live = mode == "live"
-        await cluster.call(dst, "reserve_in", mid, src, info["blocks"] + FEW_BLOCKS if live else 0, timeout=timeout,
-                           failure="dest_failed")
+        await cluster.call(dst, "reserve_in", mid, cluster.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
+                           timeout=timeout, failure="dest_failed")
         stage = sent = 0
-        while live and stage < MAX_STAGES:
+        while live and stage < max_stages:
             first, count = await cluster.call(src, "send_out", mid, stage, timeout=timeout)
             if count == 0 and stage > 0:
                 break
@@ -80,6 +83,7 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         paused_at = time.perf_counter()
         await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure="dest_failed")
         sent += count
+        await stage_done(dst, stage)  # every destination rank has its share: nothing is committed half-moved
         posted_at = time.perf_counter()
         await cluster.call(dst, "commit_in", mid, state, timeout=timeout, failure="dest_failed")
         reserved = False
@@ -87,7 +91,7 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         # to the destination's that it has taken it over; the wait for the source's current step
         # before that is not downtime (the request is computing its next token in it)
         result.downtime_s = time.perf_counter() - paused_at
-        result.phases_ms = {"pause": 1e3 * (paused_at - pause_at), "recv": 1e3 * (posted_at - paused_at),
+        result.phases_ms = {"pause": 1e3 * (paused_at - pause_at), "transfer": 1e3 * (posted_at - paused_at),
                             "commit": 1e3 * (time.perf_counter() - posted_at)}
         result.stages, result.blocks = stage + 1, sent
         result.bytes = sent * cluster.block_bytes
@@ -103,7 +107,9 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
     result.total_s = time.perf_counter() - started
     if result.outcome == "ok":
         logger.info(f"migrated {request_id} instance {src} -> {dst} ({reason}): {result.blocks} blocks in "
-                    f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms, total {result.total_s * 1e3:.0f} ms")
+                    f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
+                    f"{result.phases_ms['transfer']:.1f}, commit {result.phases_ms['commit']:.1f}), total "
+                    f"{result.total_s * 1e3:.0f} ms")
     else:
         logger.info(f"migration of {request_id} instance {src} -> {dst} ({reason}) did not happen: "
                     f"{result.outcome}: {result.message}")
