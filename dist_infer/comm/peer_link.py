@@ -101,38 +101,50 @@ class PeerLink:
         self._arrived: dict[Key, bytearray] = {}
         self._posted: dict[Key, RecvHandle] = {}
         self._dropped: set[int] = set()  # first key parts whose messages are no longer wanted
-        self._gone: set[Address] = set()  # senders whose connection closed
+        self._gone: set[Address] = set()  # senders whose every connection closed
+        self._incoming: dict[Address, int] = {}  # open connections from each sender
         self._out: dict[Address, tuple[socket.socket, threading.Lock]] = {}
+        self._connecting: dict[Address, threading.Lock] = {}
         self._closed = False
         threading.Thread(target=self._accept, name="peer-link-accept", daemon=True).start()
 
     # -- sending ------------------------------------------------------------------------------
     def _connection(self, peer: Address) -> tuple[socket.socket, threading.Lock]:
+        """The one connection to `peer`, made on first use (one thread makes it; the others wait)."""
         with self._lock:
             entry = self._out.get(peer)
+            connecting = self._connecting.setdefault(peer, threading.Lock())
         if entry is not None:
             return entry
-        sock = socket.create_connection(peer, timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = json.dumps({"host": self.address[0], "port": self.address[1]}).encode()
-        sock.sendall(_HELLO.pack(len(hello)) + hello)
-        entry = (sock, threading.Lock())
-        with self._lock:
-            self._out[peer] = entry
-        return entry
+        with connecting:
+            with self._lock:
+                entry = self._out.get(peer)
+            if entry is not None:
+                return entry
+            sock = socket.create_connection(peer, timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = json.dumps({"host": self.address[0], "port": self.address[1]}).encode()
+            sock.sendall(_HELLO.pack(len(hello)) + hello)
+            entry = (sock, threading.Lock())
+            with self._lock:
+                self._out[peer] = entry
+            return entry
 
     def send(self, tensor: torch.Tensor, peer: Address, key: Key) -> None:
         """Send now (returns once the bytes are with the kernel); PeerLinkError if the peer is gone."""
         data = _as_bytes(tensor.detach().contiguous().cpu())
+        entry = None
         try:
-            sock, lock = self._connection(peer)
+            entry = self._connection(peer)
+            sock, lock = entry
             with lock:
                 sock.sendall(_HEADER.pack(*key, data.numel()))
                 sock.sendall(memoryview(data.numpy()))
         except OSError as exc:
-            with self._lock:
-                entry = self._out.pop(peer, None)
             if entry is not None:
+                with self._lock:
+                    if self._out.get(peer) is entry:  # only ours: another thread may have made a new one
+                        del self._out[peer]
                 entry[0].close()
             raise PeerLinkError(f"peer link: sending {key} to {peer[0]}:{peer[1]} failed: {exc}") from None
 
@@ -199,6 +211,7 @@ class PeerLink:
 
     def _read(self, conn: socket.socket) -> None:
         peer: Optional[Address] = None
+        current: Optional[RecvHandle] = None  # a receive whose bytes are coming in right now
         try:
             head = bytearray(_HELLO.size)
             self._read_exactly(conn, memoryview(head))
@@ -208,21 +221,24 @@ class PeerLink:
             peer = (hello["host"], int(hello["port"]))
             with self._lock:
                 self._gone.discard(peer)
+                self._incoming[peer] = self._incoming.get(peer, 0) + 1
             header = bytearray(_HEADER.size)
             while True:
                 self._read_exactly(conn, memoryview(header))
                 *key, size = _HEADER.unpack(header)
                 key = tuple(key)
                 with self._lock:
-                    handle = self._posted.pop(key, None)
-                if handle is not None and _as_bytes(handle.staging).numel() == size:
-                    self._read_exactly(conn, memoryview(_as_bytes(handle.staging).numpy()))
-                    handle._finish()
+                    current = self._posted.pop(key, None)
+                if current is not None and _as_bytes(current.staging).numel() == size:
+                    self._read_exactly(conn, memoryview(_as_bytes(current.staging).numpy()))
+                    current, done = None, current
+                    done._finish()
                     continue
                 data = bytearray(size)
                 self._read_exactly(conn, memoryview(data))
                 with self._lock:
-                    handle = handle or self._posted.pop(key, None)  # posted while the bytes came in
+                    handle = current or self._posted.pop(key, None)  # posted while the bytes came in
+                    current = None
                     if handle is None and key[0] not in self._dropped:
                         self._arrived[key] = data
                 if handle is not None:
@@ -231,11 +247,18 @@ class PeerLink:
             pass
         finally:
             conn.close()
+            if current is not None:  # the sender went away in the middle of its bytes
+                current._finish(PeerLinkError(f"peer link: the connection from {peer[0]}:{peer[1]} closed in the "
+                                              f"middle of message {current.key}"))
             if peer is not None and not self._closed:
                 self._lost(peer)
 
     def _lost(self, peer: Address) -> None:
+        """A connection from `peer` closed; once none is left, its pending receives fail."""
         with self._lock:
+            self._incoming[peer] = self._incoming.get(peer, 1) - 1
+            if self._incoming[peer] > 0:
+                return
             self._gone.add(peer)
             failed = [self._posted.pop(k) for k, h in list(self._posted.items()) if h.peer == peer]
         for handle in failed:

@@ -37,7 +37,8 @@ ACK = 1 << 20  # a follower's "my share of this stage is in" message: key (migra
 # must not wait for a thread that competes with a long prefill forward for the cores (measured:
 # 25-78 ms per prefill -> decode hand-over on the 2-core machine through the helper, see
 # docs/benchmarks.md).
-INLINE_BYTES = 8 << 20
+# Small enough to fit a socket's send buffer, so an inline send to a hung peer does not block the step.
+INLINE_BYTES = 1 << 20
 
 
 class TransferError(RuntimeError):
@@ -169,6 +170,7 @@ class _Posted:
     heads: Optional[slice] = None
     blocks: Optional[torch.Tensor] = None
     cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a scatter's writes vs a cancel
 
     def done(self) -> bool:
         if self.kind == "ack":
@@ -191,6 +193,7 @@ class BlockMover:
         self.cache_layers, self.layer_ids = cache_layers, layer_ids
         self._posted: list[_Posted] = []
         self._pending_in: dict[tuple[int, int], list] = {}  # (migration, stage) -> [receives left, failed]
+        self._applied: set[tuple[int, int]] = set()  # (migration, stage) whose ops this rank has run
         self._lock = threading.Lock()
         self.failures: set[int] = set()  # migrations a transfer of which failed on this rank (or a follower)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
@@ -200,6 +203,8 @@ class BlockMover:
         return KVLayout(peer.tp, peer.pp, own.num_layers, own.num_heads, own.num_kv_heads)
 
     def apply(self, op: TransferOp) -> None:
+        if op.kind in (TransferOp.SEND, TransferOp.RECV) and self.local == 0:  # the driver reports stages
+            self._applied.add((op.migration_id, op.stage))
         if op.kind == TransferOp.SEND:
             self._post_sends(op)
         elif op.kind == TransferOp.RECV:
@@ -285,13 +290,14 @@ class BlockMover:
     def _scatter(self, p: _Posted, handle: RecvHandle) -> None:
         ok = False
         try:
-            if not p.cancelled:
-                handle.wait(0)  # raises if it failed; copies a staged (device) buffer into place
-                for i, layer in enumerate(p.layers):
-                    k, v = self.cache_layers[layer]
-                    k[:, :, p.heads][p.blocks] = p.buffer[i, 0]
-                    v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
-                ok = True
+            with p.lock:  # a cancel (whose blocks are then freed and reused) waits for the writes, or skips them
+                if not p.cancelled:
+                    handle.wait(0)  # raises if it failed; copies a staged (device) buffer into place
+                    for i, layer in enumerate(p.layers):
+                        k, v = self.cache_layers[layer]
+                        k[:, :, p.heads][p.blocks] = p.buffer[i, 0]
+                        v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
+                    ok = True
         finally:
             self._share_done(p, ok)
 
@@ -314,8 +320,10 @@ class BlockMover:
     def _cancel(self, migration_id: int) -> None:
         for p in self._posted:
             if p.migration_id == migration_id and p.kind != "send":
-                p.cancelled = True  # it may still arrive; it is then dropped, not scattered
+                with p.lock:
+                    p.cancelled = True  # it may still arrive; it is then dropped, not scattered
         self.link.drop(migration_id)
+        self._applied = {k for k in self._applied if k[0] != migration_id}
 
     def poll(self) -> None:
         """Let go of what is done, recording failures (the orchestrator undoes those migrations)."""
@@ -351,8 +359,12 @@ class BlockMover:
             if p.migration_id == migration_id and p.kind == "recv":
                 try:
                     p.handle.wait(limit)
-                    while p.work is None:  # the callback that submits the scatter is a moment behind
+                    for _ in range(1000):  # the callback that starts the scatter is a moment behind
+                        if p.work is not None:
+                            break
                         threading.Event().wait(0.001)
+                    if p.work is None:
+                        raise TransferError("the scatter of a received stage never started")
                     p.work.result(limit)
                 except Exception as exc:  # noqa: BLE001 - logged; the orchestrator saw the stage fail
                     self.failures.add(migration_id)
@@ -363,7 +375,12 @@ class BlockMover:
         """This rank's sends and receives of that stage are complete (receives scattered), and on
         the driver, every follower has said so of its own."""
         self.poll()
-        return not any(p.migration_id == migration_id and p.stage == stage for p in self._posted)
+        if (migration_id, stage) not in self._applied:
+            return False  # its op is still waiting for the next plan: nothing is posted yet
+        if any(p.migration_id == migration_id and p.stage == stage for p in self._posted):
+            return False
+        self._applied.discard((migration_id, stage))
+        return True
 
     @property
     def busy(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -70,6 +71,7 @@ class MigrationEndpoint:
         self.notify = notify
         self._out: dict[int, _Out] = {}
         self._in: dict[int, _In] = {}
+        self._committed: deque[int] = deque(maxlen=4096)  # recent migrations taken over here
 
     @property
     def scheduler(self):
@@ -214,6 +216,7 @@ class MigrationEndpoint:
             self._cancel(mid)
             return reply(exc)
         self._in.pop(mid)
+        self._committed.append(mid)
         self.scheduler.allocator.free(got.blocks[need:])
         self.engine.queue_transfer(TransferOp(TransferOp.COMMIT, mid))
         r = copy.copy(state)
@@ -224,6 +227,10 @@ class MigrationEndpoint:
         reply(True)
 
     def cancel_in(self, mid: int, reply: Reply) -> None:
+        """Let go of a migration's blocks; answers "committed" if it was already taken over (a
+        commit whose answer came too late for the orchestrator), else True."""
+        if mid in self._committed:
+            return reply("committed")
         self._cancel(mid)
         reply(True)
 

@@ -302,6 +302,10 @@ class Engine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    def count_rejected(self) -> None:
+        """An add that was refused still counts as applied (the API's pending count goes by it)."""
+        self.requests_added += 1
+
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the step loop's thread before the next step (thread-safe): how the serving
         layer drives a migration without touching the scheduler from another thread."""
@@ -367,8 +371,6 @@ class Engine:
             outputs += self._complete(self._inflight.popleft())
         elif time.monotonic() - self._last_plan > self.heartbeat_s:
             self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed()))
-        if self.migration is not None:
-            self.migration.poll()
         return outputs
 
     def _seqs_per_step(self) -> Optional[int]:
@@ -636,6 +638,10 @@ class Engine:
             outputs = self.step()
             if outputs:
                 publish(outputs)
+            if self.migration is not None:
+                # after the publish: a paused request's last token is on its way to the client before
+                # the pause is answered, so the destination's first token can never overtake it
+                self.migration.poll()
             if after_step is not None:
                 after_step()
         self.stop_followers()

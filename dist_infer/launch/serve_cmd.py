@@ -392,7 +392,7 @@ def _serve_api(args, engine, hello: dict, listener, address: tuple, key: bytes, 
 
     cluster = Cluster(clients, name, tokenizer, chat_template_of(model), args.max_queue, args.dispatch,
                       args.migrate_interval, migration_timeout=args.migration_timeout, on_dead=on_dead,
-                      spawner=_spawner(args, address, key))
+                      spawner=_spawner(args, address, key), join_timeout_s=max(60.0, args.timeout))
     cluster.start()
     threading.Thread(target=_accept_more, args=(listener, cluster), name="hub-accept", daemon=True).start()
     app = build_app(cluster, name)

@@ -101,6 +101,7 @@ class InstanceClient:
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()
         self.incoming: dict[str, int] = {}  # requests migrating here -> their blocks at full length
+        self._pending_lock = threading.Lock()
         if conn is not None:
             self.attach(conn, hello)
 
@@ -146,12 +147,14 @@ class InstanceClient:
         s = self.stats
         if not s:
             return InstanceLoad(self.index, 0, 0, accepting=False)
-        while self.pending and self.pending[0][0] <= s["requests_added"]:
-            self.pending.popleft()
+        with self._pending_lock:
+            while self.pending and self.pending[0][0] <= s["requests_added"]:
+                self.pending.popleft()
+            pending = list(self.pending)
         incoming = dict(self.incoming)
         return InstanceLoad(self.index, s["free_blocks"], s["total_blocks"], s["watermark_blocks"],
                             s["waiting_demand_blocks"], s["num_requests_running"], s["num_requests_waiting"],
-                            len(self.pending) + len(incoming), sum(b for _, b in self.pending) + sum(incoming.values()),
+                            len(pending) + len(incoming), sum(b for _, b in pending) + sum(incoming.values()),
                             accepting=self.accepting,
                             running_blocks=tuple(s["running_blocks"]), growth_blocks=s.get("growth_blocks", 0))
 
@@ -174,7 +177,8 @@ class Cluster:
     def __init__(self, clients: list[InstanceClient], model_name: str, tokenizer=None,
                  chat_template: Optional[str] = None, max_queue: int = 1024, dispatch: str = "load",
                  migrate_interval: float = 1.0, migration_timeout: float = 30.0, cooldown_s: Optional[float] = None,
-                 on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None):
+                 on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None,
+                 join_timeout_s: float = 300.0):
         first = clients[0].hello
         self.instances = clients
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
@@ -189,6 +193,7 @@ class Cluster:
         self.accepting = True
         self._on_dead = on_dead
         self._spawner = spawner
+        self.join_timeout_s = join_timeout_s
         self._lock = threading.RLock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._owner: dict[str, int] = {}
@@ -298,6 +303,8 @@ class Cluster:
                         self._instance_died(client, "its connection closed")
                 return
             kind = message[0]
+            if client.conn is not conn:
+                return  # declared dead from elsewhere (a failed send): its requests went on from their progress
             if kind == "out":
                 self._route(client, message[1])
             elif kind == "stats":
@@ -313,6 +320,9 @@ class Cluster:
         now = time.monotonic()
         handover = []
         with self._lock:
+            # only from where the request runs (or is being taken over): a late copy elsewhere is never streamed
+            outputs = [o for o in outputs if self._owner.get(o.request_id) == client.index
+                       or self._moving.get(o.request_id, (None, None))[1] == client.index]
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
             for o in outputs:
                 progress = self._progress.get(o.request_id)
@@ -448,6 +458,11 @@ class Cluster:
                                         progress.wire()))
         except OSError:
             self._instance_died(self.instances[index], "its connection failed")
+            return
+        with self._lock:
+            left = request_id not in self._streams
+        if left:  # its client went away while it was being sent: an abort sent before the resume did nothing
+            self.abort_on(index, request_id)
 
     # -- what migrations call (on the control loop) ---------------------------------------------------
     def peer(self, index: int) -> PeerInstance:
@@ -495,6 +510,19 @@ class Cluster:
             fut.result()  # raises MigrationAborted if the instance reported the stage failed
         finally:
             self._events.pop(key, None)
+
+    def abort_on(self, index: int, request_id: str) -> None:
+        """End a request on one instance, whatever the API's routing says (a late copy of it), and
+        stream nothing more from it there."""
+        with self._lock:
+            move = self._moving.get(request_id)
+            if move is not None and move[1] == index:
+                self._moving[request_id] = (move[0], -1)
+        if self.instances[index].alive:
+            try:
+                self.instances[index].send(("abort", request_id))
+            except OSError:
+                pass
 
     def moved(self, request_id: str, src: int, dst: int) -> None:
         """The destination has the request: its outputs come from there now (unless its client left
@@ -727,17 +755,27 @@ class Cluster:
         return client.describe()
 
     def _watch_start(self, client: InstanceClient, process) -> None:
-        """A started job that exits before its driver says hello has failed to start."""
-        code = process.wait()
-        if client.process is process and client.state == "starting":
-            client.state, client.dead = "dead", f"its job exited with code {code} before joining"
-            logger.error(f"instance {client.index}: {client.dead}")
-            with self._lock:
-                parked = self._parked if not any(c.state == "starting" for c in self.instances) else []
-                if parked:
-                    self._parked = []
-            for request_id in parked:
-                self._redispatch(request_id, f"instance {client.index} could not start")
+        """A started job that exits, or does not join within join_timeout_s, has failed to start."""
+        import subprocess
+
+        try:
+            code = f"exited with code {process.wait(self.join_timeout_s)}"
+        except subprocess.TimeoutExpired:
+            code = f"did not join within {self.join_timeout_s:g} s (stopped)"
+        with self._lock:
+            failed = client.process is process and client.state == "starting"
+            if failed:
+                client.state, client.dead = "dead", f"its job {code} before joining"
+            parked = []
+            if failed and not any(c.state == "starting" for c in self.instances):
+                parked, self._parked = self._parked, []
+        if not failed:
+            return
+        if process.poll() is None:
+            process.kill()
+        logger.error(f"instance {client.index}: {client.dead}")
+        for request_id in parked:
+            self._redispatch(request_id, f"instance {client.index} could not start")
 
     # -- the EngineClient interface ------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -799,8 +837,9 @@ class Cluster:
             index = max(loads, key=lambda x: (x.freeness, -x.index)).index
         if index is not None and queued:
             client = self.instances[index]
-            client.sent += 1
-            client.pending.append((client.sent, need))
+            with client._pending_lock:
+                client.sent += 1
+                client.pending.append((client.sent, need))
         return index
 
     def _dispatch(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> InstanceClient:

@@ -88,6 +88,7 @@ class InstanceServer:
             else:
                 self.engine.resume_request(request_id, prompt_ids, params, progress)
         except RequestError as exc:
+            self.engine.call_soon(self.engine.count_rejected)  # the API counts it as seen, not as queued here
             self.send(("out", [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc))]))
 
     def _call(self, call_id: int, method: str, args: tuple) -> None:

@@ -59,7 +59,9 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         return cluster.wait_event(inst, ("stage_done", mid, stage), timeout,
                                   "source_failed" if inst == src else "dest_failed", watch=(src, dst))
 
-    reserved = False
+    reserved = committing = False
+    pause_at = paused_at = posted_at = 0.0
+    stage = sent = 0
     try:
         info = await cluster.call(src, "start_out", mid, request_id, cluster.peer(dst), timeout=timeout)
         reserved = True  # from here on a failure cancels on the destination (a no-op if it reserved nothing;
@@ -67,7 +69,6 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         live = mode == "live"
         await cluster.call(dst, "reserve_in", mid, cluster.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
                            timeout=timeout, failure="dest_failed")
-        stage = sent = 0
         while live and stage < max_stages:
             first, count = await cluster.call(src, "send_out", mid, stage, timeout=timeout)
             if count == 0 and stage > 0:
@@ -85,8 +86,19 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         sent += count
         await stage_done(dst, stage)  # every destination rank has its share: nothing is committed half-moved
         posted_at = time.perf_counter()
+        committing = True
         await cluster.call(dst, "commit_in", mid, state, timeout=timeout, failure="dest_failed")
         reserved = False
+    except MigrationAborted as exc:
+        if committing and await _committed_anyway(cluster, mid, dst, timeout):
+            logger.warning(f"migration {mid}: the destination's commit answered late ({exc}); it has the request")
+            reserved = False
+        else:
+            result.outcome, result.message = exc.outcome, str(exc)
+            if committing:  # it may still commit later: whatever it then runs is aborted, not streamed
+                cluster.abort_on(dst, request_id)
+            await _undo(cluster, mid, src, dst, reserved, timeout)
+    if result.outcome == "ok":
         # downtime: from the source's answer that the request is paused (its last step there is done)
         # to the destination's that it has taken it over; the wait for the source's current step
         # before that is not downtime (the request is computing its next token in it)
@@ -96,9 +108,6 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         result.stages, result.blocks = stage + 1, sent
         result.bytes = sent * cluster.block_bytes
         cluster.moved(request_id, src, dst)
-    except MigrationAborted as exc:
-        result.outcome, result.message = exc.outcome, str(exc)
-        await _undo(cluster, mid, src, dst, reserved, timeout)
     if result.outcome == "ok":  # committed: the source lets go (never resumes: the destination runs it)
         try:
             await cluster.call(src, "release_out", mid, timeout=timeout)
@@ -114,6 +123,14 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         logger.info(f"migration of {request_id} instance {src} -> {dst} ({reason}) did not happen: "
                     f"{result.outcome}: {result.message}")
     return result
+
+
+async def _committed_anyway(cluster, mid: int, dst: int, timeout: float) -> bool:
+    """After a commit that failed or answered too late: did the destination take the request over?"""
+    try:
+        return await cluster.call(dst, "cancel_in", mid, timeout=timeout, failure="dest_failed") == "committed"
+    except MigrationAborted:
+        return False  # gone or silent: the source keeps it (a late copy there is aborted)
 
 
 async def _undo(cluster, mid: int, src: int, dst: int, reserved: bool, timeout: float) -> None:
