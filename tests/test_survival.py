@@ -178,7 +178,7 @@ def test_scale_down_drains_then_stops_and_scale_up_takes_new_load(checkpoint, tm
                             seen[name] = where(job, request_id)
                     return on_token
 
-                busy = asyncio.create_task(stream_tokens(client, job.url, prompts[0], look("busy"), max_tokens=1500))
+                busy = asyncio.create_task(stream_tokens(client, job.url, prompts[0], look("busy"), max_tokens=800))
                 await asyncio.sleep(0.3)
                 new = await stream_tokens(client, job.url, prompts[2], look("new"), max_tokens=LONG)
                 return seen, await busy, new

@@ -240,7 +240,8 @@ def run_serve(args) -> int:
         if api:
             code = _serve_api(args, engine, hello, listener, address, key, len(specs), model, tokenizer)
         else:
-            _ignore_stop_signals("the API process")
+            if not args.join:  # a job of its own (--join) stops on its launcher's signal; its requests go on elsewhere
+                _ignore_stop_signals("the API process")
             _run_instance(engine, index, address, key, hello)
     if link is not None:
         engine.mover.close()
