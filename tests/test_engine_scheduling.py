@@ -428,3 +428,17 @@ def test_context_parallel_decodes_go_on_while_a_prompt_waits_for_blocks():
         steps += 1
         assert steps < 100
     assert s.num_free_blocks == 9
+
+
+def test_offline_cache_grows_for_a_longer_batch(llama):
+    """Offline, the cache is sized per batch: a long prompt after a short batch (bench's warm-up
+    then its timed run) gets a bigger cache, not an error about the old one."""
+    path, model = llama
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    short, long = prompts_for([3, 60], seed=7)
+    params = SamplingParams(max_new_tokens=2, stop_at_eos=False)
+    engine.generate([short], params)
+    small = engine.num_blocks
+    (out,) = engine.generate([long], params)
+    assert engine.num_blocks > small and len(out.token_ids) == 2

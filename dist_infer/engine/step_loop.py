@@ -151,6 +151,7 @@ class Engine:
         self._freed: list[int] = []
         self._transfers: list[TransferOp] = []  # KV block moves for the next plan (live migration)
         self.mover: Optional[BlockMover] = None
+        self._follower_cpu_start: Optional[float] = None
         self.migration: Optional[MigrationEndpoint] = None
         self._next_seq = 0
         self.requests_added = 0  # add commands applied (the API counts what it sent and has not been seen)
@@ -458,6 +459,9 @@ class Engine:
             return None
         inputs = hidden if hidden is not None else torch.tensor(plan.input_ids, dtype=torch.long)
         out = self.worker.execute(plan, inputs)
+        if self._follower_cpu_start is not None and any(plan.sample):
+            self.timing.ttft_cpu_s = time.process_time() - self._follower_cpu_start
+            self._follower_cpu_start = None
         if not last_stage:
             self._post(wire + [out], self.pp.rank + 1, TAG_FORWARD)
             return None
@@ -654,7 +658,10 @@ class Engine:
         if not prompts:
             raise PromptError("no prompts given")
         for i, p in enumerate(prompts):
-            self.check_request(p, params, name=f"prompt {i}")
+            if self.fixed_blocks is None:  # the cache is sized for this batch below: only the model's limits apply
+                check_prompt(p, params, self.cfg.vocab_size, self.cfg.max_positions, f"prompt {i}")
+            else:
+                self.check_request(p, params, name=f"prompt {i}")
         if self.fixed_blocks is None:
             need = self.blocks_for_batch(prompts, params.max_new_tokens)
             if self.scheduler is None or self.num_blocks < need:
@@ -662,6 +669,7 @@ class Engine:
                 self._allocate(need)
         self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts), sequences=len(prompts))
         if not self.is_driver:
+            self._follower_cpu_start = time.process_time()  # its prefill CPU time: up to its first sampled step
             self.follow()
             return self._share_outputs(None, prompts, return_logits)
         self.return_logits = return_logits

@@ -20,6 +20,7 @@ import torch
 from dist_infer.comm.base import Communicator
 from dist_infer.models.attention_metadata import AttentionMetadata, ContextParallelMetadata
 from dist_infer.parallel.ring.layout import RingLayout
+from dist_infer.parallel.ring.local_attention import attention_with_lse
 from dist_infer.parallel.ring.lse import merge_across_ranks
 from dist_infer.parallel.ring.ring_loops import ring_attention
 from dist_infer.parallel.ring.shards import zigzag_chunks
@@ -167,6 +168,39 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
         partial, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         out, _ = merge_across_ranks(partial, lse, cp)
     return out.to(q.dtype).reshape(q.shape[0], -1)
+
+
+def cp_last_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            cp: Communicator) -> torch.Tensor:
+    """The model's last layer in a cp prefill: stores this rank's K/V, but attends only each
+    sequence's last token, the one row the LM head reads ([B, heads * d], the same on every
+    rank). That query lives on one rank: a sum over cp gives it to all (the others add zeros);
+    each rank attends it to its own rows of the sequence, all of which precede it, and the
+    partials are merged by log-sum-exp. One query row instead of a ring pass over the whole
+    prompt: the single-process path skips that work too, so cp must not pay for it."""
+    info = meta.cp
+    kv_heads, d = k.shape[1], k.shape[2]
+    if meta.slot_mapping.numel():
+        k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    rows = info.last_rows
+    B, heads = rows.numel(), q.shape[1]
+    last_q = q.new_zeros(B, heads, d)
+    mine = rows >= 0
+    last_q[mine] = q[rows[mine]]
+    cp.all_reduce(last_q)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, heads, d, dtype=acc, device=q.device)
+    lse = torch.full((B, heads), float("-inf"), dtype=acc, device=q.device)
+    start = 0
+    for b, n in enumerate(meta.query_lens):  # this rank's rows of sequence b
+        if n:
+            o_b, lse_b = attention_with_lse(last_q[b:b + 1], k[start:start + n], v[start:start + n], False, scale)
+            out[b], lse[b] = o_b[0].to(acc), lse_b[0]
+        start += n
+    merged, _ = merge_across_ranks(out, lse, cp)
+    return merged.to(q.dtype).reshape(B, -1)
 
 
 def cp_last_hidden(x: torch.Tensor, meta: AttentionMetadata, cp: Communicator) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dist_infer.models.attention import (
 )
 from dist_infer.models.attention_metadata import AttentionMetadata, TokenSplit
 from dist_infer.models.config import ModelConfig
-from dist_infer.models.cp_attention import cp_attention, cp_last_hidden
+from dist_infer.models.cp_attention import cp_attention, cp_last_hidden, cp_last_token_attention
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel import (
     MergedColumnParallelLinear,
@@ -114,6 +114,16 @@ class LlamaAttention(nn.Module):
             return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
         return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
 
+    def attend_last_tokens_cp(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The last layer of a cp prefill: every row's K/V to the cache, attention for each
+        sequence's last token only ([B, local heads * head_dim], the same on every cp rank)."""
+        q, k, v = self.qkv_proj(x)
+        T = x.shape[0]
+        q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.kv_heads, self.head_dim)
+        return cp_last_token_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
+
     def attend_last_tokens(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """`attend(x)[meta.last_token_index]` for the model's last layer, computing queries and
         attention for those rows only (keys and values of every token still go to the cache).
@@ -176,6 +186,11 @@ class LlamaDecoderLayer(nn.Module):
         everything after attention works row by row."""
         normed = self.input_layernorm(x)
         h = None
+        if rows is not None and getattr(meta, "cp", None) is not None:  # a cp prefill's last layer
+            h = self.self_attn.attend_last_tokens_cp(normed, cos, sin, kv, meta)
+            x, normed = self.post_attention_layernorm.add_and_norm(cp_last_hidden(x, meta, self.self_attn.cp),
+                                                                   self.self_attn.o_proj(h))
+            return x + self.mlp(normed)
         if rows is not None and rows is meta.last_token_index:
             h = self.self_attn.attend_last_tokens(normed, cos, sin, kv, meta)
         if h is None:
@@ -242,7 +257,11 @@ class LlamaStage(nn.Module):
         split = meta if isinstance(meta, TokenSplit) else None
         meta = split.full if split else meta
         # The last layer keeps only each sequence's last token (see LlamaDecoderLayer.forward).
-        trim = self.last and getattr(meta, "cp", None) is None and x.shape[0] > meta.batch and len(self.layers) > 0
+        cp_meta = getattr(meta, "cp", None)
+        # under cp, a prefill's last layer attends each sequence's last token only (cp_last_token_attention)
+        trim = self.last and len(self.layers) > 0 and (
+            (cp_meta is None and x.shape[0] > meta.batch) or (cp_meta is not None and cp_meta.phase == "prefill"
+                                                              and split is None))
         unsplit = range(len(self.layers))
         if split:
             interleaved = len(self.layers) - 1 if trim else len(self.layers)
@@ -264,7 +283,7 @@ class LlamaStage(nn.Module):
         last_index = torch.arange(meta.batch) if trim else meta.last_token_index
         if not self.last:
             return x
-        if getattr(meta, "cp", None) is not None:
+        if cp_meta is not None and not trim:
             return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
         return self.lm_head(self.norm(x[last_index]))
 
