@@ -175,3 +175,29 @@ def test_cp_generate_matches_hf(case, store, tmp_path):
     if "--backend" in flags:
         assert "mpi" in out["parallel"]["backend"]
     assert_matches_hf(out, torch.load(dump), prompts, ref_ids, ref_logits, case)
+
+
+@pytest.mark.slow
+def test_a_64k_prompt_with_cp2_matches_the_single_process_flash_reference(tmp_path):
+    """A 65536-token prompt, cp=2, against one process that attends the whole sequence with torch's
+    CPU flash kernel (the reference that can afford this length: HF's eager attention would build
+    a 64K x 64K score matrix per head). The single-process path is itself checked against HF at
+    every length above. Greedy ids identical, each step's logits within fp32 tolerance."""
+    from checkpoints import write_hf_checkpoint
+
+    model = write_hf_checkpoint(tmp_path, "llama-gqa", subdir="tiny-64k", hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                max_position_embeddings=65600, rope_theta=1e6)
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(",".join(map(str, prompts_for([65536], seed=64)[0])))
+    outs = {}
+    for name, flags in (("one process", ["--nproc", "1"]), ("cp=2", ["--cp", "2"])):
+        dump = tmp_path / f"{name}.pt"
+        result = run(["dist-infer", "generate", "--model", str(model), "--prompt-ids", f"@{prompt_file}",
+                      "--max-new-tokens", "3", "--no-eos-stop", "--json", "--dump-logits", str(dump), *flags], 300)
+        assert result.returncode == 0, f"{name} exited {result.returncode}"
+        out = json.loads([ln for ln in result.stdout.splitlines() if ln.strip()][-1])
+        outs[name] = (out["outputs"][0]["token_ids"], torch.load(dump)[0])
+    (ids1, logits1), (ids2, logits2) = outs["one process"], outs["cp=2"]
+    assert ids2 == ids1, f"cp=2 {ids2} vs one process {ids1}"
+    assert torch.allclose(logits2, logits1, atol=1e-4, rtol=1e-4), float((logits2 - logits1).abs().max())

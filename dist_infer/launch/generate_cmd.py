@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Optional
 
 from loguru import logger
@@ -18,7 +19,8 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     add_scheduler_flags(p, offline=True)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt; repeat for a batch")
     p.add_argument("--prompt-ids", action="append", default=[],
-                   help="a prompt as comma-separated token ids, e.g. 1,2,3; repeat for a batch")
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3, or @FILE to read them from a file (a "
+                        "long prompt does not fit on a command line); repeat for a batch")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), else sampling temperature")
     p.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0: all)")
@@ -34,13 +36,20 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
 
 def parse_prompt_ids(values: list[str]) -> list[list[int]]:
     out = []
-    for text in values:
+    for value in values:
+        text, what = value, repr(value)
+        if value.startswith("@"):
+            try:
+                text, what = Path(value[1:]).read_text(), value[1:]
+            except OSError as exc:
+                raise SystemExit(f"dist-infer generate: --prompt-ids {value}: cannot read {value[1:]}: "
+                                 f"{exc.strerror or exc}")
         try:
-            ids = [int(x) for x in text.split(",") if x.strip()]
+            ids = [int(x) for x in text.replace("\n", ",").split(",") if x.strip()]
         except ValueError:
-            raise SystemExit(f"dist-infer generate: --prompt-ids {text!r} must be comma-separated integers")
+            raise SystemExit(f"dist-infer generate: --prompt-ids {what[:200]} must be comma-separated integers")
         if not ids:
-            raise SystemExit(f"dist-infer generate: --prompt-ids {text!r} is empty")
+            raise SystemExit(f"dist-infer generate: --prompt-ids {what[:200]} is empty")
         out.append(ids)
     return out
 
