@@ -543,10 +543,7 @@ class Cluster:
         mid = next(self._ids)
         with self._lock:
             self._moving[request_id] = (src, dst)
-            progress = self._progress.get(request_id)
-            if progress is not None:  # counts on the destination until it reports the request itself
-                self.instances[dst].incoming[request_id] = blocks_at_full_length(
-                    len(progress.prompt_token_ids), progress.params.max_new_tokens, self.block_size, self.cp)
+            self._expect(request_id, dst)
         self._busy.update((src, dst))
         try:
             result = await migrate(self, mid, request_id, src, dst, reason, self.migration_timeout, mode, max_stages)
@@ -575,6 +572,14 @@ class Cluster:
             self.downtime_counts[bucket] += 1
         return result
 
+    def _expect(self, request_id: str, dst: int) -> None:
+        """(lock held) A request on its way to `dst` counts in its load until the move is over, so
+        moves chosen in the same instant spread out instead of all picking the same instance."""
+        progress = self._progress.get(request_id)
+        if progress is not None:
+            self.instances[dst].incoming[request_id] = blocks_at_full_length(
+                len(progress.prompt_token_ids), progress.params.max_new_tokens, self.block_size, self.cp)
+
     # -- prefill/decode disaggregation ------------------------------------------------------------------
     def _hand_to_decode(self, request_id: str, src: int) -> None:
         """A request has its first token on a prefill instance: move it, KV and all, in one stage,
@@ -586,6 +591,8 @@ class Cluster:
             dst = None
             if progress is not None and here:
                 dst = self._choose(len(progress.prompt_token_ids), progress.params, ("decode", "mixed"), queued=False)
+                if dst is not None and dst != src:
+                    self._expect(request_id, dst)  # before the migration task starts: the next choice sees it
         if dst is None or dst == src:
             self._pd_next[request_id] = time.monotonic() + PD_RETRY_S
             return
