@@ -545,8 +545,8 @@ def test_shutdown_lets_running_streams_finish():
             with http() as other:
                 late = other.post(served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 2})
             assert late.status_code == 503 and "retry-after" in late.headers, late.text
-        except httpx.ConnectError:
-            pass
+        except (httpx.ConnectError, httpx.ReadError):
+            pass  # refused, or reset: connected into the backlog just as the listening socket closed
         rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert rest[-1]["choices"][0]["finish_reason"] == "length" and len(rest) == 29
     thread.join(30)
