@@ -245,16 +245,8 @@ class BlockMover:
                     torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
                 self.link.send(buffer, to, (op.migration_id, op.stage, self.local))
 
-            if buffer.numel() * buffer.element_size() <= INLINE_BYTES:
-                work: Future = Future()
-                try:
-                    gather_and_send()
-                    work.set_result(None)
-                except Exception as exc:  # noqa: BLE001 - recorded as the stage's failure by poll
-                    work.set_exception(exc)
-            else:
-                work = self._copier.submit(gather_and_send)
-            self._posted.append(_Posted("send", op.migration_id, op.stage, buffer, work=work))
+            self._posted.append(_Posted("send", op.migration_id, op.stage, buffer,
+                                        work=self._copy(buffer, gather_and_send)))
 
     def _post_recvs(self, op: TransferOp) -> None:
         index = torch.tensor(op.blocks, dtype=torch.long)
@@ -276,16 +268,19 @@ class BlockMover:
                     flag, self.addresses[d], (op.migration_id, op.stage, ACK + d))))
 
     def _arrived(self, p: _Posted, handle: RecvHandle) -> None:
-        if p.buffer.numel() * p.buffer.element_size() > INLINE_BYTES:
-            p.work = self._copier.submit(self._scatter, p, handle)
-            return
+        p.work = self._copy(p.buffer, self._scatter, p, handle)
+
+    def _copy(self, buffer: torch.Tensor, fn, *args) -> Future:
+        """Run a stage's copy: here and now up to INLINE_BYTES, else on the helper thread. Either
+        way the future holds its outcome (a failure is the stage's, recorded by poll)."""
+        if buffer.numel() * buffer.element_size() > INLINE_BYTES:
+            return self._copier.submit(fn, *args)
         work: Future = Future()
         try:
-            self._scatter(p, handle)
-            work.set_result(None)
+            work.set_result(fn(*args))
         except Exception as exc:  # noqa: BLE001 - recorded as the stage's failure by poll
             work.set_exception(exc)
-        p.work = work
+        return work
 
     def _scatter(self, p: _Posted, handle: RecvHandle) -> None:
         ok = False

@@ -266,9 +266,14 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request (thread-safe); it joins the batch at the next step."""
+        return self._enqueue(self._new_request(request_id, prompt_token_ids, params))
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.check_request(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else secrets.randbits(52)
-        request = Request(request_id, list(prompt_token_ids), params, seed)
+        return Request(request_id, list(prompt_token_ids), params, seed)
+
+    def _enqueue(self, request: Request) -> Request:
         self._commands.put(("add", request))
         self._wakeup.set()
         return request
@@ -279,9 +284,7 @@ class Engine:
         already has, prefilled again with them, and reports only what is new. `progress`:
         token_ids, logprobs, top_logprobs, text_chars (reported so far), age_s, first_token_age_s.
         With the same seed (sampling draws from (seed, position)) it continues exactly as it would have."""
-        self.check_request(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else secrets.randbits(52)
-        r = Request(request_id, list(prompt_token_ids), params, seed)
+        r = self._new_request(request_id, prompt_token_ids, params)
         tokens = list(progress["token_ids"])
         r.output_token_ids, r.output_logprobs = tokens, list(progress["logprobs"])
         r.output_top_logprobs = [[tuple(x) for x in row] for row in progress["top_logprobs"]]
@@ -294,9 +297,7 @@ class Engine:
         r.arrival_time = now - progress["age_s"]
         if tokens and progress.get("first_token_age_s") is not None:
             r.first_token_time = now - progress["first_token_age_s"]
-        self._commands.put(("add", r))
-        self._wakeup.set()
-        return r
+        return self._enqueue(r)
 
     def abort(self, request_id: str) -> None:
         """End a request wherever it is (thread-safe, idempotent); its blocks are freed."""
