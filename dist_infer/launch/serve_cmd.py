@@ -298,6 +298,16 @@ def _run_instance(engine, index: int, address: tuple, key: bytes, hello: dict) -
     InstanceServer(engine, index, no_delay(Client(address, authkey=key))).run(hello)
 
 
+def _read_hello(conn, timeout: float) -> dict:
+    """A driver's first message, its hello; a clear error if it says nothing or something else."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"an instance driver connected but said nothing for {timeout:g} s")
+    kind, hello = conn.recv()
+    if kind != "hello":
+        raise ValueError(f"an instance driver sent {kind!r} first, not hello")
+    return hello
+
+
 def _accept_instances(listener, count: int, timeout: float) -> list:
     """The drivers' connections, in instance order (each says hello first)."""
     import threading
@@ -311,10 +321,8 @@ def _accept_instances(listener, count: int, timeout: float) -> list:
         try:
             while len(conns) < count:
                 conn = no_delay(listener.accept())
-                if not conn.poll(timeout):
-                    raise TimeoutError("an instance driver connected but said nothing")
-                hello = conn.recv()
-                conns[hello[1]["index"]] = (conn, hello[1])
+                hello = _read_hello(conn, timeout)
+                conns[hello["index"]] = (conn, hello)
         except BaseException as exc:  # noqa: BLE001 - reported below
             failure.append(exc)
 
@@ -342,13 +350,9 @@ def _accept_more(listener, cluster) -> None:
             logger.warning(f"hub: a connection was refused ({type(exc).__name__}: {exc})")
             continue
         try:
-            if not conn.poll(30.0):
-                raise TimeoutError("it said nothing for 30 s")
-            kind, hello = conn.recv()
-            if kind != "hello":
-                raise ValueError(f"it sent {kind!r} first, not hello")
-        except Exception as exc:  # noqa: BLE001
-            logger.warning(f"hub: an instance driver connected but {exc}")
+            hello = _read_hello(conn, 30.0)
+        except Exception as exc:  # noqa: BLE001 - that driver is refused; the hub listens on
+            logger.warning(f"hub: {exc}")
             conn.close()
             continue
         cluster.attach(conn, hello)

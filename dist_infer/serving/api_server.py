@@ -648,36 +648,31 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
                                                     f"{result['message']}"), "migration": result}, status_code=409)
         return result
 
-    @app.post("/admin/instances/{index}/drain")
-    async def drain(index: int):
+    def accepted(action: Callable[..., dict], *args) -> JSONResponse:
+        """An admin action that starts something: 202 with the instance's description, or its error."""
         try:
-            return JSONResponse(cluster.drain(index), status_code=202)
+            return JSONResponse(action(*args), status_code=202)
         except AdminError as exc:
             return admin_error(exc)
+
+    @app.post("/admin/instances/{index}/drain")
+    async def drain(index: int):
+        return accepted(cluster.drain, index)
 
     @app.post("/admin/instances/{index}/stop")
     async def stop(index: int):
-        try:
-            return JSONResponse(cluster.stop_instance(index), status_code=202)
-        except AdminError as exc:
-            return admin_error(exc)
+        return accepted(cluster.stop_instance, index)
 
     @app.post("/admin/instances/{index}/restart")
     async def restart(index: int):
-        try:
-            return JSONResponse(cluster.restart_instance(index), status_code=202)
-        except AdminError as exc:
-            return admin_error(exc)
+        return accepted(cluster.restart_instance, index)
 
     @app.post("/admin/instances")
     async def add(request: Request):
         body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("layout"), str):
             raise ApiError(400, 'the body must be {"layout": "tp1"} (one --instances item, e.g. decode:tp2)', "layout")
-        try:
-            return JSONResponse(cluster.add_instance(body["layout"]), status_code=202)
-        except AdminError as exc:
-            return admin_error(exc)
+        return accepted(cluster.add_instance, body["layout"])
 
 
 class DrainingServer(uvicorn.Server):
