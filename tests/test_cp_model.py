@@ -201,3 +201,47 @@ def test_a_64k_prompt_with_cp2_matches_the_single_process_flash_reference(tmp_pa
     (ids1, logits1), (ids2, logits2) = outs["one process"], outs["cp=2"]
     assert ids2 == ids1, f"cp=2 {ids2} vs one process {ids1}"
     assert torch.allclose(logits2, logits1, atol=1e-4, rtol=1e-4), float((logits2 - logits1).abs().max())
+
+
+def test_cp_auto_rewrites_the_ranks_command_line(monkeypatch):
+    from dist_infer.launch import cp_auto
+    from dist_infer.launch.cp_auto import resolve_cp_auto
+    from dist_infer.topology.discovery import discover
+
+    monkeypatch.setattr(cp_auto, "discover", lambda env: None)  # started by hand
+    args = SimpleNamespace(cp="auto", tp=1, pp=1, ep=1, nproc=4, log_level="INFO")
+    argv = ["generate", "--cp", "auto", "--nproc", "4", "--prompt-ids", "@p"]
+    assert resolve_cp_auto(args, argv, 9000) == ["generate", "--cp", "2", "--nproc", "2", "--prompt-ids", "@p"]
+    assert (args.cp, args.nproc) == (2, 2), "4 ranks allowed, but 9000 tokens give only 2 of them 4096 each"
+    args = SimpleNamespace(cp="auto", tp=2, pp=1, ep=1, nproc=None, log_level="INFO")
+    assert resolve_cp_auto(args, ["bench", "--cp=auto", "--tp", "2"], 100) == ["bench", "--cp=1", "--tp", "2"]
+    assert args.cp == 1
+    # under a launcher (torchrun's variables) the ranks exist already: cp fills the job
+    monkeypatch.setattr(cp_auto, "discover", lambda env: discover({"RANK": "0", "WORLD_SIZE": "4"}))
+    args = SimpleNamespace(cp="auto", tp=2, pp=1, ep=1, nproc=None, log_level="INFO")
+    resolve_cp_auto(args, ["generate", "--cp", "auto"], 100)
+    assert args.cp == 2
+    args = SimpleNamespace(cp="auto", tp=3, pp=1, ep=1, nproc=None, log_level="INFO")
+    with pytest.raises(SystemExit, match="4 ranks do not divide by tp x pp x ep = 3"):
+        resolve_cp_auto(args, ["generate", "--cp", "auto"], 100)
+
+
+def test_cp_auto_starts_two_ranks_for_a_long_prompt_and_one_for_a_short_one(tmp_path, store):
+    """`generate --cp auto` through the real CLI: 8192 tokens -> cp=2 (4096 per rank), 100 tokens
+    -> one process; both continue exactly as the single process does."""
+    model = store.model("llama-gqa", max_position_embeddings=8300)
+    long_file = tmp_path / "long.txt"
+    long_file.write_text(",".join(map(str, prompts_for([8192], seed=8)[0])))
+    short = ",".join(map(str, prompts_for([100], seed=9)[0]))
+    for prompt, want_cp in ((f"@{long_file}", 2), (short, 1)):
+        ids = {}
+        for flags in (["--cp", "auto", "--nproc", "2"], ["--nproc", "1"]):
+            result = run(["dist-infer", "generate", "--model", str(model), "--prompt-ids", prompt,
+                          "--max-new-tokens", "3", "--no-eos-stop", "--json", *flags], TIMEOUT_S)
+            assert result.returncode == 0, f"{flags} exited {result.returncode}"
+            out = json.loads([ln for ln in result.stdout.splitlines() if ln.strip()][-1])
+            if "auto" in flags:
+                assert (out["parallel"]["cp"], out["parallel"]["world_size"]) == (want_cp, want_cp), out["parallel"]
+                assert f"--cp auto: cp={want_cp}" in result.stderr
+            ids[flags[0]] = out["outputs"][0]["token_ids"]
+        assert ids["--cp"] == ids["--nproc"]

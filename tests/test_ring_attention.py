@@ -22,7 +22,7 @@ from dist_infer.parallel.ring.blocks import plan_blocks, ring_step_flops
 from dist_infer.parallel.ring.errors import RingAttentionError
 from dist_infer.parallel.ring.layout import RingLayout
 from dist_infer.parallel.ring.local_attention import attention_with_lse, attention_with_lse_reference
-from dist_infer.parallel.ring.lse import merge_many, merge_partials
+from dist_infer.parallel.ring.lse import merge_into, merge_many, merge_partials
 from dist_infer.parallel.ring.ring_loops import _attend_blocks
 from dist_infer.parallel.ring.shards import runs_from_positions, zigzag_chunks
 from dist_infer.parallel.ring.variant import choose_ring_variant
@@ -65,6 +65,20 @@ def test_merge_partials_equals_attention_over_the_union(dtype):
     assert o.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     torch.testing.assert_close(o.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+def test_merge_into_writes_the_merge_into_views_of_the_accumulators():
+    gen = torch.Generator().manual_seed(5)
+    acc_o, acc_lse = torch.zeros(6, 3, 4), torch.full((6, 3), float("-inf"))
+    o1, l1 = torch.randn(4, 3, 4, generator=gen), torch.randn(4, 3, generator=gen)
+    o2, l2 = torch.randn(4, 3, 4, generator=gen), torch.randn(4, 3, generator=gen)
+    merge_into(acc_o[1:5], acc_lse[1:5], o1, l1)  # into empty rows: the identity
+    assert torch.equal(acc_o[1:5], o1) and torch.equal(acc_lse[1:5], l1)
+    merge_into(acc_o[1:5], acc_lse[1:5], o2, l2)
+    want_o, want_lse = merge_partials(o1, l1, o2, l2)
+    torch.testing.assert_close(acc_o[1:5], want_o, atol=0, rtol=0)
+    torch.testing.assert_close(acc_lse[1:5], want_lse, atol=0, rtol=0)
+    assert not acc_o[0].any() and not acc_o[5].any() and torch.isneginf(acc_lse[[0, 5]]).all(), "other rows untouched"
 
 
 def test_merge_partials_empty_sets_are_the_identity():
@@ -246,6 +260,19 @@ def test_choose_ring_variant():
     assert choose_ring_variant(8 * 1999, 10**6, 32, 8, cp=8, peak_flops=c, link_bytes_per_s=bw) == "pass-q"
     with pytest.raises(RingAttentionError, match="bad counts"):
         choose_ring_variant(-1, 0, 8, 8)
+
+
+def test_choose_cp_size_gives_every_rank_its_floor_of_the_longest_prompt():
+    from dist_infer.parallel.ring.sizing import MIN_TOKENS_PER_CP_RANK as m, choose_cp_size
+
+    assert choose_cp_size(2 * m - 1, 8) == 1, "two ranks would get less than the floor each"
+    assert choose_cp_size(2 * m, 8) == 2
+    assert choose_cp_size(3 * m + 5, 8) == 3, "any size, not only powers of two"
+    assert choose_cp_size(1 << 20, 2) == 2, "never more than the ranks there are"
+    assert choose_cp_size(0, 4) == 1
+    assert choose_cp_size(9000, 4, min_tokens_per_rank=1000) == 4
+    with pytest.raises(RingAttentionError, match="-5-token prompt"):
+        choose_cp_size(-5, 2)
 
 
 # -- the kernel ----------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from checkpoints import hf_reference, write_hf_checkpoint
@@ -156,6 +158,25 @@ def test_bench_profile_splits_a_decode_step_by_kind_of_work(tmp_path):
     table = (tmp_path / "rank0.txt").read_text()
     assert "dist_infer::skinny_linear" in table or "aten::mm" in table
     assert (tmp_path / "rank1.txt").is_file() and "decode step (ms)" in result.stdout
+
+
+def test_bench_profile_splits_a_cp_prefill_per_ring_step(tmp_path):
+    """Under cp=2 the prefill's ring has two steps per layer: step 0 posts the transfer of the
+    other rank's K/V and attends this rank's own, step 1 attends what arrived. Every rank writes
+    its own breakdown, and the flash kernel inside the ring's ranges still counts as attention."""
+    result = run(["dist-infer", "bench", "--cp", "2", "--batch", "1", "--prompt-len", "512", "--gen-len", "2",
+                  "--profile", str(tmp_path), "--json"], timeout=180)
+    assert result.returncode == 0
+    for rank in (0, 1):
+        profile = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        steps = profile["prefill_ring_steps_s"]
+        assert sorted(steps) == ["0", "1"], steps
+        assert steps["0"]["post"] > 0 and steps["1"]["post"] == 0, "only step 0 has a next step to post"
+        assert steps["0"]["wait"] > 0 and steps["1"]["wait"] == 0
+        assert all(steps[s]["attend"] > 0 and steps[s]["merge"] > 0 for s in steps)
+        prefill = profile["prefill_s"]
+        assert prefill["attention"] >= sum(steps[s]["attend"] for s in steps) * 0.5, prefill
+    assert "prefill ring step 1 (ms, all layers): post 0.0, attend" in result.stdout
 
 
 def test_sequence_rows_cover_every_token_once():

@@ -151,7 +151,7 @@ class Engine:
         self._freed: list[int] = []
         self._transfers: list[TransferOp] = []  # KV block moves for the next plan (live migration)
         self.mover: Optional[BlockMover] = None
-        self._follower_cpu_start: Optional[float] = None
+        self._follower_start: Optional[tuple[float, float]] = None
         self.migration: Optional[MigrationEndpoint] = None
         self._next_seq = 0
         self.requests_added = 0  # add commands applied (the API counts what it sent and has not been seen)
@@ -460,9 +460,10 @@ class Engine:
             return None
         inputs = hidden if hidden is not None else torch.tensor(plan.input_ids, dtype=torch.long)
         out = self.worker.execute(plan, inputs)
-        if self._follower_cpu_start is not None and any(plan.sample):
-            self.timing.ttft_cpu_s = time.process_time() - self._follower_cpu_start
-            self._follower_cpu_start = None
+        if self._follower_start is not None and any(plan.sample):  # this rank's own prefill ends here
+            wall, cpu = self._follower_start
+            self.timing.ttft_s, self.timing.ttft_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+            self._follower_start = None
         if not last_stage:
             self._post(wire + [out], self.pp.rank + 1, TAG_FORWARD)
             return None
@@ -670,7 +671,8 @@ class Engine:
                 self._allocate(need)
         self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts), sequences=len(prompts))
         if not self.is_driver:
-            self._follower_cpu_start = time.process_time()  # its prefill CPU time: up to its first sampled step
+            # its own prefill time, wall and CPU: up to its first sampled step (a profile splits at it)
+            self._follower_start = (time.perf_counter(), time.process_time())
             self.follow()
             return self._share_outputs(None, prompts, return_logits)
         self.return_logits = return_logits

@@ -14,6 +14,16 @@ from dist_infer.comm import BACKENDS, DEFAULT_TIMEOUT_S
 from dist_infer.launch.logs import configure_logging
 
 
+def _cp_size(text: str):
+    """--cp: a positive integer, or auto."""
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive integer nor auto")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -56,11 +66,18 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="loguru level: DEBUG, INFO, WARNING (default %(default)s)")
 
 
-def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+def add_parallel_flags(p: argparse.ArgumentParser, cp_auto: bool = False) -> None:
+    """tp, pp, ep, cp; `cp_auto`: --cp also takes auto (commands that know their prompts up front)."""
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (ranks sharing each layer)")
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (stages of layers)")
     p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size (ranks sharing the experts)")
-    p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (ranks sharing the sequence)")
+    if cp_auto:
+        p.add_argument("--cp", type=_cp_size, default=1,
+                       help="context-parallel size (ranks sharing the sequence), or auto: from the longest prompt, "
+                            "at least 4096 tokens per cp rank, within --nproc (else the cores or GPUs) after tp x pp "
+                            "x ep; under torchrun/mpirun/srun, the job's ranks after tp x pp x ep")
+    else:
+        p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (ranks sharing the sequence)")
 
 
 def add_overlap_flags(p: argparse.ArgumentParser) -> None:
@@ -134,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "for a batch of prompts. With --nproc N (or by default tp x pp) it starts the local ranks itself; "
                     "under torchrun, mpirun or dist-infer launch it runs as one rank.",
     )
-    add_parallel_flags(gen)
+    add_parallel_flags(gen, cp_auto=True)
     add_rank_flags(gen)
     from dist_infer.launch.generate_cmd import add_generate_flags
 
@@ -147,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a fixed workload (batch x prompt-len random prompts, gen-len greedy tokens) through this "
                     "engine, then through each --compare peer in the same invocation, and report ratios.",
     )
-    add_parallel_flags(bench)
+    add_parallel_flags(bench, cp_auto=True)
     add_rank_flags(bench)
     from dist_infer.launch.bench_cmd import add_bench_flags
 
@@ -185,9 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dist_infer.launch.generate_cmd import run_generate
+    from dist_infer.launch.cp_auto import resolve_cp_auto
+    from dist_infer.launch.generate_cmd import longest_prompt, run_generate
     from dist_infer.launch.rank import run_rank_command, spawn_local
 
+    if args.cp == "auto":
+        argv = resolve_cp_auto(args, list(argv), longest_prompt(args))
     code = spawn_local(args, list(argv))
     if code is not None:
         return code
@@ -198,7 +218,10 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.launch.bench_cmd import parse_compare, run_bench
     from dist_infer.launch.rank import run_rank_command, spawn_local
 
+    from dist_infer.launch.cp_auto import resolve_cp_auto
+
     parse_compare(args.compare)  # a typo fails here, before any rank starts
+    argv = resolve_cp_auto(args, list(argv), args.prompt_len)
     code = spawn_local(args, list(argv))
     if code is not None:
         return code

@@ -54,6 +54,31 @@ def parse_prompt_ids(values: list[str]) -> list[list[int]]:
     return out
 
 
+def read_prompts(args, model: str):
+    """The batch: --prompt texts (tokenized; the default prompt when none is given) then --prompt-ids.
+    -> (token id lists, the tokenizer or None when no text was given)."""
+    from dist_infer.engine.tokenizer import TextTokenizer
+
+    tokenizer = None
+    prompts = parse_prompt_ids(args.prompt_ids)
+    if args.prompt or not prompts:
+        tokenizer = TextTokenizer(model)
+        prompts = [tokenizer.encode(p) for p in (args.prompt or [DEFAULT_PROMPT])] + prompts
+    return prompts, tokenizer
+
+
+def longest_prompt(args) -> int:
+    """Tokens in the batch's longest prompt, read where the command starts (for --cp auto)."""
+    from dist_infer.engine.tokenizer import TokenizerError
+    from dist_infer.launch.model_options import model_path
+
+    try:
+        prompts, _ = read_prompts(args, model_path(args))
+    except TokenizerError as exc:
+        raise SystemExit(f"dist-infer generate: --cp auto needs the prompts' lengths: {exc}")
+    return max(len(p) for p in prompts)
+
+
 def moe_report(stage, groups) -> Optional[dict]:
     """The routing statistics of an MoE model (collective: every rank calls it), None for a dense one."""
     from dist_infer.models.moe import is_moe_stage, routing_report
@@ -77,16 +102,14 @@ def run_generate(args) -> int:
     stage, report, model = load_model(args, groups)
     logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
                 f"peak RSS {report.peak_rss_mb:.0f} MiB")
-    tokenizer = None
-    prompts = parse_prompt_ids(args.prompt_ids)
-    if args.prompt or not prompts:
-        tokenizer = TextTokenizer(model)
-        prompts = [tokenizer.encode(p) for p in (args.prompt or [DEFAULT_PROMPT])] + prompts
+    prompts, tokenizer = read_prompts(args, model)
     engine = build_engine(args, stage, groups, **scheduler_options(args))
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
     timing = {"load_s": report.load_s, **engine.timing.as_dict()}
-    peaks = torch.zeros(world.size, dtype=torch.float64)
-    peaks[world.rank] = report.peak_rss_mb
+    from dist_infer.models.checkpoint import peak_rss_mb
+
+    peaks = torch.zeros(2, world.size, dtype=torch.float64)  # the whole run's peak, and the load's
+    peaks[:, world.rank] = torch.tensor([peak_rss_mb(), report.peak_rss_mb], dtype=torch.float64)
     world.all_reduce(peaks)
     moe = moe_report(stage, groups)
     if world.rank == 0:
@@ -116,7 +139,8 @@ def run_generate(args) -> int:
                         "backend": world.backend, "mesh": groups.mesh.describe()}
             extra = {"moe": moe} if moe is not None else {}
             print(json.dumps({"outputs": rows, "parallel": parallel, "timing": timing,
-                              "memory": {"peak_rss_mb_per_rank": peaks.tolist()}, **extra}))
+                              "memory": {"peak_rss_mb_per_rank": peaks[0].tolist(),
+                                         "load_peak_rss_mb_per_rank": peaks[1].tolist()}, **extra}))
     world.barrier()
     engine.close()
     groups.destroy()

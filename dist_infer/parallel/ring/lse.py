@@ -28,13 +28,23 @@ def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2:
     O = 0) is the identity, and two empty sets give an empty set, never NaN.
     """
     dt = acc_dtype(o1.dtype)
-    o1, o2, lse1, lse2 = o1.to(dt), o2.to(dt), lse1.to(dt), lse2.to(dt)
-    hi, lo = torch.maximum(lse1, lse2), torch.minimum(lse1, lse2)
-    empty = torch.isneginf(hi)
-    weight2 = torch.sigmoid(lse2 - lse1).masked_fill(empty, 0.0)  # sigmoid(+-inf) is exact 1 or 0
-    o = o1 - weight2.unsqueeze(-1) * (o1 - o2)
-    lse = hi + F.softplus((lo - hi).masked_fill(empty, 0.0))
+    o, lse = o1.to(dt, copy=True), lse1.to(dt, copy=True)
+    merge_into(o, lse, o2, lse2)
     return o, lse
+
+
+def merge_into(acc_o: torch.Tensor, acc_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """`merge_partials` of (acc_o, acc_lse) and (o, lse), written into acc_o and acc_lse in place
+    (the ring's accumulators, or views of their rows): one temporary the size of `o`, where an
+    out-of-place merge makes three and a copy back, most of the merge's peak memory. The
+    accumulators must already be in the accumulation dtype (`acc_dtype`)."""
+    dt = acc_o.dtype
+    o, lse = o.to(dt), lse.to(dt)
+    hi, lo = torch.maximum(acc_lse, lse), torch.minimum(acc_lse, lse)
+    empty = torch.isneginf(hi)
+    weight = torch.sigmoid(lse - acc_lse).masked_fill_(empty, 0.0)
+    acc_o.sub_((acc_o - o).mul_(weight.unsqueeze(-1)))
+    acc_lse.copy_(hi + F.softplus((lo - hi).masked_fill_(empty, 0.0)))
 
 
 def merge_many(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

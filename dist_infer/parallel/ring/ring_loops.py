@@ -8,28 +8,38 @@ communicator is passed explicitly.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd.profiler import record_function
 
 from dist_infer.comm.base import Communicator, P2POp
 from dist_infer.parallel.ring.blocks import Block
 from dist_infer.parallel.ring.errors import RingAttentionError
 from dist_infer.parallel.ring.layout import RingLayout
 from dist_infer.parallel.ring.local_attention import attention_with_lse
-from dist_infer.parallel.ring.lse import acc_dtype, merge_many, merge_partials
+from dist_infer.parallel.ring.lse import acc_dtype, merge_into, merge_many
 from dist_infer.parallel.ring.variant import VARIANTS
 
 TAG_RING = 41  # ring transfers on the cp group; nothing else there uses point-to-point
 
 
-def _attend_blocks(q, k, v, blocks: Sequence[Block], acc_o, acc_lse, scale) -> None:
+RING_RANGE = "dist_infer::ring::step"  # profiler ranges: f"{RING_RANGE}{i}.{part}" (`bench --profile` sums them)
+
+
+def _span(step: int, part: str):
+    """A named range per ring step and part (post, attend, merge, wait) while a profiler runs; nothing otherwise."""
+    return record_function(f"{RING_RANGE}{step}.{part}") if torch._C._autograd._profiler_enabled() else nullcontext()
+
+
+def _attend_blocks(q, k, v, blocks: Sequence[Block], acc_o, acc_lse, scale, step: int = 0) -> None:
     """Attend each block and merge it into the accumulators' rows, in place."""
     for b in blocks:
-        o, lse = attention_with_lse(q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1], b.causal, scale)
-        merged_o, merged_lse = merge_partials(acc_o[b.q0:b.q1], acc_lse[b.q0:b.q1], o, lse)
-        acc_o[b.q0:b.q1] = merged_o
-        acc_lse[b.q0:b.q1] = merged_lse
+        with _span(step, "attend"):
+            o, lse = attention_with_lse(q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1], b.causal, scale)
+        with _span(step, "merge"):
+            merge_into(acc_o[b.q0:b.q1], acc_lse[b.q0:b.q1], o, lse)
 
 
 def _check(q, k, v, layout: RingLayout, group: Communicator) -> None:
@@ -71,11 +81,13 @@ def ring_attention_pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         cur = bufs[i % 2]
         handle = None
         if i < n - 1:
-            handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
-                                              P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
-        _attend_blocks(q, cur[0], cur[1], steps[i], acc_o, acc_lse, scale)
+            with _span(i, "post"):
+                handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
+                                                  P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
+        _attend_blocks(q, cur[0], cur[1], steps[i], acc_o, acc_lse, scale, i)
         if handle is not None:
-            handle.wait()
+            with _span(i, "wait"):
+                handle.wait()
     return acc_o.to(q.dtype), acc_lse
 
 
@@ -112,12 +124,14 @@ def ring_attention_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
         cur = bufs[i % 2]
         handle = None
         if i < n - 1:
-            handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
-                                              P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
+            with _span(i, "post"):
+                handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
+                                                  P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
         acc_o, acc_lse = partial[src][..., :-1], partial[src][..., -1]
-        _attend_blocks(cur, k, v, steps[i], acc_o, acc_lse, scale)
+        _attend_blocks(cur, k, v, steps[i], acc_o, acc_lse, scale, i)
         if handle is not None:
-            handle.wait()
+            with _span(i, "wait"):
+                handle.wait()
     if n == 1:
         return partial[0][..., :-1].to(q.dtype), partial[0][..., -1].clone()
     send = torch.cat(partial).contiguous()
