@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import time
 
 import httpx
 import pytest

@@ -216,9 +216,8 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.launch.bench_cmd import parse_compare, run_bench
-    from dist_infer.launch.rank import run_rank_command, spawn_local
-
     from dist_infer.launch.cp_auto import resolve_cp_auto
+    from dist_infer.launch.rank import run_rank_command, spawn_local
 
     parse_compare(args.compare)  # a typo fails here, before any rank starts
     argv = resolve_cp_auto(args, list(argv), args.prompt_len)

@@ -92,6 +92,7 @@ def run_generate(args) -> int:
     from dist_infer.engine.sampling import SamplingParams
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.rank import join_job
+    from dist_infer.models.checkpoint import peak_rss_mb
     from dist_infer.topology import ParallelConfig
 
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
@@ -106,8 +107,6 @@ def run_generate(args) -> int:
     engine = build_engine(args, stage, groups, **scheduler_options(args))
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
     timing = {"load_s": report.load_s, **engine.timing.as_dict()}
-    from dist_infer.models.checkpoint import peak_rss_mb
-
     peaks = torch.zeros(2, world.size, dtype=torch.float64)  # the whole run's peak, and the load's
     peaks[:, world.rank] = torch.tensor([peak_rss_mb(), report.peak_rss_mb], dtype=torch.float64)
     world.all_reduce(peaks)

@@ -150,18 +150,22 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(B, heads, d), lse.reshape(B, heads)
 
 
+def _store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """This rank's new K/V rows into their cache slots (cp keeps each row on one rank only)."""
+    if slot_mapping.numel():
+        k_cache.view(-1, k.shape[1], k.shape[2]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, v.shape[1], v.shape[2]).index_copy_(0, slot_mapping, v)
+
+
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, cp: Communicator) -> torch.Tensor:
     """q: [T, heads, d], k/v: [T, kv_heads, d] of this rank's rows -> [T, heads * d]; stores this rank's K/V."""
     info = meta.cp
-    kv_heads, d = k.shape[1], k.shape[2]
     if info.store_rows is None:
-        k_new, v_new = k, v
+        _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
-        k_new, v_new = k[info.store_rows], v[info.store_rows]
-    if meta.slot_mapping.numel():
-        k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k_new)
-        v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v_new)
+        _store_kv(k[info.store_rows], v[info.store_rows], k_cache, v_cache, meta.slot_mapping)
     if info.phase == "prefill":
         out, _ = ring_attention(q, k, v, cp, info.layout, info.variant, causal=True, scale=scale, steps=info.steps)
     else:
@@ -180,10 +184,8 @@ def cp_last_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     partials are merged by log-sum-exp. One query row instead of a ring pass over the whole
     prompt: the single-process path skips that work too, so cp must not pay for it."""
     info = meta.cp
-    kv_heads, d = k.shape[1], k.shape[2]
-    if meta.slot_mapping.numel():
-        k_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+    d = k.shape[2]
+    _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     rows = info.last_rows
     B, heads = rows.numel(), q.shape[1]
     last_q = q.new_zeros(B, heads, d)

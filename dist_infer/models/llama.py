@@ -103,25 +103,25 @@ class LlamaAttention(nn.Module):
     def attend(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
-        T = x.shape[0]
         out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)  # None: not served natively
         if out is not None:
             return out
-        q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.kv_heads, self.head_dim)
+        q, k, v = self._heads_rotated(q, k, v, cos, sin)
         if meta.cp is not None:
             return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
         return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
 
+    def _heads_rotated(self, q, k, v, cos, sin):
+        """qkv_proj's outputs as [T, heads, head_dim], with RoPE applied to q and k."""
+        T = q.shape[0]
+        return (apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin),
+                apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin),
+                v.view(T, self.kv_heads, self.head_dim))
+
     def attend_last_tokens_cp(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """The last layer of a cp prefill: every row's K/V to the cache, attention for each
         sequence's last token only ([B, local heads * head_dim], the same on every cp rank)."""
-        q, k, v = self.qkv_proj(x)
-        T = x.shape[0]
-        q = apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.kv_heads, self.head_dim)
+        q, k, v = self._heads_rotated(*self.qkv_proj(x), cos, sin)
         return cp_last_token_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
 
     def attend_last_tokens(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> Optional[torch.Tensor]:
