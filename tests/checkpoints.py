@@ -144,7 +144,12 @@ def load_hf_model(path: Union[str, os.PathLike]):
     """The checkpoint as HF loads it: fp32, eager attention (the reference implementation)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    path = Path(path)
+    if path.suffix == ".gguf":  # transformers dequantizes a GGUF to fp32 itself
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation="eager")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
 VENV_BIN = REPO / ".venv" / "bin" if (REPO / ".venv" / "bin").is_dir() else Path(sys.executable).parent
 
+# A command without --model runs the `tiny` random model in the tests (and every process they start):
+# it loads in a blink. Tests of the trained default model pass `--model default` explicitly.
+os.environ["DIST_INFER_MODEL"] = "tiny"
+
 def venv_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     """A copy of os.environ with the venv's bin first on PATH and no launcher variables."""
     env = without_launcher_env(os.environ)  # tests start their own jobs: nothing may leak in from an outer one

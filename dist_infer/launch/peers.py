@@ -245,16 +245,28 @@ def _init_gloo(timeout_s: float) -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
+def hf_from_pretrained(model_path: str, **kwargs):
+    """transformers' model from a checkpoint directory or a GGUF file (dequantized to fp32, the
+    same weights ours loads)."""
+    from transformers import AutoModelForCausalLM
+
+    from dist_infer.models.gguf_checkpoint import is_gguf
+
+    path = Path(model_path)
+    if is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
 def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
            repeats: int = 1) -> dict:
     """HF transformers in this one process."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     threads = threads or threads_per_rank(1)
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = hf_from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     load_s = time.perf_counter() - t0
     timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats)
@@ -266,7 +278,6 @@ def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, thread
     """HF transformers' tensor parallelism over WORLD_SIZE ranks (run under torchrun, gloo on CPU)."""
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     _, world = _dist_env()
     threads = threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -279,7 +290,7 @@ def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, thread
         tp_kwargs: dict[str, Any] = {"tp_plan": "auto"}
     else:
         tp_kwargs = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)}
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **tp_kwargs)
+    model = hf_from_pretrained(model_path, dtype=torch.float32, **tp_kwargs)
     model.eval()
     load_s = time.perf_counter() - t0
     sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
@@ -306,7 +317,6 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
 
     import deepspeed
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=timeout_s), verbose=False)
     if local_world != world:
@@ -317,7 +327,7 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
         if ds_comm.cdb is not None and hasattr(ds_comm.cdb, "shm_vector_kernel_level"):
             ds_comm.cdb.shm_vector_kernel_level = 0
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = hf_from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": world}, dtype=torch.float32,
                                       replace_with_kernel_inject=False)

@@ -77,11 +77,11 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
         return None
     from dist_infer.launch.launcher import relaunch_as_local_ranks
     from dist_infer.launch.logs import configure_logging
-    from dist_infer.models.default_model import ensure_default_model
+    from dist_infer.models.builtin import resolve_model
 
     configure_logging("launch")
-    if args.model in (None, "default"):
-        ensure_default_model()  # once, before the ranks race for it
+    if hasattr(args, "model"):
+        resolve_model(args.model)  # once, before the ranks race to write `tiny` (and a clear error if missing)
     return relaunch_as_local_ranks(argv, n, failure_domains(args))
 
 

@@ -89,8 +89,19 @@ def default_kv_blocks(stage, block_size: int, memory_bytes: int, max_num_seqs: i
     return max(1, min(memory_bytes // per_block, enough))
 
 
-def chat_template_of(model: str) -> Optional[str]:
-    """tokenizer_config.json's chat_template (a string, or the 'default' one of a list), if any."""
+def served_name(flag: Optional[str], model: str) -> str:
+    """The model id clients see: a built-in model's name, else the checkpoint's folder or file name."""
+    from dist_infer.models.builtin import NAMES, model_name
+
+    name = model_name(flag)
+    return name if name in NAMES else Path(model).name
+
+
+def chat_template_of(model: str, tokenizer=None) -> Optional[str]:
+    """The chat template: the tokenizer's own (a GGUF's metadata), or tokenizer_config.json's
+    chat_template (a string, or the 'default' one of a list), if any."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
     path = Path(model) / "tokenizer_config.json"
     if not path.is_file():
         return None
@@ -386,7 +397,7 @@ def _serve_api(args, engine, hello: dict, listener, address: tuple, key: bytes, 
     local = threading.Thread(target=_run_instance, args=(engine, 0, address, key, hello), name="instance-0", daemon=True)
     local.start()
     clients = [InstanceClient(i, conn, h) for i, (conn, h) in enumerate(_accept_instances(listener, count, args.timeout))]
-    name = args.served_model_name or (Path(model).name if args.model not in (None, "default") else "default")
+    name = args.served_model_name or served_name(args.model, model)
     if args.hub_key_file:
         path = Path(args.hub_key_file)
         path.touch(mode=0o600)
@@ -395,7 +406,7 @@ def _serve_api(args, engine, hello: dict, listener, address: tuple, key: bytes, 
     def on_dead(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why
 
-    cluster = Cluster(clients, name, tokenizer, chat_template_of(model), args.max_queue, args.dispatch,
+    cluster = Cluster(clients, name, tokenizer, chat_template_of(model, tokenizer), args.max_queue, args.dispatch,
                       args.migrate_interval, migration_timeout=args.migration_timeout, on_dead=on_dead,
                       spawner=_spawner(args, address, key), join_timeout_s=max(60.0, args.timeout))
     cluster.start()

@@ -79,9 +79,11 @@ class LlamaAttention(nn.Module):
         self.cp = cp  # the context-parallel group, used when a step's metadata says the sequence is sharded
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp,
                                           bias=cfg.qkv_bias, dtype=dtype, name=f"{prefix}.qkv_proj")
+        heads = self.qkv_proj.layout
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, bias=cfg.o_bias,
-                                        dtype=dtype, name=f"{prefix}.o_proj")
-        self.q_heads, self.kv_heads = self.qkv_proj.layout.q_heads, self.qkv_proj.layout.kv_heads
+                                        dtype=dtype, name=f"{prefix}.o_proj",
+                                        in_range=(heads.q_start * cfg.head_dim, heads.q_heads * cfg.head_dim))
+        self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
 

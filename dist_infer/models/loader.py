@@ -17,6 +17,7 @@ import torch
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb
 from dist_infer.models.config import ModelConfig
+from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from dist_infer.models.llama import LlamaStage
 from dist_infer.models.registry import builder_for
 from dist_infer.parallel.sharding import stage_layers
@@ -40,10 +41,12 @@ def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = t
 
 def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
                pp_split: Optional[Sequence[int]] = None, **options) -> tuple[LlamaStage, LoadReport]:
-    """This rank's stage of the checkpoint at `path`, with what loading cost."""
+    """This rank's stage of the checkpoint at `path` (a HF directory or a .gguf file), with what
+    loading cost."""
     start, rss0 = time.perf_counter(), current_rss_mb()
-    with open_checkpoint(path) as ckpt:
-        cfg = ModelConfig.from_hf(ckpt.config, str(Path(path) / "config.json"))
+    gguf = is_gguf(path)
+    with (GGUFCheckpoint(path) if gguf else open_checkpoint(path)) as ckpt:
+        cfg = ModelConfig.from_hf(ckpt.config, str(path) if gguf else str(Path(path) / "config.json"))
         stage = build_stage(cfg, groups, dtype, pp_split, **options)
         stage.load_weights(ckpt.tensor)
     report = LoadReport(time.perf_counter() - start, rss0, peak_rss_mb(), (stage.layer_ids.start, stage.layer_ids.stop))

@@ -76,18 +76,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, part_sizes: Sequence[int], tp: Communicator, bias: bool = False,
                  dtype: torch.dtype = torch.float32, name: str = "merged"):
-        super().__init__(in_features, sum(part_sizes), tp, bias, dtype, name)
+        nn.Module.__init__(self)
+        self.tp, self.name = tp, name
+        self.in_features, self.out_features = in_features, sum(part_sizes)
         self.part_sizes = list(part_sizes)
-        self.part_local = [shard_range(p, tp.size, tp.rank, f"{name}: part of {p} features")[1] for p in part_sizes]
+        # each part split on its own (uneven splits of the parts need not add up to a split of the sum)
+        self.part_ranges = [shard_range(p, tp.size, tp.rank, f"{name}: part of {p} features") for p in part_sizes]
+        self.part_local = [length for _, length in self.part_ranges]
+        self.out_local = sum(self.part_local)
+        self.weight = _param(self.out_local, in_features, dtype=dtype)
+        self.bias = _param(self.out_local, dtype=dtype) if bias else None
 
     def weight_loader(self, source, part: int, which: str = "weight") -> None:
         size = self.part_sizes[part]
         full = (size, self.in_features) if which == "weight" else (size,)
         check_shape(f"{self.name}[{part}].{which}", source, full)
-        local = self.part_local[part]
+        start, local = self.part_ranges[part]
         offset = sum(self.part_local[:part])
         dest = getattr(self, which).narrow(0, offset, local)
-        copy_into(dest, narrow(source, 0, self.tp.rank * local, local), f"{self.name}[{part}].{which}")
+        copy_into(dest, narrow(source, 0, start, local), f"{self.name}[{part}].{which}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return skinny_linear(x, self.weight, self.bias).split(self.part_local, dim=-1)
@@ -129,14 +136,18 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over tp ranks of x[:, shard] W[:, shard]^T: input already split, all-reduce out."""
+    """y = sum over tp ranks of x[:, shard] W[:, shard]^T: input already split, all-reduce out.
+
+    `in_range` (start, length): the input columns this rank holds when the layer before decides
+    them (o_proj takes the columns of this rank's attention heads); by default a balanced split."""
 
     def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, reduce_results: bool = True, name: str = "linear"):
+                 dtype: torch.dtype = torch.float32, reduce_results: bool = True, name: str = "linear",
+                 in_range: Optional[tuple[int, int]] = None):
         super().__init__()
         self.tp, self.name = tp, name
         self.in_features, self.out_features = in_features, out_features
-        self.in_start, self.in_local = shard_range(in_features, tp.size, tp.rank, f"{name}: input features")
+        self.in_start, self.in_local = in_range or shard_range(in_features, tp.size, tp.rank, f"{name}: input features")
         self.reduce_results = reduce_results
         self.weight = _param(out_features, self.in_local, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None

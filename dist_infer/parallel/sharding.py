@@ -14,11 +14,15 @@ class ShardingError(ValueError):
 
 
 def shard_range(total: int, parts: int, index: int, what: str = "dimension") -> tuple[int, int]:
-    """(start, length) of shard `index` when `total` is split evenly into `parts`."""
-    if total % parts:
-        raise ShardingError(f"{what} {total} is not divisible by {parts} ({total} % {parts} = {total % parts})")
-    size = total // parts
-    return index * size, size
+    """(start, length) of shard `index` when `total` is split into `parts` as evenly as it goes:
+    the first `total % parts` shards hold one more (9 over 2: 5 + 4). Tensor parallelism needs no
+    even split, only the all-reduce of every shard's partial sum; an empty shard is an error."""
+    if not 0 <= index < parts:
+        raise ShardingError(f"{what}: shard {index} of {parts} does not exist")
+    if parts > total:
+        raise ShardingError(f"{what} {total} cannot be split over {parts} ranks: every rank needs at least one")
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
 
 
 def padded_shard_range(total: int, parts: int, index: int) -> tuple[int, int, int]:
@@ -28,13 +32,30 @@ def padded_shard_range(total: int, parts: int, index: int) -> tuple[int, int, in
     return start, size, max(0, min(size, total - start))
 
 
+def _head_ranges(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[int, int, int, int]:
+    """(q_start, q_heads, kv_start, kv_heads) of one rank; see `HeadLayout`."""
+    group = num_heads // num_kv_heads
+    if tp <= num_kv_heads:  # whole KV heads per rank, each with all of its query heads
+        kv_start, kv_heads = shard_range(num_kv_heads, tp, rank, "num_key_value_heads")
+        return kv_start * group, kv_heads * group, kv_start, kv_heads
+    for kv in range(num_kv_heads):  # one KV head per rank, on a balanced number of consecutive ranks
+        first, ranks = shard_range(tp, num_kv_heads, kv)
+        if first <= rank < first + ranks:
+            q_start, q_heads = shard_range(group, ranks, rank - first, "query heads per KV head")
+            return kv * group + q_start, q_heads, kv, 1
+    raise AssertionError("unreachable: every rank falls in one KV head's range")
+
+
 @dataclass(frozen=True)
 class HeadLayout:
     """The attention heads one tensor-parallel rank owns.
 
-    Query heads are split evenly. KV heads are split when tp divides them; when tp exceeds
-    them, each KV head is replicated on tp / kv_heads consecutive ranks (vLLM's rule), so every
-    rank holds exactly the KV head its query heads read.
+    tp <= KV heads: the KV heads are split as evenly as they go and each rank takes the query
+    heads that read them (9 / 3 heads at tp=2: 6 + 3 query heads, 2 + 1 KV heads), so no KV head
+    is stored twice. tp > KV heads: each KV head is replicated on a balanced run of consecutive
+    ranks, which split its query heads (vLLM's rule when tp is a multiple of the KV heads, and
+    the same idea when it is not). vLLM and DeepSpeed refuse sizes that do not divide the heads;
+    the all-reduce after o_proj does not care how many heads a rank holds.
     """
 
     num_heads: int
@@ -44,32 +65,29 @@ class HeadLayout:
 
     def __post_init__(self):
         h, kv, tp = self.num_heads, self.num_kv_heads, self.tp
-        if h % kv:
+        if kv < 1 or h % kv:
             raise ShardingError(f"num_attention_heads {h} is not a multiple of num_key_value_heads {kv}")
-        if h % tp:
-            raise ShardingError(f"num_attention_heads {h} is not divisible by tp={tp} ({h} % {tp} = {h % tp})")
-        if kv % tp and tp % kv:
+        if tp > h:
             raise ShardingError(
-                f"num_key_value_heads {kv} and tp={tp}: tp must divide the KV heads or be a multiple of them"
-            )
-
-    @property
-    def q_heads(self) -> int:
-        return self.num_heads // self.tp
-
-    @property
-    def kv_heads(self) -> int:
-        return max(1, self.num_kv_heads // self.tp)
+                f"num_attention_heads {h} cannot be split over tp={tp}: every rank needs at least one query head")
+        q_start, q_heads, kv_start, kv_heads = _head_ranges(h, kv, tp, self.rank)
+        object.__setattr__(self, "_ranges", (q_start, q_heads, kv_start, kv_heads))
 
     @property
     def q_start(self) -> int:
-        return self.rank * self.q_heads
+        return self._ranges[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self._ranges[1]
 
     @property
     def kv_start(self) -> int:
-        if self.tp <= self.num_kv_heads:
-            return self.rank * self.kv_heads
-        return self.rank // (self.tp // self.num_kv_heads)
+        return self._ranges[2]
+
+    @property
+    def kv_heads(self) -> int:
+        return self._ranges[3]
 
 
 def balanced_partition(num_layers: int, stages: int) -> list[int]:

@@ -1,9 +1,10 @@
-"""The embedded default model: a small Llama checkpoint written on first use, without a download.
+"""The built-in `tiny` model: a small random Llama checkpoint written on first use, without a download.
 
-Every example, benchmark and multi-node smoke test needs *some* real HF checkpoint, and the
-cluster nodes may not reach the Hub. So the library builds one deterministically from a seed:
+Tests and smoke runs need a real HF checkpoint that loads in a blink, and cluster nodes may
+not reach the Hub. So the library builds one deterministically from a seed (its text is
+gibberish: for readable text use the `default` model, see `builtin.py`):
 a byte-level BPE tokenizer trained on the text below and Llama weights from a seeded
-generator. Every rank (and every node) that calls `ensure_default_model` gets byte-identical
+generator. Every rank (and every node) that calls `ensure_tiny_model` gets byte-identical
 files, so ranks that each write their own copy on node-local disks still agree.
 """
 
@@ -18,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-NAME = "default-llama-v1"
+NAME = "tiny-llama-v1"
 SEED = 20240611
 TOKENIZER_VOCAB = 1000
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")  # ids 0, 1, 2
@@ -221,7 +222,7 @@ def _weights(vocab_size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_default_model(directory: Union[str, os.PathLike]) -> Path:
+def write_tiny_model(directory: Union[str, os.PathLike]) -> Path:
     """Write the default checkpoint's files into an existing (empty) directory."""
     from safetensors.torch import save_file
 
@@ -249,7 +250,7 @@ def _complete(directory: Path) -> bool:
     return directory.is_dir() and all((directory / f).is_file() for f in FILES)
 
 
-def ensure_default_model(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
+def ensure_tiny_model(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
     """Path of the default checkpoint, writing it first if needed.
 
     Written into a private temp dir and renamed into place, so ranks that race here never see
@@ -262,7 +263,7 @@ def ensure_default_model(cache_dir: Optional[Union[str, os.PathLike]] = None) ->
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.tmp-", dir=root))
     try:
-        write_default_model(tmp)
+        write_tiny_model(tmp)
         if final.exists() and not _complete(final):
             # A leftover we did not write atomically (e.g. an interrupted manual copy): move it aside.
             stale = Path(tempfile.mkdtemp(prefix=f".{NAME}.stale-", dir=root))

@@ -1,0 +1,280 @@
+"""A GGUF file (llama.cpp's format) read as a checkpoint: the same interface as `Checkpoint`.
+
+The file's metadata becomes a HF-style config, its tensors are offered under HF names, and each
+tensor is lazy: a rank that narrows it to its shard dequantizes only that shard. Quantized
+tensors are stored row by row in blocks along the input dimension (Q4_1: 32 values in 20
+bytes), so
+- a row shard (column-parallel layers: q/k/v, gate/up, the vocabulary) reads just its rows;
+- a column shard (row-parallel layers: o_proj, down_proj) reads, in every row, the blocks that
+  overlap its columns. A shard boundary inside a block costs the two ranks that share it one
+  extra block each per row; the values are the same either way, since each block dequantizes
+  alone.
+The `gguf` package reads the file (memory-mapped) and dequantizes the blocks.
+
+llama.cpp stores the q and k projections of Llama models with each head's rows interleaved
+(its converter permutes them for its rotary kernel); the row map here undoes that, so the
+weights equal the HF checkpoint's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import numpy as np
+import torch
+
+from dist_infer.models.checkpoint import CheckpointError
+
+GGUF_MAGIC = b"GGUF"
+# Types whose dequantization is implemented by the gguf package and checked here.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = ("llama",)
+
+_LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def is_gguf(path: Union[str, os.PathLike]) -> bool:
+    """A path names a GGUF file when it ends in .gguf (what users type) or starts with its magic."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return True
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """The HF tensor name of a GGUF tensor name, or None for tensors the model does not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """GGUF row index of each HF row of a llama q or k projection.
+
+    llama.cpp stores head h's rows as (d/2 pairs) x (2 halves) where HF has (2 halves) x (d/2):
+    HF row h*d + half*(d/2) + j is GGUF row h*d + 2j + half."""
+    d = n_rows // n_heads
+    r = np.arange(n_rows)
+    head, within = divmod(r, d)
+    half, j = divmod(within, d // 2)
+    return head * d + 2 * j + half
+
+
+def open_reader(path: Path):
+    try:
+        import gguf
+    except ImportError as exc:  # a core dependency; only a broken install lacks it
+        raise CheckpointError(f"reading {path} needs the 'gguf' package: pip install gguf") from exc
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
+        raise CheckpointError(f"cannot read GGUF file {path} (truncated or damaged?): {type(exc).__name__}: {exc}") from exc
+
+
+def read_field(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file under its HF name and HF shape ([out, in] for a matrix).
+
+    Indexing with slices (what `narrow` does) dequantizes only the selected rows and the blocks
+    covering the selected columns, to fp32."""
+
+    def __init__(self, path: Path, tensor, name: str, row_map: Optional[np.ndarray] = None):
+        import gguf
+        self.path, self._t, self.name, self._row_map = path, tensor, name, row_map
+        self.gguf_name = tensor.name
+        self.type_name = tensor.tensor_type.name
+        self.shape = tuple(int(d) for d in reversed([int(x) for x in tensor.shape]))
+        self.dtype = torch.float32
+        self._qtype = tensor.tensor_type
+        self._block, self._block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"GGUFTensor({self.name!r} <- {self.gguf_name!r}, {self.type_name}, shape={list(self.shape)})"
+
+    def _raw_rows(self) -> np.ndarray:
+        """The tensor's bytes as [rows, bytes per row] (a view of the memory map)."""
+        rows = int(np.prod(self.shape[:-1])) if self.ndim > 1 else 1
+        return np.asarray(self._t.data).reshape(-1).view(np.uint8).reshape(rows, -1)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        import gguf
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (self.ndim - len(index))
+        if len(index) != self.ndim or not all(isinstance(s, slice) and s.step in (None, 1) for s in index):
+            raise CheckpointError(f"{self.name}: only contiguous slices are supported, got {index}")
+        cols = self.shape[-1]
+        c0, c1, _ = index[-1].indices(cols)
+        if self.ndim == 1:
+            rows = np.array([0])
+        else:
+            rows = np.arange(self.shape[0])[index[0]]
+            if self._row_map is not None:
+                rows = self._row_map[rows]
+        b0, b1 = c0 // self._block, -(-c1 // self._block)
+        raw = self._raw_rows()
+        if raw.shape[1] != (cols // self._block) * self._block_bytes:
+            raise CheckpointError(f"{self.path}: tensor {self.gguf_name!r} ({self.type_name}) has {raw.shape[1]} bytes "
+                                  f"per row, expected {(cols // self._block) * self._block_bytes}")
+        picked = raw[rows][:, b0 * self._block_bytes: b1 * self._block_bytes]
+        try:
+            values = gguf.quants.dequantize(np.ascontiguousarray(picked), self._qtype)
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: cannot dequantize tensor {self.gguf_name!r} of type "
+                                  f"{self.type_name}: {exc}") from exc
+        values = values.reshape(len(rows), -1)[:, c0 - b0 * self._block: c1 - b0 * self._block]
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return out[0] if self.ndim == 1 else out
+
+
+class GGUFCheckpoint:
+    """A .gguf file as a checkpoint: `config` (HF-style), `tensor(name)`, `has`, `names`."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        self._reader = open_reader(self.path)
+        r = self._reader
+        self.metadata_source = str(self.path)
+        arch = read_field(r, "general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(f"{self.path}: GGUF architecture {arch!r} is not supported; expected one of "
+                                  f"{ARCHITECTURES}")
+        self.config = gguf_config(r, self.path)
+        heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+        self._tensors: dict[str, GGUFTensor] = {}
+        for t in r.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            if t.tensor_type.name not in SUPPORTED_TYPES:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which this "
+                                      f"loader does not dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
+            row_map = None
+            if name.endswith("self_attn.q_proj.weight"):
+                row_map = unpermute_rows(int(t.shape[1]), heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                row_map = unpermute_rows(int(t.shape[1]), kv_heads)
+            self._tensors[name] = GGUFTensor(self.path, t, name, row_map)
+        self.config["tie_word_embeddings"] = "lm_head.weight" not in self._tensors
+        if "model.embed_tokens.weight" not in self._tensors:
+            raise CheckpointError(f"{self.path}: no token_embd.weight tensor (is the file complete?)")
+
+    def names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    __contains__ = has
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def tensor(self, name: str) -> GGUFTensor:
+        t = self._tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} not found in GGUF file {self.path}")
+        return t
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.path]
+
+    def close(self) -> None:
+        self._tensors = {}
+        self._reader = None
+
+    def __enter__(self) -> "GGUFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFCheckpoint({str(self.path)!r}, tensors={len(self._tensors)})"
+
+
+def gguf_config(reader, path: Path) -> dict:
+    """The HF config.json fields of a llama-architecture GGUF, from its metadata."""
+    arch = read_field(reader, "general.architecture")
+
+    def need(key: str):
+        value = read_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    kv_heads = int(read_field(reader, f"{arch}.attention.head_count_kv", heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = read_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise CheckpointError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(read_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(read_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(read_field(reader, f"{arch}.context_length", 2048)),
+        "vocab_size": int(vocab),
+        "torch_dtype": "float32",
+    }
+    scaling = read_field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported (only linear)")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = read_field(reader, f"tokenizer.ggml.{name}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def open_gguf(path: Union[str, os.PathLike]) -> GGUFCheckpoint:
+    return GGUFCheckpoint(path)
