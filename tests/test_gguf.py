@@ -176,6 +176,19 @@ def test_default_model_says_paris_like_transformers(flags, smollm2_reference, tm
     assert_matches_hf(out, torch.load(tmp_path / "l.pt"), [PARIS_PROMPT], ref_ids, ref_logits, str(flags))
 
 
+@pytest.mark.slow
+def test_default_model_in_bfloat16_at_tp2():
+    """--dtype bfloat16: each rank dequantizes its shard to bf16 (half the weight memory); the rotary
+    tables follow the activations' dtype (they used to promote k to fp32 and break the cache write)."""
+    import json
+
+    proc = run([DIST, "generate", "--model", "default", "--prompt", "The capital of France is", "--max-new-tokens",
+                "4", "--json", "--tp", "2", "--nproc", "2", "--dtype", "bfloat16"], TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert out["outputs"][0]["text"].startswith(" Paris"), out["outputs"][0]["text"]
+
+
 # --- bad files ---------------------------------------------------------------------------------------
 
 def _generate_error(model: Path) -> str:

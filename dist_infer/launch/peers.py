@@ -248,14 +248,21 @@ def _init_gloo(timeout_s: float) -> None:
 def hf_from_pretrained(model_path: str, **kwargs):
     """transformers' model from a checkpoint directory or a GGUF file (dequantized to fp32, the
     same weights ours loads)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from dist_infer.models.gguf_checkpoint import is_gguf
 
     path = Path(model_path)
-    if is_gguf(path):
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    if not is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+    # transformers marks a GGUF-loaded model quantized although its weights are plain fp32 by now, and
+    # then refuses .float(), which DeepSpeed's init_inference calls: clear the mark (nothing is quantized).
+    if getattr(model, "is_quantized", False) and all(p.dtype == torch.float32 for p in model.parameters()):
+        model.is_quantized = False
+        model.hf_quantizer = None
+    return model
 
 
 def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,

@@ -50,7 +50,9 @@ class Rotary:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (the rotate-half convention)."""
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (the rotate-half convention).
+    The tables are fp32; like HF, they are cast to x's dtype first, so bf16 stays bf16."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
