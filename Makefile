@@ -24,13 +24,18 @@ setup: $(VENV)/.installed
 run: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dist-infer generate --tp 2 --pp 2 --nproc $(NPROC) --prompt "The three primary colors are" --max-new-tokens 32
 
-test: setup
+# The tests run the peers too (DeepSpeed and transformers side by side with ours), so they install them.
+test: setup peers
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
 
-# The peers for side-by-side benchmarks. DeepSpeed builds against the installed torch.
-peers: setup
+# The peers for side-by-side benchmarks. DeepSpeed builds against the installed torch (no CUDA ops;
+# its CPU shared-memory all-reduce is compiled on first use).
+$(VENV)/.peers: $(VENV)/.installed
 	$(BIN)/pip install -q transformers accelerate
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation deepspeed
+	touch $@
+
+peers: $(VENV)/.peers
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -637,3 +637,17 @@ def test_api_load_matches_shard(world_groups, tmp_path):
     model = load(path, groups=world_groups, block_size=4)
     outputs = model.generate(prompts, max_new_tokens=4, return_logits=True)
     _assert_like_hf(outputs, prompts, ids, logits, "api.load qwen2")
+
+
+def test_mlp_in_row_slices_matches_hf(world_groups, tmp_path, monkeypatch):
+    """A prefill longer than LlamaMLP.ROW_CHUNK runs the MLP slice by slice (its temporaries are a long
+    prefill's memory peak); with slices of 4 rows every prompt here is sliced, and the result is HF's."""
+    from dist_infer.engine.api import load
+    from dist_infer.models.llama import LlamaMLP
+
+    monkeypatch.setattr(LlamaMLP, "ROW_CHUNK", 4)
+    path = write_hf_checkpoint(tmp_path, "llama-gqa")
+    prompts = _lib_prompts((5, 17, 40))
+    ids, logits = hf_reference(path, prompts, 4)
+    outputs = load(path, groups=world_groups).generate(prompts, max_new_tokens=4, return_logits=True)
+    _assert_like_hf(outputs, prompts, ids, logits, "MLP in 4-row slices")

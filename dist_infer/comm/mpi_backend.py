@@ -9,7 +9,7 @@ that can be waited on with a timeout.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -96,12 +96,11 @@ class MPICommunicator(Communicator):
         def test() -> bool:
             return MPI.Request.Testall(reqs)
 
-        on_complete: Optional[Callable[[], None]] = None
-        if any(s.copy_back for s in staged):
-            def on_complete() -> None:
-                for s in staged:
-                    s.finish()
+        def copy_back() -> None:
+            for s in staged:
+                s.finish()
 
+        on_complete = copy_back if any(s.copy_back for s in staged) else None
         return PollingHandle(test, self.describe(op), self.timeout, on_complete)
 
     def _post_all_reduce(self, tensor, op):

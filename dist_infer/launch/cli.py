@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_parallel_flags(bench, cp_auto=True)
     add_rank_flags(bench)
-    from dist_infer.launch.bench_cmd import add_bench_flags
+    from dist_infer.launch.bench import add_bench_flags
 
     add_bench_flags(bench)
     add_overlap_flags(bench)
@@ -215,7 +215,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dist_infer.launch.bench_cmd import parse_compare, run_bench
+    from dist_infer.launch.bench import parse_compare, run_bench
     from dist_infer.launch.cp_auto import resolve_cp_auto
     from dist_infer.launch.rank import run_rank_command, spawn_local
 

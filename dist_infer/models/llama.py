@@ -142,6 +142,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    ROW_CHUNK = 8192  # rows per MLP slice on long prefills (see forward)
+
     def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
@@ -150,7 +152,17 @@ class LlamaMLP(nn.Module):
                                            dtype=dtype, name=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activated(x))
+        """A long prefill runs in slices of `ROW_CHUNK` rows: its gate/up output and activation are
+        2-3 x intermediate values per row, the largest temporaries of a layer (the peak of a long
+        prefill, cp ranks included), and every row is independent. One all-reduce for all slices."""
+        rows = x.shape[0]
+        if rows <= self.ROW_CHUNK:
+            return self.down_proj(self.activated(x))
+        out = x.new_empty(rows, self.down_proj.out_features)
+        for start in range(0, rows, self.ROW_CHUNK):
+            piece = x[start:start + self.ROW_CHUNK]
+            out[start:start + piece.shape[0]] = self.down_proj.partial(self.activated(piece))
+        return self.down_proj.finish(out)
 
     def load_weights(self, get: Callable[[str], object], prefix: str, bias: bool = False) -> None:
         for i, proj in enumerate(("gate_proj", "up_proj")):

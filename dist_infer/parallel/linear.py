@@ -168,8 +168,11 @@ class RowParallelLinear(nn.Module):
         """What follows the all-reduce: the bias, added once."""
         return y if self.bias is None else y + self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.partial(x)
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """The partial sums of every row -> the layer's output: all-reduced (in place), bias added."""
         if self.reduce_results:
             reduce_from_tp(y, self.tp)
         return self.add_bias(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.partial(x))

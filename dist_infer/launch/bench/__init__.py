@@ -1,0 +1,19 @@
+"""`dist-infer bench`: prefill and decode throughput, side by side with the peers in the same run.
+
+Our engine runs the workload first (all ranks), then rank 0 runs each peer named by --compare
+in its own processes, one after another so they never share the cores, and reports our numbers
+as ratios to theirs. Every system gets the same prompts (seeded B x P random ids) and the same
+greedy loop shape: one prefill, then G-1 decode steps.
+
+One module each: `flags` (the command line), `timing` (the timed runs), `memory` (the peak of
+generation itself), `overlap` (how much communication is hidden, per group), `report` (ratios,
+the PNG, the routing file) and `run` (the command: ours, then the peers).
+"""
+
+from __future__ import annotations
+
+from dist_infer.launch.bench.flags import COMPARABLE, add_bench_flags, parse_compare
+from dist_infer.launch.bench.overlap import report_runs
+from dist_infer.launch.bench.run import run_bench
+
+__all__ = ["COMPARABLE", "add_bench_flags", "parse_compare", "report_runs", "run_bench"]

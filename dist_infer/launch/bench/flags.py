@@ -1,0 +1,43 @@
+"""The flags of `dist-infer bench` and the --compare list."""
+
+from __future__ import annotations
+
+import argparse
+
+COMPARABLE = ("deepspeed", "hf", "hf-tp", "ours-1proc")
+
+
+def add_bench_flags(p: argparse.ArgumentParser) -> None:
+    from dist_infer.launch.model_options import add_model_flags
+
+    add_model_flags(p)  # the same model and layout flags as generate and serve
+    p.add_argument("--batch", type=int, default=4, help="prompts per batch (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default %(default)s)")
+    p.add_argument("--gen-len", type=int, default=32, help="new tokens per prompt (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed runs of our engine; the best is reported (default %(default)s)")
+    p.add_argument("--compare", default="",
+                   help="peers to run in the same invocation, comma separated: deepspeed (AutoTP, tp ranks), "
+                        "hf (transformers, one process), hf-tp (transformers tp_plan=auto, tp ranks), "
+                        "ours-1proc (this engine in one process on all cores)")
+    p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds each peer may take (default %(default)s)")
+    p.add_argument("--overlap-report", action="store_true",
+                   help="run the workload three ways (tensor parallel baseline, token-split overlap, collectives "
+                        "skipped = wrong output, the lower bound) and report the fraction of communication hidden")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed runs, run the workload once more under the torch profiler and write each "
+                        "rank's op table (DIR/rank<N>.txt) and where one decode step's time goes (GEMM, attention, "
+                        "communication, other ops, Python) into the JSON as 'profile'")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
+    p.add_argument("--save-routing", default=None, metavar="FILE",
+                   help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "
+                        "for this ep to FILE, for --expert-placement")
+
+
+def parse_compare(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in COMPARABLE]
+    if bad:
+        raise SystemExit(f"dist-infer bench: unknown --compare peer(s) {bad}; choose from {', '.join(COMPARABLE)}")
+    return names

@@ -1,0 +1,64 @@
+"""What the bench hands back besides the table: ratios to the peers, the PNG, the routing file,
+and our own engine in one process as a peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+from dist_infer.topology.discovery import without_launcher_env
+
+
+def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
+    return ours / theirs if ours and theirs else None
+
+
+def run_ours_single_process(args) -> dict:
+    """This engine at tp=1 in one process using every core, for the 'same 2 cores' comparison."""
+    cmd = [sys.executable, "-m", "dist_infer", "bench", "--nproc", "1", "--batch", str(args.batch),
+           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = without_launcher_env(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # one process on every core
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.peer_timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"peer": "ours-1proc", "ok": False, "error": (proc.stderr or proc.stdout)[-2000:]}
+    out = json.loads(lines[-1])
+    out.update(peer="ours-1proc", ok=True, tp=1)
+    out.pop("compare", None)
+    return out
+
+
+def plot(path: str, rows: list[tuple[str, dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, _ in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "prefill_tok_s", "prefill tokens/s"), (axes[1], "decode_tok_s", "decode tokens/s")):
+        values = [m.get(key) or 0.0 for _, m in rows]
+        bars = ax.bar(names, values, color=["tab:green"] + ["tab:gray"] * (len(rows) - 1))
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle("dist-infer bench (higher is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_routing(path: str, moe: Optional[dict], ep: int) -> None:
+    """The measured tokens per expert and a balanced placement for `ep`, for --expert-placement."""
+    from dist_infer.parallel.moe.routing_file import write_routing_file
+
+    if moe is None:
+        raise SystemExit("dist-infer bench: --save-routing needs a mixture-of-experts model")
+    write_routing_file(path, {i: layer["tokens_per_expert"] for i, layer in moe["layers"].items()}, ep)
+    print(f"routing counts and a balanced placement for ep={ep} written to {path}")

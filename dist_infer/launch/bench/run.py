@@ -1,0 +1,130 @@
+"""`dist-infer bench`: our engine on every rank, then each peer in its own processes, one table."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+
+from loguru import logger
+
+from dist_infer.launch.bench.flags import parse_compare
+from dist_infer.launch.bench.memory import generation_memory
+from dist_infer.launch.bench.overlap import MEASURED_GROUPS, P2P_RUNS, TP_RUNS, format_overlap, overlap_report
+from dist_infer.launch.bench.report import plot, ratio, run_ours_single_process, save_routing
+from dist_infer.launch.bench.timing import measure
+
+
+def run_bench(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from dist_infer.comm.measured import MeasuredCommunicator
+    from dist_infer.launch.generate_cmd import moe_report
+    from dist_infer.launch.model_options import build_engine, load_model
+    from dist_infer.launch.peers import make_prompts, run_peer
+    from dist_infer.launch.rank import join_job
+    from dist_infer.topology import ParallelConfig
+
+    peers = parse_compare(args.compare)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("dist-infer bench: --plot needs matplotlib: pip install 'dist_infer[plot]'")
+    groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+                      args.timeout, args.iface, args.log_level, args.shm)
+    world = groups.world
+    plain_groups = groups  # what to tear down at the end (the wrappers below share their communicators)
+    if args.overlap_report or args.profile:  # time (and for the report, serialise or skip) each group's communication
+        groups = dataclasses.replace(groups, **{g: MeasuredCommunicator(getattr(groups, g)) for g in MEASURED_GROUPS})
+    stage, report, model = load_model(args, groups)
+    engine = build_engine(args, stage, groups)
+    prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
+    measured_runs = 0
+    if args.overlap_report:
+        measured_runs = (len(TP_RUNS) if groups.tp.size > 1 else 0) + sum(
+            len(plan) for g, plan in P2P_RUNS.items() if getattr(groups, g).size > 1)
+    bar = tqdm(total=args.repeat * (1 + measured_runs) + len(peers), desc="bench", unit="run", file=sys.stderr,
+               disable=None if world.rank == 0 else True)
+    timing, gen_peak, gen_above = generation_memory(
+        lambda: measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1)))
+    gen_mem = torch.zeros(3, world.size, dtype=torch.float64)
+    gen_mem[:, world.rank] = torch.tensor([gen_peak or float("nan"), gen_above or float("nan"), timing["ttft_cpu_s"]])
+    world.all_reduce(gen_mem)
+    moe = moe_report(stage, groups)
+    profile = None
+    if args.profile:
+        from dist_infer.launch.profile import profile_generation
+
+        profile = profile_generation(engine, prompts, args.gen_len, args.profile, world.rank)
+    overlap = overlap_report(engine, groups, prompts, args, lambda: bar.update(1)) if args.overlap_report else None
+    peaks = torch.zeros(world.size, dtype=torch.float64)
+    peaks[world.rank] = report.peak_rss_mb
+    world.all_reduce(peaks)
+    world.barrier()
+    engine.close()
+    plain_groups.destroy()
+    world.destroy()
+    if world.rank != 0:
+        return 0
+    ours = {"peer": "dist-infer", **timing, "peak_rss_mb": float(peaks.max()), "peak_rss_mb_per_rank": peaks.tolist(),
+            "load_s": report.load_s, "tp": args.tp, "pp": args.pp, "world_size": world.size,
+            "batch": args.batch, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+            "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
+            "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
+            "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
+            "ep": args.ep, **({"moe": moe} if moe is not None else {}),
+            **({"profile": profile} if profile is not None else {})}
+    compare = {}
+    nproc_peer = world.size
+    for peer in peers:
+        bar.set_postfix_str(peer)
+        if peer == "ours-1proc":
+            metrics = run_ours_single_process(args)
+        else:
+            metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
+                               repeats=args.repeat)
+        metrics.pop("token_ids", None)
+        metrics["prefill_ratio"] = ratio(ours["prefill_tok_s"], metrics.get("prefill_tok_s"))
+        metrics["decode_ratio"] = ratio(ours["decode_tok_s"], metrics.get("decode_tok_s"))
+        if not metrics.get("ok"):
+            logger.warning(f"peer {peer} failed: {str(metrics.get('error'))[:500]}")
+        compare[peer] = metrics
+        bar.update(1)
+    bar.close()
+    print(f"bench: {os.path.basename(model.rstrip('/'))}, batch {args.batch} x prompt {args.prompt_len}, "
+          f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} on {world.size} rank(s)")
+    print(f"{'system':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ttft ms':>10}{'tpot ms':>10}"
+          f"{'prefill x':>11}{'decode x':>10}")
+    rows = [("dist-infer", ours)] + [(k, v) for k, v in compare.items()]
+    for name, m in rows:
+        def fmt(v, scale=1.0, spec=".1f"):
+            return format(v * scale, spec) if isinstance(v, (int, float)) and v else "-"
+        print(f"{name:<14}{fmt(m.get('prefill_tok_s')):>15}{fmt(m.get('decode_tok_s')):>14}"
+              f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
+              f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}")
+    print("(x = dist-infer's throughput divided by the system's, same run)")
+    print(f"prefill: {timing['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
+          f"peak memory above the loaded model (KV cache + activations) per rank: "
+          f"{', '.join(f'{m:.0f}' for m in gen_mem[1].tolist())} MiB "
+          f"(peak RSS {', '.join(f'{m:.0f}' for m in gen_mem[0].tolist())} MiB); prefill CPU time per rank "
+          f"{', '.join(f'{c:.2f}' for c in gen_mem[2].tolist())} s")
+    if moe is not None:
+        from dist_infer.models.moe import format_routing_report
+
+        print(format_routing_report(moe))
+    if profile is not None:
+        from dist_infer.launch.profile import format_profile
+
+        print(format_profile(profile))
+    if args.save_routing:
+        save_routing(args.save_routing, moe, args.ep)
+    if overlap:
+        ours["overlap"] = overlap
+        print(format_overlap(overlap))
+    if args.plot:
+        plot(args.plot, [(n, m) for n, m in rows if m.get("ok", True)])
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps({**ours, "compare": compare}))
+    return 0

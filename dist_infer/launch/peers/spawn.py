@@ -1,0 +1,155 @@
+"""Starting a peer from the bench: its own processes (torchrun for the distributed ones), one peer at a
+time on the machine, its result read back from the JSON it writes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from dist_infer.launch.launcher import stop_process_groups
+from dist_infer.launch.peers.metrics import failed
+from dist_infer.launch.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
+from dist_infer.topology.discovery import without_launcher_env
+
+LOCK_PATH = os.path.join(tempfile.gettempdir(), "dist_infer_peers.lock")
+
+
+def _free_port() -> int:
+    try:
+        from dist_infer.topology.discovery import free_port
+    except ImportError:  # keep this module usable on its own
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return free_port()
+
+
+def torchrun_argv(nproc: int, port: int) -> list[str]:
+    """torchrun from the venv of this interpreter (or `python -m torch.distributed.run`)."""
+    exe = Path(sys.executable).parent / "torchrun"
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return base + [f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
+
+
+def peer_argv(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
+              json_out: str, port: int, threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              repeats: int = 1) -> list[str]:
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
+    tail = ["-m", "dist_infer.launch.peers", "--peer", peer, "--model", str(model_path), "--batch", str(batch),
+            "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--json-out", str(json_out),
+            "--timeout", str(timeout_s), "--repeats", str(repeats)]
+    if threads:
+        tail += ["--threads", str(threads)]
+    if peer in DISTRIBUTED_PEERS:
+        return torchrun_argv(nproc, port) + tail
+    return [sys.executable] + tail
+
+
+@contextmanager
+def _exclusive(lock_path: str = LOCK_PATH):
+    """One peer at a time on this machine, across threads and processes (they would fight for the cores)."""
+    import fcntl
+
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_ds_shm(port: int) -> None:
+    """DeepSpeed's shm all-reduce leaves one /dev/shm segment per rank, named after MASTER_PORT."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        if re.search(rf"_{port}_\d+$", path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _tail(text: str, n: int = 4000) -> str:
+    text = text.strip()
+    return text[-n:]
+
+
+def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
+             timeout_s: float = DEFAULT_TIMEOUT_S, threads: Optional[int] = None,
+             env: Optional[dict[str, str]] = None, repeats: int = 1) -> dict:
+    """Run one peer in its own process(es) and return its metrics dict (ok False + stderr tail on failure).
+
+    `hf` is one plain process (`nproc` is ignored; `threads` defaults to all cores); `hf-tp` and
+    `deepspeed` run as `nproc` torchrun ranks (threads per rank default to cores // nproc). Peers
+    started through here never overlap: a file lock serialises them.
+    """
+    if peer not in PEERS:
+        return failed(peer, f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
+    tp = nproc if peer in DISTRIBUTED_PEERS else 1
+    with tempfile.TemporaryDirectory(prefix=f"peer-{peer}-") as tmp, _exclusive():
+        json_out = os.path.join(tmp, "metrics.json")
+        port = _free_port()
+        argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
+                         repeats)
+        load_before = os.getloadavg()[0]
+        child_env = without_launcher_env(os.environ)  # we may ourselves be a rank: the peer is a job of its own
+        child_env.update({
+            "CUDA_VISIBLE_DEVICES": "",      # every peer runs the same fp32 CPU workload
+            "DS_ACCELERATOR": "cpu",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        })
+        # the package must be importable by the child even when it is not installed
+        root = str(Path(__file__).resolve().parents[2])
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+        if env:
+            child_env.update(env)
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        t0 = time.perf_counter()
+        with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+            proc = subprocess.Popen(argv, stdout=out_f, stderr=err_f, env=child_env, start_new_session=True)
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                stop_process_groups([proc], grace=5.0)
+                rc = proc.returncode
+        wall = time.perf_counter() - t0
+        if peer == "deepspeed":
+            _remove_ds_shm(port)
+        stderr = Path(err_path).read_text(errors="replace")
+        stdout = Path(out_path).read_text(errors="replace")
+        metrics: Optional[dict] = None
+        if os.path.exists(json_out):
+            try:
+                metrics = json.loads(Path(json_out).read_text())
+            except ValueError:
+                metrics = None
+        if metrics is None:
+            why = f"timed out after {timeout_s:.0f}s" if timed_out else f"exited with code {rc} and wrote no metrics"
+            metrics = failed(peer, f"{peer} {why}", tp=tp)
+        elif timed_out or rc != 0:
+            metrics["ok"] = False
+            if not metrics.get("error"):
+                metrics["error"] = f"{peer} exited with code {rc}" + (" (timed out)" if timed_out else "")
+        if not metrics.get("ok"):
+            metrics["stderr_tail"] = _tail(stderr) or _tail(stdout)
+        metrics["command"] = " ".join(argv)
+        metrics["wall_s"] = wall
+        # 1-minute load average around the run: above the core count, other work shared the cores
+        metrics["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+        return metrics

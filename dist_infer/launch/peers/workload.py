@@ -1,0 +1,88 @@
+"""The workload and its timing loop, shared by every peer: seeded prompts, one prefill, greedy decode steps."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+PROMPT_SEED = 1234
+MIN_TOKEN_ID = 3            # ids below this are often special (pad/bos/eos): prompts avoid them
+WARMUP_PROMPT_LEN = 16
+WARMUP_DECODE_STEPS = 2
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = PROMPT_SEED):
+    """B x P token ids in [MIN_TOKEN_ID, vocab), the same on every rank and in every peer."""
+    import torch
+
+    if vocab_size <= MIN_TOKEN_ID:
+        raise ValueError(f"vocab_size {vocab_size} leaves no ids >= {MIN_TOKEN_ID}")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(MIN_TOKEN_ID, vocab_size, (batch, prompt_len), generator=gen, dtype=torch.long)
+
+
+def _greedy(forward: Callable, config, input_ids, decode_steps: int, on_step=None):
+    """Prefill `input_ids`, then `decode_steps` greedy steps; returns (tokens B x (1+steps), times)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    t0 = time.perf_counter()
+    out = forward(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1, :].argmax(dim=-1)
+    times = [time.perf_counter() - t0]
+    tokens = [nxt]
+    for _ in range(decode_steps):
+        t0 = time.perf_counter()
+        out = forward(input_ids=nxt[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1, :].argmax(dim=-1)
+        times.append(time.perf_counter() - t0)
+        tokens.append(nxt)
+    expected = input_ids.shape[1] + decode_steps
+    if cache.get_seq_length() != expected:
+        raise RuntimeError(f"KV cache holds {cache.get_seq_length()} positions after the loop, expected {expected}")
+    return torch.stack(tokens, dim=1), times
+
+
+def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len: int,
+                barrier: Optional[Callable[[], None]] = None, repeats: int = 1) -> dict[str, Any]:
+    """The timed workload, identical for every peer. `forward` is the model (or engine) call.
+
+    With `repeats` > 1 the timed run is repeated and the best (smallest) ttft and mean step time are
+    kept: on a shared machine the minimum is the estimate least disturbed by other work.
+    """
+    import torch
+
+    if batch < 1 or prompt_len < 1 or gen_len < 1 or repeats < 1:
+        raise ValueError("batch, prompt_len, gen_len and repeats must be >= 1")
+    vocab = config.get_text_config(decoder=True).vocab_size if hasattr(config, "get_text_config") else config.vocab_size
+    prompts = make_prompts(batch, prompt_len, vocab)
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    tokens = None
+    with torch.inference_mode():
+        # Untimed warm-up: allocator, thread pool, first-call paths, the process group's first collectives.
+        _greedy(forward, config, prompts[:, : min(prompt_len, WARMUP_PROMPT_LEN)], WARMUP_DECODE_STEPS)
+        for _ in range(repeats):
+            if barrier is not None:
+                barrier()
+            run_tokens, times = _greedy(forward, config, prompts, gen_len - 1)
+            if tokens is None:
+                tokens = run_tokens
+            elif not torch.equal(tokens, run_tokens):
+                raise RuntimeError("greedy tokens changed between repeats of the same workload")
+            ttfts.append(times[0])
+            if len(times) > 1:
+                tpots.append(sum(times[1:]) / (len(times) - 1))
+    ttft = min(ttfts)
+    tpot = min(tpots) if tpots else None
+    return {
+        "ttft_s": ttft,
+        "prefill_tok_s": batch * prompt_len / ttft,
+        "tpot_s": tpot,
+        "decode_tok_s": (batch / tpot) if tpot else None,
+        "token_ids": tokens.tolist(),
+        "repeats": repeats,
+        "ttft_s_all": ttfts,
+        "tpot_s_all": tpots,
+    }
