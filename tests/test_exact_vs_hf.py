@@ -141,7 +141,7 @@ def test_generate_matches_hf(case, store, tmp_path):
 
 
 def test_torch_ops_path_matches_hf(store, tmp_path):
-    """The same exactness with the native CPU kernels switched off (DIST_INFER_KERNELS=0): the
+    """The same exactness with the native CPU kernels switched off (--native-kernels off): the
     torch path stays the fallback on machines without a compiler, so it must stay exact too."""
     from conftest import venv_env
 
@@ -149,8 +149,8 @@ def test_torch_ops_path_matches_hf(store, tmp_path):
     prompts = prompts_for(SHORT)
     ref_ids, ref_logits = store.reference(model, prompts)
     dump = tmp_path / "logits.pt"
-    cmd = DIST + generate_args(model, prompts, dump, ["--tp", "2", "--nproc", "2"])
-    out = parse_json(run(cmd, TIMEOUT_S, env=venv_env({"DIST_INFER_KERNELS": "0"})), "torch-ops-tp2")
+    cmd = DIST + generate_args(model, prompts, dump, ["--tp", "2", "--nproc", "2", "--native-kernels", "off"])
+    out = parse_json(run(cmd, TIMEOUT_S, env=venv_env()), "torch-ops-tp2")
     assert_matches_hf(out, torch.load(dump), prompts, ref_ids, ref_logits, "torch-ops-tp2")
 
 

@@ -651,3 +651,33 @@ def test_mlp_in_row_slices_matches_hf(world_groups, tmp_path, monkeypatch):
     ids, logits = hf_reference(path, prompts, 4)
     outputs = load(path, groups=world_groups).generate(prompts, max_new_tokens=4, return_logits=True)
     _assert_like_hf(outputs, prompts, ids, logits, "MLP in 4-row slices")
+
+
+def test_native_kernels_switch_in_process(world_groups, tmp_path):
+    """The kernels are handed to the layers (`use_native_kernels`), so the same loaded model runs
+    with them (the profiler names each call) and, switched off in the same process, without them
+    (torch's ops only); both give HF's tokens and logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dist_infer.engine.api import load
+    from dist_infer.kernels import load_cpu_kernels, use_native_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    path = write_hf_checkpoint(tmp_path, "llama-gqa")
+    prompts = _lib_prompts((5, 17))
+    ids, logits = hf_reference(path, prompts, 4)
+    model = load(path, groups=world_groups)
+
+    def run_profiled():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = model.generate(prompts, max_new_tokens=4, return_logits=True)
+        return out, {e.key for e in prof.key_averages()}
+
+    on, names_on = run_profiled()
+    use_native_kernels(model.engine.stage, None)
+    off, names_off = run_profiled()
+    assert "dist_infer::skinny_linear" in names_on and "dist_infer::decode_attention" in names_on
+    assert not any(n.startswith("dist_infer::") and "linear" in n for n in names_off), sorted(names_off)[:20]
+    _assert_like_hf(on, prompts, ids, logits, "kernels on")
+    _assert_like_hf(off, prompts, ids, logits, "kernels off")

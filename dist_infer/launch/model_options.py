@@ -41,6 +41,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weight and activation dtype (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default %(default)s)")
+    p.add_argument("--native-kernels", choices=("on", "off"), default="on",
+                   help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
+                        "step's GEMMs, norms and attention where they serve; off: torch's ops only, for comparisons "
+                        "(default %(default)s)"),
     add_expert_placement_flag(p)
     add_cp_variant_flag(p)
 
@@ -101,7 +105,8 @@ def load_model(args, groups):
 
     model = model_path(args)
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
-    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement)
+    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement,
+                               native_kernels=args.native_kernels == "on")
     return stage, report, model
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dist_infer.kernels import cpu_kernels_for
+from dist_infer.kernels import CpuKernels, serving
 from dist_infer.models.attention_metadata import AttentionMetadata
 
 
@@ -41,16 +41,17 @@ def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return out.view(meta.batch, meta.max_q, *x.shape[1:])
 
 
-def native_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
-    """The native CPU kernels if they serve this step (CPU, fp32, not context parallel), else None."""
+def native_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
+                       kernels: Optional[CpuKernels]) -> Optional[CpuKernels]:
+    """`kernels` if they serve this step (CPU, fp32, not context parallel), else None."""
     if meta.seq_lens_t is None or meta.cp is not None:
         return None
-    return cpu_kernels_for(q, k_cache)
+    return serving(kernels, q, k_cache)
 
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> Optional[torch.Tensor]:
+                     scale: float, kernels: Optional[CpuKernels]) -> Optional[torch.Tensor]:
     """Rotary, cache write and attention with the native kernels -> [T, heads * d], or None where
     they do not apply (GPU, not fp32, no compiler): then the torch path runs.
 
@@ -59,7 +60,7 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     cache: the torch path spends ~40 small ops per layer there (rotary, index_copy, gathering
     the blocks into a padded batch, masked SDPA), and on the CPU that per-op overhead, not
     arithmetic, was most of a decode step's attention time. Other steps keep torch's SDPA."""
-    kernels = native_kernels_for(q, k_cache, meta)
+    kernels = native_kernels_for(q, k_cache, meta, kernels)
     if kernels is None:
         return None
     if q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1:
@@ -78,11 +79,12 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
 
 def last_token_attention_native(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
+                                meta: AttentionMetadata, scale: float,
+                                kernels: Optional[CpuKernels]) -> Optional[torch.Tensor]:
     """Attention of each sequence's last new token only, every new key and value still cached:
     the model's last layer, whose other rows nobody reads. q_last [B, heads * d] (queries of
     rows meta.last_token_index), k, v [T, kv_heads * d]; returns [B, heads * d] or None."""
-    kernels = native_kernels_for(q_last, k_cache, meta)
+    kernels = native_kernels_for(q_last, k_cache, meta, kernels)
     if kernels is None or k.stride(1) != 1 or v.stride(1) != 1 or q_last.stride(1) != 1:
         return None
     kernels.rope_cache_write(None, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)

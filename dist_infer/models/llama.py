@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import cpu_kernels_for
+from dist_infer.kernels import serving
 from dist_infer.models.attention import (
     attention_native,
     last_token_attention_native,
@@ -51,6 +51,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.kernels = None  # the native CPU kernels, given by use_native_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self._native(x)
@@ -58,15 +59,14 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
-    @staticmethod
-    def _native(x: torch.Tensor):
-        return cpu_kernels_for(x) if x.dim() == 2 and x.is_contiguous() else None
+    def _native(self, x: torch.Tensor):
+        return serving(self.kernels, x) if x.dim() == 2 and x.is_contiguous() else None
 
     def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + branch, norm(x + branch)): the residual add and the next norm in one pass where
         the native kernel serves (x is then updated in place: it is the layer's own residual)."""
         kernels = self._native(x)
-        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() and cpu_kernels_for(branch):
+        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() and serving(kernels, branch):
             return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
         x = x + branch
         return x, self(x)
@@ -86,6 +86,7 @@ class LlamaAttention(nn.Module):
         self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.kernels = None  # the native CPU kernels, given by use_native_kernels
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, cos, sin, kv, meta))
@@ -105,7 +106,7 @@ class LlamaAttention(nn.Module):
     def attend(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
-        out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)  # None: not served natively
+        out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale, self.kernels)  # None: not native
         if out is not None:
             return out
         q, k, v = self._heads_rotated(q, k, v, cos, sin)
@@ -131,14 +132,14 @@ class LlamaAttention(nn.Module):
         attention for those rows only (keys and values of every token still go to the cache).
         None where the native kernels do not serve the step: then the caller attends in full."""
         qkv = self.qkv_proj
-        if type(qkv) is not QKVParallelLinear or native_kernels_for(x, kv[0], meta) is None:
+        if type(qkv) is not QKVParallelLinear or native_kernels_for(x, kv[0], meta, self.kernels) is None:
             return None
         qs = qkv.q_size
         bias = qkv.bias
-        kv_out = skinny_linear(x, qkv.weight[qs:], None if bias is None else bias[qs:])
-        q = skinny_linear(x[meta.last_token_index], qkv.weight[:qs], None if bias is None else bias[:qs])
+        kv_out = skinny_linear(x, qkv.weight[qs:], None if bias is None else bias[qs:], self.kernels)
+        q = skinny_linear(x[meta.last_token_index], qkv.weight[:qs], None if bias is None else bias[:qs], self.kernels)
         k, v = kv_out.split([qkv.kv_size, qkv.kv_size], dim=-1)
-        return last_token_attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale)
+        return last_token_attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale, self.kernels)
 
 
 class LlamaMLP(nn.Module):

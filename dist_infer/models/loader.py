@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from dist_infer.comm.groups import ParallelGroups
+from dist_infer.kernels import load_cpu_kernels, use_native_kernels
 from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
@@ -32,11 +33,15 @@ class LoadReport:
 
 
 def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                pp_split: Optional[Sequence[int]] = None, **options) -> LlamaStage:
-    """`options` go to the family's builder (e.g. expert_placement for MoE models)."""
+                pp_split: Optional[Sequence[int]] = None, native_kernels: bool = True, **options) -> LlamaStage:
+    """`options` go to the family's builder (e.g. expert_placement for MoE models). `native_kernels`:
+    hand the native CPU kernels to the layers (they use them where they serve: fp32 on the CPU);
+    `use_native_kernels(stage, None)` switches them off again in the same process."""
     pp = groups.pp
     layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
-    return builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype, **options)
+    stage = builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype, **options)
+    use_native_kernels(stage, load_cpu_kernels() if native_kernels else None)
+    return stage
 
 
 def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,

@@ -51,7 +51,8 @@ class ParallelLMHead(_VocabShard):
     def __init__(self, vocab: int, hidden: int, tp: Communicator, dtype: torch.dtype = torch.float32,
                  name: str = "lm_head"):
         super().__init__(vocab, hidden, tp, dtype, name)
+        self.kernels = None  # the native CPU kernels, given by use_native_kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = gather_from_tp(skinny_linear(hidden, self.weight).contiguous(), self.tp)
+        logits = gather_from_tp(skinny_linear(hidden, self.weight, kernels=self.kernels).contiguous(), self.tp)
         return logits[..., : self.vocab] if logits.shape[-1] != self.vocab else logits

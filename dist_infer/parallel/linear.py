@@ -14,14 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import cpu_kernels_for
+from dist_infer.kernels import CpuKernels, serving
 from dist_infer.kernels.build import MAX_ROWS
 from dist_infer.parallel.sharding import HeadLayout, shard_range
 from dist_infer.parallel.tp_comm import reduce_from_tp
 from dist_infer.parallel.weights import check_shape, copy_into, narrow
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  kernels: Optional[CpuKernels] = None) -> torch.Tensor:
     """x W^T for the few rows of a decode step, by the kernel that streams W fastest.
 
     Decode reads every weight once per step, so its GEMMs are bound by how fast W streams.
@@ -32,7 +33,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.dim() != 2 or x.is_cuda or not 1 <= rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
-    kernels = cpu_kernels_for(x, weight)
+    kernels = serving(kernels, x, weight)
     if kernels is not None and x.is_contiguous() and weight.is_contiguous():
         y = kernels.skinny_linear(x, weight)
         return y if bias is None else y.add_(bias)
@@ -57,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_start, self.out_local = shard_range(out_features, tp.size, tp.rank, f"{name}: output features")
         self.weight = _param(self.out_local, in_features, dtype=dtype)
         self.bias = _param(self.out_local, dtype=dtype) if bias else None
+        self.kernels: Optional[CpuKernels] = None  # the native CPU kernels, given by use_native_kernels
 
     def weight_loader(self, source, which: str = "weight") -> None:
         full = (self.out_features, self.in_features) if which == "weight" else (self.out_features,)
@@ -64,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(getattr(self, which), narrow(source, 0, self.out_start, self.out_local), f"{self.name}.{which}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias)
+        return skinny_linear(x, self.weight, self.bias, self.kernels)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -86,6 +88,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_local = sum(self.part_local)
         self.weight = _param(self.out_local, in_features, dtype=dtype)
         self.bias = _param(self.out_local, dtype=dtype) if bias else None
+        self.kernels: Optional[CpuKernels] = None
 
     def weight_loader(self, source, part: int, which: str = "weight") -> None:
         size = self.part_sizes[part]
@@ -97,7 +100,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         copy_into(dest, narrow(source, 0, start, local), f"{self.name}[{part}].{which}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return skinny_linear(x, self.weight, self.bias).split(self.part_local, dim=-1)
+        return skinny_linear(x, self.weight, self.bias, self.kernels).split(self.part_local, dim=-1)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -116,6 +119,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.in_features, self.out_features = hidden, out
         self.weight = _param(out, hidden, dtype=dtype)
         self.bias = _param(out, dtype=dtype) if bias else None
+        self.kernels: Optional[CpuKernels] = None
 
     def weight_loader(self, source, part: str, which: str = "weight") -> None:
         """Load `part` in {'q', 'k', 'v'} from the full q_proj / k_proj / v_proj tensor."""
@@ -132,7 +136,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_into(dest, narrow(source, 0, start, length), f"{self.name}.{part}.{which}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return skinny_linear(x, self.weight, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return skinny_linear(x, self.weight, self.bias, self.kernels).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
 class RowParallelLinear(nn.Module):
@@ -151,6 +155,7 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.weight = _param(out_features, self.in_local, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.kernels: Optional[CpuKernels] = None
 
     def weight_loader(self, source, which: str = "weight") -> None:
         if which == "bias":  # not sharded: added once, after the reduction
@@ -162,7 +167,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, before the all-reduce (so the caller can overlap it)."""
-        return skinny_linear(x, self.weight)
+        return skinny_linear(x, self.weight, kernels=self.kernels)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """What follows the all-reduce: the bias, added once."""
