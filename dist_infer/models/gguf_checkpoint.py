@@ -151,7 +151,7 @@ class GGUFTensor:
         if raw.shape[1] != (cols // self._block) * self._block_bytes:
             raise CheckpointError(f"{self.path}: tensor {self.gguf_name!r} ({self.type_name}) has {raw.shape[1]} bytes "
                                   f"per row, expected {(cols // self._block) * self._block_bytes}")
-        picked = raw[rows][:, b0 * self._block_bytes: b1 * self._block_bytes]
+        picked = raw[rows, b0 * self._block_bytes: b1 * self._block_bytes]  # copies only these rows' blocks
         try:
             values = gguf.quants.dequantize(np.ascontiguousarray(picked), self._qtype)
         except Exception as exc:
