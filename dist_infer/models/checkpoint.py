@@ -171,7 +171,37 @@ def narrow(source: Source, dim: int, start: int, length: int) -> torch.Tensor:
     return source[index]
 
 
-class Checkpoint:
+class TensorIndex:
+    """What every checkpoint kind answers alike from `self._index` (tensor name -> where it is):
+    the names, membership, and `with` that closes it. A HF directory and a GGUF file both are one."""
+
+    _index: dict
+
+    def names(self) -> list[str]:
+        return sorted(self._index)
+
+    def has(self, name: str) -> bool:
+        return name in self._index
+
+    __contains__ = has
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Checkpoint(TensorIndex):
     """A HF checkpoint directory: config.json plus one or more safetensors files.
 
     Opening reads only JSON and the safetensors headers; tensor data stays on disk until a
@@ -195,7 +225,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint config {config_file} must hold a JSON object, not {type(config).__name__}")
         self.config: dict = config
         try:
-            self._files = self._map_tensors()
+            self._index = self._map_tensors()
         except BaseException:
             self.close()
             raise
@@ -250,22 +280,8 @@ class Checkpoint:
             handle = self._handles[file] = _safe_open(file)
         return handle
 
-    def names(self) -> list[str]:
-        return sorted(self._files)
-
-    def has(self, name: str) -> bool:
-        return name in self._files
-
-    __contains__ = has
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-    def __len__(self) -> int:
-        return len(self._files)
-
     def tensor(self, name: str) -> LazyTensor:
-        file = self._files.get(name)
+        file = self._index.get(name)
         if file is None:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
         view = self._handle(file).get_slice(name)
@@ -277,7 +293,7 @@ class Checkpoint:
 
     @property
     def files(self) -> list[Path]:
-        return sorted(set(self._files.values()))
+        return sorted(set(self._index.values()))
 
     def close(self) -> None:
         """Drop the mmaps; LazyTensors from this checkpoint stop working."""
@@ -289,14 +305,8 @@ class Checkpoint:
             except Exception:
                 pass
 
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
-        return f"Checkpoint({str(self.path)!r}, tensors={len(self._files)}, files={len(self.files)})"
+        return f"Checkpoint({str(self.path)!r}, tensors={len(self._index)}, files={len(self.files)})"
 
 
 def open_checkpoint(path: Union[str, os.PathLike]) -> Checkpoint:
