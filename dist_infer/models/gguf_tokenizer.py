@@ -40,7 +40,7 @@ class GGUFTokenizerInfo:
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's printable stand-in for every byte (the alphabet byte-level BPE vocabularies are spelled in)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
