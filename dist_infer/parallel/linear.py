@@ -51,11 +51,15 @@ class ColumnParallelLinear(nn.Module):
     """y[:, shard] = x W[shard]^T: this rank computes out_features / tp of the outputs."""
 
     def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, name: str = "linear"):
+                 dtype: torch.dtype = torch.float32, name: str = "linear",
+                 out_range: Optional[tuple[int, int]] = None):
+        """`out_range` (start, length): this rank's output rows when a subclass decides them; by
+        default a balanced split."""
         super().__init__()
         self.tp, self.name = tp, name
         self.in_features, self.out_features = in_features, out_features
-        self.out_start, self.out_local = shard_range(out_features, tp.size, tp.rank, f"{name}: output features")
+        self.out_start, self.out_local = out_range or shard_range(out_features, tp.size, tp.rank,
+                                                                  f"{name}: output features")
         self.weight = _param(self.out_local, in_features, dtype=dtype)
         self.bias = _param(self.out_local, dtype=dtype) if bias else None
         self.kernels: Optional[CpuKernels] = None  # the native CPU kernels, given by use_native_kernels
@@ -78,17 +82,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, part_sizes: Sequence[int], tp: Communicator, bias: bool = False,
                  dtype: torch.dtype = torch.float32, name: str = "merged"):
-        nn.Module.__init__(self)
-        self.tp, self.name = tp, name
-        self.in_features, self.out_features = in_features, sum(part_sizes)
-        self.part_sizes = list(part_sizes)
         # each part split on its own (uneven splits of the parts need not add up to a split of the sum)
-        self.part_ranges = [shard_range(p, tp.size, tp.rank, f"{name}: part of {p} features") for p in part_sizes]
-        self.part_local = [length for _, length in self.part_ranges]
-        self.out_local = sum(self.part_local)
-        self.weight = _param(self.out_local, in_features, dtype=dtype)
-        self.bias = _param(self.out_local, dtype=dtype) if bias else None
-        self.kernels: Optional[CpuKernels] = None
+        part_ranges = [shard_range(p, tp.size, tp.rank, f"{name}: part of {p} features") for p in part_sizes]
+        super().__init__(in_features, sum(part_sizes), tp, bias, dtype, name,
+                         out_range=(0, sum(length for _, length in part_ranges)))  # the parts' loaders place the rows
+        self.part_sizes, self.part_ranges = list(part_sizes), part_ranges
+        self.part_local = [length for _, length in part_ranges]
 
     def weight_loader(self, source, part: int, which: str = "weight") -> None:
         size = self.part_sizes[part]
