@@ -18,21 +18,9 @@ from typing import Optional
 from dist_infer.launch.launcher import stop_process_groups
 from dist_infer.launch.peers.metrics import failed
 from dist_infer.launch.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
-from dist_infer.topology.discovery import without_launcher_env
+from dist_infer.topology.discovery import free_port, without_launcher_env
 
 LOCK_PATH = os.path.join(tempfile.gettempdir(), "dist_infer_peers.lock")
-
-
-def _free_port() -> int:
-    try:
-        from dist_infer.topology.discovery import free_port
-    except ImportError:  # keep this module usable on its own
-        import socket
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    return free_port()
 
 
 def torchrun_argv(nproc: int, port: int) -> list[str]:
@@ -99,7 +87,7 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
     tp = nproc if peer in DISTRIBUTED_PEERS else 1
     with tempfile.TemporaryDirectory(prefix=f"peer-{peer}-") as tmp, _exclusive():
         json_out = os.path.join(tmp, "metrics.json")
-        port = _free_port()
+        port = free_port()
         argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
                          repeats)
         load_before = os.getloadavg()[0]
