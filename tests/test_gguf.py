@@ -43,10 +43,12 @@ def store(tmp_path_factory) -> CheckpointStore:
     return CheckpointStore(tmp_path_factory.mktemp("refs"), NEW_TOKENS)
 
 
-def _generate(model: Path, prompts, dump: Path, flags: list[str], new_tokens: int = NEW_TOKENS) -> dict:
+def _generate(model: Path, prompts, dump: Path, flags: list[str], new_tokens: int = NEW_TOKENS,
+              prefix: tuple = ()) -> dict:
+    """generate under our own launcher, or under `prefix` (torchrun, mpirun) as one rank of it."""
     import json
 
-    cmd = [DIST, "generate", "--model", str(model), "--max-new-tokens", str(new_tokens), "--no-eos-stop", "--json",
+    cmd = [*prefix, DIST, "generate", "--model", str(model), "--max-new-tokens", str(new_tokens), "--no-eos-stop", "--json",
            "--dump-logits", str(dump)]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
@@ -89,8 +91,14 @@ def test_every_tensor_and_shard_equals_transformers_dequantized(files, qtype):
 
 # --- real runs against transformers ----------------------------------------------------------------
 
-CASES = {  # file, generate flags
+MPIRUN = (str(VENV_BIN / "mpirun"), "--allow-run-as-root", "--oversubscribe")
+TORCHRUN = (str(VENV_BIN / "torchrun"), "--nproc-per-node")
+
+CASES = {  # file, generate flags, launcher prefix (none: our own)
     "Q4_1-tp1": ("Q4_1", ["--nproc", "1"]),
+    # the uneven split under the other launchers and over MPI's collectives
+    "Q4_1-tp2-uneven-mpirun-mpi": ("Q4_1", ["--tp", "2", "--backend", "mpi"], (*MPIRUN, "-np", "2")),
+    "Q4_1-tp3-torchrun": ("Q4_1", ["--tp", "3"], (*TORCHRUN, "3", "--no-python")),
     "Q4_1-tp2-uneven": ("Q4_1", ["--tp", "2", "--nproc", "2"]),
     "Q4_1-tp3": ("Q4_1", ["--tp", "3", "--nproc", "3"]),
     "Q4_1-tp4-kv-on-2-1-1": ("Q4_1", ["--tp", "4", "--nproc", "4"]),
@@ -106,11 +114,14 @@ CASES = {  # file, generate flags
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_generate_matches_transformers(case, files, store, tmp_path):
-    which, flags = CASES[case]
+    which, flags, *prefix = CASES[case]
     path = files[which]
     prompts = prompts_for((5, 17, 40))
     ref_ids, ref_logits = store.reference(path, prompts)
-    out = _generate(path, prompts, tmp_path / "logits.pt", flags)
+    out = _generate(path, prompts, tmp_path / "logits.pt", flags, prefix=prefix[0] if prefix else ())
+    assert out["parallel"]["tp"] == (int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1)
+    if "--backend" in flags:
+        assert flags[flags.index("--backend") + 1] in out["parallel"]["backend"], out["parallel"]
     assert_matches_hf(out, torch.load(tmp_path / "logits.pt"), prompts, ref_ids, ref_logits, case)
 
 
