@@ -27,12 +27,12 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.comm.peer_link import PeerLink
 from dist_infer.engine.allocator import tune_malloc
-from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
+from dist_infer.engine.kv_cache import PagedKVCache
 from dist_infer.engine.kv_transfer import BlockMover, KVLayout, TransferOp
 from dist_infer.engine.migration import MigrationEndpoint
 from dist_infer.engine.request import PromptError, Request, RequestOutput, check_prompt
 from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, batch_seed, sample_rows
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, cp_rows_needed
+from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, blocks_at_full_length
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
 from dist_infer.engine.worker import StageWorker
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
@@ -250,10 +250,9 @@ class Engine:
         return self.scheduler.config.num_blocks if self.scheduler else 0
 
     def blocks_for_batch(self, prompts: list[list[int]], max_new_tokens: int) -> int:
-        """KV blocks that hold every sequence of an offline batch at full length at once."""
-        n = self.cp.size
-        rows = (lambda p: len(p) + max_new_tokens) if n == 1 else (lambda p: cp_rows_needed(len(p), max_new_tokens, n))
-        return max(1, sum(blocks_for(rows(p), self.block_size) for p in prompts))
+        """KV blocks that hold every sequence of an offline batch at full length at once (the bound
+        check_fits holds a request to, so a batch sized here always passes it)."""
+        return max(1, sum(blocks_at_full_length(len(p), max_new_tokens, self.block_size, self.cp.size) for p in prompts))
 
     # -- requests (driver; callable from other threads) -------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:

@@ -171,6 +171,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_flags(bench)
     add_overlap_flags(bench)
 
+    plan_p = sub.add_parser(
+        "plan",
+        help="pick the layout (tp / pp / cp / ep) for a model, GPUs and workload from a cost model, with the "
+             "predicted TTFT, TPOT and memory per rank",
+        description="Predict every layout of --gpus ranks the engine can run for --model with a cost model of its "
+                    "own schedules (GEMM and attention FLOPs per rank, the collectives each layout issues and how much "
+                    "overlap hides, pipeline bubbles, weights / KV / activation memory per rank) on a hardware profile "
+                    "(published figures for GPUs we cannot reach, or `dist-infer calibrate` for this machine), and "
+                    "rank the ones that fit in memory. Exit 1 when none fits, 2 on bad input.",
+    )
+    from dist_infer.launch.plan_cmd import add_plan_flags
+
+    add_plan_flags(plan_p)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this machine (GEMM, attention, memory bandwidth, collectives, fixed costs) into a hardware "
+             "profile for plan and bench --sweep",
+        description="Measure GEMM and attention throughput per thread count, streaming memory bandwidth, every "
+                    "collective's latency and bus bandwidth (comm-test, per backend and group size) and the engine's "
+                    "fixed costs per layer and per step, and write them as a hardware profile JSON.",
+    )
+    cal.add_argument("--out", default="dist-infer-profile.json", help="profile file to write (default %(default)s)")
+    cal.add_argument("--quick", action="store_true",
+                     help="fewer sizes and only 2-rank collectives (about 30 s instead of about 2 min)")
+    cal.add_argument("--timeout", type=float, default=600.0, help="seconds each measuring job may take")
+    cal.add_argument("--json", action="store_true", help="also print the profile as one JSON line")
+
     serve = sub.add_parser(
         "serve",
         help="serve the model over the job's ranks behind an OpenAI-compatible HTTP API",
@@ -219,6 +247,11 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.launch.cp_auto import resolve_cp_auto
     from dist_infer.launch.rank import run_rank_command, spawn_local
 
+    if args.sweep:
+        from dist_infer.launch.bench.sweep import run_sweep
+
+        configure_logging("bench", args.log_level)
+        return run_sweep(args, argv)
     parse_compare(args.compare)  # a typo fails here, before any rank starts
     argv = resolve_cp_auto(args, list(argv), args.prompt_len)
     code = spawn_local(args, list(argv))
@@ -247,6 +280,19 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return code
     args.argv = list(argv)  # to start an instance again as a job of its own (restart, scale-up)
     return run_rank_command(lambda: run_serve(args))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dist_infer.launch.plan_cmd import run_plan
+
+    return run_plan(args)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dist_infer.launch.calibrate_cmd import run_calibrate
+
+    configure_logging("calibrate", "INFO")
+    return run_calibrate(args)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -318,7 +364,8 @@ def cmd_comm_test(args: argparse.Namespace) -> int:
     return run_rank_command(body)
 
 
-COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test, "bench-serve": cmd_bench_serve}
+COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test, "bench-serve": cmd_bench_serve, "plan": cmd_plan,
+            "calibrate": cmd_calibrate}
 RANK_COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}  # these can start their own ranks
 
 

@@ -166,26 +166,26 @@ def _padded_vocab(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def _config(vocab_size: int, bos_id: int, eos_id: int) -> dict:
-    head_dim = ARCH["hidden_size"] // ARCH["num_attention_heads"]
+def _config(vocab_size: int, bos_id: int, eos_id: int, arch: dict = ARCH) -> dict:
+    head_dim = arch["hidden_size"] // arch["num_attention_heads"]
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": ARCH["hidden_size"],
-        "intermediate_size": ARCH["intermediate_size"],
-        "num_hidden_layers": ARCH["num_hidden_layers"],
-        "num_attention_heads": ARCH["num_attention_heads"],
-        "num_key_value_heads": ARCH["num_key_value_heads"],
+        "hidden_size": arch["hidden_size"],
+        "intermediate_size": arch["intermediate_size"],
+        "num_hidden_layers": arch["num_hidden_layers"],
+        "num_attention_heads": arch["num_attention_heads"],
+        "num_key_value_heads": arch["num_key_value_heads"],
         "head_dim": head_dim,
         "hidden_act": "silu",
         "vocab_size": vocab_size,
-        "max_position_embeddings": ARCH["max_position_embeddings"],
-        "rms_norm_eps": ARCH["rms_norm_eps"],
-        "rope_theta": ARCH["rope_theta"],
+        "max_position_embeddings": arch["max_position_embeddings"],
+        "rms_norm_eps": arch["rms_norm_eps"],
+        "rope_theta": arch["rope_theta"],
         "rope_scaling": None,
         "attention_bias": False,
         "mlp_bias": False,
-        "initializer_range": ARCH["initializer_range"],
+        "initializer_range": arch["initializer_range"],
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "bos_token_id": bos_id,
@@ -194,19 +194,19 @@ def _config(vocab_size: int, bos_id: int, eos_id: int) -> dict:
     }
 
 
-def _weights(vocab_size: int) -> dict[str, torch.Tensor]:
+def _weights(vocab_size: int, arch: dict = ARCH) -> dict[str, torch.Tensor]:
     """HF-style init from a seeded CPU generator: N(0, 0.02) matrices, unit norms."""
     gen = torch.Generator(device="cpu").manual_seed(SEED)
-    h, inter = ARCH["hidden_size"], ARCH["intermediate_size"]
-    head_dim = h // ARCH["num_attention_heads"]
-    kv = ARCH["num_key_value_heads"] * head_dim
-    std = ARCH["initializer_range"]
+    h, inter = arch["hidden_size"], arch["intermediate_size"]
+    head_dim = h // arch["num_attention_heads"]
+    kv = arch["num_key_value_heads"] * head_dim
+    std = arch["initializer_range"]
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
 
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab_size, h)}
-    for i in range(ARCH["num_hidden_layers"]):
+    for i in range(arch["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out[p + "self_attn.q_proj.weight"] = normal(h, h)
         out[p + "self_attn.k_proj.weight"] = normal(kv, h)
@@ -222,8 +222,11 @@ def _weights(vocab_size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tiny_model(directory: Union[str, os.PathLike]) -> Path:
-    """Write the default checkpoint's files into an existing (empty) directory."""
+def write_tiny_model(directory: Union[str, os.PathLike], **arch_overrides) -> Path:
+    """Write the tiny checkpoint's files into an existing (empty) directory; `arch_overrides`
+    (e.g. num_hidden_layers=8) give a random Llama of another shape with the same tokenizer
+    (`dist-infer calibrate` times the engine's fixed costs on such models)."""
+    arch = {**ARCH, **arch_overrides}
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -234,15 +237,15 @@ def write_tiny_model(directory: Union[str, os.PathLike]) -> Path:
     def dump(name: str, obj: dict) -> None:
         (directory / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
-    dump("config.json", _config(vocab_size, bos_id, eos_id))
+    dump("config.json", _config(vocab_size, bos_id, eos_id, arch))
     dump("generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False})
     dump("tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": ARCH["max_position_embeddings"],
+        "model_max_length": arch["max_position_embeddings"],
     })
     tokenizer.save(str(directory / "tokenizer.json"), pretty=True)
-    save_file(_weights(vocab_size), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_weights(vocab_size, arch), str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 

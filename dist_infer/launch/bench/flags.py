@@ -30,6 +30,15 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "communication, other ops, Python) into the JSON as 'profile'")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
+    p.add_argument("--sweep", default=None, metavar='"tp=1,2 pp=1,2 cp=1,2"',
+                   help="run every combination of these sizes that fits this machine (one bench run each, this "
+                        "command's other flags for all) and print measured against predicted TTFT and TPOT, parallel "
+                        "efficiency, --json and --plot")
+    p.add_argument("--hardware-profile", default=None, metavar="FILE",
+                   help="--sweep: the profile from `dist-infer calibrate` the predictions use (default: calibrate "
+                        "now with --quick)")
+    p.add_argument("--sweep-max-ranks", type=int, default=None,
+                   help="--sweep: skip layouts of more ranks than this (default: twice the usable cores)")
     p.add_argument("--save-routing", default=None, metavar="FILE",
                    help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "
                         "for this ep to FILE, for --expert-placement")

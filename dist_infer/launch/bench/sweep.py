@@ -1,0 +1,184 @@
+"""`dist-infer bench --sweep "tp=1,2 pp=1,2 cp=1,2"`: one bench run per layout that fits this
+machine, each beside the cost model's prediction for it (a calibrated profile of this machine),
+as a table, JSON and a PNG, with the parallel efficiency of each layout against one rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from loguru import logger
+
+from dist_infer.topology.discovery import without_launcher_env
+
+# flags of the bench command line the sweep sets per run (with how many values each takes)
+_SET_PER_RUN = {"--sweep": 1, "--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--nproc": 1, "--json": 0, "--plot": 1,
+                "--compare": 1, "--hardware-profile": 1, "--sweep-max-ranks": 1, "--overlap-report": 0,
+                "--profile": 1, "--save-routing": 1}
+
+
+def child_argv(argv: Sequence[str]) -> list[str]:
+    """The user's bench flags without the ones each sweep run sets itself."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name, eq, _ = arg.partition("=")
+        if name in _SET_PER_RUN:
+            skip = 0 if eq else _SET_PER_RUN[name]
+            continue
+        out.append(arg)
+    return [a for a in out if a != "bench"]
+
+
+def relative_error(predicted: float, measured: float) -> Optional[float]:
+    return predicted / measured - 1.0 if measured else None
+
+
+def efficiency(rows: list[dict], key: str) -> None:
+    """Parallel efficiency of each row's `key` throughput against the sweep's one-rank run (or
+    its smallest): (throughput / base throughput) / (ranks / base ranks)."""
+    ok = [r for r in rows if r.get("measured")]
+    if not ok:
+        return
+    base = min(ok, key=lambda r: r["ranks"])
+    b = base["measured"][key]
+    for r in ok:
+        r[f"efficiency_{key}"] = (r["measured"][key] / b) / (r["ranks"] / base["ranks"]) if b else None
+
+
+def run_sweep(args, argv: Sequence[str]) -> int:
+    from tqdm import tqdm
+
+    from dist_infer.launch.calibrate_cmd import calibrate
+    from dist_infer.launch.cost_model.hardware import load_profile
+    from dist_infer.launch.cost_model.layout import LayoutError, parse_sweep, why_not
+    from dist_infer.launch.cost_model.predict import Schedule, Workload, predict
+    from dist_infer.launch.launcher import usable_cores
+    from dist_infer.launch.plan_cmd import PlanError, model_shape
+
+    try:
+        layouts = parse_sweep(args.sweep)
+        shape, path = model_shape(args.model)
+    except (LayoutError, PlanError) as exc:
+        print(f"dist-infer bench: --sweep: {exc}")
+        return 2
+    if args.hardware_profile:
+        hw = load_profile(args.hardware_profile)
+    else:
+        logger.info("no --hardware-profile: calibrating this machine first (dist-infer calibrate --quick)")
+        hw = calibrate(quick=True)
+    cores = usable_cores()
+    max_ranks = args.sweep_max_ranks or 2 * cores
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[args.dtype]
+    work = Workload(args.batch, args.prompt_len, args.gen_len, weight_dtype=dtype, act_dtype=dtype,
+                    attention_dtype=dtype, kv_dtype=dtype)
+    rows, runs = [], []
+    for lay in layouts:
+        problem = why_not(lay, shape)
+        if problem is None and lay.ranks > max_ranks:
+            problem = f"{lay.ranks} ranks is more than --sweep-max-ranks {max_ranks}"
+        row = {**lay.as_dict(), "layout": lay.describe(), "ranks": lay.ranks}
+        if problem is None:
+            pred = predict(shape, lay, work, hw, Schedule(overlap=args.overlap, ranks_per_node=lay.ranks,
+                                                          cores_per_node=cores))
+            row["predicted"] = pred.as_dict()
+            if not pred.fits:
+                problem = f"predicted {pred.memory_gib_per_rank:.1f} GiB per rank does not fit this machine"
+        if problem:
+            row["skipped"] = problem
+        else:
+            runs.append(row)
+        rows.append(row)
+    bar = tqdm(total=len(runs), desc="sweep", unit="layout", file=sys.stderr)
+    base_cmd = [sys.executable, "-m", "dist_infer", "bench"] + child_argv(argv)
+    for row in runs:
+        bar.set_postfix_str(row["layout"])
+        cmd = base_cmd + ["--nproc", str(row["ranks"]), "--tp", str(row["tp"]), "--pp", str(row["pp"]),
+                          "--cp", str(row["cp"]), "--ep", str(row["ep"]), "--json"]
+        env = without_launcher_env(os.environ)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.peer_timeout)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            row["error"] = (proc.stderr or proc.stdout)[-1500:]
+            logger.warning(f"sweep: {row['layout']} failed (exit {proc.returncode})")
+        else:
+            m = json.loads(lines[-1])
+            row["measured"] = {k: m[k] for k in ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")}
+            p = row["predicted"]
+            row["ttft_error"] = relative_error(p["ttft_s"], m["ttft_s"])
+            row["tpot_error"] = relative_error(p["tpot_s"], m["tpot_s"])
+        bar.update(1)
+    bar.close()
+    efficiency(rows, "prefill_tok_s")
+    efficiency(rows, "decode_tok_s")
+    print(format_sweep(rows, os.path.basename(path), args, hw.name))
+    if args.plot:
+        plot_sweep(args.plot, rows, args)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps({"model": path, "profile": hw.name, "batch": args.batch, "prompt_len": args.prompt_len,
+                          "gen_len": args.gen_len, "sweep": rows}))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
+    def pct(v):
+        return f"{v:+.0%}" if isinstance(v, float) else "-"
+
+    def num(v, scale=1.0, spec=".3f"):
+        return format(v * scale, spec) if isinstance(v, (int, float)) else "-"
+
+    lines = [f"sweep: {model}, batch {args.batch} x prompt {args.prompt_len}, {args.gen_len} new tokens; predictions "
+             f"from profile {profile}",
+             f"{'layout':<14}{'ranks':>6}{'TTFT s':>9}{'pred':>9}{'err':>6}{'TPOT ms':>9}{'pred':>9}{'err':>6}"
+             f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}"]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            lines.append(f"{r['layout']:<14}{r['ranks']:>6}  " + ("skipped: " + r["skipped"] if "skipped" in r
+                                                                 else "failed: " + r["error"].strip().splitlines()[-1][:90]))
+            continue
+        m, p = r["measured"], r["predicted"]
+        lines.append(f"{r['layout']:<14}{r['ranks']:>6}{num(m['ttft_s']):>9}{num(p['ttft_s']):>9}{pct(r['ttft_error']):>6}"
+                     f"{num(m['tpot_s'], 1e3, '.1f'):>9}{num(p['tpot_s'], 1e3, '.1f'):>9}{pct(r['tpot_error']):>6}"
+                     f"{num(m['prefill_tok_s'], 1, '.0f'):>15}{num(r.get('efficiency_prefill_tok_s'), 1, '.2f'):>6}"
+                     f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}")
+    lines.append("(err = predicted / measured - 1; eff = throughput per rank against the smallest layout's)")
+    return "\n".join(lines)
+
+
+def plot_sweep(path: str, rows: list[dict], args) -> None:
+    """Measured prefill and decode tokens/s per layout (bars) with the prediction beside each (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r.get("measured")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = [r["layout"] for r in done]
+    for ax, key, pkey, tokens, title in (
+            (axes[0], "prefill_tok_s", "ttft_s", args.batch * args.prompt_len, "prefill tokens/s"),
+            (axes[1], "decode_tok_s", "tpot_s", args.batch, "decode tokens/s")):
+        measured = [r["measured"][key] for r in done]
+        predicted = [tokens / r["predicted"][pkey] if r["predicted"][pkey] else 0.0 for r in done]
+        xs = range(len(done))
+        bars = ax.bar([x - 0.18 for x in xs], measured, width=0.36, color="tab:green", label="measured")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.bar([x + 0.18 for x in xs], predicted, width=0.36, color="tab:gray", alpha=0.6, label="predicted")
+        for x, r in zip(xs, done):
+            eff = r.get(f"efficiency_{key}")
+            if eff is not None:
+                ax.annotate(f"eff {eff:.2f}", (x, 0), textcoords="offset points", xytext=(0, -28), ha="center",
+                            fontsize=7, annotation_clip=False)
+        ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"dist-infer bench --sweep: batch {args.batch} x {args.prompt_len} tokens, {args.gen_len} new")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,243 @@
+"""`dist-infer calibrate`: measure this machine into a hardware profile for the cost model.
+
+Measured, per thread count a rank can have here: GEMM throughput against the row count (the
+layers' shapes in decode and prefill), causal attention throughput against the sequence
+length, and streaming bandwidth (a skinny product over weights far larger than the caches).
+Then, in real multi-process jobs: every collective's latency and bus bandwidth from
+`comm-test` (gloo and the shared-memory all-reduce, per group size), and the engine's fixed
+costs per decoder layer and per step, timed on two random models that differ only in depth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+from loguru import logger
+
+from dist_infer.launch.cost_model.hardware import HardwareProfile, Link, save_profile
+from dist_infer.topology.discovery import without_launcher_env
+
+GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
+GEMM_SHAPE = (1024, 4096)  # in, out: 16 MiB of fp32 weights, beyond this machine's caches
+ATTENTION_LENGTHS = (128, 512, 2048)
+COMM_SIZES = "256,4K,64K,1M,4M"
+COMM_OPS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
+
+
+def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50) -> float:
+    fn()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < 3 or (spent < min_s and reps < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return best
+
+
+def measure_gemm(threads: int, rows=GEMM_ROWS, dtype: str = "fp32") -> list[list[float]]:
+    """[[rows, FLOP/s]] of x[rows, 1024] @ W[4096, 1024]^T, through what the engine would use:
+    the native skinny kernel for the few rows it takes (fp32), torch's GEMM otherwise."""
+    import torch
+    import torch.nn.functional as F
+
+    from dist_infer.kernels.build import MAX_ROWS, load_cpu_kernels
+
+    torch.set_num_threads(threads)
+    kernels = load_cpu_kernels() if dtype == "fp32" else None
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    k, n = GEMM_SHAPE
+    w = torch.randn(n, k, dtype=tdt)
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=tdt)
+        fn = (lambda: kernels.skinny_linear(x, w)) if kernels is not None and m <= MAX_ROWS else (lambda: F.linear(x, w))
+        t = _best_time(fn)
+        out.append([m, 2.0 * m * k * n / t])
+    return out
+
+
+def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, heads: int = 8, head_dim: int = 64) -> list[list[float]]:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    out = []
+    for t_len in lengths:
+        q = torch.randn(1, heads, t_len, head_dim)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        t = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        flops = 4.0 * head_dim * heads * t_len * (t_len + 1) / 2
+        out.append([t_len, flops / t])
+    return out
+
+
+def measure_bandwidth(threads: int, mib: int = 256) -> tuple[float, str]:
+    """(bytes/s, what read them): a weight matrix far larger than the caches streamed through a
+    4-row product, as a decode step reads its weights; with the engine's native skinny kernel
+    when it builds here (what decode uses by default), else torch's."""
+    import torch
+    import torch.nn.functional as F
+
+    from dist_infer.kernels import load_cpu_kernels
+
+    torch.set_num_threads(threads)
+    kernels = load_cpu_kernels()
+    k = 4096
+    w = torch.randn(mib * (1 << 20) // (4 * k), k)
+    x = torch.randn(4, k)
+    fn = (lambda: kernels.skinny_linear(x, w)) if kernels is not None else (lambda: F.linear(x, w))
+    t = _best_time(fn, min_s=0.5, max_reps=10)
+    return w.numel() * 4 / t, "the native skinny kernel" if kernels is not None else "torch F.linear"
+
+
+def fit_link(points: list[tuple[float, float]]) -> Link:
+    """latency = a + traffic / busbw through the smallest and the largest (traffic bytes, seconds)
+    points: the smallest message fixes the latency, the largest the bandwidth."""
+    (x0, y0), (x1, y1) = min(points), max(points)
+    slope = max((y1 - y0) / (x1 - x0), 1e-15) if x1 > x0 else 1e-15
+    return Link(latency_s=max(0.0, y0 - slope * x0), busbw=1.0 / slope)
+
+
+def _run_json(cmd: list[str], timeout: float) -> dict:
+    env = without_launcher_env(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}")
+    return json.loads(lines[-1])
+
+
+def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
+    """{op: {scope: {n: Link}}} from comm-test jobs: 2 ranks (gloo 'intra', the shared-memory
+    all-reduce 'shm'); unless quick, also twice as many ranks as cores (scopes '-over': every
+    group's collectives when the node's ranks outnumber its cores), as tp x cp groups and as one
+    tp group."""
+    from dist_infer.launch.comm_test import bus_bandwidth_factor
+
+    jobs = [(2, ["--tp", "2"], "")]
+    if not quick:
+        over = 2 * cores
+        jobs += [(over, ["--tp", "2", "--cp", str(over // 2)], "-over"), (over, ["--tp", str(over)], "-over")]
+    out: dict = {}
+    for nproc, layout, suffix in jobs:
+        res = _run_json([sys.executable, "-m", "dist_infer", "launch", "--nproc-per-node", str(nproc), "--",
+                         sys.executable, "-m", "dist_infer", "comm-test", *layout, "--backend", "gloo",
+                         "--sizes", COMM_SIZES, "--json"], timeout)
+        sizes = {"world": nproc}
+        for i in range(0, len(layout), 2):
+            sizes[layout[i][2:]] = int(layout[i + 1])
+        for op in COMM_OPS:
+            for group, n in sizes.items():
+                scope = ("shm" if group == "tp" else "intra") + suffix
+                if scope.startswith("shm") and op != "all_reduce":
+                    continue
+                pts = [(r["bytes"] * bus_bandwidth_factor(op, n), r["latency_us"] * 1e-6) for r in res["results"]
+                       if r["op"] == op and r["group"] == group and r["bytes"] > 0]
+                if len(pts) >= 2:
+                    out.setdefault(op, {}).setdefault(scope, {})[str(n)] = fit_link(pts)
+    return out
+
+
+def measure_fixed_costs(timeout: float, depths=(2, 8)) -> dict:
+    """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
+    negligible) that differ only in depth, each run in one process and at cp=2:
+    per_layer_s / per_step_s (a decode step's time against the depth), cp_decode_layer_s (what a
+    cp decode adds per layer: the merge's gather and LSE math) and cp_step_s (what one ring step
+    adds per layer to a prefill: posting, waiting, merging)."""
+    from dist_infer.models.tiny_model import write_tiny_model
+
+    runs: dict = {}
+    with tempfile.TemporaryDirectory(prefix="dist-infer-calibrate-") as tmp:
+        for depth in depths:
+            d = os.path.join(tmp, f"depth{depth}")
+            os.makedirs(d)
+            write_tiny_model(d, num_hidden_layers=depth, hidden_size=64, intermediate_size=128,
+                             num_attention_heads=2, num_key_value_heads=1)
+            for cp in (1, 2):
+                runs[depth, cp] = _run_json(
+                    [sys.executable, "-m", "dist_infer", "bench", "--model", d, "--nproc", str(cp), "--cp", str(cp),
+                     "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5", "--json"], timeout)
+    lo, hi = depths
+
+    def slope(key: str, cp: int) -> float:
+        return (runs[hi, cp][key] - runs[lo, cp][key]) / (hi - lo)
+
+    per_layer = max(0.0, slope("tpot_s", 1))
+    return {"per_layer_s": per_layer, "per_step_s": max(0.0, runs[lo, 1]["tpot_s"] - lo * per_layer),
+            "cp_decode_layer_s": max(0.0, slope("tpot_s", 2) - per_layer),
+            "cp_step_s": max(0.0, slope("ttft_s", 2) - slope("ttft_s", 1))}
+
+
+def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[str], None] = lambda s: None) -> HardwareProfile:
+    import psutil
+
+    from dist_infer.launch.launcher import usable_cores
+
+    cores = usable_cores()
+    thread_counts = sorted({1, cores})
+    gemm, attention, bandwidth, reader = {}, {}, {}, ""
+    for t in thread_counts:
+        progress(f"GEMM, {t} thread(s)")
+        gemm[str(t)] = measure_gemm(t, GEMM_ROWS[::2] if quick else GEMM_ROWS)
+        progress(f"attention, {t} thread(s)")
+        attention[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:2] if quick else ATTENTION_LENGTHS)
+        progress(f"memory bandwidth, {t} thread(s)")
+        bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256)
+    progress("collectives (comm-test)")
+    collectives = measure_collectives(cores, quick, timeout)
+    progress("fixed costs per layer and per step (bench)")
+    fixed = measure_fixed_costs(timeout)
+    base = psutil.Process().memory_info().rss
+    links = {"intra": collectives["send_recv"]["intra"]["2"]}
+    return HardwareProfile(
+        name=f"{platform.node()}-cpu{cores}", device="cpu",
+        gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, memory_bandwidth=bandwidth,
+        memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
+        collectives=collectives, base_memory_bytes=float(base), shared_node=True, comm_overlaps_compute=False, **fixed,
+        sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "
+                        f"({platform.processor() or platform.machine()}, {cores} usable cores), "
+                        f"{time.strftime('%Y-%m-%d %H:%M')}",
+                 "memory_bandwidth": f"a 4-row product over {64 if quick else 256} MiB of fp32 weights with {reader}"},
+        notes="memory_bytes is the node's; ranks on the node share it. comm_overlaps_compute is false: on a CPU "
+              "node a transfer's copies need the cores the compute runs on, so the model hides nothing behind it")
+
+
+def run_calibrate(args) -> int:
+    from tqdm import tqdm
+
+    from dist_infer.launch.launcher import usable_cores
+
+    steps = 3 * len({1, usable_cores()}) + 2
+    bar = tqdm(total=steps, desc="calibrate", unit="step", file=sys.stderr)
+
+    def progress(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update(1)
+
+    try:
+        profile = calibrate(args.quick, args.timeout, progress)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        bar.close()
+        logger.error(f"calibrate: {exc}")
+        return 1
+    bar.close()
+    save_profile(profile, args.out)
+    g = profile.gemm_rate("fp32", profile.devices_per_node)
+    print(f"calibrate: {profile.name}: GEMM {g / 1e9:.1f} GFLOP/s ({profile.devices_per_node} threads, large), "
+          f"bandwidth {profile.bandwidth(profile.devices_per_node) / 1e9:.1f} GB/s, "
+          f"all-reduce (shm, 2 ranks) latency {profile.link('all_reduce', 2, 'shm').latency_s * 1e6:.0f} us, "
+          f"per layer {profile.per_layer_s * 1e6:.0f} us, per step {profile.per_step_s * 1e3:.2f} ms, cp ring step "
+          f"{profile.cp_step_s * 1e6:.0f} us, cp decode merge {profile.cp_decode_layer_s * 1e6:.0f} us per layer")
+    print(f"profile written to {args.out}")
+    if args.json:
+        print(json.dumps(profile.to_json()))
+    return 0

@@ -1,0 +1,171 @@
+"""A hardware profile: what one rank can compute and move, as the cost model needs it.
+
+A profile is a JSON file, either measured on this machine (`dist-infer calibrate`) or built
+from published figures for hardware we cannot reach (`profiles/*.json`, each figure with its
+source). Rates are per rank: one GPU, or one CPU process with its share of the node's cores.
+
+Rates may depend on how many threads a rank runs and on the GEMM's row count, so a rate is
+either a number or a table `{threads: [[rows, value], ...]}` (CPU profiles measure both).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+Rate = Union[float, dict]
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One collective on one kind of link: fixed latency plus bytes over bus bandwidth."""
+
+    latency_s: float
+    busbw: float  # bytes/s, nccl-tests' bus bandwidth convention
+
+    def time(self, nbytes: float, factor: float) -> float:
+        """Seconds for a buffer of `nbytes` whose traffic per rank is `factor` x nbytes."""
+        return self.latency_s + factor * nbytes / self.busbw
+
+
+@dataclass
+class HardwareProfile:
+    name: str
+    device: str  # "cpu" or "cuda"
+    gemm_flops: dict  # dtype -> Rate (FLOP/s per rank)
+    attention_flops: dict  # dtype -> Rate (FLOP/s per rank for prefill attention)
+    memory_bandwidth: Rate  # bytes/s per rank, streaming weights or KV
+    memory_bytes: float  # capacity per rank (a GPU's memory; a CPU node's memory / ranks)
+    devices_per_node: int  # GPUs per node, or cores per CPU node
+    links: dict  # "intra" / "inter" -> Link: every collective on that link unless `collectives` says otherwise
+    collectives: dict = field(default_factory=dict)  # op -> {"intra"|"inter"|"shm": {group size: Link}}
+    per_layer_s: float = 0.0  # fixed time per decoder layer per step (kernel launches, Python)
+    per_step_s: float = 0.0  # fixed time per engine step (scheduling, sampling, the plan)
+    base_memory_bytes: float = 0.0  # a rank's memory before the model (runtime, CUDA context)
+    shared_node: bool = False  # CPU: ranks on a node share its cores and memory bandwidth
+    comm_overlaps_compute: bool = True  # False: a transfer needs the cores the compute uses (CPU), nothing hides
+    cp_step_s: float = 0.0  # fixed cost of one ring step per layer (post, wait, merge); 0: the link's latency
+    cp_decode_layer_s: float = 0.0  # fixed cost per layer of a cp decode's merge (gather + LSE math); 0: latency
+    sources: dict = field(default_factory=dict)
+    notes: str = ""
+
+    # -- lookups -----------------------------------------------------------------------------
+    def gemm_rate(self, dtype: str, threads: int = 1, rows: float = math.inf) -> float:
+        return _lookup(self.gemm_flops, dtype, threads, rows, self.name, "gemm_flops")
+
+    def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf) -> float:
+        return _lookup(self.attention_flops, dtype, threads, rows, self.name, "attention_flops")
+
+    def bandwidth(self, threads: int = 1) -> float:
+        return _rate_at(self.memory_bandwidth, threads, math.inf)
+
+    def link(self, op: str, group_size: int, scope: str) -> Link:
+        """The Link an `op` over `group_size` ranks uses: measured for that op and scope when the
+        profile has it (nearest measured group size), else the scope's link."""
+        measured = self.collectives.get(op, {}).get(scope)
+        if measured:
+            sizes = sorted(int(n) for n in measured)
+            n = min(sizes, key=lambda s: (abs(s - group_size), -s))
+            return measured[str(n)] if str(n) in measured else measured[n]
+        if scope == "shm":
+            scope = "intra"
+        if scope not in self.links:
+            raise ProfileError(f"profile {self.name}: no {scope!r} link")
+        return self.links[scope]
+
+    # -- files -------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in ("name", "device", "gemm_flops", "attention_flops", "memory_bandwidth",
+                                             "memory_bytes", "devices_per_node", "per_layer_s", "per_step_s",
+                                             "base_memory_bytes", "shared_node", "comm_overlaps_compute", "cp_step_s",
+                                             "cp_decode_layer_s", "sources", "notes")}
+        out["links"] = {k: vars(v) for k, v in self.links.items()}
+        out["collectives"] = {op: {scope: {str(n): vars(link) for n, link in by_n.items()}
+                                   for scope, by_n in scopes.items()} for op, scopes in self.collectives.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "<profile>") -> "HardwareProfile":
+        need = ("name", "device", "gemm_flops", "attention_flops", "memory_bandwidth", "memory_bytes",
+                "devices_per_node", "links")
+        missing = [k for k in need if k not in data]
+        if missing:
+            raise ProfileError(f"{source}: missing field(s) {', '.join(missing)}")
+        try:
+            links = {k: Link(float(v["latency_s"]), float(v["busbw"])) for k, v in data["links"].items()}
+            collectives = {op: {scope: {str(n): Link(float(v["latency_s"]), float(v["busbw"])) for n, v in by_n.items()}
+                                for scope, by_n in scopes.items()}
+                           for op, scopes in data.get("collectives", {}).items()}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{source}: a link needs latency_s and busbw numbers ({exc})") from None
+        known = {f for f in cls.__dataclass_fields__}
+        rest = {k: v for k, v in data.items() if k in known and k not in ("links", "collectives")}
+        return cls(links=links, collectives=collectives, **rest)
+
+
+def _rate_at(rate: Rate, threads: int, rows: float) -> float:
+    if isinstance(rate, (int, float)):
+        return float(rate)
+    by_threads = {int(k): v for k, v in rate.items()}
+    t = max((k for k in by_threads if k <= threads), default=min(by_threads))
+    curve = by_threads[t]
+    if isinstance(curve, (int, float)):
+        return float(curve)
+    return interpolate_log(curve, rows)
+
+
+def interpolate_log(points: list, x: float) -> float:
+    """Piecewise-linear in log(x) through sorted [x, y] points, flat beyond the ends."""
+    pts = sorted((float(a), float(b)) for a, b in points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
+
+
+def _lookup(table: dict, dtype: str, threads: int, rows: float, name: str, what: str) -> float:
+    if dtype not in table:
+        raise ProfileError(f"profile {name}: {what} has no {dtype!r} entry (it has {', '.join(sorted(table))})")
+    return _rate_at(table[dtype], threads, rows)
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+
+
+def load_profile(spec: str) -> HardwareProfile:
+    """A built-in profile by name (e.g. `h100-sxm`) or a JSON file written by `dist-infer calibrate`."""
+    path = spec if os.path.exists(spec) else os.path.join(PROFILE_DIR, f"{spec}.json")
+    if not os.path.exists(path):
+        raise ProfileError(f"no hardware profile {spec!r}: not a file, and not one of the built-in profiles "
+                           f"({', '.join(builtin_profiles())}); make one with `dist-infer calibrate --out FILE`")
+    try:
+        with open(path) as f:
+            data: Any = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: a profile is a JSON object")
+    return HardwareProfile.from_json(data, source=path)
+
+
+def save_profile(profile: HardwareProfile, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(profile.to_json(), f, indent=1)
+        f.write("\n")
+

@@ -1,0 +1,100 @@
+"""Layouts: how many ranks share each layer (tp), the layers (pp), the sequence (cp) and the
+experts (ep), and which of them the engine can run for a model."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+from dist_infer.launch.cost_model.shapes import ModelShape
+
+AXES = ("tp", "pp", "cp", "ep")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be parsed or run; the message names the axis and the numbers."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Ranks the layout needs (the engine's mesh: tp x pp x ep x cp; attention is replicated
+        over ep, the experts split over it)."""
+        return self.tp * self.pp * self.cp * self.ep
+
+    def describe(self) -> str:
+        parts = [f"{a}={getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
+        return ",".join(parts) or "tp=1"
+
+    def as_dict(self) -> dict:
+        return {a: getattr(self, a) for a in AXES}
+
+
+def parse_layout(text: str) -> Layout:
+    """'tp=8,cp=2' (commas or spaces; axes left out are 1)."""
+    values = {}
+    for part in text.replace(",", " ").split():
+        axis, sep, number = part.partition("=")
+        if not sep or axis not in AXES:
+            raise LayoutError(f"bad layout part {part!r} in {text!r}: write e.g. tp=8,cp=2 (axes: {', '.join(AXES)})")
+        try:
+            values[axis] = int(number)
+        except ValueError:
+            raise LayoutError(f"bad layout part {part!r} in {text!r}: {number!r} is not an integer") from None
+        if values[axis] < 1:
+            raise LayoutError(f"bad layout part {part!r} in {text!r}: sizes are positive")
+    return Layout(**values)
+
+
+def parse_sweep(text: str) -> list[Layout]:
+    """'tp=1,2 pp=1,2 cp=1,2': every combination of the listed sizes."""
+    axes: dict[str, list[int]] = {}
+    for part in text.split():
+        axis, sep, numbers = part.partition("=")
+        if not sep or axis not in AXES:
+            raise LayoutError(f"bad sweep part {part!r} in {text!r}: write e.g. \"tp=1,2 pp=1,2 cp=1,2\"")
+        try:
+            axes[axis] = sorted({int(n) for n in numbers.split(",") if n})
+        except ValueError:
+            raise LayoutError(f"bad sweep part {part!r} in {text!r}: sizes are integers") from None
+        if not axes[axis] or min(axes[axis]) < 1:
+            raise LayoutError(f"bad sweep part {part!r} in {text!r}: sizes are positive")
+    names = list(axes)
+    return [Layout(**dict(zip(names, combo))) for combo in itertools.product(*(axes[a] for a in names))]
+
+
+def why_not(layout: Layout, shape: ModelShape, gpus: Optional[int] = None) -> Optional[str]:
+    """Why the engine cannot run `layout` for this model (None: it can)."""
+    if gpus is not None and layout.ranks != gpus:
+        return f"needs {layout.ranks} ranks (tp x pp x cp x ep), not {gpus}"
+    if layout.tp > shape.heads:
+        return f"tp={layout.tp} is more than the {shape.heads} query heads"
+    if layout.pp > shape.layers:
+        return f"pp={layout.pp} is more than the {shape.layers} layers"
+    if layout.cp > 1 and layout.pp > 1:
+        return "cp together with pp is not supported yet"
+    if layout.ep > 1:
+        if not shape.experts:
+            return f"ep={layout.ep} needs a mixture-of-experts model"
+        if layout.ep > shape.experts:
+            return f"ep={layout.ep} is more than the {shape.experts} experts"
+    return None
+
+
+def candidate_layouts(shape: ModelShape, gpus: int) -> list[Layout]:
+    """Every layout of exactly `gpus` ranks the engine can run for this model."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    out = []
+    for tp, pp, ep in itertools.product(divisors, divisors, divisors if shape.experts else [1]):
+        if gpus % (tp * pp * ep) == 0:
+            lay = Layout(tp, pp, gpus // (tp * pp * ep), ep)
+            if why_not(lay, shape, gpus) is None:
+                out.append(lay)
+    return out

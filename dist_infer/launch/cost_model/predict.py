@@ -1,0 +1,349 @@
+"""Predicted time to first token, time per output token and memory of one layout, from the
+model's shape, a hardware profile and the engine's own schedules.
+
+What the engine does, and so what is counted (per rank on the critical path):
+- Each decoder layer: the linear layers' GEMMs (a roofline: FLOPs at the profile's GEMM rate
+  for that many rows, or the weights streamed at memory bandwidth, whichever is longer),
+  attention (causal prefill FLOPs, or the KV cache streamed in decode), and a fixed per-layer
+  cost (kernel launches, Python).
+- tp: two all-reduces per layer (after o_proj and down_proj) of the rank's tokens x hidden,
+  plus one after the vocab-parallel embedding; token splitting (`overlap`) hides each half's
+  all-reduce behind the other half's compute, so only what exceeds that compute stays.
+- cp: pass-KV ring attention on the zigzag layout: the local block, then cp - 1 steps, each
+  receiving one rank's K/V while attending to the previous one; a step costs the longer of
+  its transfer and its compute. Decode attends each rank's KV shard and merges by LSE (one
+  small all-gather per layer).
+- pp: the batch goes as pp micro-batches (the scheduler's ceil(B / pp) sequences per step), so
+  the prefill takes (m + pp - 1) stage times and a decode round max(m, pp) stage times; each
+  hand-over sends the micro-batch's hidden states to the next stage.
+- ep: attention replicated over ep; each ep rank routes tokens / ep, two all-to-alls of the
+  routed rows, the experts' FLOPs balanced over ep, an all-gather of the tokens over ep.
+- CPU profiles: the ranks on a node share its cores (threads per rank = cores / ranks) and its
+  memory bandwidth; oversubscribed ranks run at cores / ranks of a core each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dist_infer.launch.cost_model.hardware import HardwareProfile, Link
+from dist_infer.launch.cost_model.layout import Layout, why_not
+from dist_infer.launch.cost_model.shapes import ModelShape, causal_attention_flops, linear_flops, max_shard
+
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+MESH_ORDER = ("tp", "cp", "ep", "pp")  # the engine's mesh, fastest varying first (dp would sit before pp)
+GIB = float(1 << 30)
+ACTIVATION_ROW_CHUNK = 8192  # LlamaMLP.ROW_CHUNK: a long prefill's MLP runs in slices of this many rows
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int
+    prompt_len: int
+    gen_len: int
+    weight_dtype: str = "fp32"  # the GEMMs' dtype (its rate and the weights' bytes)
+    mlp_dtype: str = ""  # the MLP's GEMMs when they differ (e.g. FP8 feed-forward, BF16 attention); "": weight_dtype
+    act_dtype: str = "fp32"  # activations and what the collectives move
+    attention_dtype: str = "fp32"
+    kv_dtype: str = "fp32"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The engine's choices the time depends on."""
+
+    overlap: str = "auto"  # token splitting: on / off / auto (from overlap_threshold tokens per step)
+    overlap_threshold: int = 2048
+    ranks_per_node: int = 8  # GPUs per node, or ranks started on each CPU node
+    cores_per_node: Optional[int] = None  # CPU: the node's cores (None: the profile's)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    ttft_s: float
+    tpot_s: float
+    memory_gib_per_rank: float
+    fits: bool
+    prefill: dict = field(default_factory=dict)  # seconds per term on the critical path
+    decode: dict = field(default_factory=dict)  # seconds per term of one decode round
+    memory: dict = field(default_factory=dict)  # GiB per term, the busiest rank
+    note: str = ""
+
+    @property
+    def dominant_prefill(self) -> str:
+        return max(self.prefill, key=self.prefill.get) if self.prefill else ""
+
+    @property
+    def dominant_decode(self) -> str:
+        return max(self.decode, key=self.decode.get) if self.decode else ""
+
+    def as_dict(self) -> dict:
+        return {**self.layout.as_dict(), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
+                "memory_gib_per_rank": self.memory_gib_per_rank, "fits": self.fits,
+                "dominant_prefill": self.dominant_prefill, "dominant_decode": self.dominant_decode,
+                "prefill_terms_s": self.prefill, "decode_terms_s": self.decode, "memory_gib": self.memory,
+                **({"note": self.note} if self.note else {})}
+
+
+def group_placement(layout: Layout, axis: str, ranks_per_node: int) -> tuple[bool, int]:
+    """(whether an `axis` group spans nodes, how many of its ranks share each node), with ranks
+    filling nodes in mesh order."""
+    stride = 1
+    for a in MESH_ORDER:
+        n = getattr(layout, a)
+        if a == axis:
+            return (n > 1 and stride * n > ranks_per_node), max(1, min(n, ranks_per_node // stride))
+        stride *= n
+    raise ValueError(axis)
+
+
+class _Rank:
+    """Rates of one rank of `layout` on `hw`, and the links it talks over.
+
+    On a CPU node (shared_node) two views: a rank alone (`node=False`: its own threads, the
+    critical path when nothing else runs) and the node's capacity (`node=True`: all cores and the
+    node's bandwidth, the overhead's CPU seconds spread over the cores, no waiting counted), so
+    that the work of every rank on the node bounds the time from below."""
+
+    def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, node: bool = False):
+        self.hw, self.layout, self.sched, self.node = hw, layout, sched, node
+        self.local = min(layout.ranks, sched.ranks_per_node)
+        self.overhead_scale = 1.0
+        self.oversubscribed = False
+        if hw.shared_node:
+            cores = sched.cores_per_node or hw.devices_per_node
+            self.oversubscribed = self.local > cores
+            self.threads = cores if node else max(1, cores // self.local)
+            self.overhead_scale = 1.0 / cores if node else 1.0
+        else:
+            self.threads = 1
+        self.bw = hw.bandwidth(self.threads)
+
+    def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str) -> float:
+        if flops <= 0:
+            return 0.0
+        rate = self.hw.gemm_rate(dtype, self.threads, rows)
+        return max(flops / rate, weight_bytes / self.bw)
+
+    def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str) -> float:
+        if flops <= 0:
+            return 0.0
+        rate = self.hw.attention_rate(dtype, self.threads, rows)
+        return max(flops / rate, kv_bytes / self.bw)
+
+    def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None) -> float:
+        """Seconds for `op` over this rank's `axis` group; `fixed` replaces the link's latency
+        (a measured fixed cost that already holds it)."""
+        n = getattr(self.layout, axis)
+        if n <= 1 or nbytes <= 0 or self.node:  # the node view counts work, not waiting
+            return 0.0
+        spans, per_node = group_placement(self.layout, axis, self.sched.ranks_per_node)
+        scope = "inter" if spans else ("shm" if (axis == "tp" and op == "all_reduce" and self.hw.device == "cpu")
+                                       else "intra")
+        factor = {"all_reduce": 2.0 * (n - 1) / n, "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n,
+                  "send_recv": 1.0}[op]
+        link = self.hw.link(op, n, scope)
+        if self.oversubscribed and scope + "-over" in self.hw.collectives.get(op, {}):
+            # ranks outnumber the cores: every collective waits for peers to be scheduled
+            over = self.hw.link(op, n, scope + "-over")
+            if fixed is not None:  # a fixed cost measured with a core per rank, plus what crowding adds
+                fixed += max(0.0, over.latency_s - link.latency_s)
+            link = over
+        if spans and per_node > 1 and op != "send_recv":
+            # NCCL runs one ring per NIC (rail): the group's ranks on a node cross between nodes in
+            # parallel, each on its own NIC, so the bus bandwidth is theirs together, up to the node's links
+            intra = self.hw.link(op, n, "intra")
+            link = Link(link.latency_s, min(intra.busbw, link.busbw * per_node))
+        if fixed is not None:
+            link = Link(fixed, link.busbw)
+        return link.time(nbytes, factor)
+
+
+def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfile,
+            sched: Schedule = Schedule()) -> Prediction:
+    """The prediction for one layout (see the module docstring for what is counted)."""
+    problem = why_not(layout, shape)
+    if problem:
+        raise ValueError(f"layout {layout.describe()}: {problem}")
+    b = DTYPE_BYTES
+    m = micro_batches(work.batch, layout.pp)
+    mb = math.ceil(work.batch / m)  # sequences per micro-batch (the largest)
+    layers = math.ceil(shape.layers / layout.pp)
+    moe_layers = math.ceil(shape.moe_layers / layout.pp)
+
+    def stage_pass(rank: _Rank, seqs: int, new_tokens: int, context_before: int, prefill: bool) -> dict:
+        """Seconds per term for one stage running `seqs` sequences of `new_tokens` each."""
+        t = {k: 0.0 for k in ("gemm", "attention", "elementwise", "tp_comm", "cp_ring", "ep_comm", "overhead")}
+        mlp_dtype = work.mlp_dtype or work.weight_dtype
+        tokens = seqs * math.ceil(new_tokens / layout.cp) if prefill else seqs  # this rank's rows
+        q_heads, kv_heads = shape.heads_per_rank(layout.tp)
+        attn_w = shape.attention_params_per_rank(layout.tp)
+        dense_w = shape.mlp_params_per_rank(layout.tp)
+        t_attn_lin = rank.gemm(linear_flops(attn_w, tokens), attn_w * b[work.weight_dtype], tokens, work.weight_dtype)
+        t_mlp = rank.gemm(linear_flops(dense_w, tokens), dense_w * b[mlp_dtype], tokens, mlp_dtype)
+        # norms, residual adds, rotary, SiLU x up, the cache write: memory-bound, once per row
+        ew_bytes = tokens * b[work.act_dtype] * (10 * shape.hidden + 2 * (q_heads + 2 * kv_heads) * shape.head_dim
+                                                 + 3 * max_shard(shape.intermediate, layout.tp))
+        t_ew = ew_bytes / rank.bw
+        if prefill:
+            # zigzag: every cp rank holds 1/cp of each sequence's (query, key) pairs
+            flops = seqs * causal_attention_flops(q_heads, shape.head_dim, new_tokens, context_before) / layout.cp
+            kv_read = 0.0
+        else:
+            ctx = context_before + 1
+            flops = seqs * causal_attention_flops(q_heads, shape.head_dim, 1, math.ceil(ctx / layout.cp))
+            kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
+        t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
+        ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype])
+        split = layout.tp > 1 and (sched.overlap == "on" or (sched.overlap == "auto" and tokens >= sched.overlap_threshold))
+        ring = 0.0
+        if layout.cp > 1 and prefill:
+            # cp - 1 steps; each moves one rank's K/V block while attending to the one before
+            block = tokens * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
+            xfer = rank.collective("send_recv", "cp", block, fixed=hw.cp_step_s or None)
+            step_compute = t_core / layout.cp if hw.comm_overlaps_compute else 0.0
+            # the LSE merge of each step's partial output into the fp32 accumulators (read both, write one)
+            merge = 3 * tokens * q_heads * (shape.head_dim + 1) * 4 / rank.bw
+            ring = (layout.cp - 1) * (max(0.0, xfer - step_compute) + merge)
+        elif layout.cp > 1:  # decode: each rank's partial output and LSE gathered for the merge
+            ring = rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
+                                   fixed=hw.cp_decode_layer_s or None)
+        for i in range(layers):
+            moe = i < moe_layers
+            t_m = t_mlp
+            ep = 0.0
+            if moe:
+                w = shape.mlp_params_per_rank(layout.tp, layout.ep, moe=True)
+                chunk = math.ceil(tokens / layout.ep)
+                active = shape.top_k * 3 * shape.hidden * math.ceil(shape.expert_intermediate / layout.tp)
+                flops = linear_flops(active, chunk)
+                touched = min(shape.experts / layout.ep, chunk * shape.top_k) / max(1, shape.experts / layout.ep)
+                t_m = rank.gemm(flops, w * touched * b[mlp_dtype], chunk, mlp_dtype)
+                rows = chunk * shape.top_k * shape.hidden * b[work.act_dtype]
+                ep = 2 * rank.collective("all_to_all", "ep", rows * layout.ep) + rank.collective(
+                    "all_gather", "ep", tokens * shape.hidden * b[work.act_dtype])
+            compute = t_attn_lin + t_core + t_m + t_ew
+            comm = 2 * ar
+            if split and hw.comm_overlaps_compute:  # each half's all-reduce runs under the other half's compute
+                comm = max(0.0, comm - compute / 2)
+            t["gemm"] += t_attn_lin + t_m
+            t["attention"] += t_core
+            t["elementwise"] += t_ew
+            t["tp_comm"] += comm
+            t["cp_ring"] += ring
+            t["ep_comm"] += ep
+            t["overhead"] += hw.per_layer_s * rank.overhead_scale
+        return t
+
+    def head_pass(rank: _Rank, rows: int) -> dict:
+        """Embedding all-reduce (first stage) and the LM head on the sampled rows (last stage)."""
+        v = shape.vocab_per_rank(layout.tp)
+        return {"gemm": rank.gemm(linear_flops(v * shape.hidden, rows), v * shape.hidden * b[work.weight_dtype], rows,
+                                  work.weight_dtype),
+                "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4)}
+
+    def add(*dicts: dict) -> dict:
+        out: dict = {}
+        for d in dicts:
+            for k, v in d.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def scale(d: dict, f: float) -> dict:
+        return {k: v * f for k, v in d.items()}
+
+    def pipeline(rank: _Rank, layer_part: dict, rows: int, tokens: int) -> tuple[float, float, dict]:
+        """(time of the first micro-batch through every stage, the slowest stage's time, the
+        mean stage's terms) for micro-batches of `rows` sampled rows and `tokens` tokens per rank.
+        The first stage also runs the embedding's all-reduce and the driver's step; the last the
+        LM head; every stage but the last hands its hidden states on."""
+        act = tokens * shape.hidden * b[work.act_dtype]
+        first = {"tp_comm": rank.collective("all_reduce", "tp", act), "overhead": hw.per_step_s * rank.overhead_scale}
+        last = head_pass(rank, rows)
+        send = {"pp_transfer": rank.collective("send_recv", "pp", act)} if layout.pp > 1 else {}
+        if layout.pp == 1:
+            stages = [add(layer_part, first, last)]
+        else:
+            stages = [add(layer_part, first, send)] + [add(layer_part, send)] * (layout.pp - 2) + [add(layer_part, last)]
+        totals = [sum(st.values()) for st in stages]
+        return sum(totals), max(totals), scale(add(*stages), 1.0 / layout.pp)
+
+    rank = _Rank(hw, layout, sched)
+    node = _Rank(hw, layout, sched, node=True) if hw.shared_node else None
+    # ranks on the busiest node, per stage of one pp group: its share of the job's work
+    node_share = rank.local / layout.ranks
+
+    def node_time(layer_part: dict, rows: int, tokens: int) -> float:
+        """Seconds of the node's capacity that one micro-batch's pass through every stage uses
+        on the busiest node (all its ranks' work; waiting is not work)."""
+        _, _, mean = pipeline(node, layer_part, rows, tokens)
+        return sum(mean.values()) * layout.pp * (layout.ranks / layout.pp) * node_share
+
+    # -- prefill: m micro-batches chase each other through the pp stages --------------------------
+    p_tokens = mb * math.ceil(work.prompt_len / layout.cp)
+    through, slowest, mean = pipeline(rank, stage_pass(rank, mb, work.prompt_len, 0, prefill=True), mb, p_tokens)
+    ttft = through + (m - 1) * slowest
+    prefill = scale(mean, m)
+    if layout.pp > 1:  # filling the pipeline and uneven stages: the time beyond m mean stages
+        prefill["pp_bubble"] = max(0.0, ttft - sum(prefill.values()))
+    if node is not None:  # the node's cores and bandwidth shared by all its ranks
+        busy = m * node_time(stage_pass(node, mb, work.prompt_len, 0, prefill=True), mb, p_tokens)
+        if busy > ttft:
+            prefill["node_shared"], ttft = busy - ttft, busy
+
+    # -- decode: one round = every sequence one token, at the mean context -----------------------
+    ctx = work.prompt_len + max(0, work.gen_len - 1) // 2
+    through, slowest, mean = pipeline(rank, stage_pass(rank, mb, 1, ctx, prefill=False), mb, mb)
+    tpot = max(m * slowest, through)  # the slowest stage's m passes, or one token's trip through all stages
+    decode = scale(mean, m)
+    if layout.pp > 1:
+        decode["pp_bubble"] = max(0.0, tpot - sum(decode.values()))
+    if node is not None:
+        busy = m * node_time(stage_pass(node, mb, 1, ctx, prefill=False), mb, mb)
+        if busy > tpot:
+            decode["node_shared"], tpot = busy - tpot, busy
+
+    memory = memory_per_rank(shape, layout, work, hw)
+    total = sum(memory.values())
+    fits = total * GIB <= hw.memory_bytes
+    return Prediction(layout, ttft_s=ttft, tpot_s=tpot,
+                      memory_gib_per_rank=total, fits=fits,
+                      prefill={k: v for k, v in prefill.items() if v > 0},
+                      decode={k: v for k, v in decode.items() if v > 0}, memory=memory)
+
+
+def micro_batches(batch: int, pp: int) -> int:
+    """How many steps the scheduler cuts a batch into with pp stages (ceil(B / pp) sequences each)."""
+    if pp <= 1:
+        return 1
+    per = math.ceil(batch / pp)
+    return math.ceil(batch / per)
+
+
+def memory_per_rank(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfile) -> dict:
+    """GiB on the busiest rank: weights, KV cache, the largest step's activations, the runtime."""
+    b = DTYPE_BYTES
+    layers = math.ceil(shape.layers / layout.pp)
+    moe_layers = math.ceil(shape.moe_layers / layout.pp)
+    mlp = (layers - moe_layers) * shape.mlp_params_per_rank(layout.tp) + moe_layers * (
+        shape.mlp_params_per_rank(layout.tp, layout.ep, moe=True))
+    vocab = shape.vocab_per_rank(layout.tp) * shape.hidden
+    embed = vocab * (2 if not shape.tied and layout.pp == 1 else 1)  # the embedding and the LM head
+    weights_b = ((layers * shape.attention_params_per_rank(layout.tp) + embed) * b[work.weight_dtype]
+                 + mlp * b[work.mlp_dtype or work.weight_dtype])
+    seq_tokens = math.ceil((work.prompt_len + work.gen_len) / layout.cp)
+    micro = math.ceil(work.batch / micro_batches(work.batch, layout.pp))
+    kv = micro_batches(work.batch, layout.pp) * micro * seq_tokens * shape.kv_bytes_per_token(
+        layout.tp, layers, b[work.kv_dtype])
+    rows = micro * math.ceil(work.prompt_len / layout.cp)
+    q_heads, kv_heads = shape.heads_per_rank(layout.tp)
+    act_row = (4 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim) * b[work.act_dtype]
+    mlp_rows = min(rows, ACTIVATION_ROW_CHUNK)
+    act = rows * act_row + mlp_rows * 3 * max_shard(shape.intermediate, layout.tp) * b[work.act_dtype]
+    if layout.cp > 1:  # the ring's two K/V receive buffers and fp32 accumulators
+        act += 2 * rows * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype]) + rows * q_heads * (shape.head_dim + 1) * 4
+    return {"weights": weights_b / GIB, "kv_cache": kv / GIB, "activations": act / GIB,
+            "runtime": hw.base_memory_bytes / GIB}
