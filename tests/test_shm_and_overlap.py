@@ -44,6 +44,7 @@ def test_should_split_modes():
     assert not should_split("on", 1, 2, 1024)  # one token cannot be split
     assert not should_split("on", 4096, 1, 1024)  # nothing to overlap without tp
     assert should_split("auto", 1024, 2, 1024) and not should_split("auto", 1023, 2, 1024)
+    assert not should_split("auto", 1 << 20, 2, None)  # the CPU default: auto never splits
     with pytest.raises(ValueError, match="overlap mode"):
         should_split("sometimes", 10, 2, 1)
 

@@ -40,10 +40,11 @@ from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split
 
 TAG_FORWARD, TAG_BACK = 1, 2
-# Tokens per step from which `--overlap auto` splits, per device kind: on the 2-core CPU machine
-# splitting gains nothing at 1024 tokens and 2.5% at 2048 (docs/benchmarks.md); TokenWeave
-# finds about 1024 on H100s.
-OVERLAP_THRESHOLDS = {"cpu": 2048, "cuda": 1024}
+# Tokens per step from which `--overlap auto` splits, per device kind (None: never). On the 2-core
+# CPU machine splitting gained nothing at 1024 tokens and 2.5% at 2048, and lost 44% of an
+# 8192-token prefill (1.48 s against 1.03 s at tp=2; docs/benchmarks.md, issue 15): a CPU rank has
+# no spare core for the transfer to hide on. TokenWeave finds about 1024 on H100s.
+OVERLAP_THRESHOLDS = {"cpu": None, "cuda": 1024}
 DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 # Tokens per step from which `--sequence-parallel auto` applies; None: auto never does. On the
 # 2-core CPU machine it was within noise of plain tp at 1024 and 2048 tokens and slower in
@@ -100,7 +101,8 @@ class Engine:
     """One model instance's step loop. Every rank constructs it; world rank 0 drives."""
 
     def __init__(self, stage, groups: ParallelGroups, block_size: int = 16,
-                 overlap: str = "off", overlap_threshold: int = DEFAULT_OVERLAP_THRESHOLD, cp_variant: str = "auto",
+                 overlap: str = "off", overlap_threshold: Optional[int] = DEFAULT_OVERLAP_THRESHOLD,
+                 cp_variant: str = "auto",
                  sequence_parallel: str = "off",
                  sequence_parallel_threshold: Optional[int] = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,

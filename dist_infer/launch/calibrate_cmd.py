@@ -26,7 +26,7 @@ from dist_infer.topology.discovery import without_launcher_env
 
 GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 GEMM_SHAPE = (1024, 4096)  # in, out: 16 MiB of fp32 weights, beyond this machine's caches
-ATTENTION_LENGTHS = (128, 512, 2048)
+ATTENTION_LENGTHS = (128, 512, 2048, 8192)
 COMM_SIZES = "256,4K,64K,1M,4M"
 COMM_OPS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
 
@@ -98,6 +98,37 @@ def measure_bandwidth(threads: int, mib: int = 256) -> tuple[float, str]:
     return w.numel() * 4 / t, "the native skinny kernel" if kernels is not None else "torch F.linear"
 
 
+def measure_decode_attention(threads: int, context: int = 4096, copies: int = 8,
+                             head_dims=(32, 64, 128)) -> list[list[float]]:
+    """[[head_dim, KV bytes/s]] the native paged decode attention reads (one query, 8 / 4 heads, a
+    cache of `copies` layers' worth cycled so it comes from memory, not the caches); [] without
+    the native kernels (the model then uses the memory bandwidth)."""
+    import torch
+
+    from dist_infer.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        return []
+    torch.set_num_threads(threads)
+    bs, kv, heads = 16, 4, 8
+    nb = context // bs + 1
+    tables = torch.arange(nb, dtype=torch.long).view(1, -1)
+    lens = torch.full((1,), context, dtype=torch.long)
+    out = []
+    for d in head_dims:
+        caches = [(torch.randn(nb, bs, kv, d), torch.randn(nb, bs, kv, d)) for _ in range(copies)]
+        q = torch.randn(1, heads * d)
+
+        def run():
+            for kc, vc in caches:
+                kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
+
+        t = _best_time(run, min_s=0.3, max_reps=10)
+        out.append([d, copies * context * kv * d * 4 * 2 / t])
+    return out
+
+
 def fit_link(points: list[tuple[float, float]]) -> Link:
     """latency = a + traffic / busbw through the smallest and the largest (traffic bytes, seconds)
     points: the smallest message fixes the latency, the largest the bandwidth."""
@@ -147,12 +178,14 @@ def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
     return out
 
 
-def measure_fixed_costs(timeout: float, depths=(2, 8)) -> dict:
+def measure_fixed_costs(timeout: float, crowd: int = 0, depths=(2, 16)) -> dict:
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
     negligible) that differ only in depth, each run in one process and at cp=2:
     per_layer_s / per_step_s (a decode step's time against the depth), cp_decode_layer_s (what a
     cp decode adds per layer: the merge's gather and LSE math) and cp_step_s (what one ring step
-    adds per layer to a prefill: posting, waiting, merging)."""
+    adds per layer to a prefill: posting, waiting, merging); with `crowd` > 0 also at tp=crowd
+    (more ranks than cores), whose extra time per layer over its two all-reduces gives
+    sync_oversubscribed_s: what each collective costs when its ranks wait for a core."""
     from dist_infer.models.tiny_model import write_tiny_model
 
     runs: dict = {}
@@ -161,20 +194,24 @@ def measure_fixed_costs(timeout: float, depths=(2, 8)) -> dict:
             d = os.path.join(tmp, f"depth{depth}")
             os.makedirs(d)
             write_tiny_model(d, num_hidden_layers=depth, hidden_size=64, intermediate_size=128,
-                             num_attention_heads=2, num_key_value_heads=1)
-            for cp in (1, 2):
-                runs[depth, cp] = _run_json(
-                    [sys.executable, "-m", "dist_infer", "bench", "--model", d, "--nproc", str(cp), "--cp", str(cp),
-                     "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5", "--json"], timeout)
+                             num_attention_heads=4, num_key_value_heads=2)
+            for key, nproc, layout in (("one", 1, []), ("cp", 2, ["--cp", "2"]), ("crowd", crowd, ["--tp", str(crowd)])):
+                if nproc:
+                    runs[depth, key] = _run_json(
+                        [sys.executable, "-m", "dist_infer", "bench", "--model", d, "--nproc", str(nproc), *layout,
+                         "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5", "--json"], timeout)
     lo, hi = depths
 
-    def slope(key: str, cp: int) -> float:
-        return (runs[hi, cp][key] - runs[lo, cp][key]) / (hi - lo)
+    def slope(key: str, run: str) -> float:
+        return (runs[hi, run][key] - runs[lo, run][key]) / (hi - lo)
 
-    per_layer = max(0.0, slope("tpot_s", 1))
-    return {"per_layer_s": per_layer, "per_step_s": max(0.0, runs[lo, 1]["tpot_s"] - lo * per_layer),
-            "cp_decode_layer_s": max(0.0, slope("tpot_s", 2) - per_layer),
-            "cp_step_s": max(0.0, slope("ttft_s", 2) - slope("ttft_s", 1))}
+    per_layer = max(0.0, slope("tpot_s", "one"))
+    out = {"per_layer_s": per_layer, "per_step_s": max(0.0, runs[lo, "one"]["tpot_s"] - lo * per_layer),
+           "cp_decode_layer_s": max(0.0, slope("tpot_s", "cp") - per_layer),
+           "cp_step_s": max(0.0, slope("ttft_s", "cp") - slope("ttft_s", "one"))}
+    if crowd:
+        out["sync_oversubscribed_s"] = max(0.0, (slope("tpot_s", "crowd") - per_layer) / 2)
+    return out
 
 
 def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[str], None] = lambda s: None) -> HardwareProfile:
@@ -184,23 +221,25 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
 
     cores = usable_cores()
     thread_counts = sorted({1, cores})
-    gemm, attention, bandwidth, reader = {}, {}, {}, ""
+    gemm, attention, bandwidth, reader, decode_attention = {}, {}, {}, "", {}
     for t in thread_counts:
         progress(f"GEMM, {t} thread(s)")
         gemm[str(t)] = measure_gemm(t, GEMM_ROWS[::2] if quick else GEMM_ROWS)
         progress(f"attention, {t} thread(s)")
-        attention[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:2] if quick else ATTENTION_LENGTHS)
+        attention[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS)
         progress(f"memory bandwidth, {t} thread(s)")
         bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256)
+        decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step (bench)")
-    fixed = measure_fixed_costs(timeout)
+    fixed = measure_fixed_costs(timeout, 0 if quick else 2 * cores)
     base = psutil.Process().memory_info().rss
     links = {"intra": collectives["send_recv"]["intra"]["2"]}
     return HardwareProfile(
         name=f"{platform.node()}-cpu{cores}", device="cpu",
         gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, memory_bandwidth=bandwidth,
+        decode_attention_bandwidth=decode_attention if all(decode_attention.values()) else 0.0,
         memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
         collectives=collectives, base_memory_bytes=float(base), shared_node=True, comm_overlaps_compute=False, **fixed,
         sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "

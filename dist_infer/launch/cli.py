@@ -85,8 +85,8 @@ def add_overlap_flags(p: argparse.ArgumentParser) -> None:
                    help="token-splitting compute/communication overlap in tensor-parallel layers: split every step "
                         "(on), never (off), or steps of at least --overlap-threshold tokens (auto, default)")
     p.add_argument("--overlap-threshold", type=int, default=None,
-                   help="tokens per step from which --overlap auto splits (default: measured per machine kind, "
-                        "see docs/benchmarks.md)")
+                   help="tokens per step from which --overlap auto splits (default: measured per machine kind: "
+                        "1024 on CUDA, never on CPU, where it was measured slower; see docs/benchmarks.md)")
     p.add_argument("--sequence-parallel", choices=("on", "off", "auto"), default="auto",
                    help="tensor-parallel layers with the all-reduce split into reduce-scatter and all-gather, the "
                         "residual and RMSNorm on 1/tp of the tokens each: on every step that is not token-split (on), "

@@ -83,7 +83,9 @@ def workload_from_args(args, hw: HardwareProfile) -> Workload:
 def schedule_from_args(args, hw: HardwareProfile) -> Schedule:
     # a CPU profile's "devices" are cores: the job's ranks share one node unless told otherwise
     per_node = args.gpus_per_node or (args.gpus if hw.shared_node else hw.devices_per_node)
-    threshold = 2048 if hw.device == "cpu" else 1024  # the engine's --overlap auto thresholds
+    from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
+
+    threshold = OVERLAP_THRESHOLDS["cpu" if hw.device == "cpu" else "cuda"]  # the engine's --overlap auto
     return Schedule(overlap=args.overlap, overlap_threshold=threshold, ranks_per_node=per_node,
                     cores_per_node=hw.devices_per_node if hw.shared_node else None)
 

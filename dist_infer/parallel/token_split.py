@@ -72,10 +72,11 @@ def run_layers_token_split(num_layers: int, x_a: torch.Tensor, x_b: torch.Tensor
     return x_a, x_b
 
 
-def should_split(mode: str, tokens: int, tp_size: int, threshold: int) -> bool:
-    """Whether a step of `tokens` tokens is split: 'on' whenever possible, 'auto' from `threshold` up."""
+def should_split(mode: str, tokens: int, tp_size: int, threshold: Optional[int]) -> bool:
+    """Whether a step of `tokens` tokens is split: 'on' whenever possible, 'auto' from `threshold`
+    up (None: auto never splits)."""
     if mode not in ("on", "off", "auto"):
         raise ValueError(f"overlap mode must be on, off or auto, got {mode!r}")
     if mode == "off" or tp_size == 1 or tokens < 2:
         return False
-    return mode == "on" or tokens >= threshold
+    return mode == "on" or (threshold is not None and tokens >= threshold)

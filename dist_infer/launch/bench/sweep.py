@@ -54,6 +54,7 @@ def efficiency(rows: list[dict], key: str) -> None:
 def run_sweep(args, argv: Sequence[str]) -> int:
     from tqdm import tqdm
 
+    from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
     from dist_infer.launch.calibrate_cmd import calibrate
     from dist_infer.launch.cost_model.hardware import load_profile
     from dist_infer.launch.cost_model.layout import LayoutError, parse_sweep, why_not
@@ -84,8 +85,9 @@ def run_sweep(args, argv: Sequence[str]) -> int:
             problem = f"{lay.ranks} ranks is more than --sweep-max-ranks {max_ranks}"
         row = {**lay.as_dict(), "layout": lay.describe(), "ranks": lay.ranks}
         if problem is None:
-            pred = predict(shape, lay, work, hw, Schedule(overlap=args.overlap, ranks_per_node=lay.ranks,
-                                                          cores_per_node=cores))
+            threshold = args.overlap_threshold or OVERLAP_THRESHOLDS["cpu" if hw.device == "cpu" else "cuda"]
+            pred = predict(shape, lay, work, hw, Schedule(overlap=args.overlap, overlap_threshold=threshold,
+                                                          ranks_per_node=lay.ranks, cores_per_node=cores))
             row["predicted"] = pred.as_dict()
             if not pred.fits:
                 problem = f"predicted {pred.memory_gib_per_rank:.1f} GiB per rank does not fit this machine"

@@ -43,11 +43,12 @@ class HardwareProfile:
     device: str  # "cpu" or "cuda"
     gemm_flops: dict  # dtype -> Rate (FLOP/s per rank)
     attention_flops: dict  # dtype -> Rate (FLOP/s per rank for prefill attention)
-    memory_bandwidth: Rate  # bytes/s per rank, streaming weights or KV
+    memory_bandwidth: Rate  # bytes/s per rank, streaming weights
     memory_bytes: float  # capacity per rank (a GPU's memory; a CPU node's memory / ranks)
     devices_per_node: int  # GPUs per node, or cores per CPU node
     links: dict  # "intra" / "inter" -> Link: every collective on that link unless `collectives` says otherwise
     collectives: dict = field(default_factory=dict)  # op -> {"intra"|"inter"|"shm": {group size: Link}}
+    decode_attention_bandwidth: Rate = 0.0  # KV bytes/s a decode's attention reads, by head_dim (0: memory_bandwidth)
     per_layer_s: float = 0.0  # fixed time per decoder layer per step (kernel launches, Python)
     per_step_s: float = 0.0  # fixed time per engine step (scheduling, sampling, the plan)
     base_memory_bytes: float = 0.0  # a rank's memory before the model (runtime, CUDA context)
@@ -55,6 +56,7 @@ class HardwareProfile:
     comm_overlaps_compute: bool = True  # False: a transfer needs the cores the compute uses (CPU), nothing hides
     cp_step_s: float = 0.0  # fixed cost of one ring step per layer (post, wait, merge); 0: the link's latency
     cp_decode_layer_s: float = 0.0  # fixed cost per layer of a cp decode's merge (gather + LSE math); 0: latency
+    sync_oversubscribed_s: float = 0.0  # CPU: what each collective costs when a node's ranks outnumber its cores
     sources: dict = field(default_factory=dict)
     notes: str = ""
 
@@ -67,6 +69,12 @@ class HardwareProfile:
 
     def bandwidth(self, threads: int = 1) -> float:
         return _rate_at(self.memory_bandwidth, threads, math.inf)
+
+    def kv_bandwidth(self, threads: int = 1, head_dim: int = 128) -> float:
+        """Bytes/s of KV cache a decode step's attention reads (its kernel's speed depends on the
+        head size: a calibrated profile has it per head_dim)."""
+        rate = _rate_at(self.decode_attention_bandwidth, threads, head_dim) if self.decode_attention_bandwidth else 0.0
+        return rate or self.bandwidth(threads)
 
     def link(self, op: str, group_size: int, scope: str) -> Link:
         """The Link an `op` over `group_size` ranks uses: measured for that op and scope when the
@@ -85,9 +93,9 @@ class HardwareProfile:
     # -- files -------------------------------------------------------------------------------
     def to_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("name", "device", "gemm_flops", "attention_flops", "memory_bandwidth",
-                                             "memory_bytes", "devices_per_node", "per_layer_s", "per_step_s",
-                                             "base_memory_bytes", "shared_node", "comm_overlaps_compute", "cp_step_s",
-                                             "cp_decode_layer_s", "sources", "notes")}
+                                             "decode_attention_bandwidth", "memory_bytes", "devices_per_node",
+                                             "per_layer_s", "per_step_s", "base_memory_bytes", "shared_node", "comm_overlaps_compute", "cp_step_s",
+                                             "cp_decode_layer_s", "sync_oversubscribed_s", "sources", "notes")}
         out["links"] = {k: vars(v) for k, v in self.links.items()}
         out["collectives"] = {op: {scope: {str(n): vars(link) for n, link in by_n.items()}
                                    for scope, by_n in scopes.items()} for op, scopes in self.collectives.items()}

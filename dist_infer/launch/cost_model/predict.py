@@ -55,7 +55,7 @@ class Schedule:
     """The engine's choices the time depends on."""
 
     overlap: str = "auto"  # token splitting: on / off / auto (from overlap_threshold tokens per step)
-    overlap_threshold: int = 2048
+    overlap_threshold: Optional[int] = 1024  # None: auto never splits (the engine's CPU default)
     ranks_per_node: int = 8  # GPUs per node, or ranks started on each CPU node
     cores_per_node: Optional[int] = None  # CPU: the node's cores (None: the profile's)
 
@@ -108,31 +108,38 @@ class _Rank:
     node's bandwidth, the overhead's CPU seconds spread over the cores, no waiting counted), so
     that the work of every rank on the node bounds the time from below."""
 
-    def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, node: bool = False):
+    def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, head_dim: int, node: bool = False,
+                 busy_stages: int = 1):
         self.hw, self.layout, self.sched, self.node = hw, layout, sched, node
         self.local = min(layout.ranks, sched.ranks_per_node)
-        self.overhead_scale = 1.0
-        self.oversubscribed = False
+        busy = self.local * min(busy_stages, layout.pp) / layout.pp  # ranks computing at once
+        self.overhead_scale, self.share, self.oversubscribed = 1.0, 1.0, False
         if hw.shared_node:
             cores = sched.cores_per_node or hw.devices_per_node
-            self.oversubscribed = self.local > cores
+            self.oversubscribed = busy > cores
             self.threads = cores if node else max(1, cores // self.local)
             self.overhead_scale = 1.0 / cores if node else 1.0
+            if self.oversubscribed and not node and layout.tp * layout.cp * layout.ep > 1:
+                # ranks that meet at a collective every layer cannot take turns on a core: each
+                # runs at its share of one, waiting peers spin on theirs (pp stages with work at
+                # once count; the others take turns, which the node view bounds)
+                self.share = cores / busy
         else:
             self.threads = 1
-        self.bw = hw.bandwidth(self.threads)
+        self.bw = hw.bandwidth(self.threads) * self.share
+        self.kv_bw = hw.kv_bandwidth(self.threads, head_dim) * self.share
 
     def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str) -> float:
         if flops <= 0:
             return 0.0
-        rate = self.hw.gemm_rate(dtype, self.threads, rows)
+        rate = self.hw.gemm_rate(dtype, self.threads, rows) * self.share
         return max(flops / rate, weight_bytes / self.bw)
 
     def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str) -> float:
         if flops <= 0:
             return 0.0
-        rate = self.hw.attention_rate(dtype, self.threads, rows)
-        return max(flops / rate, kv_bytes / self.bw)
+        rate = self.hw.attention_rate(dtype, self.threads, rows) * self.share
+        return max(flops / rate, kv_bytes / self.kv_bw)
 
     def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None) -> float:
         """Seconds for `op` over this rank's `axis` group; `fixed` replaces the link's latency
@@ -146,12 +153,13 @@ class _Rank:
         factor = {"all_reduce": 2.0 * (n - 1) / n, "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n,
                   "send_recv": 1.0}[op]
         link = self.hw.link(op, n, scope)
-        if self.oversubscribed and scope + "-over" in self.hw.collectives.get(op, {}):
-            # ranks outnumber the cores: every collective waits for peers to be scheduled
-            over = self.hw.link(op, n, scope + "-over")
-            if fixed is not None:  # a fixed cost measured with a core per rank, plus what crowding adds
-                fixed += max(0.0, over.latency_s - link.latency_s)
-            link = over
+        if self.oversubscribed:
+            # ranks outnumber the cores: every collective also waits for its peers to get a core
+            if scope + "-over" in self.hw.collectives.get(op, {}):
+                link = Link(link.latency_s, self.hw.link(op, n, scope + "-over").busbw)
+            link = Link(link.latency_s + self.hw.sync_oversubscribed_s, link.busbw)
+            if fixed is not None:
+                fixed += self.hw.sync_oversubscribed_s
         if spans and per_node > 1 and op != "send_recv":
             # NCCL runs one ring per NIC (rail): the group's ranks on a node cross between nodes in
             # parallel, each on its own NIC, so the bus bandwidth is theirs together, up to the node's links
@@ -198,7 +206,8 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
         t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
         ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype])
-        split = layout.tp > 1 and (sched.overlap == "on" or (sched.overlap == "auto" and tokens >= sched.overlap_threshold))
+        split = layout.tp > 1 and (sched.overlap == "on" or (sched.overlap == "auto" and sched.overlap_threshold is not None
+                                                              and tokens >= sched.overlap_threshold))
         ring = 0.0
         if layout.cp > 1 and prefill:
             # cp - 1 steps; each moves one rank's K/V block while attending to the one before
@@ -235,7 +244,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             t["tp_comm"] += comm
             t["cp_ring"] += ring
             t["ep_comm"] += ep
-            t["overhead"] += hw.per_layer_s * rank.overhead_scale
+            t["overhead"] += hw.per_layer_s * rank.overhead_scale / rank.share
         return t
 
     def head_pass(rank: _Rank, rows: int) -> dict:
@@ -261,7 +270,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         The first stage also runs the embedding's all-reduce and the driver's step; the last the
         LM head; every stage but the last hands its hidden states on."""
         act = tokens * shape.hidden * b[work.act_dtype]
-        first = {"tp_comm": rank.collective("all_reduce", "tp", act), "overhead": hw.per_step_s * rank.overhead_scale}
+        first = {"tp_comm": rank.collective("all_reduce", "tp", act), "overhead": hw.per_step_s * rank.overhead_scale / rank.share}
         last = head_pass(rank, rows)
         send = {"pp_transfer": rank.collective("send_recv", "pp", act)} if layout.pp > 1 else {}
         if layout.pp == 1:
@@ -271,8 +280,8 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         totals = [sum(st.values()) for st in stages]
         return sum(totals), max(totals), scale(add(*stages), 1.0 / layout.pp)
 
-    rank = _Rank(hw, layout, sched)
-    node = _Rank(hw, layout, sched, node=True) if hw.shared_node else None
+    rank = _Rank(hw, layout, sched, shape.head_dim, busy_stages=m)
+    node = _Rank(hw, layout, sched, shape.head_dim, node=True) if hw.shared_node else None
     # ranks on the busiest node, per stage of one pp group: its share of the job's work
     node_share = rank.local / layout.ranks
 
