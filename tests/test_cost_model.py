@@ -214,6 +214,16 @@ def test_meta_llama3_405b_prefill_from_hardware_figures(layout, tokens, measured
         assert p.dominant_prefill == "attention"
 
 
+def test_meta_ranking_context_parallel_before_multi_host_tensor_parallel():
+    """Where Meta compared them (their table 7), CP over hosts beat TP across hosts: so does the plan."""
+    hw = load_profile("h100-meta-gtt")
+    work = Workload(1, 131072, 1, weight_dtype="bf16", mlp_dtype="fp8", act_dtype="bf16", attention_dtype="bf16",
+                    kv_dtype="bf16")
+    sched = Schedule(overlap="off", ranks_per_node=8)
+    for cp_layout, tp_layout in ((Layout(tp=8, cp=2), Layout(tp=16)), (Layout(tp=8, cp=4), Layout(tp=32))):
+        assert predict(LLAMA3_405B, cp_layout, work, hw, sched).ttft_s < predict(LLAMA3_405B, tp_layout, work, hw, sched).ttft_s
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 def dist_infer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dist_infer", *args], capture_output=True, text=True, timeout=timeout)

@@ -161,7 +161,7 @@ def plot_sweep(path: str, rows: list[dict], args) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in rows if r.get("measured")]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(max(11.0, 1.5 * len(done)), 4.6))
     names = [r["layout"] for r in done]
     for ax, key, pkey, tokens, title in (
             (axes[0], "prefill_tok_s", "ttft_s", args.batch * args.prompt_len, "prefill tokens/s"),
@@ -175,9 +175,9 @@ def plot_sweep(path: str, rows: list[dict], args) -> None:
         for x, r in zip(xs, done):
             eff = r.get(f"efficiency_{key}")
             if eff is not None:
-                ax.annotate(f"eff {eff:.2f}", (x, 0), textcoords="offset points", xytext=(0, -28), ha="center",
+                ax.annotate(f"eff {eff:.2f}", (x, 0), textcoords="offset points", xytext=(0, -34), ha="center",
                             fontsize=7, annotation_clip=False)
-        ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(title)
         ax.legend(fontsize=8)
     fig.suptitle(f"dist-infer bench --sweep: batch {args.batch} x {args.prompt_len} tokens, {args.gen_len} new")
