@@ -300,6 +300,7 @@ def test_sweep_runs_two_layouts_beside_their_predictions(tmp_path):
     for r in rows:
         assert r["measured"]["ttft_s"] > 0 and r["predicted"]["ttft_s"] > 0
         assert r["ttft_error"] == pytest.approx(r["predicted"]["ttft_s"] / r["measured"]["ttft_s"] - 1)
+        assert r["measured"]["peak_rss_gib_per_rank"] > 0.1 and r["memory_error"] is not None
     assert rows[0]["efficiency_prefill_tok_s"] == pytest.approx(1.0)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "sweep: " in out.stdout and "err" in out.stdout

@@ -111,9 +111,12 @@ def run_sweep(args, argv: Sequence[str]) -> int:
         else:
             m = json.loads(lines[-1])
             row["measured"] = {k: m[k] for k in ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")}
+            gen_peaks = [v for v in m.get("gen_peak_rss_mb_per_rank") or [] if v == v]  # NaN: not measured there
+            row["measured"]["peak_rss_gib_per_rank"] = max(gen_peaks or [m["peak_rss_mb"]]) / 1024
             p = row["predicted"]
             row["ttft_error"] = relative_error(p["ttft_s"], m["ttft_s"])
             row["tpot_error"] = relative_error(p["tpot_s"], m["tpot_s"])
+            row["memory_error"] = relative_error(p["memory_gib_per_rank"], row["measured"]["peak_rss_gib_per_rank"])
         bar.update(1)
     bar.close()
     efficiency(rows, "prefill_tok_s")
@@ -138,7 +141,7 @@ def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
     lines = [f"sweep: {model}, batch {args.batch} x prompt {args.prompt_len}, {args.gen_len} new tokens; predictions "
              f"from profile {profile}",
              f"{'layout':<14}{'ranks':>6}{'TTFT s':>9}{'pred':>9}{'err':>6}{'TPOT ms':>9}{'pred':>9}{'err':>6}"
-             f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}"]
+             f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}{'GiB/rank':>10}{'pred':>7}{'err':>6}"]
     for r in rows:
         if "skipped" in r or "error" in r:
             lines.append(f"{r['layout']:<14}{r['ranks']:>6}  " + ("skipped: " + r["skipped"] if "skipped" in r
@@ -148,8 +151,11 @@ def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
         lines.append(f"{r['layout']:<14}{r['ranks']:>6}{num(m['ttft_s']):>9}{num(p['ttft_s']):>9}{pct(r['ttft_error']):>6}"
                      f"{num(m['tpot_s'], 1e3, '.1f'):>9}{num(p['tpot_s'], 1e3, '.1f'):>9}{pct(r['tpot_error']):>6}"
                      f"{num(m['prefill_tok_s'], 1, '.0f'):>15}{num(r.get('efficiency_prefill_tok_s'), 1, '.2f'):>6}"
-                     f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}")
-    lines.append("(err = predicted / measured - 1; eff = throughput per rank against the smallest layout's)")
+                     f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}"
+                     f"{num(m['peak_rss_gib_per_rank'], 1, '.2f'):>10}{num(p['memory_gib_per_rank'], 1, '.2f'):>7}"
+                     f"{pct(r['memory_error']):>6}")
+    lines.append("(err = predicted / measured - 1; eff = throughput per rank against the smallest layout's; GiB/rank = "
+                 "the largest rank's peak RSS while generating)")
     return "\n".join(lines)
 
 
