@@ -285,7 +285,9 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     assert prof.device == "cpu" and prof.shared_node
     assert prof.gemm_rate("fp32", 1, 256) > 1e8 and prof.bandwidth(1) > 1e8
     assert prof.link("all_reduce", 2, "shm").busbw > 0 and prof.link("send_recv", 2, "intra").busbw > 0
-    assert prof.per_layer_s > 0
+    # fixed costs are differences of two timings: on a loaded machine one may come out 0 (calibrate warns)
+    assert prof.per_layer_s >= 0 and prof.per_step_s >= 0 and prof.cp_step_s >= 0 and prof.cp_decode_layer_s >= 0
+    assert prof.kv_bandwidth(1, 64) > 1e8
 
 
 @pytest.mark.slow

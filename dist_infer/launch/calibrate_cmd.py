@@ -211,6 +211,10 @@ def measure_fixed_costs(timeout: float, crowd: int = 0, depths=(2, 16)) -> dict:
            "cp_step_s": max(0.0, slope("ttft_s", "cp") - slope("ttft_s", "one"))}
     if crowd:
         out["sync_oversubscribed_s"] = max(0.0, (slope("tpot_s", "crowd") - per_layer) / 2)
+    zero = [k for k, v in out.items() if v == 0.0]
+    if zero:  # a difference of two timings came out negative: noise larger than the cost
+        logger.warning(f"calibrate: {', '.join(zero)} measured as 0 (timing noise above the cost: is the machine "
+                       f"busy? rerun calibrate when it is quiet)")
     return out
 
 
