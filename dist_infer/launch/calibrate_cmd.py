@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from typing import Callable
 from loguru import logger
 
 from dist_infer.launch.cost_model.hardware import HardwareProfile, Link, save_profile
-from dist_infer.topology.discovery import without_launcher_env
+from dist_infer.launch.subcommand import SubcommandError, run_json
 
 GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 GEMM_SHAPE = (1024, 4096)  # in, out: 16 MiB of fp32 weights, beyond this machine's caches
@@ -42,23 +41,23 @@ def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50)
     return best
 
 
-def measure_gemm(threads: int, rows=GEMM_ROWS, dtype: str = "fp32") -> list[list[float]]:
-    """[[rows, FLOP/s]] of x[rows, 1024] @ W[4096, 1024]^T, through what the engine would use:
-    the native skinny kernel for the few rows it takes (fp32), torch's GEMM otherwise."""
+def measure_gemm(threads: int, rows=GEMM_ROWS) -> list[list[float]]:
+    """[[rows, FLOP/s]] of fp32 x[rows, 1024] @ W[4096, 1024]^T, through what the engine would
+    use: the native skinny kernel for the few rows it takes, torch's GEMM otherwise."""
     import torch
     import torch.nn.functional as F
 
     from dist_infer.kernels.build import MAX_ROWS, load_cpu_kernels
 
     torch.set_num_threads(threads)
-    kernels = load_cpu_kernels() if dtype == "fp32" else None
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    kernels = load_cpu_kernels()
     k, n = GEMM_SHAPE
-    w = torch.randn(n, k, dtype=tdt)
+    w = torch.randn(n, k)
     out = []
     for m in rows:
-        x = torch.randn(m, k, dtype=tdt)
-        fn = (lambda: kernels.skinny_linear(x, w)) if kernels is not None and m <= MAX_ROWS else (lambda: F.linear(x, w))
+        x = torch.randn(m, k)
+        native = kernels is not None and m <= MAX_ROWS
+        fn = (lambda: kernels.skinny_linear(x, w)) if native else (lambda: F.linear(x, w))
         t = _best_time(fn)
         out.append([m, 2.0 * m * k * n / t])
     return out
@@ -137,16 +136,6 @@ def fit_link(points: list[tuple[float, float]]) -> Link:
     return Link(latency_s=max(0.0, y0 - slope * x0), busbw=1.0 / slope)
 
 
-def _run_json(cmd: list[str], timeout: float) -> dict:
-    env = without_launcher_env(os.environ)
-    env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-1500:]}")
-    return json.loads(lines[-1])
-
-
 def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
     """{op: {scope: {n: Link}}} from comm-test jobs: 2 ranks (gloo 'intra', the shared-memory
     all-reduce 'shm'); unless quick, also twice as many ranks as cores (scopes '-over': every
@@ -160,8 +149,8 @@ def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
         jobs += [(over, ["--tp", "2", "--cp", str(over // 2)], "-over"), (over, ["--tp", str(over)], "-over")]
     out: dict = {}
     for nproc, layout, suffix in jobs:
-        res = _run_json([sys.executable, "-m", "dist_infer", "launch", "--nproc-per-node", str(nproc), "--",
-                         sys.executable, "-m", "dist_infer", "comm-test", *layout, "--backend", "gloo",
+        res = run_json(["launch", "--nproc-per-node", str(nproc), "--",
+                        sys.executable, "-m", "dist_infer", "comm-test", *layout, "--backend", "gloo",
                          "--sizes", COMM_SIZES, "--json"], timeout)
         sizes = {"world": nproc}
         for i in range(0, len(layout), 2):
@@ -197,8 +186,8 @@ def measure_fixed_costs(timeout: float, crowd: int = 0, depths=(2, 16)) -> dict:
                              num_attention_heads=4, num_key_value_heads=2)
             for key, nproc, layout in (("one", 1, []), ("cp", 2, ["--cp", "2"]), ("crowd", crowd, ["--tp", str(crowd)])):
                 if nproc:
-                    runs[depth, key] = _run_json(
-                        [sys.executable, "-m", "dist_infer", "bench", "--model", d, "--nproc", str(nproc), *layout,
+                    runs[depth, key] = run_json(
+                        ["bench", "--model", d, "--nproc", str(nproc), *layout,
                          "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5", "--json"], timeout)
     lo, hi = depths
 
@@ -268,7 +257,7 @@ def run_calibrate(args) -> int:
 
     try:
         profile = calibrate(args.quick, args.timeout, progress)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+    except SubcommandError as exc:
         bar.close()
         logger.error(f"calibrate: {exc}")
         return 1

@@ -3,13 +3,9 @@ and our own engine in one process as a peer."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Optional
 
-from dist_infer.topology.discovery import without_launcher_env
+from dist_infer.launch.subcommand import SubcommandError, run_json
 
 
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
@@ -18,17 +14,14 @@ def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
 
 def run_ours_single_process(args) -> dict:
     """This engine at tp=1 in one process using every core, for the 'same 2 cores' comparison."""
-    cmd = [sys.executable, "-m", "dist_infer", "bench", "--nproc", "1", "--batch", str(args.batch),
-           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
+    cmd = ["bench", "--nproc", "1", "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
+           "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
     if args.model:
         cmd += ["--model", args.model]
-    env = without_launcher_env(os.environ)
-    env.pop("OMP_NUM_THREADS", None)  # one process on every core
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.peer_timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"peer": "ours-1proc", "ok": False, "error": (proc.stderr or proc.stdout)[-2000:]}
-    out = json.loads(lines[-1])
+    try:
+        out = run_json(cmd, args.peer_timeout)
+    except SubcommandError as exc:
+        return {"peer": "ours-1proc", "ok": False, "error": str(exc)}
     out.update(peer="ours-1proc", ok=True, tp=1)
     out.pop("compare", None)
     return out

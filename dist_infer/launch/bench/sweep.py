@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import Optional, Sequence
 
 from loguru import logger
 
-from dist_infer.topology.discovery import without_launcher_env
+from dist_infer.launch.subcommand import SubcommandError, run_json
 
 # flags of the bench command line the sweep sets per run (with how many values each takes)
 _SET_PER_RUN = {"--sweep": 1, "--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--nproc": 1, "--json": 0, "--plot": 1,
@@ -56,7 +55,7 @@ def run_sweep(args, argv: Sequence[str]) -> int:
 
     from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
     from dist_infer.launch.calibrate_cmd import calibrate
-    from dist_infer.launch.cost_model.hardware import load_profile
+    from dist_infer.launch.cost_model.hardware import ProfileError, load_profile
     from dist_infer.launch.cost_model.layout import LayoutError, parse_sweep, why_not
     from dist_infer.launch.cost_model.predict import Schedule, Workload, predict
     from dist_infer.launch.launcher import usable_cores
@@ -65,12 +64,11 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     try:
         layouts = parse_sweep(args.sweep)
         shape, path = model_shape(args.model)
-    except (LayoutError, PlanError) as exc:
+        hw = load_profile(args.hardware_profile) if args.hardware_profile else None
+    except (LayoutError, PlanError, ProfileError) as exc:
         print(f"dist-infer bench: --sweep: {exc}")
         return 2
-    if args.hardware_profile:
-        hw = load_profile(args.hardware_profile)
-    else:
+    if hw is None:
         logger.info("no --hardware-profile: calibrating this machine first (dist-infer calibrate --quick)")
         hw = calibrate(quick=True)
     cores = usable_cores()
@@ -97,19 +95,17 @@ def run_sweep(args, argv: Sequence[str]) -> int:
             runs.append(row)
         rows.append(row)
     bar = tqdm(total=len(runs), desc="sweep", unit="layout", file=sys.stderr)
-    base_cmd = [sys.executable, "-m", "dist_infer", "bench"] + child_argv(argv)
+    base_cmd = ["bench"] + child_argv(argv)
     for row in runs:
         bar.set_postfix_str(row["layout"])
         cmd = base_cmd + ["--nproc", str(row["ranks"]), "--tp", str(row["tp"]), "--pp", str(row["pp"]),
                           "--cp", str(row["cp"]), "--ep", str(row["ep"]), "--json"]
-        env = without_launcher_env(os.environ)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.peer_timeout)
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            row["error"] = (proc.stderr or proc.stdout)[-1500:]
-            logger.warning(f"sweep: {row['layout']} failed (exit {proc.returncode})")
+        try:
+            m = run_json(cmd, args.peer_timeout)
+        except SubcommandError as exc:
+            row["error"] = str(exc)
+            logger.warning(f"sweep: {row['layout']} failed")
         else:
-            m = json.loads(lines[-1])
             row["measured"] = {k: m[k] for k in ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")}
             gen_peaks = [v for v in m.get("gen_peak_rss_mb_per_rank") or [] if v == v]  # NaN: not measured there
             row["measured"]["peak_rss_gib_per_rank"] = max(gen_peaks or [m["peak_rss_mb"]]) / 1024
@@ -144,11 +140,12 @@ def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
              f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}{'GiB/rank':>10}{'pred':>7}{'err':>6}"]
     for r in rows:
         if "skipped" in r or "error" in r:
-            lines.append(f"{r['layout']:<14}{r['ranks']:>6}  " + ("skipped: " + r["skipped"] if "skipped" in r
-                                                                 else "failed: " + r["error"].strip().splitlines()[-1][:90]))
+            why = "skipped: " + r["skipped"] if "skipped" in r else "failed: " + r["error"].strip().splitlines()[-1][:90]
+            lines.append(f"{r['layout']:<14}{r['ranks']:>6}  {why}")
             continue
         m, p = r["measured"], r["predicted"]
-        lines.append(f"{r['layout']:<14}{r['ranks']:>6}{num(m['ttft_s']):>9}{num(p['ttft_s']):>9}{pct(r['ttft_error']):>6}"
+        lines.append(f"{r['layout']:<14}{r['ranks']:>6}"
+                     f"{num(m['ttft_s']):>9}{num(p['ttft_s']):>9}{pct(r['ttft_error']):>6}"
                      f"{num(m['tpot_s'], 1e3, '.1f'):>9}{num(p['tpot_s'], 1e3, '.1f'):>9}{pct(r['tpot_error']):>6}"
                      f"{num(m['prefill_tok_s'], 1, '.0f'):>15}{num(r.get('efficiency_prefill_tok_s'), 1, '.2f'):>6}"
                      f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}"
