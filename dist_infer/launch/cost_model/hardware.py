@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Union
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
@@ -73,17 +73,17 @@ class HardwareProfile:
     def kv_bandwidth(self, threads: int = 1, head_dim: int = 128) -> float:
         """Bytes/s of KV cache a decode step's attention reads (its kernel's speed depends on the
         head size: a calibrated profile has it per head_dim)."""
-        rate = _rate_at(self.decode_attention_bandwidth, threads, head_dim) if self.decode_attention_bandwidth else 0.0
-        return rate or self.bandwidth(threads)
+        if not self.decode_attention_bandwidth:
+            return self.bandwidth(threads)
+        return _rate_at(self.decode_attention_bandwidth, threads, head_dim)
 
     def link(self, op: str, group_size: int, scope: str) -> Link:
         """The Link an `op` over `group_size` ranks uses: measured for that op and scope when the
         profile has it (nearest measured group size), else the scope's link."""
-        measured = self.collectives.get(op, {}).get(scope)
+        measured = self.collectives.get(op, {}).get(scope)  # {"2": Link, "4": Link}
         if measured:
-            sizes = sorted(int(n) for n in measured)
-            n = min(sizes, key=lambda s: (abs(s - group_size), -s))
-            return measured[str(n)] if str(n) in measured else measured[n]
+            n = min((int(k) for k in measured), key=lambda s: (abs(s - group_size), -s))
+            return measured[str(n)]
         if scope == "shm":
             scope = "intra"
         if scope not in self.links:
@@ -92,10 +92,7 @@ class HardwareProfile:
 
     # -- files -------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("name", "device", "gemm_flops", "attention_flops", "memory_bandwidth",
-                                             "decode_attention_bandwidth", "memory_bytes", "devices_per_node",
-                                             "per_layer_s", "per_step_s", "base_memory_bytes", "shared_node", "comm_overlaps_compute", "cp_step_s",
-                                             "cp_decode_layer_s", "sync_oversubscribed_s", "sources", "notes")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("links", "collectives")}
         out["links"] = {k: vars(v) for k, v in self.links.items()}
         out["collectives"] = {op: {scope: {str(n): vars(link) for n, link in by_n.items()}
                                    for scope, by_n in scopes.items()} for op, scopes in self.collectives.items()}
@@ -115,7 +112,7 @@ class HardwareProfile:
                            for op, scopes in data.get("collectives", {}).items()}
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{source}: a link needs latency_s and busbw numbers ({exc})") from None
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f.name for f in fields(cls)}
         rest = {k: v for k, v in data.items() if k in known and k not in ("links", "collectives")}
         return cls(links=links, collectives=collectives, **rest)
 

@@ -13,13 +13,16 @@ What the engine does, and so what is counted (per rank on the critical path):
   receiving one rank's K/V while attending to the previous one; a step costs the longer of
   its transfer and its compute. Decode attends each rank's KV shard and merges by LSE (one
   small all-gather per layer).
-- pp: the batch goes as pp micro-batches (the scheduler's ceil(B / pp) sequences per step), so
-  the prefill takes (m + pp - 1) stage times and a decode round max(m, pp) stage times; each
-  hand-over sends the micro-batch's hidden states to the next stage.
+- pp: the batch goes as m micro-batches (the scheduler's ceil(B / pp) sequences per step): the
+  prefill takes the first micro-batch's trip through every stage plus m - 1 times the slowest
+  stage (the last: its layers and the LM head), a decode round the longer of m slowest stages
+  and one trip; each hand-over sends the micro-batch's hidden states to the next stage.
 - ep: attention replicated over ep; each ep rank routes tokens / ep, two all-to-alls of the
   routed rows, the experts' FLOPs balanced over ep, an all-gather of the tokens over ep.
 - CPU profiles: the ranks on a node share its cores (threads per rank = cores / ranks) and its
-  memory bandwidth; oversubscribed ranks run at cores / ranks of a core each.
+  memory bandwidth: all ranks' work at the node's rates bounds the time from below; ranks that
+  meet at collectives every layer and outnumber the cores run at their share of one; nothing is
+  hidden behind compute (a transfer needs the same cores).
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from typing import Optional
 from dist_infer.launch.cost_model.hardware import HardwareProfile, Link
 from dist_infer.launch.cost_model.layout import Layout, why_not
 from dist_infer.launch.cost_model.shapes import ModelShape, causal_attention_flops, linear_flops, max_shard
+from dist_infer.models.llama import LlamaMLP
+from dist_infer.parallel.token_split import should_split
+from dist_infer.topology import AXES
 
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
-MESH_ORDER = ("tp", "cp", "ep", "pp")  # the engine's mesh, fastest varying first (dp would sit before pp)
+MESH_ORDER = tuple(a for a in AXES if a != "dp")  # the engine's mesh order, fastest varying first (a plan has dp=1)
 GIB = float(1 << 30)
-ACTIVATION_ROW_CHUNK = 8192  # LlamaMLP.ROW_CHUNK: a long prefill's MLP runs in slices of this many rows
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,6 @@ class Prediction:
     prefill: dict = field(default_factory=dict)  # seconds per term on the critical path
     decode: dict = field(default_factory=dict)  # seconds per term of one decode round
     memory: dict = field(default_factory=dict)  # GiB per term, the busiest rank
-    note: str = ""
 
     @property
     def dominant_prefill(self) -> str:
@@ -84,8 +88,7 @@ class Prediction:
         return {**self.layout.as_dict(), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
                 "memory_gib_per_rank": self.memory_gib_per_rank, "fits": self.fits,
                 "dominant_prefill": self.dominant_prefill, "dominant_decode": self.dominant_decode,
-                "prefill_terms_s": self.prefill, "decode_terms_s": self.decode, "memory_gib": self.memory,
-                **({"note": self.note} if self.note else {})}
+                "prefill_terms_s": self.prefill, "decode_terms_s": self.decode, "memory_gib": self.memory}
 
 
 def group_placement(layout: Layout, axis: str, ranks_per_node: int) -> tuple[bool, int]:
@@ -184,7 +187,6 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
 
     def stage_pass(rank: _Rank, seqs: int, new_tokens: int, context_before: int, prefill: bool) -> dict:
         """Seconds per term for one stage running `seqs` sequences of `new_tokens` each."""
-        t = {k: 0.0 for k in ("gemm", "attention", "elementwise", "tp_comm", "cp_ring", "ep_comm", "overhead")}
         mlp_dtype = work.mlp_dtype or work.weight_dtype
         tokens = seqs * math.ceil(new_tokens / layout.cp) if prefill else seqs  # this rank's rows
         q_heads, kv_heads = shape.heads_per_rank(layout.tp)
@@ -206,8 +208,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
         t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
         ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype])
-        split = layout.tp > 1 and (sched.overlap == "on" or (sched.overlap == "auto" and sched.overlap_threshold is not None
-                                                              and tokens >= sched.overlap_threshold))
+        split = should_split(sched.overlap, tokens, layout.tp, sched.overlap_threshold)
         ring = 0.0
         if layout.cp > 1 and prefill:
             # cp - 1 steps; each moves one rank's K/V block while attending to the one before
@@ -220,32 +221,26 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         elif layout.cp > 1:  # decode: each rank's partial output and LSE gathered for the merge
             ring = rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
                                    fixed=hw.cp_decode_layer_s or None)
-        for i in range(layers):
-            moe = i < moe_layers
-            t_m = t_mlp
-            ep = 0.0
-            if moe:
+
+        def one_layer(moe: bool) -> dict:
+            t_m, ep = t_mlp, 0.0
+            if moe:  # this ep rank's chunk of the tokens through the experts it owns
                 w = shape.mlp_params_per_rank(layout.tp, layout.ep, moe=True)
                 chunk = math.ceil(tokens / layout.ep)
                 active = shape.top_k * 3 * shape.hidden * math.ceil(shape.expert_intermediate / layout.tp)
-                flops = linear_flops(active, chunk)
                 touched = min(shape.experts / layout.ep, chunk * shape.top_k) / max(1, shape.experts / layout.ep)
-                t_m = rank.gemm(flops, w * touched * b[mlp_dtype], chunk, mlp_dtype)
+                t_m = rank.gemm(linear_flops(active, chunk), w * touched * b[mlp_dtype], chunk, mlp_dtype)
                 rows = chunk * shape.top_k * shape.hidden * b[work.act_dtype]
                 ep = 2 * rank.collective("all_to_all", "ep", rows * layout.ep) + rank.collective(
                     "all_gather", "ep", tokens * shape.hidden * b[work.act_dtype])
-            compute = t_attn_lin + t_core + t_m + t_ew
             comm = 2 * ar
             if split and hw.comm_overlaps_compute:  # each half's all-reduce runs under the other half's compute
-                comm = max(0.0, comm - compute / 2)
-            t["gemm"] += t_attn_lin + t_m
-            t["attention"] += t_core
-            t["elementwise"] += t_ew
-            t["tp_comm"] += comm
-            t["cp_ring"] += ring
-            t["ep_comm"] += ep
-            t["overhead"] += hw.per_layer_s * rank.overhead_scale / rank.share
-        return t
+                comm = max(0.0, comm - (t_attn_lin + t_core + t_m + t_ew) / 2)
+            return {"gemm": t_attn_lin + t_m, "attention": t_core, "elementwise": t_ew, "tp_comm": comm,
+                    "cp_ring": ring, "ep_comm": ep, "overhead": hw.per_layer_s * rank.overhead_scale / rank.share}
+
+        dense = _scale(one_layer(False), layers - moe_layers)
+        return _add(dense, _scale(one_layer(True), moe_layers)) if moe_layers else dense
 
     def head_pass(rank: _Rank, rows: int) -> dict:
         """Embedding all-reduce (first stage) and the LM head on the sampled rows (last stage)."""
@@ -254,31 +249,23 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                                   work.weight_dtype),
                 "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4)}
 
-    def add(*dicts: dict) -> dict:
-        out: dict = {}
-        for d in dicts:
-            for k, v in d.items():
-                out[k] = out.get(k, 0.0) + v
-        return out
-
-    def scale(d: dict, f: float) -> dict:
-        return {k: v * f for k, v in d.items()}
-
     def pipeline(rank: _Rank, layer_part: dict, rows: int, tokens: int) -> tuple[float, float, dict]:
         """(time of the first micro-batch through every stage, the slowest stage's time, the
         mean stage's terms) for micro-batches of `rows` sampled rows and `tokens` tokens per rank.
         The first stage also runs the embedding's all-reduce and the driver's step; the last the
         LM head; every stage but the last hands its hidden states on."""
         act = tokens * shape.hidden * b[work.act_dtype]
-        first = {"tp_comm": rank.collective("all_reduce", "tp", act), "overhead": hw.per_step_s * rank.overhead_scale / rank.share}
+        first = {"tp_comm": rank.collective("all_reduce", "tp", act),
+                 "overhead": hw.per_step_s * rank.overhead_scale / rank.share}
         last = head_pass(rank, rows)
         send = {"pp_transfer": rank.collective("send_recv", "pp", act)} if layout.pp > 1 else {}
         if layout.pp == 1:
-            stages = [add(layer_part, first, last)]
+            stages = [_add(layer_part, first, last)]
         else:
-            stages = [add(layer_part, first, send)] + [add(layer_part, send)] * (layout.pp - 2) + [add(layer_part, last)]
+            middle = [_add(layer_part, send)] * (layout.pp - 2)
+            stages = [_add(layer_part, first, send)] + middle + [_add(layer_part, last)]
         totals = [sum(st.values()) for st in stages]
-        return sum(totals), max(totals), scale(add(*stages), 1.0 / layout.pp)
+        return sum(totals), max(totals), _scale(_add(*stages), 1.0 / layout.pp)
 
     rank = _Rank(hw, layout, sched, shape.head_dim, busy_stages=m)
     node = _Rank(hw, layout, sched, shape.head_dim, node=True) if hw.shared_node else None
@@ -295,7 +282,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
     p_tokens = mb * math.ceil(work.prompt_len / layout.cp)
     through, slowest, mean = pipeline(rank, stage_pass(rank, mb, work.prompt_len, 0, prefill=True), mb, p_tokens)
     ttft = through + (m - 1) * slowest
-    prefill = scale(mean, m)
+    prefill = _scale(mean, m)
     if layout.pp > 1:  # filling the pipeline and uneven stages: the time beyond m mean stages
         prefill["pp_bubble"] = max(0.0, ttft - sum(prefill.values()))
     if node is not None:  # the node's cores and bandwidth shared by all its ranks
@@ -307,7 +294,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
     ctx = work.prompt_len + max(0, work.gen_len - 1) // 2
     through, slowest, mean = pipeline(rank, stage_pass(rank, mb, 1, ctx, prefill=False), mb, mb)
     tpot = max(m * slowest, through)  # the slowest stage's m passes, or one token's trip through all stages
-    decode = scale(mean, m)
+    decode = _scale(mean, m)
     if layout.pp > 1:
         decode["pp_bubble"] = max(0.0, tpot - sum(decode.values()))
     if node is not None:
@@ -322,6 +309,18 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                       memory_gib_per_rank=total, fits=fits,
                       prefill={k: v for k, v in prefill.items() if v > 0},
                       decode={k: v for k, v in decode.items() if v > 0}, memory=memory)
+
+
+def _add(*dicts: dict) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _scale(d: dict, f: float) -> dict:
+    return {k: v * f for k, v in d.items()}
 
 
 def micro_batches(batch: int, pp: int) -> int:
@@ -350,9 +349,10 @@ def memory_per_rank(shape: ModelShape, layout: Layout, work: Workload, hw: Hardw
     rows = micro * math.ceil(work.prompt_len / layout.cp)
     q_heads, kv_heads = shape.heads_per_rank(layout.tp)
     act_row = (4 * shape.hidden + (q_heads + 2 * kv_heads) * shape.head_dim) * b[work.act_dtype]
-    mlp_rows = min(rows, ACTIVATION_ROW_CHUNK)
+    mlp_rows = min(rows, LlamaMLP.ROW_CHUNK)  # a long prefill's MLP runs in slices of this many rows
     act = rows * act_row + mlp_rows * 3 * max_shard(shape.intermediate, layout.tp) * b[work.act_dtype]
     if layout.cp > 1:  # the ring's two K/V receive buffers and fp32 accumulators
-        act += 2 * rows * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype]) + rows * q_heads * (shape.head_dim + 1) * 4
+        act += (2 * rows * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
+                + rows * q_heads * (shape.head_dim + 1) * 4)
     return {"weights": weights_b / GIB, "kv_cache": kv / GIB, "activations": act / GIB,
             "runtime": hw.base_memory_bytes / GIB}

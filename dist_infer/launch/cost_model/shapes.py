@@ -57,13 +57,6 @@ class ModelShape:
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * self.attention_params() + dense_layers * self.dense_mlp_params() + moe + embed
 
-    def active_params_per_token(self) -> int:
-        """Linear-layer weights one token multiplies through (not the embedding lookup)."""
-        dense_layers = self.layers - self.moe_layers
-        moe = self.moe_layers * (self.top_k * self.expert_params() + 3 * self.hidden * self.shared_expert_intermediate
-                                 + self.hidden * self.experts)
-        return self.layers * self.attention_params() + dense_layers * self.dense_mlp_params() + moe + self.vocab * self.hidden
-
     # -- one tensor-parallel rank (the one with the most heads) -------------------------------
     def heads_per_rank(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) of the busiest tp rank."""
