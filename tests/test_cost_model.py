@@ -267,6 +267,8 @@ def test_plan_cli_bad_input_names_the_thing(tmp_path):
     assert out.returncode == 2 and "no hardware profile 'nope'" in out.stdout
     out = dist_infer("plan", "--model", str(tmp_path / "missing"), "--gpus", "4")
     assert out.returncode == 2 and "no such file or directory" in out.stdout
+    out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--hardware-profile", str(tmp_path / "none.json"))
+    assert out.returncode == 2 and "no hardware profile" in out.stdout and "none.json" in out.stdout
     # nothing fits: a 405B model on one 80 GB GPU
     out = dist_infer("plan", "--model", "llama3.1-405b", "--gpus", "1", "--profile", "h100")
     assert out.returncode == 1 and "no layout of 1 ranks fits" in out.stdout
