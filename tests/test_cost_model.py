@@ -111,21 +111,32 @@ def test_group_placement_on_nodes():
 
 # -- schedule arithmetic ------------------------------------------------------------------------
 def test_gemm_time_and_pipeline_fill():
-    """Only GEMMs cost: prefill of B sequences = 2 x params x tokens / rate. With pp=2 the batch
-    goes as 2 micro-batches: the first crosses both stages, the second follows one slowest
-    stage (the last: its layers and the LM head) later."""
+    """Only GEMMs cost: prefill of B sequences = 2 x params x tokens / rate, but the model's last
+    layer projects keys, values (and, off the CPU kernels, queries) for every token and runs
+    o_proj and the MLP on each sequence's last row only. With pp=2 the batch goes as 2
+    micro-batches: the first crosses both stages, the second follows one slowest stage (the
+    last: its layers and the LM head) later."""
     hw = gemm_only_profile()
     work = Workload(batch=2, prompt_len=10, gen_len=2)
-    linear = SMALL.layers * (SMALL.attention_params() + SMALL.dense_mlp_params())
+    layer = SMALL.attention_params() + SMALL.dense_mlp_params()
+    linear = SMALL.layers * layer
+    every_row = 64 * 2 * 16 * 2 + 64 * 4 * 16  # k, v; q
+    last_rows = layer - every_row  # o_proj and the MLP
+
+    def last_layer(seqs: int, tokens: int) -> float:
+        return 2 * (every_row * tokens + last_rows * seqs) / 1e9
+
     head = SMALL.vocab * SMALL.hidden  # the LM head on each sampled row
     one = predict(SMALL, Layout(), work, hw)
-    assert one.ttft_s == pytest.approx((2 * linear * 20 + 2 * head * 2) / 1e9)
+    assert one.ttft_s == pytest.approx((2 * (linear - layer) * 20 + 2 * head * 2) / 1e9 + last_layer(2, 20))
     two = predict(SMALL, Layout(pp=2), work, hw)
     half = 2 * linear / 2 * 10 / 1e9  # one stage's layers on one 10-token sequence
     head1 = 2 * head / 1e9  # the LM head on one row
+    last = half - 2 * layer * 10 / 1e9 + last_layer(1, 10) + head1  # the last stage on one sequence
     assert micro_batches(2, 2) == 2
-    assert two.ttft_s == pytest.approx((2 * half + head1) + (half + head1))
-    assert two.prefill["pp_bubble"] == pytest.approx(half + head1)  # beyond 2 mean stage times
+    assert last < half  # so the first stage is the slowest
+    assert two.ttft_s == pytest.approx((half + last) + half)
+    assert two.prefill["pp_bubble"] == pytest.approx(half)  # beyond 2 mean stage times (half + last)
     # decode: both micro-batches in flight; the last stage's two passes set the round
     assert two.tpot_s == pytest.approx(2 * (linear / 1e9 + head1))
     # one sequence, two stages: the decode token crosses both, nothing overlaps
@@ -142,7 +153,8 @@ def test_tensor_parallel_all_reduces_and_overlap():
     p = predict(SMALL, Layout(tp=2), work, hw, Schedule(overlap="off"))
     per_ar = 2 * 1 / 2 * 32 * 64 * 4 / bw
     gather = 1 / 2 * 1 * 100 * 4 / bw  # the LM head's logits all-gather
-    assert p.prefill["tp_comm"] == pytest.approx((2 * SMALL.layers + 1) * per_ar + gather)
+    last_rows = 2 * 2 * 1 / 2 * 1 * 64 * 4 / bw  # the last layer's two all-reduces, on the sampled row only
+    assert p.prefill["tp_comm"] == pytest.approx((2 * (SMALL.layers - 1) + 1) * per_ar + last_rows + gather)
     slow = gemm_only_profile(rate=1e6, links={"intra": Link(0.0, bw), "inter": Link(0.0, bw)})
     hidden = predict(SMALL, Layout(tp=2), work, slow, Schedule(overlap="on"))
     exposed = predict(SMALL, Layout(tp=2), work, slow, Schedule(overlap="off"))
@@ -158,15 +170,43 @@ def test_ring_transfer_hidden_or_exposed():
                                   links={"intra": Link(0.0, 1e5), "inter": Link(0.0, 1e5)})
     hidden = predict(SMALL, Layout(cp=2), work, fast_link)
     exposed = predict(SMALL, Layout(cp=2), work, slow_link)
-    merge = 3 * 2048 * 4 * 17 * 4 / 1e12 * SMALL.layers
-    assert hidden.prefill["cp_ring"] == pytest.approx(merge)
+    # every layer but the last (which attends the last token only, merged by one small gather)
+    rings = SMALL.layers - 1
+    merge = 3 * 2048 * 4 * 17 * 4 / 1e12 * rings
+    assert hidden.prefill["cp_ring"] == pytest.approx(merge, rel=1e-6)
     block = 2048 * 2 * 2 * 16 * 4  # this rank's K and V: 2 KV heads x 16 x fp32
     step_compute = causal_attention_flops(4, 16, 4096) / 2 / 1e9 / 2
     assert block / 1e5 > step_compute
-    assert exposed.prefill["cp_ring"] == pytest.approx(SMALL.layers * (block / 1e5 - step_compute) + merge)
-    # cp halves each rank's attention
+    last_gather = 1 / 2 * 2 * (4 * 16 + 4) * 4 / 1e5
+    assert exposed.prefill["cp_ring"] == pytest.approx(rings * (block / 1e5 - step_compute) + merge + last_gather)
+    # cp halves each rank's attention in every layer but the last, which attends one query row
     one = predict(SMALL, Layout(), work, fast_link)
-    assert hidden.prefill["attention"] == pytest.approx(one.prefill["attention"] / 2)
+    assert hidden.prefill["attention"] == pytest.approx(one.prefill["attention"] / 2 * rings / SMALL.layers, rel=1e-3)
+
+
+def test_decode_counts_a_layout_s_measured_fixed_costs_instead_of_latencies():
+    """A layout that calibrate timed: its decode step costs the measured per-layer and per-step
+    fixed costs plus only the bytes over the links; the link latencies (and the single rank's
+    fixed costs) are left out, as the measurement holds them. Prefill is unchanged."""
+    work = Workload(batch=1, prompt_len=32, gen_len=3)
+    base = dict(rate=BIG, links={"intra": Link(5e-3, BIG), "inter": Link(5e-3, BIG)}, per_layer_s=1e-4,
+                per_step_s=2e-3)
+    estimated = predict(SMALL, Layout(tp=2), work, gemm_only_profile(**base), Schedule(overlap="off"))
+    # every decode all-reduce (2 per layer, the embedding's) and the logits' gather pay the 5 ms latency
+    assert estimated.decode["tp_comm"] == pytest.approx((2 * SMALL.layers + 2) * 5e-3)
+    timed = gemm_only_profile(**base, decode_fixed={"tp=2": {"per_layer_s": 3e-3, "per_step_s": 7e-3}})
+    p = predict(SMALL, Layout(tp=2), work, timed, Schedule(overlap="off"))
+    assert p.tpot_s == pytest.approx(SMALL.layers * 3e-3 + 7e-3)
+    assert p.decode.get("tp_comm", 0.0) == pytest.approx(0.0, abs=1e-12)  # no 5 ms latencies
+    assert p.decode["overhead"] == pytest.approx(p.tpot_s)
+    assert p.ttft_s == pytest.approx(estimated.ttft_s)
+    # another layout, and one rank, keep the per-op estimates
+    assert predict(SMALL, Layout(pp=2), work, timed).tpot_s == pytest.approx(
+        predict(SMALL, Layout(pp=2), work, gemm_only_profile(**base)).tpot_s)
+    assert predict(SMALL, Layout(), work, timed).tpot_s == pytest.approx(SMALL.layers * 1e-4 + 2e-3)
+    # a pipeline of one sequence: the measured step (its hand-overs) once, every layer once
+    piped = gemm_only_profile(**base, decode_fixed={"pp=2": {"per_layer_s": 3e-3, "per_step_s": 7e-3}})
+    assert predict(SMALL, Layout(pp=2), work, piped).tpot_s == pytest.approx(SMALL.layers * 3e-3 + 7e-3)
 
 
 def test_memory_per_rank_by_hand():
@@ -229,6 +269,21 @@ def dist_infer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dist_infer", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """The command line in this process (exit code, stdout): what `dist-infer ARGS` runs, without
+    a process start for each of the many small plan calls (one test starts the real command)."""
+    from loguru import logger
+
+    from dist_infer.launch.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    finally:
+        logger.disable("dist_infer")  # main enables the library's logs; the test process keeps them off
+    return code, capsys.readouterr().out
+
+
 def cpu_profile(path) -> str:
     prof = gemm_only_profile(rate=1e10, memory_bandwidth=1e10, attention_flops={"fp32": 1e10}, device="cpu",
                              memory_bytes=8 * 2**30, devices_per_node=2, shared_node=True,
@@ -239,7 +294,7 @@ def cpu_profile(path) -> str:
     return str(path)
 
 
-def test_plan_cli_ranks_layouts_and_explains(tmp_path):
+def test_plan_cli_ranks_layouts_and_explains(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(SMALL_CONFIG))
     prof = cpu_profile(tmp_path / "cpu.json")
@@ -254,24 +309,25 @@ def test_plan_cli_ranks_layouts_and_explains(tmp_path):
     for x in lays:
         assert {"tp", "pp", "cp", "ep", "ttft_s", "tpot_s", "memory_gib_per_rank", "dominant_prefill"} <= set(x)
     assert "best: " in out.stdout and "prefill bound by" in out.stdout
-    one = dist_infer("plan", "--model", str(cfg), "--gpus", "4", "--profile", prof, "--layout", "tp=2,pp=2", "--json")
-    assert [(x["tp"], x["pp"]) for x in json.loads(one.stdout.strip().splitlines()[-1])["layouts"]] == [(2, 2)]
+    code, one = cli(capsys, "plan", "--model", str(cfg), "--gpus", "4", "--profile", prof, "--layout", "tp=2,pp=2",
+                    "--json")
+    assert code == 0 and [(x["tp"], x["pp"]) for x in json.loads(one.strip().splitlines()[-1])["layouts"]] == [(2, 2)]
 
 
-def test_plan_cli_bad_input_names_the_thing(tmp_path):
+def test_plan_cli_bad_input_names_the_thing(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(SMALL_CONFIG))
-    out = dist_infer("plan", "--model", str(cfg), "--gpus", "4", "--layout", "tp=3")
-    assert out.returncode == 2 and "--layout tp=3: needs 3 ranks (tp x pp x cp x ep), not 4" in out.stdout
-    out = dist_infer("plan", "--model", str(cfg), "--gpus", "4", "--profile", "nope")
-    assert out.returncode == 2 and "no hardware profile 'nope'" in out.stdout
-    out = dist_infer("plan", "--model", str(tmp_path / "missing"), "--gpus", "4")
-    assert out.returncode == 2 and "no such file or directory" in out.stdout
+    code, out = cli(capsys, "plan", "--model", str(cfg), "--gpus", "4", "--layout", "tp=3")
+    assert code == 2 and "--layout tp=3: needs 3 ranks (tp x pp x cp x ep), not 4" in out
+    code, out = cli(capsys, "plan", "--model", str(cfg), "--gpus", "4", "--profile", "nope")
+    assert code == 2 and "no hardware profile 'nope'" in out
+    code, out = cli(capsys, "plan", "--model", str(tmp_path / "missing"), "--gpus", "4")
+    assert code == 2 and "no such file or directory" in out
     out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--hardware-profile", str(tmp_path / "none.json"))
     assert out.returncode == 2 and "no hardware profile" in out.stdout and "none.json" in out.stdout
     # nothing fits: a 405B model on one 80 GB GPU
-    out = dist_infer("plan", "--model", "llama3.1-405b", "--gpus", "1", "--profile", "h100")
-    assert out.returncode == 1 and "no layout of 1 ranks fits" in out.stdout
+    code, out = cli(capsys, "plan", "--model", "llama3.1-405b", "--gpus", "1", "--profile", "h100")
+    assert code == 1 and "no layout of 1 ranks fits" in out
 
 
 def test_sweep_child_argv_drops_what_each_run_sets():
@@ -289,6 +345,10 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     assert prof.link("all_reduce", 2, "shm").busbw > 0 and prof.link("send_recv", 2, "intra").busbw > 0
     # fixed costs are differences of two timings: on a loaded machine one may come out 0 (calibrate warns)
     assert prof.per_layer_s >= 0 and prof.per_step_s >= 0 and prof.cp_step_s >= 0 and prof.cp_decode_layer_s >= 0
+    # every 2-rank layout's decode fixed costs, timed in that layout (--quick: not the 4-rank ones)
+    assert set(prof.decode_fixed) == {"tp=2", "pp=2", "cp=2"}
+    for name, cost in prof.decode_fixed.items():
+        assert cost["per_layer_s"] >= 0 and cost["per_step_s"] > 0, (name, cost)
     assert prof.kv_bandwidth(1, 64) > 1e8
 
 

@@ -70,6 +70,36 @@ def test_python_m_help():
     assert "launch" in result.stdout and "comm-test" in result.stdout
 
 
+LAUNCHER_SIDE = textwrap.dedent("""
+    import sys
+    from dist_infer.launch.cli import build_parser
+    from dist_infer.launch.cp_auto import resolve_cp_auto
+    from dist_infer.launch.launcher import relaunch_as_local_ranks
+    from dist_infer.launch.rank import spawn_local, world_needed
+    from dist_infer.models.builtin import resolve_model
+    for argv in (["generate", "--tp", "2", "--nproc", "2"], ["bench", "--pp", "2"], ["serve", "--instances", "2"],
+                 ["plan", "--gpus", "2"], ["launch", "--", "true"]):
+        args = build_parser().parse_args(argv)
+        if hasattr(args, "cp"):
+            resolve_cp_auto(args, argv, 16)
+            world_needed(args)
+    resolve_model("tiny")
+    print(sorted(m for m in ("torch", "transformers", "fastapi") if m in sys.modules))
+""")
+
+
+def test_the_launcher_side_imports_no_torch():
+    """What a command runs before it starts its ranks (every command's flags, the model's path,
+    the layout, the instances) loads without torch: with `--nproc N` the process that only starts
+    and watches the ranks would otherwise spend ~1.5 s of a core importing it, before every job."""
+    from dist_infer.models.tiny_model import ensure_tiny_model
+
+    ensure_tiny_model()  # written (with torch) here, so the check below only finds it
+    result = run([sys.executable, "-c", LAUNCHER_SIDE], 60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 # -- a failing rank ends the job quickly, naming it ---------------------------------------
 
 SLEEPERS = textwrap.dedent("""

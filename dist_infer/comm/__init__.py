@@ -1,18 +1,22 @@
-"""One communicator interface over torch.distributed (NCCL, gloo) and MPI; every op also async."""
+"""One communicator interface over torch.distributed (NCCL, gloo) and MPI; every op also async.
 
-from dist_infer.comm.base import (
-    DEFAULT_TIMEOUT_S,
-    REDUCE_OPS,
-    CommError,
-    CommTimeoutError,
-    Communicator,
-    Handle,
-    P2POp,
-)
-from dist_infer.comm.groups import ParallelGroups, build_groups
-from dist_infer.comm.init import BACKENDS, BackendError, discover_rank, init_world
+The names below are imported on first use (PEP 562), so `dist_infer.comm.backends` (what the
+command line needs) loads without torch: a launcher that only starts ranks skips torch's import."""
 
-__all__ = [
-    "BACKENDS", "DEFAULT_TIMEOUT_S", "REDUCE_OPS", "BackendError", "CommError", "CommTimeoutError",
-    "Communicator", "Handle", "P2POp", "ParallelGroups", "build_groups", "discover_rank", "init_world",
-]
+from importlib import import_module
+
+_WHERE = {
+    "BACKENDS": "backends", "DEFAULT_TIMEOUT_S": "backends",
+    "REDUCE_OPS": "base", "CommError": "base", "CommTimeoutError": "base", "Communicator": "base",
+    "Handle": "base", "P2POp": "base",
+    "ParallelGroups": "groups", "build_groups": "groups",
+    "BackendError": "init", "discover_rank": "init", "init_world": "init",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(f"dist_infer.comm.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'dist_infer.comm' has no attribute {name!r}")

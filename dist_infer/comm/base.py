@@ -15,8 +15,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from dist_infer.comm.backends import DEFAULT_TIMEOUT_S
+
 REDUCE_OPS = ("sum", "max", "min", "prod")
-DEFAULT_TIMEOUT_S = 300.0
 
 
 class CommError(RuntimeError):

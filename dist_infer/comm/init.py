@@ -10,11 +10,10 @@ from typing import Optional
 import torch
 from loguru import logger
 
-from dist_infer.comm.base import DEFAULT_TIMEOUT_S, Communicator
+from dist_infer.comm.backends import BACKENDS, DEFAULT_TIMEOUT_S
+from dist_infer.comm.base import Communicator
 from dist_infer.topology.discovery import RankInfo, discover, free_port, needs_mpi, resolve_with_mpi
 from dist_infer.topology.network import set_socket_interface
-
-BACKENDS = ("auto", "nccl", "gloo", "mpi")
 
 
 class BackendError(RuntimeError):

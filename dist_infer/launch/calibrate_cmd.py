@@ -5,7 +5,10 @@ layers' shapes in decode and prefill), causal attention throughput against the s
 length, and streaming bandwidth (a skinny product over weights far larger than the caches).
 Then, in real multi-process jobs: every collective's latency and bus bandwidth from
 `comm-test` (gloo and the shared-memory all-reduce, per group size), and the engine's fixed
-costs per decoder layer and per step, timed on two random models that differ only in depth.
+costs per decoder layer and per step, timed on two random models that differ only in depth, in
+one process and in every layout of 2 ranks (and of twice the cores): what a decode step's
+collectives, hand-overs and merges cost inside the step loop, where per-op figures from comm-test
+came out 2-4x too low on this machine.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ GEMM_SHAPE = (1024, 4096)  # in, out: 16 MiB of fp32 weights, beyond this machin
 ATTENTION_LENGTHS = (128, 512, 2048, 8192)
 COMM_SIZES = "256,4K,64K,1M,4M"
 COMM_OPS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
+FIXED_COST_DEPTHS = (4, 16)  # the narrow models' layers (4: pp=4 has a layer per stage)
 
 
 def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50) -> float:
@@ -167,16 +171,29 @@ def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
     return out
 
 
-def measure_fixed_costs(timeout: float, crowd: int = 0, depths=(2, 16)) -> dict:
+def fixed_cost_layouts(cores: int, quick: bool) -> list:
+    """The layouts whose decode fixed costs calibrate times: every one of 2 ranks, and unless
+    quick every one of twice the cores (ranks sharing cores), that the narrow model runs."""
+    from dist_infer.launch.cost_model.layout import Layout, candidate_layouts
+    from dist_infer.launch.cost_model.shapes import ModelShape
+
+    shape = ModelShape(layers=FIXED_COST_DEPTHS[0], hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                       vocab=1000)
+    sizes = [2] if quick else sorted({2, 2 * cores})
+    return [Layout()] + [lay for n in sizes for lay in candidate_layouts(shape, n)]
+
+
+def measure_fixed_costs(timeout: float, layouts: list, depths=None) -> dict:
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
-    negligible) that differ only in depth, each run in one process and at cp=2:
-    per_layer_s / per_step_s (a decode step's time against the depth), cp_decode_layer_s (what a
-    cp decode adds per layer: the merge's gather and LSE math) and cp_step_s (what one ring step
-    adds per layer to a prefill: posting, waiting, merging); with `crowd` > 0 also at tp=crowd
-    (more ranks than cores), whose extra time per layer over its two all-reduces gives
-    sync_oversubscribed_s: what each collective costs when its ranks wait for a core."""
+    negligible) that differ only in depth, each run in every layout of `layouts` (the first is
+    one rank): per_layer_s / per_step_s (one rank's decode step against the depth) and, per
+    layout, decode_fixed (the same slope and intercept in that layout: the collectives' latencies,
+    hand-overs, merges and waits for a core as they happen inside the step loop). From cp=2 also
+    cp_step_s (what one ring step adds per layer to a prefill) and cp_decode_layer_s, and from tp at
+    twice the cores sync_oversubscribed_s: the per-op estimates for layouts not timed here."""
     from dist_infer.models.tiny_model import write_tiny_model
 
+    depths = depths or FIXED_COST_DEPTHS
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="dist-infer-calibrate-") as tmp:
         for depth in depths:
@@ -184,23 +201,34 @@ def measure_fixed_costs(timeout: float, crowd: int = 0, depths=(2, 16)) -> dict:
             os.makedirs(d)
             write_tiny_model(d, num_hidden_layers=depth, hidden_size=64, intermediate_size=128,
                              num_attention_heads=4, num_key_value_heads=2)
-            for key, nproc, layout in (("one", 1, []), ("cp", 2, ["--cp", "2"]), ("crowd", crowd, ["--tp", str(crowd)])):
-                if nproc:
-                    runs[depth, key] = run_json(
-                        ["bench", "--model", d, "--nproc", str(nproc), *layout,
-                         "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5", "--json"], timeout)
+            for lay in layouts:
+                runs[depth, lay.describe()] = run_json(
+                    ["bench", "--model", d, "--nproc", str(lay.ranks), "--tp", str(lay.tp), "--pp", str(lay.pp),
+                     "--cp", str(lay.cp), "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5",
+                     "--json"], timeout)
     lo, hi = depths
 
     def slope(key: str, run: str) -> float:
         return (runs[hi, run][key] - runs[lo, run][key]) / (hi - lo)
 
-    per_layer = max(0.0, slope("tpot_s", "one"))
-    out = {"per_layer_s": per_layer, "per_step_s": max(0.0, runs[lo, "one"]["tpot_s"] - lo * per_layer),
-           "cp_decode_layer_s": max(0.0, slope("tpot_s", "cp") - per_layer),
-           "cp_step_s": max(0.0, slope("ttft_s", "cp") - slope("ttft_s", "one"))}
-    if crowd:
-        out["sync_oversubscribed_s"] = max(0.0, (slope("tpot_s", "crowd") - per_layer) / 2)
-    zero = [k for k, v in out.items() if v == 0.0]
+    def step(run: str, per_layer: float) -> float:
+        return max(0.0, runs[lo, run]["tpot_s"] - lo * per_layer)
+
+    one = layouts[0].describe()
+    per_layer = max(0.0, slope("tpot_s", one))
+    out: dict = {"per_layer_s": per_layer, "per_step_s": step(one, per_layer), "decode_fixed": {}}
+    for lay in layouts[1:]:
+        name = lay.describe()
+        layer = max(0.0, slope("tpot_s", name))
+        out["decode_fixed"][name] = {"per_layer_s": layer, "per_step_s": step(name, layer)}
+    if "cp=2" in out["decode_fixed"]:
+        out["cp_decode_layer_s"] = max(0.0, slope("tpot_s", "cp=2") - per_layer)
+        out["cp_step_s"] = max(0.0, slope("ttft_s", "cp=2") - slope("ttft_s", one))
+    crowd = [lay.describe() for lay in layouts[1:] if lay.tp == lay.ranks and lay.ranks > 2]
+    if crowd:  # every rank of one tp group sharing the cores: two all-reduces per layer
+        out["sync_oversubscribed_s"] = max(0.0, (slope("tpot_s", crowd[0]) - per_layer) / 2)
+    zero = [k for k, v in out.items() if v == 0.0] + [f"decode_fixed[{n}]" for n, v in out["decode_fixed"].items()
+                                                     if v["per_layer_s"] == 0.0]
     if zero:  # a difference of two timings came out negative: noise larger than the cost
         logger.warning(f"calibrate: {', '.join(zero)} measured as 0 (timing noise above the cost: is the machine "
                        f"busy? rerun calibrate when it is quiet)")
@@ -225,8 +253,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
-    progress("fixed costs per layer and per step (bench)")
-    fixed = measure_fixed_costs(timeout, 0 if quick else 2 * cores)
+    progress("fixed costs per layer and per step, per layout (bench)")
+    fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick))
     base = psutil.Process().memory_info().rss
     links = {"intra": collectives["send_recv"]["intra"]["2"]}
     return HardwareProfile(

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from loguru import logger
 
 from dist_infer import __version__
-from dist_infer.comm import BACKENDS, DEFAULT_TIMEOUT_S
+from dist_infer.comm.backends import BACKENDS, DEFAULT_TIMEOUT_S
 from dist_infer.launch.logs import configure_logging
 
 
@@ -191,11 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
              "profile for plan and bench --sweep",
         description="Measure GEMM and attention throughput per thread count, streaming memory bandwidth, every "
                     "collective's latency and bus bandwidth (comm-test, per backend and group size) and the engine's "
-                    "fixed costs per layer and per step, and write them as a hardware profile JSON.",
+                    "fixed costs per layer and per step, alone and in every layout of 2 (and twice the cores) ranks, "
+                    "and write them as a hardware profile JSON.",
     )
     cal.add_argument("--out", default="dist-infer-profile.json", help="profile file to write (default %(default)s)")
     cal.add_argument("--quick", action="store_true",
-                     help="fewer sizes and only 2-rank collectives (about 30 s instead of about 2 min)")
+                     help="fewer sizes, only 2-rank collectives and only the 2-rank layouts' fixed costs (about 45 s "
+                          "instead of about 4 min)")
     cal.add_argument("--timeout", type=float, default=600.0, help="seconds each measuring job may take")
     cal.add_argument("--json", action="store_true", help="also print the profile as one JSON line")
 

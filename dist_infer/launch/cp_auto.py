@@ -16,7 +16,6 @@ from typing import Optional
 from loguru import logger
 
 from dist_infer.launch.logs import configure_logging
-from dist_infer.parallel.ring.sizing import MIN_TOKENS_PER_CP_RANK, choose_cp_size
 from dist_infer.topology.discovery import discover
 
 
@@ -37,6 +36,10 @@ def resolve_cp_auto(args, argv: list[str], longest_prompt: int) -> list[str]:
     with); returns the new argv. A no-op when --cp is a number."""
     if args.cp != "auto":
         return argv
+    # here, not at the top: the parallel package imports torch, which a launcher that only starts
+    # ranks with a given --cp does not need
+    from dist_infer.parallel.ring.sizing import MIN_TOKENS_PER_CP_RANK, choose_cp_size
+
     other = args.tp * args.pp * args.ep
     job = discover(os.environ)
     configure_logging("launch" if job is None else f"rank {job.rank}/{job.world_size}", args.log_level)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from dist_infer.launch.cost_model.hardware import HardwareProfile, ProfileError, load_profile
-from dist_infer.launch.cost_model.layout import LayoutError, candidate_layouts, parse_layout, why_not
-from dist_infer.launch.cost_model.predict import Prediction, Schedule, Workload, predict
-from dist_infer.launch.cost_model.shapes import ModelShape
+if TYPE_CHECKING:  # the cost model imports torch (through the models' shapes): only when a plan runs,
+    # so that the command line builds its flags without it
+    from dist_infer.launch.cost_model.hardware import HardwareProfile
+    from dist_infer.launch.cost_model.predict import Prediction, Schedule, Workload
+    from dist_infer.launch.cost_model.shapes import ModelShape
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "cost_model", "configs")
 PROFILE_ALIASES = {"h100": "h100-sxm"}
@@ -56,6 +57,7 @@ def model_config_dict(model: Optional[str]) -> tuple[dict, str]:
 
 
 def model_shape(model: Optional[str]) -> tuple[ModelShape, str]:
+    from dist_infer.launch.cost_model.shapes import ModelShape
     from dist_infer.models.config import ModelConfig, ModelConfigError
 
     cfg, path = model_config_dict(model)
@@ -66,6 +68,8 @@ def model_shape(model: Optional[str]) -> tuple[ModelShape, str]:
 
 
 def resolve_profile(spec: str) -> HardwareProfile:
+    from dist_infer.launch.cost_model.hardware import ProfileError, load_profile
+
     try:
         return load_profile(PROFILE_ALIASES.get(spec, spec))
     except ProfileError as exc:
@@ -73,6 +77,8 @@ def resolve_profile(spec: str) -> HardwareProfile:
 
 
 def workload_from_args(args, hw: HardwareProfile) -> Workload:
+    from dist_infer.launch.cost_model.predict import Workload
+
     dtype = args.dtype or ("fp32" if hw.device == "cpu" else "bf16")
     return Workload(batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len, weight_dtype=dtype,
                     mlp_dtype=args.mlp_dtype or "", act_dtype="fp32" if dtype == "fp32" else "bf16",
@@ -84,6 +90,7 @@ def schedule_from_args(args, hw: HardwareProfile) -> Schedule:
     # a CPU profile's "devices" are cores: the job's ranks share one node unless told otherwise
     per_node = args.gpus_per_node or (args.gpus if hw.shared_node else hw.devices_per_node)
     from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
+    from dist_infer.launch.cost_model.predict import Schedule
 
     threshold = OVERLAP_THRESHOLDS["cpu" if hw.device == "cpu" else "cuda"]  # the engine's --overlap auto
     return Schedule(overlap=args.overlap, overlap_threshold=threshold, ranks_per_node=per_node,
@@ -96,6 +103,9 @@ def rank_key(p: Prediction, by: str, gen_len: int) -> float:
 
 def plan_layouts(args) -> tuple[list[Prediction], list[tuple[str, str]], ModelShape, HardwareProfile, str]:
     """(predictions best first, [(layout, why it was left out)], shape, profile, model path)."""
+    from dist_infer.launch.cost_model.layout import LayoutError, candidate_layouts, parse_layout, why_not
+    from dist_infer.launch.cost_model.predict import predict
+
     shape, path = model_shape(args.model)
     hw = resolve_profile(args.profile)
     work = workload_from_args(args, hw)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 from loguru import logger
 
-from dist_infer.comm import ParallelGroups, build_groups, discover_rank, init_world
 from dist_infer.launch.logs import configure_logging
 from dist_infer.topology import Mesh, ParallelConfig, discover
+
+if TYPE_CHECKING:
+    from dist_infer.comm import ParallelGroups
 
 T = TypeVar("T")
 
@@ -20,6 +22,8 @@ T = TypeVar("T")
 def join_world(backend: str, timeout: float, iface, log_level: str, check: Callable[[int], T]):
     """Join the job's world communicator -> (world, rank info, check(world size)). `check`
     validates the layout before any rendezvous, so a bad one is a clear error, not a hang."""
+    from dist_infer.comm import discover_rank, init_world  # torch: on the ranks, not in a launcher
+
     info = discover_rank(backend)
     configure_logging(f"rank {info.rank}/{info.world_size}", log_level)
     checked = check(info.world_size)
@@ -28,6 +32,8 @@ def join_world(backend: str, timeout: float, iface, log_level: str, check: Calla
 
 def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
              shm: str = "auto") -> ParallelGroups:
+    from dist_infer.comm import build_groups
+
     world, info, mesh = join_world(backend, timeout, iface, log_level, check=lambda n: Mesh.build(config, n))
     if info.rank == 0:
         logger.info(f"{info.world_size} ranks via {info.launcher}, backend {world.backend}, mesh {mesh.describe()}")

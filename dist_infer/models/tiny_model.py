@@ -15,9 +15,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 NAME = "tiny-llama-v1"
 SEED = 20240611
@@ -196,6 +197,8 @@ def _config(vocab_size: int, bos_id: int, eos_id: int, arch: dict = ARCH) -> dic
 
 def _weights(vocab_size: int, arch: dict = ARCH) -> dict[str, torch.Tensor]:
     """HF-style init from a seeded CPU generator: N(0, 0.02) matrices, unit norms."""
+    import torch  # here: finding an already written model (what a launcher does) needs no torch
+
     gen = torch.Generator(device="cpu").manual_seed(SEED)
     h, inter = arch["hidden_size"], arch["intermediate_size"]
     head_dim = h // arch["num_attention_heads"]

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dist_infer.comm import ParallelGroups, build_groups
-from dist_infer.comm.base import Communicator
 from dist_infer.topology import Mesh, ParallelConfig
+
+if TYPE_CHECKING:  # torch: the launcher parses --instances before any rank starts, without it
+    from dist_infer.comm import ParallelGroups
+    from dist_infer.comm.base import Communicator
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -106,5 +109,7 @@ def join_instance(world: Communicator, specs: list[InstanceSpec], shm: str = "au
     mine = instance_of(specs, world.rank)
     comm = world if len(specs) == 1 else world.split(ranges, "instance")
     spec = specs[mine]
+    from dist_infer.comm import build_groups
+
     mesh = Mesh.build(ParallelConfig(tp=spec.tp, pp=spec.pp), spec.size)
     return mine, build_groups(comm, mesh, shm)

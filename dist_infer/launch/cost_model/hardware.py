@@ -57,6 +57,11 @@ class HardwareProfile:
     cp_step_s: float = 0.0  # fixed cost of one ring step per layer (post, wait, merge); 0: the link's latency
     cp_decode_layer_s: float = 0.0  # fixed cost per layer of a cp decode's merge (gather + LSE math); 0: latency
     sync_oversubscribed_s: float = 0.0  # CPU: what each collective costs when a node's ranks outnumber its cores
+    # layout ("tp=2,cp=2") -> {"per_layer_s", "per_step_s"}: a decode step's fixed costs timed in that
+    # very layout (calibrate, on a narrow model): every collective's latency, the pp hand-overs, the cp
+    # merge, ranks waiting for a core, as they add up inside the step loop. Where a layout has them,
+    # decode counts these instead of the per-op latencies above, and only bytes over the links.
+    decode_fixed: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
     notes: str = ""
 

@@ -5,7 +5,8 @@ What the engine does, and so what is counted (per rank on the critical path):
 - Each decoder layer: the linear layers' GEMMs (a roofline: FLOPs at the profile's GEMM rate
   for that many rows, or the weights streamed at memory bandwidth, whichever is longer),
   attention (causal prefill FLOPs, or the KV cache streamed in decode), and a fixed per-layer
-  cost (kernel launches, Python).
+  cost (kernel launches, Python). The model's last layer in a prefill runs queries, o_proj and
+  the MLP on each sequence's last row only (keys and values of every row still go to the cache).
 - tp: two all-reduces per layer (after o_proj and down_proj) of the rank's tokens x hidden,
   plus one after the vocab-parallel embedding; token splitting (`overlap`) hides each half's
   all-reduce behind the other half's compute, so only what exceeds that compute stays.
@@ -22,7 +23,10 @@ What the engine does, and so what is counted (per rank on the critical path):
 - CPU profiles: the ranks on a node share its cores (threads per rank = cores / ranks) and its
   memory bandwidth: all ranks' work at the node's rates bounds the time from below; ranks that
   meet at collectives every layer and outnumber the cores run at their share of one; nothing is
-  hidden behind compute (a transfer needs the same cores).
+  hidden behind compute (a transfer needs the same cores). A pipeline's stages run at the speed
+  they have alone (as while it fills and drains); the node bound covers them running at once.
+- Decode in a layout the profile timed (`decode_fixed`, from calibrate): that layout's measured
+  fixed costs per layer and per step replace every per-op latency, and only bytes cross the links.
 """
 
 from __future__ import annotations
@@ -144,12 +148,16 @@ class _Rank:
         rate = self.hw.attention_rate(dtype, self.threads, rows) * self.share
         return max(flops / rate, kv_bytes / self.kv_bw)
 
-    def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None) -> float:
+    def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None,
+                   latency_counted: bool = False) -> float:
         """Seconds for `op` over this rank's `axis` group; `fixed` replaces the link's latency
-        (a measured fixed cost that already holds it)."""
+        (a measured fixed cost that already holds it); `latency_counted`: only the bytes (the
+        layout's measured fixed costs hold every latency and wait)."""
         n = getattr(self.layout, axis)
         if n <= 1 or nbytes <= 0 or self.node:  # the node view counts work, not waiting
             return 0.0
+        if latency_counted:
+            fixed = 0.0
         spans, per_node = group_placement(self.layout, axis, self.sched.ranks_per_node)
         scope = "inter" if spans else ("shm" if (axis == "tp" and op == "all_reduce" and self.hw.device == "cpu")
                                        else "intra")
@@ -161,7 +169,7 @@ class _Rank:
             if scope + "-over" in self.hw.collectives.get(op, {}):
                 link = Link(link.latency_s, self.hw.link(op, n, scope + "-over").busbw)
             link = Link(link.latency_s + self.hw.sync_oversubscribed_s, link.busbw)
-            if fixed is not None:
+            if fixed is not None and not latency_counted:
                 fixed += self.hw.sync_oversubscribed_s
         if spans and per_node > 1 and op != "send_recv":
             # NCCL runs one ring per NIC (rail): the group's ranks on a node cross between nodes in
@@ -185,8 +193,12 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
     layers = math.ceil(shape.layers / layout.pp)
     moe_layers = math.ceil(shape.moe_layers / layout.pp)
 
-    def stage_pass(rank: _Rank, seqs: int, new_tokens: int, context_before: int, prefill: bool) -> dict:
-        """Seconds per term for one stage running `seqs` sequences of `new_tokens` each."""
+    def stage_pass(rank: _Rank, seqs: int, new_tokens: int, context_before: int, prefill: bool,
+                   measured: Optional[dict] = None, last_stage: bool = False) -> dict:
+        """Seconds per term for one stage running `seqs` sequences of `new_tokens` each; `measured`:
+        the layout's fixed costs per layer and per step, timed (they replace every latency);
+        `last_stage`: its last layer is the model's, which a prefill runs on the sampled rows only."""
+        counted = measured is not None
         mlp_dtype = work.mlp_dtype or work.weight_dtype
         tokens = seqs * math.ceil(new_tokens / layout.cp) if prefill else seqs  # this rank's rows
         q_heads, kv_heads = shape.heads_per_rank(layout.tp)
@@ -207,7 +219,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             flops = seqs * causal_attention_flops(q_heads, shape.head_dim, 1, math.ceil(ctx / layout.cp))
             kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
         t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
-        ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype])
+        ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype], latency_counted=counted)
         split = should_split(sched.overlap, tokens, layout.tp, sched.overlap_threshold)
         ring = 0.0
         if layout.cp > 1 and prefill:
@@ -220,7 +232,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             ring = (layout.cp - 1) * (max(0.0, xfer - step_compute) + merge)
         elif layout.cp > 1:  # decode: each rank's partial output and LSE gathered for the merge
             ring = rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
-                                   fixed=hw.cp_decode_layer_s or None)
+                                   fixed=hw.cp_decode_layer_s or None, latency_counted=counted)
 
         def one_layer(moe: bool) -> dict:
             t_m, ep = t_mlp, 0.0
@@ -231,39 +243,74 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                 touched = min(shape.experts / layout.ep, chunk * shape.top_k) / max(1, shape.experts / layout.ep)
                 t_m = rank.gemm(linear_flops(active, chunk), w * touched * b[mlp_dtype], chunk, mlp_dtype)
                 rows = chunk * shape.top_k * shape.hidden * b[work.act_dtype]
-                ep = 2 * rank.collective("all_to_all", "ep", rows * layout.ep) + rank.collective(
-                    "all_gather", "ep", tokens * shape.hidden * b[work.act_dtype])
+                ep = 2 * rank.collective("all_to_all", "ep", rows * layout.ep, latency_counted=counted) + rank.collective(
+                    "all_gather", "ep", tokens * shape.hidden * b[work.act_dtype], latency_counted=counted)
             comm = 2 * ar
             if split and hw.comm_overlaps_compute:  # each half's all-reduce runs under the other half's compute
                 comm = max(0.0, comm - (t_attn_lin + t_core + t_m + t_ew) / 2)
+            overhead = (measured["per_layer_s"] if counted and not rank.node
+                        else hw.per_layer_s * rank.overhead_scale / rank.share)
             return {"gemm": t_attn_lin + t_m, "attention": t_core, "elementwise": t_ew, "tp_comm": comm,
-                    "cp_ring": ring, "ep_comm": ep, "overhead": hw.per_layer_s * rank.overhead_scale / rank.share}
+                    "cp_ring": ring, "ep_comm": ep, "overhead": overhead}
 
-        dense = _scale(one_layer(False), layers - moe_layers)
+        def trimmed_last_layer() -> dict:
+            """The model's last layer in a prefill (models/llama.py): every row's keys and values go
+            to the cache, but queries, o_proj and the MLP run on each sequence's last row only, and
+            with the native kernels (CPU) attention is that one row's over the prompt's cache."""
+            q_w = shape.hidden * q_heads * shape.head_dim  # = o_proj's
+            kv_w = attn_w - 2 * q_w
+            native = hw.device == "cpu" and layout.cp == 1
+            all_rows_w = kv_w if native else kv_w + q_w  # projected for every row
+            gemm = (rank.gemm(linear_flops(all_rows_w, tokens), all_rows_w * b[work.weight_dtype], tokens,
+                              work.weight_dtype)
+                    + rank.gemm(linear_flops(attn_w - all_rows_w, seqs), (attn_w - all_rows_w) * b[work.weight_dtype],
+                                seqs, work.weight_dtype)
+                    + rank.gemm(linear_flops(dense_w, seqs), dense_w * b[mlp_dtype], seqs, mlp_dtype))
+            ctx = math.ceil(new_tokens / layout.cp) + context_before
+            core = t_core if not native and layout.cp == 1 else rank.attention(
+                seqs * causal_attention_flops(q_heads, shape.head_dim, 1, ctx),
+                seqs * ctx * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype]), seqs, work.attention_dtype)
+            merge = rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
+                                    fixed=hw.cp_decode_layer_s or None) if layout.cp > 1 else 0.0
+            ew = (tokens * b[work.act_dtype] * (2 * shape.hidden + 4 * kv_heads * shape.head_dim) / rank.bw
+                  + t_ew * seqs / tokens)
+            overhead = hw.per_layer_s * rank.overhead_scale / rank.share
+            return {"gemm": gemm, "attention": core, "elementwise": ew, "cp_ring": merge, "overhead": overhead,
+                    "tp_comm": 2 * rank.collective("all_reduce", "tp", seqs * shape.hidden * b[work.act_dtype])}
+
+        trim = prefill and last_stage and not moe_layers  # (an MoE model: every layer counted in full)
+        dense = _scale(one_layer(False), layers - moe_layers - trim)
+        if trim:
+            dense = _add(dense, trimmed_last_layer())
         return _add(dense, _scale(one_layer(True), moe_layers)) if moe_layers else dense
 
-    def head_pass(rank: _Rank, rows: int) -> dict:
+    def head_pass(rank: _Rank, rows: int, counted: bool = False) -> dict:
         """Embedding all-reduce (first stage) and the LM head on the sampled rows (last stage)."""
         v = shape.vocab_per_rank(layout.tp)
         return {"gemm": rank.gemm(linear_flops(v * shape.hidden, rows), v * shape.hidden * b[work.weight_dtype], rows,
                                   work.weight_dtype),
-                "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4)}
+                "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4, latency_counted=counted)}
 
-    def pipeline(rank: _Rank, layer_part: dict, rows: int, tokens: int) -> tuple[float, float, dict]:
+    def pipeline(rank: _Rank, layer_part: dict, rows: int, tokens: int,
+                 measured: Optional[dict] = None, last_part: Optional[dict] = None) -> tuple[float, float, dict]:
         """(time of the first micro-batch through every stage, the slowest stage's time, the
         mean stage's terms) for micro-batches of `rows` sampled rows and `tokens` tokens per rank.
         The first stage also runs the embedding's all-reduce and the driver's step; the last the
-        LM head; every stage but the last hands its hidden states on."""
+        LM head (and its layers are `last_part`, when given); every stage but the last hands its
+        hidden states on."""
         act = tokens * shape.hidden * b[work.act_dtype]
-        first = {"tp_comm": rank.collective("all_reduce", "tp", act),
-                 "overhead": hw.per_step_s * rank.overhead_scale / rank.share}
-        last = head_pass(rank, rows)
-        send = {"pp_transfer": rank.collective("send_recv", "pp", act)} if layout.pp > 1 else {}
+        counted = measured is not None
+        first = {"tp_comm": rank.collective("all_reduce", "tp", act, latency_counted=counted),
+                 "overhead": (measured["per_step_s"] if counted and not rank.node
+                              else hw.per_step_s * rank.overhead_scale / rank.share)}
+        last = head_pass(rank, rows, counted)
+        send = {"pp_transfer": rank.collective("send_recv", "pp", act, latency_counted=counted)} if layout.pp > 1 else {}
+        last_part = layer_part if last_part is None else last_part
         if layout.pp == 1:
-            stages = [_add(layer_part, first, last)]
+            stages = [_add(last_part, first, last)]
         else:
             middle = [_add(layer_part, send)] * (layout.pp - 2)
-            stages = [_add(layer_part, first, send)] + middle + [_add(layer_part, last)]
+            stages = [_add(layer_part, first, send)] + middle + [_add(last_part, last)]
         totals = [sum(st.values()) for st in stages]
         return sum(totals), max(totals), _scale(_add(*stages), 1.0 / layout.pp)
 
@@ -272,27 +319,35 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
     # ranks on the busiest node, per stage of one pp group: its share of the job's work
     node_share = rank.local / layout.ranks
 
-    def node_time(layer_part: dict, rows: int, tokens: int) -> float:
+    def node_time(layer_part: dict, rows: int, tokens: int, last_part: Optional[dict] = None) -> float:
         """Seconds of the node's capacity that one micro-batch's pass through every stage uses
         on the busiest node (all its ranks' work; waiting is not work)."""
-        _, _, mean = pipeline(node, layer_part, rows, tokens)
+        _, _, mean = pipeline(node, layer_part, rows, tokens, last_part=last_part)
         return sum(mean.values()) * layout.pp * (layout.ranks / layout.pp) * node_share
 
     # -- prefill: m micro-batches chase each other through the pp stages --------------------------
+    # each stage's ranks at the speed they have when theirs is the only stage computing (as while
+    # the pipeline fills and drains); when several stages compute at once and outnumber the cores,
+    # the node bound below (all ranks' work on the node's cores) takes over
+    alone = _Rank(hw, layout, sched, shape.head_dim, busy_stages=1)
     p_tokens = mb * math.ceil(work.prompt_len / layout.cp)
-    through, slowest, mean = pipeline(rank, stage_pass(rank, mb, work.prompt_len, 0, prefill=True), mb, p_tokens)
+    through, slowest, mean = pipeline(alone, stage_pass(alone, mb, work.prompt_len, 0, prefill=True), mb, p_tokens,
+                                      last_part=stage_pass(alone, mb, work.prompt_len, 0, prefill=True, last_stage=True))
     ttft = through + (m - 1) * slowest
     prefill = _scale(mean, m)
     if layout.pp > 1:  # filling the pipeline and uneven stages: the time beyond m mean stages
         prefill["pp_bubble"] = max(0.0, ttft - sum(prefill.values()))
     if node is not None:  # the node's cores and bandwidth shared by all its ranks
-        busy = m * node_time(stage_pass(node, mb, work.prompt_len, 0, prefill=True), mb, p_tokens)
+        busy = m * node_time(stage_pass(node, mb, work.prompt_len, 0, prefill=True), mb, p_tokens,
+                             stage_pass(node, mb, work.prompt_len, 0, prefill=True, last_stage=True))
         if busy > ttft:
             prefill["node_shared"], ttft = busy - ttft, busy
 
     # -- decode: one round = every sequence one token, at the mean context -----------------------
     ctx = work.prompt_len + max(0, work.gen_len - 1) // 2
-    through, slowest, mean = pipeline(rank, stage_pass(rank, mb, 1, ctx, prefill=False), mb, mb)
+    measured = hw.decode_fixed.get(layout.describe()) if layout.ranks > 1 else None
+    through, slowest, mean = pipeline(rank, stage_pass(rank, mb, 1, ctx, prefill=False, measured=measured), mb, mb,
+                                      measured)
     tpot = max(m * slowest, through)  # the slowest stage's m passes, or one token's trip through all stages
     decode = _scale(mean, m)
     if layout.pp > 1:
