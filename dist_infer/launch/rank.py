@@ -84,8 +84,15 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
     from dist_infer.launch.launcher import relaunch_as_local_ranks
     from dist_infer.launch.logs import configure_logging
     from dist_infer.models.builtin import resolve_model
+    from dist_infer.topology import ParallelConfigError
 
     configure_logging("launch")
+    if not getattr(args, "instances", None):
+        try:  # the ranks would each find this out after starting (and importing torch): say it once, now
+            Mesh.build(ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp), n)
+        except ParallelConfigError as exc:
+            logger.error(f"{exc}; no rank was started (--nproc {n})")
+            return 2
     if hasattr(args, "model"):
         resolve_model(args.model)  # once, before the ranks race to write `tiny` (and a clear error if missing)
     return relaunch_as_local_ranks(argv, n, failure_domains(args))
