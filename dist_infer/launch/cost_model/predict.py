@@ -135,6 +135,12 @@ class _Rank:
             self.threads = 1
         self.bw = hw.bandwidth(self.threads) * self.share
         self.kv_bw = hw.kv_bandwidth(self.threads, head_dim) * self.share
+        if node and hw.shared_node and self.local > 1:
+            # the decode attention kernel gains little from a second thread on one sequence, but two
+            # ranks read their KV shards side by side: the node reads at its ranks' rates together
+            # (as many as have a core), up to its memory bandwidth
+            per_rank = max(1, cores // self.local)
+            self.kv_bw = min(self.bw, min(self.local, cores // per_rank) * hw.kv_bandwidth(per_rank, head_dim))
 
     def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str) -> float:
         if flops <= 0:
