@@ -32,6 +32,7 @@ ATTENTION_LENGTHS = (128, 512, 2048, 8192)
 COMM_SIZES = "256,4K,64K,1M,4M"
 COMM_OPS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
 FIXED_COST_DEPTHS = (4, 16)  # the narrow models' layers (4: pp=4 has a layer per stage)
+NARROW = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)  # their width
 
 
 def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50) -> float:
@@ -177,13 +178,14 @@ def fixed_cost_layouts(cores: int, quick: bool) -> list:
     from dist_infer.launch.cost_model.layout import Layout, candidate_layouts
     from dist_infer.launch.cost_model.shapes import ModelShape
 
-    shape = ModelShape(layers=FIXED_COST_DEPTHS[0], hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
-                       vocab=1000)
+    h, heads = NARROW["hidden_size"], NARROW["num_attention_heads"]
+    shape = ModelShape(layers=FIXED_COST_DEPTHS[0], hidden=h, heads=heads, kv_heads=NARROW["num_key_value_heads"],
+                       head_dim=h // heads, intermediate=NARROW["intermediate_size"], vocab=1000)  # (no vocab limit)
     sizes = [2] if quick else sorted({2, 2 * cores})
     return [Layout()] + [lay for n in sizes for lay in candidate_layouts(shape, n)]
 
 
-def measure_fixed_costs(timeout: float, layouts: list, depths=None) -> dict:
+def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS) -> dict:
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
     negligible) that differ only in depth, each run in every layout of `layouts` (the first is
     one rank): per_layer_s / per_step_s (one rank's decode step against the depth) and, per
@@ -193,14 +195,12 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=None) -> dict:
     twice the cores sync_oversubscribed_s: the per-op estimates for layouts not timed here."""
     from dist_infer.models.tiny_model import write_tiny_model
 
-    depths = depths or FIXED_COST_DEPTHS
     runs: dict = {}
     with tempfile.TemporaryDirectory(prefix="dist-infer-calibrate-") as tmp:
         for depth in depths:
             d = os.path.join(tmp, f"depth{depth}")
             os.makedirs(d)
-            write_tiny_model(d, num_hidden_layers=depth, hidden_size=64, intermediate_size=128,
-                             num_attention_heads=4, num_key_value_heads=2)
+            write_tiny_model(d, num_hidden_layers=depth, **NARROW)
             for lay in layouts:
                 runs[depth, lay.describe()] = run_json(
                     ["bench", "--model", d, "--nproc", str(lay.ranks), "--tp", str(lay.tp), "--pp", str(lay.pp),

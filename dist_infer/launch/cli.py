@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -387,22 +386,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run() -> None:
     """The program (`dist-infer`, `python -m dist_infer`): `main`, then the process ends without the
-    interpreter's teardown, which takes ~0.5 s once torch is loaded (clearing its modules), in every
-    rank of every job. What teardown would do that matters still happens: the streams are flushed,
-    the atexit handlers run (the process group's), and MPI is finalized (mpirun counts a rank that
-    skips it as failed)."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    import atexit
+    interpreter's teardown (`exit_now`: ~0.5 s saved in every rank of every job)."""
+    from dist_infer.launch.rank import exit_now
 
-    atexit._run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 0)
+    exit_now(main())
 
 
 if __name__ == "__main__":

@@ -225,6 +225,12 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             flops = seqs * causal_attention_flops(q_heads, shape.head_dim, 1, math.ceil(ctx / layout.cp))
             kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
         t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
+
+        def lse_gather(counted_here: bool = False) -> float:
+            """cp: every rank's partial output and LSE for the sampled rows, gathered for the merge."""
+            return rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
+                                   fixed=hw.cp_decode_layer_s or None, latency_counted=counted_here)
+
         ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype], latency_counted=counted)
         split = should_split(sched.overlap, tokens, layout.tp, sched.overlap_threshold)
         ring = 0.0
@@ -236,9 +242,8 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             # the LSE merge of each step's partial output into the fp32 accumulators (read both, write one)
             merge = 3 * tokens * q_heads * (shape.head_dim + 1) * 4 / rank.bw
             ring = (layout.cp - 1) * (max(0.0, xfer - step_compute) + merge)
-        elif layout.cp > 1:  # decode: each rank's partial output and LSE gathered for the merge
-            ring = rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
-                                   fixed=hw.cp_decode_layer_s or None, latency_counted=counted)
+        elif layout.cp > 1:  # decode: one token, attended on every rank's KV shard, merged by LSE
+            ring = lse_gather(counted)
 
         def one_layer(moe: bool) -> dict:
             t_m, ep = t_mlp, 0.0
@@ -254,8 +259,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             comm = 2 * ar
             if split and hw.comm_overlaps_compute:  # each half's all-reduce runs under the other half's compute
                 comm = max(0.0, comm - (t_attn_lin + t_core + t_m + t_ew) / 2)
-            overhead = (measured["per_layer_s"] if counted and not rank.node
-                        else hw.per_layer_s * rank.overhead_scale / rank.share)
+            overhead = measured["per_layer_s"] if counted else hw.per_layer_s * rank.overhead_scale / rank.share
             return {"gemm": t_attn_lin + t_m, "attention": t_core, "elementwise": t_ew, "tp_comm": comm,
                     "cp_ring": ring, "ep_comm": ep, "overhead": overhead}
 
@@ -273,11 +277,11 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                                 seqs, work.weight_dtype)
                     + rank.gemm(linear_flops(dense_w, seqs), dense_w * b[mlp_dtype], seqs, mlp_dtype))
             ctx = math.ceil(new_tokens / layout.cp) + context_before
-            core = t_core if not native and layout.cp == 1 else rank.attention(
+            last_row_only = native or layout.cp > 1  # else (GPU, no cp) attention runs in full, then is cut
+            core = t_core if not last_row_only else rank.attention(
                 seqs * causal_attention_flops(q_heads, shape.head_dim, 1, ctx),
                 seqs * ctx * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype]), seqs, work.attention_dtype)
-            merge = rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
-                                    fixed=hw.cp_decode_layer_s or None) if layout.cp > 1 else 0.0
+            merge = lse_gather() if layout.cp > 1 else 0.0
             ew = (tokens * b[work.act_dtype] * (2 * shape.hidden + 4 * kv_heads * shape.head_dim) / rank.bw
                   + t_ew * seqs / tokens)
             overhead = hw.per_layer_s * rank.overhead_scale / rank.share
@@ -307,8 +311,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         act = tokens * shape.hidden * b[work.act_dtype]
         counted = measured is not None
         first = {"tp_comm": rank.collective("all_reduce", "tp", act, latency_counted=counted),
-                 "overhead": (measured["per_step_s"] if counted and not rank.node
-                              else hw.per_step_s * rank.overhead_scale / rank.share)}
+                 "overhead": measured["per_step_s"] if counted else hw.per_step_s * rank.overhead_scale / rank.share}
         last = head_pass(rank, rows, counted)
         send = {"pp_transfer": rank.collective("send_recv", "pp", act, latency_counted=counted)} if layout.pp > 1 else {}
         last_part = layer_part if last_part is None else last_part
