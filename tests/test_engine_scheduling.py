@@ -442,3 +442,19 @@ def test_offline_cache_grows_for_a_longer_batch(llama):
     small = engine.num_blocks
     (out,) = engine.generate([long], params)
     assert engine.num_blocks > small and len(out.token_ids) == 2
+
+
+def test_offline_timing_has_a_gap_per_later_token_and_their_median(llama):
+    """`tpot_median_s` (what `bench --sweep` sets against the predicted decode step) is the median of
+    every sequence's gaps between successive tokens: one per token after its first."""
+    import statistics
+
+    _, model = llama
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups, max_batched_tokens=8)  # the 3 prompts' prefill takes several steps
+    engine.generate(prompts_for([5, 7, 9], seed=1), SamplingParams(max_new_tokens=NEW, stop_at_eos=False))
+    timing = engine.timing
+    assert len(timing.token_gaps_s) == 3 * (NEW - 1)
+    assert all(g > 0 for g in timing.token_gaps_s)
+    assert timing.as_dict()["tpot_median_s"] == statistics.median(timing.token_gaps_s)
+    assert min(timing.token_gaps_s) <= timing.as_dict()["tpot_median_s"] <= max(timing.token_gaps_s)

@@ -125,6 +125,30 @@ def test_gguf_generate_matches_transformers(case, files, store, tmp_path):
     assert_matches_hf(out, torch.load(tmp_path / "logits.pt"), prompts, ref_ids, ref_logits, case)
 
 
+def test_a_parse_is_shared_inside_the_block_and_dropped_after_it(files):
+    """The tokenizer and the weights share one parse of the file while loading; nothing keeps it (nor its
+    memory map and per-entry arrays) once loading is over."""
+    import gc
+    import weakref
+
+    from dist_infer.models.gguf_checkpoint import open_reader, shared_parses
+
+    path = files["Q8_0"]
+    assert open_reader(path) is not open_reader(path)  # outside a block: each caller's own parse
+    with shared_parses():
+        first = open_reader(path)
+        with shared_parses():  # a nested block uses the outer block's parses
+            assert open_reader(path) is first
+        assert open_reader(path) is first
+        gone = weakref.ref(first)
+        with GGUFCheckpoint(path) as ck:
+            assert ck._reader is first
+    del first, ck
+    gc.collect()
+    assert gone() is None
+    assert open_reader(path) is not open_reader(path)
+
+
 # --- the trained default model -----------------------------------------------------------------------
 
 def test_default_model_is_smollm2_from_the_wheel():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import statistics
 import threading
 import time
 from collections import deque
@@ -75,6 +76,7 @@ class Timing:
     ttft_cpu_s: float = 0.0  # CPU time of this process (all its threads) for the prefill: load-independent cost
     steps: int = 0
     preemptions: int = 0
+    token_gaps_s: list = field(default_factory=list)  # each sequence's time between successive tokens
 
     def as_dict(self) -> dict:
         return {
@@ -83,6 +85,9 @@ class Timing:
             "decode_tok_s": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
             # time per output token of one sequence, i.e. per decode step of the batch (the peers' definition)
             "tpot_s": self.decode_s * self.sequences / self.decode_tokens if self.decode_tokens else 0.0,
+            # the median gap between a sequence's tokens (vLLM's median ITL): a typical decode step,
+            # which one stalled step (a page fault, another process taking the core) does not move
+            "tpot_median_s": statistics.median(self.token_gaps_s) if self.token_gaps_s else 0.0,
             "ttft_cpu_s": self.ttft_cpu_s,
             "steps": self.steps,
             "preemptions": self.preemptions,
@@ -682,8 +687,16 @@ class Engine:
                     for i, p in enumerate(prompts)]
         start, cpu_start = time.perf_counter(), time.process_time()
         first_done = None
+        seen = [(0, 0.0)] * len(requests)  # each request's token count and the time its newest arrived
         while self.has_unfinished():
             self.step()
+            now = time.perf_counter()
+            for i, r in enumerate(requests):
+                count, since = seen[i]
+                if len(r.output_token_ids) > count:
+                    if count:
+                        self.timing.token_gaps_s.append((now - since) / (len(r.output_token_ids) - count))
+                    seen[i] = (len(r.output_token_ids), now)
             if first_done is None and all(r.output_token_ids for r in requests):
                 first_done = time.perf_counter()
                 self.timing.ttft_s = first_done - start

@@ -93,6 +93,7 @@ def run_generate(args) -> int:
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.rank import join_job
     from dist_infer.models.checkpoint import peak_rss_mb
+    from dist_infer.models.gguf_checkpoint import shared_parses
     from dist_infer.topology import ParallelConfig
 
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
@@ -100,10 +101,11 @@ def run_generate(args) -> int:
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
-    stage, report, model = load_model(args, groups)
-    logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
-                f"peak RSS {report.peak_rss_mb:.0f} MiB")
-    prompts, tokenizer = read_prompts(args, model)
+    with shared_parses():  # a GGUF's weights and tokenizer share one parse of the file
+        stage, report, model = load_model(args, groups)
+        logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
+                    f"peak RSS {report.peak_rss_mb:.0f} MiB")
+        prompts, tokenizer = read_prompts(args, model)
     engine = build_engine(args, stage, groups, **scheduler_options(args))
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
     timing = {"load_s": report.load_s, **engine.timing.as_dict()}

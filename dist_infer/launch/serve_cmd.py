@@ -199,27 +199,29 @@ def run_serve(args) -> int:
 
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.model_options import build_engine, load_model, scheduler_options
+    from dist_infer.models.gguf_checkpoint import shared_parses
 
     world, index, specs, groups = _join(args)
     # A serving process runs its step loop beside threads that relay requests, outputs and migration
     # calls; hand the GIL over more often than every 5 ms so a relayed message does not wait out a
     # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    stage, report, model = load_model(args, groups)
+    driver = groups.world.rank == 0
+    api = world.rank == 0 and not args.join
+    tokenizer = None
+    with shared_parses():  # a GGUF's weights and tokenizer share one parse of the file, dropped after
+        stage, report, model = load_model(args, groups)
+        if driver:
+            try:
+                tokenizer = TextTokenizer(model)
+            except Exception as exc:  # noqa: BLE001 - token-id prompts still work
+                logger.warning(f"no tokenizer ({exc}); only token-id prompts will be accepted")
     options = scheduler_options(args)
     if options["num_blocks"] is None:  # every rank of an instance uses the same count: the smallest that fits on all
         mine = default_kv_blocks(stage, args.block_size, args.kv_cache_memory, args.max_num_seqs)
         blocks = torch.tensor([mine], dtype=torch.long)
         groups.world.all_reduce(blocks, "min")
         options["num_blocks"] = int(blocks[0])
-    driver = groups.world.rank == 0
-    api = world.rank == 0 and not args.join
-    tokenizer = None
-    if driver:
-        try:
-            tokenizer = TextTokenizer(model)
-        except Exception as exc:  # noqa: BLE001 - token-id prompts still work
-            logger.warning(f"no tokenizer ({exc}); only token-id prompts will be accepted")
     engine = build_engine(args, stage, groups, tokenizer=tokenizer, heartbeat_s=min(2.0, args.timeout / 4), **options)
     logger.info(f"instance {index}: loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s; "
                 f"KV cache {engine.num_blocks} blocks of {args.block_size} tokens")

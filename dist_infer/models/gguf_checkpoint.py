@@ -18,7 +18,8 @@ weights equal the HF checkpoint's.
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -26,7 +27,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from dist_infer.models.checkpoint import CheckpointError, TensorIndex
+from dist_infer.models.checkpoint import CheckpointError, TensorIndex, return_freed_memory
 
 GGUF_MAGIC = b"GGUF"
 # Types whose dequantization is implemented by the gguf package and checked here.
@@ -82,9 +83,8 @@ def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 def open_reader(path: Path):
-    """The parsed file (memory-mapped). Parsing takes ~2 s for SmolLM2 (its 49K-entry vocabulary and
-    merges), and a rank needs the file twice, for its weights and for the tokenizer: the parse is
-    kept per file (and its size and modification time) for the life of the process."""
+    """The parsed file (memory-mapped). Inside a `shared_parses()` block each file is parsed once for
+    every reader of it; outside one, each caller gets its own parse, dropped with it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
@@ -93,11 +93,37 @@ def open_reader(path: Path):
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}")
     stat = path.stat()
-    return _parse(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    shared = _SHARED_PARSES.get()
+    if shared is None:
+        return _parse(key[0])
+    if key not in shared:
+        shared[key] = _parse(key[0])
+    return shared[key]
 
 
-@functools.lru_cache(maxsize=4)
-def _parse(path: str, size: int, mtime_ns: int):
+# The parses shared inside the innermost `shared_parses()` block of this thread (None: no block).
+_SHARED_PARSES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("gguf_shared_parses", default=None)
+
+
+@contextlib.contextmanager
+def shared_parses():
+    """Parse each GGUF file once for all its readers inside the block: a rank reads its file for the
+    weights and again for the tokenizer, and parsing SmolLM2's (its 49K-entry vocabulary and merges)
+    takes ~2 s. When the block ends the parses go, and with them the memory maps and the reader's
+    per-entry arrays: kept for the life of the process they held ~0.2 GiB beside SmolLM2's weights."""
+    if _SHARED_PARSES.get() is not None:  # nested: the outer block owns the parses
+        yield
+        return
+    token = _SHARED_PARSES.set({})
+    try:
+        yield
+    finally:
+        _SHARED_PARSES.reset(token)
+        return_freed_memory()
+
+
+def _parse(path: str):
     import gguf  # a core dependency, imported on use: it takes ~0.2 s
 
     try:

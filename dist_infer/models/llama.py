@@ -258,6 +258,8 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype) if last else None
+        if first and last and cfg.tie_word_embeddings:  # both own the same vocabulary rows: hold them once
+            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         layout = self.layers[0].self_attn if len(self.layers) else None
         self.kv_heads_local = layout.kv_heads if layout else 0
@@ -349,5 +351,6 @@ class LlamaStage(nn.Module):
             layer.load_weights(get, self.cfg)
         if self.last:
             load_replicated(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
-            head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
-            self.lm_head.weight_loader(get(head))
+            if not self.first or self.lm_head.weight is not self.embed_tokens.weight:
+                head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
+                self.lm_head.weight_loader(get(head))

@@ -16,7 +16,7 @@ import torch
 
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.kernels import load_cpu_kernels, use_native_kernels
-from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb
+from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb, return_freed_memory
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from dist_infer.models.llama import LlamaStage
@@ -54,6 +54,7 @@ def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
         cfg = ModelConfig.from_hf(ckpt.config, str(path) if gguf else str(Path(path) / "config.json"))
         stage = build_stage(cfg, groups, dtype, pp_split, **options)
         stage.load_weights(ckpt.tensor)
+    return_freed_memory()
     report = LoadReport(time.perf_counter() - start, rss0, peak_rss_mb(), (stage.layer_ids.start, stage.layer_ids.stop))
     return stage, report
 
