@@ -225,6 +225,41 @@ def test_node_reads_kv_at_its_ranks_rates_together():
     assert "node_shared" not in two.decode
 
 
+def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
+    """A decode step's products are bound by how fast the weights stream, and the native kernel's
+    speed depends on the row length (31 GB/s for rows of 576 floats, 24 GB/s for 4096 on the 2-core
+    machine): q/k/v, gate/up and the LM head read rows of `hidden`, o_proj of the rank's heads x
+    head_dim, down_proj of its share of the intermediate size."""
+    rates = {"1": [[64, 4e9], [128, 1e9]]}  # interpolated in log(row length) between the points
+    hw = gemm_only_profile(rate=BIG, memory_bandwidth=rates)
+    work = Workload(batch=1, prompt_len=1, gen_len=2)
+    p = predict(SMALL, Layout(), work, hw)
+    per_layer = (64 * 16 * (4 + 2 * 2) * 4 / 4e9  # q, k, v: rows of hidden = 64
+                 + 64 * 4 * 16 * 4 / 4e9  # o_proj: rows of 4 heads x 16 = 64
+                 + 2 * 64 * 128 * 4 / 4e9  # gate, up: rows of 64
+                 + 128 * 64 * 4 / 1e9)  # down_proj: rows of 128
+    head = 100 * 64 * 4 / 4e9
+    assert p.decode["gemm"] == pytest.approx(SMALL.layers * per_layer + head)
+    # tp=2: down_proj's rows are 64 long, o_proj's 32 (flat below the first point)
+    two = predict(SMALL, Layout(tp=2), work, hw)
+    per_layer2 = (64 * 16 * (2 + 2 * 1) + 2 * 16 * 64 + 2 * 64 * 64 + 64 * 64) * 4 / 4e9
+    assert two.decode["gemm"] == pytest.approx(SMALL.layers * per_layer2 + 50 * 64 * 4 / 4e9)
+    assert hw.bandwidth(1, 64 * 2 ** 0.5) == pytest.approx(2.5e9)  # halfway in log(row length)
+    assert hw.bandwidth(1) == 1e9  # no row length: the widest rows' rate
+
+
+def test_prefill_attention_at_the_rate_for_its_head_size():
+    """calibrate times attention per head size (a head of 32 has half the arithmetic per byte of one
+    of 64: 121 against 147 GFLOP/s at 8192 tokens on the 2-core machine); the model picks its own."""
+    rates = {"1": {"16": [[1, 1e9]], "64": [[1, 4e9]]}}
+    hw = gemm_only_profile(rate=BIG, attention_flops={"fp32": rates})
+    assert hw.attention_rate("fp32", 1, 100, head_dim=32) == pytest.approx(2.5e9)  # halfway in log(head size)
+    work = Workload(batch=1, prompt_len=100, gen_len=1)
+    p = predict(SMALL, Layout(), work, hw)  # SMALL: heads of 16
+    flops = causal_attention_flops(4, 16, 100)
+    assert p.prefill["attention"] == pytest.approx(SMALL.layers * flops / 1e9)
+
+
 def test_memory_per_rank_by_hand():
     work = Workload(batch=2, prompt_len=100, gen_len=28)
     hw = gemm_only_profile()

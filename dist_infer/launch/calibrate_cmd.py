@@ -29,6 +29,8 @@ from dist_infer.launch.subcommand import SubcommandError, run_json
 GEMM_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 GEMM_SHAPE = (1024, 4096)  # in, out: 16 MiB of fp32 weights, beyond this machine's caches
 ATTENTION_LENGTHS = (128, 512, 2048, 8192)
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+STREAM_ROW_LENGTHS = (512, 1024, 2048, 4096, 8192)  # a weight matrix's input features
 COMM_SIZES = "256,4K,64K,1M,4M"
 COMM_OPS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
 FIXED_COST_DEPTHS = (4, 16)  # the narrow models' layers (4: pp=4 has a layer per stage)
@@ -68,25 +70,33 @@ def measure_gemm(threads: int, rows=GEMM_ROWS) -> list[list[float]]:
     return out
 
 
-def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, heads: int = 8, head_dim: int = 64) -> list[list[float]]:
+def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTION_HEAD_DIMS,
+                      heads: int = 8) -> dict:
+    """{head_dim: [[tokens, FLOP/s]]} of a causal prefill's attention as the engine calls it: 8 query
+    heads on 4 KV heads (GQA), [tokens, heads, d] views, torch's SDPA. The rate depends on the head
+    size (a head of 32 has half the arithmetic per byte of one of 64)."""
     import torch
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    out = []
-    for t_len in lengths:
-        q = torch.randn(1, heads, t_len, head_dim)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        t = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        flops = 4.0 * head_dim * heads * t_len * (t_len + 1) / 2
-        out.append([t_len, flops / t])
+    out = {}
+    for d in head_dims:
+        out[str(d)] = []
+        for t_len in lengths:
+            q = torch.randn(1, t_len, heads, d)
+            k, v = torch.randn(1, t_len, heads // 2, d), torch.randn(1, t_len, heads // 2, d)
+            t = _best_time(lambda: F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True))
+            out[str(d)].append([t_len, 4.0 * d * heads * t_len * (t_len + 1) / 2 / t])
     return out
 
 
-def measure_bandwidth(threads: int, mib: int = 256) -> tuple[float, str]:
-    """(bytes/s, what read them): a weight matrix far larger than the caches streamed through a
-    4-row product, as a decode step reads its weights; with the engine's native skinny kernel
-    when it builds here (what decode uses by default), else torch's."""
+def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS) -> tuple[list[list[float]], str]:
+    """([[row length, bytes/s]], what read them): weights far larger than the caches streamed through
+    4-row products, as a decode step reads them, with the engine's native skinny kernel when it
+    builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
+    each length, as a model's layers are: the rate depends on the row length (on the 2-core machine
+    31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split."""
     import torch
     import torch.nn.functional as F
 
@@ -94,12 +104,20 @@ def measure_bandwidth(threads: int, mib: int = 256) -> tuple[float, str]:
 
     torch.set_num_threads(threads)
     kernels = load_cpu_kernels()
-    k = 4096
-    w = torch.randn(mib * (1 << 20) // (4 * k), k)
-    x = torch.randn(4, k)
-    fn = (lambda: kernels.skinny_linear(x, w)) if kernels is not None else (lambda: F.linear(x, w))
-    t = _best_time(fn, min_s=0.5, max_reps=10)
-    return w.numel() * 4 / t, "the native skinny kernel" if kernels is not None else "torch F.linear"
+    out = []
+    for k in row_lengths:
+        ws = [torch.randn(max(1, mib * (1 << 20) // (4 * k * 16)), k) for _ in range(16)]
+        x = torch.randn(4, k)
+        product = kernels.skinny_linear if kernels is not None else (lambda a, w: F.linear(a, w))
+
+        def run():
+            for w in ws:
+                product(x, w)
+
+        t = _best_time(run, min_s=0.5, max_reps=10)
+        out.append([k, sum(w.numel() for w in ws) * 4 / t])
+        del ws
+    return out, "the native skinny kernel" if kernels is not None else "torch F.linear"
 
 
 def measure_decode_attention(threads: int, context: int = 4096, copies: int = 8,
@@ -196,6 +214,7 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     from dist_infer.models.tiny_model import write_tiny_model
 
     runs: dict = {}
+    decode_step = "tpot_median_s"  # the typical decode step (as bench --sweep compares), not a mean one stall moves
     with tempfile.TemporaryDirectory(prefix="dist-infer-calibrate-") as tmp:
         for depth in depths:
             d = os.path.join(tmp, f"depth{depth}")
@@ -212,21 +231,21 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
         return (runs[hi, run][key] - runs[lo, run][key]) / (hi - lo)
 
     def step(run: str, per_layer: float) -> float:
-        return max(0.0, runs[lo, run]["tpot_s"] - lo * per_layer)
+        return max(0.0, runs[lo, run][decode_step] - lo * per_layer)
 
     one = layouts[0].describe()
-    per_layer = max(0.0, slope("tpot_s", one))
+    per_layer = max(0.0, slope(decode_step, one))
     out: dict = {"per_layer_s": per_layer, "per_step_s": step(one, per_layer), "decode_fixed": {}}
     for lay in layouts[1:]:
         name = lay.describe()
-        layer = max(0.0, slope("tpot_s", name))
+        layer = max(0.0, slope(decode_step, name))
         out["decode_fixed"][name] = {"per_layer_s": layer, "per_step_s": step(name, layer)}
     if "cp=2" in out["decode_fixed"]:
-        out["cp_decode_layer_s"] = max(0.0, slope("tpot_s", "cp=2") - per_layer)
+        out["cp_decode_layer_s"] = max(0.0, slope(decode_step, "cp=2") - per_layer)
         out["cp_step_s"] = max(0.0, slope("ttft_s", "cp=2") - slope("ttft_s", one))
     crowd = [lay.describe() for lay in layouts[1:] if lay.tp == lay.ranks and lay.ranks > 2]
     if crowd:  # every rank of one tp group sharing the cores: two all-reduces per layer
-        out["sync_oversubscribed_s"] = max(0.0, (slope("tpot_s", crowd[0]) - per_layer) / 2)
+        out["sync_oversubscribed_s"] = max(0.0, (slope(decode_step, crowd[0]) - per_layer) / 2)
     zero = [k for k, v in out.items() if v == 0.0] + [f"decode_fixed[{n}]" for n, v in out["decode_fixed"].items()
                                                      if v["per_layer_s"] == 0.0]
     if zero:  # a difference of two timings came out negative: noise larger than the cost
@@ -249,7 +268,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         progress(f"attention, {t} thread(s)")
         attention[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS)
         progress(f"memory bandwidth, {t} thread(s)")
-        bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256)
+        bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256,
+                                                      STREAM_ROW_LENGTHS[1::2] if quick else STREAM_ROW_LENGTHS)
         decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
@@ -266,7 +286,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "
                         f"({platform.processor() or platform.machine()}, {cores} usable cores), "
                         f"{time.strftime('%Y-%m-%d %H:%M')}",
-                 "memory_bandwidth": f"a 4-row product over {64 if quick else 256} MiB of fp32 weights with {reader}"},
+                 "memory_bandwidth": f"by row length (input features): 4-row products over {64 if quick else 256} "
+                                     f"MiB of fp32 weights in 16 matrices, with {reader}"},
         notes="memory_bytes is the node's; ranks on the node share it. comm_overlaps_compute is false: on a CPU "
               "node a transfer's copies need the cores the compute runs on, so the model hides nothing behind it")
 
@@ -292,8 +313,9 @@ def run_calibrate(args) -> int:
     bar.close()
     save_profile(profile, args.out)
     g = profile.gemm_rate("fp32", profile.devices_per_node)
+    streamed = [profile.bandwidth(profile.devices_per_node, k) for k in STREAM_ROW_LENGTHS]
     print(f"calibrate: {profile.name}: GEMM {g / 1e9:.1f} GFLOP/s ({profile.devices_per_node} threads, large), "
-          f"bandwidth {profile.bandwidth(profile.devices_per_node) / 1e9:.1f} GB/s, "
+          f"weights streamed at {min(streamed) / 1e9:.1f}-{max(streamed) / 1e9:.1f} GB/s (by row length), "
           f"all-reduce (shm, 2 ranks) latency {profile.link('all_reduce', 2, 'shm').latency_s * 1e6:.0f} us, "
           f"per layer {profile.per_layer_s * 1e6:.0f} us, per step {profile.per_step_s * 1e3:.2f} ms, cp ring step "
           f"{profile.cp_step_s * 1e6:.0f} us, cp decode merge {profile.cp_decode_layer_s * 1e6:.0f} us per layer")

@@ -43,7 +43,7 @@ class HardwareProfile:
     device: str  # "cpu" or "cuda"
     gemm_flops: dict  # dtype -> Rate (FLOP/s per rank)
     attention_flops: dict  # dtype -> Rate (FLOP/s per rank for prefill attention)
-    memory_bandwidth: Rate  # bytes/s per rank, streaming weights
+    memory_bandwidth: Rate  # bytes/s per rank streaming weights (calibrated: by the weights' row length)
     memory_bytes: float  # capacity per rank (a GPU's memory; a CPU node's memory / ranks)
     devices_per_node: int  # GPUs per node, or cores per CPU node
     links: dict  # "intra" / "inter" -> Link: every collective on that link unless `collectives` says otherwise
@@ -69,11 +69,17 @@ class HardwareProfile:
     def gemm_rate(self, dtype: str, threads: int = 1, rows: float = math.inf) -> float:
         return _lookup(self.gemm_flops, dtype, threads, rows, self.name, "gemm_flops")
 
-    def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf) -> float:
-        return _lookup(self.attention_flops, dtype, threads, rows, self.name, "attention_flops")
+    def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf, head_dim: int = 128) -> float:
+        """FLOP/s of a causal prefill's attention over `rows` tokens. A calibrated profile has it by
+        head size too (on the 2-core machine 121 GFLOP/s at 8192 tokens for heads of 32, 147 for 64)."""
+        return _lookup(self.attention_flops, dtype, threads, rows, self.name, "attention_flops", head_dim)
 
-    def bandwidth(self, threads: int = 1) -> float:
-        return _rate_at(self.memory_bandwidth, threads, math.inf)
+    def bandwidth(self, threads: int = 1, row_length: float = math.inf) -> float:
+        """Bytes/s a decode's few-row product streams weights at. A calibrated profile has it by the
+        matrix's row length (its input features): the kernel's speed depends on it (on the 2-core
+        machine 31 GB/s for rows of 576 to 1536 floats, 24 GB/s for 4096); without one, the widest
+        row's rate (that of memory-bound work other than a GEMM)."""
+        return _rate_at(self.memory_bandwidth, threads, row_length)
 
     def kv_bandwidth(self, threads: int = 1, head_dim: int = 128) -> float:
         """Bytes/s of KV cache a decode step's attention reads (its kernel's speed depends on the
@@ -122,15 +128,21 @@ class HardwareProfile:
         return cls(links=links, collectives=collectives, **rest)
 
 
-def _rate_at(rate: Rate, threads: int, rows: float) -> float:
+def _rate_at(rate: Rate, threads: int, rows: float, head_dim: float = 128) -> float:
+    """A rate: one number, or by thread count (the most threads up to `threads`) a number, a curve
+    [[rows, rate], ...], or curves by head size {head_dim: curve} (interpolated between head sizes)."""
     if isinstance(rate, (int, float)):
         return float(rate)
     by_threads = {int(k): v for k, v in rate.items()}
     t = max((k for k in by_threads if k <= threads), default=min(by_threads))
     curve = by_threads[t]
-    if isinstance(curve, (int, float)):
-        return float(curve)
-    return interpolate_log(curve, rows)
+    if isinstance(curve, dict):
+        return interpolate_log([[float(d), _curve_at(c, rows)] for d, c in curve.items()], head_dim)
+    return _curve_at(curve, rows)
+
+
+def _curve_at(curve, x: float) -> float:
+    return float(curve) if isinstance(curve, (int, float)) else interpolate_log(curve, x)
 
 
 def interpolate_log(points: list, x: float) -> float:
@@ -147,10 +159,10 @@ def interpolate_log(points: list, x: float) -> float:
     return pts[-1][1]
 
 
-def _lookup(table: dict, dtype: str, threads: int, rows: float, name: str, what: str) -> float:
+def _lookup(table: dict, dtype: str, threads: int, rows: float, name: str, what: str, head_dim: float = 128) -> float:
     if dtype not in table:
         raise ProfileError(f"profile {name}: {what} has no {dtype!r} entry (it has {', '.join(sorted(table))})")
-    return _rate_at(table[dtype], threads, rows)
+    return _rate_at(table[dtype], threads, rows, head_dim)
 
 
 def builtin_profiles() -> list[str]:

@@ -117,7 +117,7 @@ class _Rank:
 
     def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, head_dim: int, node: bool = False,
                  busy_stages: int = 1):
-        self.hw, self.layout, self.sched, self.node = hw, layout, sched, node
+        self.hw, self.layout, self.sched, self.node, self.head_dim = hw, layout, sched, node, head_dim
         self.local = min(layout.ranks, sched.ranks_per_node)
         busy = self.local * min(busy_stages, layout.pp) / layout.pp  # ranks computing at once
         self.overhead_scale, self.share, self.oversubscribed = 1.0, 1.0, False
@@ -142,16 +142,23 @@ class _Rank:
             per_rank = max(1, cores // self.local)
             self.kv_bw = min(self.bw, min(self.local, cores // per_rank) * hw.kv_bandwidth(per_rank, head_dim))
 
-    def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str) -> float:
+    def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str, row_length: float = math.inf) -> float:
+        """The longer of the FLOPs at the GEMM rate for `rows` rows and the weights streamed at the
+        rate for their `row_length` (input features)."""
         if flops <= 0:
             return 0.0
         rate = self.hw.gemm_rate(dtype, self.threads, rows) * self.share
-        return max(flops / rate, weight_bytes / self.bw)
+        bw = self.bw if math.isinf(row_length) else self.hw.bandwidth(self.threads, row_length) * self.share
+        return max(flops / rate, weight_bytes / bw)
+
+    def linears(self, matrices: list, rows: float, dtype: str, elem_bytes: float) -> float:
+        """`matrices`: [(parameters, row length)] of this rank's weight matrices, each run on `rows` rows."""
+        return sum(self.gemm(linear_flops(n, rows), n * elem_bytes, rows, dtype, k) for n, k in matrices if n > 0)
 
     def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str) -> float:
         if flops <= 0:
             return 0.0
-        rate = self.hw.attention_rate(dtype, self.threads, rows) * self.share
+        rate = self.hw.attention_rate(dtype, self.threads, rows, self.head_dim) * self.share
         return max(flops / rate, kv_bytes / self.kv_bw)
 
     def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None,
@@ -210,8 +217,21 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         q_heads, kv_heads = shape.heads_per_rank(layout.tp)
         attn_w = shape.attention_params_per_rank(layout.tp)
         dense_w = shape.mlp_params_per_rank(layout.tp)
-        t_attn_lin = rank.gemm(linear_flops(attn_w, tokens), attn_w * b[work.weight_dtype], tokens, work.weight_dtype)
-        t_mlp = rank.gemm(linear_flops(dense_w, tokens), dense_w * b[mlp_dtype], tokens, mlp_dtype)
+        # each matrix with its row length: q/k/v and gate/up read the hidden state, o_proj the
+        # rank's heads, down_proj its share of the intermediate size
+        q_w = shape.hidden * q_heads * shape.head_dim  # = o_proj's
+        inter = max_shard(shape.intermediate, layout.tp)
+        qkv, o = (attn_w - q_w, shape.hidden), (q_w, q_heads * shape.head_dim)
+        gate_up, down = (2 * shape.hidden * inter, shape.hidden), (shape.hidden * inter, inter)
+
+        def attn_linears(rows: float, matrices=(qkv, o)) -> float:
+            return rank.linears(list(matrices), rows, work.weight_dtype, b[work.weight_dtype])
+
+        def mlp_linears(rows: float) -> float:
+            return rank.linears([gate_up, down], rows, mlp_dtype, b[mlp_dtype])
+
+        t_attn_lin = attn_linears(tokens)
+        t_mlp = mlp_linears(tokens)
         # norms, residual adds, rotary, SiLU x up, the cache write: memory-bound, once per row
         ew_bytes = tokens * b[work.act_dtype] * (10 * shape.hidden + 2 * (q_heads + 2 * kv_heads) * shape.head_dim
                                                  + 3 * max_shard(shape.intermediate, layout.tp))
@@ -252,7 +272,8 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                 chunk = math.ceil(tokens / layout.ep)
                 active = shape.top_k * 3 * shape.hidden * math.ceil(shape.expert_intermediate / layout.tp)
                 touched = min(shape.experts / layout.ep, chunk * shape.top_k) / max(1, shape.experts / layout.ep)
-                t_m = rank.gemm(linear_flops(active, chunk), w * touched * b[mlp_dtype], chunk, mlp_dtype)
+                t_m = rank.gemm(linear_flops(active, chunk), w * touched * b[mlp_dtype], chunk, mlp_dtype,
+                                shape.hidden)  # (two thirds of an expert's weights: gate and up)
                 rows = chunk * shape.top_k * shape.hidden * b[work.act_dtype]
                 ep = 2 * rank.collective("all_to_all", "ep", rows * layout.ep, latency_counted=counted) + rank.collective(
                     "all_gather", "ep", tokens * shape.hidden * b[work.act_dtype], latency_counted=counted)
@@ -267,15 +288,11 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             """The model's last layer in a prefill (models/llama.py): every row's keys and values go
             to the cache, but queries, o_proj and the MLP run on each sequence's last row only, and
             with the native kernels (CPU) attention is that one row's over the prompt's cache."""
-            q_w = shape.hidden * q_heads * shape.head_dim  # = o_proj's
             kv_w = attn_w - 2 * q_w
             native = hw.device == "cpu" and layout.cp == 1
             all_rows_w = kv_w if native else kv_w + q_w  # projected for every row
-            gemm = (rank.gemm(linear_flops(all_rows_w, tokens), all_rows_w * b[work.weight_dtype], tokens,
-                              work.weight_dtype)
-                    + rank.gemm(linear_flops(attn_w - all_rows_w, seqs), (attn_w - all_rows_w) * b[work.weight_dtype],
-                                seqs, work.weight_dtype)
-                    + rank.gemm(linear_flops(dense_w, seqs), dense_w * b[mlp_dtype], seqs, mlp_dtype))
+            gemm = (attn_linears(tokens, [(all_rows_w, shape.hidden)])
+                    + attn_linears(seqs, [(attn_w - all_rows_w - q_w, shape.hidden), o]) + mlp_linears(seqs))
             ctx = math.ceil(new_tokens / layout.cp) + context_before
             last_row_only = native or layout.cp > 1  # else (GPU, no cp) attention runs in full, then is cut
             core = t_core if not last_row_only else rank.attention(
@@ -298,7 +315,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         """Embedding all-reduce (first stage) and the LM head on the sampled rows (last stage)."""
         v = shape.vocab_per_rank(layout.tp)
         return {"gemm": rank.gemm(linear_flops(v * shape.hidden, rows), v * shape.hidden * b[work.weight_dtype], rows,
-                                  work.weight_dtype),
+                                  work.weight_dtype, shape.hidden),
                 "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4, latency_counted=counted)}
 
     def pipeline(rank: _Rank, layer_part: dict, rows: int, tokens: int,
