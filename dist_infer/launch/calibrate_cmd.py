@@ -236,6 +236,11 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     one = layouts[0].describe()
     per_layer = max(0.0, slope(decode_step, one))
     out: dict = {"per_layer_s": per_layer, "per_step_s": step(one, per_layer), "decode_fixed": {}}
+    # a rank's memory beside its model: the one-rank run's peak while generating, its model (a few
+    # hundred KiB) aside: the interpreter, torch, the engine, the allocator's pools
+    peaks = [v for v in runs[lo, one].get("gen_peak_rss_mb_per_rank") or [] if v == v]
+    if peaks:
+        out["base_memory_bytes"] = max(peaks) * (1 << 20)
     for lay in layouts[1:]:
         name = lay.describe()
         layer = max(0.0, slope(decode_step, name))
@@ -275,14 +280,14 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step, per layout (bench)")
     fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick))
-    base = psutil.Process().memory_info().rss
+    fixed.setdefault("base_memory_bytes", float(psutil.Process().memory_info().rss))  # (no /proc: this process)
     links = {"intra": collectives["send_recv"]["intra"]["2"]}
     return HardwareProfile(
         name=f"{platform.node()}-cpu{cores}", device="cpu",
         gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, memory_bandwidth=bandwidth,
         decode_attention_bandwidth=decode_attention if all(decode_attention.values()) else 0.0,
         memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
-        collectives=collectives, base_memory_bytes=float(base), shared_node=True, comm_overlaps_compute=False, **fixed,
+        collectives=collectives, shared_node=True, comm_overlaps_compute=False, **fixed,
         sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "
                         f"({platform.processor() or platform.machine()}, {cores} usable cores), "
                         f"{time.strftime('%Y-%m-%d %H:%M')}",
