@@ -260,6 +260,29 @@ def test_prefill_attention_at_the_rate_for_its_head_size():
     assert p.prefill["attention"] == pytest.approx(SMALL.layers * flops / 1e9)
 
 
+def test_a_profile_at_another_speed_scales_rates_and_fixed_costs():
+    """A shared machine's speed moves (the same GEMM timing by a third within minutes here): bench
+    --sweep times calibrate's reference again before each layout and predicts for the machine at
+    that speed: FLOP rates times the compute ratio, fixed costs divided by it, bytes at the memory ratio."""
+    from dist_infer.launch.bench.sweep import machine_speed
+
+    hw = gemm_only_profile(rate=1e9, device="cpu", memory_bandwidth={"2": [[512, 4e9], [4096, 2e9]]},
+                           attention_flops={"fp32": {"2": {"64": [[128, 1e9]]}}}, per_layer_s=1e-3,
+                           decode_fixed={"tp=2": {"per_layer_s": 2e-3, "per_step_s": 4e-3}},
+                           links={"intra": Link(1e-4, 1e9)}, reference={"gemm_flops": 1e11, "stream_bandwidth": 2e10})
+    speed = machine_speed(hw.reference, {"gemm_flops": 5e10, "stream_bandwidth": 3e10})
+    assert speed == {"compute": 0.5, "memory": 1.5}
+    slow = hw.at_speed(**speed)
+    assert slow.gemm_rate("fp32", 2, 10) == 0.5e9 and slow.attention_rate("fp32", 2, 128, 64) == 0.5e9
+    assert slow.bandwidth(2, 512) == 6e9 and slow.bandwidth(2, 4096) == 3e9
+    assert slow.per_layer_s == 2e-3 and slow.decode_fixed["tp=2"] == {"per_layer_s": 4e-3, "per_step_s": 8e-3}
+    assert slow.links["intra"] == Link(2e-4, 1.5e9)
+    work = Workload(batch=1, prompt_len=64, gen_len=2)
+    assert predict(SMALL, Layout(), work, slow).prefill["gemm"] == pytest.approx(
+        2 * predict(SMALL, Layout(), work, hw).prefill["gemm"])
+    assert hw.at_speed(1.0, 1.0) == hw
+
+
 def test_memory_per_rank_by_hand():
     work = Workload(batch=2, prompt_len=100, gen_len=28)
     hw = gemm_only_profile()
@@ -398,8 +421,10 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     assert prof.per_layer_s >= 0 and prof.per_step_s >= 0 and prof.cp_step_s >= 0 and prof.cp_decode_layer_s >= 0
     # every 2-rank layout's decode fixed costs, timed in that layout (--quick: not the 4-rank ones)
     assert set(prof.decode_fixed) == {"tp=2", "pp=2", "cp=2"}
-    for name, cost in prof.decode_fixed.items():
-        assert cost["per_layer_s"] >= 0 and cost["per_step_s"] > 0, (name, cost)
+    for name, cost in prof.decode_fixed.items():  # (each a difference of timings: either part may come out 0)
+        assert cost["per_layer_s"] >= 0 and cost["per_step_s"] >= 0, (name, cost)
+        assert cost["per_step_s"] + 4 * cost["per_layer_s"] > 0, (name, cost)  # the 4-layer step itself
+    assert prof.reference["gemm_flops"] > 1e8 and prof.reference["stream_bandwidth"] > 1e8
     assert prof.kv_bandwidth(1, 64) > 1e8
 
 

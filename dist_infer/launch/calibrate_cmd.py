@@ -203,6 +203,19 @@ def fixed_cost_layouts(cores: int, quick: bool) -> list:
     return [Layout()] + [lay for n in sizes for lay in candidate_layouts(shape, n)]
 
 
+REFERENCE_ROWS, REFERENCE_ROW_LENGTH = 256, 1024  # a prefill's GEMM, a decode's weight streaming
+
+
+def measure_reference(threads: int) -> dict:
+    """The machine's speed right now in about a second: the GEMM rate for a prefill's rows and the
+    rate weights stream at, with `threads` threads. calibrate stores it in the profile; `bench
+    --sweep` takes it again before each layout: on a shared VM the same microbenchmarks move by a
+    third within minutes (a noisy neighbour), and a prediction is for the machine as it is."""
+    gemm = measure_gemm(threads, (REFERENCE_ROWS,))[0][1]
+    stream = measure_bandwidth(threads, 64, (REFERENCE_ROW_LENGTH,))[0][0][1]
+    return {"threads": threads, "gemm_flops": gemm, "stream_bandwidth": stream}
+
+
 def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS) -> dict:
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
     negligible) that differ only in depth, each run in every layout of `layouts` (the first is
@@ -276,6 +289,7 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256,
                                                       STREAM_ROW_LENGTHS[1::2] if quick else STREAM_ROW_LENGTHS)
         decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096)
+    reference = measure_reference(cores)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step, per layout (bench)")
@@ -287,7 +301,7 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, memory_bandwidth=bandwidth,
         decode_attention_bandwidth=decode_attention if all(decode_attention.values()) else 0.0,
         memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
-        collectives=collectives, shared_node=True, comm_overlaps_compute=False, **fixed,
+        collectives=collectives, shared_node=True, comm_overlaps_compute=False, reference=reference, **fixed,
         sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "
                         f"({platform.processor() or platform.machine()}, {cores} usable cores), "
                         f"{time.strftime('%Y-%m-%d %H:%M')}",
@@ -301,6 +315,10 @@ def run_calibrate(args) -> int:
     from tqdm import tqdm
 
     from dist_infer.launch.launcher import usable_cores
+
+    if args.reference:
+        print(json.dumps(measure_reference(usable_cores())))
+        return 0
 
     steps = 3 * len({1, usable_cores()}) + 2
     bar = tqdm(total=steps, desc="calibrate", unit="step", file=sys.stderr)

@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "and write them as a hardware profile JSON.",
     )
     cal.add_argument("--out", default="dist-infer-profile.json", help="profile file to write (default %(default)s)")
+    cal.add_argument("--reference", action="store_true",
+                     help="only print the machine's speed now as JSON (a prefill's GEMM rate and the weight-streaming "
+                          "rate, about a second; what bench --sweep compares with the profile's before each layout), "
+                          "and write no profile")
     cal.add_argument("--quick", action="store_true",
                      help="fewer sizes, only 2-rank collectives and only the 2-rank layouts' fixed costs (about 45 s "
                           "instead of about 4 min)")

@@ -15,7 +15,8 @@ from dist_infer.launch.subcommand import SubcommandError, run_json
 
 # flags of the bench command line the sweep sets per run (with how many values each takes)
 _SET_PER_RUN = {"--sweep": 1, "--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--nproc": 1, "--json": 0, "--plot": 1,
-                "--compare": 1, "--hardware-profile": 1, "--sweep-max-ranks": 1, "--overlap-report": 0,
+                "--compare": 1, "--hardware-profile": 1, "--sweep-max-ranks": 1, "--sweep-speed-check": 1,
+                "--overlap-report": 0,
                 "--profile": 1, "--save-routing": 1}
 
 
@@ -50,6 +51,13 @@ def efficiency(rows: list[dict], key: str) -> None:
         r[f"efficiency_{key}"] = (r["measured"][key] / b) / (r["ranks"] / base["ranks"]) if b else None
 
 
+def machine_speed(reference: dict, now: dict) -> dict:
+    """How fast the machine runs now against when its profile was calibrated: the ratios of the same
+    two timings (a prefill's GEMM rate, the weight-streaming rate)."""
+    return {"compute": now["gemm_flops"] / reference["gemm_flops"],
+            "memory": now["stream_bandwidth"] / reference["stream_bandwidth"]}
+
+
 def run_sweep(args, argv: Sequence[str]) -> int:
     from tqdm import tqdm
 
@@ -76,7 +84,7 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[args.dtype]
     work = Workload(args.batch, args.prompt_len, args.gen_len, weight_dtype=dtype, act_dtype=dtype,
                     attention_dtype=dtype, kv_dtype=dtype)
-    rows, runs = [], []
+    rows, runs, plans = [], [], {}  # plans: layout -> (Layout, Schedule) of the layouts that run
     for lay in layouts:
         problem = why_not(lay, shape)
         if problem is None and lay.ranks > max_ranks:
@@ -84,8 +92,9 @@ def run_sweep(args, argv: Sequence[str]) -> int:
         row = {**lay.as_dict(), "layout": lay.describe(), "ranks": lay.ranks}
         if problem is None:
             threshold = args.overlap_threshold or OVERLAP_THRESHOLDS["cpu" if hw.device == "cpu" else "cuda"]
-            pred = predict(shape, lay, work, hw, Schedule(overlap=args.overlap, overlap_threshold=threshold,
-                                                          ranks_per_node=lay.ranks, cores_per_node=cores))
+            plans[row["layout"]] = lay, Schedule(overlap=args.overlap, overlap_threshold=threshold,
+                                                 ranks_per_node=lay.ranks, cores_per_node=cores)
+            pred = predict(shape, lay, work, hw, plans[row["layout"]][1])
             row["predicted"] = pred.as_dict()
             if not pred.fits:
                 problem = f"predicted {pred.memory_gib_per_rank:.1f} GiB per rank does not fit this machine"
@@ -96,8 +105,23 @@ def run_sweep(args, argv: Sequence[str]) -> int:
         rows.append(row)
     bar = tqdm(total=len(runs), desc="sweep", unit="layout", file=sys.stderr)
     base_cmd = ["bench"] + child_argv(argv)
+    check_speed = args.sweep_speed_check == "on" and bool(hw.reference)
+    if args.sweep_speed_check == "on" and not hw.reference:
+        logger.info(f"sweep: profile {hw.name} has no reference timing (calibrate it again): predicting for the "
+                    f"machine as it was profiled")
     for row in runs:
         bar.set_postfix_str(row["layout"])
+        if check_speed:  # predict for the machine as fast as it is now
+            try:
+                speed = machine_speed(hw.reference, run_json(["calibrate", "--reference"], args.peer_timeout))
+            except SubcommandError as exc:
+                logger.warning(f"sweep: the speed check failed ({exc}); predicting at the profile's speed")
+            else:
+                row["machine_speed"] = speed
+                row["predicted_at_profile_speed"] = row["predicted"]
+                lay, sched = plans[row["layout"]]
+                row["predicted"] = predict(shape, lay, work, hw.at_speed(speed["compute"], speed["memory"]),
+                                           sched).as_dict()
         cmd = base_cmd + ["--nproc", str(row["ranks"]), "--tp", str(row["tp"]), "--pp", str(row["pp"]),
                           "--cp", str(row["cp"]), "--ep", str(row["ep"]), "--json"]
         try:
@@ -136,10 +160,14 @@ def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
     def num(v, scale=1.0, spec=".3f"):
         return format(v * scale, spec) if isinstance(v, (int, float)) else "-"
 
+    def speed(s):
+        return f"{s['compute']:.2f}/{s['memory']:.2f}" if s else "-"
+
     lines = [f"sweep: {model}, batch {args.batch} x prompt {args.prompt_len}, {args.gen_len} new tokens; predictions "
              f"from profile {profile}",
              f"{'layout':<14}{'ranks':>6}{'TTFT s':>9}{'pred':>9}{'err':>6}{'TPOT ms':>9}{'pred':>9}{'err':>6}"
-             f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}{'GiB/rank':>10}{'pred':>7}{'err':>6}"]
+             f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}{'GiB/rank':>10}{'pred':>7}{'err':>6}"
+             f"{'speed':>11}"]
     for r in rows:
         if "skipped" in r or "error" in r:
             why = "skipped: " + r["skipped"] if "skipped" in r else "failed: " + r["error"].strip().splitlines()[-1][:90]
@@ -153,9 +181,12 @@ def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
                      f"{num(m['prefill_tok_s'], 1, '.0f'):>15}{num(r.get('efficiency_prefill_tok_s'), 1, '.2f'):>6}"
                      f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}"
                      f"{num(m['peak_rss_gib_per_rank'], 1, '.2f'):>10}{num(p['memory_gib_per_rank'], 1, '.2f'):>7}"
-                     f"{pct(r['memory_error']):>6}")
+                     f"{pct(r['memory_error']):>6}"
+                     f"{speed(r.get('machine_speed')):>11}")
     lines.append("(err = predicted / measured - 1; TPOT = the median gap between a sequence's tokens; eff = throughput "
-                 "per rank against the smallest layout's; GiB/rank = the largest rank's peak RSS while generating)")
+                 "per rank against the smallest layout's; GiB/rank = the largest rank's peak RSS while generating; "
+                 "speed = the machine's GEMM / weight-streaming speed before the run against the profile's, which "
+                 "the prediction is made for)")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Union
 
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
@@ -62,6 +62,8 @@ class HardwareProfile:
     # merge, ranks waiting for a core, as they add up inside the step loop. Where a layout has them,
     # decode counts these instead of the per-op latencies above, and only bytes over the links.
     decode_fixed: dict = field(default_factory=dict)
+    # calibrate's `measure_reference` when the profile was measured: {"threads", "gemm_flops", "stream_bandwidth"}
+    reference: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
     notes: str = ""
 
@@ -100,6 +102,32 @@ class HardwareProfile:
         if scope not in self.links:
             raise ProfileError(f"profile {self.name}: no {scope!r} link")
         return self.links[scope]
+
+    def at_speed(self, compute: float, memory: float) -> "HardwareProfile":
+        """This machine running `compute` times as fast as when it was profiled (FLOP rates up, and
+        every fixed cost, which is CPU time, down) and streaming memory `memory` times as fast
+        (weights, KV, the links' bytes): what a shared machine is at another moment."""
+        def scale(rate, by: float):
+            if isinstance(rate, (int, float)):
+                return rate * by
+            if isinstance(rate, dict):
+                return {k: scale(v, by) for k, v in rate.items()}
+            return [[x, y * by] for x, y in rate]  # a curve: [[rows | row length | head size, rate]]
+
+        def link(l: Link) -> Link:
+            return Link(l.latency_s / compute, l.busbw * memory)
+
+        return replace(
+            self, gemm_flops=scale(self.gemm_flops, compute), attention_flops=scale(self.attention_flops, compute),
+            memory_bandwidth=scale(self.memory_bandwidth, memory),
+            decode_attention_bandwidth=scale(self.decode_attention_bandwidth, memory),
+            links={k: link(v) for k, v in self.links.items()},
+            collectives={op: {sc: {n: link(l) for n, l in by_n.items()} for sc, by_n in scopes.items()}
+                         for op, scopes in self.collectives.items()},
+            per_layer_s=self.per_layer_s / compute, per_step_s=self.per_step_s / compute,
+            cp_step_s=self.cp_step_s / compute, cp_decode_layer_s=self.cp_decode_layer_s / compute,
+            sync_oversubscribed_s=self.sync_oversubscribed_s / compute,
+            decode_fixed={k: {kk: vv / compute for kk, vv in v.items()} for k, v in self.decode_fixed.items()})
 
     # -- files -------------------------------------------------------------------------------
     def to_json(self) -> dict:
