@@ -39,11 +39,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "now with --quick)")
     p.add_argument("--sweep-max-ranks", type=int, default=None,
                    help="--sweep: skip layouts of more ranks than this (default: twice the usable cores)")
-    p.add_argument("--sweep-speed-check", choices=("on", "off"), default="on",
-                   help="--sweep: before each layout, time the machine's GEMM and weight-streaming speed (about 2 s) "
-                        "and predict for the machine as fast as it is then, against the profile's own reference "
-                        "timing (on a shared VM the speed moves by a third within minutes); off: the profile as it "
-                        "is (default: %(default)s; needs a profile from calibrate, which records the reference)")
+    p.add_argument("--sweep-speed-check", choices=("on", "off"), default="off",
+                   help="--sweep: on: before each layout, time the machine's GEMM and weight-streaming speed (about "
+                        "2 s), predict for the machine as fast as it is then (against the profile's own reference "
+                        "timing) and print that speed; off: predict with the profile as it is. Off by default: one "
+                        "2 s sample is noisier than the drift it corrects (docs/benchmarks.md, issue 15). Needs a "
+                        "profile from calibrate, which records the reference (default: %(default)s)")
     p.add_argument("--save-routing", default=None, metavar="FILE",
                    help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "
                         "for this ep to FILE, for --expert-placement")
