@@ -104,6 +104,8 @@ CASES = {  # file, generate flags, launcher prefix (none: our own)
     "Q4_1-tp4-kv-on-2-1-1": ("Q4_1", ["--tp", "4", "--nproc", "4"]),
     "Q4_1-pp2": ("Q4_1", ["--pp", "2", "--nproc", "2"]),
     "tied-Q4_1-tp2xpp2": ("tied-Q4_1", ["--tp", "2", "--pp", "2", "--nproc", "4"]),
+    # one stage holds both ends: the LM head is the embedding's own (uneven) vocabulary shard
+    "tied-Q4_1-tp3": ("tied-Q4_1", ["--tp", "3", "--nproc", "3"]),
     "Q8_0-tp2": ("Q8_0", ["--tp", "2", "--nproc", "2"]),
     "Q4_0-tp3": ("Q4_0", ["--tp", "3", "--nproc", "3"]),
     "F16-tp2": ("F16", ["--tp", "2", "--nproc", "2"]),

@@ -102,7 +102,7 @@ def open_reader(path: Path):
     return shared[key]
 
 
-# The parses shared inside the innermost `shared_parses()` block of this thread (None: no block).
+# The parses shared inside the outermost `shared_parses()` block of this context (None: no block).
 _SHARED_PARSES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("gguf_shared_parses", default=None)
 
 

@@ -148,8 +148,7 @@ class _Rank:
         if flops <= 0:
             return 0.0
         rate = self.hw.gemm_rate(dtype, self.threads, rows) * self.share
-        bw = self.bw if math.isinf(row_length) else self.hw.bandwidth(self.threads, row_length) * self.share
-        return max(flops / rate, weight_bytes / bw)
+        return max(flops / rate, weight_bytes / (self.hw.bandwidth(self.threads, row_length) * self.share))
 
     def linears(self, matrices: list, rows: float, dtype: str, elem_bytes: float) -> float:
         """`matrices`: [(parameters, row length)] of this rank's weight matrices, each run on `rows` rows."""
