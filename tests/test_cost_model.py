@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
@@ -358,10 +359,11 @@ def cli(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def cpu_profile(path) -> str:
+def cpu_profile(path, reference: Optional[dict] = None) -> str:
     prof = gemm_only_profile(rate=1e10, memory_bandwidth=1e10, attention_flops={"fp32": 1e10}, device="cpu",
                              memory_bytes=8 * 2**30, devices_per_node=2, shared_node=True,
-                             links={"intra": Link(1e-4, 1e9)}, per_layer_s=1e-4, per_step_s=1e-3)
+                             links={"intra": Link(1e-4, 1e9)}, per_layer_s=1e-4, per_step_s=1e-3,
+                             reference=reference or {})
     from dist_infer.launch.cost_model.hardware import save_profile
 
     save_profile(prof, str(path))
@@ -430,10 +432,11 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_runs_two_layouts_beside_their_predictions(tmp_path):
-    prof = cpu_profile(tmp_path / "cpu.json")
+    prof = cpu_profile(tmp_path / "cpu.json", reference={"threads": 2, "gemm_flops": 1e11, "stream_bandwidth": 2e10})
     png = tmp_path / "sweep.png"
     out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--hardware-profile", prof, "--batch", "2",
-                     "--prompt-len", "32", "--gen-len", "4", "--json", "--plot", str(png), timeout=300)
+                     "--prompt-len", "32", "--gen-len", "4", "--json", "--plot", str(png), "--sweep-speed-check", "on",
+                     timeout=300)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])["sweep"]
     assert [r["layout"] for r in rows] == ["tp=1", "tp=2"]
@@ -441,6 +444,10 @@ def test_sweep_runs_two_layouts_beside_their_predictions(tmp_path):
         assert r["measured"]["ttft_s"] > 0 and r["predicted"]["ttft_s"] > 0
         assert r["ttft_error"] == pytest.approx(r["predicted"]["ttft_s"] / r["measured"]["ttft_s"] - 1)
         assert r["measured"]["peak_rss_gib_per_rank"] > 0.1 and r["memory_error"] is not None
+        # the speed check: `calibrate --reference` timed before the run, the prediction scaled to it
+        speed = r["machine_speed"]
+        assert speed["compute"] > 0 and speed["memory"] > 0
+        assert r["predicted_at_profile_speed"]["ttft_s"] > 0 and r["predicted"] != r["predicted_at_profile_speed"]
     assert rows[0]["efficiency_prefill_tok_s"] == pytest.approx(1.0)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "sweep: " in out.stdout and "err" in out.stdout
