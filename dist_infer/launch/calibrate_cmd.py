@@ -71,10 +71,11 @@ def measure_gemm(threads: int, rows=GEMM_ROWS) -> list[list[float]]:
 
 
 def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTION_HEAD_DIMS,
-                      heads: int = 8) -> dict:
+                      heads: int = 8, causal: bool = True) -> dict:
     """{head_dim: [[tokens, FLOP/s]]} of a causal prefill's attention as the engine calls it: 8 query
     heads on 4 KV heads (GQA), [tokens, heads, d] views, torch's SDPA. The rate depends on the head
-    size (a head of 32 has half the arithmetic per byte of one of 64)."""
+    size (a head of 32 has half the arithmetic per byte of one of 64). `causal=False`: a square
+    block with no mask, as a cp ring attends another rank's keys (FLOPs: every pair, not half)."""
     import torch
     import torch.nn.functional as F
 
@@ -86,8 +87,9 @@ def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTI
             q = torch.randn(1, t_len, heads, d)
             k, v = torch.randn(1, t_len, heads // 2, d), torch.randn(1, t_len, heads // 2, d)
             t = _best_time(lambda: F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True))
-            out[str(d)].append([t_len, 4.0 * d * heads * t_len * (t_len + 1) / 2 / t])
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True))
+            pairs = t_len * (t_len + 1) / 2 if causal else t_len * t_len
+            out[str(d)].append([t_len, 4.0 * d * heads * pairs / t])
     return out
 
 
@@ -120,10 +122,16 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
     return out, "the native skinny kernel" if kernels is not None else "torch F.linear"
 
 
-def measure_decode_attention(threads: int, context: int = 4096, copies: int = 8,
-                             head_dims=(32, 64, 128)) -> list[list[float]]:
-    """[[head_dim, KV bytes/s]] the native paged decode attention reads (one query, 8 / 4 heads, a
-    cache of `copies` layers' worth cycled so it comes from memory, not the caches); [] without
+DECODE_KV_HEADS = (1, 2, 4, 8)  # KV heads on a rank (each with two query heads)
+
+
+def measure_decode_attention(threads: int, context: int = 4096, mib: int = 256, head_dims=ATTENTION_HEAD_DIMS,
+                             kv_heads=DECODE_KV_HEADS) -> dict:
+    """{head_dim: [[kv_heads, KV bytes/s]]} the native paged decode attention reads: one query,
+    `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so that they
+    come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a 4K context
+    at heads of 32 fit in this machine's 32 MiB L3 and read 10% faster). The rate depends on the
+    head size and on the KV heads: one head's rows lie in one run, several interleave; {} without
     the native kernels (the model then uses the memory bandwidth)."""
     import torch
 
@@ -131,23 +139,29 @@ def measure_decode_attention(threads: int, context: int = 4096, copies: int = 8,
 
     kernels = load_cpu_kernels()
     if kernels is None:
-        return []
+        return {}
     torch.set_num_threads(threads)
-    bs, kv, heads = 16, 4, 8
+    bs = 16
     nb = context // bs + 1
     tables = torch.arange(nb, dtype=torch.long).view(1, -1)
     lens = torch.full((1,), context, dtype=torch.long)
-    out = []
+    pool = torch.randn(mib * (1 << 20) // 4)  # one buffer, viewed as each shape's caches
+    out: dict = {}
     for d in head_dims:
-        caches = [(torch.randn(nb, bs, kv, d), torch.randn(nb, bs, kv, d)) for _ in range(copies)]
-        q = torch.randn(1, heads * d)
+        out[str(d)] = []
+        for kv in kv_heads:
+            one = nb * bs * kv * d  # floats in one layer's K (or V)
+            caches = [(pool[i * 2 * one:(i * 2 + 1) * one].view(nb, bs, kv, d),
+                       pool[(i * 2 + 1) * one:(i * 2 + 2) * one].view(nb, bs, kv, d))
+                      for i in range(max(1, pool.numel() // (2 * one)))]
+            q = torch.randn(1, 2 * kv * d)
 
-        def run():
-            for kc, vc in caches:
-                kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
+            def run():
+                for kc, vc in caches:
+                    kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
 
-        t = _best_time(run, min_s=0.3, max_reps=10)
-        out.append([d, copies * context * kv * d * 4 * 2 / t])
+            t = _best_time(run, min_s=0.3, max_reps=10)
+            out[str(d)].append([kv, len(caches) * context * kv * d * 4 * 2 / t])
     return out
 
 
@@ -220,8 +234,9 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
     negligible) that differ only in depth, each run in every layout of `layouts` (the first is
     one rank): per_layer_s / per_step_s (one rank's decode step against the depth) and, per
-    layout, decode_fixed (the same slope and intercept in that layout: the collectives' latencies,
-    hand-overs, merges and waits for a core as they happen inside the step loop). From cp=2 also
+    layout, decode_fixed and prefill_fixed (the same slope and intercept in that layout, of the decode
+    step and of the time to first token: the collectives' latencies, hand-overs, ring steps, merges
+    and waits for a core as they happen inside the step loop). From cp=2 also
     cp_step_s (what one ring step adds per layer to a prefill) and cp_decode_layer_s, and from tp at
     twice the cores sync_oversubscribed_s: the per-op estimates for layouts not timed here."""
     from dist_infer.models.tiny_model import write_tiny_model
@@ -254,18 +269,24 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     peaks = [v for v in runs[lo, one].get("gen_peak_rss_mb_per_rank") or [] if v == v]
     if peaks:
         out["base_memory_bytes"] = max(peaks) * (1 << 20)
+    out["prefill_fixed"] = {}
     for lay in layouts[1:]:
         name = lay.describe()
         layer = max(0.0, slope(decode_step, name))
         out["decode_fixed"][name] = {"per_layer_s": layer, "per_step_s": step(name, layer)}
+        # the prefill's too: the narrow model's 128-token prompt is ~0.1 ms of arithmetic per layer,
+        # against the 0.5-5 ms a layer's ring steps, all-reduces and waits cost in a layout of ranks
+        layer = max(0.0, slope("ttft_s", name))
+        out["prefill_fixed"][name] = {"per_layer_s": layer,
+                                      "per_step_s": max(0.0, runs[lo, name]["ttft_s"] - lo * layer)}
     if "cp=2" in out["decode_fixed"]:
         out["cp_decode_layer_s"] = max(0.0, slope(decode_step, "cp=2") - per_layer)
         out["cp_step_s"] = max(0.0, slope("ttft_s", "cp=2") - slope("ttft_s", one))
     crowd = [lay.describe() for lay in layouts[1:] if lay.tp == lay.ranks and lay.ranks > 2]
     if crowd:  # every rank of one tp group sharing the cores: two all-reduces per layer
         out["sync_oversubscribed_s"] = max(0.0, (slope(decode_step, crowd[0]) - per_layer) / 2)
-    zero = [k for k, v in out.items() if v == 0.0] + [f"decode_fixed[{n}]" for n, v in out["decode_fixed"].items()
-                                                     if v["per_layer_s"] == 0.0]
+    zero = [k for k, v in out.items() if v == 0.0] + [f"{kind}[{n}]" for kind in ("decode_fixed", "prefill_fixed")
+                                                     for n, v in out[kind].items() if v["per_layer_s"] == 0.0]
     if zero:  # a difference of two timings came out negative: noise larger than the cost
         logger.warning(f"calibrate: {', '.join(zero)} measured as 0 (timing noise above the cost: is the machine "
                        f"busy? rerun calibrate when it is quiet)")
@@ -279,16 +300,18 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
 
     cores = usable_cores()
     thread_counts = sorted({1, cores})
-    gemm, attention, bandwidth, reader, decode_attention = {}, {}, {}, "", {}
+    gemm, attention, attention_full, bandwidth, reader, decode_attention = {}, {}, {}, {}, "", {}
     for t in thread_counts:
         progress(f"GEMM, {t} thread(s)")
         gemm[str(t)] = measure_gemm(t, GEMM_ROWS[::2] if quick else GEMM_ROWS)
         progress(f"attention, {t} thread(s)")
         attention[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS)
+        attention_full[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS,
+                                                   causal=False)
         progress(f"memory bandwidth, {t} thread(s)")
         bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256,
                                                       STREAM_ROW_LENGTHS[1::2] if quick else STREAM_ROW_LENGTHS)
-        decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096)
+        decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096, 128 if quick else 256)
     reference = measure_reference(cores)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
@@ -298,7 +321,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
     links = {"intra": collectives["send_recv"]["intra"]["2"]}
     return HardwareProfile(
         name=f"{platform.node()}-cpu{cores}", device="cpu",
-        gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, memory_bandwidth=bandwidth,
+        gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, attention_flops_full={"fp32": attention_full},
+        memory_bandwidth=bandwidth,
         decode_attention_bandwidth=decode_attention if all(decode_attention.values()) else 0.0,
         memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
         collectives=collectives, shared_node=True, comm_overlaps_compute=False, reference=reference, **fixed,

@@ -42,13 +42,14 @@ class HardwareProfile:
     name: str
     device: str  # "cpu" or "cuda"
     gemm_flops: dict  # dtype -> Rate (FLOP/s per rank)
-    attention_flops: dict  # dtype -> Rate (FLOP/s per rank for prefill attention)
+    attention_flops: dict  # dtype -> Rate (FLOP/s per rank for prefill attention, causal)
     memory_bandwidth: Rate  # bytes/s per rank streaming weights (calibrated: by the weights' row length)
     memory_bytes: float  # capacity per rank (a GPU's memory; a CPU node's memory / ranks)
     devices_per_node: int  # GPUs per node, or cores per CPU node
     links: dict  # "intra" / "inter" -> Link: every collective on that link unless `collectives` says otherwise
     collectives: dict = field(default_factory=dict)  # op -> {"intra"|"inter"|"shm": {group size: Link}}
-    decode_attention_bandwidth: Rate = 0.0  # KV bytes/s a decode's attention reads, by head_dim (0: memory_bandwidth)
+    # KV bytes/s a decode's attention reads, by head_dim and the rank's KV heads (0: memory_bandwidth)
+    decode_attention_bandwidth: Rate = 0.0
     per_layer_s: float = 0.0  # fixed time per decoder layer per step (kernel launches, Python)
     per_step_s: float = 0.0  # fixed time per engine step (scheduling, sampling, the plan)
     base_memory_bytes: float = 0.0  # a rank's memory before the model (runtime, CUDA context)
@@ -62,6 +63,12 @@ class HardwareProfile:
     # merge, ranks waiting for a core, as they add up inside the step loop. Where a layout has them,
     # decode counts these instead of the per-op latencies above, and only bytes over the links.
     decode_fixed: dict = field(default_factory=dict)
+    # layout -> {"per_layer_s", "per_step_s"}: the same for a prefill (the narrow model's time to
+    # first token against its depth): the ring's steps, the all-reduces and hand-overs as they wait
+    prefill_fixed: dict = field(default_factory=dict)
+    # dtype -> Rate of attention without a mask (a cp ring's blocks off the diagonal: on the 2-core
+    # machine 1.2-1.5x the causal rate at the same length); {}: the causal rate
+    attention_flops_full: dict = field(default_factory=dict)
     # calibrate's `measure_reference` when the profile was measured: {"threads", "gemm_flops", "stream_bandwidth"}
     reference: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
@@ -71,9 +78,13 @@ class HardwareProfile:
     def gemm_rate(self, dtype: str, threads: int = 1, rows: float = math.inf) -> float:
         return _lookup(self.gemm_flops, dtype, threads, rows, self.name, "gemm_flops")
 
-    def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf, head_dim: int = 128) -> float:
-        """FLOP/s of a causal prefill's attention over `rows` tokens. A calibrated profile has it by
-        head size too (on the 2-core machine 121 GFLOP/s at 8192 tokens for heads of 32, 147 for 64)."""
+    def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf, head_dim: int = 128,
+                       causal: bool = True) -> float:
+        """FLOP/s of a causal prefill's attention over `rows` tokens (`causal=False`: a block with no
+        mask, where the profile has it). A calibrated profile has it by head size too (on the
+        2-core machine 121 GFLOP/s at 8192 tokens for heads of 32, 147 for 64)."""
+        if not causal and dtype in self.attention_flops_full:
+            return _lookup(self.attention_flops_full, dtype, threads, rows, self.name, "attention_flops_full", head_dim)
         return _lookup(self.attention_flops, dtype, threads, rows, self.name, "attention_flops", head_dim)
 
     def bandwidth(self, threads: int = 1, row_length: float = math.inf) -> float:
@@ -83,12 +94,18 @@ class HardwareProfile:
         row's rate (that of memory-bound work other than a GEMM)."""
         return _rate_at(self.memory_bandwidth, threads, row_length)
 
-    def kv_bandwidth(self, threads: int = 1, head_dim: int = 128) -> float:
-        """Bytes/s of KV cache a decode step's attention reads (its kernel's speed depends on the
-        head size: a calibrated profile has it per head_dim)."""
-        if not self.decode_attention_bandwidth:
+    def kv_bandwidth(self, threads: int = 1, head_dim: int = 128, kv_heads: int = 1) -> float:
+        """Bytes/s of KV cache a decode step's attention reads. Its kernel's speed depends on the
+        head size and on how many KV heads the rank holds (on the 2-core machine, heads of 32 at an
+        8K context: 8.8 GB/s for one KV head, read in one run, 3.5-3.6 for 2 or 4, interleaved in
+        the cache's rows): a calibrated profile has it as {threads: {head_dim: [[kv_heads, rate]]}}
+        (profiles from before: {threads: [[head_dim, rate]]}, whatever the heads)."""
+        rate = self.decode_attention_bandwidth
+        if not rate:
             return self.bandwidth(threads)
-        return _rate_at(self.decode_attention_bandwidth, threads, head_dim)
+        if isinstance(rate, dict) and all(isinstance(v, dict) for v in rate.values()):
+            return _rate_at(rate, threads, kv_heads, head_dim)
+        return _rate_at(rate, threads, head_dim)
 
     def link(self, op: str, group_size: int, scope: str) -> Link:
         """The Link an `op` over `group_size` ranks uses: measured for that op and scope when the
@@ -119,6 +136,7 @@ class HardwareProfile:
 
         return replace(
             self, gemm_flops=scale(self.gemm_flops, compute), attention_flops=scale(self.attention_flops, compute),
+            attention_flops_full=scale(self.attention_flops_full, compute),
             memory_bandwidth=scale(self.memory_bandwidth, memory),
             decode_attention_bandwidth=scale(self.decode_attention_bandwidth, memory),
             links={k: link(v) for k, v in self.links.items()},
@@ -127,7 +145,8 @@ class HardwareProfile:
             per_layer_s=self.per_layer_s / compute, per_step_s=self.per_step_s / compute,
             cp_step_s=self.cp_step_s / compute, cp_decode_layer_s=self.cp_decode_layer_s / compute,
             sync_oversubscribed_s=self.sync_oversubscribed_s / compute,
-            decode_fixed={k: {kk: vv / compute for kk, vv in v.items()} for k, v in self.decode_fixed.items()})
+            decode_fixed={k: {kk: vv / compute for kk, vv in v.items()} for k, v in self.decode_fixed.items()},
+            prefill_fixed={k: {kk: vv / compute for kk, vv in v.items()} for k, v in self.prefill_fixed.items()})
 
     # -- files -------------------------------------------------------------------------------
     def to_json(self) -> dict:

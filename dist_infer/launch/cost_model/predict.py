@@ -115,8 +115,9 @@ class _Rank:
     node's bandwidth, the overhead's CPU seconds spread over the cores, no waiting counted), so
     that the work of every rank on the node bounds the time from below."""
 
-    def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, head_dim: int, node: bool = False,
+    def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, shape: ModelShape, node: bool = False,
                  busy_stages: int = 1):
+        head_dim, kv_heads = shape.head_dim, shape.heads_per_rank(layout.tp)[1]
         self.hw, self.layout, self.sched, self.node, self.head_dim = hw, layout, sched, node, head_dim
         self.local = min(layout.ranks, sched.ranks_per_node)
         busy = self.local * min(busy_stages, layout.pp) / layout.pp  # ranks computing at once
@@ -134,13 +135,13 @@ class _Rank:
         else:
             self.threads = 1
         self.bw = hw.bandwidth(self.threads) * self.share
-        self.kv_bw = hw.kv_bandwidth(self.threads, head_dim) * self.share
+        self.kv_bw = hw.kv_bandwidth(self.threads, head_dim, kv_heads) * self.share
         if node and hw.shared_node and self.local > 1:
             # the decode attention kernel gains little from a second thread on one sequence, but two
             # ranks read their KV shards side by side: the node reads at its ranks' rates together
             # (as many as have a core), up to its memory bandwidth
             per_rank = max(1, cores // self.local)
-            self.kv_bw = min(self.bw, min(self.local, cores // per_rank) * hw.kv_bandwidth(per_rank, head_dim))
+            self.kv_bw = min(self.bw, min(self.local, cores // per_rank) * hw.kv_bandwidth(per_rank, head_dim, kv_heads))
 
     def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str, row_length: float = math.inf) -> float:
         """The longer of the FLOPs at the GEMM rate for `rows` rows and the weights streamed at the
@@ -154,10 +155,10 @@ class _Rank:
         """`matrices`: [(parameters, row length)] of this rank's weight matrices, each run on `rows` rows."""
         return sum(self.gemm(linear_flops(n, rows), n * elem_bytes, rows, dtype, k) for n, k in matrices if n > 0)
 
-    def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str) -> float:
+    def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str, causal: bool = True) -> float:
         if flops <= 0:
             return 0.0
-        rate = self.hw.attention_rate(dtype, self.threads, rows, self.head_dim) * self.share
+        rate = self.hw.attention_rate(dtype, self.threads, rows, self.head_dim, causal) * self.share
         return max(flops / rate, kv_bytes / self.kv_bw)
 
     def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None,
@@ -236,19 +237,24 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                                                  + 3 * max_shard(shape.intermediate, layout.tp))
         t_ew = ew_bytes / rank.bw
         if prefill:
-            # zigzag: every cp rank holds 1/cp of each sequence's (query, key) pairs
+            # zigzag: every cp rank holds 1/cp of each sequence's (query, key) pairs; only its two
+            # chunks' own triangles are causal, the ring's other blocks have no mask
             flops = seqs * causal_attention_flops(q_heads, shape.head_dim, new_tokens, context_before) / layout.cp
-            kv_read = 0.0
+            chunk = math.ceil(new_tokens / (2 * layout.cp))
+            masked = min(flops, seqs * 2 * causal_attention_flops(q_heads, shape.head_dim, chunk)) if layout.cp > 1 \
+                else flops
+            t_core = (rank.attention(masked, 0.0, chunk if layout.cp > 1 else tokens, work.attention_dtype)
+                      + rank.attention(flops - masked, 0.0, tokens, work.attention_dtype, causal=False))
         else:
             ctx = context_before + 1
             flops = seqs * causal_attention_flops(q_heads, shape.head_dim, 1, math.ceil(ctx / layout.cp))
             kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
-        t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
+            t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
 
-        def lse_gather(counted_here: bool = False) -> float:
+        def lse_gather() -> float:
             """cp: every rank's partial output and LSE for the sampled rows, gathered for the merge."""
             return rank.collective("all_gather", "cp", seqs * layout.cp * (q_heads * shape.head_dim + q_heads) * 4,
-                                   fixed=hw.cp_decode_layer_s or None, latency_counted=counted_here)
+                                   fixed=hw.cp_decode_layer_s or None, latency_counted=counted)
 
         ar = rank.collective("all_reduce", "tp", tokens * shape.hidden * b[work.act_dtype], latency_counted=counted)
         split = should_split(sched.overlap, tokens, layout.tp, sched.overlap_threshold)
@@ -256,13 +262,13 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         if layout.cp > 1 and prefill:
             # cp - 1 steps; each moves one rank's K/V block while attending to the one before
             block = tokens * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
-            xfer = rank.collective("send_recv", "cp", block, fixed=hw.cp_step_s or None)
+            xfer = rank.collective("send_recv", "cp", block, fixed=hw.cp_step_s or None, latency_counted=counted)
             step_compute = t_core / layout.cp if hw.comm_overlaps_compute else 0.0
             # the LSE merge of each step's partial output into the fp32 accumulators (read both, write one)
             merge = 3 * tokens * q_heads * (shape.head_dim + 1) * 4 / rank.bw
             ring = (layout.cp - 1) * (max(0.0, xfer - step_compute) + merge)
         elif layout.cp > 1:  # decode: one token, attended on every rank's KV shard, merged by LSE
-            ring = lse_gather(counted)
+            ring = lse_gather()
 
         def one_layer(moe: bool) -> dict:
             t_m, ep = t_mlp, 0.0
@@ -300,9 +306,10 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             merge = lse_gather() if layout.cp > 1 else 0.0
             ew = (tokens * b[work.act_dtype] * (2 * shape.hidden + 4 * kv_heads * shape.head_dim) / rank.bw
                   + t_ew * seqs / tokens)
-            overhead = hw.per_layer_s * rank.overhead_scale / rank.share
+            overhead = measured["per_layer_s"] if counted else hw.per_layer_s * rank.overhead_scale / rank.share
             return {"gemm": gemm, "attention": core, "elementwise": ew, "cp_ring": merge, "overhead": overhead,
-                    "tp_comm": 2 * rank.collective("all_reduce", "tp", seqs * shape.hidden * b[work.act_dtype])}
+                    "tp_comm": 2 * rank.collective("all_reduce", "tp", seqs * shape.hidden * b[work.act_dtype],
+                                                   latency_counted=counted)}
 
         trim = prefill and last_stage and not moe_layers  # (an MoE model: every layer counted in full)
         dense = _scale(one_layer(False), layers - moe_layers - trim)
@@ -339,32 +346,41 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         totals = [sum(st.values()) for st in stages]
         return sum(totals), max(totals), _scale(_add(*stages), 1.0 / layout.pp)
 
-    rank = _Rank(hw, layout, sched, shape.head_dim, busy_stages=m)
-    node = _Rank(hw, layout, sched, shape.head_dim, node=True) if hw.shared_node else None
+    rank = _Rank(hw, layout, sched, shape, busy_stages=m)
+    node = _Rank(hw, layout, sched, shape, node=True) if hw.shared_node else None
     # ranks on the busiest node, per stage of one pp group: its share of the job's work
     node_share = rank.local / layout.ranks
 
-    def node_time(layer_part: dict, rows: int, tokens: int, last_part: Optional[dict] = None) -> float:
+    def node_time(layer_part: dict, rows: int, tokens: int, last_part: Optional[dict] = None,
+                  trip_fixed: Optional[float] = None) -> float:
         """Seconds of the node's capacity that one micro-batch's pass through every stage uses
-        on the busiest node (all its ranks' work; waiting is not work)."""
+        on the busiest node (all its ranks' work). `trip_fixed`: the layout's measured fixed costs
+        of that pass, wall time in place of the ranks' own overheads: while ranks wait at a
+        collective or a hand-over they hold the cores (a wait spins before it sleeps), so the
+        bytes the ranks stream through the shared memory bus come on top, not beside."""
         _, _, mean = pipeline(node, layer_part, rows, tokens, last_part=last_part)
-        return sum(mean.values()) * layout.pp * (layout.ranks / layout.pp) * node_share
+        if trip_fixed is not None:
+            mean.pop("overhead", None)
+        return sum(mean.values()) * layout.pp * (layout.ranks / layout.pp) * node_share + (trip_fixed or 0.0)
 
     # -- prefill: m micro-batches chase each other through the pp stages --------------------------
     # each stage's ranks at the speed they have when theirs is the only stage computing (as while
     # the pipeline fills and drains); when several stages compute at once and outnumber the cores,
     # the node bound below (all ranks' work on the node's cores) takes over
-    alone = _Rank(hw, layout, sched, shape.head_dim, busy_stages=1)
+    alone = _Rank(hw, layout, sched, shape, busy_stages=1)
     p_tokens = mb * math.ceil(work.prompt_len / layout.cp)
-    through, slowest, mean = pipeline(alone, stage_pass(alone, mb, work.prompt_len, 0, prefill=True), mb, p_tokens,
-                                      last_part=stage_pass(alone, mb, work.prompt_len, 0, prefill=True, last_stage=True))
+    timed = hw.prefill_fixed.get(layout.describe()) if layout.ranks > 1 else None
+    through, slowest, mean = pipeline(
+        alone, stage_pass(alone, mb, work.prompt_len, 0, prefill=True, measured=timed), mb, p_tokens, timed,
+        last_part=stage_pass(alone, mb, work.prompt_len, 0, prefill=True, measured=timed, last_stage=True))
     ttft = through + (m - 1) * slowest
     prefill = _scale(mean, m)
     if layout.pp > 1:  # filling the pipeline and uneven stages: the time beyond m mean stages
         prefill["pp_bubble"] = max(0.0, ttft - sum(prefill.values()))
     if node is not None:  # the node's cores and bandwidth shared by all its ranks
         busy = m * node_time(stage_pass(node, mb, work.prompt_len, 0, prefill=True), mb, p_tokens,
-                             stage_pass(node, mb, work.prompt_len, 0, prefill=True, last_stage=True))
+                             stage_pass(node, mb, work.prompt_len, 0, prefill=True, last_stage=True),
+                             trip_fixed=_trip(timed, shape.layers))
         if busy > ttft:
             prefill["node_shared"], ttft = busy - ttft, busy
 
@@ -378,7 +394,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
     if layout.pp > 1:
         decode["pp_bubble"] = max(0.0, tpot - sum(decode.values()))
     if node is not None:
-        busy = m * node_time(stage_pass(node, mb, 1, ctx, prefill=False), mb, mb)
+        busy = m * node_time(stage_pass(node, mb, 1, ctx, prefill=False), mb, mb, trip_fixed=_trip(measured, shape.layers))
         if busy > tpot:
             decode["node_shared"], tpot = busy - tpot, busy
 
@@ -389,6 +405,11 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
                       memory_gib_per_rank=total, fits=fits,
                       prefill={k: v for k, v in prefill.items() if v > 0},
                       decode={k: v for k, v in decode.items() if v > 0}, memory=memory)
+
+
+def _trip(measured: Optional[dict], layers: int) -> Optional[float]:
+    """A layout's measured fixed costs of one micro-batch's trip through all `layers`."""
+    return measured["per_step_s"] + layers * measured["per_layer_s"] if measured else None
 
 
 def _add(*dicts: dict) -> dict:
