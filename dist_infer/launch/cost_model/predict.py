@@ -12,8 +12,9 @@ What the engine does, and so what is counted (per rank on the critical path):
   all-reduce behind the other half's compute, so only what exceeds that compute stays.
 - cp: pass-KV ring attention on the zigzag layout: the local block, then cp - 1 steps, each
   receiving one rank's K/V while attending to the previous one; a step costs the longer of
-  its transfer and its compute. Decode attends each rank's KV shard and merges by LSE (one
-  small all-gather per layer).
+  its transfer and its compute. Only the rank's two chunks' own triangles are causal; the
+  other blocks have no mask and run at that rate where the profile has it. Decode attends each
+  rank's KV shard and merges by LSE (one small all-gather per layer).
 - pp: the batch goes as m micro-batches (the scheduler's ceil(B / pp) sequences per step): the
   prefill takes the first micro-batch's trip through every stage plus m - 1 times the slowest
   stage (the last: its layers and the LM head), a decode round the longer of m slowest stages
@@ -25,8 +26,12 @@ What the engine does, and so what is counted (per rank on the critical path):
   meet at collectives every layer and outnumber the cores run at their share of one; nothing is
   hidden behind compute (a transfer needs the same cores). A pipeline's stages run at the speed
   they have alone (as while it fills and drains); the node bound covers them running at once.
-- Decode in a layout the profile timed (`decode_fixed`, from calibrate): that layout's measured
-  fixed costs per layer and per step replace every per-op latency, and only bytes cross the links.
+- A layout the profile timed (`decode_fixed`, `prefill_fixed`, from calibrate): that layout's
+  measured fixed costs per layer and per step replace every per-op latency, and only bytes cross
+  the links. On a CPU node they are wall time in which the waiting ranks hold the cores, so the
+  node bound is every micro-batch's fixed costs plus all the ranks' work at the node's rates.
+- Decode attention reads the KV cache at the rate the profile has for the rank's KV heads and
+  head size (the CPU kernel reads one head's rows in one run, several interleaved).
 """
 
 from __future__ import annotations
