@@ -261,6 +261,31 @@ def test_a_shared_node_pays_a_layout_s_fixed_costs_and_its_ranks_bytes_one_after
     assert predict(SMALL, Layout(tp=2, pp=2), batch4, timed, four).tpot_s == pytest.approx(2 * trip + piped_bytes)
 
 
+def test_prefill_counts_a_layout_s_measured_fixed_costs_and_unmasked_ring_blocks_at_their_rate():
+    """A cp prefill: only each rank's two zigzag chunks' own triangles are causal, the ring's other
+    blocks have no mask and run at the profile's unmasked rate; a layout calibrate timed pays its
+    measured prefill fixed costs (ring steps, waits) instead of every link latency."""
+    L, cp = 64, 2
+    work = Workload(batch=1, prompt_len=L, gen_len=2)
+    base = dict(rate=BIG, attention_flops={"fp32": 1e9}, links={"intra": Link(5e-3, BIG), "inter": Link(5e-3, BIG)})
+    causal_only = predict(SMALL, Layout(cp=cp), work, gemm_only_profile(**base), Schedule(overlap="off"))
+    full = gemm_only_profile(**base, attention_flops_full={"fp32": 4e9})
+    split = predict(SMALL, Layout(cp=cp), work, full, Schedule(overlap="off"))
+    per_rank = causal_attention_flops(SMALL.heads, SMALL.head_dim, L) / cp
+    masked = 2 * causal_attention_flops(SMALL.heads, SMALL.head_dim, L // (2 * cp))  # two chunks' triangles
+    layers = SMALL.layers - 1  # (the last layer attends the sampled row only)
+    assert causal_only.prefill["attention"] - split.prefill["attention"] == pytest.approx(
+        layers * (per_rank - masked) * (1 / 1e9 - 1 / 4e9))
+    assert split.prefill["cp_ring"] > layers * 5e-3  # every ring step pays the link's 5 ms latency
+    timed = gemm_only_profile(**base, attention_flops_full={"fp32": 4e9},
+                              prefill_fixed={"cp=2": {"per_layer_s": 2e-3, "per_step_s": 9e-3}})
+    p = predict(SMALL, Layout(cp=cp), work, timed, Schedule(overlap="off"))
+    assert p.prefill["overhead"] == pytest.approx(SMALL.layers * 2e-3 + 9e-3)
+    assert p.prefill.get("cp_ring", 0.0) < 1e-6  # the latencies are in the measured costs
+    assert p.prefill["attention"] == pytest.approx(split.prefill["attention"])
+    assert p.tpot_s == pytest.approx(split.tpot_s)  # decode untouched (no decode_fixed for it)
+
+
 def test_decode_reads_kv_at_the_rate_for_the_rank_s_kv_heads():
     """The native decode attention reads one KV head's rows in one run and several heads' rows
     interleaved (8.8 GB/s against 3.5 here, heads of 32): a calibrated profile has the rate by head
@@ -475,8 +500,9 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     # fixed costs are differences of two timings: on a loaded machine one may come out 0 (calibrate warns)
     assert prof.per_layer_s >= 0 and prof.per_step_s >= 0 and prof.cp_step_s >= 0 and prof.cp_decode_layer_s >= 0
     # every 2-rank layout's decode fixed costs, timed in that layout (--quick: not the 4-rank ones)
-    assert set(prof.decode_fixed) == {"tp=2", "pp=2", "cp=2"}
-    for name, cost in prof.decode_fixed.items():  # (each a difference of timings: either part may come out 0)
+    assert set(prof.decode_fixed) == set(prof.prefill_fixed) == {"tp=2", "pp=2", "cp=2"}
+    # (each a difference of timings: either part may come out 0)
+    for name, cost in [*prof.decode_fixed.items(), *prof.prefill_fixed.items()]:
         assert cost["per_layer_s"] >= 0 and cost["per_step_s"] >= 0, (name, cost)
         assert cost["per_step_s"] + 4 * cost["per_layer_s"] > 0, (name, cost)  # the 4-layer step itself
     assert prof.reference["gemm_flops"] > 1e8 and prof.reference["stream_bandwidth"] > 1e8

@@ -258,8 +258,8 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     def slope(key: str, run: str) -> float:
         return (runs[hi, run][key] - runs[lo, run][key]) / (hi - lo)
 
-    def step(run: str, per_layer: float) -> float:
-        return max(0.0, runs[lo, run][decode_step] - lo * per_layer)
+    def step(run: str, per_layer: float, key: str = decode_step) -> float:
+        return max(0.0, runs[lo, run][key] - lo * per_layer)
 
     one = layouts[0].describe()
     per_layer = max(0.0, slope(decode_step, one))
@@ -277,8 +277,7 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
         # the prefill's too: the narrow model's 128-token prompt is ~0.1 ms of arithmetic per layer,
         # against the 0.5-5 ms a layer's ring steps, all-reduces and waits cost in a layout of ranks
         layer = max(0.0, slope("ttft_s", name))
-        out["prefill_fixed"][name] = {"per_layer_s": layer,
-                                      "per_step_s": max(0.0, runs[lo, name]["ttft_s"] - lo * layer)}
+        out["prefill_fixed"][name] = {"per_layer_s": layer, "per_step_s": step(name, layer, "ttft_s")}
     if "cp=2" in out["decode_fixed"]:
         out["cp_decode_layer_s"] = max(0.0, slope(decode_step, "cp=2") - per_layer)
         out["cp_step_s"] = max(0.0, slope("ttft_s", "cp=2") - slope("ttft_s", one))

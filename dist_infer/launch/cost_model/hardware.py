@@ -67,7 +67,7 @@ class HardwareProfile:
     # first token against its depth): the ring's steps, the all-reduces and hand-overs as they wait
     prefill_fixed: dict = field(default_factory=dict)
     # dtype -> Rate of attention without a mask (a cp ring's blocks off the diagonal: on the 2-core
-    # machine 1.2-1.5x the causal rate at the same length); {}: the causal rate
+    # machine 1.1-2x the causal rate at the same length); {}: the causal rate
     attention_flops_full: dict = field(default_factory=dict)
     # calibrate's `measure_reference` when the profile was measured: {"threads", "gemm_flops", "stream_bandwidth"}
     reference: dict = field(default_factory=dict)
@@ -134,6 +134,9 @@ class HardwareProfile:
         def link(l: Link) -> Link:
             return Link(l.latency_s / compute, l.busbw * memory)
 
+        def per_layout(costs: dict) -> dict:  # layout -> {fixed cost: seconds}
+            return {k: {kk: vv / compute for kk, vv in v.items()} for k, v in costs.items()}
+
         return replace(
             self, gemm_flops=scale(self.gemm_flops, compute), attention_flops=scale(self.attention_flops, compute),
             attention_flops_full=scale(self.attention_flops_full, compute),
@@ -145,8 +148,7 @@ class HardwareProfile:
             per_layer_s=self.per_layer_s / compute, per_step_s=self.per_step_s / compute,
             cp_step_s=self.cp_step_s / compute, cp_decode_layer_s=self.cp_decode_layer_s / compute,
             sync_oversubscribed_s=self.sync_oversubscribed_s / compute,
-            decode_fixed={k: {kk: vv / compute for kk, vv in v.items()} for k, v in self.decode_fixed.items()},
-            prefill_fixed={k: {kk: vv / compute for kk, vv in v.items()} for k, v in self.prefill_fixed.items()})
+            decode_fixed=per_layout(self.decode_fixed), prefill_fixed=per_layout(self.prefill_fixed))
 
     # -- files -------------------------------------------------------------------------------
     def to_json(self) -> dict:

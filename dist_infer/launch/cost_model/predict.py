@@ -245,10 +245,11 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             # zigzag: every cp rank holds 1/cp of each sequence's (query, key) pairs; only its two
             # chunks' own triangles are causal, the ring's other blocks have no mask
             flops = seqs * causal_attention_flops(q_heads, shape.head_dim, new_tokens, context_before) / layout.cp
-            chunk = math.ceil(new_tokens / (2 * layout.cp))
-            masked = min(flops, seqs * 2 * causal_attention_flops(q_heads, shape.head_dim, chunk)) if layout.cp > 1 \
-                else flops
-            t_core = (rank.attention(masked, 0.0, chunk if layout.cp > 1 else tokens, work.attention_dtype)
+            masked, masked_rows = flops, tokens
+            if layout.cp > 1:
+                masked_rows = math.ceil(new_tokens / (2 * layout.cp))  # a zigzag chunk
+                masked = min(flops, seqs * 2 * causal_attention_flops(q_heads, shape.head_dim, masked_rows))
+            t_core = (rank.attention(masked, 0.0, masked_rows, work.attention_dtype)
                       + rank.attention(flops - masked, 0.0, tokens, work.attention_dtype, causal=False))
         else:
             ctx = context_before + 1
