@@ -479,6 +479,8 @@ def test_plan_cli_bad_input_names_the_thing(tmp_path, capsys):
     assert code == 2 and "no such file or directory" in out
     out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--hardware-profile", str(tmp_path / "none.json"))
     assert out.returncode == 2 and "no hardware profile" in out.stdout and "none.json" in out.stdout
+    out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--sweep-rounds", "0")
+    assert out.returncode == 2 and "--sweep-rounds 0" in out.stdout
     # nothing fits: a 405B model on one 80 GB GPU
     code, out = cli(capsys, "plan", "--model", "llama3.1-405b", "--gpus", "1", "--profile", "h100")
     assert code == 1 and "no layout of 1 ranks fits" in out

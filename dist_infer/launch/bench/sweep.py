@@ -70,6 +70,9 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     from dist_infer.launch.launcher import usable_cores
     from dist_infer.launch.plan_cmd import PlanError, model_shape
 
+    if args.sweep_rounds < 1:
+        print(f"dist-infer bench: --sweep-rounds {args.sweep_rounds}: run the layouts at least once (1 or more)")
+        return 2
     try:
         layouts = parse_sweep(args.sweep)
         shape, path = model_shape(args.model)
@@ -104,7 +107,7 @@ def run_sweep(args, argv: Sequence[str]) -> int:
         else:
             runs.append(row)
         rows.append(row)
-    rounds = max(1, args.sweep_rounds)
+    rounds = args.sweep_rounds
     bar = tqdm(total=rounds * len(runs), desc="sweep", unit="run", file=sys.stderr)
     base_cmd = ["bench"] + child_argv(argv)
     check_speed = args.sweep_speed_check == "on" and bool(hw.reference)
