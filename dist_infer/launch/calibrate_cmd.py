@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +47,27 @@ def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50)
         dt = time.perf_counter() - t0
         best, spent, reps = min(best, dt), spent + dt, reps + 1
     return best
+
+
+def _sustained_time(fn: Callable[[], object], min_s: float = 0.3, warm_s: float = 0.0, reps: int = 5,
+                    max_reps: int = 30) -> float:
+    """The median of at least `reps` timings of `fn` after `warm_s` seconds of running it: the rate
+    memory sustains. On this VM memory streams at about 45 GB/s for a second after an idle spell,
+    and in spells of 2-3 passes now and then, and at about 30 GB/s otherwise; a decode runs for
+    seconds, so the best pass overstates it by half (the snapshot noise of calibrates before)."""
+    start = time.perf_counter()
+    fn()
+    while time.perf_counter() - start < warm_s:
+        fn()
+    times: list[float] = []
+    while len(times) < reps or (sum(times) < min_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+MEMORY_WARM_S = 1.5  # streaming before the first memory-bound timing (past the after-idle burst)
 
 
 def measure_gemm(threads: int, rows=GEMM_ROWS) -> list[list[float]]:
@@ -93,12 +115,15 @@ def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTI
     return out
 
 
-def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS) -> tuple[list[list[float]], str]:
+def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS,
+                      placements: int = 3) -> tuple[list[list[float]], str]:
     """([[row length, bytes/s]], what read them): weights far larger than the caches streamed through
     4-row products, as a decode step reads them, with the engine's native skinny kernel when it
     builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
     each length, as a model's layers are: the rate depends on the row length (on the 2-core machine
-    31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split."""
+    31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split. Each rate is
+    the median over `placements` fresh allocations: on this VM one allocation in three or four lands
+    in memory that streams at 50 GB/s against 30 for the rest, and a model's weights land as they may."""
     import torch
     import torch.nn.functional as F
 
@@ -106,33 +131,40 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
 
     torch.set_num_threads(threads)
     kernels = load_cpu_kernels()
+    product = kernels.skinny_linear if kernels is not None else (lambda a, w: F.linear(a, w))
     out = []
+    warm = MEMORY_WARM_S
     for k in row_lengths:
-        ws = [torch.randn(max(1, mib * (1 << 20) // (4 * k * 16)), k) for _ in range(16)]
-        x = torch.randn(4, k)
-        product = kernels.skinny_linear if kernels is not None else (lambda a, w: F.linear(a, w))
+        rates = []
+        for _ in range(placements):
+            ws = [torch.empty(max(1, mib * (1 << 20) // (4 * k * 16)), k).fill_(0.5) for _ in range(16)]
+            x = torch.randn(4, k)
 
-        def run():
-            for w in ws:
-                product(x, w)
+            def run():
+                for w in ws:
+                    product(x, w)
 
-        t = _best_time(run, min_s=0.5, max_reps=10)
-        out.append([k, sum(w.numel() for w in ws) * 4 / t])
-        del ws
+            rates.append(sum(w.numel() for w in ws) * 4 / _sustained_time(run, min_s=0.3, warm_s=warm))
+            warm = 0.0
+            del ws
+        out.append([k, statistics.median(rates)])
     return out, "the native skinny kernel" if kernels is not None else "torch F.linear"
 
 
-DECODE_KV_HEADS = (1, 2, 4, 8)  # KV heads on a rank (each with two query heads)
+DECODE_KV_HEADS = (1, 2, 3, 4, 6, 8)  # KV heads on a rank (each with two query heads)
+DECODE_CONTEXTS = (1024, 4096, 8192, 16384)  # tokens of one sequence's cache on a rank
 
 
-def measure_decode_attention(threads: int, context: int = 4096, mib: int = 256, head_dims=ATTENTION_HEAD_DIMS,
+def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 256, head_dims=ATTENTION_HEAD_DIMS,
                              kv_heads=DECODE_KV_HEADS) -> dict:
-    """{head_dim: [[kv_heads, KV bytes/s]]} the native paged decode attention reads: one query,
-    `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so that they
-    come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a 4K context
-    at heads of 32 fit in this machine's 32 MiB L3 and read 10% faster). The rate depends on the
-    head size and on the KV heads: one head's rows lie in one run, several interleave; {} without
-    the native kernels (the model then uses the memory bandwidth)."""
+    """{head_dim: {kv_heads: [[context, KV bytes/s]]}} the native paged decode attention reads: one
+    query, `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so
+    that they come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a
+    4K context at heads of 32 fit in this machine's 32 MiB L3 and read 10% faster). The rate depends
+    on the head size, on the KV heads (one head's rows lie in one run, several interleave: 8.5
+    against 3.7 GB/s at heads of 32; 3 heads of 64 read at 5.4, not between 2's 8.8 and 4's 5.1)
+    and, with several heads, on the context (4 heads of 32: 3.8 GB/s at 4K, 3.4 at 8K, 2.4 at 16K);
+    {} without the native kernels (the model then uses the memory bandwidth)."""
     import torch
 
     from dist_infer.kernels import load_cpu_kernels
@@ -142,27 +174,65 @@ def measure_decode_attention(threads: int, context: int = 4096, mib: int = 256, 
         return {}
     torch.set_num_threads(threads)
     bs = 16
-    nb = context // bs + 1
-    tables = torch.arange(nb, dtype=torch.long).view(1, -1)
-    lens = torch.full((1,), context, dtype=torch.long)
     pool = torch.randn(mib * (1 << 20) // 4)  # one buffer, viewed as each shape's caches
     out: dict = {}
+    warm = MEMORY_WARM_S
     for d in head_dims:
-        out[str(d)] = []
+        out[str(d)] = {}
         for kv in kv_heads:
-            one = nb * bs * kv * d  # floats in one layer's K (or V)
-            caches = [(pool[i * 2 * one:(i * 2 + 1) * one].view(nb, bs, kv, d),
-                       pool[(i * 2 + 1) * one:(i * 2 + 2) * one].view(nb, bs, kv, d))
-                      for i in range(max(1, pool.numel() // (2 * one)))]
-            q = torch.randn(1, 2 * kv * d)
+            out[str(d)][str(kv)] = []
+            for context in contexts:
+                nb = context // bs + 1
+                tables = torch.arange(nb, dtype=torch.long).view(1, -1)
+                lens = torch.full((1,), context, dtype=torch.long)
+                one = nb * bs * kv * d  # floats in one layer's K (or V)
+                caches = [(pool[i * 2 * one:(i * 2 + 1) * one].view(nb, bs, kv, d),
+                           pool[(i * 2 + 1) * one:(i * 2 + 2) * one].view(nb, bs, kv, d))
+                          for i in range(max(1, pool.numel() // (2 * one)))]
+                q = torch.randn(1, 2 * kv * d)
 
-            def run():
-                for kc, vc in caches:
-                    kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
+                def run():
+                    for kc, vc in caches:
+                        kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
 
-            t = _best_time(run, min_s=0.3, max_reps=10)
-            out[str(d)].append([kv, len(caches) * context * kv * d * 4 * 2 / t])
+                t = _sustained_time(run, min_s=0.2, warm_s=warm)
+                warm = 0.0
+                out[str(d)][str(kv)].append([context, len(caches) * context * kv * d * 4 * 2 / t])
     return out
+
+
+STREAM_SIZES_MIB = (0.25, 1, 4, 16)  # weight matrices' sizes (16 MiB: what measure_bandwidth streams)
+
+
+def measure_size_factor(threads: int, mib: int = 256, sizes=STREAM_SIZES_MIB) -> list[list[float]]:
+    """[[matrix bytes, factor]]: how fast 4-row products stream matrices of each size (rows of 1024
+    floats, cycled through `mib` MiB so that every one comes from memory) against the largest. A
+    model's matrices are small (SmolLM2's 1-7 MiB) and each pays its call, the wake of the other
+    threads and the prefetchers' start: on the 2-core machine 0.82 of the large matrices' rate at
+    1.3 MiB with two threads, 0.94 at 9 MiB."""
+    import torch
+
+    from dist_infer.kernels import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        return []
+    torch.set_num_threads(threads)
+    k = 1024
+    pool = torch.randn(mib * (1 << 20) // 4)
+    x = torch.randn(4, k)
+    rates = []
+    for size in sizes:
+        n = max(1, int(size * (1 << 20)) // (4 * k))
+        ws = [pool[i * n * k:(i + 1) * n * k].view(n, k) for i in range(pool.numel() // (n * k))]
+
+        def run():
+            for w in ws:
+                kernels.skinny_linear(x, w)
+
+        t = _sustained_time(run, min_s=0.3, warm_s=0.0 if rates else MEMORY_WARM_S)
+        rates.append((n * k * 4.0, len(ws) * n * k * 4.0 / t))
+    return [[nbytes, rate / rates[-1][1]] for nbytes, rate in rates]
 
 
 def fit_link(points: list[tuple[float, float]]) -> Link:
@@ -226,7 +296,7 @@ def measure_reference(threads: int) -> dict:
     --sweep` takes it again before each layout: on a shared VM the same microbenchmarks move by a
     third within minutes (a noisy neighbour), and a prediction is for the machine as it is."""
     gemm = measure_gemm(threads, (REFERENCE_ROWS,))[0][1]
-    stream = measure_bandwidth(threads, 64, (REFERENCE_ROW_LENGTH,))[0][0][1]
+    stream = measure_bandwidth(threads, 256, (REFERENCE_ROW_LENGTH,))[0][0][1]
     return {"threads": threads, "gemm_flops": gemm, "stream_bandwidth": stream}
 
 
@@ -261,23 +331,24 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     def step(run: str, per_layer: float, key: str = decode_step) -> float:
         return max(0.0, runs[lo, run][key] - lo * per_layer)
 
+    def fixed(lay, key: str = decode_step) -> dict:
+        """The layout's fixed costs per layer and per step: the timings' slope and intercept."""
+        layer = max(0.0, slope(key, lay.describe()))
+        return {"per_layer_s": layer, "per_step_s": step(lay.describe(), layer, key)}
+
     one = layouts[0].describe()
     per_layer = max(0.0, slope(decode_step, one))
-    out: dict = {"per_layer_s": per_layer, "per_step_s": step(one, per_layer), "decode_fixed": {}}
+    out: dict = {**fixed(layouts[0]), "decode_fixed": {}, "prefill_fixed": {}}
     # a rank's memory beside its model: the one-rank run's peak while generating, its model (a few
     # hundred KiB) aside: the interpreter, torch, the engine, the allocator's pools
     peaks = [v for v in runs[lo, one].get("gen_peak_rss_mb_per_rank") or [] if v == v]
     if peaks:
         out["base_memory_bytes"] = max(peaks) * (1 << 20)
-    out["prefill_fixed"] = {}
     for lay in layouts[1:]:
-        name = lay.describe()
-        layer = max(0.0, slope(decode_step, name))
-        out["decode_fixed"][name] = {"per_layer_s": layer, "per_step_s": step(name, layer)}
+        out["decode_fixed"][lay.describe()] = fixed(lay)
         # the prefill's too: the narrow model's 128-token prompt is ~0.1 ms of arithmetic per layer,
         # against the 0.5-5 ms a layer's ring steps, all-reduces and waits cost in a layout of ranks
-        layer = max(0.0, slope("ttft_s", name))
-        out["prefill_fixed"][name] = {"per_layer_s": layer, "per_step_s": step(name, layer, "ttft_s")}
+        out["prefill_fixed"][lay.describe()] = fixed(lay, "ttft_s")
     if "cp=2" in out["decode_fixed"]:
         out["cp_decode_layer_s"] = max(0.0, slope(decode_step, "cp=2") - per_layer)
         out["cp_step_s"] = max(0.0, slope("ttft_s", "cp=2") - slope("ttft_s", one))
@@ -299,7 +370,7 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
 
     cores = usable_cores()
     thread_counts = sorted({1, cores})
-    gemm, attention, attention_full, bandwidth, reader, decode_attention = {}, {}, {}, {}, "", {}
+    gemm, attention, attention_full, bandwidth, reader, decode_attention, size_factor = {}, {}, {}, {}, "", {}, {}
     for t in thread_counts:
         progress(f"GEMM, {t} thread(s)")
         gemm[str(t)] = measure_gemm(t, GEMM_ROWS[::2] if quick else GEMM_ROWS)
@@ -310,7 +381,9 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         progress(f"memory bandwidth, {t} thread(s)")
         bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256,
                                                       STREAM_ROW_LENGTHS[1::2] if quick else STREAM_ROW_LENGTHS)
-        decode_attention[str(t)] = measure_decode_attention(t, 2048 if quick else 4096, 128 if quick else 256)
+        decode_attention[str(t)] = measure_decode_attention(t, DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
+                                                            128 if quick else 256)
+        size_factor[str(t)] = measure_size_factor(t, 128 if quick else 256)
     reference = measure_reference(cores)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
@@ -323,6 +396,7 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, attention_flops_full={"fp32": attention_full},
         memory_bandwidth=bandwidth,
         decode_attention_bandwidth=decode_attention if all(decode_attention.values()) else 0.0,
+        stream_size_factor=size_factor if all(size_factor.values()) else {},
         memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
         collectives=collectives, shared_node=True, comm_overlaps_compute=False, reference=reference, **fixed,
         sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "

@@ -41,10 +41,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="--sweep: skip layouts of more ranks than this (default: twice the usable cores)")
     p.add_argument("--sweep-rounds", type=int, default=1,
                    help="--sweep: run the whole list of layouts this many times, one launch of each layout per round, "
-                        "and keep each layout's best TTFT and least median decode step over the rounds. On a shared "
+                        "and compare each layout's median TTFT and median decode step over the rounds. On a shared "
                         "machine whose speed drifts over minutes, rounds spread every layout over the same stretch of "
-                        "time, and each launch draws its own placement of ranks on cores (a 2-rank decode step "
-                        "measured 7.3 and 9.4 ms in two launches a minute apart) (default %(default)s)")
+                        "time, and each launch draws its own placement of ranks on cores and of weights in memory (a "
+                        "2-rank decode step measured 7.3 and 9.4 ms in two launches a minute apart) (default %(default)s)")
     p.add_argument("--sweep-speed-check", choices=("on", "off"), default="off",
                    help="--sweep: on: before each layout, time the machine's GEMM and weight-streaming speed (about "
                         "2 s), predict for the machine as fast as it is then (against the profile's own reference "

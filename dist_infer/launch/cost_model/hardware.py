@@ -48,8 +48,12 @@ class HardwareProfile:
     devices_per_node: int  # GPUs per node, or cores per CPU node
     links: dict  # "intra" / "inter" -> Link: every collective on that link unless `collectives` says otherwise
     collectives: dict = field(default_factory=dict)  # op -> {"intra"|"inter"|"shm": {group size: Link}}
-    # KV bytes/s a decode's attention reads, by head_dim and the rank's KV heads (0: memory_bandwidth)
+    # KV bytes/s a decode's attention reads, by head_dim, the rank's KV heads and the context (0: memory_bandwidth)
     decode_attention_bandwidth: Rate = 0.0
+    # {threads: [[matrix bytes, factor]]}: a matrix of that size streams at `factor` times the rate of
+    # the large ones memory_bandwidth has (on the 2-core machine 0.8 at 1 MiB with 2 threads: the
+    # call, waking a thread and the prefetchers' start are paid per matrix); {}: 1 at every size
+    stream_size_factor: dict = field(default_factory=dict)
     per_layer_s: float = 0.0  # fixed time per decoder layer per step (kernel launches, Python)
     per_step_s: float = 0.0  # fixed time per engine step (scheduling, sampling, the plan)
     base_memory_bytes: float = 0.0  # a rank's memory before the model (runtime, CUDA context)
@@ -94,18 +98,30 @@ class HardwareProfile:
         row's rate (that of memory-bound work other than a GEMM)."""
         return _rate_at(self.memory_bandwidth, threads, row_length)
 
-    def kv_bandwidth(self, threads: int = 1, head_dim: int = 128, kv_heads: int = 1) -> float:
+    def kv_bandwidth(self, threads: int = 1, head_dim: int = 128, kv_heads: int = 1, context: float = 4096) -> float:
         """Bytes/s of KV cache a decode step's attention reads. Its kernel's speed depends on the
-        head size and on how many KV heads the rank holds (on the 2-core machine, heads of 32 at an
-        8K context: 8.8 GB/s for one KV head, read in one run, 3.5-3.6 for 2 or 4, interleaved in
-        the cache's rows): a calibrated profile has it as {threads: {head_dim: [[kv_heads, rate]]}}
-        (profiles from before: {threads: [[head_dim, rate]]}, whatever the heads)."""
+        head size, on how many KV heads the rank holds (on the 2-core machine, heads of 32 at a 4K
+        context: 8.5 GB/s for one KV head, read in one run, 3.6-3.8 for 2 to 4, interleaved in the
+        cache's rows) and, with several heads, on the context (3.4 GB/s at 8K, 2.4 at 16K: a
+        sequence's cache outgrows the CPU's caches). A calibrated profile has it as {threads:
+        {head_dim: {kv_heads: [[context, rate]]}}}; profiles from before as {threads: {head_dim:
+        [[kv_heads, rate]]}} (any context) or {threads: [[head_dim, rate]]} (any heads)."""
         rate = self.decode_attention_bandwidth
         if not rate:
             return self.bandwidth(threads)
         if isinstance(rate, dict) and all(isinstance(v, dict) for v in rate.values()):
-            return _rate_at(rate, threads, kv_heads, head_dim)
+            def at_head_size(by_heads) -> float:
+                if isinstance(by_heads, dict):  # {kv_heads: [[context, rate]]}
+                    return interpolate_log([[float(k), _curve_at(c, context)] for k, c in by_heads.items()], kv_heads)
+                return _curve_at(by_heads, kv_heads)
+
+            curves = _at_threads(rate, threads)
+            return interpolate_log([[float(d), at_head_size(c)] for d, c in curves.items()], head_dim)
         return _rate_at(rate, threads, head_dim)
+
+    def size_factor(self, threads: int, nbytes: float) -> float:
+        """How fast a matrix of `nbytes` streams against the large ones the bandwidth is for."""
+        return _rate_at(self.stream_size_factor, threads, nbytes) if self.stream_size_factor else 1.0
 
     def link(self, op: str, group_size: int, scope: str) -> Link:
         """The Link an `op` over `group_size` ranks uses: measured for that op and scope when the
@@ -182,12 +198,16 @@ def _rate_at(rate: Rate, threads: int, rows: float, head_dim: float = 128) -> fl
     [[rows, rate], ...], or curves by head size {head_dim: curve} (interpolated between head sizes)."""
     if isinstance(rate, (int, float)):
         return float(rate)
-    by_threads = {int(k): v for k, v in rate.items()}
-    t = max((k for k in by_threads if k <= threads), default=min(by_threads))
-    curve = by_threads[t]
+    curve = _at_threads(rate, threads)
     if isinstance(curve, dict):
         return interpolate_log([[float(d), _curve_at(c, rows)] for d, c in curve.items()], head_dim)
     return _curve_at(curve, rows)
+
+
+def _at_threads(rate: dict, threads: int):
+    """A by-thread-count table's entry for the most threads up to `threads` (else the fewest)."""
+    by_threads = {int(k): v for k, v in rate.items()}
+    return by_threads[max((k for k in by_threads if k <= threads), default=min(by_threads))]
 
 
 def _curve_at(curve, x: float) -> float:

@@ -139,32 +139,46 @@ class _Rank:
                 self.share = cores / busy
         else:
             self.threads = 1
+        self.kv_heads = kv_heads
         self.bw = hw.bandwidth(self.threads) * self.share
-        self.kv_bw = hw.kv_bandwidth(self.threads, head_dim, kv_heads) * self.share
-        if node and hw.shared_node and self.local > 1:
+
+    def kv_rate(self, context: float) -> float:
+        """Bytes/s this rank's decode attention reads its KV shard at, for `context` tokens per
+        sequence on the rank."""
+        hw = self.hw
+        rate = hw.kv_bandwidth(self.threads, self.head_dim, self.kv_heads, context) * self.share
+        if self.node and hw.shared_node and self.local > 1:
             # the decode attention kernel gains little from a second thread on one sequence, but two
             # ranks read their KV shards side by side: the node reads at its ranks' rates together
             # (as many as have a core), up to its memory bandwidth
+            cores = self.sched.cores_per_node or hw.devices_per_node
             per_rank = max(1, cores // self.local)
-            self.kv_bw = min(self.bw, min(self.local, cores // per_rank) * hw.kv_bandwidth(per_rank, head_dim, kv_heads))
+            rate = min(self.bw, min(self.local, cores // per_rank)
+                       * hw.kv_bandwidth(per_rank, self.head_dim, self.kv_heads, context))
+        return rate
 
     def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str, row_length: float = math.inf) -> float:
         """The longer of the FLOPs at the GEMM rate for `rows` rows and the weights streamed at the
-        rate for their `row_length` (input features)."""
+        rate for their `row_length` (input features) and their size (a small matrix streams slower:
+        its call and the prefetchers' start are paid per matrix)."""
         if flops <= 0:
             return 0.0
         rate = self.hw.gemm_rate(dtype, self.threads, rows) * self.share
-        return max(flops / rate, weight_bytes / (self.hw.bandwidth(self.threads, row_length) * self.share))
+        stream = self.hw.bandwidth(self.threads, row_length) * self.hw.size_factor(self.threads, weight_bytes)
+        return max(flops / rate, weight_bytes / (stream * self.share))
 
     def linears(self, matrices: list, rows: float, dtype: str, elem_bytes: float) -> float:
         """`matrices`: [(parameters, row length)] of this rank's weight matrices, each run on `rows` rows."""
         return sum(self.gemm(linear_flops(n, rows), n * elem_bytes, rows, dtype, k) for n, k in matrices if n > 0)
 
-    def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str, causal: bool = True) -> float:
+    def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str, causal: bool = True,
+                  context: float = 4096) -> float:
+        """The longer of the FLOPs at the attention rate and the KV cache read at the rate for
+        `context` tokens per sequence (decode)."""
         if flops <= 0:
             return 0.0
         rate = self.hw.attention_rate(dtype, self.threads, rows, self.head_dim, causal) * self.share
-        return max(flops / rate, kv_bytes / self.kv_bw)
+        return max(flops / rate, kv_bytes / self.kv_rate(context) if kv_bytes > 0 else 0.0)
 
     def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None,
                    latency_counted: bool = False) -> float:
@@ -255,7 +269,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             ctx = context_before + 1
             flops = seqs * causal_attention_flops(q_heads, shape.head_dim, 1, math.ceil(ctx / layout.cp))
             kv_read = seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
-            t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype)
+            t_core = rank.attention(flops, kv_read, tokens, work.attention_dtype, context=math.ceil(ctx / layout.cp))
 
         def lse_gather() -> float:
             """cp: every rank's partial output and LSE for the sampled rows, gathered for the merge."""
@@ -308,7 +322,8 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
             last_row_only = native or layout.cp > 1  # else (GPU, no cp) attention runs in full, then is cut
             core = t_core if not last_row_only else rank.attention(
                 seqs * causal_attention_flops(q_heads, shape.head_dim, 1, ctx),
-                seqs * ctx * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype]), seqs, work.attention_dtype)
+                seqs * ctx * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype]), seqs, work.attention_dtype,
+                context=ctx)
             merge = lse_gather() if layout.cp > 1 else 0.0
             ew = (tokens * b[work.act_dtype] * (2 * shape.hidden + 4 * kv_heads * shape.head_dim) / rank.bw
                   + t_ew * seqs / tokens)
