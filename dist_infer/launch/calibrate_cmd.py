@@ -155,15 +155,18 @@ DECODE_KV_HEADS = (1, 2, 3, 4, 6, 8)  # KV heads on a rank (each with two query 
 DECODE_CONTEXTS = (1024, 4096, 8192, 16384)  # tokens of one sequence's cache on a rank
 
 
-def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 256, head_dims=ATTENTION_HEAD_DIMS,
-                             kv_heads=DECODE_KV_HEADS) -> dict:
+def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 160, head_dims=ATTENTION_HEAD_DIMS,
+                             kv_heads=DECODE_KV_HEADS, placements: int = 3) -> dict:
     """{head_dim: {kv_heads: [[context, KV bytes/s]]}} the native paged decode attention reads: one
     query, `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so
     that they come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a
     4K context at heads of 32 fit in this machine's 32 MiB L3 and read 10% faster). The rate depends
     on the head size, on the KV heads (one head's rows lie in one run, several interleave: 8.5
     against 3.7 GB/s at heads of 32; 3 heads of 64 read at 5.4, not between 2's 8.8 and 4's 5.1)
-    and, with several heads, on the context (4 heads of 32: 3.8 GB/s at 4K, 3.4 at 8K, 2.4 at 16K);
+    and, with several heads, on the context (4 heads of 32: 3.6 GB/s at 4K, 3.2 at 8K, 2.3 at 16K).
+    The caches lie in `placements` separate buffers of `mib` MiB, each pass reading all of them: on
+    this VM where a buffer lands moves these strided reads by a fifth (one calibrate read 2.3 GB/s
+    at 4 heads of 32 and 8K, the next process 3.2), and a model's cache lands as it may.
     {} without the native kernels (the model then uses the memory bandwidth)."""
     import torch
 
@@ -174,7 +177,7 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
         return {}
     torch.set_num_threads(threads)
     bs = 16
-    pool = torch.randn(mib * (1 << 20) // 4)  # one buffer, viewed as each shape's caches
+    pools = [torch.randn(mib * (1 << 20) // 4) for _ in range(placements)]  # each viewed as each shape's caches
     out: dict = {}
     warm = MEMORY_WARM_S
     for d in head_dims:
@@ -188,14 +191,17 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
                 one = nb * bs * kv * d  # floats in one layer's K (or V)
                 caches = [(pool[i * 2 * one:(i * 2 + 1) * one].view(nb, bs, kv, d),
                            pool[(i * 2 + 1) * one:(i * 2 + 2) * one].view(nb, bs, kv, d))
-                          for i in range(max(1, pool.numel() // (2 * one)))]
+                          for pool in pools for i in range(pool.numel() // (2 * one))]
+                if not caches:
+                    raise ValueError(f"calibrate: a {context}-token cache of {kv} heads of {d} does not fit in "
+                                     f"{mib} MiB")
                 q = torch.randn(1, 2 * kv * d)
 
                 def run():
                     for kc, vc in caches:
                         kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
 
-                t = _sustained_time(run, min_s=0.2, warm_s=warm)
+                t = _sustained_time(run, min_s=0.2, warm_s=warm, reps=3)
                 warm = 0.0
                 out[str(d)][str(kv)].append([context, len(caches) * context * kv * d * 4 * 2 / t])
     return out
@@ -382,7 +388,7 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256,
                                                       STREAM_ROW_LENGTHS[1::2] if quick else STREAM_ROW_LENGTHS)
         decode_attention[str(t)] = measure_decode_attention(t, DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
-                                                            128 if quick else 256)
+                                                            80 if quick else 160)
         size_factor[str(t)] = measure_size_factor(t, 128 if quick else 256)
     reference = measure_reference(cores)
     progress("collectives (comm-test)")
