@@ -70,9 +70,12 @@ def _sustained_time(fn: Callable[[], object], min_s: float = 0.3, warm_s: float 
 MEMORY_WARM_S = 1.5  # streaming before the first memory-bound timing (past the after-idle burst)
 
 
-def measure_gemm(threads: int, rows=GEMM_ROWS) -> list[list[float]]:
+def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[float]]:
     """[[rows, FLOP/s]] of fp32 x[rows, 1024] @ W[4096, 1024]^T, through what the engine would
-    use: the native skinny kernel for the few rows it takes, torch's GEMM otherwise."""
+    use: the native skinny kernel for the few rows it takes, torch's GEMM otherwise. Each point is
+    the best of `passes` passes over the row counts a second or two apart: a slow stretch of this
+    VM can cover one point's whole timing (one calibrate read 65 GFLOP/s at 256 rows, the others
+    90-94), and a prefill is timed at its best of `--repeat` runs."""
     import torch
     import torch.nn.functional as F
 
@@ -82,14 +85,14 @@ def measure_gemm(threads: int, rows=GEMM_ROWS) -> list[list[float]]:
     kernels = load_cpu_kernels()
     k, n = GEMM_SHAPE
     w = torch.randn(n, k)
-    out = []
-    for m in rows:
-        x = torch.randn(m, k)
-        native = kernels is not None and m <= MAX_ROWS
-        fn = (lambda: kernels.skinny_linear(x, w)) if native else (lambda: F.linear(x, w))
-        t = _best_time(fn)
-        out.append([m, 2.0 * m * k * n / t])
-    return out
+    best = {m: 0.0 for m in rows}
+    for _ in range(passes):
+        for m in rows:
+            x = torch.randn(m, k)
+            native = kernels is not None and m <= MAX_ROWS
+            fn = (lambda: kernels.skinny_linear(x, w)) if native else (lambda: F.linear(x, w))
+            best[m] = max(best[m], 2.0 * m * k * n / _best_time(fn))
+    return [[m, best[m]] for m in rows]
 
 
 def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTION_HEAD_DIMS,
@@ -116,14 +119,15 @@ def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTI
 
 
 def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS,
-                      placements: int = 3) -> tuple[list[list[float]], str]:
+                      placements: int = 5) -> tuple[list[list[float]], str]:
     """([[row length, bytes/s]], what read them): weights far larger than the caches streamed through
     4-row products, as a decode step reads them, with the engine's native skinny kernel when it
     builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
     each length, as a model's layers are: the rate depends on the row length (on the 2-core machine
     31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split. Each rate is
     the median over `placements` fresh allocations: on this VM one allocation in three or four lands
-    in memory that streams at 50 GB/s against 30 for the rest, and a model's weights land as they may."""
+    in memory that streams at 50 GB/s against 30 for the rest (of three, two landed there in one
+    calibrate), and a model's weights land as they may."""
     import torch
     import torch.nn.functional as F
 

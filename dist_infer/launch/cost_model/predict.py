@@ -30,8 +30,10 @@ What the engine does, and so what is counted (per rank on the critical path):
   measured fixed costs per layer and per step replace every per-op latency, and only bytes cross
   the links. On a CPU node they are wall time in which the waiting ranks hold the cores, so the
   node bound is every micro-batch's fixed costs plus all the ranks' work at the node's rates.
-- Decode attention reads the KV cache at the rate the profile has for the rank's KV heads and
-  head size (the CPU kernel reads one head's rows in one run, several interleaved).
+- Decode attention reads the KV cache at the rate the profile has for the rank's KV heads, head
+  size and context per sequence (the CPU kernel reads one head's rows in one run, several
+  interleaved, slower once a sequence's cache outgrows the CPU's caches); weights stream at the
+  rate for their row length and for their matrix's size (a small matrix pays its call and start).
 """
 
 from __future__ import annotations
