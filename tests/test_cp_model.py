@@ -20,6 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from dist_infer.kernels import load_cpu_kernels
 from conftest import run
 
 from dist_infer.models.cp_attention import (
@@ -90,7 +92,13 @@ def test_decode_tokens_go_round_robin_and_shards_stay_even():
     assert sum(counts) == prompt + 40
 
 
-def test_sharded_decode_merges_to_attention_over_the_whole_cache():
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native-kernel"])
+def test_sharded_decode_merges_to_attention_over_the_whole_cache(native):
+    """Each rank's partial (output, LSE) over its shard, merged, is attention over every key; the
+    native kernel's partials (one call through the block table) as well as torch's."""
+    kernels = load_cpu_kernels() if native else None
+    if native and kernels is None:
+        pytest.skip("no C compiler: the native kernels do not build here")
     gen = torch.Generator().manual_seed(0)
     cp, heads, kv_heads, d, bs = 3, 4, 2, 8, 4
     lens = [[5, 0, 9], [1, 2, 3]]  # keys of each sequence on each rank; sequence 0 has none on rank 1
@@ -107,7 +115,7 @@ def test_sharded_decode_merges_to_attention_over_the_whole_cache():
                 k_cache.view(-1, kv_heads, d)[slot] = keys[b][r][i]
                 v_cache.view(-1, kv_heads, d)[slot] = vals[b][r][i]
         meta = cp_decode_metadata([40, 41], [False, False], [lens[0][r], lens[1][r]], tables, bs)
-        o, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d ** -0.5)
+        o, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d ** -0.5, kernels)
         if lens[0][r] == 0:
             assert torch.isneginf(lse[0]).all() and (o[0] == 0).all()
         parts_o.append(o), parts_l.append(lse)

@@ -136,10 +136,13 @@ void rope_cache_write(float *q, float *k, const float *v, long ldq, long ldk, lo
 /* decode_attention: one new query per sequence against its cached keys and values, read
  * through the block table (no gather into a padded batch, no mask). Keys [window_start, len)
  * are visible; query head h reads KV head h / (q_heads / kv_heads) (GQA/MQA).
- * q, out: [B, q_heads, d]; caches: [blocks, block_size, kv_heads, d]; tables: [B, width]. */
+ * q, out: [B, q_heads, d]; caches: [blocks, block_size, kv_heads, d]; tables: [B, width].
+ * lse (NULL: not wanted): [B, q_heads], each row's log-sum-exp of its scaled scores, -inf with
+ * no visible key (then the row's output is 0): a context-parallel rank's partial, merged by LSE. */
 int decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
                      long width, const long *seq_lens, long window, long B, long q_heads, long kv_heads,
-                     long d, long block_size, float scale, float *out, float *scratch, long scratch_len) {
+                     long d, long block_size, float scale, float *out, float *scratch, long scratch_len,
+                     float *lse) {
     long group = q_heads / kv_heads;
     for (long b = 0; b < B; b++) {
         long len = seq_lens[b];
@@ -167,6 +170,7 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                 scratch[p - start] = e;
                 total += e;
             }
+            if (lse) lse[b * q_heads + h] = len > start ? best + logf(total) : -INFINITY;
             float *o = out + (b * q_heads + h) * d;
             for (long i = 0; i < d; i++) o[i] = 0.f;
             for (long p = start; p < len; p++) {

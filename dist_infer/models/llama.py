@@ -111,7 +111,7 @@ class LlamaAttention(nn.Module):
             return out
         q, k, v = self._heads_rotated(q, k, v, cos, sin)
         if meta.cp is not None:
-            return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp)
+            return cp_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.cp, self.kernels)
         return paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
 
     def _heads_rotated(self, q, k, v, cos, sin):
