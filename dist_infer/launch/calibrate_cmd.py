@@ -125,9 +125,9 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
     builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
     each length, as a model's layers are: the rate depends on the row length (on the 2-core machine
     31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split. Each rate is
-    the median over `placements` fresh allocations: on this VM one allocation in three or four lands
-    in memory that streams at 50 GB/s against 30 for the rest (of three, two landed there in one
-    calibrate), and a model's weights land as they may."""
+    the median over `placements` fresh allocations timed one after the other: on this VM two threads
+    stream at 45-55 GB/s in some spells and about 30 in others (the vCPUs' placement on the host,
+    likely), and one allocation's timing can fall in a short spell."""
     import torch
     import torch.nn.functional as F
 
@@ -168,9 +168,9 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
     on the head size, on the KV heads (one head's rows lie in one run, several interleave: 8.5
     against 3.7 GB/s at heads of 32; 3 heads of 64 read at 5.4, not between 2's 8.8 and 4's 5.1)
     and, with several heads, on the context (4 heads of 32: 3.6 GB/s at 4K, 3.2 at 8K, 2.3 at 16K).
-    The caches lie in `placements` separate buffers of `mib` MiB, each pass reading all of them: on
-    this VM where a buffer lands moves these strided reads by a fifth (one calibrate read 2.3 GB/s
-    at 4 heads of 32 and 8K, the next process 3.2), and a model's cache lands as it may.
+    The caches lie in `placements` separate buffers of `mib` MiB, each pass reading all of them
+    (the same read measured 2.3 and 3.2 GB/s at 4 heads of 32 and 8K in two processes minutes
+    apart, one buffer each).
     {} without the native kernels (the model then uses the memory bandwidth)."""
     import torch
 
