@@ -170,12 +170,12 @@ def run_layout(row: dict, base_cmd: list, args, check_speed: bool, hw, plans: di
     # each metric's median over the launches: the typical launch, as calibrate's rates are the typical
     # ones (on this VM two threads stream weights at about 30 GB/s in some spells and 45-55 in others:
     # the best of several launches is the lucky spell, not the machine)
-    best = row["measured"] = {k: statistics.median(r[k] for r in rounds) for k in now}
-    best["peak_rss_gib_per_rank"] = max(r["peak_rss_gib_per_rank"] for r in rounds)
+    measured = row["measured"] = {k: statistics.median(r[k] for r in rounds) for k in now}
+    measured["peak_rss_gib_per_rank"] = max(r["peak_rss_gib_per_rank"] for r in rounds)
     p = row["predicted"]
-    row["ttft_error"] = relative_error(p["ttft_s"], best["ttft_s"])
-    row["tpot_error"] = relative_error(p["tpot_s"], best["tpot_median_s"])
-    row["memory_error"] = relative_error(p["memory_gib_per_rank"], best["peak_rss_gib_per_rank"])
+    row["ttft_error"] = relative_error(p["ttft_s"], measured["ttft_s"])
+    row["tpot_error"] = relative_error(p["tpot_s"], measured["tpot_median_s"])
+    row["memory_error"] = relative_error(p["memory_gib_per_rank"], measured["peak_rss_gib_per_rank"])
 
 
 def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
