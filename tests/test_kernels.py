@@ -114,6 +114,38 @@ def test_decode_step_matches_the_torch_path(q_heads, kv_heads, window):
     torch.testing.assert_close(native_caches[1], caches[1])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("q_heads,kv_heads,d,window", [(8, 4, 32, None), (20, 2, 24, None), (3, 3, 64, 700),
+                                                        (9, 3, 7, None)])
+def test_decode_attention_over_many_chunks_matches_float64(q_heads, kv_heads, d, window, threads):
+    """Long contexts split in chunks (256 keys) over the threads, merged by LSE: the output and
+    the LSE against float64 softmax attention, with lengths that end mid-block and mid-chunk, a
+    sequence of one key beside long ones, 10 query heads per KV head (two groups of at most 8),
+    head sizes off the vector width, a sliding window whose start is mid-chunk."""
+    bs, lens = 16, [1000, 1, 257, 513]
+    width = max(lens) // bs + 1
+    gen = torch.Generator().manual_seed(q_heads * 100 + d)
+    blocks = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)  # scattered blocks
+    k_cache = torch.randn(len(lens) * width, bs, kv_heads, d, generator=gen)
+    v_cache = torch.randn(len(lens) * width, bs, kv_heads, d, generator=gen)
+    q = torch.randn(len(lens), q_heads * d, generator=gen) * 2  # peaked softmaxes as well as flat ones
+    lse = torch.empty(len(lens), q_heads)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = kernels.decode_attention(q, k_cache, v_cache, blocks, torch.tensor(lens), window, d ** -0.5, lse)
+    finally:
+        torch.set_num_threads(before)
+    for b, n in enumerate(lens):
+        start = n - window if window and n > window else 0
+        keys = k_cache[blocks[b]].reshape(-1, kv_heads, d)[start:n].double().repeat_interleave(q_heads // kv_heads, 1)
+        vals = v_cache[blocks[b]].reshape(-1, kv_heads, d)[start:n].double().repeat_interleave(q_heads // kv_heads, 1)
+        scores = torch.einsum("hd,khd->hk", q[b].view(q_heads, d).double(), keys) * d ** -0.5
+        ref = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vals)
+        torch.testing.assert_close(out[b].view(q_heads, d), ref.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1).float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("q_lens,seq_lens", [([3, 5], [3, 5]), ([2, 1], [6, 4])])
 def test_prefill_rotary_in_place_then_sdpa_matches_the_torch_path(q_lens, seq_lens):
     """Prefill (fresh prompts, and new tokens on top of cached context): native rotary and cache

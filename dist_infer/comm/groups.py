@@ -46,11 +46,16 @@ def node_ids(world: Communicator) -> list[int]:
     return out.tolist()
 
 
+SHM_AXES = ("tp", "cp")  # the groups with a small collective per layer of every decode step
+
+
 def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> ParallelGroups:
     """Collective over `world`: create every axis's groups, in AXES order on every rank.
 
-    With shm 'auto', a tensor-parallel group whose ranks share a node all-reduces CPU tensors
-    through shared memory (see comm/shm.py); 'off' keeps the backend's own all-reduce.
+    With shm 'auto', a tensor-parallel or context-parallel group whose ranks share a node
+    all-reduces and all-gathers CPU tensors through shared memory (see comm/shm.py): the tp
+    all-reduces and the cp decode's merge of partials, each once or twice per layer; 'off' keeps
+    the backend's own collectives.
     """
     if shm not in ("auto", "off"):
         raise ValueError(f"shm must be 'auto' or 'off', got {shm!r}")
@@ -63,8 +68,10 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
             comms[axis] = world  # the axis spans the whole world: reuse it
             continue
         comms[axis] = world.split(groups, axis)
-    if shm == "auto" and comms["tp"].size > 1 and shm_supported():
+    shared = [axis for axis in SHM_AXES if comms[axis].size > 1]
+    if shm == "auto" and shared and shm_supported():
         nodes = dict(zip(world.ranks, node_ids(world)))  # by global rank: `world` may itself be a subgroup
-        if len({nodes[r] for r in comms["tp"].ranks}) == 1:
-            comms["tp"] = ShmAllReduceCommunicator(comms["tp"])
+        for axis in shared:
+            if len({nodes[r] for r in comms[axis].ranks}) == 1:
+                comms[axis] = ShmAllReduceCommunicator(comms[axis])
     return ParallelGroups(world=world, mesh=mesh, **comms)

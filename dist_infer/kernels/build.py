@@ -94,7 +94,7 @@ class CpuKernels:
         self._rope.argtypes = [_ptr] * 3 + [_long] * 3 + [_ptr] * 5 + [_long] * 4
         self._attn = lib.decode_attention
         self._attn.restype = ctypes.c_int
-        self._attn.argtypes = [_ptr] * 4 + [_long, _ptr] + [_long] * 6 + [_f32, _ptr, _ptr, _long, _ptr]
+        self._attn.argtypes = [_ptr] * 4 + [_long, _ptr] + [_long] * 6 + [_f32, _ptr, _ptr, ctypes.c_int]
         for attr in ("_skinny", "_rms", "_rope", "_attn"):
             fn = getattr(self, attr)
             setattr(self, attr, _Named(fn, f"dist_infer::{fn.__name__}"))
@@ -140,20 +140,20 @@ class CpuKernels:
                    q.shape[1] // d if q is not None else 0, kv_heads if k is not None else 0, d)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                         seq_lens: torch.Tensor, max_len: int, window: Optional[int], scale: float,
+                         seq_lens: torch.Tensor, window: Optional[int], scale: float,
                          lse: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One query per sequence, q [B, heads * d], against the paged cache -> [B, heads * d];
-        `lse` ([B, heads] fp32, given): filled with each row's log-sum-exp (-inf: no key)."""
+        `lse` ([B, heads] fp32, given): filled with each row's log-sum-exp (-inf: no key). The
+        keys split in chunks over torch's threads (one sequence's long context too)."""
         q = q.contiguous()  # a column slice of the QKV output: rows are strided
         B = q.shape[0]
         _, block_size, kv_heads, d = k_cache.shape
         out = torch.empty_like(q)
-        scratch = torch.empty(max_len, dtype=torch.float32)
-        code = self._attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-                          seq_lens.data_ptr(), window or 0, B, q.shape[1] // d, kv_heads, d, block_size, scale,
-                          out.data_ptr(), scratch.data_ptr(), max_len, lse.data_ptr() if lse is not None else None)
-        if code != 0:
-            raise ValueError(f"decode_attention: a sequence is longer than max_len={max_len}")
+        threads = torch.get_num_threads() if self.threaded else 1
+        if self._attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                      seq_lens.data_ptr(), window or 0, B, q.shape[1] // d, kv_heads, d, block_size, scale,
+                      out.data_ptr(), lse.data_ptr() if lse is not None else None, threads) != 0:
+            raise MemoryError(f"decode_attention: no memory for the partials of {B} sequences")
         return out
 
 

@@ -203,7 +203,7 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
 
                 def run():
                     for kc, vc in caches:
-                        kernels.decode_attention(q, kc, vc, tables, lens, context + 1, None, 0.1)
+                        kernels.decode_attention(q, kc, vc, tables, lens, None, 0.1)
 
                 t = _sustained_time(run, min_s=0.2, warm_s=warm, reps=3)
                 warm = 0.0

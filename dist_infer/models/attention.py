@@ -26,7 +26,7 @@ def _attend_in_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     for rows, sub in meta.parts:
         if kernels is not None and sub.decode:
             out[rows] = kernels.decode_attention(q[rows].reshape(len(rows), heads * d), k_cache, v_cache,
-                                                 sub.block_tables, sub.seq_lens_t, sub.max_ctx, sub.window, scale)
+                                                 sub.block_tables, sub.seq_lens_t, sub.window, scale)
         else:
             out[rows] = paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, sub, scale, written=True)
     return out
@@ -67,8 +67,8 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
     if meta.decode:
-        return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
-                                        meta.window, scale)
+        return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.window,
+                                        scale)
     T, d = q.shape[0], k_cache.shape[-1]
     if meta.parts is not None:
         return _attend_in_parts(q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale,
@@ -90,8 +90,8 @@ def last_token_attention_native(q_last: torch.Tensor, k: torch.Tensor, v: torch.
     kernels.rope_cache_write(None, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
     rows = meta.last_token_index
     kernels.rope_cache_write(q_last, None, None, cos[rows], sin[rows], k_cache, v_cache, None)
-    return kernels.decode_attention(q_last, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.max_ctx,
-                                    meta.window, scale)
+    return kernels.decode_attention(q_last, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.window,
+                                    scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
