@@ -33,8 +33,13 @@ class ParallelGroups:
         return {axis: getattr(self, axis) for axis in AXES}
 
     def destroy(self) -> None:
+        """Every axis's own group; not the world (its owner's), also where an axis wraps it."""
         for comm in self.by_axis().values():
-            if comm is not self.world:
+            if comm is self.world:
+                continue
+            if isinstance(comm, ShmAllReduceCommunicator) and comm.inner is self.world:
+                comm.close()
+            else:
                 comm.destroy()
 
 

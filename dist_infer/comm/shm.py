@@ -201,10 +201,14 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         self._read_flags[b, me] = seq
         self._unfinished.pop(seq, None)
 
-    def destroy(self) -> None:
+    def close(self) -> None:
+        """Unmap the segment; the inner communicator stays (it may be the world's)."""
         try:
             self._data = None
             self._mm.close()
         except (BufferError, ValueError):
             pass
+
+    def destroy(self) -> None:
+        self.close()
         super().destroy()

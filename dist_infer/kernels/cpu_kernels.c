@@ -163,16 +163,25 @@ void rope_cache_write(float *q, float *k, const float *v, long ldq, long ldk, lo
  * lse (NULL: not wanted): [B, q_heads], each row's log-sum-exp of its scaled scores, -inf with
  * no visible key (then the row's output is 0): a context-parallel rank's partial, merged by LSE.
  *
- * The keys split into chunks of DECODE_CHUNK (flash-decoding): each (sequence, chunk) is a task,
- * the threads share the tasks, and each row's chunks merge by their log-sum-exp, so a long
- * context spreads over every thread even for one sequence. A task reads each block of K, then
- * of V, front to back (all KV heads of a row together: one contiguous run per block) with the
- * blocks DECODE_PREFETCH ahead requested, in three vectorised passes: scores, exp, weighted sum.
- * Reading one KV head at a time instead, a row's head at a time and no prefetch, the 2-core
- * EPYC's one core read 4 KV heads of 32 at 8K tokens at 2.5-3.4 GB/s.
- * Returns -1 (nothing written) if the partials cannot be allocated. */
-#define DECODE_CHUNK 256   /* keys per task: 16 blocks of 16; a 4K context is 16 tasks */
-#define DECODE_PREFETCH 2  /* blocks ahead */
+ * The keys split into chunks (flash-decoding): each (sequence, chunk) is a task, the threads
+ * share the tasks, and each row's chunks merge by their log-sum-exp, so a long context spreads
+ * over every thread even for one sequence. A task reads each block of K, then of V, front to
+ * back (all the KV heads of a row together: one contiguous run per block), in three vectorised
+ * passes: scores, exp, weighted sum. Reading one KV head at a time instead (a row's head at a
+ * time, a key's block found by a division) the 2-core EPYC's one core read 4 KV heads of 32 at
+ * 8K tokens at 3.4 GB/s; this way at 8.4-9.0. Prefetching the blocks ahead in software made no
+ * difference, in order or shuffled. Returns -1 (nothing written) if the partials cannot be
+ * allocated. */
+#define DECODE_CHUNK_MIN 256   /* keys: 16 blocks of 16 */
+#define DECODE_CHUNK_MAX 1024  /* each pass streams this far before the next pass starts over:
+                                  one KV head of 64 read at 11.2 GB/s in chunks of 256, 12.7 of 1024 */
+
+/* Keys per task: about 4 tasks per thread on the longest sequence, in whole DECODE_CHUNK_MINs. */
+static long decode_chunk_len(long span, int threads) {
+    long want = (span + 4 * threads - 1) / (4 * threads);
+    want = (want + DECODE_CHUNK_MIN - 1) / DECODE_CHUNK_MIN * DECODE_CHUNK_MIN;
+    return want < DECODE_CHUNK_MIN ? DECODE_CHUNK_MIN : want > DECODE_CHUNK_MAX ? DECODE_CHUNK_MAX : want;
+}
 
 typedef int vi __attribute__((vector_size(VW * sizeof(int))));
 
@@ -196,16 +205,12 @@ static inline vf exp_nonpositive(vf x) {
     return (vf)((vi)p & ~tiny);
 }
 
-static inline void prefetch_block(const float *block, long bytes) {
-    for (long i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)block + i, 0, 3);
-}
-
 /* All query heads q [q_heads, d] of one sequence against its keys [p0, p1); s: scratch of
- * q_heads * DECODE_CHUNK floats. part[h * (d + 2) + ...] = (sum_k e^(s_k - m) v_k [d floats],
+ * q_heads * chunk floats. part[h * (d + 2) + ...] = (sum_k e^(s_k - m) v_k [d floats],
  * m, sum_k e^(s_k - m)) for query head h. */
 static void decode_chunk(const float *restrict q, const float *k_cache, const float *v_cache, const long *table,
                          long q_heads, long kv_heads, long d, long block_size, float scale, long p0, long p1,
-                         float *restrict s, float *restrict part) {
+                         long chunk, float *restrict s, float *restrict part) {
     long n = p1 - p0, row = kv_heads * d, group = q_heads / kv_heads;
     for (long h = 0; h < q_heads; h++) {
         float *acc = part + h * (d + 2);
@@ -214,17 +219,9 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
         acc[d + 1] = 0.f;
     }
     if (n <= 0) return;
-    long first = p0 / block_size, last = (p1 - 1) / block_size, block_bytes = block_size * row * sizeof(float);
-    for (long j = first + 1; j <= first + DECODE_PREFETCH && j <= last; j++) {
-        prefetch_block(k_cache + table[j] * block_size * row, block_bytes);
-        prefetch_block(v_cache + table[j] * block_size * row, block_bytes);
-    }
-    /* scores: s[h * DECODE_CHUNK + t] */
+    long first = p0 / block_size, last = (p1 - 1) / block_size;
+    /* scores: s[h * chunk + t] */
     for (long blk = first, t = 0; blk <= last; blk++) {
-        if (blk + DECODE_PREFETCH <= last) {
-            prefetch_block(k_cache + table[blk + DECODE_PREFETCH] * block_size * row, block_bytes);
-            prefetch_block(v_cache + table[blk + DECODE_PREFETCH] * block_size * row, block_bytes);
-        }
         long o0 = blk == first ? p0 % block_size : 0, o1 = blk == last ? (p1 - 1) % block_size + 1 : block_size;
         for (long o = o0; o < o1; o++, t++) {
             const float *kr = k_cache + (table[blk] * block_size + o) * row;
@@ -235,13 +232,13 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
                 for (; i + VW <= d; i += VW) acc += load(qh + i) * load(kh + i);
                 float v = hsum(acc);
                 for (; i < d; i++) v += qh[i] * kh[i];
-                s[h * DECODE_CHUNK + t] = v * scale;
+                s[h * chunk + t] = v * scale;
             }
         }
     }
     /* exp against each head's maximum, and the sums */
     for (long h = 0; h < q_heads; h++) {
-        float *sh = s + h * DECODE_CHUNK, m = -INFINITY, total;
+        float *sh = s + h * chunk, m = -INFINITY, total;
         for (long t = 0; t < n; t++) m = sh[t] > m ? sh[t] : m;
         vf sum = (vf){0};
         long t = 0;
@@ -278,14 +275,14 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
                             vf v0 = load(vr), v1 = load(vr + VW);
                             for (int g = 0; g < 4; g++) {
                                 if (g < gn) {
-                                    float w = s[(h0 + g) * DECODE_CHUNK + t];
+                                    float w = s[(h0 + g) * chunk + t];
                                     a[g][0] += w * v0;
                                     a[g][1] += w * v1;
                                 }
                             }
                         } else {
                             for (int g = 0; g < 4; g++)
-                                if (g < gn) r[g] += s[(h0 + g) * DECODE_CHUNK + t] * vr[0];
+                                if (g < gn) r[g] += s[(h0 + g) * chunk + t] * vr[0];
                         }
                     }
                 }
@@ -311,23 +308,24 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
         long len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
         span = len - start > span ? len - start : span;
     }
-    long chunks = span > 0 ? (span + DECODE_CHUNK - 1) / DECODE_CHUNK : 1, tasks = B * chunks;
+    long chunk = decode_chunk_len(span, threads > 1 ? threads : 1);
+    long chunks = span > 0 ? (span + chunk - 1) / chunk : 1, tasks = B * chunks;
     long stride = q_heads * (d + 2), workers = threads > 1 && tasks > 1 ? (tasks < threads ? tasks : threads) : 1;
-    float *parts = malloc(((size_t)tasks * stride + (size_t)workers * q_heads * DECODE_CHUNK) * sizeof(float));
+    float *parts = malloc(((size_t)tasks * stride + (size_t)workers * q_heads * chunk) * sizeof(float));
     if (!parts) return -1;
     float *scratch = parts + tasks * stride;
 #pragma omp parallel for num_threads(workers) schedule(dynamic, 1)
     for (long task = 0; task < tasks; task++) {
 #ifdef _OPENMP
-        float *s = scratch + (long)omp_get_thread_num() * q_heads * DECODE_CHUNK;
+        float *s = scratch + (long)omp_get_thread_num() * q_heads * chunk;
 #else
         float *s = scratch;
 #endif
         long b = task / chunks, c = task % chunks;
         long len = seq_lens[b], start = window > 0 && len > window ? len - window : 0;
-        long p0 = start + c * DECODE_CHUNK, p1 = p0 + DECODE_CHUNK < len ? p0 + DECODE_CHUNK : len;
+        long p0 = start + c * chunk, p1 = p0 + chunk < len ? p0 + chunk : len;
         decode_chunk(q + b * q_heads * d, k_cache, v_cache, tables + b * width, q_heads, kv_heads, d, block_size,
-                     scale, p0, p1, s, parts + task * stride);
+                     scale, p0, p1, chunk, s, parts + task * stride);
     }
     for (long b = 0; b < B; b++) {
         for (long h = 0; h < q_heads; h++) {

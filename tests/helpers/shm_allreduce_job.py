@@ -2,7 +2,8 @@
 
 Run under `dist-infer launch --nproc-per-node N -- python shm_allreduce_job.py`. Exercises more
 async ops in flight than there are buffers, waits in a different order than posts, dtypes,
-a tensor too big for a slot (falls back to the backend), and bitwise-equal results on every rank.
+a tensor too big for a slot (falls back to the backend), bitwise-equal results on every rank,
+and a cp group's merge of decode partials through its own segment.
 """
 
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from dist_infer.comm import build_groups, init_world
 from dist_infer.comm.shm import NBUF, ShmAllReduceCommunicator
+from dist_infer.parallel.ring.lse import merge_across_ranks, merge_many
 from dist_infer.topology import Mesh, ParallelConfig
 
 world = init_world("gloo", timeout=60)
@@ -70,6 +72,17 @@ h2.wait()
 h1.wait()
 assert torch.equal(mine, expected(6 * n, 13, torch.float32)[6 * me:6 * (me + 1)]), "reduce_scatter chunk wrong"
 assert torch.equal(other, expected(50, 14, torch.float32))
+
+# a cp group on one node too: a cp decode's merge of partials (all-gather of O and LSE) through it
+groups.destroy()
+groups = build_groups(world, Mesh.build(ParallelConfig(cp=n), n))
+assert isinstance(groups.cp, ShmAllReduceCommunicator), f"cp group should use shared memory, got {groups.cp!r}"
+o = [value(r, 3 * 4 * 8, 15, torch.float32).view(3, 4, 8) for r in range(n)]
+lse = [value(r, 3 * 4, 16, torch.float32).view(3, 4) for r in range(n)]
+lse[0][1] = float("-inf")  # rank 0 has no key of sequence 1
+merged, merged_lse = merge_across_ranks(o[me], lse[me], groups.cp)
+want, want_lse = merge_many(torch.stack(o), torch.stack(lse))
+assert torch.equal(merged, want) and torch.equal(merged_lse, want_lse), "cp merge through shm differs"
 
 world.barrier()
 print(f"rank {me}: shm all-reduce ok", flush=True)
