@@ -358,6 +358,24 @@ def test_calibrate_times_memory_at_its_sustained_rate(monkeypatch):
     assert calibrate_cmd._best_time(lambda: None) >= 0.0
 
 
+def test_calibrate_streaming_rate_pools_both_looks(monkeypatch):
+    """A slow spell of this VM can last minutes: the streaming rate is the median over two looks
+    minutes apart, not the last look's (here 3 allocations timed slow, then 3 at twice the speed)."""
+    from dist_infer.launch import calibrate_cmd
+
+    spell = {"t": 2.0}
+    monkeypatch.setattr(calibrate_cmd, "_sustained_time", lambda fn, **kw: spell["t"])
+    samples: dict = {}
+    first, _ = calibrate_cmd.measure_bandwidth(1, 1, (512,), 3, samples)
+    spell["t"] = 1.0
+    second, _ = calibrate_cmd.measure_bandwidth(1, 1, (512,), 3, samples)
+    rate = first[0][1]  # bytes / 2 s
+    assert len(samples[512]) == 6
+    assert second[0][1] == pytest.approx(1.5 * rate)  # the median of three at r and three at 2r
+    alone, _ = calibrate_cmd.measure_bandwidth(1, 1, (512,), 3)
+    assert alone[0][1] == pytest.approx(2 * rate)  # no pool: this look only
+
+
 def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
     """A decode step's products are bound by how fast the weights stream, and the native kernel's
     speed depends on the row length (31 GB/s for rows of 576 floats, 24 GB/s for 4096 on the 2-core

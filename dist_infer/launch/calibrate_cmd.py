@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from loguru import logger
 
@@ -68,6 +68,7 @@ def _sustained_time(fn: Callable[[], object], min_s: float = 0.3, warm_s: float 
 
 
 MEMORY_WARM_S = 1.5  # streaming before the first memory-bound timing (past the after-idle burst)
+STREAM_PLACEMENTS = 3  # fresh allocations per look at the streaming rate (calibrate looks twice)
 
 
 def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[float]]:
@@ -118,8 +119,8 @@ def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTI
     return out
 
 
-def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS,
-                      placements: int = 5) -> tuple[list[list[float]], str]:
+def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS, placements: int = 5,
+                      samples: Optional[dict] = None) -> tuple[list[list[float]], str]:
     """([[row length, bytes/s]], what read them): weights far larger than the caches streamed through
     4-row products, as a decode step reads them, with the engine's native skinny kernel when it
     builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
@@ -127,7 +128,9 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
     31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split. Each rate is
     the median over `placements` fresh allocations timed one after the other: on this VM two threads
     stream at 45-55 GB/s in some spells and about 30 in others (the vCPUs' placement on the host,
-    likely), and one allocation's timing can fall in a short spell."""
+    likely), and one allocation's timing can fall in a short spell. `samples` ({row length: [rates]},
+    given): this call's rates join those of earlier calls, and the medians are over all of them
+    (calibrate looks twice, minutes apart, as a spell can last minutes)."""
     import torch
     import torch.nn.functional as F
 
@@ -139,7 +142,7 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
     out = []
     warm = MEMORY_WARM_S
     for k in row_lengths:
-        rates = []
+        rates = samples.setdefault(k, []) if samples is not None else []
         for _ in range(placements):
             ws = [torch.empty(max(1, mib * (1 << 20) // (4 * k * 16)), k).fill_(0.5) for _ in range(16)]
             x = torch.randn(4, k)
@@ -165,10 +168,12 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
     query, `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so
     that they come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a
     4K context at heads of 32 fit in this machine's 32 MiB L3 and read 10% faster). The rate depends
-    on the head size, on the KV heads (one head's rows lie in one run, several interleave: 8.5
-    against 3.7 GB/s at heads of 32; 3 heads of 64 read at 5.4, not between 2's 8.8 and 4's 5.1)
-    and, with several heads, on the context (4 heads of 32: 3.6 GB/s at 4K, 3.2 at 8K, 2.3 at 16K).
-    The caches lie in `placements` separate buffers of `mib` MiB, each pass reading all of them
+    on the head size, the KV heads and the context: the kernel splits the keys in chunks shared by
+    the threads, and a short context has few chunks and pays the merge (on the 2-core machine, two
+    threads: 4 heads of 32 at 10.6 GB/s at 1K, 13.6 at 16K; 3 heads of 64 at 15.4 and 17.3; an
+    older kernel that read one KV head at a time slowed with more heads and longer contexts, 4
+    heads of 32: 3.6 GB/s at 4K, 2.3 at 16K). The caches lie in `placements` separate buffers of
+    `mib` MiB, each pass reading all of them
     (the same read measured 2.3 and 3.2 GB/s at 4 heads of 32 and 8K in two processes minutes
     apart, one buffer each).
     {} without the native kernels (the model then uses the memory bandwidth)."""
@@ -381,6 +386,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
     cores = usable_cores()
     thread_counts = sorted({1, cores})
     gemm, attention, attention_full, bandwidth, reader, decode_attention, size_factor = {}, {}, {}, {}, "", {}, {}
+    stream_mib, stream_rows = (64, STREAM_ROW_LENGTHS[1::2]) if quick else (256, STREAM_ROW_LENGTHS)
+    stream_samples: dict = {t: {} for t in thread_counts}  # both looks' rates, by thread count and row length
     for t in thread_counts:
         progress(f"GEMM, {t} thread(s)")
         gemm[str(t)] = measure_gemm(t, GEMM_ROWS[::2] if quick else GEMM_ROWS)
@@ -389,8 +396,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         attention_full[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS,
                                                    causal=False)
         progress(f"memory bandwidth, {t} thread(s)")
-        bandwidth[str(t)], reader = measure_bandwidth(t, 64 if quick else 256,
-                                                      STREAM_ROW_LENGTHS[1::2] if quick else STREAM_ROW_LENGTHS)
+        bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS,
+                                                      stream_samples[t])
         decode_attention[str(t)] = measure_decode_attention(t, DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
                                                             80 if quick else 160)
         size_factor[str(t)] = measure_size_factor(t, 128 if quick else 256)
@@ -399,6 +406,10 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step, per layout (bench)")
     fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick))
+    for t in thread_counts:  # the second look at streaming, minutes after the first
+        progress(f"memory bandwidth again, {t} thread(s)")
+        bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS,
+                                                      stream_samples[t])
     fixed.setdefault("base_memory_bytes", float(psutil.Process().memory_info().rss))  # (no /proc: this process)
     links = {"intra": collectives["send_recv"]["intra"]["2"]}
     return HardwareProfile(
@@ -427,7 +438,7 @@ def run_calibrate(args) -> int:
         print(json.dumps(measure_reference(usable_cores())))
         return 0
 
-    steps = 3 * len({1, usable_cores()}) + 2
+    steps = 4 * len({1, usable_cores()}) + 2
     bar = tqdm(total=steps, desc="calibrate", unit="step", file=sys.stderr)
 
     def progress(what: str) -> None:
