@@ -376,6 +376,19 @@ def test_calibrate_streaming_rate_pools_both_looks(monkeypatch):
     assert alone[0][1] == pytest.approx(2 * rate)  # no pool: this look only
 
 
+def test_calibrate_size_factor_is_the_median_round(monkeypatch):
+    """Each round times every size and divides by its own largest; one round whose largest fell
+    in a fast spell (0.25 instead of 0.5) does not set the factor."""
+    from dist_infer.launch import calibrate_cmd
+
+    times = iter([2.0, 1.0, 2.0, 0.5, 2.0, 1.0])  # (small, large) per round
+    monkeypatch.setattr(calibrate_cmd, "_sustained_time", lambda fn, **kw: next(times))
+    got = calibrate_cmd.measure_size_factor(1, 1, (0.25, 1), rounds=3)
+    if not got:
+        pytest.skip("no native kernels: no size factor")
+    assert [round(f, 6) for _, f in got] == [0.5, 1.0]
+
+
 def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
     """A decode step's products are bound by how fast the weights stream, and the native kernel's
     speed depends on the row length (31 GB/s for rows of 576 floats, 24 GB/s for 4096 on the 2-core

@@ -219,12 +219,14 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
 STREAM_SIZES_MIB = (0.25, 1, 4, 16)  # weight matrices' sizes (16 MiB: what measure_bandwidth streams)
 
 
-def measure_size_factor(threads: int, mib: int = 256, sizes=STREAM_SIZES_MIB) -> list[list[float]]:
+def measure_size_factor(threads: int, mib: int = 256, sizes=STREAM_SIZES_MIB, rounds: int = 3) -> list[list[float]]:
     """[[matrix bytes, factor]]: how fast 4-row products stream matrices of each size (rows of 1024
     floats, cycled through `mib` MiB so that every one comes from memory) against the largest. A
     model's matrices are small (SmolLM2's 1-7 MiB) and each pays its call, the wake of the other
     threads and the prefetchers' start: on the 2-core machine 0.82 of the large matrices' rate at
-    1.3 MiB with two threads, 0.94 at 9 MiB."""
+    1.3 MiB with two threads, 0.94 at 9 MiB. Each factor is the median over `rounds` rounds of every
+    size, each against its own round's largest: a ratio of two timings seconds apart moves with this
+    VM's memory spells (one calibrate read 0.76 at 4 MiB, the others 0.95-0.97)."""
     import torch
 
     from dist_infer.kernels import load_cpu_kernels
@@ -236,18 +238,24 @@ def measure_size_factor(threads: int, mib: int = 256, sizes=STREAM_SIZES_MIB) ->
     k = 1024
     pool = torch.randn(mib * (1 << 20) // 4)
     x = torch.randn(4, k)
-    rates = []
-    for size in sizes:
-        n = max(1, int(size * (1 << 20)) // (4 * k))
-        ws = [pool[i * n * k:(i + 1) * n * k].view(n, k) for i in range(pool.numel() // (n * k))]
+    factors: dict[float, list[float]] = {}
+    warm = MEMORY_WARM_S
+    for _ in range(rounds):
+        rates = []
+        for size in sizes:
+            n = max(1, int(size * (1 << 20)) // (4 * k))
+            ws = [pool[i * n * k:(i + 1) * n * k].view(n, k) for i in range(pool.numel() // (n * k))]
 
-        def run():
-            for w in ws:
-                kernels.skinny_linear(x, w)
+            def run():
+                for w in ws:
+                    kernels.skinny_linear(x, w)
 
-        t = _sustained_time(run, min_s=0.3, warm_s=0.0 if rates else MEMORY_WARM_S)
-        rates.append((n * k * 4.0, len(ws) * n * k * 4.0 / t))
-    return [[nbytes, rate / rates[-1][1]] for nbytes, rate in rates]
+            t = _sustained_time(run, min_s=0.3, warm_s=warm)
+            warm = 0.0
+            rates.append((n * k * 4.0, len(ws) * n * k * 4.0 / t))
+        for nbytes, rate in rates:
+            factors.setdefault(nbytes, []).append(rate / rates[-1][1])
+    return [[nbytes, statistics.median(f)] for nbytes, f in factors.items()]
 
 
 def fit_link(points: list[tuple[float, float]]) -> Link:
