@@ -33,24 +33,26 @@ static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v;
 typedef float f8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float f4 __attribute__((vector_size(4 * sizeof(float))));
 
+/* Lanes [0, n) of t += lanes [n, 2n), as one vector of type T (n lanes). */
+#define FOLD_HALF(T, t, n)                 \
+    do {                                   \
+        T lo_, hi_;                        \
+        memcpy(&lo_, (t), sizeof lo_);     \
+        memcpy(&hi_, (t) + (n), sizeof hi_); \
+        lo_ += hi_;                        \
+        memcpy((t), &lo_, sizeof lo_);     \
+    } while (0)
+
 /* The sum of a vector's lanes as a tree of halves (a chain of VW dependent scalar adds was a
  * third of a decode attention's time at heads of 32: one sum per key and query head). */
 static inline float hsum(vf v) {
     float t[VW];
     memcpy(t, &v, sizeof v);
 #if VW == 16
-    f8 lo8, hi8;
-    memcpy(&lo8, t, sizeof lo8);
-    memcpy(&hi8, t + 8, sizeof hi8);
-    lo8 += hi8;
-    memcpy(t, &lo8, sizeof lo8);
+    FOLD_HALF(f8, t, 8);
 #endif
 #if VW >= 8
-    f4 lo4, hi4;
-    memcpy(&lo4, t, sizeof lo4);
-    memcpy(&hi4, t + 4, sizeof hi4);
-    lo4 += hi4;
-    memcpy(t, &lo4, sizeof lo4);
+    FOLD_HALF(f4, t, 4);
 #endif
     return (t[0] + t[2]) + (t[1] + t[3]);
 }
