@@ -459,6 +459,27 @@ def test_memory_per_rank_by_hand():
     assert mem_pp["weights"] * 2**30 == pytest.approx((2 * (12288 + 24576) + 100 * 64) * 4)
 
 
+def test_memory_counts_the_shared_memory_collectives_segments_on_a_cpu_node():
+    """On a CPU node a tp (or cp) group's shared segment holds NBUF buffers of one slot per rank, and
+    every rank reads every slot: the largest tensor that fits a slot is resident NBUF x group times.
+    A GPU node, a group spanning nodes, a tensor too big for a slot: not counted."""
+    from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
+    from dist_infer.launch.cost_model.predict import shm_segment_bytes
+
+    work = Workload(batch=2, prompt_len=100, gen_len=28)
+    cpu = gemm_only_profile(device="cpu", shared_node=True)
+    prefill_hidden = 2 * 100 * 64 * 4  # 2 sequences x 100 tokens x hidden 64, fp32: the largest tp all-reduce
+    mem = memory_per_rank(SMALL, Layout(tp=2), work, cpu)
+    assert mem["comm_buffers"] * 2**30 == pytest.approx(NBUF * 2 * prefill_hidden)
+    mem_cp = memory_per_rank(SMALL, Layout(cp=2), work, cpu)  # a decode's partials: 2 seqs x 4 heads x (16 + 1)
+    assert mem_cp["comm_buffers"] * 2**30 == pytest.approx(NBUF * 2 * 2 * 4 * 17 * 4)
+    assert memory_per_rank(SMALL, Layout(tp=2), work, cpu, ranks_per_node=1)["comm_buffers"] == 0.0
+    assert "comm_buffers" not in memory_per_rank(SMALL, Layout(tp=2), work, gemm_only_profile())
+    assert memory_per_rank(SMALL, Layout(), work, cpu)["comm_buffers"] == 0.0
+    assert shm_segment_bytes(4, [DEFAULT_SLOT_BYTES + 1, 1000]) == NBUF * 4 * 1000  # the big one goes through gloo
+    assert predict(SMALL, Layout(tp=2), work, cpu).memory_gib_per_rank == pytest.approx(sum(mem.values()))
+
+
 def test_interpolation_and_profile_errors(tmp_path):
     assert interpolate_log([[1, 10.0], [100, 30.0]], 10) == pytest.approx(20.0)
     assert interpolate_log([[1, 10.0], [100, 30.0]], 1000) == 30.0

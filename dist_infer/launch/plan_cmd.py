@@ -152,7 +152,9 @@ def format_plan(preds: list[Prediction], skipped, shape: ModelShape, hw: Hardwar
         lines.append(f"best: {best.layout.describe()}: prefill {best.ttft_s:.3g} s ({terms}); "
                      f"decode {best.tpot_s * 1e3:.3g} ms per step; {best.memory_gib_per_rank:.2f} GiB per rank "
                      f"(weights {best.memory['weights']:.2f}, KV {best.memory['kv_cache']:.2f}, activations "
-                     f"{best.memory['activations']:.2f}, runtime {best.memory['runtime']:.2f})")
+                     f"{best.memory['activations']:.2f}, runtime {best.memory['runtime']:.2f}"
+                     + (f", shared-memory collectives {best.memory['comm_buffers']:.2f}"
+                        if best.memory.get("comm_buffers") else "") + ")")
     return "\n".join(lines)
 
 

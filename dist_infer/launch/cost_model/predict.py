@@ -421,7 +421,7 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
         if busy > tpot:
             decode["node_shared"], tpot = busy - tpot, busy
 
-    memory = memory_per_rank(shape, layout, work, hw)
+    memory = memory_per_rank(shape, layout, work, hw, sched.ranks_per_node)
     total = sum(memory.values())
     fits = total * GIB <= hw.memory_bytes
     return Prediction(layout, ttft_s=ttft, tpot_s=tpot,
@@ -455,8 +455,11 @@ def micro_batches(batch: int, pp: int) -> int:
     return math.ceil(batch / per)
 
 
-def memory_per_rank(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfile) -> dict:
-    """GiB on the busiest rank: weights, KV cache, the largest step's activations, the runtime."""
+def memory_per_rank(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfile,
+                    ranks_per_node: Optional[int] = None) -> dict:
+    """GiB on the busiest rank: weights, KV cache, the largest step's activations, the runtime and,
+    on a CPU node, the shared-memory collectives' segments (all ranks on one node unless
+    `ranks_per_node` says otherwise)."""
     b = DTYPE_BYTES
     layers = math.ceil(shape.layers / layout.pp)
     moe_layers = math.ceil(shape.moe_layers / layout.pp)
@@ -478,5 +481,25 @@ def memory_per_rank(shape: ModelShape, layout: Layout, work: Workload, hw: Hardw
     if layout.cp > 1:  # the ring's two K/V receive buffers and fp32 accumulators
         act += (2 * rows * shape.kv_bytes_per_token(layout.tp, 1, b[work.kv_dtype])
                 + rows * q_heads * (shape.head_dim + 1) * 4)
-    return {"weights": weights_b / GIB, "kv_cache": kv / GIB, "activations": act / GIB,
-            "runtime": hw.base_memory_bytes / GIB}
+    mem = {"weights": weights_b / GIB, "kv_cache": kv / GIB, "activations": act / GIB,
+           "runtime": hw.base_memory_bytes / GIB}
+    if hw.device == "cpu":
+        act_b = b[work.act_dtype]
+        messages = {"tp": (rows * shape.hidden * act_b, micro * shape.hidden * act_b,
+                           micro * shape.vocab_per_rank(layout.tp) * 4),  # hidden states, the LM head's logits
+                    "cp": (micro * q_heads * (shape.head_dim + 1) * 4,)}  # a decode's partials and LSEs
+        mem["comm_buffers"] = sum(shm_segment_bytes(getattr(layout, axis), sizes)
+                                  for axis, sizes in messages.items()
+                                  if not group_placement(layout, axis, ranks_per_node or layout.ranks)[0]) / GIB
+    return mem
+
+
+def shm_segment_bytes(group_size: int, messages) -> float:
+    """Bytes of a node-local group's shared segment (comm/shm.py) in each rank's resident memory:
+    an op writes its tensor into this rank's slot of one of NBUF buffers in turn and reads every
+    rank's slot, so the largest tensor that fits a slot is resident NBUF x group_size times (the long
+    prompt's tp=2 prefill, 8 MiB per all-reduce: 55-58 MiB more peak RSS per rank than with --shm off)."""
+    from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
+
+    fitting = [m for m in messages if 0 < m <= DEFAULT_SLOT_BYTES]
+    return NBUF * group_size * max(fitting) if group_size > 1 and fitting else 0.0
