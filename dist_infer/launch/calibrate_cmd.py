@@ -173,9 +173,8 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
     threads: 4 heads of 32 at 10.6 GB/s at 1K, 13.6 at 16K; 3 heads of 64 at 15.4 and 17.3; an
     older kernel that read one KV head at a time slowed with more heads and longer contexts, 4
     heads of 32: 3.6 GB/s at 4K, 2.3 at 16K). The caches lie in `placements` separate buffers of
-    `mib` MiB, each pass reading all of them
-    (the same read measured 2.3 and 3.2 GB/s at 4 heads of 32 and 8K in two processes minutes
-    apart, one buffer each).
+    `mib` MiB, each pass reading all of them (with that older kernel the same read measured 2.3 and
+    3.2 GB/s at 4 heads of 32 and 8K in two processes minutes apart, one buffer each).
     {} without the native kernels (the model then uses the memory bandwidth)."""
     import torch
 

@@ -31,9 +31,9 @@ What the engine does, and so what is counted (per rank on the critical path):
   the links. On a CPU node they are wall time in which the waiting ranks hold the cores, so the
   node bound is every micro-batch's fixed costs plus all the ranks' work at the node's rates.
 - Decode attention reads the KV cache at the rate the profile has for the rank's KV heads, head
-  size and context per sequence (the CPU kernel reads one head's rows in one run, several
-  interleaved, slower once a sequence's cache outgrows the CPU's caches); weights stream at the
-  rate for their row length and for their matrix's size (a small matrix pays its call and start).
+  size, threads and context per sequence (the CPU kernel splits a context into chunks over the
+  threads: a short one has few chunks and pays their merge); weights stream at the rate for their
+  row length and for their matrix's size (a small matrix pays its call and start).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
 from dist_infer.launch.cost_model.hardware import HardwareProfile, Link
 from dist_infer.launch.cost_model.layout import Layout, why_not
 from dist_infer.launch.cost_model.shapes import ModelShape, causal_attention_flops, linear_flops, max_shard
@@ -150,9 +151,8 @@ class _Rank:
         hw = self.hw
         rate = hw.kv_bandwidth(self.threads, self.head_dim, self.kv_heads, context) * self.share
         if self.node and hw.shared_node and self.local > 1:
-            # the decode attention kernel gains little from a second thread on one sequence, but two
-            # ranks read their KV shards side by side: the node reads at its ranks' rates together
-            # (as many as have a core), up to its memory bandwidth
+            # the node's view: its ranks read their KV shards side by side, each at the rate for its
+            # own threads (as many ranks as have a core), up to the node's memory bandwidth
             cores = self.sched.cores_per_node or hw.devices_per_node
             per_rank = max(1, cores // self.local)
             rate = min(self.bw, min(self.local, cores // per_rank)
@@ -499,7 +499,5 @@ def shm_segment_bytes(group_size: int, messages) -> float:
     an op writes its tensor into this rank's slot of one of NBUF buffers in turn and reads every
     rank's slot, so the largest tensor that fits a slot is resident NBUF x group_size times (the long
     prompt's tp=2 prefill, 8 MiB per all-reduce: 55-58 MiB more peak RSS per rank than with --shm off)."""
-    from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
-
     fitting = [m for m in messages if 0 < m <= DEFAULT_SLOT_BYTES]
     return NBUF * group_size * max(fitting) if group_size > 1 and fitting else 0.0
