@@ -258,13 +258,14 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
         part[h * (d + 2) + d + 1] = total;
     }
     /* the weighted sum of the values: for each KV head, up to 4 of its query heads times 2 vectors
-     * of d at a time summed over the chunk's keys in registers (through memory, a store and a
-     * reload per key, it was a quarter of the time); what d leaves over, one float at a time */
-    long dv = d / (2 * VW) * (2 * VW);
+     * of d at a time (1 where d leaves one over) summed over the chunk's keys in registers (through
+     * memory, a store and a reload per key, it was a quarter of the time); what d leaves below a
+     * vector, one float at a time */
     for (long kvh = 0; kvh < kv_heads; kvh++) {
         for (long g0 = 0; g0 < group; g0 += 4) {
             long gn = group - g0 < 4 ? group - g0 : 4, h0 = kvh * group + g0;
-            for (long i = 0; i < d; i += i < dv ? 2 * VW : 1) {
+            for (long i = 0; i < d;) {
+                int nv = i + 2 * VW <= d ? 2 : i + VW <= d ? 1 : 0;  /* vectors of d this pass, 0: a float */
                 vf a[4][2];
                 float r[4] = {0.f, 0.f, 0.f, 0.f};
                 for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = (vf){0};
@@ -273,7 +274,7 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
                     long o1 = blk == last ? (p1 - 1) % block_size + 1 : block_size;
                     const float *vr = v_cache + (table[blk] * block_size + o0) * row + kvh * d + i;
                     for (long o = o0; o < o1; o++, t++, vr += row) {
-                        if (i < dv) {
+                        if (nv == 2) {
                             vf v0 = load(vr), v1 = load(vr + VW);
                             for (int g = 0; g < 4; g++) {
                                 if (g < gn) {
@@ -282,6 +283,10 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
                                     a[g][1] += w * v1;
                                 }
                             }
+                        } else if (nv == 1) {
+                            vf v0 = load(vr);
+                            for (int g = 0; g < 4; g++)
+                                if (g < gn) a[g][0] += s[(h0 + g) * chunk + t] * v0;
                         } else {
                             for (int g = 0; g < 4; g++)
                                 if (g < gn) r[g] += s[(h0 + g) * chunk + t] * vr[0];
@@ -290,13 +295,10 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
                 }
                 for (long g = 0; g < gn; g++) {
                     float *acc = part + (h0 + g) * (d + 2) + i;
-                    if (i < dv) {
-                        memcpy(acc, &a[g][0], sizeof(vf));
-                        memcpy(acc + VW, &a[g][1], sizeof(vf));
-                    } else {
-                        acc[0] = r[g];
-                    }
+                    if (nv == 0) acc[0] = r[g];
+                    for (int j = 0; j < nv; j++) memcpy(acc + j * VW, &a[g][j], sizeof(vf));
                 }
+                i += nv ? nv * VW : 1;
             }
         }
     }
