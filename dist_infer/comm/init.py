@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import ipaddress
 import os
+import socket
 from typing import Optional
 
 import torch
@@ -14,6 +16,9 @@ from dist_infer.comm.backends import BACKENDS, DEFAULT_TIMEOUT_S
 from dist_infer.comm.base import Communicator
 from dist_infer.topology.discovery import RankInfo, discover, free_port, needs_mpi, resolve_with_mpi
 from dist_infer.topology.network import set_socket_interface
+
+
+_LISTENERS: list[socket.socket] = []  # rendezvous sockets of this process (a job's rank 0 has one)
 
 
 class BackendError(RuntimeError):
@@ -73,7 +78,7 @@ def init_world(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, iface:
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=tb,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        store=rendezvous_store(info, timeout),
         rank=info.rank,
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=timeout),
@@ -83,6 +88,48 @@ def init_world(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, iface:
     from dist_infer.comm.torch_backend import TorchDistCommunicator
 
     return TorchDistCommunicator(None, list(range(info.world_size)), "world", timeout)
+
+
+def store_address(master_addr: str) -> str:
+    """The IP the rendezvous store listens on and ranks dial: MASTER_ADDR resolved (IPv4 first)."""
+    try:
+        found = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise BackendError(f"MASTER_ADDR {master_addr!r} does not resolve: {exc}") from None
+    found.sort(key=lambda entry: entry[0] != socket.AF_INET)
+    return found[0][4][0]
+
+
+def rendezvous_store(info: RankInfo, timeout: float):
+    """The job's TCPStore. torch's tcp:// rendezvous listens on every interface, so anyone on any
+    network the master host is on could talk to it; rank 0 listens on MASTER_ADDR's own address
+    instead, and the other ranks connect there."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    host = store_address(info.master_addr)
+    limit = datetime.timedelta(seconds=timeout)
+    # under torchrun its agent already serves the store on MASTER_PORT: every rank is a client
+    if info.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = TCPStore(host, info.master_port, info.world_size, is_master=False, timeout=limit)
+        return PrefixStore("default_pg", store)  # the keys tcp:// would use, clear of the agent's
+    bind = host
+    if info.num_nodes > 1 and ipaddress.ip_address(host).is_loopback:
+        logger.warning(f"MASTER_ADDR {info.master_addr!r} is {host} on this host, which other hosts cannot reach: "
+                       f"the rendezvous listens on every interface; set MASTER_ADDR to this host's IP")
+        bind = "::" if ":" in host else "0.0.0.0"
+    listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((bind, info.master_port))
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        raise BackendError(f"the rendezvous cannot listen on {bind}:{info.master_port}: {exc}") from None
+    _LISTENERS.append(listener)  # the store serves on this fd: it must outlive the store
+    logger.debug(f"rendezvous store listening on {bind}:{info.master_port}")
+    store = TCPStore(host, info.master_port, info.world_size, is_master=True, timeout=limit,
+                     master_listen_fd=listener.fileno(), use_libuv=True)
+    return PrefixStore("default_pg", store)
 
 
 def _destroy_at_exit() -> None:

@@ -5,8 +5,16 @@ while the rest serve on. A collective communicator cannot take a new member or s
 one, so the KV blocks of a migrating request travel over this instead: every rank listens on
 one TCP port, a sender connects to the receiver's advertised address on first use, and each
 message carries a key (three integers: migration, stage, sending rank) that the receiver
-matches against the receives it has posted. A message that arrives before its receive is
-posted waits in memory; a receive posted for a key whose data is already in completes at once.
+matches against the receives it has posted.
+
+The port is reachable by anyone on the network, so nothing is trusted before the handshake
+(comm/peer_auth.py) proves the other end holds the cluster key and sits on the host it claims.
+Even then nothing is allocated from a length on the wire unchecked: a message for a posted
+receive must have exactly that receive's size (else that receive fails and the bytes are read
+past), a message that comes before its receive is held only within a per-link byte budget
+(beyond it the reader waits, bounded, for the receive), and messages of dropped migrations or
+of senders that went away are freed. Inbound connections are capped, unauthenticated ones
+must finish the handshake in seconds, and idle ones are closed.
 
 Nothing here blocks forever: sends and connects have a timeout, a receive's `wait` has one, and
 a connection that closes fails the receives still expecting data from that sender's address.
@@ -16,26 +24,61 @@ as an idle follower, still reacts the moment its data is in.
 
 from __future__ import annotations
 
-import json
+import secrets
+import select
 import socket
 import struct
 import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from loguru import logger
 
 from dist_infer.comm.base import CommError, CommTimeoutError, DoneHandle, Handle
+from dist_infer.comm.peer_auth import (HandshakeError, RateLimitedWarning, client_handshake, read_exactly,
+                                      server_handshake, skip_exactly)
 
 Key = tuple[int, int, int]
 Address = tuple[str, int]
 _HEADER = struct.Struct("!qqqq")  # key (3), payload bytes
-_HELLO = struct.Struct("!I")  # length of the JSON hello that names the sender's own address
+_SKIP, _BUFFER = "skip", "buffer"  # what the reader does with a message that has no receive to fill
+_DROPPED_KEPT = 4096  # dropped migration ids remembered, so their late messages are read past
+MAX_UNMATCHED_BYTES = 256 << 20
+_PROCESS_KEY = secrets.token_bytes(32)  # links made without a key: only this process's links share it
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (any dtype: numpy has no bfloat16)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def _fmt(address: Address) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+class _Idle(Exception):
+    """A connection sent nothing for the idle timeout: closed, but its sender is not gone."""
+
+
+@dataclass
+class _Out:
+    """One outgoing connection; `last` is when it last carried a message."""
+
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last: float = field(default_factory=time.monotonic)
+
+    def stale(self, max_idle: float) -> bool:
+        """The receiver closes connections idle for its idle timeout; a send into a socket it has
+        closed would vanish, so a connection idle for half that, or closed by it, is made anew."""
+        if time.monotonic() - self.last > max_idle:
+            return True
+        poller = select.poll()  # the receiver never writes after the handshake: readable means closed
+        poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
 
 
 class PeerLinkError(CommError):
@@ -91,62 +134,111 @@ class RecvHandle(Handle):
 
 class PeerLink:
     """This process's endpoint: `address` is what peers send to; `isend`/`irecv` as in a
-    communicator, but peers are addresses, not ranks, and tags are keys."""
+    communicator, but peers are addresses, not ranks, and tags are keys.
 
-    def __init__(self, host: str = "127.0.0.1", timeout: float = 30.0):
-        self.timeout = timeout
+    `key` is the cluster's shared secret: only links made with the same key talk to each other.
+    Without one, the link takes a random key made once per process: the links of this process
+    (tests) talk to each other, and a link elsewhere only if given `link.key`."""
+
+    def __init__(self, host: str = "127.0.0.1", timeout: float = 30.0, key: Optional[bytes | str] = None, *,
+                 idle_timeout: float = 300.0, handshake_timeout: float = 5.0, max_inbound: int = 64,
+                 max_handshaking: int = 16, max_unmatched_bytes: int = MAX_UNMATCHED_BYTES):
+        self.timeout, self.idle_timeout, self.handshake_timeout = timeout, idle_timeout, handshake_timeout
+        self.max_inbound, self.max_handshaking = max_inbound, max_handshaking
+        self.max_unmatched_bytes = max_unmatched_bytes
+        self.key = _PROCESS_KEY if key is None else key.encode() if isinstance(key, str) else bytes(key)
+        if not self.key:
+            raise ValueError("peer link: the cluster key is empty")
+        host = socket.gethostbyname(host)  # peers check the claimed host against the source IP
         self._server = socket.create_server((host, 0), backlog=64)
         self.address: Address = (host, self._server.getsockname()[1])
         self._lock = threading.Lock()
-        self._arrived: dict[Key, bytearray] = {}
+        self._cond = threading.Condition(self._lock)  # a reader waiting for a receive to be posted
+        self._arrived: dict[Key, tuple[Address, bytearray]] = {}  # messages before their receive
+        self._unmatched = 0  # bytes held in _arrived, or being read into it
         self._posted: dict[Key, RecvHandle] = {}
-        self._dropped: set[int] = set()  # first key parts whose messages are no longer wanted
+        self._dropped: OrderedDict[int, None] = OrderedDict()  # migrations whose messages are unwanted
         self._gone: set[Address] = set()  # senders whose every connection closed
-        self._incoming: dict[Address, int] = {}  # open connections from each sender
-        self._out: dict[Address, tuple[socket.socket, threading.Lock]] = {}
+        self._incoming: dict[Address, int] = {}  # open authenticated connections from each sender
+        self._inbound: set[socket.socket] = set()  # every open inbound connection
+        self._handshaking = 0
+        self._out: dict[Address, _Out] = {}
         self._connecting: dict[Address, threading.Lock] = {}
         self._closed = False
+        self._warn = RateLimitedWarning()
         threading.Thread(target=self._accept, name="peer-link-accept", daemon=True).start()
 
     # -- sending ------------------------------------------------------------------------------
-    def _connection(self, peer: Address) -> tuple[socket.socket, threading.Lock]:
+    def _dial(self, peer: Address) -> socket.socket:
+        """Connect and authenticate; a listener that is full closes new connections at once, so
+        those are tried again (briefly backing off) until the link's timeout."""
+        deadline, delay = time.monotonic() + self.timeout, 0.05
+        while True:
+            try:
+                sock = socket.create_connection(peer, timeout=self.timeout, source_address=(self.address[0], 0))
+            except OSError:  # our address may not route there: let the kernel choose the source
+                sock = socket.create_connection(peer, timeout=self.timeout)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                client_handshake(sock, self.key, self.address, peer, self.handshake_timeout)
+                sock.settimeout(self.timeout)
+                return sock
+            except HandshakeError:
+                sock.close()
+                raise
+            except (OSError, EOFError):
+                sock.close()
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 0.5)
+
+    def _connection(self, peer: Address) -> _Out:
         """The one connection to `peer`, made on first use (one thread makes it; the others wait)."""
         with self._lock:
             entry = self._out.get(peer)
             connecting = self._connecting.setdefault(peer, threading.Lock())
         if entry is not None:
             return entry
-        with connecting:
+        if not connecting.acquire(timeout=self.timeout + self.handshake_timeout):
+            raise TimeoutError("another thread is still connecting")
+        try:
             with self._lock:
                 entry = self._out.get(peer)
-            if entry is not None:
-                return entry
-            sock = socket.create_connection(peer, timeout=self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = json.dumps({"host": self.address[0], "port": self.address[1]}).encode()
-            sock.sendall(_HELLO.pack(len(hello)) + hello)
-            entry = (sock, threading.Lock())
-            with self._lock:
-                self._out[peer] = entry
+            if entry is None:
+                entry = _Out(self._dial(peer))
+                with self._lock:
+                    self._out[peer] = entry
             return entry
+        finally:
+            connecting.release()
+
+    def _forget(self, peer: Address, entry: _Out) -> None:
+        with self._lock:
+            if self._out.get(peer) is entry:  # only ours: another thread may have made a new one
+                del self._out[peer]
+        entry.sock.close()
 
     def send(self, tensor: torch.Tensor, peer: Address, key: Key) -> None:
         """Send now (returns once the bytes are with the kernel); PeerLinkError if the peer is gone."""
         data = _as_bytes(tensor.detach().contiguous().cpu())
         entry = None
         try:
-            entry = self._connection(peer)
-            sock, lock = entry
-            with lock:
-                sock.sendall(_HEADER.pack(*key, data.numel()))
-                sock.sendall(memoryview(data.numpy()))
-        except OSError as exc:
+            for _ in range(2):
+                entry = self._connection(peer)
+                with entry.lock:
+                    if entry.stale(self.idle_timeout / 2):
+                        self._forget(peer, entry)
+                        continue
+                    entry.sock.sendall(_HEADER.pack(*key, data.numel()))
+                    entry.sock.sendall(memoryview(data.numpy()))
+                    entry.last = time.monotonic()
+                    return
+            raise ConnectionError("no fresh connection")
+        except (OSError, EOFError) as exc:
             if entry is not None:
-                with self._lock:
-                    if self._out.get(peer) is entry:  # only ours: another thread may have made a new one
-                        del self._out[peer]
-                entry[0].close()
-            raise PeerLinkError(f"peer link: sending {key} to {peer[0]}:{peer[1]} failed: {exc}") from None
+                self._forget(peer, entry)
+            raise PeerLinkError(f"peer link: sending {key} to {_fmt(peer)} failed: {exc}") from None
 
     def isend(self, tensor: torch.Tensor, peer: Address, key: Key) -> Handle:
         """Send in the calling thread; the handle reports the outcome (a failure raises on wait)."""
@@ -162,117 +254,219 @@ class PeerLink:
         """Post a receive of `key` from `peer` into `tensor`; `on_done(handle)` runs once it is
         in or has failed (on the link's reader thread, or here if it already arrived)."""
         handle = RecvHandle(self, key, tensor, peer, on_done)
-        with self._lock:
-            data = self._arrived.pop(key, None)
+        with self._cond:
+            entry = self._arrived.pop(key, None)
+            if entry is not None:
+                self._unmatched -= len(entry[1])
             gone = peer in self._gone
-            if data is None and not gone:
+            if entry is None and not gone:
                 self._posted[key] = handle
-        if data is not None:
-            self._fill(handle, data)
+                self._cond.notify_all()  # a reader may be holding this message back for it
+        if entry is not None:
+            self._fill(handle, *entry)
         elif gone:
-            handle._finish(PeerLinkError(f"peer link: {peer[0]}:{peer[1]} is gone; {key} will not come"))
+            handle._finish(PeerLinkError(f"peer link: {_fmt(peer)} is gone; {key} will not come"))
         return handle
 
-    def _fill(self, handle: RecvHandle, data: bytearray) -> None:
-        target = _as_bytes(handle.staging)
-        if len(data) != target.numel():
-            return handle._finish(PeerLinkError(f"peer link: message {handle.key} has {len(data)} bytes, "
-                                                f"the receive expects {target.numel()}"))
-        target.copy_(torch.frombuffer(data, dtype=torch.uint8))
+    @staticmethod
+    def _mismatch(handle: RecvHandle, sender: Address, size: int) -> Optional[PeerLinkError]:
+        """Why a message cannot fill `handle`, or None if it can."""
+        if sender != handle.peer:
+            return PeerLinkError(f"peer link: message {handle.key} came from {_fmt(sender)}, the receive "
+                                 f"expects it from {_fmt(handle.peer)}")
+        expected = _as_bytes(handle.staging).numel()
+        if size != expected:
+            return PeerLinkError(f"peer link: message {handle.key} has {size} bytes, the receive expects {expected}")
+        return None
+
+    def _fill(self, handle: RecvHandle, sender: Address, data: bytearray) -> None:
+        error = self._mismatch(handle, sender, len(data))
+        if error is not None:
+            return handle._finish(error)
+        if data:  # frombuffer refuses an empty buffer
+            _as_bytes(handle.staging).copy_(torch.frombuffer(data, dtype=torch.uint8))
         handle._finish()
 
-    def drop(self, first: int) -> None:
-        """Forget every message and receive whose key starts with `first` (a cancelled migration);
-        messages for it that arrive later are discarded."""
-        with self._lock:
-            self._dropped.add(first)
-            for key in [k for k in self._arrived if k[0] == first]:
-                del self._arrived[key]
-            dropped = [self._posted.pop(k) for k in [k for k in self._posted if k[0] == first]]
+    def drop(self, migration_id: int) -> None:
+        """Forget every message and receive of migration `migration_id` (cancelled or over): its
+        held bytes are freed, its receives fail, and its messages that come later are read past."""
+        with self._cond:
+            self._dropped[migration_id] = None
+            self._dropped.move_to_end(migration_id)
+            while len(self._dropped) > _DROPPED_KEPT:
+                self._dropped.popitem(last=False)
+            for key in [k for k in self._arrived if k[0] == migration_id]:
+                self._unmatched -= len(self._arrived.pop(key)[1])
+            dropped = [self._posted.pop(k) for k in [k for k in self._posted if k[0] == migration_id]]
+            self._cond.notify_all()
         for handle in dropped:
             handle._finish(PeerLinkError(f"peer link: receive {handle.key} was cancelled"))
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._server.accept()
+                conn, source = self._server.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._read, args=(conn,), name="peer-link-reader", daemon=True).start()
-
-    @staticmethod
-    def _read_exactly(conn: socket.socket, view: memoryview) -> None:
-        while len(view):
-            n = conn.recv_into(view)
-            if n == 0:
-                raise EOFError
-            view = view[n:]
-
-    def _read(self, conn: socket.socket) -> None:
-        peer: Optional[Address] = None
-        current: Optional[RecvHandle] = None  # a receive whose bytes are coming in right now
-        try:
-            head = bytearray(_HELLO.size)
-            self._read_exactly(conn, memoryview(head))
-            raw = bytearray(_HELLO.unpack(head)[0])
-            self._read_exactly(conn, memoryview(raw))
-            hello = json.loads(raw)
-            peer = (hello["host"], int(hello["port"]))
             with self._lock:
-                self._gone.discard(peer)
-                self._incoming[peer] = self._incoming.get(peer, 0) + 1
-            header = bytearray(_HEADER.size)
-            while True:
-                self._read_exactly(conn, memoryview(header))
-                *key, size = _HEADER.unpack(header)
-                key = tuple(key)
-                with self._lock:
-                    current = self._posted.pop(key, None)
-                if current is not None and _as_bytes(current.staging).numel() == size:
-                    self._read_exactly(conn, memoryview(_as_bytes(current.staging).numpy()))
-                    current, done = None, current
-                    done._finish()
-                    continue
-                data = bytearray(size)
-                self._read_exactly(conn, memoryview(data))
-                with self._lock:
-                    handle = current or self._posted.pop(key, None)  # posted while the bytes came in
-                    current = None
-                    if handle is None and key[0] not in self._dropped:
-                        self._arrived[key] = data
-                if handle is not None:
-                    self._fill(handle, data)  # a size mismatch fails the receive and says so
-        except (OSError, EOFError, ValueError, KeyError):
+                full = len(self._inbound) >= self.max_inbound or self._handshaking >= self.max_handshaking
+                if not full:
+                    self._inbound.add(conn)
+                    self._handshaking += 1
+                count = len(self._inbound)
+            if full:
+                conn.close()
+                self._warn("full", f"peer link {_fmt(self.address)}: refused a connection from {source[0]} "
+                                   f"({count} open, {self._handshaking} still authenticating)")
+                continue
+            threading.Thread(target=self._serve, args=(conn, source), name="peer-link-reader", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, source: tuple) -> None:
+        """One inbound connection: authenticate it, then read its messages until it ends."""
+        peer: Optional[Address] = None
+        idle = dropped = False
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = server_handshake(conn, self.key, self.address, self.handshake_timeout)
+        except Exception as exc:  # noqa: BLE001 - whatever a stranger sends ends only its connection
+            self._warn(f"auth {source[0]}", f"peer link {_fmt(self.address)}: dropped a connection from "
+                                            f"{source[0]}:{source[1]}: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._handshaking -= 1
+                if peer is not None:
+                    self._gone.discard(peer)
+                    self._incoming[peer] = self._incoming.get(peer, 0) + 1
+        try:
+            if peer is not None:
+                conn.settimeout(self.idle_timeout)
+                self._read(conn, peer)
+        except _Idle:
+            idle = True
+            logger.debug(f"peer link {_fmt(self.address)}: closed the connection from {_fmt(peer)} after "
+                         f"{self.idle_timeout:g} s idle")
+        except PeerLinkError as exc:
+            dropped = True
+            self._warn(f"protocol {_fmt(peer)}", f"{exc}; closed the connection")
+        except (OSError, EOFError):
             pass
         finally:
+            with self._lock:
+                self._inbound.discard(conn)
             conn.close()
-            if current is not None:  # the sender went away in the middle of its bytes
-                current._finish(PeerLinkError(f"peer link: the connection from {peer[0]}:{peer[1]} closed in the "
-                                              f"middle of message {current.key}"))
-            if peer is not None and not self._closed:
-                self._lost(peer)
+            if peer is not None:
+                self._lost(peer, idle, dropped)
 
-    def _lost(self, peer: Address) -> None:
-        """A connection from `peer` closed; once none is left, its pending receives fail."""
+    def _read(self, conn: socket.socket, peer: Address) -> None:
+        header = bytearray(_HEADER.size)
+        while not self._closed:
+            try:
+                read_exactly(conn, memoryview(header))
+            except socket.timeout:
+                raise _Idle from None
+            *parts, size = _HEADER.unpack(header)
+            key: Key = tuple(parts)
+            if size < 0:
+                raise PeerLinkError(f"peer link: {_fmt(peer)} sent message {key} with a negative size")
+            verdict = self._claim(key, size, peer)
+            if verdict == _SKIP:
+                skip_exactly(conn, size)
+            elif verdict == _BUFFER:
+                self._buffer(conn, key, size, peer)
+            else:
+                self._deliver(conn, verdict, size, peer)
+
+    def _claim(self, key: Key, size: int, peer: Address):
+        """What to do with a message whose header just came: fill its posted receive, hold it
+        (within the byte budget), or read past it (dropped). Over budget, wait for its receive."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise EOFError("the link closed")
+                if key[0] in self._dropped:
+                    return _SKIP
+                handle = self._posted.pop(key, None)
+                if handle is not None:
+                    return handle
+                if self._unmatched + size <= self.max_unmatched_bytes:
+                    self._unmatched += size
+                    return _BUFFER
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerLinkError(
+                        f"peer link: message {key} of {size} bytes from {_fmt(peer)} found no receive within "
+                        f"{self.timeout:g} s and no room ({self._unmatched} of {self.max_unmatched_bytes} bytes held)")
+                self._cond.wait(left)
+
+    def _deliver(self, conn: socket.socket, handle: RecvHandle, size: int, peer: Address) -> None:
+        error = self._mismatch(handle, peer, size)
+        if error is not None:
+            handle._finish(error)  # that receive fails; the stream stays in step
+            return skip_exactly(conn, size)
+        try:
+            read_exactly(conn, memoryview(_as_bytes(handle.staging).numpy()))
+        except BaseException as exc:
+            handle._finish(PeerLinkError(f"peer link: the connection from {_fmt(peer)} closed in the middle of "
+                                         f"message {handle.key}: {type(exc).__name__}"))
+            raise
+        handle._finish()
+
+    def _buffer(self, conn: socket.socket, key: Key, size: int, peer: Address) -> None:
+        """Hold a message that came before its receive (its bytes are already counted)."""
+        data = bytearray(size)
+        try:
+            read_exactly(conn, memoryview(data))
+        except BaseException:
+            with self._lock:
+                self._unmatched -= size
+            raise
+        with self._lock:
+            handle = self._posted.pop(key, None)  # posted while the bytes came in
+            if handle is None and key[0] not in self._dropped:
+                old = self._arrived.pop(key, None)
+                if old is not None:
+                    self._unmatched -= len(old[1])
+                self._arrived[key] = (peer, data)
+                return
+            self._unmatched -= size
+        if handle is not None:
+            self._fill(handle, peer, data)  # a size mismatch fails the receive and says so
+
+    def _lost(self, peer: Address, idle: bool = False, dropped: bool = False) -> None:
+        """A connection from `peer` closed; once none is left (and not merely for idleness), its
+        pending receives fail. If it closed (not we, for a bad message), the sender is gone: the
+        messages it sent that nobody took are freed, and later receives from it fail at once."""
         with self._lock:
             self._incoming[peer] = self._incoming.get(peer, 1) - 1
-            if self._incoming[peer] > 0:
+            if self._incoming[peer] > 0 or idle or self._closed:
                 return
-            self._gone.add(peer)
+            del self._incoming[peer]
             failed = [self._posted.pop(k) for k, h in list(self._posted.items()) if h.peer == peer]
+            if not dropped:
+                self._gone.add(peer)
+                for key in [k for k, (sender, _) in self._arrived.items() if sender == peer]:
+                    self._unmatched -= len(self._arrived.pop(key)[1])
         for handle in failed:
-            handle._finish(PeerLinkError(f"peer link: the connection from {peer[0]}:{peer[1]} closed before "
+            handle._finish(PeerLinkError(f"peer link: the connection from {_fmt(peer)} closed before "
                                          f"message {handle.key} came"))
 
     def close(self) -> None:
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            outs, self._out = list(self._out.values()), {}
+            inbound = list(self._inbound)
+            self._arrived.clear()
+            self._unmatched = 0
+            self._cond.notify_all()
         try:
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; a close alone may not
         except OSError:
             pass
         self._server.close()
-        with self._lock:
-            entries, self._out = list(self._out.values()), {}
-        for sock, _ in entries:
+        for sock in [o.sock for o in outs] + inbound:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its reader
+            except OSError:
+                pass
             sock.close()

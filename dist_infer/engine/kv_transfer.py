@@ -365,6 +365,8 @@ class BlockMover:
                     self.failures.add(migration_id)
                     logger.error(f"migration {migration_id}: committed with a receive that failed: {exc}")
         self.poll()
+        if not any(p.migration_id == migration_id for p in self._posted):
+            self.link.drop(migration_id)  # it is over: stray or late messages for it are freed, not held
 
     def stage_done(self, migration_id: int, stage: int) -> bool:
         """This rank's sends and receives of that stage are complete (receives scattered), and on

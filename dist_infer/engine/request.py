@@ -103,3 +103,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # in total so far
     error: Optional[str] = None  # set when the request ended because the engine failed
+    error_status: int = 500  # with error: 400 when the request itself was refused, 500 when a step failed it

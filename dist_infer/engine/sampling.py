@@ -4,16 +4,47 @@ Randomness is counter-based: token i of a request is drawn from a generator seed
 (seed, i). A request's whole random state is therefore its seed and how many tokens it has,
 so it samples the same tokens alone or in any batch, at any chunk size, after a preemption
 (recompute) and after moving to another instance.
+
+Every parameter in range gives a token: temperatures below GREEDY_BELOW are greedy (dividing by
+1e-300 would overflow), top-p keeps the most likely token however small it is, top-k is clamped
+to the vocabulary, and non-finite logits from the model are made finite before any softmax.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default limit)
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM's _SAMPLING_EPS
+TOP_K_LIMIT = 2 ** 31 - 1  # top_k is kept clamped to this: above any vocabulary, exact in the float64 step plan
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a temperature means greedy: 0, anything too small to divide by, or NaN."""
+    return not temperature >= GREEDY_BELOW
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message, short even for a 5000-digit integer (whose repr raises)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
+
+
+def _as_integer(value: Any) -> Optional[int]:
+    """`value` as an int when it is a whole number (40 or 40.0), else None."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 class SamplingParamsError(ValueError):
@@ -39,18 +70,22 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, why):
-            raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
+            raise SamplingParamsError(name, f"{name} {why}, got {_shown(getattr(self, name))}")
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             bad("max_new_tokens", "must be an integer >= 1")
         if not 0 <= self.temperature <= 100:
             bad("temperature", "must be in [0, 100]")
-        if self.top_k < 0:
-            bad("top_k", "must be >= 0")
+        top_k = _as_integer(self.top_k)
+        if top_k is None or top_k < 0:
+            bad("top_k", "must be an integer >= 0")
+        object.__setattr__(self, "top_k", min(top_k, TOP_K_LIMIT))
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 53:
-            bad("seed", "must be in [0, 2**53)")
+        if self.seed is not None and (_as_integer(self.seed) is None or not 0 <= self.seed < 2 ** 53):
+            bad("seed", "must be an integer in [0, 2**53)")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -60,7 +95,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return is_greedy(self.temperature)
 
 
 def token_generator(seed: int, index: int) -> torch.Generator:
@@ -76,16 +111,21 @@ def batch_seed(seed: Optional[int], index: int) -> Optional[int]:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the smallest top-p nucleus."""
+    """Set to -inf every logit outside the top-k and outside the smallest top-p nucleus.
+
+    The most likely token always stays: top_k is clamped to the vocabulary (any int, 10**400
+    included), and a top_p that rounds to 0 in float32 (1e-50) still keeps the first token."""
     logits = logits.clone()
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    top_k = min(top_k, logits.shape[-1])
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, int(top_k), dim=-1).values[..., -1:]
         logits[logits < kth] = float("-inf")
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly above each token
-        drop_sorted = before >= top_p  # keeps the first token always
+        drop_sorted = before >= top_p
+        drop_sorted[..., 0] = False  # the first token stays whatever top_p is
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits[drop] = float("-inf")
     return logits
@@ -106,7 +146,8 @@ class RowSampling:
     @classmethod
     def of(cls, params: SamplingParams, seed: int, index: int) -> "RowSampling":
         ban = int(params.stop_at_eos and index < params.min_tokens)
-        return cls(params.temperature, params.top_k, params.top_p, seed, index, params.logprobs or 0, ban)
+        temperature = 0.0 if params.greedy else params.temperature
+        return cls(temperature, params.top_k, params.top_p, seed, index, params.logprobs or 0, ban)
 
 
 @dataclass
@@ -118,21 +159,58 @@ class SampledTokens:
     logits: Optional[torch.Tensor] = None  # [B, V] fp32, when the caller asked for them
 
 
+def usable_logits(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """fp32 logits every softmax can take: NaN -> -inf, +inf -> the largest float, `banned` [B, V]
+    -> -inf. A row left with no finite logit (all NaN, or only banned tokens) becomes uniform over its
+    allowed tokens, or over all when none is allowed, so every row still has a token to give."""
+    fp32 = torch.finfo(torch.float32)
+    out = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=fp32.max, neginf=float("-inf"))
+    out = out.masked_fill(banned, float("-inf"))
+    dead = ~torch.isfinite(out).any(-1)
+    if dead.any():
+        uniform = torch.zeros_like(out[dead]).masked_fill(banned[dead], float("-inf"))
+        uniform[~torch.isfinite(uniform).any(-1)] = 0.0
+        out[dead] = uniform
+    return out
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature (one row with a finite max). Where that overflows (|logit| > ~3e33 at
+    temperature 1e-5) the same distribution from the row max down, (logits - max) / temperature,
+    which can only underflow to -inf (a probability of 0 either way)."""
+    scaled = logits / temperature
+    overflowed = torch.isinf(scaled)
+    if overflowed.any() and (overflowed & torch.isfinite(logits)).any():
+        scaled = (logits - logits.max()) / temperature
+    return scaled
+
+
+def draw_token(logits: torch.Tensor, row: RowSampling) -> torch.Tensor:
+    """One token from one row of usable logits, with the row's own counter-based generator."""
+    temperature = min(row.temperature, MAX_TEMPERATURE)
+    probs = filter_logits(scaled_logits(logits, temperature), row.top_k, row.top_p).softmax(-1)
+    token = torch.multinomial(probs, 1, generator=token_generator(row.seed, row.index))[0]
+    if not probs[token] > 0:  # only on a uniform draw of exactly 0 ahead of zero-probability tokens
+        token = probs.argmax()
+    return token
+
+
 def sample_rows(logits: torch.Tensor, rows: list[RowSampling], eos_ids: tuple[int, ...] = ()) -> SampledTokens:
-    """logits [B, V] -> one token per row, each row with its own parameters and generator."""
-    logits = logits.float()
-    banned = [b for b, r in enumerate(rows) if r.ban_eos]
-    if banned and eos_ids:
-        logits = logits.clone()
-        logits[torch.tensor(banned)[:, None], torch.tensor(list(eos_ids))[None, :]] = float("-inf")
+    """logits [B, V] -> one token per row, each row with its own parameters and generator.
+
+    Never raises on what a model or a valid request can give: every chosen token has a finite logprob."""
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    banned_rows = [b for b, r in enumerate(rows) if r.ban_eos]
+    if banned_rows and eos_ids:
+        banned[torch.tensor(banned_rows)[:, None], torch.tensor(list(eos_ids))[None, :]] = True
+    logits = usable_logits(logits, banned)
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(-1)
     for b, row in enumerate(rows):
-        if row.temperature > 0:
-            probs = filter_logits(logits[b] / row.temperature, row.top_k, row.top_p).softmax(-1)
-            tokens[b] = torch.multinomial(probs, 1, generator=token_generator(row.seed, row.index))[0]
+        if not is_greedy(row.temperature):
+            tokens[b] = draw_token(logits[b], row)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0].double()
-    n = max((r.logprobs for r in rows), default=0)
+    n = min(max((r.logprobs for r in rows), default=0), logits.shape[-1])
     if n:
         top = logprobs.topk(n, dim=-1)
         return SampledTokens(tokens, chosen, top.indices, top.values.double())

@@ -7,6 +7,10 @@ driver's pipeline peer) samples the flagged rows and sends the tokens back. With
 parallelism up to pp steps are in flight at once, each on a different set of requests, so
 every stage stays busy. The other ranks follow the plans and coordinate nothing else.
 
+A request can fail only itself (step_guard.py): an exception in what the driver alone does
+(planning, sampling, stop checks) ends the requests concerned with an error and the loop goes on;
+one in the forward, which every rank runs, still ends the instance (unless it is the only rank).
+
 Offline generation (`generate`) is "submit everything, run the loop": the same engine, with
 no token budget and a cache sized for the batch unless told otherwise.
 """
@@ -31,9 +35,11 @@ from dist_infer.engine.allocator import tune_malloc
 from dist_infer.engine.kv_cache import PagedKVCache
 from dist_infer.engine.kv_transfer import BlockMover, KVLayout, TransferOp
 from dist_infer.engine.migration import MigrationEndpoint
+from dist_infer.engine.offline_outputs import GenerationOutput, share_outputs
 from dist_infer.engine.request import PromptError, Request, RequestOutput, check_prompt
-from dist_infer.engine.sampling import RowSampling, SampledTokens, SamplingParams, batch_seed, sample_rows
+from dist_infer.engine.sampling import SampledTokens, SamplingParams, batch_seed, sample_rows
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, blocks_at_full_length
+from dist_infer.engine.step_guard import FAILED_TOKEN, StepGuard, describe, failed_output
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
 from dist_infer.engine.worker import StageWorker
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
@@ -54,16 +60,6 @@ SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": None, "cuda": None}
 DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 HEARTBEAT_S = 2.0  # an idle driver sends an empty plan this often, so the followers' waits never time out
 
-
-
-@dataclass
-class GenerationOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    logits: list[torch.Tensor] = field(default_factory=list)  # per step, when asked for
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -165,6 +161,7 @@ class Engine:
         self._step = 0
         self._last_plan = time.monotonic()
         self.return_logits = False
+        self.guard = StepGuard(self._fail)
         if num_blocks is not None:
             self._allocate(num_blocks)
 
@@ -371,7 +368,10 @@ class Engine:
             self._freed += [r.seq_id for r in scheduled.freed]
             if not scheduled.chunks:
                 break
-            self._launch(scheduled)
+            before = len(self._inflight)
+            outputs += self._launch(scheduled)
+            if len(self._inflight) == before:
+                break  # the step failed before it ran (its requests with it): the next one goes on
         if self._transfers:  # nothing to run this step, but blocks to move: an idle plan carries them
             self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed(),
                                      transfers=self._take_transfers()))
@@ -418,25 +418,33 @@ class Engine:
         transfers, self._transfers = self._transfers, []
         return transfers
 
-    def _launch(self, scheduled: SchedulerOutput) -> None:
-        plan = StepPlan(kind=KIND_WORK, step=self._step, freed=self._take_freed(), return_logits=self.return_logits,
-                        transfers=self._take_transfers())
+    def _launch(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Plan the step and send it. A request whose chunk cannot be planned fails alone; a plan
+        the metadata check rejects, or (one rank) a forward that raises, fails the step's
+        requests. Returns the failed requests' outputs."""
+        plan = StepPlan(kind=KIND_WORK, step=self._step, return_logits=self.return_logits)
+        chunks, failed = self.guard.plan_chunks(plan, scheduled.chunks, self.cfg, self.num_blocks, self.block_size,
+                                                self.cp.size)
+        if not chunks:
+            return failed
+        requests = [c.request for c in chunks]
+        try:
+            meta = self.worker.prepare(plan)  # before the plan leaves: a bad plan stops here, on the driver
+        except Exception as exc:  # noqa: BLE001
+            return failed + self.guard.fail_all(requests, "checking its step", describe(exc))
+        plan.freed, plan.transfers = self._take_freed(), self._take_transfers()
         self._step += 1
-        for chunk in scheduled.chunks:
-            r = chunk.request
-            plan.seq_ids.append(r.seq_id)
-            plan.num_tokens.append(chunk.num_tokens)
-            plan.starts.append(chunk.start)
-            plan.block_tables.append(list(r.block_table))
-            plan.sample.append(chunk.sample)
-            plan.input_ids += r.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
-            if chunk.sample:
-                plan.rows.append(RowSampling.of(r.params, r.seed, len(r.output_token_ids)))
         launched = time.perf_counter()
-        result = self._send_plan(plan)
-        self._inflight.append(_InFlight(plan, list(scheduled.chunks), launched, result))
+        try:
+            result = self._send_plan(plan, meta)
+        except Exception as exc:  # noqa: BLE001
+            self.guard.forward_failed(exc, self.groups.world.size)  # re-raises unless this is the only rank
+            return failed + self.guard.fail_all(requests, "its step's forward", describe(exc))
+        self.guard.forward_ok()
+        self._inflight.append(_InFlight(plan, chunks, launched, result))
+        return failed
 
-    def _send_plan(self, plan: StepPlan) -> Optional[SampledTokens]:
+    def _send_plan(self, plan: StepPlan, meta: Optional[object] = None) -> Optional[SampledTokens]:
         """Driver: the plan to every rank of stage 0 (one broadcast of its sizes, two of its
         payload), then this rank's own share of it."""
         ints, floats = encode(plan)
@@ -447,10 +455,10 @@ class Engine:
                 if t.numel():
                     comm.broadcast(t, 0)
         self._last_plan = time.monotonic()
-        return self._run_stage(plan, wire)
+        return self._run_stage(plan, wire, meta=meta)
 
-    def _run_stage(self, plan: StepPlan, wire: list[torch.Tensor],
-                   hidden: Optional[torch.Tensor] = None) -> Optional[SampledTokens]:
+    def _run_stage(self, plan: StepPlan, wire: list[torch.Tensor], hidden: Optional[torch.Tensor] = None,
+                   meta: Optional[object] = None) -> Optional[SampledTokens]:
         """This rank's share of a plan as it arrived (`wire`: its encoded tensors, passed on
         unchanged): forget freed sequences, run the stage on a work step, pass it on, or sample
         (the sampler rank)."""
@@ -465,7 +473,7 @@ class Engine:
                 self._post(wire, self.pp.rank + 1, TAG_FORWARD)
             return None
         inputs = hidden if hidden is not None else torch.tensor(plan.input_ids, dtype=torch.long)
-        out = self.worker.execute(plan, inputs)
+        out = self.worker.execute(plan, inputs, meta)
         if self._follower_start is not None and any(plan.sample):  # this rank's own prefill ends here
             wall, cpu = self._follower_start
             self.timing.ttft_s, self.timing.ttft_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
@@ -476,7 +484,7 @@ class Engine:
         if not self.is_sampler:
             return None
         logits = out[torch.tensor(plan.sample_index, dtype=torch.long)]
-        sampled = sample_rows(logits, plan.rows, tuple(self.cfg.eos_token_ids))
+        sampled = self.guard.sample(sample_rows, logits, plan, tuple(self.cfg.eos_token_ids), keep=self.is_driver)
         if plan.return_logits:
             sampled.logits = logits.float()
         if self.pp.size > 1:
@@ -518,28 +526,37 @@ class Engine:
         now = time.monotonic()
         outputs = []
         rows = [c for c in flight.chunks if c.sample]
+        errors = self.guard.take_row_errors(flight.plan.step)
         for i, chunk in enumerate(rows):
             r = chunk.request
             if r.finished or not r.in_flight:
                 continue  # aborted (or preempted and requeued) while the step was on its way
-            self.scheduler.on_sampled(r)
-            token = int(sampled.tokens[i])
-            r.output_token_ids.append(token)
-            r.output_logprobs.append(float(sampled.logprobs[i]))
-            if r.params.logprobs:
-                k = r.params.logprobs
-                r.output_top_logprobs.append(list(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())))
-            if flight.plan.return_logits:
-                r.logits.append(sampled.logits[i].clone())
-            if r.first_token_time is None:
-                r.first_token_time = now
-            reason = self._stop_reason(r)
-            if reason is not None:
-                outputs.append(self._finish(r, reason))
-            else:
-                outputs.append(self._delta(r))
+            if int(sampled.tokens[i]) == FAILED_TOKEN:
+                why = errors.get(i, "the sampler rank could not sample it (its log says why)")
+                outputs.append(self.guard.fail(r, "sampling", why))
+                continue
+            try:
+                outputs.append(self._take_token(r, sampled, i, flight.plan.return_logits, now))
+            except Exception as exc:  # noqa: BLE001 - stop checks, detokenizing: this request's own
+                outputs.append(self.guard.fail(r, "taking its token", describe(exc)))
         self.timing.steps += 1
         return outputs
+
+    def _take_token(self, r: Request, sampled: SampledTokens, i: int, return_logits: bool, now: float) -> RequestOutput:
+        """Row `i` of a step's tokens to its request: append it, check the stops, report."""
+        self.scheduler.on_sampled(r)
+        token = int(sampled.tokens[i])
+        r.output_token_ids.append(token)
+        r.output_logprobs.append(float(sampled.logprobs[i]))
+        if r.params.logprobs:
+            k = r.params.logprobs
+            r.output_top_logprobs.append(list(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())))
+        if return_logits:
+            r.logits.append(sampled.logits[i].clone())
+        if r.first_token_time is None:
+            r.first_token_time = now
+        reason = self._stop_reason(r)
+        return self._finish(r, reason) if reason is not None else self._delta(r)
 
     def _stop_reason(self, r: Request) -> Optional[str]:
         """Why `r` ends after its newest token, or None. Stop strings are looked for only in text
@@ -593,6 +610,14 @@ class Engine:
         self.scheduler.finish(r, reason)
         self._requests.pop(r.request_id, None)
         return self._delta(r)
+
+    def _fail(self, r: Request, message: str) -> RequestOutput:
+        """End a request with an error (an abort): its blocks are freed, and the next plan tells
+        the followers, as for a client's abort."""
+        r.finish_reason = "abort"
+        self.scheduler.finish(r, "abort")
+        self._requests.pop(r.request_id, None)
+        return failed_output(r, message)
 
     # -- followers ------------------------------------------------------------------------------
     def _receive_plan(self) -> tuple[StepPlan, list[torch.Tensor], Optional[torch.Tensor]]:
@@ -680,7 +705,7 @@ class Engine:
             # its own prefill time, wall and CPU: up to its first sampled step (a profile splits at it)
             self._follower_start = (time.perf_counter(), time.process_time())
             self.follow()
-            return self._share_outputs(None, prompts, return_logits)
+            return share_outputs(self.groups.world, self.cfg.vocab_size, None, prompts, return_logits)
         self.return_logits = return_logits
         preempted_before = self.scheduler.num_preemptions
         requests = [self.add_request(f"offline-{self._step}-{i}", p, replace(params, seed=batch_seed(params.seed, i)))
@@ -697,7 +722,7 @@ class Engine:
                     if count:
                         self.timing.token_gaps_s.append((now - since) / (len(r.output_token_ids) - count))
                     seen[i] = (len(r.output_token_ids), now)
-            if first_done is None and all(r.output_token_ids for r in requests):
+            if first_done is None and all(r.output_token_ids or r.finished for r in requests):
                 first_done = time.perf_counter()
                 self.timing.ttft_s = first_done - start
                 self.timing.ttft_cpu_s = time.process_time() - cpu_start
@@ -709,48 +734,4 @@ class Engine:
         self.timing.preemptions = self.scheduler.num_preemptions - preempted_before
         outputs = [GenerationOutput(r.prompt_token_ids, r.output_token_ids, r.output_logprobs,
                                     r.finish_reason, r.logits, r.num_preemptions) for r in requests]
-        return self._share_outputs(outputs, prompts, return_logits)
-
-    def _share_outputs(self, outputs: Optional[list[GenerationOutput]], prompts: list[list[int]],
-                       return_logits: bool) -> list[GenerationOutput]:
-        """The driver's outputs to every rank (so each rank of a library call gets the answer)."""
-        world = self.groups.world
-        if world.size == 1:
-            return outputs
-        n = len(prompts)
-        reasons = ("stop", "length", "abort")
-        if outputs is not None:
-            ints = [n] + [x for o in outputs for x in (len(o.token_ids), reasons.index(o.finish_reason or "abort"))]
-            ints += [t for o in outputs for t in o.token_ids]
-            head = torch.tensor([len(ints)], dtype=torch.long)
-        else:
-            head = torch.empty(1, dtype=torch.long)
-        world.broadcast(head, 0)
-        payload = torch.tensor(ints, dtype=torch.long) if outputs is not None else torch.empty(int(head[0]), dtype=torch.long)
-        world.broadcast(payload, 0)
-        v = payload.tolist()
-        lens = v[1:1 + 2 * n:2]
-        total = sum(lens)
-        lp = torch.tensor([x for o in outputs for x in o.logprobs], dtype=torch.float64) if outputs is not None \
-            else torch.empty(total, dtype=torch.float64)
-        if total:
-            world.broadcast(lp, 0)
-        logits = None
-        if return_logits and total:
-            logits = torch.cat([torch.stack(o.logits) for o in outputs]).float() if outputs is not None \
-                else torch.empty(total, self.cfg.vocab_size, dtype=torch.float32)
-            world.broadcast(logits, 0)
-        if outputs is not None:
-            return outputs
-        result, at = [], 1 + 2 * n
-        flat = 0
-        for i in range(n):
-            k, reason = v[1 + 2 * i], reasons[v[2 + 2 * i]]
-            ids = v[at:at + k]
-            at += k
-            out = GenerationOutput(list(prompts[i]), ids, lp[flat:flat + k].tolist(), reason)
-            if logits is not None:
-                out.logits = list(logits[flat:flat + k])
-            flat += k
-            result.append(out)
-        return result
+        return share_outputs(self.groups.world, self.cfg.vocab_size, outputs, prompts, return_logits)

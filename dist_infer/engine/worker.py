@@ -49,26 +49,48 @@ class StageWorker:
             self._cp_prompt_len.pop(s, None)
             self._cp_len.pop(s, None)
 
-    def execute(self, plan: StepPlan, inputs: torch.Tensor) -> torch.Tensor:
-        """Run the stage on `inputs` (token ids on the first stage, hidden states after it)."""
+    def prepare(self, plan: StepPlan) -> Optional[object]:
+        """Check the plan and build its attention metadata, with no collective and no side effect:
+        the driver calls it before the plan leaves, so a plan that raises here (as it would on
+        every rank) fails its requests instead of stopping some ranks mid-step. cp: only the check."""
         if self.cp.size > 1:
-            return self._execute_cp(plan, inputs)
+            self._cp_kind(plan)
+            return None
         q_lens, seq_lens = plan.num_tokens, plan.seq_lens
         if should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold):
-            meta = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
-        else:
-            meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
-            meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
-                                                              self.groups.tp.size, self.sequence_parallel_threshold)
+            return split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+        meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+        meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
+                                                          self.groups.tp.size, self.sequence_parallel_threshold)
+        return meta
+
+    def execute(self, plan: StepPlan, inputs: torch.Tensor, meta: Optional[object] = None) -> torch.Tensor:
+        """Run the stage on `inputs` (token ids on the first stage, hidden states after it);
+        `meta`: what `prepare` built for this plan, if it was called already."""
+        if self.cp.size > 1:
+            return self._execute_cp(plan, inputs)
+        if meta is None:
+            meta = self.prepare(plan)
         with torch.inference_mode():
             return self.stage(inputs, meta, self.cache.layers)
+
+    def _cp_kind(self, plan: StepPlan) -> str:
+        """"prefill" (whole fresh prompts) or "decode" (one new token per cached sequence); raises otherwise."""
+        if all(start == 0 for start in plan.starts):
+            return "prefill"
+        if all(q == 1 for q in plan.num_tokens) and all(s in self._cp_len for s in plan.seq_ids):
+            return "decode"
+        raise ContextParallelError(
+            f"a cp step is a prefill of fresh prompts or one new token per cached sequence; got sequences "
+            f"{plan.seq_ids} with {plan.num_tokens} new tokens after {plan.starts} cached (prefill on top of cached "
+            f"context is not supported yet)")
 
     def _execute_cp(self, plan: StepPlan, inputs: torch.Tensor) -> torch.Tensor:
         """A prefill of whole fresh prompts on this rank's zigzag share, or a decode token run on
         every cp rank and stored on one (round-robin)."""
         n, me = self.cp.size, self.cp.rank
         seq_ids, q_lens, cache = plan.seq_ids, plan.num_tokens, self.cache
-        if all(start == 0 for start in plan.starts):
+        if self._cp_kind(plan) == "prefill":
             local = [zigzag_chunks(q, n, me).num_rows for q in q_lens]
             tables = [cache.reserve(s, m) for s, m in zip(seq_ids, local)]
             attn = self.stage.layers[0].self_attn if len(self.stage.layers) else None
@@ -81,7 +103,7 @@ class StageWorker:
             for s, q in zip(seq_ids, q_lens):
                 self._cp_prompt_len[s] = self._cp_len[s] = q
             added = local
-        elif all(q == 1 for q in q_lens) and all(s in self._cp_len for s in seq_ids):
+        else:
             positions = [self._cp_len[s] for s in seq_ids]
             store = [cp_decode_owner(p, self._cp_prompt_len[s], n) == me for p, s in zip(positions, seq_ids)]
             added = [int(x) for x in store]
@@ -90,11 +112,6 @@ class StageWorker:
             meta = cp_decode_metadata(positions, store, local_lens, tables, self.block_size)
             for s in seq_ids:
                 self._cp_len[s] += 1
-        else:
-            raise ContextParallelError(
-                f"a cp step is a prefill of fresh prompts or one new token per cached sequence; got sequences "
-                f"{seq_ids} with {q_lens} new tokens after {plan.starts} cached (prefill on top of cached context "
-                f"is not supported yet)")
         with torch.inference_mode():
             out = self.stage(inputs, meta, cache.layers)
         for s, a in zip(seq_ids, added):

@@ -22,6 +22,8 @@ import csv
 import dataclasses
 import json
 import math
+import os
+import ssl
 import sys
 import time
 from datetime import datetime, timezone
@@ -36,6 +38,7 @@ LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 TOKENS_PER_WORD = 1.3  # English words -> tokens, for ShareGPT text when there is no tokenizer
 SYNTHETIC_SIGMA = 0.7  # spread of log(length) for synthetic lengths: a chat-trace-like long tail
+API_KEY_ENVS = ("OPENAI_API_KEY", "DIST_INFER_API_KEY")  # where --api-key comes from when not given
 FIRST_RANDOM_ID = 10  # random prompt ids start here so they avoid the usual special tokens (bos, eos, pad)
 
 # Short common words: most tokenizers map " word" to one token, so N words are about N tokens.
@@ -178,6 +181,13 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_positive_float, default=600.0,
                    help="seconds one request may take, stream included, before it counts as failed "
                         "(default %(default)s)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="send 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else $DIST_INFER_API_KEY, "
+                        "else none)")
+    p.add_argument("--insecure", action="store_true",
+                   help="for an https:// --url: do not verify the server's certificate (a self-signed test server)")
+    p.add_argument("--ca-cert", default=None, metavar="FILE",
+                   help="for an https:// --url: verify the server's certificate against this CA bundle (PEM)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results as the last stdout line")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write CDFs of TTFT, TPOT, ITL and E2E (2x2 grid, p50 and p99 marked) to this PNG")
@@ -731,6 +741,24 @@ def plot_cdfs(records: Sequence[RequestRecord], path: Union[str, Path]) -> None:
 # ---------------------------------------------------------------- I/O
 
 
+def api_key_of(flag: Optional[str], environ: Optional[dict] = None) -> Optional[str]:
+    """--api-key, else the first of API_KEY_ENVS that is set."""
+    environ = os.environ if environ is None else environ
+    return flag or next((environ[name] for name in API_KEY_ENVS if environ.get(name)), None)
+
+
+def tls_verify_of(insecure: bool, ca_cert: Optional[str]) -> Union[bool, ssl.SSLContext]:
+    """httpx's `verify`: off with --insecure, a context trusting --ca-cert, else the system's CAs."""
+    if insecure:
+        return False
+    if ca_cert:
+        try:
+            return ssl.create_default_context(cafile=ca_cert)
+        except (OSError, ssl.SSLError) as exc:
+            raise InputError(f"--ca-cert {ca_cert}: {exc}") from None
+    return True
+
+
 def normalized_base_url(url: str) -> str:
     """Without a trailing slash or /v1, so endpoint paths can be appended."""
     url = url.rstrip("/")
@@ -811,8 +839,10 @@ async def _as_async(items):
 
 async def run_load(requests: Sequence[BenchRequest], base_url: str, model: Optional[str], endpoint: str,
                    ignore_eos: bool, max_concurrency: Optional[int], timeout_s: float,
-                   progress: Optional[Callable[[RequestRecord], None]] = None) -> tuple[list[RequestRecord], float, str]:
-    """Send every request at its arrival time; returns the records, the run's duration and the model."""
+                   progress: Optional[Callable[[RequestRecord], None]] = None, api_key: Optional[str] = None,
+                   verify: Union[bool, ssl.SSLContext] = True) -> tuple[list[RequestRecord], float, str]:
+    """Send every request at its arrival time; returns the records, the run's duration and the model.
+    api_key: sent as a Bearer token; verify: httpx's TLS verification (see tls_verify_of)."""
     try:
         import httpx
     except ImportError:
@@ -821,7 +851,9 @@ async def run_load(requests: Sequence[BenchRequest], base_url: str, model: Optio
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
     deadline = None if math.isinf(timeout_s) else timeout_s
     # trust_env=False: a benchmark must reach the server directly, not through an HTTP(S)_PROXY
-    async with httpx.AsyncClient(timeout=httpx.Timeout(deadline), limits=limits, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(deadline), limits=limits, trust_env=False, headers=headers,
+                                 verify=verify) as client:
         if model is None:
             model = await default_model(client, base_url)
             logger.info(f"model {model!r} (first of {base_url}/v1/models)")
@@ -886,7 +918,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         with tqdm(total=len(requests), desc="bench-serve", unit="req", file=sys.stderr, disable=None) as bar:
             records, duration, model = asyncio.run(run_load(
                 requests, base_url, args.model, args.endpoint, args.ignore_eos, args.max_concurrency,
-                args.timeout, progress=lambda record: bar.update(1)))
+                args.timeout, progress=lambda record: bar.update(1), api_key=api_key_of(args.api_key),
+                verify=tls_verify_of(args.insecure, args.ca_cert)))
     except InputError as exc:
         print(f"bench-serve: error: {exc}", file=sys.stderr)
         return 2

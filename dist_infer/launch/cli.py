@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -275,16 +276,26 @@ def _need(modules: Sequence[str], extra: str, command: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dist_infer.launch.rank import spawn_local
+    """Outside any launcher (and not --join) this process is the front end, which starts every
+    instance as a job of its own; otherwise it is one rank of an instance (launch/serve_cmd.py)."""
+    from dist_infer.launch.rank import run_rank_command, spawn_local
+    from dist_infer.topology.discovery import discover
 
     _need(("fastapi", "uvicorn", "prometheus_client", "jinja2"), "serve", "serve")
-    from dist_infer.launch.rank import run_rank_command
+    args.argv = list(argv)  # to start an instance as a job of its own (start-up, restart, scale-up)
+    if args.frontend_only or (not args.join and discover(os.environ) is None):
+        from dist_infer.launch.serve_frontend import run_frontend
+
+        try:
+            return run_frontend(args, list(argv))
+        except ValueError as exc:
+            logger.error(str(exc))
+            return 2
     from dist_infer.launch.serve_cmd import run_serve
 
     code = spawn_local(args, list(argv))
     if code is not None:
         return code
-    args.argv = list(argv)  # to start an instance again as a job of its own (restart, scale-up)
     return run_rank_command(lambda: run_serve(args))
 
 

@@ -88,7 +88,8 @@ def world_needed(args) -> int:
     if getattr(args, "instances", None):
         from dist_infer.serving.instances import parse_instances
 
-        return sum(s.size for s in parse_instances(args.instances, args.tp, args.pp))
+        # a serving instance's job (--join) is one instance: its ep and cp multiply its tp x pp
+        return sum(s.size for s in parse_instances(args.instances, args.tp, args.pp)) * args.ep * args.cp
     return args.tp * args.pp * args.ep * args.cp
 
 
@@ -111,17 +112,4 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
             return 2
     if hasattr(args, "model"):
         resolve_model(args.model)  # once, before the ranks race to write `tiny` (and a clear error if missing)
-    return relaunch_as_local_ranks(argv, n, failure_domains(args))
-
-
-def failure_domains(args) -> Optional[list[list[int]]]:
-    """Several serving instances: each one's ranks fail together and alone (rank 0 hosts the API
-    and is in none: its failure ends the job)."""
-    if not getattr(args, "instances", None):
-        return None
-    from dist_infer.serving.instances import base_ranks, parse_instances
-
-    specs = parse_instances(args.instances, args.tp, args.pp)
-    if len(specs) < 2:
-        return None
-    return [[r for r in range(b, b + s.size) if r != 0] for b, s in zip(base_ranks(specs), specs)]
+    return relaunch_as_local_ranks(argv, n)

@@ -1,17 +1,16 @@
-"""`dist-infer serve`: the model over the job's ranks behind an OpenAI-compatible HTTP API.
+"""`dist-infer serve`: the flags, and one rank of a model instance behind the API.
 
-The job's ranks form one model instance, or several with `--instances tp2,tp1,tp1` (each its own
-ranks, layout and step loop; `prefill:`/`decode:` roles split the two phases). World rank 0 hosts
-the API (serving/cluster.py): it dispatches each request to an instance, owns every client's
-stream, and moves live requests between instances. Each instance's first rank drives its step
-loop (serving/instance_server.py); the other ranks follow the step plans. Every rank listens on
-its own KV link (comm/peer_link.py), so after start-up no instance waits on another's ranks.
+The API (HTTP, dispatch, migration, failover) is a process of its own that hosts no rank
+(launch/serve_frontend.py). Each instance's ranks load their shard and build the engine; the
+instance's first rank (its driver) connects to the front end's hub and runs the step loop as it
+is told (serving/instance_server.py); the other ranks follow the step plans. Every rank listens
+on its own KV link (comm/peer_link.py), authenticated with the cluster key, so after start-up no
+instance waits on another's ranks: an instance can die, be stopped, or be started again as a job
+of its own (`serve --join HOST:PORT --instance-index I`) while the others serve on.
 
-The API also listens for instances that join later: `serve --join HOST:PORT --instance-index I`
-starts one as a job of its own (the API does this itself to restart a dead or stopped instance,
-or to add one). On SIGTERM the server stops accepting, lets running requests finish (or aborts
-them after a grace period), tells every instance to stop, and exits 0. If an instance fails, its
-requests go on on the others; when none is left, the server exits non-zero with the reason.
+Under torchrun, mpirun, srun or our `launch`, the job's ranks are the instances (`--instances
+tp2,tp1,tp1`: consecutive ranges of world ranks) and world rank 0 starts the front end; SIGTERM to
+it is passed on to the front end, which stops every instance in order and exits 0.
 """
 
 from __future__ import annotations
@@ -26,13 +25,10 @@ from typing import Optional
 
 from loguru import logger
 
+from dist_infer.launch.serve_frontend import HUB_KEY_ENV
+
 KV_CACHE_MEMORY_DEFAULT = "1G"
 SWITCH_INTERVAL_S = 5e-4
-HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
-# flags of the API process that an instance started as a job of its own does not take
-API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", "--dispatch", "--migrate-interval",
-                  "--migration-timeout", "--max-queue", "--served-model-name", "--join", "--instance-index",
-                  "--hub-key-file", "--backend", "--hostfile")
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -76,6 +72,22 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "free index adds one)")
     p.add_argument("--hub-key-file", default=None,
                    help="the key instances join with: the API writes it here (mode 600), --join reads it")
+    p.add_argument("--max-request-failovers", type=int, default=1,
+                   help="times a request may be taken over after the instance running it died; a request whose "
+                        "instances died more often is failed with an error, not dispatched again, so a request "
+                        "that crashes instances cannot walk through the fleet (counted in "
+                        "dist_infer:requests_quarantined_total; default %(default)s)")
+    p.add_argument("--max-instances", type=int, default=16,
+                   help="the most instances the server may have, dead and stopped ones included: POST "
+                        "/admin/instances beyond it gets HTTP 409 (default %(default)s)")
+    p.add_argument("--frontend-only", action="store_true",
+                   help="internal: run only the API and wait for the job's instances to join (world rank 0 of a "
+                        "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")
+    p.add_argument("--hub-host", default=None,
+                   help="internal, with --frontend-only: the address the hub listens on (default 127.0.0.1)")
+    from dist_infer.launch.http_flags import add_http_flags
+
+    add_http_flags(p)
 
 
 def default_kv_blocks(stage, block_size: int, memory_bytes: int, max_num_seqs: int) -> int:
@@ -87,32 +99,6 @@ def default_kv_blocks(stage, block_size: int, memory_bytes: int, max_num_seqs: i
     per_block = max(1, len(stage.layers)) * 2 * block_size * kv_heads * stage.cfg.head_dim * element
     enough = max_num_seqs * -(-stage.cfg.max_positions // block_size)
     return max(1, min(memory_bytes // per_block, enough))
-
-
-def served_name(flag: Optional[str], model: str) -> str:
-    """The model id clients see: a built-in model's name, else the checkpoint's folder or file name."""
-    from dist_infer.models.builtin import NAMES, model_name
-
-    name = model_name(flag)
-    return name if name in NAMES else Path(model).name
-
-
-def chat_template_of(model: str, tokenizer=None) -> Optional[str]:
-    """The chat template: the tokenizer's own (a GGUF's metadata), or tokenizer_config.json's
-    chat_template (a string, or the 'default' one of a list), if any."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.chat_template
-    path = Path(model) / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    try:
-        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
-    except (OSError, json.JSONDecodeError):
-        return None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
 
 
 def _join(args):
@@ -127,10 +113,10 @@ def _join(args):
         specs = parse_instances(args.instances or "1", args.tp, args.pp)
         if len(specs) != 1:
             raise ValueError(f"--join: --instances {args.instances!r} names {len(specs)} instances; a joining job is one")
-        world, _, _ = join_world(args.backend, args.timeout, args.iface, args.log_level,
-                                 check=lambda n: check_world(specs, n))
-        _, groups = join_instance(world, specs, args.shm)
-        return world, args.instance_index, specs, groups
+        spec = specs[0]
+        groups = join_job(args.backend, ParallelConfig(tp=spec.tp, pp=spec.pp, ep=args.ep, cp=args.cp),
+                          args.timeout, args.iface, args.log_level, args.shm)
+        return groups.world, args.instance_index, specs, groups
     if not args.instances:
         groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                           args.timeout, args.iface, args.log_level, args.shm)
@@ -158,18 +144,6 @@ def _hub_to_join(args) -> tuple[tuple, bytes]:
     return (host, int(port)), key.encode()
 
 
-def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_FLAGS) -> list[str]:
-    """The command line of a job that runs instance `index` alone and joins the hub: the serve
-    command's own model and engine flags, without the API's (pure; unit tested)."""
-    from dist_infer.launch.launcher import strip_flag
-
-    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
-    for flag in drop:
-        args = strip_flag(args, flag)
-    return ["serve", *args, "--instances", spec.describe(), "--join", f"{hub[0]}:{hub[1]}",
-            "--instance-index", str(index)]
-
-
 def _share_hub_address(world, address: Optional[tuple], key: Optional[bytes]) -> tuple[tuple, bytes]:
     """World rank 0's API address and connection key, to every rank (a collective)."""
     import torch
@@ -195,6 +169,7 @@ def _hub_host() -> str:
 
 
 def run_serve(args) -> int:
+    """One rank of one instance (the front end is another process: launch/serve_frontend.py)."""
     import torch
 
     from dist_infer.engine.tokenizer import TextTokenizer
@@ -207,7 +182,7 @@ def run_serve(args) -> int:
     # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     driver = groups.world.rank == 0
-    api = world.rank == 0 and not args.join
+    frontend, address, key = _reach_frontend(args, world)
     tokenizer = None
     with shared_parses():  # a GGUF's weights and tokenizer share one parse of the file, dropped after
         stage, report, model = load_model(args, groups)
@@ -227,19 +202,11 @@ def run_serve(args) -> int:
                 f"KV cache {engine.num_blocks} blocks of {args.block_size} tokens")
     pids = torch.empty(groups.world.size, dtype=torch.long)
     groups.world.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.long))
-    listener = key = None
-    if args.join:
-        address, key = _hub_to_join(args)
-    else:
-        if api:
-            import secrets
-            from multiprocessing.connection import Listener
-
-            key = secrets.token_hex(16).encode()
-            listener = Listener((_hub_host(), 0), authkey=key)
-        address, key = _share_hub_address(world, listener.address if listener else None, key)
-    link, addresses = _open_kv_link(args, engine, groups, address[0])
-    code = 0
+    link, addresses = _open_kv_link(args, engine, groups, address[0], key)
+    if frontend is not None:
+        _forward_stop_signals(frontend)
+    elif not args.join:  # a job of its own (--join) stops on its launcher's signal; its requests go on elsewhere
+        _ignore_stop_signals("the API process")
     if not driver:
         _ignore_stop_signals("the instance's driver")
         engine.follow()
@@ -250,12 +217,7 @@ def run_serve(args) -> int:
                  "total_blocks": engine.num_blocks, "block_size": args.block_size, "cp": args.cp,
                  "max_positions": stage.cfg.max_positions, "vocab_size": stage.cfg.vocab_size,
                  "block_bytes": _block_bytes(stage, args.block_size)}
-        if api:
-            code = _serve_api(args, engine, hello, listener, address, key, len(specs), model, tokenizer)
-        else:
-            if not args.join:  # a job of its own (--join) stops on its launcher's signal; its requests go on elsewhere
-                _ignore_stop_signals("the API process")
-            _run_instance(engine, index, address, key, hello)
+        _run_instance(engine, index, address, key, hello)
     if link is not None:
         engine.mover.close()
         link.close()
@@ -264,10 +226,56 @@ def run_serve(args) -> int:
     if groups.world is not world:
         groups.world.destroy()
     world.destroy()
-    return code
+    return _frontend_exit_code(frontend)
 
 
-def _open_kv_link(args, engine, groups, hub_host: str):
+def _reach_frontend(args, world):
+    """-> (the front-end process this rank started, or None; the hub's address; the cluster key).
+    A --join job reads the hub from its flags; in a launched job world rank 0 starts the front end
+    and tells every rank where it listens (a collective)."""
+    import secrets
+
+    from dist_infer.launch.serve_frontend import start_frontend_child
+
+    if args.join:
+        address, key = _hub_to_join(args)
+        return None, address, key
+    process = address = key = None
+    if world.rank == 0:
+        key = secrets.token_hex(16).encode()
+        process, address = start_frontend_child(getattr(args, "argv", None) or ["serve"], _hub_host(), key,
+                                                max(60.0, args.timeout))
+    address, key = _share_hub_address(world, address, key)
+    return process, address, key
+
+
+def _frontend_exit_code(frontend) -> int:
+    """World rank 0 of a launched job ends with the front end's code (it stops every instance, this
+    one included, before it exits)."""
+    import subprocess
+
+    if frontend is None:
+        return 0
+    try:
+        return frontend.wait(60)
+    except subprocess.TimeoutExpired:
+        logger.error("the API process did not exit within 60 s of this instance stopping; ending it")
+        frontend.kill()
+        return 1
+
+
+def _forward_stop_signals(frontend) -> None:
+    """World rank 0's SIGTERM/SIGINT go to the front end, which stops the instances in order."""
+    def forward(signum, _):
+        logger.info(f"{signal.Signals(signum).name}: passed on to the API process (pid {frontend.pid})")
+        if frontend.poll() is None:
+            frontend.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+
+
+def _open_kv_link(args, engine, groups, hub_host: str, key: bytes):
     """Every rank: listen for migrating KV blocks on the address facing the API's host, learn the
     instance's other ranks' addresses (a collective over the instance), and take part in
     migrations. -> (the link, every rank's address); (None, []) for context-parallel instances."""
@@ -280,7 +288,7 @@ def _open_kv_link(args, engine, groups, hub_host: str):
     if args.cp > 1:
         return None, []
     host = "127.0.0.1" if hub_host in ("127.0.0.1", "localhost") else local_address_towards(hub_host)
-    link = PeerLink(host, timeout=args.migration_timeout)
+    link = PeerLink(host, timeout=args.migration_timeout, key=key)
     mine = torch.tensor([ip_to_int(link.address[0]), link.address[1]], dtype=torch.long)
     every = torch.empty(2 * groups.world.size, dtype=torch.long)
     groups.world.all_gather(every, mine)
@@ -306,130 +314,7 @@ def _ignore_stop_signals(who: str) -> None:
 def _run_instance(engine, index: int, address: tuple, key: bytes, hello: dict) -> None:
     from multiprocessing.connection import Client
 
-    from dist_infer.serving.instance_server import InstanceServer, no_delay
+    from dist_infer.serving.hub import no_delay
+    from dist_infer.serving.instance_server import InstanceServer
 
     InstanceServer(engine, index, no_delay(Client(address, authkey=key))).run(hello)
-
-
-def _read_hello(conn, timeout: float) -> dict:
-    """A driver's first message, its hello; a clear error if it says nothing or something else."""
-    if not conn.poll(timeout):
-        raise TimeoutError(f"an instance driver connected but said nothing for {timeout:g} s")
-    kind, hello = conn.recv()
-    if kind != "hello":
-        raise ValueError(f"an instance driver sent {kind!r} first, not hello")
-    return hello
-
-
-def _accept_instances(listener, count: int, timeout: float) -> list:
-    """The drivers' connections, in instance order (each says hello first)."""
-    import threading
-
-    from dist_infer.serving.instance_server import no_delay
-
-    conns: dict[int, tuple] = {}
-    failure: list[BaseException] = []
-
-    def accept() -> None:
-        try:
-            while len(conns) < count:
-                conn = no_delay(listener.accept())
-                hello = _read_hello(conn, timeout)
-                conns[hello["index"]] = (conn, hello)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            failure.append(exc)
-
-    t = threading.Thread(target=accept, name="accept-instances", daemon=True)
-    t.start()
-    t.join(timeout)
-    if failure:
-        raise failure[0]
-    if len(conns) < count:
-        missing = sorted(set(range(count)) - set(conns))
-        raise TimeoutError(f"instances {missing} did not connect to the API process within {timeout:g} s")
-    return [conns[i] for i in range(count)]
-
-
-def _accept_more(listener, cluster) -> None:
-    """After start-up the hub keeps listening: restarted and added instances join through it."""
-    from dist_infer.serving.instance_server import no_delay
-
-    while True:
-        try:
-            conn = no_delay(listener.accept())
-        except OSError:
-            return  # closed: the server is stopping
-        except Exception as exc:  # noqa: BLE001 - a bad key, a port scan: refused, logged
-            logger.warning(f"hub: a connection was refused ({type(exc).__name__}: {exc})")
-            continue
-        try:
-            hello = _read_hello(conn, 30.0)
-        except Exception as exc:  # noqa: BLE001 - that driver is refused; the hub listens on
-            logger.warning(f"hub: {exc}")
-            conn.close()
-            continue
-        cluster.attach(conn, hello)
-
-
-def _spawner(args, hub: tuple, key: bytes):
-    """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub."""
-    import subprocess
-
-    from dist_infer.topology.discovery import without_launcher_env
-
-    def spawn(index: int, spec):
-        argv = instance_argv(getattr(args, "argv", None) or ["serve"], index, spec, hub)
-        env = without_launcher_env(os.environ)
-        env[HUB_KEY_ENV] = key.decode()
-        command = [sys.executable, "-m", "dist_infer", *argv]
-        logger.info(f"instance {index}: {' '.join(command)}")
-        # its own session: a Ctrl-C at the terminal reaches the API, which stops the instances in order
-        return subprocess.Popen(command, env=env, start_new_session=True)
-
-    return spawn
-
-
-def _serve_api(args, engine, hello: dict, listener, address: tuple, key: bytes, count: int, model: str,
-               tokenizer) -> int:
-    import threading
-
-    from dist_infer.serving.api_server import build_app, serve_http
-    from dist_infer.serving.cluster import Cluster, InstanceClient
-
-    local = threading.Thread(target=_run_instance, args=(engine, 0, address, key, hello), name="instance-0", daemon=True)
-    local.start()
-    clients = [InstanceClient(i, conn, h) for i, (conn, h) in enumerate(_accept_instances(listener, count, args.timeout))]
-    name = args.served_model_name or served_name(args.model, model)
-    if args.hub_key_file:
-        path = Path(args.hub_key_file)
-        path.touch(mode=0o600)
-        path.write_text(key.decode())
-
-    def on_dead(reason: str) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why
-
-    cluster = Cluster(clients, name, tokenizer, chat_template_of(model, tokenizer), args.max_queue, args.dispatch,
-                      args.migrate_interval, migration_timeout=args.migration_timeout, on_dead=on_dead,
-                      spawner=_spawner(args, address, key), join_timeout_s=max(60.0, args.timeout))
-    cluster.start()
-    threading.Thread(target=_accept_more, args=(listener, cluster), name="hub-accept", daemon=True).start()
-    app = build_app(cluster, name)
-
-    def ready(host: str, port: int) -> None:
-        layouts = ", ".join(c.spec.describe() for c in clients)
-        logger.info(f"serving {name!r} on http://{host}:{port}/v1 with {count} instance(s) [{layouts}] "
-                    f"(max {args.max_num_seqs} running, {args.max_batched_tokens} tokens per step each); "
-                    f"instances join at {address[0]}:{address[1]}")
-        if args.ready_file:
-            Path(args.ready_file).write_text(json.dumps({"host": host, "port": port, "pid": os.getpid(),
-                                                         "hub": [address[0], address[1]]}))
-
-    serve_http(app, args.host, args.port, on_ready=ready)
-    cluster.stop()
-    listener.close()
-    local.join(60)
-    if cluster.dead_reason is not None:
-        logger.error(f"the server stopped because an instance failed: {cluster.dead_reason}")
-        return 1
-    logger.info("server stopped")
-    return 0

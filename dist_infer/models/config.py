@@ -63,6 +63,7 @@ class ModelConfig:
                 raise ModelConfigError(f"{source}: missing required field {key!r}")
             return cfg[key]
 
+        _check_sizes(cfg, source)
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -116,6 +117,31 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **moe,
         )
+
+
+MAX_POSITIONS = 1 << 24  # the rotary tables are sized by it: a hostile config must not ask for terabytes
+
+
+def _check_sizes(cfg: dict[str, Any], source: str) -> None:
+    """An untrusted config.json's sizes: whole numbers >= 1 where the model divides or allocates by
+    them, KV heads dividing the heads, a bounded context; each error names the field."""
+    def whole(key: str, low: int = 1, high: int = 1 << 31) -> None:
+        value = cfg.get(key)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ModelConfigError(f"{source}: {key} must be a whole number in [{low}, {high}], got {str(value)[:40]!r}")
+
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+                "num_key_value_heads", "head_dim"):
+        whole(key)
+    whole("max_position_embeddings", 1, MAX_POSITIONS)
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ModelConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if heads and not cfg.get("head_dim") and cfg.get("hidden_size") and cfg["hidden_size"] % heads:
+        raise ModelConfigError(f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of "
+                               f"num_attention_heads {heads} (and no head_dim is given)")
 
 
 def _moe_fields(model_type: str, cfg: dict[str, Any], need, source: str) -> dict[str, Any]:

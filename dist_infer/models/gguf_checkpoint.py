@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 
 from dist_infer.models.checkpoint import CheckpointError, TensorIndex, return_freed_memory
+from dist_infer.models.gguf_checks import (MAX_POSITIONS, TensorExtentError, check_header_counts, check_layers_present,
+                                           check_tensor_extent, check_tensor_shape, head_dim_of, metadata_int)
 
 GGUF_MAGIC = b"GGUF"
 # Types whose dequantization is implemented by the gguf package and checked here.
@@ -89,10 +92,12 @@ def open_reader(path: Path):
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
-        magic = f.read(4)
+        head = f.read(24)
+    magic = head[:4]
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"{path} is not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}")
     stat = path.stat()
+    check_header_counts(path, head, stat.st_size)
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     shared = _SHARED_PARSES.get()
     if shared is None:
@@ -123,11 +128,27 @@ def shared_parses():
         return_freed_memory()
 
 
-def _parse(path: str):
+@functools.lru_cache(maxsize=None)
+def _checked_reader_class():
+    """gguf's reader, checking that each tensor lies inside the file before it maps the tensor."""
     import gguf  # a core dependency, imported on use: it takes ~0.2 s
 
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for f in fields:
+                _, name, _, dims, type_id, offset = f.parts
+                check_tensor_extent(bytes(name).decode("utf-8", "replace"), [int(d) for d in dims], int(type_id[0]),
+                                    int(start_offs) + int(offset[0]), len(self.data))
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _parse(path: str):
     try:
-        return gguf.GGUFReader(path, "r")
+        return _checked_reader_class()(path, "r")
+    except TensorExtentError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
         raise CheckpointError(f"cannot read GGUF file {path} (truncated or damaged?): {type(exc).__name__}: {exc}") from exc
 
@@ -209,24 +230,37 @@ class GGUFCheckpoint(TensorIndex):
             raise CheckpointError(f"{self.path}: GGUF architecture {arch!r} is not supported; expected one of "
                                   f"{ARCHITECTURES}")
         self.config = gguf_config(r, self.path)
-        heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+        self.arch = arch
         self._index: dict[str, GGUFTensor] = {}
         for t in r.tensors:
             name = hf_name(t.name)
-            if name is None:
-                continue
-            if t.tensor_type.name not in SUPPORTED_TYPES:
-                raise CheckpointError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which this "
-                                      f"loader does not dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
-            row_map = None
-            if name.endswith("self_attn.q_proj.weight"):
-                row_map = unpermute_rows(int(t.shape[1]), heads)
-            elif name.endswith("self_attn.k_proj.weight"):
-                row_map = unpermute_rows(int(t.shape[1]), kv_heads)
-            self._index[name] = GGUFTensor(self.path, t, name, row_map)
+            if name is not None and self._used(name):
+                self._index[name] = self._indexed(t, name)
+        present = {t.gguf_name for t in self._index.values()}
+        check_layers_present(self.path, arch, self.config["num_hidden_layers"], present)
         self.config["tie_word_embeddings"] = "lm_head.weight" not in self._index
         if "model.embed_tokens.weight" not in self._index:
             raise CheckpointError(f"{self.path}: no token_embd.weight tensor (is the file complete?)")
+        if "model.norm.weight" not in self._index:
+            raise CheckpointError(f"{self.path}: no output_norm.weight tensor (is the file complete?)")
+
+    def _used(self, name: str) -> bool:
+        """Whether the model reads this tensor: not the layers past block_count."""
+        parts = name.split(".")
+        return parts[1] != "layers" or int(parts[2]) < self.config["num_hidden_layers"]
+
+    def _indexed(self, t, name: str) -> GGUFTensor:
+        """Tensor `t` under its HF name, once its type and shape are what the model expects."""
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which this "
+                                  f"loader does not dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
+        check_tensor_shape(self.path, self.arch, t.name, name, [int(d) for d in t.shape], self.config)
+        row_map = None
+        if name.endswith("self_attn.q_proj.weight"):
+            row_map = unpermute_rows(int(t.shape[1]), self.config["num_attention_heads"])
+        elif name.endswith("self_attn.k_proj.weight"):
+            row_map = unpermute_rows(int(t.shape[1]), self.config["num_key_value_heads"])
+        return GGUFTensor(self.path, t, name, row_map)
 
     def tensor(self, name: str) -> GGUFTensor:
         t = self._index.get(name)
@@ -247,7 +281,8 @@ class GGUFCheckpoint(TensorIndex):
 
 
 def gguf_config(reader, path: Path) -> dict:
-    """The HF config.json fields of a llama-architecture GGUF, from its metadata."""
+    """The HF config.json fields of a llama-architecture GGUF, from its metadata; every number checked
+    (no zero head count, heads that divide, a bounded context) before anything is built from it."""
     arch = read_field(reader, "general.architecture")
 
     def need(key: str):
@@ -256,26 +291,33 @@ def gguf_config(reader, path: Path) -> dict:
             raise CheckpointError(f"{path}: GGUF metadata has no {arch}.{key}")
         return value
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = int(read_field(reader, f"{arch}.attention.head_count_kv", heads))
+    def count(key: str, value=None, **bounds) -> int:
+        return metadata_int(path, f"{arch}.{key}", need(key) if value is None else value, **bounds)
+
+    hidden, heads = count("embedding_length"), count("attention.head_count")
+    kv_heads = count("attention.head_count_kv", read_field(reader, f"{arch}.attention.head_count_kv", heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = read_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
     if vocab is None:
         raise CheckpointError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
-    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    vocab = count("vocab_size", vocab)
+    key_length = read_field(reader, f"{arch}.attention.key_length")
+    key_length = None if key_length is None else count("attention.key_length", key_length)
+    head_dim = head_dim_of(path, arch, hidden, heads, kv_heads, key_length)
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": count("feed_forward_length"),
+        "num_hidden_layers": count("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": float(read_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(read_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(read_field(reader, f"{arch}.context_length", 2048)),
-        "vocab_size": int(vocab),
+        "max_position_embeddings": count("context_length", read_field(reader, f"{arch}.context_length", 2048),
+                                         maximum=MAX_POSITIONS),
+        "vocab_size": vocab,
         "torch_dtype": "float32",
     }
     scaling = read_field(reader, f"{arch}.rope.scaling.type")
@@ -286,5 +328,5 @@ def gguf_config(reader, path: Path) -> dict:
     for key in ("bos_token_id", "eos_token_id"):
         value = read_field(reader, f"tokenizer.ggml.{key}")
         if value is not None:
-            config[key] = int(value)
+            config[key] = metadata_int(path, f"tokenizer.ggml.{key}", value, minimum=0, maximum=vocab - 1)
     return config

@@ -47,41 +47,25 @@ from dist_infer.engine.request import RequestError, RequestOutput
 from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
 from dist_infer.serving.chat import ChatError, ChatRenderer
 from dist_infer.serving.errors import EngineDeadError, QueueFullError
+from dist_infer.serving.http_guard import (ApiError, HttpGuard, error_body, error_response, install_guard,
+                                           internal_error)
 from dist_infer.serving.metrics import RequestClock, ServingMetrics
-from dist_infer.serving.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
-                                         DetokenizeRequest, ProtocolError, TokenizeRequest, default_chat_max_tokens,
-                                         parse_body, prompt_of, sampling_params_of)
+from dist_infer.serving.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, AddInstanceBody, ChatCompletionRequest,
+                                         CompletionRequest, DetokenizeRequest, MigrateBody, ProtocolError,
+                                         TokenizeRequest, default_chat_max_tokens, json_of, openapi_body, parse_body,
+                                         prompt_of, sampling_params_of)
 
 DEFAULT_SHUTDOWN_GRACE_S = 30.0  # running requests get this long to finish after SIGTERM, then are aborted
 ABORT_SLACK_S = 5.0  # after aborting, this long for the aborted streams to end before uvicorn cancels them
 DISCONNECT_POLL_S = 0.25  # how often a pending non-streamed request checks that its client is still there
 DRAINING_RETRY_AFTER_S = 5.0
 MIN_LOGPROB = -9999.0  # what -inf becomes (JSON has no infinities), as vLLM does
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-# -- errors ---------------------------------------------------------------------------------------
-
-class ApiError(Exception):
-    """An error response: status, message, the offending field (`param`) and extra headers."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
+# -- errors (ApiError and the OpenAI error shape: serving/http_guard.py) --------------------------------
 
 class ClientGone(Exception):
     """The client closed its connection while its answer was being made."""
-
-
-def error_body(status: int, message: str, param: Optional[str] = None) -> dict:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
 
 
 def api_error_of(exc: BaseException) -> ApiError:
@@ -95,11 +79,7 @@ def api_error_of(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), None, {"Retry-After": str(retry)})
     if isinstance(exc, EngineDeadError):
         return ApiError(500, f"the engine failed: {exc}")
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param), status_code=err.status, headers=err.headers)
+    return internal_error(exc)
 
 
 def sse(data: Any) -> str:
@@ -448,22 +428,16 @@ class ServingState:
 
 
 async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        raise ProtocolError(None, "the request body is empty; send a JSON object")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(None, f"the request body is not valid JSON: {exc}") from None
+    return json_of(await request.body())
 
 
-def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
-    """The FastAPI app serving `engine` (see the module docstring for the interface it needs)."""
-    state = ServingState(engine, served_model_name)
-    app = FastAPI(title="dist_infer OpenAI-compatible API", docs_url=None, redoc_url=None)
-    app.state.serving = state
+async def off_loop(fn: Callable, *args, **kwargs) -> Any:
+    """Tokenizing or templating a long prompt, in a thread: the event loop keeps answering meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
-    # -- errors in OpenAI's shape, never FastAPI's 422 ---------------------------------------------
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors in OpenAI's shape, never FastAPI's 422; unexpected ones as a generic 500 with an id."""
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
         return error_response(exc)
@@ -490,9 +464,19 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
         return error_response(ApiError(exc.status_code, str(exc.detail), None, dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        logger.opt(exception=exc).error(f"unexpected error: {exc}")
-        return error_response(api_error_of(exc))
+    async def _unexpected(request: Request, exc: Exception):
+        return error_response(internal_error(exc, f"{request.method} {request.url.path}"))
+
+
+def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard()) -> FastAPI:
+    """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
+    behind `guard` (keys, body limits, CORS: serving/http_guard.py)."""
+    state = ServingState(engine, served_model_name)
+    app = FastAPI(title="dist_infer OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.serving = state
+    install_guard(app, guard)
+
+    add_error_handlers(app)
 
     # -- generation ------------------------------------------------------------------------------------
     async def run(request: Request, stream: EngineStream, shaper: ResponseShaper, body) -> Response:
@@ -525,13 +509,11 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
             if include_usage:
                 yield sse(shaper.usage_chunk())
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report it as an event
-            err = api_error_of(exc)
-            if err.status >= 500 and not isinstance(exc, EngineDeadError):
-                logger.opt(exception=exc).error(f"stream {stream.request_id} failed: {exc}")
+            err = api_error_of(exc)  # logs what is unexpected
             yield sse(error_body(err.status, err.message, err.param))
         yield SSE_DONE
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         arrival = time.monotonic()
         state.check_accepting()
@@ -539,7 +521,7 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
         state.check_model(body.model)
         prompt = prompt_of(body.prompt)
         if isinstance(prompt, str):
-            prompt_ids = state.need_tokenizer("prompt", "a text prompt").encode(prompt, add_bos=True)
+            prompt_ids = await off_loop(state.need_tokenizer("prompt", "a text prompt").encode, prompt, add_bos=True)
         else:
             prompt_ids = prompt
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -548,15 +530,16 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
         stream = state.open_stream("cmpl", prompt_ids, params, arrival)
         return await run(request, stream, CompletionShaper(state, stream.request_id, prompt_ids, params.logprobs), body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         arrival = time.monotonic()
         state.check_accepting()
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request))
         state.check_model(body.model)
         tokenizer = state.need_tokenizer("messages", "chat")
-        text = state.renderer.render(body.messages, bool(body.add_generation_prompt), body.chat_template_kwargs)
-        prompt_ids = tokenizer.encode(text, add_bos=True)
+        text = await off_loop(state.renderer.render, body.messages, bool(body.add_generation_prompt),
+                              body.chat_template_kwargs)
+        prompt_ids = await off_loop(tokenizer.encode, text, add_bos=True)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             max_tokens = default_chat_max_tokens(len(prompt_ids), engine.max_model_len)
@@ -592,20 +575,22 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
     if hasattr(engine, "describe_instances"):
         add_admin_routes(app, engine)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request):
         body: TokenizeRequest = parse_body(TokenizeRequest, await read_json(request))
         state.check_model(body.model)
         if body.messages is not None:
             tok = state.need_tokenizer("messages", "tokenize")
-            ids = tok.encode(state.renderer.render(body.messages, bool(body.add_generation_prompt)), add_bos=True)
+            text = await off_loop(state.renderer.render, body.messages, bool(body.add_generation_prompt))
+            ids = await off_loop(tok.encode, text, add_bos=True)
         elif body.prompt is not None:
-            ids = state.need_tokenizer("prompt", "tokenize").encode(body.prompt, add_bos=bool(body.add_special_tokens))
+            tok = state.need_tokenizer("prompt", "tokenize")
+            ids = await off_loop(tok.encode, body.prompt, add_bos=bool(body.add_special_tokens))
         else:
             raise ApiError(400, "send prompt or messages", "prompt")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request):
         body: DetokenizeRequest = parse_body(DetokenizeRequest, await read_json(request))
         state.check_model(body.model)
@@ -613,7 +598,7 @@ def build_app(engine, served_model_name: Optional[str] = None) -> FastAPI:
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
         if bad:
             raise ApiError(400, f"tokens has ids {bad[:5]} outside the vocabulary of {engine.vocab_size}", "tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        return {"prompt": await off_loop(tok.decode, body.tokens)}
 
     return app
 
@@ -625,6 +610,9 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     migration, draining, stopping, restarting and adding an instance (serving/cluster.py does the work)."""
     from dist_infer.serving.cluster import AdminError
 
+    if getattr(app.state, "http_guard", None) is None:  # an app not made by build_app: loopback-only admin
+        install_guard(app, HttpGuard())
+
     def admin_error(exc: AdminError) -> JSONResponse:
         return error_response(ApiError(exc.status, str(exc)))
 
@@ -632,7 +620,7 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     async def instances():
         return {"instances": cluster.describe_instances()}
 
-    @app.post("/admin/migrate")
+    @app.post("/admin/migrate", openapi_extra=openapi_body(MigrateBody))
     async def migrate(request: Request):
         body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("request_id"), str) \
@@ -667,7 +655,7 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     async def restart(index: int):
         return accepted(cluster.restart_instance, index)
 
-    @app.post("/admin/instances")
+    @app.post("/admin/instances", openapi_extra=openapi_body(AddInstanceBody))
     async def add(request: Request):
         body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("layout"), str):
@@ -683,9 +671,10 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                  on_ready: Optional[Callable[[str, int], None]] = None,
-                 on_shutdown: Optional[Callable[[], None]] = None):
+                 on_shutdown: Optional[Callable[[], None]] = None, guard: Optional[HttpGuard] = None):
+        guard = guard or getattr(getattr(app, "state", None), "http_guard", None) or HttpGuard()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S)
+                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S, **guard.uvicorn_ssl())
         super().__init__(config)
         self.asgi_app = app
         self.grace_s = grace_s
@@ -705,7 +694,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             self.port = self.servers[0].sockets[0].getsockname()[1]
-            logger.info(f"HTTP API listening on {self.config.host}:{self.port}")
+            scheme = "https" if self.config.is_ssl else "http"
+            logger.info(f"HTTP API listening on {scheme}://{self.config.host}:{self.port}")
             if self.on_ready is not None:
                 self.on_ready(self.config.host, self.port)
 
@@ -745,9 +735,10 @@ class DrainingServer(uvicorn.Server):
 
 def serve_http(app: FastAPI, host: str, port: int, on_shutdown: Optional[Callable[[], None]] = None,
                on_ready: Optional[Callable[[str, int], None]] = None,
-               grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+               grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, guard: Optional[HttpGuard] = None) -> None:
     """Serve `app` until SIGTERM/SIGINT, then drain (see DrainingServer) and return.
 
     on_ready(host, port) runs once the socket listens (port 0 picks a free one: this says which);
-    on_shutdown() runs when the shutdown begins, before the running requests are drained."""
-    DrainingServer(app, host, port, grace_s, on_ready, on_shutdown).run()
+    on_shutdown() runs when the shutdown begins, before the running requests are drained.
+    guard: its TLS settings (default: the one build_app was given)."""
+    DrainingServer(app, host, port, grace_s, on_ready, on_shutdown, guard).run()

@@ -31,7 +31,7 @@ from dist_infer.engine.request import RequestError, RequestOutput, check_prompt
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import blocks_at_full_length, check_fits
 from dist_infer.serving.dispatch import Dispatcher, InstanceLoad
-from dist_infer.serving.errors import EngineDeadError, QueueFullError
+from dist_infer.serving.errors import EngineDeadError, QueueFullError, RequestFailedError
 from dist_infer.serving.instances import InstanceSpec, InstancesError, parse_instances
 from dist_infer.serving.migration import MAX_STAGES, MODES, MigrationResult, migrate
 from dist_infer.serving.rebalance import MoveCandidate, plan_moves
@@ -69,6 +69,24 @@ class Progress:
         return {"token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
                 "top_logprobs": list(self.top_logprobs), "text_chars": self.text_chars, "age_s": now - self.arrival,
                 "first_token_age_s": None if self.first_token is None else now - self.first_token}
+
+
+@dataclass
+class RequestRecord:
+    """Everything the front end holds for one request: made when it arrives, removed in one place
+    (the end of `Cluster.generate`), so nothing about a request outlives it. A late message about
+    an ended request (an output, a migration's end, a hand-over retry) finds no record and does nothing."""
+
+    progress: Progress
+    stream: tuple  # (the client's event loop, its queue)
+    owner: Optional[int] = None  # the instance that runs it (None: finished, parked or failed)
+    moving: Optional[tuple[int, int]] = None  # (src, dst) while it migrates; dst -1: its copy there is aborted
+    aborted: bool = False  # its client left while it migrated
+    moved_at: float = float("-inf")  # when its last migration ended (the controller's cooldown)
+    pd_next: float = 0.0  # when its hand-over to a decode instance may be tried
+    recovering: Optional[tuple[float, int]] = None  # (when its instance died, which) until it streams again
+    parked: bool = False  # its instance died and it waits for one that is starting
+    failovers: int = 0  # instances that died while running it
 
 
 class AdminError(ValueError):
@@ -178,7 +196,7 @@ class Cluster:
                  chat_template: Optional[str] = None, max_queue: int = 1024, dispatch: str = "load",
                  migrate_interval: float = 1.0, migration_timeout: float = 30.0, cooldown_s: Optional[float] = None,
                  on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None,
-                 join_timeout_s: float = 300.0):
+                 join_timeout_s: float = 300.0, max_request_failovers: int = 1, max_instances: int = 16):
         first = clients[0].hello
         self.instances = clients
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
@@ -194,18 +212,12 @@ class Cluster:
         self._on_dead = on_dead
         self._spawner = spawner
         self.join_timeout_s = join_timeout_s
+        self.max_request_failovers, self.max_instances = max_request_failovers, max_instances
         self._lock = threading.RLock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._owner: dict[str, int] = {}
-        self._progress: dict[str, Progress] = {}
-        self._moving: dict[str, tuple[int, int]] = {}  # request -> (src, dst) while it migrates
-        self._aborted: set[str] = set()  # aborted by the client while migrating
-        self._moved_at: dict[str, float] = {}
-        self._pd_next: dict[str, float] = {}  # request -> when its hand-over to a decode instance may be tried
-        self._parked: list[str] = []  # requests of a dead instance waiting for one that is starting
-        self._recovering: dict[str, tuple[float, int]] = {}  # request -> (when its instance died, which)
+        self._requests: dict[str, RequestRecord] = {}
         self._busy: Counter = Counter()  # instance -> migrations it takes part in
-        self._ids = itertools.count(1)
+        self._active_migrations: set[int] = set()  # their ids: random, so no one can guess the next one's KV keys
+        self._ids = itertools.count(1)  # call ids (each answered on its own instance's connection)
         self._calls: dict[int, tuple[asyncio.Future, int]] = {}
         self._events: dict[tuple, asyncio.Future] = {}
         self.outcomes: Counter = Counter()
@@ -216,6 +228,7 @@ class Cluster:
         self.recoveries: deque[dict] = deque(maxlen=1000)  # {request_id, instance, seconds}
         self.failures = 0  # instances that died
         self.requests_lost = 0  # ended with an error because their instance died and none could take them
+        self.requests_quarantined = 0  # failed because the instances running them died too often
         self.history: deque[MigrationResult] = deque(maxlen=1000)
         self._stopping = False
         self.loop = asyncio.new_event_loop()
@@ -236,9 +249,21 @@ class Cluster:
         self._threads.append(t)
 
     def _run_loop(self) -> None:
+        """The control loop runs until stop(); then what is still pending (migrations) is cancelled."""
         asyncio.set_event_loop(self.loop)
-        self.loop.create_task(self._controller())
-        self.loop.run_forever()
+        self.loop.run_until_complete(self._controller())
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+
+    def _soon(self, fn, *args) -> None:
+        """Run fn(*args) on the control loop; nothing once the loop has closed (the server stops)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
 
     def stop(self, timeout: float = 60.0) -> None:
         """Tell every instance to stop (each tells its ranks), wait for the jobs this process
@@ -260,7 +285,7 @@ class Cluster:
                     client.process.wait(max(1.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - a job that will not stop is ended
                     client.process.kill()
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._threads[0].join(max(1.0, deadline - time.monotonic()))  # the controller sees _stopping
 
     # -- instances joining (the hub's accept thread) -------------------------------------------------
     def attach(self, conn: Connection, hello: dict) -> None:
@@ -280,7 +305,7 @@ class Cluster:
             if problem is None:
                 client = self.instances[index]
                 client.attach(conn, hello)
-                parked, self._parked = self._parked, []
+                parked = self._unpark()
         if problem is not None:
             logger.error(f"an instance driver wanted to join as instance {index}, refused: {problem}")
             conn.close()
@@ -289,6 +314,13 @@ class Cluster:
         self._start_reader(client)
         for request_id in parked:
             self._redispatch(request_id, "an instance joined")
+
+    def _unpark(self) -> list[str]:
+        """(lock held) The requests waiting for an instance to start; they are dispatched again."""
+        parked = [r for r, rec in self._requests.items() if rec.parked]
+        for r in parked:
+            self._requests[r].parked = False
+        return parked
 
     # -- messages from the instances (one reader thread each) ---------------------------------------------
     def _read(self, client: InstanceClient, conn: Connection) -> None:
@@ -310,7 +342,7 @@ class Cluster:
             elif kind == "stats":
                 client.stats = message[1]
             elif kind in ("reply", "event"):
-                self.loop.call_soon_threadsafe(self._on_control, client, message)
+                self._soon(self._on_control, client, message)
             elif kind == "dead":
                 if client.conn is conn:
                     self._instance_died(client, message[1])
@@ -318,32 +350,28 @@ class Cluster:
 
     def _route(self, client: InstanceClient, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        handover = []
+        handover, targets = [], []
         with self._lock:
-            # only from where the request runs (or is being taken over): a late copy elsewhere is never streamed
-            outputs = [o for o in outputs if self._owner.get(o.request_id) == client.index
-                       or self._moving.get(o.request_id, (None, None))[1] == client.index]
-            targets = [(self._streams.get(o.request_id), o) for o in outputs]
             for o in outputs:
-                progress = self._progress.get(o.request_id)
-                if progress is not None:
-                    progress.add(o)
-                if o.finished and self._owner.get(o.request_id) == client.index:
-                    self._owner.pop(o.request_id, None)
-                if o.new_token_ids and o.request_id in self._recovering:
-                    died_at, dead = self._recovering.pop(o.request_id)
+                rec = self._requests.get(o.request_id)
+                # only from where the request runs (or is being taken over): a late copy elsewhere is never streamed
+                if rec is None or not (rec.owner == client.index or (rec.moving or (None, None))[1] == client.index):
+                    continue
+                targets.append((rec.stream, o))
+                rec.progress.add(o)
+                if o.finished and rec.owner == client.index:
+                    rec.owner = None
+                if o.new_token_ids and rec.recovering is not None:
+                    (died_at, dead), rec.recovering = rec.recovering, None
                     self._record_recovery(o.request_id, dead, now - died_at)
-                if client.role == "prefill" and not o.finished and o.new_token_ids \
-                        and self._owner.get(o.request_id) == client.index and o.request_id not in self._moving \
-                        and self._pd_next.get(o.request_id, 0.0) <= now:
-                    self._pd_next[o.request_id] = float("inf")  # until this hand-over is over
+                if client.role == "prefill" and not o.finished and o.new_token_ids and rec.owner == client.index \
+                        and rec.moving is None and rec.pd_next <= now:
+                    rec.pd_next = float("inf")  # until this hand-over is over
                     handover.append(o.request_id)
-        for target, output in targets:
-            if target is not None:
-                loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, output)
+        for (loop, q), output in targets:
+            loop.call_soon_threadsafe(q.put_nowait, output)
         for request_id in handover:
-            self.loop.call_soon_threadsafe(self._hand_to_decode, request_id, client.index)
+            self._soon(self._hand_to_decode, request_id, client.index)
 
     def _record_recovery(self, request_id: str, dead: int, seconds: float) -> None:
         self.recovery_sum += seconds
@@ -364,6 +392,8 @@ class Cluster:
                 entry[0].set_exception(MigrationAborted(*value))
         else:
             _, name, args = message
+            if not args or args[0] not in self._active_migrations:
+                return  # a report of a migration that is over: nobody waits for it, nothing is kept
             failed = name == "stage_failed"  # it answers the wait for that stage's stage_done
             key = (client.index, ("stage_done" if failed else name, *args))
             fut = self._events.setdefault(key, self.loop.create_future())
@@ -377,7 +407,7 @@ class Cluster:
     def _instance_stopped(self, client: InstanceClient) -> None:
         client.state, client.conn = "stopped", None
         logger.info(f"instance {client.index} ({client.spec.describe()}) stopped")
-        self.loop.call_soon_threadsafe(self._fail_calls, client.index)
+        self._soon(self._fail_calls, client.index)
 
     def _instance_died(self, client: InstanceClient, reason: str) -> None:
         """An instance failed: its requests go on elsewhere (prefilled again from their tokens so
@@ -391,16 +421,18 @@ class Cluster:
             self.failures += 1
             what = f"instance {client.index} ({client.spec.describe()}): {reason}"
             left = [c for c in self.instances if c.state in ("serving", "stopping", "starting")]
+            orphans, moving, streams = [], set(), []
             if not left:
                 self.dead_reason = self.dead_reason or what
-                streams = list(self._streams.values())
-                orphans = []
+                streams = [rec.stream for rec in self._requests.values()]
             else:
-                streams = []
-                orphans = [r for r, i in self._owner.items() if i == client.index]
-                for r in orphans:
-                    self._recovering[r] = (now, client.index)
-        self.loop.call_soon_threadsafe(self._fail_calls, client.index)
+                for r, rec in self._requests.items():
+                    if rec.owner == client.index:
+                        orphans.append(r)
+                        rec.recovering, rec.failovers = (now, client.index), rec.failovers + 1
+                        if rec.moving is not None:
+                            moving.add(r)
+        self._soon(self._fail_calls, client.index)
         if not left:
             logger.error(f"instance {client.index} failed: {reason}; no instance is left")
             error = EngineDeadError(self.dead_reason)
@@ -411,8 +443,6 @@ class Cluster:
             return
         logger.error(f"instance {client.index} failed ({reason}); its {len(orphans)} request(s) go on on the other "
                      f"instances, prefilled again from their tokens so far")
-        with self._lock:
-            moving = set(self._moving)
         for request_id in orphans:
             if request_id not in moving:  # a migrating one is settled when its migration ends
                 self._redispatch(request_id, f"instance {client.index} died")
@@ -423,34 +453,38 @@ class Cluster:
                 fut.set_exception(MigrationAborted("instance_died", f"instance {index} died"))
 
     def _redispatch(self, request_id: str, why: str) -> None:
-        """Send a request whose instance is gone to another, with what its client already has."""
+        """Send a request whose instance is gone to another, with what its client already has; fail
+        it instead when the instances running it died more than --max-request-failovers times."""
+        error = None
         with self._lock:
-            progress = self._progress.get(request_id)
-            listened = request_id in self._streams
-            owner = self._owner.get(request_id)
-            if progress is None or not listened or (owner is not None and self.instances[owner].alive):
-                self._recovering.pop(request_id, None)
-                if not listened and owner is not None and not self.instances[owner].alive:
-                    self._owner.pop(request_id, None)
+            rec = self._requests.get(request_id)
+            if rec is None:
+                return  # its client is gone
+            if rec.owner is not None and self.instances[rec.owner].alive:
+                rec.recovering = None
                 return
-            roles = ("decode", "mixed") if progress.token_ids else ("prefill", "mixed")
-            index = self._choose(len(progress.prompt_token_ids), progress.params, roles, force=True)
-            if index is None:
-                if any(c.state == "starting" for c in self.instances):
-                    self._parked.append(request_id)  # goes on once an instance has joined
-                    self._owner.pop(request_id, None)
+            progress, target = rec.progress, rec.stream
+            if rec.failovers > self.max_request_failovers:
+                rec.owner = rec.recovering = None
+                self.requests_quarantined += 1
+                error = RequestFailedError(f"request {request_id} failed: {rec.failovers} instances died while running "
+                                        f"it (--max-request-failovers {self.max_request_failovers}); it is not "
+                                        f"dispatched again")
+            else:
+                roles = ("decode", "mixed") if progress.token_ids else ("prefill", "mixed")
+                index = self._choose(len(progress.prompt_token_ids), progress.params, roles, force=True)
+                if index is None and any(c.state == "starting" for c in self.instances):
+                    rec.parked, rec.owner = True, None  # goes on once an instance has joined
                     logger.warning(f"request {request_id}: no instance takes requests now; it waits for the one starting")
                     return
-                target = self._streams[request_id]
-                self._owner.pop(request_id, None)
-                self._recovering.pop(request_id, None)
-                self.requests_lost += 1
-            else:
-                self._owner[request_id] = index
-        if index is None:
-            logger.error(f"request {request_id}: {why} and no instance is left to take it; it ends with an error")
-            target[0].call_soon_threadsafe(target[1].put_nowait, EngineDeadError(f"{why}; no instance could take "
-                                                                                f"request {request_id} over"))
+                rec.owner = index
+                if index is None:
+                    rec.recovering = None
+                    self.requests_lost += 1
+                    error = EngineDeadError(f"{why}; no instance could take request {request_id} over")
+        if error is not None:
+            logger.error(f"request {request_id}: {error}")
+            target[0].call_soon_threadsafe(target[1].put_nowait, error)
             return
         logger.info(f"request {request_id} ({len(progress.token_ids)} tokens so far) goes on on instance {index} ({why})")
         try:
@@ -460,7 +494,7 @@ class Cluster:
             self._instance_died(self.instances[index], "its connection failed")
             return
         with self._lock:
-            left = request_id not in self._streams
+            left = request_id not in self._requests
         if left:  # its client went away while it was being sent: an abort sent before the resume did nothing
             self.abort_on(index, request_id)
 
@@ -515,9 +549,9 @@ class Cluster:
         """End a request on one instance, whatever the API's routing says (a late copy of it), and
         stream nothing more from it there."""
         with self._lock:
-            move = self._moving.get(request_id)
-            if move is not None and move[1] == index:
-                self._moving[request_id] = (move[0], -1)
+            rec = self._requests.get(request_id)
+            if rec is not None and rec.moving is not None and rec.moving[1] == index:
+                rec.moving = (rec.moving[0], -1)
         if self.instances[index].alive:
             try:
                 self.instances[index].send(("abort", request_id))
@@ -528,10 +562,10 @@ class Cluster:
         """The destination has the request: its outputs come from there now (unless its client left
         meanwhile: then nobody listens, and the destination drops it)."""
         with self._lock:
-            listened = self._owner.get(request_id) == src and request_id not in self._aborted \
-                and request_id in self._streams
+            rec = self._requests.get(request_id)
+            listened = rec is not None and rec.owner == src and not rec.aborted
             if listened:
-                self._owner[request_id] = dst
+                rec.owner = dst
         if not listened:
             try:
                 self.instances[dst].send(("abort", request_id))
@@ -540,30 +574,39 @@ class Cluster:
 
     async def _migrate(self, request_id: str, src: int, dst: int, reason: str, mode: str = "live",
                        max_stages: int = MAX_STAGES) -> MigrationResult:
-        mid = next(self._ids)
+        mid = secrets.randbits(62)
         with self._lock:
-            self._moving[request_id] = (src, dst)
-            self._expect(request_id, dst)
+            rec = self._requests.get(request_id)
+            if rec is not None:
+                rec.moving = (src, dst)
+                self._expect(rec, request_id, dst)
         self._busy.update((src, dst))
+        self._active_migrations.add(mid)
         try:
             result = await migrate(self, mid, request_id, src, dst, reason, self.migration_timeout, mode, max_stages)
         finally:
             self._busy.subtract((src, dst))
+            self._active_migrations.discard(mid)
             with self._lock:
-                self._moving.pop(request_id, None)
                 self.instances[dst].incoming.pop(request_id, None)
-                self._aborted.discard(request_id)
-                owner = self._owner.get(request_id)
-                orphaned = owner is not None and not self.instances[owner].alive
+                rec = self._requests.get(request_id)
+                orphaned = None
+                if rec is not None:
+                    rec.moving, rec.aborted = None, False
+                    if rec.owner is not None and not self.instances[rec.owner].alive:
+                        orphaned = rec.owner
             for key in [k for k in self._events if k[1][1] == mid]:  # reports nobody waited for
                 fut = self._events.pop(key)
                 if fut.done() and not fut.cancelled():
                     fut.exception()  # retrieved: no "never retrieved" warning for a failure nobody awaited
-            if orphaned:  # its instance died while it moved (and the move did not save it)
-                self._redispatch(request_id, f"instance {owner} died")
-        self._moved_at[request_id] = time.monotonic()
-        if reason == "pd":
-            self._pd_next[request_id] = time.monotonic() + PD_RETRY_S if result.outcome != "ok" else float("inf")
+            if orphaned is not None:  # its instance died while it moved (and the move did not save it)
+                self._redispatch(request_id, f"instance {orphaned} died")
+        with self._lock:
+            rec = self._requests.get(request_id)
+            if rec is not None:
+                rec.moved_at = time.monotonic()
+                if reason == "pd":
+                    rec.pd_next = time.monotonic() + PD_RETRY_S if result.outcome != "ok" else float("inf")
         self.outcomes[result.outcome] += 1
         self.history.append(result)
         if result.outcome == "ok":
@@ -572,13 +615,11 @@ class Cluster:
             self.downtime_counts[bucket] += 1
         return result
 
-    def _expect(self, request_id: str, dst: int) -> None:
+    def _expect(self, rec: RequestRecord, request_id: str, dst: int) -> None:
         """(lock held) A request on its way to `dst` counts in its load until the move is over, so
         moves chosen in the same instant spread out instead of all picking the same instance."""
-        progress = self._progress.get(request_id)
-        if progress is not None:
-            self.instances[dst].incoming[request_id] = blocks_at_full_length(
-                len(progress.prompt_token_ids), progress.params.max_new_tokens, self.block_size, self.cp)
+        self.instances[dst].incoming[request_id] = blocks_at_full_length(
+            len(rec.progress.prompt_token_ids), rec.progress.params.max_new_tokens, self.block_size, self.cp)
 
     # -- prefill/decode disaggregation ------------------------------------------------------------------
     def _hand_to_decode(self, request_id: str, src: int) -> None:
@@ -586,16 +627,15 @@ class Cluster:
         to the decode instance with the most room (if none has room, it decodes where it is and
         tries again a little later)."""
         with self._lock:
-            progress = self._progress.get(request_id)
-            here = self._owner.get(request_id) == src and request_id not in self._moving
-            dst = None
-            if progress is not None and here:
-                dst = self._choose(len(progress.prompt_token_ids), progress.params, ("decode", "mixed"), queued=False)
-                if dst is not None and dst != src:
-                    self._expect(request_id, dst)  # before the migration task starts: the next choice sees it
-        if dst is None or dst == src:
-            self._pd_next[request_id] = time.monotonic() + PD_RETRY_S
-            return
+            rec = self._requests.get(request_id)
+            if rec is None or rec.owner != src or rec.moving is not None:
+                return
+            dst = self._choose(len(rec.progress.prompt_token_ids), rec.progress.params, ("decode", "mixed"),
+                               queued=False)
+            if dst is None or dst == src:
+                rec.pd_next = time.monotonic() + PD_RETRY_S
+                return
+            self._expect(rec, request_id, dst)  # before the migration task starts: the next choice sees it
         self.loop.create_task(self._migrate(request_id, src, dst, "pd", max_stages=0))
 
     # -- the migration controller ----------------------------------------------------------------------
@@ -623,14 +663,14 @@ class Cluster:
         live = [c for c in self.instances if c.alive and (c.role != "prefill" or c.draining)]
         loads = [c.load() for c in live]
         with self._lock:
-            moving = set(self._moving)
+            moving = {r for r, rec in self._requests.items() if rec.moving is not None}
+            cooling = {r for r, rec in self._requests.items() if now - rec.moved_at < self.cooldown_s}
         candidates = {}
         for c in live:
             s = c.stats
             cands = [MoveCandidate(r, 0, False) for r in s["waiting_ids"]]
             cands += [MoveCandidate(r, b, True) for r, b in zip(s["running_ids"], s["running_blocks"])]
             candidates[c.index] = [x for x in cands if x.request_id not in moving]
-        cooling = {r for r, t in self._moved_at.items() if now - t < self.cooldown_s}
         draining = {c.index for c in live if c.draining}
         busy = {i for i, n in self._busy.items() if n > 0}
         if only_drain:
@@ -646,7 +686,7 @@ class Cluster:
             if c.state != "stopping" or c.stop_sent or not c.alive:
                 continue
             with self._lock:
-                held = any(i == c.index for i in self._owner.values())
+                held = any(rec.owner == c.index for rec in self._requests.values())
             s = c.stats
             if held or s.get("num_requests_running") or s.get("num_requests_waiting") or self._busy[c.index] > 0:
                 continue
@@ -660,8 +700,8 @@ class Cluster:
     # -- admin (thread-safe: called from the HTTP server's loop) -------------------------------------------
     def describe_instances(self) -> list[dict]:
         with self._lock:
-            moving = dict(self._moving)
-            owner = dict(self._owner)
+            moving = {r: rec.moving for r, rec in self._requests.items() if rec.moving is not None}
+            owner = {r: rec.owner for r, rec in self._requests.items() if rec.owner is not None}
         out = []
         for c in self.instances:
             d = c.describe()
@@ -682,8 +722,9 @@ class Cluster:
         if not 0 <= to_instance < len(self.instances):
             raise AdminError(400, f"to_instance {to_instance} is not one of the {len(self.instances)} instances")
         with self._lock:
-            src = self._owner.get(request_id)
-            moving = request_id in self._moving
+            rec = self._requests.get(request_id)
+            src = rec.owner if rec is not None else None
+            moving = rec is not None and rec.moving is not None
         if src is None:
             raise AdminError(404, f"request {request_id!r} is not running or waiting on any instance")
         if moving:
@@ -740,6 +781,9 @@ class Cluster:
         if len(specs) != 1:
             raise AdminError(400, f"layout {layout!r}: one instance at a time")
         with self._lock:
+            if len(self.instances) >= self.max_instances:
+                raise AdminError(409, f"the server has {len(self.instances)} instances, --max-instances "
+                                      f"{self.max_instances}; restart a dead or stopped one instead")
             client = InstanceClient(len(self.instances), spec=specs[0])
             client.state = "stopped"
             self.instances.append(client)
@@ -775,7 +819,7 @@ class Cluster:
                 client.state, client.dead = "dead", f"its job {code} before joining"
             parked = []
             if failed and not any(c.state == "starting" for c in self.instances):
-                parked, self._parked = self._parked, []
+                parked = self._unpark()
         if not failed:
             return
         if process.poll() is None:
@@ -799,11 +843,10 @@ class Cluster:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            index = self._owner.get(request_id)
-            if request_id in self._moving:
-                self._aborted.add(request_id)
-            if request_id in self._parked:
-                self._parked.remove(request_id)
+            rec = self._requests.get(request_id)
+            index = rec.owner if rec is not None else None
+            if rec is not None:
+                rec.aborted, rec.parked = rec.moving is not None, False
         if index is not None and self.instances[index].alive:
             try:
                 self.instances[index].send(("abort", request_id))
@@ -822,11 +865,12 @@ class Cluster:
                 "migrations_total": dict(self.outcomes),
                 "migration_downtime": (DOWNTIME_BUCKETS, list(self.downtime_counts), self.downtime_sum),
                 "requests_recovered": (RECOVERY_BUCKETS, list(self.recovery_counts), self.recovery_sum),
-                "requests_lost_total": self.requests_lost, "instance_failures_total": self.failures}
+                "requests_lost_total": self.requests_lost, "instance_failures_total": self.failures,
+                "requests_quarantined_total": self.requests_quarantined, "frontend_entries": self.held()}
 
     def _num_queued(self) -> int:
         with self._lock:
-            open_streams = len(self._streams)
+            open_streams = len(self._requests)
         running = sum(c.stats.get("num_requests_running", 0) for c in self.instances if c.alive)
         return max(0, open_streams - running)
 
@@ -854,8 +898,7 @@ class Cluster:
             index = self._choose(len(prompt_token_ids), params, ("prefill", "mixed"))
             if index is None:
                 raise QueueFullError(retry_after_s=5.0)
-            self._owner[request_id] = index
-            self._progress[request_id] = Progress(list(prompt_token_ids), params)
+            self._requests[request_id].owner = index
         return self.instances[index]
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -866,16 +909,17 @@ class Cluster:
             raise QueueFullError(retry_after_s=5.0)
         if self._num_queued() >= self.max_queue:
             raise QueueFullError(retry_after_s=1.0)
-        if params.seed is None and params.temperature > 0:
+        if params.seed is None and not params.greedy:
             # drawn here, not by the instance, so a request resumed elsewhere samples what it would have
             params = replace(params, seed=secrets.randbits(52))
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
-            if request_id in self._streams:
+            if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
+            self._requests[request_id] = RequestRecord(Progress(list(prompt_token_ids), params),
+                                                       (asyncio.get_running_loop(), q))
         finished = False
         try:
             client = self._dispatch(request_id, prompt_token_ids, params)
@@ -889,16 +933,22 @@ class Cluster:
                     raise item
                 if item.error is not None:
                     finished = True
-                    raise RequestError("prompt", item.error)
+                    if item.error_status == 400:
+                        raise RequestError("prompt", item.error)
+                    raise RequestFailedError(item.error)
                 finished = item.finished
                 yield item
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)  # the client went away, or an error: free its blocks
             with self._lock:
-                self._owner.pop(request_id, None)
-                self._progress.pop(request_id, None)
-                self._pd_next.pop(request_id, None)
-                self._recovering.pop(request_id, None)
+                self._requests.pop(request_id, None)  # the one place a request's record is removed
+
+    def held(self) -> dict[str, int]:
+        """Entries the front end holds that belong to requests or migrations: all 0 when idle
+        (dist_infer:frontend_entries; the tests check nothing outlives its request)."""
+        with self._lock:
+            out = {"requests": len(self._requests), "calls": len(self._calls), "events": len(self._events),
+                   "migrations": len(self._active_migrations), "busy": sum(self._busy.values()),
+                   "incoming": sum(len(c.incoming) for c in self.instances)}
+        return out

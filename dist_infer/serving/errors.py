@@ -16,3 +16,8 @@ class QueueFullError(RuntimeError):
 class EngineDeadError(RuntimeError):
     """The engine stopped (a rank died, a collective timed out); no request can be served any
     more (HTTP 500, or an error event in a stream). The message says why."""
+
+
+class RequestFailedError(EngineDeadError):
+    """One request failed inside its instance (a step raised for it; or the instances running it
+    kept dying): that request ends with HTTP 500 or an error event naming it; the server serves on."""

@@ -15,7 +15,6 @@ authenticated connection (pickled tuples over TCP), so instances on other hosts 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -29,15 +28,6 @@ from dist_infer.engine.request import RequestError, RequestOutput
 STATS_EVERY_S = 0.1  # an instance's load reaches the API at least this often while it changes
 MIGRATION_CALLS = {"start_out", "send_out", "pause_out", "release_out", "resume_out",
                    "reserve_in", "recv_in", "commit_in", "cancel_in"}
-
-
-def no_delay(conn: Connection) -> Connection:
-    """Turn off Nagle's algorithm on a connection's TCP socket: the wire carries small messages
-    both ways, and a small write behind an unacknowledged one otherwise waits for the peer's
-    delayed ACK (40 ms on Linux), which had made every migration call take that long."""
-    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup of the same socket
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return conn
 
 
 class InstanceServer:
@@ -89,7 +79,8 @@ class InstanceServer:
                 self.engine.resume_request(request_id, prompt_ids, params, progress)
         except RequestError as exc:
             self.engine.call_soon(self.engine.count_rejected)  # the API counts it as seen, not as queued here
-            self.send(("out", [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc))]))
+            self.send(("out", [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc),
+                                                     error_status=400)]))
 
     def _call(self, call_id: int, method: str, args: tuple) -> None:
         def reply(value: object) -> None:

@@ -82,11 +82,21 @@ class EngineStatsCollector:
         for key, name, doc in (("instance_failures_total", "instance_failures", "Instances that died."),
                                ("requests_lost_total", "requests_lost",
                                 "Requests that ended with an error because their instance died and no other "
-                                "could take them over.")):
+                                "could take them over."),
+                               ("requests_quarantined_total", "requests_quarantined",
+                                "Requests failed instead of dispatched again: the instances running them died more "
+                                "than --max-request-failovers times.")):
             if stats is None or key in stats:
                 c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
                 c.add_metric([self.model_name], float((stats or {}).get(key, 0)))
                 families.append(c)
+        if stats is None or "frontend_entries" in stats:
+            g = GaugeMetricFamily(PREFIX + "frontend_entries", "Entries the API process holds for requests and "
+                                  "migrations in flight, by kind (all 0 when idle: nothing outlives its request).",
+                                  labels=["model_name", "kind"])
+            for kind, n in sorted((stats or {}).get("frontend_entries", {}).items()):
+                g.add_metric([self.model_name, kind], float(n))
+            families.append(g)
         return families
 
     def _histogram(self, stats: Optional[dict], key: str, name: str, doc: str) -> HistogramMetricFamily:

@@ -9,16 +9,24 @@ client would otherwise get something other than what it asked for.
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dist_infer.engine.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS_CAP = 4096  # chat's default max_tokens is "what fits", at most this many
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engine's own default is greedy)
+MAX_STOP_STRINGS = 16  # stop strings per request, each of at most MAX_STOP_CHARS (each is searched per token)
+MAX_STOP_CHARS = 512
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this are refused (no request needs more)
+
+# integers as the engine can hold them (a 400-digit seed is a 400, not an overflow deep inside)
+Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
 
 # SamplingParams' names for what the API calls otherwise
 _API_NAME = {"max_new_tokens": "max_tokens", "stop_at_eos": "ignore_eos"}
@@ -45,23 +53,23 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None  # vLLM; -1 or 0: no limit
-    seed: Optional[int] = None
+    max_tokens: Optional[Int64] = None
+    temperature: Optional[Float] = None
+    top_p: Optional[Float] = None
+    top_k: Optional[Int64] = None  # vLLM; -1 or 0: no limit
+    seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None  # vLLM
+    stop_token_ids: Optional[list[Int64]] = None  # vLLM
     ignore_eos: Optional[bool] = False  # vLLM
-    min_tokens: Optional[int] = 0  # vLLM
-    n: Optional[int] = 1
+    min_tokens: Optional[Int64] = 0  # vLLM
+    n: Optional[Int64] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     return_token_ids: Optional[bool] = None  # vLLM; accepted, token ids are always returned
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None  # vLLM
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[Float] = None
+    frequency_penalty: Optional[Float] = None
+    repetition_penalty: Optional[Float] = None  # vLLM
+    logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
@@ -90,9 +98,9 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
     prompt: Any = None  # a string, token ids, or a list of exactly one of those (see prompt_of)
-    logprobs: Optional[int] = None  # top alternatives per token, 0..MAX_LOGPROBS
+    logprobs: Optional[Int64] = None  # top alternatives per token, 0..MAX_LOGPROBS
     echo: Optional[bool] = False
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
     suffix: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
@@ -114,8 +122,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: Any = None  # validated by chat.normalize_messages
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    max_completion_tokens: Optional[int] = None  # OpenAI's newer name for max_tokens; wins over it
+    top_logprobs: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None  # OpenAI's newer name for max_tokens; wins over it
     add_generation_prompt: Optional[bool] = True  # vLLM
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: more variables for the template
 
@@ -148,7 +156,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 def parse_body(model_cls: type[BaseModel], body: Any) -> Any:
@@ -172,7 +180,10 @@ def protocol_error_of(exc: ValidationError) -> ProtocolError:
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more digits than Python converts
+        return "an integer too large to show"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -224,6 +235,9 @@ def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: 
     if top_k < 0:
         raise ProtocolError("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ProtocolError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                    f"characters each, got {len(stop)} of up to {max(map(len, stop))} characters")
     if any(stop) and not has_tokenizer:
         raise ProtocolError("stop", "stop strings need a tokenizer and this model has none; use stop_token_ids")
     temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
@@ -242,3 +256,100 @@ def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: 
         for ours, theirs in _API_NAME.items():
             message = message.replace(ours, theirs)
         raise ProtocolError(field, message) from None
+
+
+# -- the body's JSON ------------------------------------------------------------------------------
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolError(None, f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def json_of(raw: bytes) -> Any:
+    """A request body's JSON, refused with a ProtocolError (a 400) for everything that is not
+    plain JSON the server can work with: bad UTF-8, NaN/Infinity, numbers too large for Python
+    or a double, nesting deeper than MAX_JSON_DEPTH, strings with lone surrogates."""
+    if not raw.strip():
+        raise ProtocolError(None, "the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(None, f"the request body is not valid UTF-8 (at byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(None, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(None, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep") from None
+    except ValueError as exc:  # Python's limit on the digits of an integer
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(None, "the request body holds an integer with more than 4300 digits") from None
+    check_json_values(value)
+    return value
+
+
+def check_json_values(value: Any) -> None:
+    """Walk decoded JSON (without recursion): nesting depth, strings that are valid Unicode, finite
+    numbers (JSON's 1e400 decodes to inf). The error names the top-level field it is under."""
+    stack: list[tuple[Any, int, Optional[str]]] = [(value, 0, None)]
+    while stack:
+        item, depth, field = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ProtocolError(field, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
+            pairs = item.items() if isinstance(item, dict) else ((None, v) for v in item)
+            for key, child in pairs:
+                where = field if depth else key
+                if key is not None:
+                    _check_text(key, where)
+                stack.append((child, depth + 1, where))
+        elif isinstance(item, str):
+            _check_text(item, field)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ProtocolError(field, f"{field or 'the request body'} holds a number too large for a double")
+
+
+def _check_text(text: str, field: Optional[str]) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        raise ProtocolError(field, f"{field or 'the request body'} holds a lone UTF-16 surrogate (\\u{code:04x}), "
+                                   f"which is not a Unicode character") from None
+
+
+# -- the bodies in /openapi.json ---------------------------------------------------------------------
+
+class MigrateBody(BaseModel):
+    """POST /admin/migrate."""
+
+    request_id: str
+    to_instance: int
+    mode: Optional[str] = "live"
+
+
+class AddInstanceBody(BaseModel):
+    """POST /admin/instances: one --instances item, e.g. decode:tp2."""
+
+    layout: str
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict:
+    """A route's `openapi_extra` describing its JSON body by `model_cls` (the route reads and
+    validates the body itself, for OpenAI-shaped 400s), with pydantic's $defs inlined."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref[len("#/$defs/"):]])
+            return {key: inline(child) for key, child in node.items()}
+        if isinstance(node, list):
+            return [inline(child) for child in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

@@ -1,0 +1,75 @@
+"""The command-line flags of the HTTP front end's protection (keys, TLS, CORS, body limit),
+turned into the HttpGuard that serving/api_server.py's build_app and serve_http take."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Optional
+
+from dist_infer.serving.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
+
+API_KEY_ENV = "DIST_INFER_API_KEY"  # comma-separated keys, added to --api-key
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: 1048576, 512K, 16M, 1G (powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count (e.g. 1048576, 512K, 16M)")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "")[:1].lower()]
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    """The HTTP front end's protection flags (for `dist-infer serve`)."""
+    g = p.add_argument_group("HTTP security")
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeat for "
+                        f"several keys; ${API_KEY_ENV} adds comma-separated ones). Default: no key needed")
+    g.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /admin/* (repeatable). Without one, /admin/* "
+                        "answers clients on this machine (loopback) only; behind a local reverse proxy every "
+                        "client looks local, so set one there")
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="/health and /metrics need an --api-key too (default: open, as in vLLM, for probes and "
+                        "Prometheus)")
+    g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
+                   help="enable CORS for these browser origins (comma list or repeat; * for any). Default: no "
+                        "CORS headers, so browsers refuse cross-origin reads")
+    g.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
+                   help="largest request body accepted (e.g. 1048576, 512K, 16M); larger ones get 413 without "
+                        "being read (default 16M)")
+    g.add_argument("--ssl-keyfile", type=_existing_file, default=None, metavar="FILE",
+                   help="serve HTTPS with this PEM private key (needs --ssl-certfile)")
+    g.add_argument("--ssl-certfile", type=_existing_file, default=None, metavar="FILE",
+                   help="serve HTTPS with this PEM certificate chain (needs --ssl-keyfile)")
+    g.add_argument("--ssl-ca-certs", type=_existing_file, default=None, metavar="FILE",
+                   help="CA certificates (PEM) that client certificates are checked against (with --ssl-cert-reqs)")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                   help="client certificates: 0 not asked for, 1 checked if sent, 2 required (as uvicorn; "
+                        "default %(default)s)")
+
+
+def _split(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(item.strip() for value in values for item in value.split(",") if item.strip())
+
+
+def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) -> HttpGuard:
+    """The HttpGuard the flags (and $DIST_INFER_API_KEY) ask for. A ValueError says what is
+    inconsistent (e.g. a key file without a certificate)."""
+    environ = os.environ if environ is None else environ
+    api_keys = tuple(args.api_key) + _split([environ.get(API_KEY_ENV, "")])
+    return HttpGuard(api_keys=tuple(dict.fromkeys(api_keys)), admin_keys=tuple(args.admin_key),
+                     protect_metrics=args.protect_metrics, allowed_origins=_split(args.allowed_origins),
+                     max_body_bytes=args.max_body_bytes, ssl_keyfile=args.ssl_keyfile,
+                     ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

@@ -1,0 +1,239 @@
+"""The serving front end: the HTTP API and the cluster (dispatch, migration, failover), and no model.
+
+It is a process of its own that hosts no engine rank (as vLLM v1 keeps its API server apart from
+EngineCore): every instance, a single one included, is its own processes whose driver connects
+to this process's hub. Killing any rank of any instance therefore ends at most that instance; its
+requests go on on the others, and the API answers throughout.
+
+Two ways it starts:
+- `dist-infer serve` outside any launcher: this process is the front end and starts each
+  instance as a job of its own (`serve --join`, our launcher for its ranks), the same way it
+  restarts a dead instance or adds one.
+- under torchrun, mpirun, srun or our `launch`: the job's ranks are the instances, and world rank
+  0 starts the front end as a child process (`serve --frontend-only`), which waits for the job's
+  instance drivers to join instead of starting them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+from loguru import logger
+
+HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
+HUB_FILE_ENV = "DIST_INFER_HUB_FILE"  # --frontend-only writes its hub's address here for the job's rank 0
+# flags of the API process that an instance started as a job of its own does not take
+API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", "--dispatch", "--migrate-interval",
+                  "--migration-timeout", "--max-queue", "--served-model-name", "--join", "--instance-index",
+                  "--hub-key-file", "--backend", "--hostfile", "--hub-host", "--max-request-failovers",
+                  "--max-instances", "--api-key", "--admin-key", "--allowed-origins", "--max-body-bytes",
+                  "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs")
+API_ONLY_SWITCHES = ("--frontend-only", "--protect-metrics")  # the same, for flags that take no value
+
+
+def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_FLAGS) -> list[str]:
+    """The command line of a job that runs instance `index` alone and joins the hub: the serve
+    command's own model and engine flags, without the API's (pure; unit tested)."""
+    from dist_infer.launch.launcher import strip_flag
+
+    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
+    for flag in drop:
+        args = strip_flag(args, flag)
+    args = [a for a in args if a not in API_ONLY_SWITCHES]
+    return ["serve", *args, "--instances", spec.describe(), "--join", f"{hub[0]}:{hub[1]}",
+            "--instance-index", str(index)]
+
+
+def spawner(argv: list[str], hub: tuple, key: bytes):
+    """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub."""
+    from dist_infer.topology.discovery import without_launcher_env
+
+    def spawn(index: int, spec):
+        command = [sys.executable, "-m", "dist_infer", *instance_argv(argv, index, spec, hub)]
+        env = without_launcher_env(os.environ)
+        env[HUB_KEY_ENV] = key.decode()
+        env.pop(HUB_FILE_ENV, None)
+        logger.info(f"instance {index}: {' '.join(command)}")
+        # its own session: a Ctrl-C at the terminal reaches the API, which stops the instances in order
+        return subprocess.Popen(command, env=env, start_new_session=True)
+
+    return spawn
+
+
+def start_frontend_child(argv: list[str], hub_host: str, key: bytes, timeout: float) -> tuple[subprocess.Popen, tuple]:
+    """World rank 0 of a launched job: start the front end as a process of its own and wait for its
+    hub's address. -> (the process, (host, port))."""
+    import tempfile
+    import time
+
+    from dist_infer.topology.discovery import without_launcher_env
+
+    hub_file = Path(tempfile.mkdtemp(prefix="dist-infer-hub-")) / "hub.json"
+    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
+    command = [sys.executable, "-m", "dist_infer", "serve", *args, "--frontend-only", "--hub-host", hub_host]
+    env = without_launcher_env(os.environ)
+    env[HUB_KEY_ENV], env[HUB_FILE_ENV] = key.decode(), str(hub_file)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not (hub_file.is_file() and hub_file.read_text().strip()):
+        if process.poll() is not None:
+            raise RuntimeError(f"the API process exited with code {process.returncode} before it listened")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"the API process did not listen within {timeout:g} s")
+        time.sleep(0.05)
+    info = json.loads(hub_file.read_text())
+    return process, (info["host"], info["port"])
+
+
+def served_name(flag: Optional[str], model: str) -> str:
+    """The model id clients see: a built-in model's name, else the checkpoint's folder or file name."""
+    from dist_infer.models.builtin import NAMES, model_name
+
+    name = model_name(flag)
+    return name if name in NAMES else Path(model).name
+
+
+def chat_template_of(model: str, tokenizer=None) -> Optional[str]:
+    """The chat template: the tokenizer's own (a GGUF's metadata), or tokenizer_config.json's
+    chat_template (a string, or the 'default' one of a list), if any."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    path = Path(model) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, json.JSONDecodeError):
+        return None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _tokenizer_and_template(model: str):
+    from dist_infer.engine.tokenizer import TextTokenizer
+
+    try:
+        tokenizer = TextTokenizer(model)
+    except Exception as exc:  # noqa: BLE001 - token-id prompts still work
+        logger.warning(f"no tokenizer ({exc}); only token-id prompts will be accepted")
+        tokenizer = None
+    return tokenizer, chat_template_of(model, tokenizer)
+
+
+def run_frontend(args, argv: list[str]) -> int:
+    """Serve the API until SIGTERM (exit 0) or until no instance is left (exit 1)."""
+    from dist_infer.launch.logs import configure_logging
+    from dist_infer.launch.model_options import model_path
+    from dist_infer.serving.hub import Hub, StartupWaiter
+    from dist_infer.serving.instances import check_roles, parse_instances
+
+    configure_logging("api", args.log_level)
+    specs = parse_instances(args.instances or "1", args.tp, args.pp)
+    check_roles(specs)
+    if len(specs) > 1 and (args.ep > 1 or args.cp > 1):
+        raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
+    key = os.environ.get(HUB_KEY_ENV, "").encode() if args.frontend_only else secrets.token_hex(16).encode()
+    if not key:
+        raise ValueError(f"--frontend-only: no key in ${HUB_KEY_ENV}")
+    hub = Hub(args.hub_host or "127.0.0.1", key)
+    waiter = StartupWaiter(len(specs))
+    hub.start(waiter.on_hello)
+    if args.frontend_only and os.environ.get(HUB_FILE_ENV):
+        Path(os.environ[HUB_FILE_ENV]).write_text(json.dumps({"host": hub.address[0], "port": hub.address[1]}))
+    spawn = spawner(argv, hub.address, key)
+    processes = {} if args.frontend_only else {i: spawn(i, spec) for i, spec in enumerate(specs)}
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    model = model_path(args)
+    tokenizer, template = _tokenizer_and_template(model)
+    try:
+        joined = waiter.wait(max(60.0, args.timeout), failed=lambda: _start_failure(processes, stopping))
+    except (TimeoutError, RuntimeError) as exc:
+        logger.error(f"{exc}; stopping")
+        _end(processes)
+        hub.close()
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return _serve(args, joined, processes, hub, waiter, spawn, served_name_for(args, model), tokenizer, template)
+
+
+def served_name_for(args, model: str) -> str:
+    return args.served_model_name or served_name(args.model, model)
+
+
+def _start_failure(processes: dict, stopping: threading.Event) -> Optional[str]:
+    if stopping.is_set():
+        return "a stop signal came while the instances were starting"
+    for index, process in processes.items():
+        code = process.poll()
+        if code is not None:
+            return f"instance {index}'s job exited with code {code} before it joined"
+    return None
+
+
+def _end(processes: dict) -> None:
+    for process in processes.values():
+        if process.poll() is None:
+            process.terminate()
+    for process in processes.values():
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _serve(args, joined, processes: dict, hub, waiter, spawn, name: str, tokenizer, template) -> int:
+    from dist_infer.launch.http_flags import http_options_of
+    from dist_infer.serving.api_server import build_app, serve_http
+    from dist_infer.serving.cluster import Cluster, InstanceClient
+
+    clients = [InstanceClient(i, conn, hello) for i, (conn, hello) in enumerate(joined)]
+    for index, process in processes.items():
+        clients[index].process = process
+    if args.hub_key_file:
+        path = Path(args.hub_key_file)
+        path.touch(mode=0o600)
+        path.write_text(hub.key.decode())
+
+    def on_dead(reason: str) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why
+
+    cluster = Cluster(clients, name, tokenizer, template, args.max_queue, args.dispatch, args.migrate_interval,
+                      migration_timeout=args.migration_timeout, on_dead=on_dead, spawner=spawn,
+                      join_timeout_s=max(60.0, args.timeout), max_request_failovers=args.max_request_failovers,
+                      max_instances=args.max_instances)
+    cluster.start()
+    waiter.hand_over(cluster.attach)
+    guard = http_options_of(args)
+    app = build_app(cluster, name, guard)
+
+    def ready(host: str, port: int) -> None:
+        layouts = ", ".join(c.spec.describe() for c in clients)
+        logger.info(f"serving {name!r} on {'https' if guard.tls else 'http'}://{host}:{port}/v1 with {len(clients)} instance(s) [{layouts}] "
+                    f"(max {args.max_num_seqs} running, {args.max_batched_tokens} tokens per step each); "
+                    f"instances join at {hub.address[0]}:{hub.address[1]}")
+        if args.ready_file:
+            Path(args.ready_file).write_text(json.dumps({"host": host, "port": port, "pid": os.getpid(),
+                                                         "hub": [hub.address[0], hub.address[1]]}))
+
+    serve_http(app, args.host, args.port, on_ready=ready, guard=guard)
+    cluster.stop()
+    hub.close()
+    if cluster.dead_reason is not None:
+        logger.error(f"the server stopped because no instance is left: {cluster.dead_reason}")
+        return 1
+    logger.info("server stopped")
+    return 0

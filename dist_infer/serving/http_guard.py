@@ -1,0 +1,235 @@
+"""What stands between the network and the API's routes: API keys, admin access, request bodies
+of bounded size and of JSON only, CORS, and the errors all of them answer in OpenAI's shape.
+
+A pure ASGI middleware (not Starlette's BaseHTTPMiddleware) so that it can refuse a body by its
+Content-Length before a byte of it is read, and stop reading a chunked body as soon as it passes
+the limit: a client must not be able to make the server buffer more than `max_body_bytes`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from loguru import logger
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+ERROR_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               415: "UnsupportedMediaTypeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+BODY_METHODS = ("POST", "PUT", "PATCH")
+OPEN_PATHS = ("/health", "/metrics")  # open (as in vLLM) unless protect_metrics
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+class ApiError(Exception):
+    """An error response: status, message, the offending field (`param`), extra headers, and
+    optionally OpenAI's `code` string (default: the status)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+        self.code = code
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Any = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": status if code is None else code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+def internal_error(exc: BaseException, where: str = "request") -> ApiError:
+    """A 500 that tells the client only an id to quote; the exception itself goes to the log."""
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.opt(exception=exc).error(f"{where} failed with an unexpected error (id {error_id}): {exc!r}")
+    return ApiError(500, f"internal error (id {error_id}); see the server log")
+
+
+# -- the settings -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HttpGuard:
+    """How the HTTP front end protects itself (launch/http_flags.py makes one from the flags).
+
+    api_keys: any of them as `Authorization: Bearer KEY` opens /v1/*, /tokenize, /detokenize (none: open).
+    admin_keys: any of them opens /admin/* (none: /admin/* answers loopback clients only).
+    protect_metrics: /health and /metrics need an api key too.
+    allowed_origins: CORS origins ("*" for any); none: no CORS headers at all.
+    ssl_*: uvicorn's TLS settings (ssl_cert_reqs: 0 none, 1 optional, 2 required client certificates)."""
+
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    protect_metrics: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_cert_reqs: int = 0
+
+    def __post_init__(self):
+        for name in ("api_keys", "admin_keys", "allowed_origins"):
+            object.__setattr__(self, name, tuple(v for v in getattr(self, name) if v))
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("TLS needs both a key file and a certificate file")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ssl_certfile)
+
+    def uvicorn_ssl(self) -> dict[str, Any]:
+        """uvicorn.Config's TLS keyword arguments (empty without TLS)."""
+        if not self.tls:
+            return {}
+        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
+                "ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": self.ssl_cert_reqs}
+
+
+def key_matches(token: Optional[str], keys: tuple[str, ...]) -> bool:
+    """Whether `token` is one of `keys`, comparing with every key in constant time."""
+    if token is None:
+        return False
+    given = token.encode("utf-8", "surrogateescape")
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given, key.encode("utf-8", "surrogateescape"))
+    return found
+
+
+def bearer_token(headers: dict[str, str]) -> Optional[str]:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def is_loopback(client) -> bool:
+    """A client on this machine (no client: a unix socket, which is local too)."""
+    if not client:
+        return True
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
+
+
+# -- the middleware ---------------------------------------------------------------------------------
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes", None,
+                         {"Connection": "close"}, "request_too_large")
+
+
+class GuardMiddleware:
+    """Refuses, before the app sees them: requests without a valid key, admin requests it may not
+    take, bodies over the limit (by header, or while read) and bodies that are not JSON."""
+
+    def __init__(self, app, guard: HttpGuard):
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        refusal = self.refusal(scope, headers)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
+            return
+        await self.call_limited(scope, receive, send)
+
+    def refusal(self, scope, headers: dict[str, str]) -> Optional[ApiError]:
+        """Why this request is refused before its body is read; None if it is not."""
+        refusal = self.access_refusal(scope["path"], scope.get("client"), headers)
+        if refusal is not None or scope["method"] not in BODY_METHODS:
+            return refusal
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.strip().isdigit() or len(length.strip()) > 19:
+                return ApiError(400, f"Content-Length {length[:40]!r} is not a byte count")
+            if int(length) > self.guard.max_body_bytes:
+                return BodyTooLarge(self.guard.max_body_bytes)
+        has_body = "transfer-encoding" in headers or (length is not None and int(length) > 0)
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if has_body and media_type != "application/json":
+            shown = headers.get("content-type") or "none"
+            return ApiError(415, f"the request body must be JSON (Content-Type: application/json), "
+                                 f"got Content-Type {shown[:80]!r}", None, None, "unsupported_media_type")
+        return None
+
+    def access_refusal(self, path: str, client, headers: dict[str, str]) -> Optional[ApiError]:
+        guard = self.guard
+        if path == "/admin" or path.startswith("/admin/"):
+            if guard.admin_keys:
+                return None if key_matches(bearer_token(headers), guard.admin_keys) else _invalid_key("an admin")
+            if is_loopback(client):
+                return None
+            return ApiError(403, "the admin routes answer clients on this machine only; start the server with "
+                                 "--admin-key to allow others (Authorization: Bearer <admin key>)", None, None,
+                            "admin_loopback_only")
+        needs_key = (path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+                     or (guard.protect_metrics and path in OPEN_PATHS))
+        if needs_key and guard.api_keys and not key_matches(bearer_token(headers), guard.api_keys):
+            return _invalid_key("an API")
+        return None
+
+    async def call_limited(self, scope, receive, send) -> None:
+        """The app, with a receive that raises BodyTooLarge once the body passes the limit."""
+        limit = self.guard.max_body_bytes
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge as exc:
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send)
+
+
+def _invalid_key(which: str) -> ApiError:
+    return ApiError(401, f"missing or invalid API key: send {which} key as 'Authorization: Bearer <key>'", None,
+                    {"WWW-Authenticate": "Bearer"}, "invalid_api_key")
+
+
+def install_guard(app, guard: HttpGuard) -> None:
+    """Put the guard in front of `app`, and CORS (only with allowed origins) in front of both, so
+    that a browser's preflight OPTIONS gets its answer without a key."""
+    app.state.http_guard = guard
+    app.add_middleware(GuardMiddleware, guard=guard)
+    if guard.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in guard.allowed_origins)

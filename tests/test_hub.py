@@ -1,0 +1,109 @@
+"""The front end's hub survives any one connection: garbage, silence, a reset, a wrong key, a
+2^30 length prefix, more connections than it checks at once; an honest driver joins afterwards."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from multiprocessing.connection import Client
+
+import psutil
+import pytest
+
+from dist_infer.serving.hub import Hub, StartupWaiter
+
+KEY = b"k" * 32
+
+
+def _hello(index: int) -> dict:
+    return {"index": index, "tp": 1, "pp": 1, "total_blocks": 8}
+
+
+def _join(address, index: int, key: bytes = KEY):
+    conn = Client(address, authkey=key)
+    conn.send(("hello", _hello(index)))
+    return conn
+
+
+@pytest.fixture
+def hub():
+    h = Hub("127.0.0.1", KEY, handshake_timeout_s=1.0, max_handshakes=4)
+    joined: list = []
+    got = threading.Event()
+
+    def on_hello(conn, hello):
+        joined.append((conn, hello))
+        got.set()
+
+    h.start(on_hello)
+    h.joined, h.got = joined, got
+    yield h
+    h.close()
+
+
+def _wait(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_hostile_connections_leave_the_hub_accepting(hub):
+    rss = psutil.Process().memory_info().rss
+    socks = []
+    garbage = socket.create_connection(hub.address)
+    garbage.sendall(b"\x00\xff" * 1000)
+    socks.append(garbage)
+    huge = socket.create_connection(hub.address)
+    huge.sendall(struct.pack("!i", 2 ** 30))  # a length prefix of 1 GiB, then silence
+    socks.append(huge)
+    reset = socket.create_connection(hub.address)
+    reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    reset.close()  # RST, not FIN
+    silent = [socket.create_connection(hub.address) for _ in range(6)]  # more than the 4 checked at once
+    socks += silent
+    with pytest.raises(Exception):
+        Client(hub.address, authkey=b"wrong" * 4)
+    _wait(lambda: hub.refused >= 4)  # handshakes time out after 1 s each; the accept loop never stopped
+    for s in socks:
+        s.close()
+    conn = _join(hub.address, 0)
+    assert hub.got.wait(10), "an honest driver could not join after the hostile connections"
+    assert hub.joined[0][1]["index"] == 0
+    assert psutil.Process().memory_info().rss - rss < 200 * 2 ** 20  # the 1 GiB prefix allocated nothing
+    conn.close()
+
+
+def test_a_driver_that_says_something_else_first_is_refused(hub):
+    conn = Client(hub.address, authkey=KEY)
+    conn.send(("out", []))
+    _wait(lambda: hub.refused >= 1)
+    conn.close()
+    second = _join(hub.address, 1)
+    assert hub.got.wait(10) and hub.joined[0][1]["index"] == 1
+    second.close()
+
+
+def test_startup_waits_for_every_instance_and_names_the_missing():
+    h = Hub("127.0.0.1", KEY, handshake_timeout_s=1.0)
+    waiter = StartupWaiter(2)
+    h.start(waiter.on_hello)
+    try:
+        first = _join(h.address, 1)
+        with pytest.raises(TimeoutError, match=r"instances \[0\]"):
+            waiter.wait(1.0)
+        zero = _join(h.address, 0)
+        joined = waiter.wait(10.0)
+        assert [hello["index"] for _, hello in joined] == [0, 1]
+        later = []
+        waiter.hand_over(lambda conn, hello: later.append(hello["index"]))
+        more = _join(h.address, 2)
+        _wait(lambda: later == [2])
+        with pytest.raises(RuntimeError, match="exited"):
+            StartupWaiter(1).wait(5.0, failed=lambda: "instance 0's job exited with code 1")
+        for c in (first, zero, more):
+            c.close()
+    finally:
+        h.close()

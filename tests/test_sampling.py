@@ -1,0 +1,190 @@
+"""Sampling that cannot overflow: every parameter either is refused by name when the request is
+made, or gives a valid token with a finite logprob, whatever the logits (issue 30 item 3).
+
+A temperature of 1e-300 used to divide logits to inf, a top_p of 1e-50 rounded to 0 in fp32 and
+dropped every token, and a 400-digit top_k overflowed the float64 step plan; each killed the
+serving instance. Seeded draws for ordinary parameters are pinned to what they were before.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from dist_infer.engine.sampling import (GREEDY_BELOW, TOP_K_LIMIT, RowSampling, SamplingParams, SamplingParamsError,
+                                        filter_logits, sample_rows)
+
+EOS = 2
+SPECIAL_FLOATS = [0.0, -0.0, 5e-324, 2.2e-308, 1e-300, 1e-50, 1e-40, 1e-6, 9.99e-6, GREEDY_BELOW, 1.0000001e-5, 0.5,
+                  1.0, 1.0000001, 100.0, 100.0000001, 1e300, -1e-300, -1.0, math.inf, -math.inf, math.nan]
+SPECIAL_INTS = [0, 1, 2, 5, 2 ** 31 - 1, 2 ** 31, 2 ** 63, 10 ** 400, -1, -(10 ** 400)]
+
+# every float and a 400-digit int can come, with the in-range ones (and their edges) drawn most
+temperatures = st.one_of(st.sampled_from(SPECIAL_FLOATS), st.floats(0, 100), st.floats(0, 2e-5), st.floats(0, 100),
+                         st.floats(0, 100),
+                         st.floats(), st.integers(-(10 ** 400), 10 ** 400))
+top_ps = st.one_of(st.sampled_from(SPECIAL_FLOATS), st.floats(0, 1), st.floats(0, 1e-30, exclude_min=True),
+                   st.floats(0, 1, exclude_min=True), st.floats(0, 1, exclude_min=True),
+                   st.floats(), st.integers(-(10 ** 400), 10 ** 400))
+top_ks = st.one_of(st.sampled_from(SPECIAL_INTS), st.integers(-10, 10 ** 400), st.integers(0, 300),
+                   st.sampled_from([3.0, 2.5, math.inf, math.nan]))
+
+
+def _logits(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random logits, or the hostile kinds a model can give: -inf bans, huge values, NaN, ties."""
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    if kind == "minus-inf":
+        x[:, ::2] = float("-inf")
+    elif kind == "huge":
+        x = x * 1e37
+    elif kind == "extremes":
+        x[:, 0], x[:, -1] = 3.4e38, -3.4e38
+    elif kind == "nan-and-inf":
+        x[:, 1], x[:, 3 % vocab] = float("nan"), float("inf")
+    elif kind == "all-minus-inf":
+        x[:] = float("-inf")
+    elif kind == "all-nan":
+        x[:] = float("nan")
+    elif kind == "all-equal":
+        x[:] = 7.0
+    elif kind == "only-eos":
+        x[:] = float("-inf")
+        x[:, EOS] = 1.0
+    return x
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(temperature=temperatures, top_k=top_ks, top_p=top_ps,
+       kind=st.sampled_from(["normal", "minus-inf", "huge", "extremes", "nan-and-inf", "all-minus-inf", "all-nan",
+                             "all-equal", "only-eos"]),
+       vocab=st.integers(3, 64), seed=st.integers(0, 2 ** 53 - 1),
+       index=st.one_of(st.integers(0, 3), st.integers(0, 10 ** 6)),
+       ban_eos=st.booleans(), logprobs=st.integers(0, 20))
+def test_any_parameters_are_refused_by_name_or_give_a_valid_token(temperature, top_k, top_p, kind, vocab, seed, index,
+                                                                  ban_eos, logprobs):
+    try:
+        params = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                logprobs=logprobs, min_tokens=4 if ban_eos else 0)
+    except SamplingParamsError as exc:
+        assert exc.field in ("temperature", "top_k", "top_p") and exc.field in str(exc)
+        assert len(str(exc)) < 200, "the message stays short even for a 400-digit value"
+        event(f"refused: {exc.field}")
+        return
+    event("sampled greedily" if params.greedy else "sampled")
+    assert pickle.loads(pickle.dumps(params)) == params
+    row = RowSampling.of(params, seed, index)
+    floats = torch.tensor([row.temperature, row.top_k, row.top_p], dtype=torch.float64)  # how the step plan sends it
+    assert floats.tolist() == [row.temperature, row.top_k, row.top_p]
+    logits = _logits(kind, 2, vocab, seed % 1000)
+    out = sample_rows(logits, [row, row], (EOS,))
+    assert all(0 <= t < vocab for t in out.tokens.tolist())
+    assert torch.isfinite(out.logprobs).all(), (out.tokens, out.logprobs)
+    if params.greedy:
+        greedy = RowSampling(ban_eos=row.ban_eos)
+        assert torch.equal(out.tokens, sample_rows(logits, [greedy, greedy], (EOS,)).tokens)
+    if row.ban_eos and kind != "only-eos":
+        assert EOS not in out.tokens.tolist()
+
+
+# --- temperature ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-6, 9.99e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(1)) * 50
+    params = SamplingParams(temperature=temperature, top_p=0.9, top_k=40, seed=5)
+    assert params.greedy
+    for index in range(4):
+        got = sample_rows(logits, [RowSampling.of(params, 5 + b, index) for b in range(3)])
+        want = sample_rows(logits, [RowSampling.of(SamplingParams(seed=5), 5 + b, index) for b in range(3)])
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+
+def test_temperature_exactly_the_greedy_bound_samples_even_from_huge_logits():
+    """At 1e-5, logits of 1e37 divide past fp32's range; the draw goes on from the row max down."""
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(2)) * 1e37
+    params = SamplingParams(temperature=GREEDY_BELOW, seed=1)
+    assert not params.greedy
+    out = sample_rows(logits, [RowSampling.of(params, 1, 0), RowSampling.of(params, 2, 0)])
+    assert out.tokens.tolist() == logits.argmax(-1).tolist(), "the rest are e**-1e42 below the max"
+    assert torch.isfinite(out.logprobs).all()
+
+
+def test_hot_temperature_with_a_tiny_top_p_is_the_argmax():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3))
+    rows = [RowSampling.of(SamplingParams(temperature=100.0, top_p=1e-50, seed=9), 9, i) for i in range(4)]
+    assert sample_rows(logits, rows).tokens.tolist() == logits.argmax(-1).tolist()
+
+
+# --- top-p and top-k --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-50, 1e-30])
+def test_top_p_below_fp32_keeps_the_most_likely_token(top_p):
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(4))
+    kept = torch.isfinite(filter_logits(logits, 0, top_p))
+    assert kept.sum(-1).tolist() == [1, 1, 1] and kept.float().argmax(-1).tolist() == logits.argmax(-1).tolist()
+    rows = [RowSampling.of(SamplingParams(temperature=1.0, top_p=top_p, seed=3), 3, i) for i in range(3)]
+    assert sample_rows(logits, rows).tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_400_digit_top_k_is_no_limit():
+    params = SamplingParams(temperature=0.8, top_k=10 ** 400, seed=11)
+    assert params.top_k == TOP_K_LIMIT and pickle.loads(pickle.dumps(params)) == params
+    unlimited = SamplingParams(temperature=0.8, top_k=0, seed=11)
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(5))
+    for index in range(6):
+        got = sample_rows(logits, [RowSampling.of(params, 11 + b, index) for b in range(2)]).tokens
+        want = sample_rows(logits, [RowSampling.of(unlimited, 11 + b, index) for b in range(2)]).tokens
+        assert torch.equal(got, want)
+    assert torch.equal(filter_logits(logits, 10 ** 400, 1.0), logits)
+
+
+@pytest.mark.parametrize("top_k", [-1, -(10 ** 5000), 2.5, math.inf, math.nan],
+                         ids=["-1", "minus-5000-digits", "2.5", "inf", "nan"])
+def test_a_bad_top_k_is_refused_by_name(top_k):
+    with pytest.raises(SamplingParamsError, match="top_k") as info:
+        SamplingParams(top_k=top_k)
+    assert info.value.field == "top_k" and len(str(info.value)) < 200
+
+
+def test_a_whole_float_top_k_is_an_int():
+    assert SamplingParams(top_k=40.0).top_k == 40 and isinstance(SamplingParams(top_k=40.0).top_k, int)
+
+
+# --- hostile logits ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["all-minus-inf", "all-nan", "nan-and-inf", "extremes", "all-equal"])
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 0.7, 100.0])
+def test_hostile_logits_give_a_token_with_a_finite_logprob(kind, temperature):
+    logits = _logits(kind, 3, 50, 6)
+    rows = [RowSampling(temperature, 5, 0.5, 7, i, 3) for i in range(3)]
+    out = sample_rows(logits, rows)
+    assert ((out.tokens >= 0) & (out.tokens < 50)).all() and torch.isfinite(out.logprobs).all()
+
+
+def test_only_eos_allowed_but_banned_still_gives_a_token():
+    logits = _logits("only-eos", 1, 20, 0)
+    for temperature in (0.0, 1.0):
+        out = sample_rows(logits, [RowSampling(temperature, ban_eos=1)], (EOS,))
+        assert 0 <= int(out.tokens[0]) < 20 and torch.isfinite(out.logprobs).all()
+
+
+def test_more_logprobs_than_the_vocabulary_are_all_of_it():
+    out = sample_rows(torch.tensor([[0.0, 2.0, 1.0]]), [RowSampling(logprobs=20)])
+    assert out.top_ids.tolist() == [[1, 2, 0]]
+
+
+# --- ordinary parameters are unchanged ----------------------------------------------------------------
+
+def test_seeded_draws_are_the_ones_drawn_before_the_fix():
+    """Tokens recorded from the sampler as it was before these guards: the same random draws."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2024)) * 2
+    settings_ = [(0.7, 0, 1.0), (1.0, 40, 0.9), (1.3, 5, 1.0), (0.5, 0, 0.95)]
+    got = [sample_rows(logits, [RowSampling(t, k, p, 40 + b, i) for b, (t, k, p) in enumerate(settings_)])
+           .tokens.tolist() for i in range(8)]
+    assert got == [[26, 154, 4, 202], [152, 147, 4, 202], [15, 5, 49, 202], [87, 92, 278, 202], [168, 11, 278, 202],
+                   [32, 246, 32, 80], [100, 11, 28, 156], [2, 154, 278, 24]]

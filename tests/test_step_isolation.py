@@ -1,0 +1,321 @@
+"""A request can fail only itself (issue 30): an exception while running a step ends the
+requests it belongs to with an error naming them, the rest of the batch gets exactly the tokens
+it gets alone, KV blocks are all returned, and the engine serves on. Failures are injected by
+monkeypatching (the sampler, the forward, a stop check) on the tiny llama, one rank and tp=2 on
+threads."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import load_hf_model, write_hf_checkpoint
+from conftest import last_json, run
+from hf_compare import prompts_for
+from test_moe_units import run_ranks, thread_groups
+
+import dist_infer.engine.step_loop as step_loop
+from dist_infer.engine.request import RequestOutput
+from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
+from dist_infer.engine.step_guard import FAILED_TOKEN, MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, sample_guarded
+
+NEW = 6
+BLOCKS = 32
+MARKER = 424242  # the seed of the request whose sampling raises
+BOOM = "probability tensor contains either inf, nan or element < 0"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_hf_model(write_hf_checkpoint(tmp_path_factory.mktemp("isolation"), "llama-gqa"))
+
+
+def _engine(model, groups, **kw):
+    from dist_infer.models.loader import stage_from_hf_model
+
+    return step_loop.Engine(stage_from_hf_model(model, groups), groups, block_size=4, num_blocks=BLOCKS, **kw)
+
+
+def _params(seed: int = 0) -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW, stop_at_eos=False, seed=seed)
+
+
+PROMPTS = prompts_for([5, 9, 7, 4, 11], seed=30)
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each prompt's greedy tokens, run alone on a fresh engine."""
+    (groups,) = thread_groups(1, 1)
+    out = []
+    for p in PROMPTS:
+        engine = _engine(model, groups)
+        r = engine.add_request("alone", p, _params())
+        while engine.has_unfinished():
+            engine.step()
+        out.append(r.output_token_ids)
+    return out
+
+
+def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], budget_steps: int = 500) -> dict:
+    """Add the requests, step until idle; every output each request got, by id."""
+    got: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    for _ in range(budget_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            got[out.request_id].append(out)
+    assert not engine.has_unfinished()
+    return got
+
+
+def _tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def _assert_failed(outs: list[RequestOutput], rid: str, needle: str) -> None:
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "abort", last
+    assert last.error and rid in last.error and needle in last.error, last.error
+    assert sum(o.finished for o in outs) == 1
+
+
+def _assert_idle_and_conserved(engine) -> None:
+    s = engine.scheduler
+    assert s.allocator.num_free == s.config.num_blocks == BLOCKS, "KV blocks conserved"
+    assert not s.running and not s.waiting and not engine._requests
+    assert engine.stats()["free_blocks"] == BLOCKS
+
+
+def _sampler(fail_row):
+    """The real sampler, raising (as torch.multinomial does on bad probabilities) when any row
+    is one `fail_row(row)` picks."""
+    def sample(logits, rows, eos_ids=()):
+        if any(fail_row(r) for r in rows):
+            raise RuntimeError(BOOM)
+        return sample_rows(logits, rows, eos_ids)
+    return sample
+
+
+def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch):
+    # the marked request raises from its third token on: it has blocks and tokens when it fails
+    monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups, max_batched_tokens=8)  # prompts chunked: the failure meets mixed steps
+    got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
+                        "c": (PROMPTS[2], _params())})
+    _assert_failed(got["bad"], "bad", BOOM)
+    assert _tokens(got["bad"]) == alone[1][:2], "what it had before the failure is what it got alone"
+    for rid, i in (("a", 0), ("c", 2)):
+        assert got[rid][-1].finish_reason == "length" and got[rid][-1].error is None
+        assert _tokens(got[rid]) == alone[i], f"{rid}: the same tokens as alone"
+    _assert_idle_and_conserved(engine)
+    assert engine.guard.failed_requests == 1
+    # the engine serves on, exactly
+    got = _run(engine, {"d": (PROMPTS[3], _params()), "e": (PROMPTS[4], _params())})
+    assert [_tokens(got["d"]), _tokens(got["e"])] == [alone[3], alone[4]]
+    _assert_idle_and_conserved(engine)
+
+
+def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alone, monkeypatch):
+    armed = {"on": True}
+    monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: armed["on"] and r.index == 1))
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    got = _run(engine, {f"r{i}": (PROMPTS[i], _params()) for i in range(3)})
+    for i in range(3):
+        _assert_failed(got[f"r{i}"], f"r{i}", BOOM)
+        assert _tokens(got[f"r{i}"]) == alone[i][:1]
+    _assert_idle_and_conserved(engine)
+    armed["on"] = False
+    got = _run(engine, {"later": (PROMPTS[3], _params())})
+    assert _tokens(got["later"]) == alone[3] and got["later"][-1].finish_reason == "length"
+    _assert_idle_and_conserved(engine)
+
+
+def test_a_failing_stop_check_fails_only_its_request(model, alone, monkeypatch):
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    real = engine._stop_reason
+
+    def stop_reason(r):
+        if r.request_id == "bad" and len(r.output_token_ids) == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(r)
+
+    monkeypatch.setattr(engine, "_stop_reason", stop_reason)
+    got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params())})
+    _assert_failed(got["bad"], "bad", "UnicodeDecodeError")
+    assert _tokens(got["bad"]) == alone[1][:2], "the token whose check failed is not reported"
+    assert _tokens(got["a"]) == alone[0]
+    _assert_idle_and_conserved(engine)
+
+
+def test_a_resumed_request_with_a_bad_token_fails_at_planning(model, alone):
+    # a resume's tokens come from the API; one outside the vocabulary would raise in every rank's embedding
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    progress = {"token_ids": [10 ** 6], "logprobs": [0.0], "top_logprobs": [[]], "text_chars": 0, "age_s": 0.0}
+    engine.resume_request("resumed", PROMPTS[1], _params(), progress)
+    engine.add_request("a", PROMPTS[0], _params())
+    got: dict[str, list] = {"resumed": [], "a": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    _assert_failed(got["resumed"], "resumed", "outside the vocabulary")
+    assert _tokens(got["a"]) == alone[0]
+    _assert_idle_and_conserved(engine)
+
+
+def test_a_plan_the_metadata_check_rejects_never_leaves_the_driver(model, alone, monkeypatch):
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    real, calls = engine.worker.prepare, {"n": 0}
+
+    def prepare(plan):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("inconsistent plan")
+        return real(plan)
+
+    monkeypatch.setattr(engine.worker, "prepare", prepare)
+    got = _run(engine, {"r0": (PROMPTS[0], _params()), "r1": (PROMPTS[1], _params())})
+    for rid in ("r0", "r1"):
+        _assert_failed(got[rid], rid, "inconsistent plan")
+    _assert_idle_and_conserved(engine)
+    got = _run(engine, {"later": (PROMPTS[2], _params())})
+    assert _tokens(got["later"]) == alone[2]
+
+
+def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, alone, monkeypatch):
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    real, failing = engine.worker.execute, {"steps": 1}
+
+    def execute(plan, inputs, meta=None):
+        if failing["steps"] > 0:
+            failing["steps"] -= 1
+            raise RuntimeError("kernel failed")
+        return real(plan, inputs, meta)
+
+    monkeypatch.setattr(engine.worker, "execute", execute)
+    got = _run(engine, {"r0": (PROMPTS[0], _params()), "r1": (PROMPTS[1], _params())})
+    for rid in ("r0", "r1"):
+        _assert_failed(got[rid], rid, "kernel failed")
+    _assert_idle_and_conserved(engine)
+    got = _run(engine, {"later": (PROMPTS[2], _params())})
+    assert _tokens(got["later"]) == alone[2]
+    # a forward that keeps failing is the instance's fault, not a request's: it ends the instance
+    failing["steps"] = MAX_FORWARD_FAILURES
+    for i in range(MAX_FORWARD_FAILURES - 1):
+        _assert_failed(_run(engine, {f"x{i}": (PROMPTS[i], _params())})[f"x{i}"], f"x{i}", "kernel failed")
+    with pytest.raises(ForwardFailures, match=f"{MAX_FORWARD_FAILURES} steps in a row.*kernel failed"):
+        _run(engine, {"last": (PROMPTS[3], _params())})
+
+
+def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch):
+    monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 1))
+
+    def body(groups):
+        engine = _engine(model, groups, max_batched_tokens=8)
+        if groups.world.rank != 0:
+            engine.follow()
+            return None
+        first = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
+                              "c": (PROMPTS[2], _params())})
+        _assert_idle_and_conserved(engine)
+        later = _run(engine, {"d": (PROMPTS[3], _params())})
+        _assert_idle_and_conserved(engine)
+        engine.stop_followers()
+        return first, later
+
+    first, later = run_ranks(thread_groups(2, 1), body)[0]
+    _assert_failed(first["bad"], "bad", BOOM)
+    assert [_tokens(first["a"]), _tokens(first["c"]), _tokens(later["d"])] == [alone[0], alone[2], alone[3]]
+
+
+def test_with_more_than_one_rank_a_forward_failure_ends_the_instance():
+    # the other ranks may be waiting in a collective of that forward: the ranks no longer agree
+    guard = StepGuard(lambda r, message: None)
+    with pytest.raises(RuntimeError, match="collective broke"):
+        guard.forward_failed(RuntimeError("collective broke"), world_size=2)
+
+
+def test_row_by_row_retry_keeps_the_good_rows_and_their_top_logprobs():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    rows = [RowSampling(logprobs=2), RowSampling(seed=MARKER), RowSampling(temperature=0.8, seed=5, logprobs=3)]
+    want = sample_rows(logits, rows)
+    got, errors = sample_guarded(_sampler(lambda r: r.seed == MARKER), logits, rows, ())
+    assert list(errors) == [1] and BOOM in errors[1]
+    assert got.tokens.tolist() == [int(want.tokens[0]), FAILED_TOKEN, int(want.tokens[2])]
+    assert torch.allclose(got.logprobs[[0, 2]], want.logprobs[[0, 2]])
+    assert got.top_ids.shape == (3, 3) and got.top_ids[[0, 2]].tolist() == want.top_ids[[0, 2]].tolist()
+
+
+PP_JOB = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from loguru import logger
+    import dist_infer.engine.step_loop as step_loop
+    from dist_infer.comm import build_groups, init_world
+    from dist_infer.engine.sampling import SamplingParams, sample_rows
+    from dist_infer.models.loader import load_stage
+    from dist_infer.topology import Mesh, ParallelConfig
+    from hf_compare import prompts_for
+
+    def exploding(logits, rows, eos_ids=()):  # on the sampler rank: the last stage, not the driver
+        if any(r.seed == {marker} and r.index >= 1 for r in rows):
+            raise RuntimeError({boom!r})
+        return sample_rows(logits, rows, eos_ids)
+
+    step_loop.sample_rows = exploding
+    logger.enable("dist_infer")  # a library is quiet unless asked
+    world = init_world("auto")
+    groups = build_groups(world, Mesh.build(ParallelConfig(pp=2), world.size))
+    engine = step_loop.Engine(load_stage(sys.argv[1], groups)[0], groups, block_size=4, num_blocks={blocks})
+    if not engine.is_driver:
+        engine.follow()
+        sys.exit(0)
+    prompts = prompts_for([5, 9, 7, 4], seed=30)
+
+    def serve(reqs):
+        got = {{rid: dict(tokens=[], reason=None, error=None) for rid in reqs}}
+        for rid, (i, seed) in reqs.items():
+            engine.add_request(rid, prompts[i], SamplingParams(max_new_tokens={new}, stop_at_eos=False, seed=seed))
+        while engine.has_unfinished():
+            for out in engine.step():
+                g = got[out.request_id]
+                g["tokens"] += out.new_token_ids
+                if out.finished:
+                    g["reason"], g["error"] = out.finish_reason, out.error
+        return got
+
+    alone = [serve({{"alone": (i, 0)}})["alone"]["tokens"] for i in range(4)]
+    batch = serve({{"a": (0, 0), "bad": (1, {marker}), "c": (2, 0)}})
+    later = serve({{"d": (3, 0)}})
+    free = engine.scheduler.allocator.num_free
+    engine.stop_followers()
+    print(json.dumps(dict(alone=alone, batch=batch, later=later, free=free)))
+""")
+
+
+def test_pp2_processes_a_failure_on_the_last_stages_sampler_fails_alone(tmp_path):
+    """pp=2 through the launcher: the sampler rank is not the driver; the failed row travels back."""
+    path = write_hf_checkpoint(tmp_path / "ckpt", "llama-gqa")
+    script = tmp_path / "pp_job.py"
+    script.write_text(PP_JOB.format(tests=str(Path(__file__).parent), marker=MARKER, boom=BOOM, blocks=BLOCKS, new=NEW))
+    result = run(["dist-infer", "launch", "--nproc-per-node", "2", "--", sys.executable, str(script), str(path)], 240)
+    assert result.returncode == 0
+    got = last_json(result.stdout)
+    alone, batch = got["alone"], got["batch"]
+    assert batch["bad"]["reason"] == "abort" and "bad" in batch["bad"]["error"]
+    assert "sampling" in batch["bad"]["error"] and batch["bad"]["tokens"] == alone[1][:1]
+    assert [batch["a"]["tokens"], batch["c"]["tokens"], got["later"]["d"]["tokens"]] == [alone[0], alone[2], alone[3]]
+    assert batch["a"]["error"] is None and batch["a"]["reason"] == "length"
+    assert got["free"] == BLOCKS, "KV blocks conserved"
+    assert BOOM in result.stderr, "the sampler rank logs why"
