@@ -46,8 +46,8 @@ def _wait_state(job, index: int, state: str, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def _hostile_hub_connections(hub: tuple) -> list[socket.socket]:
-    """Garbage, a 2^30 length prefix then silence, a reset, and plain silence, against the hub."""
+def _hostile_connections(hub: tuple) -> list[socket.socket]:
+    """Garbage, a 2^30 length prefix then silence, a reset, and plain silence, against a listener."""
     held = []
     garbage = socket.create_connection(hub)
     garbage.sendall(os.urandom(4096))
@@ -100,15 +100,20 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
         assert instances(job)[0]["state"] == "dead"
 
         hub = tuple(json.loads(job.ready_file.read_text())["hub"])
-        held = _hostile_hub_connections(hub)
+        held = _hostile_connections(hub)
         r = httpx.post(job.url + "/admin/instances/0/restart", timeout=30)
         assert r.status_code == 202, r.text
         _wait_state(job, 0, "serving")  # it joins although hostile connections came first
         for s in held:
             s.close()
         assert "hub: a connection from" in job.log()
-        again = run_async(_one(job, prompts[0]))
-        assert again["token_ids"] == alone[0]["token_ids"]
+        links = [tuple(a.rsplit(":", 1)) for i in instances(job) for a in i["links"]]
+        assert len(links) == 3
+        held = [s for host, port in links for s in _hostile_connections((host, int(port)))]
+        again = run_async(_moved(job, prompts[0]))  # a live migration over the links the strangers hit
+        for s in held:
+            s.close()
+        assert again["move"] == "ok" and again["token_ids"] == alone[0]["token_ids"], again
         for extreme in ({"top_p": 1e-50, "temperature": 1.0}, {"temperature": 1e-300}, {"temperature": 1e-40},
                         {"temperature": 5e-324, "top_p": 5e-324}, {"top_k": int("9" * 400), "temperature": 1.0}):
             # issue 30 row 1: each of these once ended the instance running it, then the next, then the API
@@ -120,9 +125,19 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
         assert job.stop() == 0, job.log()[-4000:]
 
 
-async def _one(job, prompt):
+async def _moved(job, prompt):
+    """Stream `prompt`, moving it live to another instance after its 10th token."""
     async with httpx.AsyncClient() as client:
-        return await stream_tokens(client, job.url, prompt, max_tokens=LONG)
+        out = {}
+
+        async def move(request_id, n):
+            if n >= 10 and "move" not in out:
+                src = where(job, request_id)
+                r = await force_migrate(client, job.url, request_id, (src + 1) % 3)
+                out["move"] = r.json().get("outcome") if r.status_code == 200 else r.text
+
+        got = await stream_tokens(client, job.url, prompt, move, max_tokens=LONG)
+        return {**got, **out}
 
 
 def test_a_thousand_requests_with_migrations_leave_nothing_behind(checkpoint, tmp_path):

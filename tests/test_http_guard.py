@@ -135,6 +135,9 @@ def test_admin_answers_loopback_only_without_an_admin_key():
         assert_error(r, 403, needle="--admin-key")
         r = call(app, "POST", "/admin/instances/0/drain", client=client)
         assert_error(r, 403, needle="--admin-key")
+    for proxied in ({"X-Forwarded-For": "10.1.2.3"}, {"Forwarded": "for=10.1.2.3"}, {"X-Real-IP": "10.1.2.3"}):
+        # a reverse proxy on this machine makes every client loopback: its requests are not taken as local
+        assert_error(call(app, "GET", "/admin/instances", headers=proxied), 403, needle="--admin-key")
 
 
 def test_admin_key_opens_admin_to_remote_clients_and_only_it():

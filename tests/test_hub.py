@@ -107,3 +107,28 @@ def test_startup_waits_for_every_instance_and_names_the_missing():
             c.close()
     finally:
         h.close()
+
+
+def test_a_slow_drip_handshake_is_cut_at_the_deadline(hub):
+    """One byte at a time, each read well within the per-read timeout: the whole handshake's
+    deadline still ends it, so drippers cannot hold the handshake slots."""
+    drippers = [socket.create_connection(hub.address) for _ in range(4)]  # every slot of this hub
+    for s in drippers:
+        s.sendall(b"\x00\x00\x00\xff")  # the answer to the challenge will be 255 bytes... one at a time
+    start = time.monotonic()
+    closed = set()
+    while len(closed) < len(drippers) and time.monotonic() - start < 10:
+        for i, s in enumerate(drippers):
+            if i in closed:
+                continue
+            try:
+                s.sendall(b"a")
+            except OSError:
+                closed.add(i)
+        time.sleep(0.2)
+    assert len(closed) == len(drippers), "a dripping connection outlived the handshake deadline"
+    conn = _join(hub.address, 3)
+    assert hub.got.wait(10) and hub.joined[0][1]["index"] == 3
+    conn.close()
+    for s in drippers:
+        s.close()

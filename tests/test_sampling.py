@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dist_infer.engine.sampling import (GREEDY_BELOW, TOP_K_LIMIT, RowSampling, SamplingParams, SamplingParamsError,
-                                        filter_logits, sample_rows)
+from dist_infer.engine.sampling import (GREEDY_BELOW, MAX_STOP_TOKEN_IDS, TOP_K_LIMIT, RowSampling, SamplingParams,
+                                        SamplingParamsError, filter_logits, sample_rows)
 
 EOS = 2
 SPECIAL_FLOATS = [0.0, -0.0, 5e-324, 2.2e-308, 1e-300, 1e-50, 1e-40, 1e-6, 9.99e-6, GREEDY_BELOW, 1.0000001e-5, 0.5,
@@ -153,6 +153,38 @@ def test_a_bad_top_k_is_refused_by_name(top_k):
 
 def test_a_whole_float_top_k_is_an_int():
     assert SamplingParams(top_k=40.0).top_k == 40 and isinstance(SamplingParams(top_k=40.0).top_k, int)
+
+
+# --- stop token ids ---------------------------------------------------------------------------------
+
+def test_more_stop_token_ids_than_the_limit_are_refused_by_name():
+    # a 16 MiB body carries millions: each would be checked per token and pickled with every move
+    with pytest.raises(SamplingParamsError, match="stop_token_ids") as info:
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    assert info.value.field == "stop_token_ids" and str(MAX_STOP_TOKEN_IDS) in str(info.value)
+    assert len(str(info.value)) < 200
+
+
+def test_the_limit_of_stop_token_ids_is_taken_as_a_tuple_and_a_set():
+    params = SamplingParams(stop_token_ids=[float(t) for t in range(MAX_STOP_TOKEN_IDS)])
+    assert params.stop_token_ids == tuple(range(MAX_STOP_TOKEN_IDS))
+    assert all(type(t) is int for t in params.stop_token_ids)
+    assert params.stop_token_set == frozenset(range(MAX_STOP_TOKEN_IDS))
+    # the set is derived: equality, repr and a pickle round trip are the tuple's
+    assert params == SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)))
+    assert "stop_token_set" not in repr(params)
+    again = pickle.loads(pickle.dumps(params))
+    assert again == params and again.stop_token_set == params.stop_token_set
+    assert SamplingParams().stop_token_set == frozenset()
+
+
+@pytest.mark.parametrize("ids", [[-1], [3, 2.5], [math.nan], [math.inf], ["7"], [None], [-(10 ** 5000)], "12", 7],
+                         ids=["negative", "fraction", "nan", "inf", "string-id", "none", "minus-5000-digits",
+                              "a-string", "an-int"])
+def test_a_bad_stop_token_id_is_refused_by_name(ids):
+    with pytest.raises(SamplingParamsError, match="stop_token_ids") as info:
+        SamplingParams(stop_token_ids=ids)
+    assert info.value.field == "stop_token_ids" and len(str(info.value)) < 200
 
 
 # --- hostile logits ---------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """A request can fail only itself (issue 30): an exception while running a step ends the
-requests it belongs to with an error naming them, the rest of the batch gets exactly the tokens
+requests it belongs to with an error naming them (and an error id: the exception's text and
+traceback go only to the log, under that id), the rest of the batch gets exactly the tokens
 it gets alone, KV blocks are all returned, and the engine serves on. Failures are injected by
 monkeypatching (the sampler, the forward, a stop check) on the tiny llama, one rank and tp=2 on
 threads."""
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -15,12 +17,14 @@ import torch
 from checkpoints import load_hf_model, write_hf_checkpoint
 from conftest import last_json, run
 from hf_compare import prompts_for
+from loguru import logger
 from test_moe_units import run_ranks, thread_groups
 
 import dist_infer.engine.step_loop as step_loop
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
-from dist_infer.engine.step_guard import FAILED_TOKEN, MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, sample_guarded
+from dist_infer.engine.step_guard import (MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, failed_error_id,
+                                          failed_token, sample_guarded)
 
 NEW = 6
 BLOCKS = 32
@@ -78,11 +82,33 @@ def _tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def _assert_failed(outs: list[RequestOutput], rid: str, needle: str) -> None:
+@pytest.fixture
+def logs():
+    """Each error-level log record (message and traceback) while the test runs."""
+    lines: list[str] = []
+    logger.enable("dist_infer")
+    sink = logger.add(lines.append, level="ERROR", format="{message}\n{exception}")
+    yield lines
+    logger.remove(sink)
+    logger.disable("dist_infer")
+
+
+def _assert_failed(outs: list[RequestOutput], rid: str, where: str, logs: list[str], exc_type: str,
+                   exc_text: str) -> str:
+    """`rid` ended with a 500 that names it, `where` and an error id, and nothing of the exception;
+    the log has the exception (text and traceback) under that id. Returns the id."""
     last = outs[-1]
-    assert last.finished and last.finish_reason == "abort", last
-    assert last.error and rid in last.error and needle in last.error, last.error
+    assert last.finished and last.finish_reason == "abort" and last.error_status == 500, last
+    shape = rf"request {re.escape(rid)} failed in {re.escape(where)} \(error id (err-[0-9a-f]{{12}}); " \
+            r"the instance's log has the details\)"
+    found = re.fullmatch(shape, last.error or "")
+    assert found, last.error
+    assert exc_type not in last.error and exc_text not in last.error, "the exception stays in the log"
+    error_id = found.group(1)
+    logged = [line for line in logs if error_id in line and exc_text in line]
+    assert any("Traceback" in line and exc_type in line for line in logged), (error_id, logs)
     assert sum(o.finished for o in outs) == 1
+    return error_id
 
 
 def _assert_idle_and_conserved(engine) -> None:
@@ -102,14 +128,14 @@ def _sampler(fail_row):
     return sample
 
 
-def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch):
+def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch, logs):
     # the marked request raises from its third token on: it has blocks and tokens when it fails
     monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, max_batched_tokens=8)  # prompts chunked: the failure meets mixed steps
     got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
                         "c": (PROMPTS[2], _params())})
-    _assert_failed(got["bad"], "bad", BOOM)
+    _assert_failed(got["bad"], "bad", "sampling", logs, "RuntimeError", BOOM)
     assert _tokens(got["bad"]) == alone[1][:2], "what it had before the failure is what it got alone"
     for rid, i in (("a", 0), ("c", 2)):
         assert got[rid][-1].finish_reason == "length" and got[rid][-1].error is None
@@ -122,14 +148,15 @@ def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch):
     _assert_idle_and_conserved(engine)
 
 
-def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alone, monkeypatch):
+def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alone, monkeypatch, logs):
     armed = {"on": True}
     monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: armed["on"] and r.index == 1))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     got = _run(engine, {f"r{i}": (PROMPTS[i], _params()) for i in range(3)})
+    ids = [_assert_failed(got[f"r{i}"], f"r{i}", "sampling", logs, "RuntimeError", BOOM) for i in range(3)]
+    assert len(set(ids)) == 3, "each row's exception is its own, under its own id"
     for i in range(3):
-        _assert_failed(got[f"r{i}"], f"r{i}", BOOM)
         assert _tokens(got[f"r{i}"]) == alone[i][:1]
     _assert_idle_and_conserved(engine)
     armed["on"] = False
@@ -138,7 +165,7 @@ def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alo
     _assert_idle_and_conserved(engine)
 
 
-def test_a_failing_stop_check_fails_only_its_request(model, alone, monkeypatch):
+def test_a_failing_stop_check_fails_only_its_request(model, alone, monkeypatch, logs):
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     real = engine._stop_reason
@@ -150,13 +177,13 @@ def test_a_failing_stop_check_fails_only_its_request(model, alone, monkeypatch):
 
     monkeypatch.setattr(engine, "_stop_reason", stop_reason)
     got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params())})
-    _assert_failed(got["bad"], "bad", "UnicodeDecodeError")
+    _assert_failed(got["bad"], "bad", "taking its token", logs, "UnicodeDecodeError", "invalid start byte")
     assert _tokens(got["bad"]) == alone[1][:2], "the token whose check failed is not reported"
     assert _tokens(got["a"]) == alone[0]
     _assert_idle_and_conserved(engine)
 
 
-def test_a_resumed_request_with_a_bad_token_fails_at_planning(model, alone):
+def test_a_resumed_request_with_a_bad_token_fails_at_planning(model, alone, logs):
     # a resume's tokens come from the API; one outside the vocabulary would raise in every rank's embedding
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
@@ -167,12 +194,28 @@ def test_a_resumed_request_with_a_bad_token_fails_at_planning(model, alone):
     while engine.has_unfinished():
         for out in engine.step():
             got[out.request_id].append(out)
-    _assert_failed(got["resumed"], "resumed", "outside the vocabulary")
+    _assert_failed(got["resumed"], "resumed", "planning its step", logs, "ValueError", "outside the vocabulary")
     assert _tokens(got["a"]) == alone[0]
     _assert_idle_and_conserved(engine)
 
 
-def test_a_plan_the_metadata_check_rejects_never_leaves_the_driver(model, alone, monkeypatch):
+def test_a_stop_token_id_among_the_most_allowed_still_ends_the_request(model, alone):
+    # the step loop checks each token against the set SamplingParams made once, not the tuple
+    from dist_infer.engine.sampling import MAX_STOP_TOKEN_IDS
+
+    want = alone[0]
+    k = max(k for k in range(len(want)) if want[k] not in want[:k])  # the last token not seen before it
+    others = [10 ** 6 + i for i in range(MAX_STOP_TOKEN_IDS - 1)]  # never sampled
+    params = SamplingParams(max_new_tokens=NEW, stop_at_eos=False, seed=0, stop_token_ids=others + [want[k]])
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups)
+    got = _run(engine, {"s": (PROMPTS[0], params)})["s"]
+    assert _tokens(got) == want[:k + 1], "the stop id is kept in the output"
+    assert (got[-1].finish_reason, got[-1].stop_reason) == ("stop", want[k])
+    _assert_idle_and_conserved(engine)
+
+
+def test_a_plan_the_metadata_check_rejects_never_leaves_the_driver(model, alone, monkeypatch, logs):
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     real, calls = engine.worker.prepare, {"n": 0}
@@ -185,14 +228,15 @@ def test_a_plan_the_metadata_check_rejects_never_leaves_the_driver(model, alone,
 
     monkeypatch.setattr(engine.worker, "prepare", prepare)
     got = _run(engine, {"r0": (PROMPTS[0], _params()), "r1": (PROMPTS[1], _params())})
-    for rid in ("r0", "r1"):
-        _assert_failed(got[rid], rid, "inconsistent plan")
+    ids = {_assert_failed(got[rid], rid, "checking its step", logs, "ValueError", "inconsistent plan")
+           for rid in ("r0", "r1")}
+    assert len(ids) == 1, "one exception, logged once, under one id both quote"
     _assert_idle_and_conserved(engine)
     got = _run(engine, {"later": (PROMPTS[2], _params())})
     assert _tokens(got["later"]) == alone[2]
 
 
-def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, alone, monkeypatch):
+def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, alone, monkeypatch, logs):
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     real, failing = engine.worker.execute, {"steps": 1}
@@ -206,19 +250,20 @@ def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, al
     monkeypatch.setattr(engine.worker, "execute", execute)
     got = _run(engine, {"r0": (PROMPTS[0], _params()), "r1": (PROMPTS[1], _params())})
     for rid in ("r0", "r1"):
-        _assert_failed(got[rid], rid, "kernel failed")
+        _assert_failed(got[rid], rid, "its step's forward", logs, "RuntimeError", "kernel failed")
     _assert_idle_and_conserved(engine)
     got = _run(engine, {"later": (PROMPTS[2], _params())})
     assert _tokens(got["later"]) == alone[2]
     # a forward that keeps failing is the instance's fault, not a request's: it ends the instance
     failing["steps"] = MAX_FORWARD_FAILURES
     for i in range(MAX_FORWARD_FAILURES - 1):
-        _assert_failed(_run(engine, {f"x{i}": (PROMPTS[i], _params())})[f"x{i}"], f"x{i}", "kernel failed")
+        _assert_failed(_run(engine, {f"x{i}": (PROMPTS[i], _params())})[f"x{i}"], f"x{i}", "its step's forward",
+                       logs, "RuntimeError", "kernel failed")
     with pytest.raises(ForwardFailures, match=f"{MAX_FORWARD_FAILURES} steps in a row.*kernel failed"):
         _run(engine, {"last": (PROMPTS[3], _params())})
 
 
-def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch):
+def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch, logs):
     monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 1))
 
     def body(groups):
@@ -235,7 +280,7 @@ def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch
         return first, later
 
     first, later = run_ranks(thread_groups(2, 1), body)[0]
-    _assert_failed(first["bad"], "bad", BOOM)
+    _assert_failed(first["bad"], "bad", "sampling", logs, "RuntimeError", BOOM)
     assert [_tokens(first["a"]), _tokens(first["c"]), _tokens(later["d"])] == [alone[0], alone[2], alone[3]]
 
 
@@ -246,15 +291,26 @@ def test_with_more_than_one_rank_a_forward_failure_ends_the_instance():
         guard.forward_failed(RuntimeError("collective broke"), world_size=2)
 
 
-def test_row_by_row_retry_keeps_the_good_rows_and_their_top_logprobs():
+def test_row_by_row_retry_keeps_the_good_rows_and_their_top_logprobs(logs):
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     rows = [RowSampling(logprobs=2), RowSampling(seed=MARKER), RowSampling(temperature=0.8, seed=5, logprobs=3)]
     want = sample_rows(logits, rows)
-    got, errors = sample_guarded(_sampler(lambda r: r.seed == MARKER), logits, rows, ())
-    assert list(errors) == [1] and BOOM in errors[1]
-    assert got.tokens.tolist() == [int(want.tokens[0]), FAILED_TOKEN, int(want.tokens[2])]
+    got = sample_guarded(_sampler(lambda r: r.seed == MARKER), logits, rows, ())
+    tokens = got.tokens.tolist()
+    assert [tokens[0], tokens[2]] == [int(want.tokens[0]), int(want.tokens[2])] and tokens[1] < 0
+    error_id = failed_error_id(tokens[1])
+    assert any(error_id in line and BOOM in line and "Traceback" in line for line in logs), "logged where it failed"
     assert torch.allclose(got.logprobs[[0, 2]], want.logprobs[[0, 2]])
     assert got.top_ids.shape == (3, 3) and got.top_ids[[0, 2]].tolist() == want.top_ids[[0, 2]].tolist()
+
+
+@pytest.mark.parametrize("error_id", ["err-000000000000", "err-0123456789ab", "err-ffffffffffff"])
+def test_a_failed_rows_token_carries_its_error_id(error_id):
+    # a pipeline's sampler rank sends only tokens back: the id the driver tells the client rides in one
+    token = failed_token(error_id)
+    assert token < 0 and failed_error_id(token) == error_id
+    assert failed_error_id(int(torch.tensor([token], dtype=torch.long)[0])) == error_id, "survives an int64 tensor"
+    assert failed_error_id(0) is None and failed_error_id(31999) is None
 
 
 PP_JOB = textwrap.dedent("""
@@ -313,9 +369,12 @@ def test_pp2_processes_a_failure_on_the_last_stages_sampler_fails_alone(tmp_path
     assert result.returncode == 0
     got = last_json(result.stdout)
     alone, batch = got["alone"], got["batch"]
-    assert batch["bad"]["reason"] == "abort" and "bad" in batch["bad"]["error"]
-    assert "sampling" in batch["bad"]["error"] and batch["bad"]["tokens"] == alone[1][:1]
+    error = batch["bad"]["error"]
+    assert batch["bad"]["reason"] == "abort" and "request bad failed in sampling" in error
+    assert BOOM not in error and "RuntimeError" not in error and batch["bad"]["tokens"] == alone[1][:1]
     assert [batch["a"]["tokens"], batch["c"]["tokens"], got["later"]["d"]["tokens"]] == [alone[0], alone[2], alone[3]]
     assert batch["a"]["error"] is None and batch["a"]["reason"] == "length"
     assert got["free"] == BLOCKS, "KV blocks conserved"
-    assert BOOM in result.stderr, "the sampler rank logs why"
+    error_id = re.search(r"err-[0-9a-f]{12}", error).group(0)
+    assert re.search(rf"{error_id}\): RuntimeError: {re.escape(BOOM)}", result.stderr), \
+        "the sampler rank logs why, under the id the driver's client got"

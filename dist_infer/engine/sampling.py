@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default limi
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM's _SAMPLING_EPS
 TOP_K_LIMIT = 2 ** 31 - 1  # top_k is kept clamped to this: above any vocabulary, exact in the float64 step plan
+MAX_STOP_TOKEN_IDS = 256  # a 16 MiB body could carry millions, checked per token and pickled with every move
 
 
 def is_greedy(temperature: float) -> bool:
@@ -55,6 +56,21 @@ class SamplingParamsError(ValueError):
         self.field = field
 
 
+def _stop_token_ids(ids: Any) -> tuple[int, ...]:
+    """`ids` as a tuple of whole numbers >= 0, at most MAX_STOP_TOKEN_IDS of them, else
+    SamplingParamsError naming stop_token_ids (the size is checked before anything is copied)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not hasattr(ids, "__iter__"):
+        raise SamplingParamsError("stop_token_ids", f"stop_token_ids must be a list of token ids, got {_shown(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise SamplingParamsError("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                                    f"got {len(ids)}")
+    out = tuple(_as_integer(t) for t in ids)
+    bad = [t for t, whole in zip(ids, out) if whole is None or whole < 0]
+    if bad:
+        raise SamplingParamsError("stop_token_ids", f"stop_token_ids must be whole numbers >= 0, got {_shown(bad[0])}")
+    return out
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 32
@@ -67,6 +83,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end the request; the text is cut before them
     logprobs: Optional[int] = None  # also return this many top alternatives per token (0: the chosen one only)
     min_tokens: int = 0  # no stop (EOS, stop ids, stop strings) before this many tokens
+    # stop_token_ids as a set, made once here: the step loop checks every decoded token against it
+    stop_token_set: frozenset[int] = field(default=frozenset(), init=False, compare=False, repr=False)
 
     def __post_init__(self):
         def bad(name, why):
@@ -90,7 +108,8 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             bad("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property

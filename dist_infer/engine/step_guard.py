@@ -9,17 +9,23 @@ Which parts of a step can fail a request and serve on depends on who runs them:
 - the attention metadata is a pure function of the plan, so the driver builds it before the
   plan leaves: a plan that would raise there (on every rank alike) never reaches the followers;
 - sampling is retried row by row when the batch raises, so only the rows that raise fail; the
-  sampler rank of a pipeline (not the driver) marks them with FAILED_TOKEN on the way back;
+  sampler rank (the driver, or a pipeline's last stage) gives each a negative token;
 - the forward runs on every rank: an exception on one rank while the others wait in a
   collective leaves the ranks disagreeing, so there the instance still dies (the API fails
   over). Only a one-rank instance fails the step's requests instead, and gives up after
   MAX_FORWARD_FAILURES steps in a row (a broken device would otherwise fail every request).
+
+A failed request's error tells the client only its request id, the stage and an error id: the
+exception's text may hold anything (tensor contents, paths), so it goes, with its traceback and
+that id, to the log of the rank where it happened (issue 30). A pipeline's sampler rank sends the
+id back in the failed row's token slot (`failed_token`), so the driver's client sees the same id.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from loguru import logger
@@ -28,8 +34,9 @@ from dist_infer.engine.request import Request, RequestOutput
 from dist_infer.engine.sampling import RowSampling, SampledTokens
 from dist_infer.engine.step_plan import StepPlan
 
-FAILED_TOKEN = -1  # a sampled row that failed (what a pipeline's sampler sends back for it)
+FAILED_TOKEN = -1  # a sampled row that failed with error id 0; any negative token is a failed row
 MAX_FORWARD_FAILURES = 3  # a one-rank instance's forward failing this many steps in a row ends it
+ERROR_ID_HEX = 12  # hex digits of an error id (as the HTTP layer's); 48 bits fit a negative int64 token
 
 
 class ForwardFailures(RuntimeError):
@@ -37,12 +44,31 @@ class ForwardFailures(RuntimeError):
 
 
 def describe(exc: BaseException) -> str:
+    """An exception as one line, for the log only (never for a client)."""
     return f"{type(exc).__name__}: {exc}"
 
 
-def failure_message(request_id: str, where: str, why: str) -> str:
-    """What the client sees: its request id, where the step failed, and the exception."""
-    return f"request {request_id} failed in {where}: {why}"
+def log_exception(exc: BaseException, what: str) -> str:
+    """Log `exc` with its traceback under a new error id, at error level; returns the id, which is
+    all a client is told (the text may hold tensor contents, paths, a prompt)."""
+    error_id = f"err-{secrets.token_hex(ERROR_ID_HEX // 2)}"
+    logger.opt(exception=exc).error(f"{what} (error id {error_id}): {describe(exc)}")
+    return error_id
+
+
+def failed_token(error_id: str) -> int:
+    """The token a failed row carries: negative, and the error id in it (so it crosses a pipeline)."""
+    return -1 - int(error_id.removeprefix("err-"), 16)
+
+
+def failed_error_id(token: int) -> Optional[str]:
+    """The error id a failed row's token carries; None for a real token."""
+    return None if token >= 0 else f"err-{-1 - token:0{ERROR_ID_HEX}x}"
+
+
+def failure_message(request_id: str, where: str, error_id: str) -> str:
+    """What the client sees: its request id, where the step failed, the error id to quote."""
+    return f"request {request_id} failed in {where} (error id {error_id}; the instance's log has the details)"
 
 
 def failed_output(r: Request, message: str) -> RequestOutput:
@@ -74,29 +100,28 @@ def check_chunk(r: Request, start: int, num_tokens: int, vocab_size: int, max_po
 
 
 def sample_guarded(sample: Callable[..., SampledTokens], logits: torch.Tensor, rows: list[RowSampling],
-                   eos_ids: tuple[int, ...]) -> tuple[SampledTokens, dict[int, str]]:
-    """Sample the batch; if it raises, sample row by row and mark only the rows that raise
-    (token FAILED_TOKEN). Returns the tokens and, per failed row, why."""
+                   eos_ids: tuple[int, ...], what: str = "sampling") -> SampledTokens:
+    """Sample the batch; if it raises, sample row by row, so only the rows that raise fail: each
+    is logged here (the sampler rank) under its own error id, which its token carries (`failed_token`)."""
     try:
-        return sample(logits, rows, eos_ids), {}
+        return sample(logits, rows, eos_ids)
     except Exception as exc:  # noqa: BLE001 - a row's parameters may make the sampler raise
-        logger.warning(f"sampling a batch of {len(rows)} rows failed ({describe(exc)}); sampling row by row")
+        logger.warning(f"{what}: a batch of {len(rows)} rows failed ({describe(exc)}); sampling row by row")
     n = max((r.logprobs for r in rows), default=0)
     tokens = torch.full((len(rows),), FAILED_TOKEN, dtype=torch.long)
     logprobs = torch.full((len(rows),), float("nan"), dtype=torch.float64)
     top_ids = torch.zeros(len(rows), n, dtype=torch.long)
     top_logprobs = torch.full((len(rows), n), float("nan"), dtype=torch.float64)
-    errors: dict[int, str] = {}
     for b, row in enumerate(rows):
         try:
             one = sample(logits[b:b + 1], [replace(row, logprobs=n)], eos_ids)
         except Exception as exc:  # noqa: BLE001
-            errors[b] = describe(exc)
+            tokens[b] = failed_token(log_exception(exc, f"{what}: row {b} of {len(rows)} failed"))
             continue
         tokens[b], logprobs[b] = one.tokens[0], one.logprobs[0]
         if n:
             top_ids[b], top_logprobs[b] = one.top_ids[0], one.top_logprobs[0]
-    return SampledTokens(tokens, logprobs, top_ids, top_logprobs), errors
+    return SampledTokens(tokens, logprobs, top_ids, top_logprobs)
 
 
 class StepGuard:
@@ -105,18 +130,21 @@ class StepGuard:
 
     def __init__(self, fail: Callable[[Request, str], RequestOutput]):
         self._fail = fail  # ends a request with an error (the engine frees its blocks)
-        self.row_errors: dict[int, dict[int, str]] = {}  # step -> sampled row -> why (pp=1 driver)
         self.forward_failures = 0
         self.failed_requests = 0
 
-    def fail(self, r: Request, where: str, why: str) -> RequestOutput:
-        message = failure_message(r.request_id, where, why)
+    def fail(self, r: Request, where: str, error_id: str) -> RequestOutput:
+        """End `r` with an error naming only `error_id` (whose exception is already in the log)."""
+        message = failure_message(r.request_id, where, error_id)
         logger.error(message)
         self.failed_requests += 1
         return self._fail(r, message)
 
-    def fail_all(self, requests: list[Request], where: str, why: str) -> list[RequestOutput]:
-        return [self.fail(r, where, why) for r in requests if not r.finished]
+    def fail_all(self, requests: list[Request], where: str, exc: BaseException) -> list[RequestOutput]:
+        """End `requests` for one exception: logged once, under one error id they all quote."""
+        live = [r for r in requests if not r.finished]
+        error_id = log_exception(exc, f"{where} failed for requests {[r.request_id for r in live]}")
+        return [self.fail(r, where, error_id) for r in live]
 
     def plan_chunks(self, plan: StepPlan, chunks: list, cfg, num_blocks: int, block_size: int,
                     cp: int) -> tuple[list, list[RequestOutput]]:
@@ -130,7 +158,7 @@ class StepGuard:
                                   num_blocks, block_size, cp)
                 row = RowSampling.of(r.params, r.seed, len(r.output_token_ids)) if chunk.sample else None
             except Exception as exc:  # noqa: BLE001 - this request's own input: it fails alone
-                failed.append(self.fail(r, "planning its step", describe(exc)))
+                failed += self.fail_all([r], "planning its step", exc)
                 continue
             planned.append(chunk)
             plan.seq_ids.append(r.seq_id)
@@ -144,30 +172,20 @@ class StepGuard:
         return planned, failed
 
     def sample(self, sample: Callable[..., SampledTokens], logits: torch.Tensor, plan: StepPlan,
-               eos_ids: tuple[int, ...], keep: bool) -> SampledTokens:
-        """The sampler rank's tokens for `plan`, failed rows as FAILED_TOKEN. `keep` (the driver):
-        remember why for `take_row_errors`; a pipeline's sampler only logs it (the rows travel back)."""
-        sampled, errors = sample_guarded(sample, logits, plan.rows, eos_ids)
-        if errors and keep:
-            self.row_errors[plan.step] = errors
-        elif errors:
-            logger.error(f"step {plan.step}: sampling failed for rows {errors}")
-        return sampled
-
-    def take_row_errors(self, step: int) -> dict[int, str]:
-        """Why each failed row of `step` failed (the driver's own sampling; pp>1: the sampler's log has it)."""
-        return self.row_errors.pop(step, {})
+               eos_ids: tuple[int, ...]) -> SampledTokens:
+        """The sampler rank's tokens for `plan`; a failed row's token is negative and carries the
+        error id its exception was logged under here (`failed_error_id` on the driver)."""
+        return sample_guarded(sample, logits, plan.rows, eos_ids, f"step {plan.step}: sampling")
 
     def forward_failed(self, exc: BaseException, world_size: int) -> None:
         """A step's forward raised: re-raise where the ranks may now disagree (more than one rank)
-        or where it keeps happening; else the caller fails the step's requests."""
+        or where it keeps happening; else the caller fails the step's requests (`fail_all` logs it)."""
         if world_size > 1:
             raise exc
         self.forward_failures += 1
         if self.forward_failures >= MAX_FORWARD_FAILURES:
             raise ForwardFailures(f"the forward failed {self.forward_failures} steps in a row; "
                                   f"the last: {describe(exc)}") from exc
-        logger.opt(exception=exc).error(f"a step's forward failed ({describe(exc)}); failing its requests")
 
     def forward_ok(self) -> None:
         self.forward_failures = 0

@@ -39,7 +39,7 @@ from dist_infer.engine.offline_outputs import GenerationOutput, share_outputs
 from dist_infer.engine.request import PromptError, Request, RequestOutput, check_prompt
 from dist_infer.engine.sampling import SampledTokens, SamplingParams, batch_seed, sample_rows
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, blocks_at_full_length
-from dist_infer.engine.step_guard import FAILED_TOKEN, StepGuard, describe, failed_output
+from dist_infer.engine.step_guard import StepGuard, failed_error_id, failed_output
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
 from dist_infer.engine.worker import StageWorker
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
@@ -431,7 +431,7 @@ class Engine:
         try:
             meta = self.worker.prepare(plan)  # before the plan leaves: a bad plan stops here, on the driver
         except Exception as exc:  # noqa: BLE001
-            return failed + self.guard.fail_all(requests, "checking its step", describe(exc))
+            return failed + self.guard.fail_all(requests, "checking its step", exc)
         plan.freed, plan.transfers = self._take_freed(), self._take_transfers()
         self._step += 1
         launched = time.perf_counter()
@@ -439,7 +439,7 @@ class Engine:
             result = self._send_plan(plan, meta)
         except Exception as exc:  # noqa: BLE001
             self.guard.forward_failed(exc, self.groups.world.size)  # re-raises unless this is the only rank
-            return failed + self.guard.fail_all(requests, "its step's forward", describe(exc))
+            return failed + self.guard.fail_all(requests, "its step's forward", exc)
         self.guard.forward_ok()
         self._inflight.append(_InFlight(plan, chunks, launched, result))
         return failed
@@ -484,7 +484,7 @@ class Engine:
         if not self.is_sampler:
             return None
         logits = out[torch.tensor(plan.sample_index, dtype=torch.long)]
-        sampled = self.guard.sample(sample_rows, logits, plan, tuple(self.cfg.eos_token_ids), keep=self.is_driver)
+        sampled = self.guard.sample(sample_rows, logits, plan, tuple(self.cfg.eos_token_ids))
         if plan.return_logits:
             sampled.logits = logits.float()
         if self.pp.size > 1:
@@ -526,19 +526,18 @@ class Engine:
         now = time.monotonic()
         outputs = []
         rows = [c for c in flight.chunks if c.sample]
-        errors = self.guard.take_row_errors(flight.plan.step)
         for i, chunk in enumerate(rows):
             r = chunk.request
             if r.finished or not r.in_flight:
                 continue  # aborted (or preempted and requeued) while the step was on its way
-            if int(sampled.tokens[i]) == FAILED_TOKEN:
-                why = errors.get(i, "the sampler rank could not sample it (its log says why)")
-                outputs.append(self.guard.fail(r, "sampling", why))
+            error_id = failed_error_id(int(sampled.tokens[i]))  # logged on the sampler rank
+            if error_id is not None:
+                outputs.append(self.guard.fail(r, "sampling", error_id))
                 continue
             try:
                 outputs.append(self._take_token(r, sampled, i, flight.plan.return_logits, now))
             except Exception as exc:  # noqa: BLE001 - stop checks, detokenizing: this request's own
-                outputs.append(self.guard.fail(r, "taking its token", describe(exc)))
+                outputs += self.guard.fail_all([r], "taking its token", exc)
         self.timing.steps += 1
         return outputs
 
@@ -569,7 +568,7 @@ class Engine:
         if n >= p.min_tokens:
             if p.stop_at_eos and token in self.cfg.eos_token_ids:
                 return "stop"
-            if token in p.stop_token_ids:
+            if token in p.stop_token_set:
                 r.stop_reason = token
                 return "stop"
             if p.stop and self.tokenizer is not None:

@@ -211,10 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the model over the job's ranks behind an OpenAI-compatible HTTP API",
         description="Load a checkpoint with tp x pp (x ep x cp) ranks and serve it: continuous batching with "
                     "chunked prefill, /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics. "
-                    "Rank 0 hosts the API. With --nproc N (or by default tp x pp x ep x cp) it starts the local ranks "
-                    "itself; under torchrun, mpirun or dist-infer launch it runs as one rank.",
-        epilog="example:\n  dist-infer serve --tp 2 --port 8000 &\n"
-               "  curl http://127.0.0.1:8000/v1/completions -d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'",
+                    "The API is a process of its own that runs no model: run directly, it starts each instance "
+                    "(--instances) as a job of its own on this host; under torchrun, mpirun or dist-infer launch "
+                    "the job's ranks are the instances and world rank 0 starts the API beside them.",
+        epilog="example:\n  dist-infer serve --tp 2 --port 8000 --api-key $KEY &\n"
+               "  curl http://127.0.0.1:8000/v1/completions -H \"Authorization: Bearer $KEY\" \\\n"
+               "       -H 'content-type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_parallel_flags(serve)

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,7 @@ from loguru import logger
 from dist_infer.launch.serve_frontend import HUB_KEY_ENV
 
 KV_CACHE_MEMORY_DEFAULT = "1G"
+HUB_CONNECT_TRIES = 6
 SWITCH_INTERVAL_S = 5e-4
 
 
@@ -84,7 +86,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="internal: run only the API and wait for the job's instances to join (world rank 0 of a "
                         "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")
     p.add_argument("--hub-host", default=None,
-                   help="internal, with --frontend-only: the address the hub listens on (default 127.0.0.1)")
+                   help="the address the API's hub listens on for instance drivers (default 127.0.0.1; world rank 0 "
+                        "of a launched job passes the address facing its rendezvous host). Instances on other hosts "
+                        "need an address they reach")
     from dist_infer.launch.http_flags import add_http_flags
 
     add_http_flags(p)
@@ -170,19 +174,33 @@ def _hub_host() -> str:
 
 def run_serve(args) -> int:
     """One rank of one instance (the front end is another process: launch/serve_frontend.py)."""
+    world, index, specs, groups = _join(args)
+    # A serving process runs its step loop beside threads that relay requests, outputs and migration
+    # calls; hand the GIL over more often than every 5 ms so a relayed message does not wait out a
+    # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    frontend, address, key = _reach_frontend(args, world)
+    if frontend is not None:
+        _forward_stop_signals(frontend)  # from now on: a Ctrl-C during the load reaches the front end too
+    try:
+        _serve_as_rank(args, world, index, specs, groups, address, key, frontend is None and not args.join)
+    except BaseException:
+        if frontend is not None and frontend.poll() is None:
+            frontend.terminate()  # in its own session: it would otherwise wait for instances that never come
+        raise
+    return _frontend_exit_code(frontend)
+
+
+def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: bytes, quiet: bool) -> None:
+    """Load this rank's shard, build the engine, and serve: the driver over the hub's connection,
+    the others following its step plans. `quiet`: stop signals are the front end's to act on."""
     import torch
 
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.model_options import build_engine, load_model, scheduler_options
     from dist_infer.models.gguf_checkpoint import shared_parses
 
-    world, index, specs, groups = _join(args)
-    # A serving process runs its step loop beside threads that relay requests, outputs and migration
-    # calls; hand the GIL over more often than every 5 ms so a relayed message does not wait out a
-    # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     driver = groups.world.rank == 0
-    frontend, address, key = _reach_frontend(args, world)
     tokenizer = None
     with shared_parses():  # a GGUF's weights and tokenizer share one parse of the file, dropped after
         stage, report, model = load_model(args, groups)
@@ -203,9 +221,7 @@ def run_serve(args) -> int:
     pids = torch.empty(groups.world.size, dtype=torch.long)
     groups.world.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.long))
     link, addresses = _open_kv_link(args, engine, groups, address[0], key)
-    if frontend is not None:
-        _forward_stop_signals(frontend)
-    elif not args.join:  # a job of its own (--join) stops on its launcher's signal; its requests go on elsewhere
+    if quiet:  # a rank of a launched job other than world rank 0: the front end stops the job in order
         _ignore_stop_signals("the API process")
     if not driver:
         _ignore_stop_signals("the instance's driver")
@@ -226,7 +242,6 @@ def run_serve(args) -> int:
     if groups.world is not world:
         groups.world.destroy()
     world.destroy()
-    return _frontend_exit_code(frontend)
 
 
 def _reach_frontend(args, world):
@@ -250,18 +265,10 @@ def _reach_frontend(args, world):
 
 
 def _frontend_exit_code(frontend) -> int:
-    """World rank 0 of a launched job ends with the front end's code (it stops every instance, this
-    one included, before it exits)."""
-    import subprocess
-
-    if frontend is None:
-        return 0
-    try:
-        return frontend.wait(60)
-    except subprocess.TimeoutExpired:
-        logger.error("the API process did not exit within 60 s of this instance stopping; ending it")
-        frontend.kill()
-        return 1
+    """World rank 0 of a launched job ends with the front end's code. Its own instance may have
+    stopped (drained, or stopped by an operator) while the others serve on, so it waits for the
+    front end as long as it runs; its stop signals still go there."""
+    return 0 if frontend is None else frontend.wait()
 
 
 def _forward_stop_signals(frontend) -> None:
@@ -317,4 +324,13 @@ def _run_instance(engine, index: int, address: tuple, key: bytes, hello: dict) -
     from dist_infer.serving.hub import no_delay
     from dist_infer.serving.instance_server import InstanceServer
 
-    InstanceServer(engine, index, no_delay(Client(address, authkey=key))).run(hello)
+    for attempt in range(HUB_CONNECT_TRIES):  # a hub whose handshake slots are all taken closes at accept
+        try:
+            conn = Client(address, authkey=key)
+            break
+        except (OSError, EOFError) as exc:
+            if attempt == HUB_CONNECT_TRIES - 1:
+                raise ConnectionError(f"instance {index}: could not join the API's hub at {address[0]}:{address[1]} "
+                                      f"in {HUB_CONNECT_TRIES} tries ({type(exc).__name__}: {exc})") from None
+            time.sleep(0.5 * (attempt + 1))
+    InstanceServer(engine, index, no_delay(conn)).run(hello)

@@ -91,6 +91,8 @@ def start_frontend_child(argv: list[str], hub_host: str, key: bytes, timeout: fl
             raise TimeoutError(f"the API process did not listen within {timeout:g} s")
         time.sleep(0.05)
     info = json.loads(hub_file.read_text())
+    hub_file.unlink()
+    hub_file.parent.rmdir()
     return process, (info["host"], info["port"])
 
 
@@ -133,6 +135,7 @@ def _tokenizer_and_template(model: str):
 
 def run_frontend(args, argv: list[str]) -> int:
     """Serve the API until SIGTERM (exit 0) or until no instance is left (exit 1)."""
+    from dist_infer.launch.http_flags import http_options_of
     from dist_infer.launch.logs import configure_logging
     from dist_infer.launch.model_options import model_path
     from dist_infer.serving.hub import Hub, StartupWaiter
@@ -143,31 +146,40 @@ def run_frontend(args, argv: list[str]) -> int:
     check_roles(specs)
     if len(specs) > 1 and (args.ep > 1 or args.cp > 1):
         raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
+    guard = http_options_of(args)  # a bad flag is an error now, not after every instance has loaded
+    model = model_path(args)
     key = os.environ.get(HUB_KEY_ENV, "").encode() if args.frontend_only else secrets.token_hex(16).encode()
     if not key:
         raise ValueError(f"--frontend-only: no key in ${HUB_KEY_ENV}")
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     hub = Hub(args.hub_host or "127.0.0.1", key)
     waiter = StartupWaiter(len(specs))
     hub.start(waiter.on_hello)
-    if args.frontend_only and os.environ.get(HUB_FILE_ENV):
-        Path(os.environ[HUB_FILE_ENV]).write_text(json.dumps({"host": hub.address[0], "port": hub.address[1]}))
+    if args.frontend_only and os.environ.get(HUB_FILE_ENV):  # whole or not at all: rank 0 polls for it
+        path = Path(os.environ[HUB_FILE_ENV])
+        path.with_suffix(".tmp").write_text(json.dumps({"host": hub.address[0], "port": hub.address[1]}))
+        os.replace(path.with_suffix(".tmp"), path)
     spawn = spawner(argv, hub.address, key)
-    processes = {} if args.frontend_only else {i: spawn(i, spec) for i, spec in enumerate(specs)}
-    stopping = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    model = model_path(args)
-    tokenizer, template = _tokenizer_and_template(model)
+    processes: dict = {}
     try:
+        if not args.frontend_only:
+            processes.update({i: spawn(i, spec) for i, spec in enumerate(specs)})
+        tokenizer, template = _tokenizer_and_template(model)
         joined = waiter.wait(max(60.0, args.timeout), failed=lambda: _start_failure(processes, stopping))
-    except (TimeoutError, RuntimeError) as exc:
-        logger.error(f"{exc}; stopping")
+    except BaseException as exc:
+        logger.error(f"{exc}; stopping" if isinstance(exc, (TimeoutError, RuntimeError)) else f"start-up failed: {exc!r}")
         _end(processes)
         hub.close()
-        return 1
+        if isinstance(exc, (TimeoutError, RuntimeError)):
+            return 1
+        raise
+    try:
+        return _serve(args, guard, joined, processes, hub, waiter, spawn, served_name_for(args, model), tokenizer,
+                      template, stopping)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _serve(args, joined, processes, hub, waiter, spawn, served_name_for(args, model), tokenizer, template)
 
 
 def served_name_for(args, model: str) -> str:
@@ -195,8 +207,8 @@ def _end(processes: dict) -> None:
             process.kill()
 
 
-def _serve(args, joined, processes: dict, hub, waiter, spawn, name: str, tokenizer, template) -> int:
-    from dist_infer.launch.http_flags import http_options_of
+def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, tokenizer, template,
+           stopping: threading.Event) -> int:
     from dist_infer.serving.api_server import build_app, serve_http
     from dist_infer.serving.cluster import Cluster, InstanceClient
 
@@ -216,22 +228,25 @@ def _serve(args, joined, processes: dict, hub, waiter, spawn, name: str, tokeniz
                       join_timeout_s=max(60.0, args.timeout), max_request_failovers=args.max_request_failovers,
                       max_instances=args.max_instances)
     cluster.start()
-    waiter.hand_over(cluster.attach)
-    guard = http_options_of(args)
-    app = build_app(cluster, name, guard)
+    try:
+        waiter.hand_over(cluster.attach)
+        app = build_app(cluster, name, guard)
 
-    def ready(host: str, port: int) -> None:
-        layouts = ", ".join(c.spec.describe() for c in clients)
-        logger.info(f"serving {name!r} on {'https' if guard.tls else 'http'}://{host}:{port}/v1 with {len(clients)} instance(s) [{layouts}] "
-                    f"(max {args.max_num_seqs} running, {args.max_batched_tokens} tokens per step each); "
-                    f"instances join at {hub.address[0]}:{hub.address[1]}")
-        if args.ready_file:
-            Path(args.ready_file).write_text(json.dumps({"host": host, "port": port, "pid": os.getpid(),
-                                                         "hub": [hub.address[0], hub.address[1]]}))
+        def ready(host: str, port: int) -> None:
+            layouts = ", ".join(c.spec.describe() for c in clients)
+            logger.info(f"serving {name!r} on {'https' if guard.tls else 'http'}://{host}:{port}/v1 with "
+                        f"{len(clients)} instance(s) [{layouts}] (max {args.max_num_seqs} running, "
+                        f"{args.max_batched_tokens} tokens per step each); instances join at "
+                        f"{hub.address[0]}:{hub.address[1]}")
+            if args.ready_file:
+                Path(args.ready_file).write_text(json.dumps({"host": host, "port": port, "pid": os.getpid(),
+                                                             "hub": [hub.address[0], hub.address[1]]}))
 
-    serve_http(app, args.host, args.port, on_ready=ready, guard=guard)
-    cluster.stop()
-    hub.close()
+        if not stopping.is_set():  # a stop signal before uvicorn took the signals over: no server at all
+            serve_http(app, args.host, args.port, on_ready=ready, guard=guard)
+    finally:
+        cluster.stop()
+        hub.close()
     if cluster.dead_reason is not None:
         logger.error(f"the server stopped because no instance is left: {cluster.dead_reason}")
         return 1

@@ -181,7 +181,8 @@ class InstanceClient:
         h = self.hello or {}
         return {"index": self.index, "state": self.state, "role": self.role,
                 "layout": self.spec.layout if self.spec else h.get("layout"), "pids": h.get("pids", []),
-                "hosts": h.get("hosts", []), "load": -load.freeness, "freeness": load.freeness,
+                "hosts": h.get("hosts", []), "links": [f"{a[0]}:{a[1]}" for a in h.get("addresses", [])],
+                "load": -load.freeness, "freeness": load.freeness,
                 "free_blocks": s.get("free_blocks", 0), "total_blocks": s.get("total_blocks", 0),
                 "running": list(s.get("running_ids", [])), "waiting": list(s.get("waiting_ids", [])),
                 "num_preemptions": s.get("num_preemptions_total", 0), "draining": self.draining,
@@ -426,16 +427,19 @@ class Cluster:
                 self.dead_reason = self.dead_reason or what
                 streams = [rec.stream for rec in self._requests.values()]
             else:
+                queued = set(client.stats.get("waiting_ids", ()))
                 for r, rec in self._requests.items():
                     if rec.owner == client.index:
                         orphans.append(r)
-                        rec.recovering, rec.failovers = (now, client.index), rec.failovers + 1
+                        rec.recovering = (now, client.index)
+                        if r not in queued and rec.moving is None:
+                            rec.failovers += 1  # it may have been in the step that killed the instance
                         if rec.moving is not None:
                             moving.add(r)
         self._soon(self._fail_calls, client.index)
         if not left:
             logger.error(f"instance {client.index} failed: {reason}; no instance is left")
-            error = EngineDeadError(self.dead_reason)
+            error = self._no_instance_left()
             for loop, q in streams:
                 loop.call_soon_threadsafe(q.put_nowait, error)
             if self._on_dead is not None:
@@ -446,6 +450,11 @@ class Cluster:
         for request_id in orphans:
             if request_id not in moving:  # a migrating one is settled when its migration ends
                 self._redispatch(request_id, f"instance {client.index} died")
+
+    def _no_instance_left(self) -> EngineDeadError:
+        """What clients are told: that no instance is left, not why (the why, an instance's error
+        text, goes to the log and /admin/instances only)."""
+        return EngineDeadError("no model instance is left to serve requests; the server log says why")
 
     def _fail_calls(self, index: int) -> None:
         for call_id, (fut, inst) in list(self._calls.items()):
@@ -628,7 +637,10 @@ class Cluster:
         tries again a little later)."""
         with self._lock:
             rec = self._requests.get(request_id)
-            if rec is None or rec.owner != src or rec.moving is not None:
+            if rec is None:
+                return
+            if rec.owner != src or rec.moving is not None:
+                rec.pd_next = time.monotonic() + PD_RETRY_S  # moved or moving meanwhile: looked at again later
                 return
             dst = self._choose(len(rec.progress.prompt_token_ids), rec.progress.params, ("decode", "mixed"),
                                queued=False)
@@ -647,14 +659,14 @@ class Cluster:
             due = self.migrate_interval > 0 and time.monotonic() - last >= self.migrate_interval
             if self.dead_reason is not None:
                 continue
-            self._finish_stops()
-            if not (draining or due):
-                continue
-            if due:
-                last = time.monotonic()
             try:
+                self._finish_stops()
+                if not (draining or due):
+                    continue
+                if due:
+                    last = time.monotonic()
                 self._rebalance(only_drain=not due)
-            except Exception as exc:  # noqa: BLE001 - a bad round must not end the controller
+            except Exception as exc:  # noqa: BLE001 - a bad round must not end the control loop
                 logger.exception(f"migration controller: {exc}")
 
     def _rebalance(self, only_drain: bool) -> None:
@@ -904,7 +916,7 @@ class Cluster:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
+            raise self._no_instance_left()
         if not self.accepting:
             raise QueueFullError(retry_after_s=5.0)
         if self._num_queued() >= self.max_queue:
@@ -915,7 +927,7 @@ class Cluster:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self.dead_reason is not None:
-                raise EngineDeadError(self.dead_reason)
+                raise self._no_instance_left()
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._requests[request_id] = RequestRecord(Progress(list(prompt_token_ids), params),
@@ -939,10 +951,12 @@ class Cluster:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)  # the client went away, or an error: free its blocks
             with self._lock:
-                self._requests.pop(request_id, None)  # the one place a request's record is removed
+                rec = self._requests.pop(request_id, None)  # the one place a request's record is removed
+            if not finished and rec is not None and rec.owner is not None:
+                # the client went away, or an error: free its blocks. The record goes first, so a
+                # redispatch racing this sees no record and aborts the copy it sent (see _redispatch)
+                self.abort_on(rec.owner, request_id)
 
     def held(self) -> dict[str, int]:
         """Entries the front end holds that belong to requests or migrations: all 0 when idle

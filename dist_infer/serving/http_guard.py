@@ -120,6 +120,9 @@ def bearer_token(headers: dict[str, str]) -> Optional[str]:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+PROXIED = {"forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip"}  # headers a reverse proxy adds
+
+
 def is_loopback(client) -> bool:
     """A client on this machine (no client: a unix socket, which is local too)."""
     if not client:
@@ -181,8 +184,8 @@ class GuardMiddleware:
         if path == "/admin" or path.startswith("/admin/"):
             if guard.admin_keys:
                 return None if key_matches(bearer_token(headers), guard.admin_keys) else _invalid_key("an admin")
-            if is_loopback(client):
-                return None
+            if is_loopback(client) and not PROXIED.intersection(headers):
+                return None  # (a proxy on this machine makes every client look local: not trusted so)
             return ApiError(403, "the admin routes answer clients on this machine only; start the server with "
                                  "--admin-key to allow others (Authorization: Bearer <admin key>)", None, None,
                             "admin_loopback_only")

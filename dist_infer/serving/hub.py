@@ -52,6 +52,37 @@ def read_hello(conn: Connection, timeout: float) -> dict:
     return message[1]
 
 
+class Deadline:
+    """Shuts a connection's socket down when `seconds` pass before `disarm()`: a blocked read then
+    ends at once. disarm() -> False if the deadline had already struck."""
+
+    def __init__(self, conn: Connection, seconds: float):
+        self._lock = threading.Lock()
+        self._state = "armed"
+        self._fd = conn.fileno()
+        self._timer = threading.Timer(seconds, self._strike)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _strike(self) -> None:
+        with self._lock:
+            if self._state != "armed":
+                return
+            self._state = "struck"
+            try:
+                with socket.fromfd(self._fd, socket.AF_INET, socket.SOCK_STREAM) as dup:
+                    dup.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not just the dup
+            except OSError:
+                pass
+
+    def disarm(self) -> bool:
+        self._timer.cancel()
+        with self._lock:
+            if self._state == "armed":
+                self._state = "disarmed"
+            return self._state == "disarmed"
+
+
 class Hub:
     """Listens on (host, port 0); `start(on_hello)` hands each checked driver connection over."""
 
@@ -94,13 +125,17 @@ class Hub:
 
     def _handshake(self, sock: socket.socket, peer: tuple, on_hello: OnHello) -> None:
         conn = Connection(sock.detach())
+        watchdog = Deadline(conn, self.handshake_timeout_s)  # the whole handshake, not each read: no slow drip
         try:
             set_io_timeout(conn, self.handshake_timeout_s)
             deliver_challenge(conn, self.key)
             answer_challenge(conn, self.key)
             hello = read_hello(conn, self.handshake_timeout_s)
+            if not watchdog.disarm():
+                raise TimeoutError(f"the handshake took over {self.handshake_timeout_s:g} s")
             set_io_timeout(conn, 0)
         except Exception as exc:  # noqa: BLE001 - that connection is refused; the hub listens on
+            watchdog.disarm()
             self.refused += 1
             logger.warning(f"hub: a connection from {peer[0]}:{peer[1]} was refused ({type(exc).__name__}: {exc})")
             conn.close()

@@ -59,7 +59,7 @@ class _GenerationRequest(BaseModel):
     top_k: Optional[Int64] = None  # vLLM; -1 or 0: no limit
     seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[Int64]] = None  # vLLM
+    stop_token_ids: Optional[list[Int64]] = Field(None, max_length=256)  # vLLM; engine.sampling.MAX_STOP_TOKEN_IDS
     ignore_eos: Optional[bool] = False  # vLLM
     min_tokens: Optional[Int64] = 0  # vLLM
     n: Optional[Int64] = 1
