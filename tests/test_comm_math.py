@@ -19,6 +19,7 @@ from dist_infer.launch.launcher import (
     describe_exit,
     plan,
     plan_local,
+    run,
     threads_per_rank,
 )
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT
@@ -320,3 +321,12 @@ def test_proc_shell_and_describe_exit():
     assert describe_exit(-15) == "signal SIGTERM"
 
 
+
+
+def test_run_stops_every_rank_when_one_fails():
+    """A job's ranks share a communicator: one failing stops the rest, and its code is the job's."""
+    sleeper = Proc("rank 0", [sys.executable, "-c", "import time; time.sleep(120)"], {"RANK": "0"})
+    failing = Proc("rank 1", [sys.executable, "-c", "raise SystemExit(3)"], {"RANK": "1"})
+    assert run([sleeper, failing], poll_s=0.01) == 3
+    ok = Proc("rank 0", [sys.executable, "-c", "pass"], {"RANK": "0"})
+    assert run([ok, ok], poll_s=0.01) == 0

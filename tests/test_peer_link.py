@@ -4,6 +4,7 @@ the cluster key get a message in."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -279,5 +280,113 @@ def test_idle_connections_close_without_failing_receives():
         pending.wait(5)
         assert torch.equal(pending.tensor, x)
     finally:
+        a.close()
+        b.close()
+
+
+def _drip(link: PeerLink, within: float = 10.0) -> bool:
+    """A hello sent one byte every 0.2 s: -> whether the link closed the connection within `within` s
+    (the whole handshake, 75 bytes, would take 15 s at that pace)."""
+    sock = _raw(link)
+    sock.settimeout(None)  # blocking, so that MSG_DONTWAIT only peeks (with a timeout, recv waits for data)
+    deadline = time.monotonic() + within
+    try:
+        for byte in MAGIC + bytes(67):
+            try:
+                sock.send(bytes([byte]))
+                if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                    return True
+            except BlockingIOError:
+                pass  # nothing to read: still open
+            except OSError:
+                return True  # reset
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return False
+    finally:
+        sock.close()
+
+
+def test_slow_drip_handshakes_are_cut_off_as_a_whole():
+    a = PeerLink(timeout=5.0, key=KEY)
+    b = PeerLink(timeout=5.0, key=KEY, handshake_timeout=0.5, max_handshaking=2)
+    try:
+        closed: list[bool] = []
+        drippers = [threading.Thread(target=lambda: closed.append(_drip(b)), daemon=True) for _ in range(2)]
+        for thread in drippers:
+            thread.start()
+        _eventually(lambda: b._handshaking == 2, timeout=2)  # both slots held (briefly)
+        _transfer(a, b)  # a's dial is refused until the drippers are cut off, then gets in
+        for thread in drippers:
+            thread.join(15)
+        assert closed == [True, True]
+        assert _eventually(lambda: b._handshaking == 0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_failed_accept_does_not_stop_the_listener(links, monkeypatch):
+    a, b, c = links
+    real, failed = socket.socket.accept, []
+
+    def flaky(sock):
+        if sock is b._server and not failed:
+            failed.append(True)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", flaky)
+    _transfer(c, b)  # the accept already waiting takes this one; the next accept fails once
+    _transfer(a, b)  # a new connection after the failure still gets in
+    assert failed
+
+
+def _busy_connection(link: PeerLink, claimed: tuple[str, int]) -> socket.socket:
+    """An authenticated connection in the middle of a message: its header and 10 of 1000 bytes."""
+    sock = _raw(link)
+    client_handshake(sock, KEY, claimed, link.address, 2.0)
+    sock.sendall(struct.pack("!qqqq", secrets.randbits(62), 0, 0, 1000) + bytes(10))
+    return sock
+
+
+def test_a_full_link_evicts_its_least_recently_used_idle_connection():
+    b = PeerLink(timeout=5.0, key=KEY, max_inbound=2)
+    senders = [PeerLink(timeout=5.0, key=KEY) for _ in range(4)]
+    try:
+        _transfer(senders[0], b)
+        pending = b.irecv(torch.empty(4), senders[0].address, (41, 0, 0))
+        for sender in senders[1:]:
+            _transfer(sender, b)  # the third and fourth sender each evict the least recently used
+        assert len(b._admitted) == 2
+        assert _eventually(lambda: len(b._inbound) == 2)  # the evicted ones closed after their grace
+        assert not pending.is_completed()  # an evicted sender is not gone
+        x = torch.randn(4)
+        senders[0].send(x, b.address, (41, 0, 0))  # it dials anew, evicting another
+        pending.wait(5)
+        assert torch.equal(pending.tensor, x)
+        for sender in senders:
+            _transfer(sender, b)
+    finally:
+        for link in [b, *senders]:
+            link.close()
+
+
+def test_a_full_link_refuses_only_while_every_connection_is_busy():
+    b = PeerLink(timeout=5.0, key=KEY, max_inbound=2)
+    a = PeerLink(timeout=1.0, key=KEY)
+    busy = [_busy_connection(b, ("127.0.0.1", port)) for port in (1, 2)]
+    try:
+        assert _eventually(lambda: len(b._admitted) == 2 and all(c.busy for c in b._admitted))
+        with pytest.raises(PeerLinkError):
+            a.send(torch.ones(4), b.address, (1, 0, 0))  # refused until a's timeout
+        busy[0].sendall(bytes(990))  # its message is in: that connection is idle now
+        assert _eventually(lambda: sum(c.busy for c in b._admitted) == 1)
+        _transfer(a, b)  # and is evicted for a
+        assert _closed_by_peer(busy[0])
+    finally:
+        for sock in busy:
+            sock.close()
         a.close()
         b.close()

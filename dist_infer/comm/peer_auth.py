@@ -6,8 +6,9 @@ with a mutual challenge: the dialling side (the sender) sends a random nonce and
 address it claims; the listening side answers with its own nonce and an HMAC over both nonces
 and its address; the sender checks that, then answers with an HMAC over both nonces and its
 claimed address; the listener checks that and that the connection really comes from the
-claimed host. Every read here is bounded in size and in time: nothing is allocated from a
-length the peer chose beyond a 255-byte host name.
+claimed host. Every read here is bounded in size, and the whole handshake by one deadline (not
+each read: a peer dripping a byte every few seconds would otherwise hold its slot for ever);
+nothing is allocated from a length the peer chose beyond a 255-byte host name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Callable, Optional
 
 from loguru import logger
 
@@ -58,23 +60,42 @@ def skip_exactly(conn: socket.socket, size: int) -> None:
         size -= n
 
 
-def _read(conn: socket.socket, size: int) -> bytes:
+def _left(conn: socket.socket, deadline: float) -> None:
+    """Bound the next socket call by what is left of the handshake's time."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("the handshake did not finish in time")
+    conn.settimeout(left)
+
+
+def _read(conn: socket.socket, size: int, deadline: float) -> bytes:
     buf = bytearray(size)
-    read_exactly(conn, memoryview(buf))
+    view = memoryview(buf)
+    while len(view):
+        _left(conn, deadline)
+        n = conn.recv_into(view)
+        if n == 0:
+            raise EOFError("the connection closed")
+        view = view[n:]
     return bytes(buf)
+
+
+def _send(conn: socket.socket, data: bytes, deadline: float) -> None:
+    _left(conn, deadline)
+    conn.sendall(data)  # the timeout bounds the whole sendall
 
 
 def client_handshake(conn: socket.socket, key: bytes, own: Address, dialled: Address, timeout: float) -> None:
     """The sender's half: prove the key to the listener at `dialled`, and check that it holds it too."""
-    conn.settimeout(timeout)
+    deadline = time.monotonic() + timeout
     host = own[0].encode()
     nonce = secrets.token_bytes(NONCE_BYTES)
-    conn.sendall(_HELLO.pack(MAGIC, nonce, own[1], len(host)) + host)
-    theirs, their_mac = _SERVER.unpack(_read(conn, _SERVER.size))
+    _send(conn, _HELLO.pack(MAGIC, nonce, own[1], len(host)) + host, deadline)
+    theirs, their_mac = _SERVER.unpack(_read(conn, _SERVER.size, deadline))
     if not hmac.compare_digest(their_mac, _mac(key, b"server", theirs, nonce, dialled)):
         raise HandshakeError(f"{dialled[0]}:{dialled[1]} does not hold the cluster key")
-    conn.sendall(_mac(key, b"client", nonce, theirs, own))
-    if _read(conn, 1) != _ACCEPTED:
+    _send(conn, _mac(key, b"client", nonce, theirs, own), deadline)
+    if _read(conn, 1, deadline) != _ACCEPTED:
         raise HandshakeError(f"{dialled[0]}:{dialled[1]} refused the connection")
 
 
@@ -97,25 +118,30 @@ def _refuse(conn: socket.socket, why: str) -> None:
     raise HandshakeError(why)
 
 
-def server_handshake(conn: socket.socket, key: bytes, own: Address, timeout: float) -> Address:
-    """The listener's half: -> the sender's proven listening address, or HandshakeError."""
-    conn.settimeout(timeout)
-    magic, nonce, port, length = _HELLO.unpack(_read(conn, _HELLO.size))
+def server_handshake(conn: socket.socket, key: bytes, own: Address, timeout: float,
+                     admit: Optional[Callable[[Address], None]] = None) -> Address:
+    """The listener's half: -> the sender's proven listening address, or HandshakeError.
+    `admit(address)` runs before the sender is told it is in, so a listener with no room can
+    refuse by raising: the connection then closes unanswered, and the sender tries again."""
+    deadline = time.monotonic() + timeout
+    magic, nonce, port, length = _HELLO.unpack(_read(conn, _HELLO.size, deadline))
     if magic != MAGIC:
         raise HandshakeError("not a peer-link hello")
     try:
-        claimed = (_read(conn, length).decode("ascii"), port)
+        claimed = (_read(conn, length, deadline).decode("ascii"), port)
     except UnicodeDecodeError:
         raise HandshakeError("a hello with a malformed host") from None
     mine = secrets.token_bytes(NONCE_BYTES)
-    conn.sendall(_SERVER.pack(mine, _mac(key, b"server", mine, nonce, own)))
-    answer = _read(conn, hashlib.sha256().digest_size)
+    _send(conn, _SERVER.pack(mine, _mac(key, b"server", mine, nonce, own)), deadline)
+    answer = _read(conn, hashlib.sha256().digest_size, deadline)
     source = conn.getpeername()[0]
     if not hmac.compare_digest(answer, _mac(key, b"client", nonce, mine, claimed)):
         _refuse(conn, f"a peer at {source} claiming {claimed[0]}:{claimed[1]} does not hold the cluster key")
     if not _same_host(claimed[0], source):
         _refuse(conn, f"a peer at {source} claims to listen on {claimed[0]}:{claimed[1]}")
-    conn.sendall(_ACCEPTED)
+    if admit is not None:
+        admit(claimed)
+    _send(conn, _ACCEPTED, deadline)
     return claimed
 
 

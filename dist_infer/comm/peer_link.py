@@ -13,8 +13,10 @@ Even then nothing is allocated from a length on the wire unchecked: a message fo
 receive must have exactly that receive's size (else that receive fails and the bytes are read
 past), a message that comes before its receive is held only within a per-link byte budget
 (beyond it the reader waits, bounded, for the receive), and messages of dropped migrations or
-of senders that went away are freed. Inbound connections are capped, unauthenticated ones
-must finish the handshake in seconds, and idle ones are closed.
+of senders that went away are freed. Unauthenticated connections are capped and must finish
+the whole handshake in seconds; idle ones are closed; and at the cap on authenticated ones
+the least recently used idle one is evicted (its sender dials anew), so the cap bounds the
+senders talking at once, not the senders a rank ever hears from. Sending is comm/peer_out.py.
 
 Nothing here blocks forever: sends and connects have a timeout, a receive's `wait` has one, and
 a connection that closes fails the receives still expecting data from that sender's address.
@@ -24,76 +26,55 @@ as an idle follower, still reacts the moment its data is in.
 
 from __future__ import annotations
 
+import errno
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from loguru import logger
 
-from dist_infer.comm.base import CommError, CommTimeoutError, DoneHandle, Handle
-from dist_infer.comm.peer_auth import (HandshakeError, RateLimitedWarning, client_handshake, read_exactly,
-                                      server_handshake, skip_exactly)
+from dist_infer.comm.base import CommTimeoutError, Handle
+from dist_infer.comm.peer_auth import (Address, HandshakeError, RateLimitedWarning, read_exactly, server_handshake,
+                                      skip_exactly)
+from dist_infer.comm.peer_out import HEADER as _HEADER
+from dist_infer.comm.peer_out import Key, Outbounds, PeerLinkError, as_bytes as _as_bytes, fmt as _fmt
 
-Key = tuple[int, int, int]
-Address = tuple[str, int]
-_HEADER = struct.Struct("!qqqq")  # key (3), payload bytes
+__all__ = ["Address", "Key", "PeerLink", "PeerLinkError", "RecvHandle"]
 _SKIP, _BUFFER = "skip", "buffer"  # what the reader does with a message that has no receive to fill
 _DROPPED_KEPT = 4096  # dropped migration ids remembered, so their late messages are read past
 MAX_UNMATCHED_BYTES = 256 << 20
 _PROCESS_KEY = secrets.token_bytes(32)  # links made without a key: only this process's links share it
+_EVICT_GRACE = 1.0  # seconds an evicted connection is still read, for a message its sender sent just then
+_GOODBYE = b"\x00"  # the receiver's only write after the handshake: "closing, dial anew"
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (any dtype: numpy has no bfloat16)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _fmt(address: Address) -> str:
-    return f"{address[0]}:{address[1]}"
+def _readable(sock: socket.socket) -> bool:
+    """Bytes (or the end) are waiting on `sock`: a message is starting, or its sender left."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 class _Idle(Exception):
     """A connection sent nothing for the idle timeout: closed, but its sender is not gone."""
 
 
-@dataclass
-class _Out:
-    """One outgoing connection; `last` is when it last carried a message."""
+@dataclass(eq=False)
+class _In:
+    """One inbound connection: `peer` once admitted; `busy` while a message is coming in (an
+    idle one may be evicted to make room); `leaving` once evicted (it closes when next idle)."""
 
     sock: socket.socket
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    last: float = field(default_factory=time.monotonic)
-
-    def stale(self, max_idle: float) -> bool:
-        """The receiver closes connections idle for its idle timeout; a send into a socket it has
-        closed would vanish, so a connection idle for half that, or closed by it, is made anew."""
-        if time.monotonic() - self.last > max_idle:
-            return True
-        poller = select.poll()  # the receiver never writes after the handshake: readable means closed
-        poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(0))
-
-
-class PeerLinkError(CommError):
-    """A peer could not be reached, or a message did not match the receive posted for it."""
-
-
-class _FailedHandle(Handle):
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        raise self.error
-
-    def is_completed(self) -> bool:
-        return True
+    peer: Optional[Address] = None
+    busy: bool = False
+    leaving: bool = False
 
 
 class RecvHandle(Handle):
@@ -159,94 +140,23 @@ class PeerLink:
         self._posted: dict[Key, RecvHandle] = {}
         self._dropped: OrderedDict[int, None] = OrderedDict()  # migrations whose messages are unwanted
         self._gone: set[Address] = set()  # senders whose every connection closed
-        self._incoming: dict[Address, int] = {}  # open authenticated connections from each sender
+        self._incoming: dict[Address, int] = {}  # open admitted connections from each sender
         self._inbound: set[socket.socket] = set()  # every open inbound connection
+        self._admitted: OrderedDict[_In, None] = OrderedDict()  # not leaving; least recently used first
         self._handshaking = 0
-        self._out: dict[Address, _Out] = {}
-        self._connecting: dict[Address, threading.Lock] = {}
+        self._outbound = Outbounds(self.key, self.address, timeout, handshake_timeout, idle_timeout)
         self._closed = False
         self._warn = RateLimitedWarning()
         threading.Thread(target=self._accept, name="peer-link-accept", daemon=True).start()
 
-    # -- sending ------------------------------------------------------------------------------
-    def _dial(self, peer: Address) -> socket.socket:
-        """Connect and authenticate; a listener that is full closes new connections at once, so
-        those are tried again (briefly backing off) until the link's timeout."""
-        deadline, delay = time.monotonic() + self.timeout, 0.05
-        while True:
-            try:
-                sock = socket.create_connection(peer, timeout=self.timeout, source_address=(self.address[0], 0))
-            except OSError:  # our address may not route there: let the kernel choose the source
-                sock = socket.create_connection(peer, timeout=self.timeout)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                client_handshake(sock, self.key, self.address, peer, self.handshake_timeout)
-                sock.settimeout(self.timeout)
-                return sock
-            except HandshakeError:
-                sock.close()
-                raise
-            except (OSError, EOFError):
-                sock.close()
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(2 * delay, 0.5)
-
-    def _connection(self, peer: Address) -> _Out:
-        """The one connection to `peer`, made on first use (one thread makes it; the others wait)."""
-        with self._lock:
-            entry = self._out.get(peer)
-            connecting = self._connecting.setdefault(peer, threading.Lock())
-        if entry is not None:
-            return entry
-        if not connecting.acquire(timeout=self.timeout + self.handshake_timeout):
-            raise TimeoutError("another thread is still connecting")
-        try:
-            with self._lock:
-                entry = self._out.get(peer)
-            if entry is None:
-                entry = _Out(self._dial(peer))
-                with self._lock:
-                    self._out[peer] = entry
-            return entry
-        finally:
-            connecting.release()
-
-    def _forget(self, peer: Address, entry: _Out) -> None:
-        with self._lock:
-            if self._out.get(peer) is entry:  # only ours: another thread may have made a new one
-                del self._out[peer]
-        entry.sock.close()
-
+    # -- sending (comm/peer_out.py) ----------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: Address, key: Key) -> None:
         """Send now (returns once the bytes are with the kernel); PeerLinkError if the peer is gone."""
-        data = _as_bytes(tensor.detach().contiguous().cpu())
-        entry = None
-        try:
-            for _ in range(2):
-                entry = self._connection(peer)
-                with entry.lock:
-                    if entry.stale(self.idle_timeout / 2):
-                        self._forget(peer, entry)
-                        continue
-                    entry.sock.sendall(_HEADER.pack(*key, data.numel()))
-                    entry.sock.sendall(memoryview(data.numpy()))
-                    entry.last = time.monotonic()
-                    return
-            raise ConnectionError("no fresh connection")
-        except (OSError, EOFError) as exc:
-            if entry is not None:
-                self._forget(peer, entry)
-            raise PeerLinkError(f"peer link: sending {key} to {_fmt(peer)} failed: {exc}") from None
+        self._outbound.send(tensor, peer, key)
 
     def isend(self, tensor: torch.Tensor, peer: Address, key: Key) -> Handle:
         """Send in the calling thread; the handle reports the outcome (a failure raises on wait)."""
-        try:
-            self.send(tensor, peer, key)
-        except PeerLinkError as exc:
-            return _FailedHandle(exc)
-        return DoneHandle()
+        return self._outbound.isend(tensor, peer, key)
 
     # -- receiving ----------------------------------------------------------------------------
     def irecv(self, tensor: torch.Tensor, peer: Address, key: Key,
@@ -303,13 +213,21 @@ class PeerLink:
             handle._finish(PeerLinkError(f"peer link: receive {handle.key} was cancelled"))
 
     def _accept(self) -> None:
+        """Take connections until the link closes; an accept that fails (out of descriptors, a
+        connection reset before it was taken) ends only that connection, never the listener."""
         while not self._closed:
             try:
                 conn, source = self._server.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                self._warn("accept", f"peer link {_fmt(self.address)}: accept failed ({exc}); still listening")
+                if exc.errno in _OUT_OF_RESOURCES:
+                    time.sleep(0.1)  # it will fail again until a descriptor is freed: do not spin
+                continue
             with self._lock:
-                full = len(self._inbound) >= self.max_inbound or self._handshaking >= self.max_handshaking
+                full = (self._handshaking >= self.max_handshaking
+                        or len(self._inbound) >= self.max_inbound + self.max_handshaking)
                 if not full:
                     self._inbound.add(conn)
                     self._handshaking += 1
@@ -321,49 +239,94 @@ class PeerLink:
                 continue
             threading.Thread(target=self._serve, args=(conn, source), name="peer-link-reader", daemon=True).start()
 
+    def _admit(self, entry: _In, peer: Address) -> None:
+        """Count a sender's authenticated connection in. At `max_inbound`, the least recently used
+        idle one is evicted (its sender dials anew when next it sends): connections live for
+        minutes, so a rank that over time hears from more senders than that must not refuse the
+        newest. Only when every one is busy is this one refused (its sender retries)."""
+        with self._lock:
+            if self._closed:
+                raise EOFError("the link closed")
+            victim = None
+            if len(self._admitted) >= self.max_inbound:
+                victim = next((c for c in self._admitted if not c.busy and not _readable(c.sock)), None)
+                if victim is None:
+                    raise HandshakeError(f"no room: all {len(self._admitted)} connections are busy")
+                del self._admitted[victim]
+                victim.leaving = True
+                try:
+                    victim.sock.send(_GOODBYE, socket.MSG_DONTWAIT)  # its sender's next send dials anew
+                except OSError:
+                    pass
+            entry.peer = peer
+            self._admitted[entry] = None
+            self._gone.discard(peer)
+            self._incoming[peer] = self._incoming.get(peer, 0) + 1
+        if victim is not None:
+            logger.debug(f"peer link {_fmt(self.address)}: evicting the idle connection from {_fmt(victim.peer)} "
+                         f"to make room for {_fmt(peer)}")
+            timer = threading.Timer(_EVICT_GRACE, self._evict_now, args=(victim,))
+            timer.daemon = True
+            timer.start()
+
+    def _evict_now(self, victim: _In) -> None:
+        """The grace for a message already on its way is over: close an evicted connection now,
+        unless a message is coming in on it (its reader then closes it once that is in)."""
+        with self._lock:  # its reader closes it only after taking it out of _inbound, under this lock
+            if self._closed or victim.sock not in self._inbound or victim.busy or _readable(victim.sock):
+                return
+            try:
+                victim.sock.shutdown(socket.SHUT_RDWR)  # wakes its reader
+            except OSError:
+                pass
+
     def _serve(self, conn: socket.socket, source: tuple) -> None:
-        """One inbound connection: authenticate it, then read its messages until it ends."""
-        peer: Optional[Address] = None
-        idle = dropped = False
+        """One inbound connection: authenticate and admit it, then read its messages until it ends."""
+        entry = _In(conn)
+        admitted = idle = dropped = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer = server_handshake(conn, self.key, self.address, self.handshake_timeout)
+            server_handshake(conn, self.key, self.address, self.handshake_timeout,
+                             admit=lambda peer: self._admit(entry, peer))
+            admitted = True
         except Exception as exc:  # noqa: BLE001 - whatever a stranger sends ends only its connection
             self._warn(f"auth {source[0]}", f"peer link {_fmt(self.address)}: dropped a connection from "
                                             f"{source[0]}:{source[1]}: {type(exc).__name__}: {exc}")
         finally:
             with self._lock:
                 self._handshaking -= 1
-                if peer is not None:
-                    self._gone.discard(peer)
-                    self._incoming[peer] = self._incoming.get(peer, 0) + 1
         try:
-            if peer is not None:
+            if admitted:
                 conn.settimeout(self.idle_timeout)
-                self._read(conn, peer)
+                self._read(entry)
         except _Idle:
             idle = True
-            logger.debug(f"peer link {_fmt(self.address)}: closed the connection from {_fmt(peer)} after "
+            logger.debug(f"peer link {_fmt(self.address)}: closed the connection from {_fmt(entry.peer)} after "
                          f"{self.idle_timeout:g} s idle")
         except PeerLinkError as exc:
             dropped = True
-            self._warn(f"protocol {_fmt(peer)}", f"{exc}; closed the connection")
+            self._warn(f"protocol {_fmt(entry.peer)}", f"{exc}; closed the connection")
         except (OSError, EOFError):
             pass
         finally:
             with self._lock:
                 self._inbound.discard(conn)
+                self._admitted.pop(entry, None)
             conn.close()
-            if peer is not None:
-                self._lost(peer, idle, dropped)
+            if entry.peer is not None:  # admitted (if only just): counted in _incoming
+                self._lost(entry.peer, idle or entry.leaving, dropped)
 
-    def _read(self, conn: socket.socket, peer: Address) -> None:
+    def _read(self, entry: _In) -> None:
+        """Read messages until the connection ends, or until it is evicted and idle."""
+        conn, peer = entry.sock, entry.peer
         header = bytearray(_HEADER.size)
-        while not self._closed:
+        while not self._closed and not entry.leaving:
             try:
                 read_exactly(conn, memoryview(header))
             except socket.timeout:
                 raise _Idle from None
+            with self._lock:
+                entry.busy = True
             *parts, size = _HEADER.unpack(header)
             key: Key = tuple(parts)
             if size < 0:
@@ -375,6 +338,10 @@ class PeerLink:
                 self._buffer(conn, key, size, peer)
             else:
                 self._deliver(conn, verdict, size, peer)
+            with self._lock:
+                entry.busy = False
+                if entry in self._admitted:
+                    self._admitted.move_to_end(entry)
 
     def _claim(self, key: Key, size: int, peer: Address):
         """What to do with a message whose header just came: fill its posted receive, hold it
@@ -439,9 +406,11 @@ class PeerLink:
         messages it sent that nobody took are freed, and later receives from it fail at once."""
         with self._lock:
             self._incoming[peer] = self._incoming.get(peer, 1) - 1
-            if self._incoming[peer] > 0 or idle or self._closed:
+            if self._incoming[peer] > 0 or self._closed:
                 return
             del self._incoming[peer]
+            if idle:
+                return
             failed = [self._posted.pop(k) for k, h in list(self._posted.items()) if h.peer == peer]
             if not dropped:
                 self._gone.add(peer)
@@ -454,7 +423,6 @@ class PeerLink:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            outs, self._out = list(self._out.values()), {}
             inbound = list(self._inbound)
             self._arrived.clear()
             self._unmatched = 0
@@ -464,7 +432,8 @@ class PeerLink:
         except OSError:
             pass
         self._server.close()
-        for sock in [o.sock for o in outs] + inbound:
+        self._outbound.close()
+        for sock in inbound:
             try:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes its reader
             except OSError:

@@ -246,18 +246,14 @@ def _signal_all(children: Sequence[tuple[Proc, subprocess.Popen]], signum: int) 
                 pass
 
 
-def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 30.0,
-        domains: Optional[Sequence[Sequence[int]]] = None) -> int:
-    """Start `procs`, wait for all; the first that fails stops the others. Returns the exit code.
+def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 30.0) -> int:
+    """Start `procs`, wait for all; the first that fails stops the others (a job's ranks share a
+    communicator, so the rest cannot go on without it). Returns the exit code.
 
-    `domains`: groups of ranks that fail together and alone (the instances of a server, less
-    rank 0, which hosts the API): a rank of one that fails stops the rest of its group only,
-    and the job goes on. A rank in no group that fails stops everything.
     SIGINT/SIGTERM is passed on to every rank, which may shut down in order (a server finishes
     its requests and stops its followers); ranks still running `shutdown_grace_s` later, or
     at a second signal, are killed. All ranks exiting 0 after the signal is a clean exit (0).
     """
-    domain_of = {r: set(d) for d in (domains or []) for r in d}
     children: list[tuple[Proc, subprocess.Popen]] = []
     interrupted: list[int] = []
 
@@ -295,22 +291,10 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
                 _stop(children)
                 return 128 + interrupted[0]
             for proc, child in list(remaining):
-                if (proc, child) not in remaining:
-                    continue  # stopped just now with a mate of its instance
                 code = child.poll()
                 if code is None:
                     continue
                 remaining.remove((proc, child))
-                rank = int(proc.env.get("RANK", -1))
-                if code != 0 and rank in domain_of and deadline is None:
-                    mates = [(p, c) for p, c in remaining if int(p.env.get("RANK", -1)) in domain_of[rank]]
-                    logger.error(f"{proc.label} (pid {child.pid}) failed with {describe_exit(code)}; stopping the "
-                                 f"other process(es) of its instance ({', '.join(p.label for p, _ in mates) or 'none'}); "
-                                 f"the others go on")
-                    stop_process_groups([c for _, c in mates])
-                    for mate in mates:
-                        remaining.remove(mate)
-                    continue
                 if code != 0:
                     others = [p.label for p, c in remaining]
                     logger.error(
@@ -339,9 +323,7 @@ def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
     return out
 
 
-def relaunch_as_local_ranks(argv: Sequence[str], nproc: int,
-                            domains: Optional[Sequence[Sequence[int]]] = None) -> int:
-    """Run `python -m dist_infer ARGV` (minus --nproc) as `nproc` local ranks; their exit code.
-    `domains`: ranks that fail together and alone (see `run`)."""
+def relaunch_as_local_ranks(argv: Sequence[str], nproc: int) -> int:
+    """Run `python -m dist_infer ARGV` (minus --nproc) as `nproc` local ranks; their exit code."""
     command = [sys.executable, "-m", "dist_infer", *strip_flag(argv, "--nproc")]
-    return run(plan(LaunchOptions(command=command, nproc_per_node=nproc)), domains=domains)
+    return run(plan(LaunchOptions(command=command, nproc_per_node=nproc)))
