@@ -134,6 +134,18 @@ def instances(server) -> list[dict]:
     return httpx.get(server.url + "/admin/instances", timeout=30).json()["instances"]
 
 
+def wait_state(job, index: int, state: str, timeout: float = 120.0) -> dict:
+    """Instance `index` as /admin/instances describes it, once it is in `state`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        insts = instances(job)
+        if index < len(insts) and insts[index]["state"] == state:
+            return insts[index]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"instance {index} not {state} after {timeout} s: {insts}\n{job.log()[-4000:]}")
+        time.sleep(0.2)
+
+
 def where(server, request_id: str) -> int:
     for inst in instances(server):
         if request_id in inst["requests"]:

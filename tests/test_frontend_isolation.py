@@ -17,7 +17,8 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import prompts_for
-from serving_helpers import ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens, where
+from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
+                             wait_state, where)
 
 pytestmark = pytest.mark.slow
 LONG = 200
@@ -37,13 +38,6 @@ def _entries(job) -> dict[str, float]:
             kind = line.split('kind="')[1].split('"')[0]
             out[kind] = float(line.rpartition(" ")[2])
     return out
-
-
-def _wait_state(job, index: int, state: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while instances(job)[index]["state"] != state:
-        assert time.monotonic() < deadline, f"instance {index} not {state}: {instances(job)}\n{job.log()[-4000:]}"
-        time.sleep(0.2)
 
 
 def _hostile_connections(hub: tuple) -> list[socket.socket]:
@@ -103,7 +97,7 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
         held = _hostile_connections(hub)
         r = httpx.post(job.url + "/admin/instances/0/restart", timeout=30)
         assert r.status_code == 202, r.text
-        _wait_state(job, 0, "serving")  # it joins although hostile connections came first
+        wait_state(job, 0, "serving")  # it joins although hostile connections came first
         for s in held:
             s.close()
         assert "hub: a connection from" in job.log()

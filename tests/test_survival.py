@@ -20,7 +20,7 @@ import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
 from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
-                             where)
+                             wait_state, where)
 
 pytestmark = pytest.mark.slow
 LONG = 300  # tokens per request: long enough that a kill lands mid-decode
@@ -32,17 +32,6 @@ def checkpoint(tmp_path_factory):
     return write_hf_checkpoint(tmp_path_factory.mktemp("survive"), "llama-gqa", max_position_embeddings=2048,
                                hidden_size=384, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536,
                                num_hidden_layers=4)
-
-
-def wait_state(job, index: int, state: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        insts = instances(job)
-        if index < len(insts) and insts[index]["state"] == state:
-            return insts[index]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"instance {index} not {state} after {timeout} s: {insts}\n{job.log()[-4000:]}")
-        time.sleep(0.2)
 
 
 def serve_again(job, count: int, timeout: float = 120.0) -> None:
