@@ -11,11 +11,16 @@ server.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from loguru import logger
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from dist_infer.engine.request import RequestOutput
 
@@ -37,6 +42,26 @@ def buckets_1_2_5(limit: int) -> tuple[float, ...]:
                 return tuple(out) or (1.0,)
             out.append(float(m * scale))
         scale *= 10
+
+
+@dataclass
+class BucketCounts:
+    """Observations counted per bucket (Prometheus' upper bounds, then +Inf) with their sum: what
+    the front end keeps for each histogram /metrics exports."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+
+    def snapshot(self) -> tuple[tuple[float, ...], list[int], float]:
+        return self.bounds, list(self.counts), self.total
 
 
 class EngineStatsCollector:

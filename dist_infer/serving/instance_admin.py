@@ -1,0 +1,149 @@
+"""What operators do through /admin: describe the instances, force a migration, drain, stop,
+restart and add instances (each started as a job of its own by the spawner, bounded by
+--max-instances). Thread-safe: called from the HTTP server's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+from loguru import logger
+
+from dist_infer.serving.instance_client import AdminError, InstanceClient
+from dist_infer.serving.instances import InstancesError, InstanceSpec, parse_instances
+from dist_infer.serving.migration import MODES
+
+
+class InstanceAdmin:
+    """Cluster's admin part."""
+
+    def describe_instances(self) -> list[dict]:
+        with self._lock:
+            moving = {r: rec.moving for r, rec in self._requests.items() if rec.moving is not None}
+            owner = {r: rec.owner for r, rec in self._requests.items() if rec.owner is not None}
+        out = []
+        for c in self.instances:
+            d = c.describe()
+            d["requests"] = [r for r, i in owner.items() if i == c.index]  # the API's routing: up to date
+            d["migrating"] = [r for r, (s, t) in moving.items() if c.index in (s, t)]
+            out.append(d)
+        return out
+
+    def _instance(self, index: int) -> InstanceClient:
+        if not 0 <= index < len(self.instances):
+            raise AdminError(404, f"instance {index} does not exist (there are {len(self.instances)})")
+        return self.instances[index]
+
+    def migrate_now(self, request_id: str, to_instance: int, mode: str = "live") -> concurrent.futures.Future:
+        """Force one migration (operators, tests, benchmarks); the future gives its MigrationResult."""
+        if mode not in MODES:
+            raise AdminError(400, f"mode {mode!r} is not one of {MODES}")
+        if not 0 <= to_instance < len(self.instances):
+            raise AdminError(400, f"to_instance {to_instance} is not one of the {len(self.instances)} instances")
+        with self._lock:
+            rec = self._requests.get(request_id)
+            src = rec.owner if rec is not None else None
+            moving = rec is not None and rec.moving is not None
+        if src is None:
+            raise AdminError(404, f"request {request_id!r} is not running or waiting on any instance")
+        if moving:
+            raise AdminError(409, f"request {request_id!r} is already migrating")
+        if src == to_instance:
+            raise AdminError(400, f"request {request_id!r} is already on instance {to_instance}")
+        dst = self.instances[to_instance]
+        if not dst.accepting:
+            raise AdminError(409, f"instance {to_instance} takes no requests ({dst.state}"
+                                  f"{', draining' if dst.draining else ''})")
+        if not self.instances[src].alive:
+            raise AdminError(409, f"request {request_id!r} is on instance {src}, which is {self.instances[src].state}")
+        return asyncio.run_coroutine_threadsafe(self._migrate(request_id, src, to_instance, "manual", mode), self.loop)
+
+    def _others_accepting(self, index: int) -> list[InstanceClient]:
+        return [c for c in self.instances if c.index != index and c.accepting]
+
+    def drain(self, index: int) -> dict:
+        """Stop dispatching to an instance and move everything on it elsewhere."""
+        client = self._instance(index)
+        if not client.alive:
+            raise AdminError(409, f"instance {index} is {client.state}")
+        others = self._others_accepting(index)
+        if not others:
+            raise AdminError(409, f"instance {index} is the last one taking requests; nowhere to drain it to")
+        client.draining = True
+        logger.info(f"draining instance {index}: its requests move to instances {[c.index for c in others]}")
+        return client.describe()
+
+    def stop_instance(self, index: int) -> dict:
+        """Scale down: drain the instance, then stop it once it holds nothing (no request is lost)."""
+        client = self._instance(index)
+        if client.state != "serving":
+            raise AdminError(409, f"instance {index} is {client.state}")
+        self.drain(index)
+        client.state = "stopping"
+        logger.info(f"stopping instance {index} once it is drained")
+        return client.describe()
+
+    def restart_instance(self, index: int) -> dict:
+        """Start a dead or stopped instance again (a job of its own, on this host); it rejoins dispatch
+        once its driver connects."""
+        client = self._instance(index)
+        if client.state not in ("dead", "stopped"):
+            raise AdminError(409, f"instance {index} is {client.state}; only a dead or stopped one can be restarted")
+        return self._spawn(client, client.spec, "restart")
+
+    def add_instance(self, layout: str) -> dict:
+        """Scale up: start one more instance of `layout` (like one --instances item, e.g. tp1 or decode:tp2)."""
+        try:
+            specs = parse_instances(layout)
+        except InstancesError as exc:
+            raise AdminError(400, str(exc)) from None
+        if len(specs) != 1:
+            raise AdminError(400, f"layout {layout!r}: one instance at a time")
+        with self._lock:
+            if len(self.instances) >= self.max_instances:
+                raise AdminError(409, f"the server has {len(self.instances)} instances, --max-instances "
+                                      f"{self.max_instances}; restart a dead or stopped one instead")
+            client = InstanceClient(len(self.instances), spec=specs[0])
+            client.state = "stopped"
+            self.instances.append(client)
+        return self._spawn(client, specs[0], "scale-up")
+
+    def _spawn(self, client: InstanceClient, spec: InstanceSpec, why: str) -> dict:
+        if self._spawner is None:
+            raise AdminError(501, "this server cannot start instances (start one with `dist-infer serve --join`)")
+        client.state = "starting"
+        if why == "restart":
+            client.restarts += 1
+        logger.info(f"starting instance {client.index} ({spec.describe()}, {why})")
+        try:
+            client.process = self._spawner(client.index, spec)
+        except Exception as exc:  # noqa: BLE001 - the operator sees why
+            client.state, client.dead = "dead", f"could not start: {exc}"
+            raise AdminError(500, f"instance {client.index} could not start: {exc}") from None
+        threading.Thread(target=self._watch_start, args=(client, client.process), daemon=True,
+                         name=f"instance-{client.index}-start").start()
+        return client.describe()
+
+    def _watch_start(self, client: InstanceClient, process) -> None:
+        """A started job that exits, or does not join within join_timeout_s, has failed to start."""
+        import subprocess
+
+        try:
+            code = f"exited with code {process.wait(self.join_timeout_s)}"
+        except subprocess.TimeoutExpired:
+            code = f"did not join within {self.join_timeout_s:g} s (stopped)"
+        with self._lock:
+            failed = client.process is process and client.state == "starting"
+            if failed:
+                client.state, client.dead = "dead", f"its job {code} before joining"
+            parked = []
+            if failed and not any(c.state == "starting" for c in self.instances):
+                parked = self._unpark()
+        if not failed:
+            return
+        if process.poll() is None:
+            process.kill()
+        logger.error(f"instance {client.index}: {client.dead}")
+        for request_id in parked:
+            self._redispatch(request_id, f"instance {client.index} could not start")

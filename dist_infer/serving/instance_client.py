@@ -1,0 +1,167 @@
+"""One instance and one request as the front end sees them: an instance's connection, last
+reported load and life (InstanceClient), what a request's client has been sent (Progress), and
+the one record the front end keeps per request (RequestRecord)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Optional
+
+from dist_infer.engine.kv_transfer import PeerInstance
+from dist_infer.engine.request import RequestOutput
+from dist_infer.engine.sampling import SamplingParams
+from dist_infer.serving.dispatch import InstanceLoad
+from dist_infer.serving.instances import InstanceSpec
+
+
+@dataclass
+class Progress:
+    """What a request's client has been sent: enough to resume it on another instance."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: Optional[float] = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    text_chars: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        if output.new_token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        self.token_ids += output.new_token_ids
+        self.logprobs += output.new_logprobs
+        self.top_logprobs += output.new_top_logprobs
+        self.text_chars += len(output.text_delta)
+
+    def wire(self) -> dict:
+        now = time.monotonic()
+        return {"token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
+                "top_logprobs": list(self.top_logprobs), "text_chars": self.text_chars, "age_s": now - self.arrival,
+                "first_token_age_s": None if self.first_token is None else now - self.first_token}
+
+
+@dataclass
+class RequestRecord:
+    """Everything the front end holds for one request: made when it arrives, removed in one place
+    (the end of `Cluster.generate`), so nothing about a request outlives it. A late message about
+    an ended request (an output, a migration's end, a hand-over retry) finds no record and does nothing."""
+
+    progress: Progress
+    stream: tuple  # (the client's event loop, its queue)
+    owner: Optional[int] = None  # the instance that runs it (None: finished, parked or failed)
+    moving: Optional[tuple[int, int]] = None  # (src, dst) while it migrates; dst -1: its copy there is aborted
+    aborted: bool = False  # its client left while it migrated
+    moved_at: float = float("-inf")  # when its last migration ended (the controller's cooldown)
+    pd_next: float = 0.0  # when its hand-over to a decode instance may be tried
+    recovering: Optional[tuple[float, int]] = None  # (when its instance died, which) until it streams again
+    parked: bool = False  # its instance died and it waits for one that is starting
+    failovers: int = 0  # instances that died while running it
+
+
+class AdminError(ValueError):
+    """An admin request that cannot be done; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class InstanceClient:
+    """One instance as the API process sees it: its connection, its last reported load, the
+    requests sent to it that it has not reported yet, and where it is in its life:
+    starting -> serving -> (stopping -> stopped | dead), and from stopped or dead, starting again."""
+
+    def __init__(self, index: int, conn: Optional[Connection] = None, hello: Optional[dict] = None,
+                 spec: Optional[InstanceSpec] = None):
+        self.index = index
+        self.conn: Optional[Connection] = None
+        self.hello: Optional[dict] = None
+        self.spec = spec
+        self.state = "starting"
+        self.draining = False
+        self.dead: Optional[str] = None  # why it died (the last time)
+        self.restarts = 0
+        self.process = None  # the job this API process started for it (restart, scale-up)
+        self.stop_sent = False
+        self._lock = threading.Lock()
+        self.stats: dict = {}
+        self.sent = 0
+        self.pending: deque[tuple[int, int]] = deque()
+        self.incoming: dict[str, int] = {}  # requests migrating here -> their blocks at full length
+        self._pending_lock = threading.Lock()
+        if conn is not None:
+            self.attach(conn, hello)
+
+    def attach(self, conn: Connection, hello: dict) -> None:
+        """Its driver connected and said hello: it serves from now on (again, after a restart)."""
+        self.conn, self.hello = conn, hello
+        self.spec = InstanceSpec(hello["tp"], hello["pp"], hello.get("role", "mixed"))
+        self.stats = {"free_blocks": hello["total_blocks"], "total_blocks": hello["total_blocks"],
+                      "num_requests_running": 0, "num_requests_waiting": 0, "requests_added": 0,
+                      "running_ids": [], "waiting_ids": [], "running_blocks": [], "num_preemptions_total": 0,
+                      "kv_cache_usage_perc": 0.0, "watermark_blocks": 0, "waiting_demand_blocks": 0}
+        self.sent = 0  # add messages sent (the instance counts those it applied)
+        self.pending = deque()  # (add number, blocks its prompt needs)
+        self.draining = self.stop_sent = False
+        self.state = "serving"
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("serving", "stopping") and self.conn is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self.state == "serving" and not self.draining
+
+    @property
+    def role(self) -> str:
+        return self.spec.role if self.spec is not None else "mixed"
+
+    @property
+    def total_blocks(self) -> int:
+        return self.hello["total_blocks"] if self.hello else 0
+
+    def peer(self) -> PeerInstance:
+        return PeerInstance.from_hello(self.hello)
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            if self.conn is None:
+                raise OSError(f"instance {self.index} is not connected")
+            self.conn.send(message)
+
+    def load(self) -> InstanceLoad:
+        s = self.stats
+        if not s:
+            return InstanceLoad(self.index, 0, 0, accepting=False)
+        with self._pending_lock:
+            while self.pending and self.pending[0][0] <= s["requests_added"]:
+                self.pending.popleft()
+            pending = list(self.pending)
+        incoming = dict(self.incoming)
+        return InstanceLoad(self.index, s["free_blocks"], s["total_blocks"], s["watermark_blocks"],
+                            s["waiting_demand_blocks"], s["num_requests_running"], s["num_requests_waiting"],
+                            len(pending) + len(incoming), sum(b for _, b in pending) + sum(incoming.values()),
+                            accepting=self.accepting,
+                            running_blocks=tuple(s["running_blocks"]), growth_blocks=s.get("growth_blocks", 0))
+
+    def describe(self) -> dict:
+        s, load = self.stats, self.load()
+        h = self.hello or {}
+        return {"index": self.index, "state": self.state, "role": self.role,
+                "layout": self.spec.layout if self.spec else h.get("layout"), "pids": h.get("pids", []),
+                "hosts": h.get("hosts", []), "links": [f"{a[0]}:{a[1]}" for a in h.get("addresses", [])],
+                "load": -load.freeness, "freeness": load.freeness,
+                "free_blocks": s.get("free_blocks", 0), "total_blocks": s.get("total_blocks", 0),
+                "running": list(s.get("running_ids", [])), "waiting": list(s.get("waiting_ids", [])),
+                "num_preemptions": s.get("num_preemptions_total", 0), "draining": self.draining,
+                "dead": self.dead if self.state == "dead" else None, "last_failure": self.dead,
+                "restarts": self.restarts}
+
+
