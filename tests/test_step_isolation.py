@@ -20,6 +20,7 @@ from hf_compare import prompts_for
 from loguru import logger
 from test_moe_units import run_ranks, thread_groups
 
+import dist_infer.engine.pipeline as pipeline
 import dist_infer.engine.step_loop as step_loop
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
@@ -130,7 +131,7 @@ def _sampler(fail_row):
 
 def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch, logs):
     # the marked request raises from its third token on: it has blocks and tokens when it fails
-    monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
+    monkeypatch.setattr(pipeline, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, max_batched_tokens=8)  # prompts chunked: the failure meets mixed steps
     got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
@@ -150,7 +151,7 @@ def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch, 
 
 def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alone, monkeypatch, logs):
     armed = {"on": True}
-    monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: armed["on"] and r.index == 1))
+    monkeypatch.setattr(pipeline, "sample_rows", _sampler(lambda r: armed["on"] and r.index == 1))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     got = _run(engine, {f"r{i}": (PROMPTS[i], _params()) for i in range(3)})
@@ -264,7 +265,7 @@ def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, al
 
 
 def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch, logs):
-    monkeypatch.setattr(step_loop, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 1))
+    monkeypatch.setattr(pipeline, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 1))
 
     def body(groups):
         engine = _engine(model, groups, max_batched_tokens=8)
@@ -317,6 +318,7 @@ PP_JOB = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests!r})
     from loguru import logger
+    import dist_infer.engine.pipeline as pipeline
     import dist_infer.engine.step_loop as step_loop
     from dist_infer.comm import build_groups, init_world
     from dist_infer.engine.sampling import SamplingParams, sample_rows
@@ -329,7 +331,7 @@ PP_JOB = textwrap.dedent("""
             raise RuntimeError({boom!r})
         return sample_rows(logits, rows, eos_ids)
 
-    step_loop.sample_rows = exploding
+    pipeline.sample_rows = exploding  # the sampler rank samples in the pipeline's stage step
     logger.enable("dist_infer")  # a library is quiet unless asked
     world = init_world("auto")
     groups = build_groups(world, Mesh.build(ParallelConfig(pp=2), world.size))

@@ -1,0 +1,135 @@
+"""Pipeline transport and the follower loop: how plans, hidden states and sampled tokens move.
+
+The driver broadcasts each plan to the ranks of the first pipeline stage; each stage runs its
+share and sends the plan on with its hidden states; the last stage's sampler rank samples and
+sends the tokens back to the driver. Every rank but the driver runs `follow` until a stop plan.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from dist_infer.engine.sampling import SampledTokens, sample_rows
+from dist_infer.engine.step_plan import KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
+
+TAG_FORWARD, TAG_BACK = 1, 2
+
+
+class PipelineTransport:
+    """Engine mixin, every rank: send and receive plans, run this rank's stage, pass tokens back.
+    Uses the engine's pp and stage communicators, worker, mover, guard and `_pending`."""
+
+    def _send_plan(self, plan: StepPlan, meta: Optional[object] = None) -> Optional[SampledTokens]:
+        """Driver: the plan to every rank of stage 0 (one broadcast of its sizes, two of its
+        payload), then this rank's own share of it."""
+        ints, floats = encode(plan)
+        wire = [sizes(ints, floats), ints, floats]
+        comm = self.stage_comm
+        if comm.size > 1:
+            for t in wire:
+                if t.numel():
+                    comm.broadcast(t, 0)
+        self._last_plan = time.monotonic()
+        return self._run_stage(plan, wire, meta=meta)
+
+    def _run_stage(self, plan: StepPlan, wire: list[torch.Tensor], hidden: Optional[torch.Tensor] = None,
+                   meta: Optional[object] = None) -> Optional[SampledTokens]:
+        """This rank's share of a plan as it arrived (`wire`: its encoded tensors, passed on
+        unchanged): forget freed sequences, run the stage on a work step, pass it on, or sample
+        (the sampler rank)."""
+        self.worker.forget(plan.freed)
+        if self.mover is not None:
+            for op in plan.transfers:  # before the forward: a commit's blocks are in before they are read
+                self.mover.apply(op)
+            self.mover.poll()
+        last_stage = self.pp.rank == self.pp.size - 1
+        if plan.kind != KIND_WORK:
+            if not last_stage:
+                self._post(wire, self.pp.rank + 1, TAG_FORWARD)
+            return None
+        inputs = hidden if hidden is not None else torch.tensor(plan.input_ids, dtype=torch.long)
+        out = self.worker.execute(plan, inputs, meta)
+        if self._follower_start is not None and any(plan.sample):  # this rank's own prefill ends here
+            wall, cpu = self._follower_start
+            self.timing.ttft_s, self.timing.ttft_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+            self._follower_start = None
+        if not last_stage:
+            self._post(wire + [out], self.pp.rank + 1, TAG_FORWARD)
+            return None
+        if not self.is_sampler:
+            return None
+        logits = out[torch.tensor(plan.sample_index, dtype=torch.long)]
+        sampled = self.guard.sample(sample_rows, logits, plan, tuple(self.cfg.eos_token_ids))
+        if plan.return_logits:
+            sampled.logits = logits.float()
+        if self.pp.size > 1:
+            k = plan.top_logprobs
+            ints = torch.cat([sampled.tokens, sampled.top_ids.reshape(-1)]) if k else sampled.tokens
+            floats = torch.cat([sampled.logprobs, sampled.top_logprobs.reshape(-1)]) if k else sampled.logprobs
+            msg = [ints.contiguous(), floats.contiguous()] + ([sampled.logits.contiguous()] if plan.return_logits else [])
+            self._post(msg, 0, TAG_BACK)
+        return sampled
+
+    def _receive_sampled(self, plan: StepPlan) -> SampledTokens:
+        """Driver, pp > 1: the last stage's tokens for `plan`."""
+        n, k, last = len(plan.rows), plan.top_logprobs, self.pp.size - 1
+        ints = torch.empty(n * (1 + k), dtype=torch.long)
+        floats = torch.empty(n * (1 + k), dtype=torch.float64)
+        self.pp.recv(ints, last, TAG_BACK)
+        self.pp.recv(floats, last, TAG_BACK)
+        sampled = SampledTokens(ints[:n], floats[:n], ints[n:].view(n, k), floats[n:].view(n, k))
+        if plan.return_logits:
+            sampled.logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32)
+            self.pp.recv(sampled.logits, last, TAG_BACK)
+        return sampled
+
+    def _post(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        for t in tensors:
+            self._pending.append(self.pp.isend(t.contiguous(), dst, tag))
+        self._pending = [h for h in self._pending if not h.is_completed()]
+
+    def _drain(self) -> None:
+        for h in self._pending:
+            h.wait()
+        self._pending = []
+
+
+    def _receive_plan(self) -> tuple[StepPlan, list[torch.Tensor], Optional[torch.Tensor]]:
+        """Follower: the next plan (from the driver's broadcast on stage 0, from the previous
+        stage after it), its encoded tensors, and the hidden states of a work step (stage > 0)."""
+        if self.pp.rank == 0:
+            receive = lambda t: self.stage_comm.broadcast(t, 0)  # noqa: E731
+        else:
+            receive = lambda t: self.pp.recv(t, self.pp.rank - 1, TAG_FORWARD)  # noqa: E731
+        n = torch.empty(2, dtype=torch.long)
+        receive(n)
+        ints, floats = torch.empty(int(n[0]), dtype=torch.long), torch.empty(int(n[1]), dtype=torch.float64)
+        for t in (ints, floats):
+            if t.numel() or self.pp.rank > 0:  # the broadcast skips empty payloads; sends carry them
+                receive(t)
+        plan = decode(ints, floats)
+        hidden = None
+        if plan.kind == KIND_WORK and self.pp.rank > 0:
+            hidden = torch.empty(plan.total_tokens, self.cfg.hidden_size, dtype=self.stage.dtype)
+            receive(hidden)
+        return plan, [n, ints, floats], hidden
+
+    def follow(self) -> None:
+        """Every rank but the driver: run the plans as they come, until the driver says stop."""
+        while True:
+            plan, wire, hidden = self._receive_plan()
+            self._run_stage(plan, wire, hidden)
+            if plan.kind == KIND_STOP:
+                self._drain()
+                return
+
+    def stop_followers(self) -> None:
+        """Driver: tell every other rank the loop is over."""
+        while self._inflight:
+            self._complete(self._inflight.popleft())
+        self._send_plan(StepPlan(kind=KIND_STOP, step=self._step, freed=self._take_freed(),
+                                 transfers=self._take_transfers()))
+        self._drain()
