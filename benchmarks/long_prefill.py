@@ -48,7 +48,7 @@ def _command(system: str, model: str, length: int, prompt: Path, out_json: Path,
         flags = ["--cp", "2"] if system == "cp2" else ["--nproc", "1"]
         return [str(BIN / "dist-infer"), "generate", "--model", model, "--prompt-ids", f"@{prompt}",
                 "--max-new-tokens", "2", "--no-eos-stop", "--json", "--timeout", str(timeout), *flags]
-    peer = ["-m", "dist_infer.launch.peers", "--peer", system.split("-")[0], "--model", model, "--batch", "1",
+    peer = ["-m", "dist_infer.bench.peers", "--peer", system.split("-")[0], "--model", model, "--batch", "1",
             "--prompt-len", str(length), "--gen-len", "2", "--json-out", str(out_json), "--timeout", str(timeout)]
     if system == "hf":
         return [sys.executable, *peer]

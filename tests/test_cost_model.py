@@ -13,12 +13,14 @@ from typing import Optional
 
 import pytest
 
-from dist_infer.launch.bench.sweep import child_argv
-from dist_infer.launch.cost_model.hardware import HardwareProfile, Link, ProfileError, interpolate_log, load_profile
-from dist_infer.launch.cost_model.layout import Layout, LayoutError, candidate_layouts, parse_layout, parse_sweep, why_not
-from dist_infer.launch.cost_model.predict import (
-    Schedule, Workload, group_placement, memory_per_rank, micro_batches, predict)
-from dist_infer.launch.cost_model.shapes import ModelShape, causal_attention_flops
+from dist_infer.bench.sweep import child_argv
+from dist_infer.planner.hardware import HardwareProfile, Link, ProfileError, interpolate_log, load_profile
+from dist_infer.planner.layout import Layout, LayoutError, candidate_layouts, parse_layout, parse_sweep, why_not
+from dist_infer.planner.memory import memory_per_rank
+from dist_infer.planner.predict import predict
+from dist_infer.planner.rank_rates import group_placement
+from dist_infer.planner.shapes import ModelShape, causal_attention_flops
+from dist_infer.planner.workload import Schedule, Workload, micro_batches
 
 SMALL = ModelShape(hidden=64, intermediate=128, layers=4, heads=4, kv_heads=2, head_dim=16, vocab=100)
 SMALL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -52,7 +54,7 @@ def test_parameter_count_equals_a_real_checkpoint(tmp_path):
     """Every weight matrix of a transformers checkpoint (norms aside) is counted exactly once."""
     from safetensors import safe_open
 
-    from dist_infer.launch.plan_cmd import model_shape
+    from dist_infer.planner.plan import model_shape
     from tests.checkpoints import write_hf_checkpoint
 
     path = write_hf_checkpoint(tmp_path, "llama-gqa")
@@ -343,47 +345,47 @@ def test_a_small_matrix_streams_at_the_rate_measured_for_its_size():
 def test_calibrate_times_memory_at_its_sustained_rate(monkeypatch):
     """The best pass overstates how fast memory streams on this VM (45 GB/s for a second after an
     idle spell, 30 after): a memory-bound timing is the median after a warm-up, on a fake clock here."""
-    from dist_infer.launch import calibrate_cmd
+    from dist_infer.planner import kernel_rates
 
     clock = [0.0]
-    monkeypatch.setattr(calibrate_cmd.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(kernel_rates.time, "perf_counter", lambda: clock[0])
     calls = []
 
     def fn():  # 1 ms a call for the first 50 calls (the burst), then 2 ms, with one 0.5 ms outlier
         calls.append(1)
         clock[0] += 1e-3 if len(calls) <= 50 else (0.5e-3 if len(calls) == 60 else 2e-3)
 
-    t = calibrate_cmd._sustained_time(fn, min_s=0.02, warm_s=0.05)
+    t = kernel_rates._sustained_time(fn, min_s=0.02, warm_s=0.05)
     assert t == pytest.approx(2e-3)
-    assert calibrate_cmd._best_time(lambda: None) >= 0.0
+    assert kernel_rates._best_time(lambda: None) >= 0.0
 
 
 def test_calibrate_streaming_rate_pools_both_looks(monkeypatch):
     """A slow spell of this VM can last minutes: the streaming rate is the median over two looks
     minutes apart, not the last look's (here 3 allocations timed slow, then 3 at twice the speed)."""
-    from dist_infer.launch import calibrate_cmd
+    from dist_infer.planner import kernel_rates
 
     spell = {"t": 2.0}
-    monkeypatch.setattr(calibrate_cmd, "_sustained_time", lambda fn, **kw: spell["t"])
+    monkeypatch.setattr(kernel_rates, "_sustained_time", lambda fn, **kw: spell["t"])
     samples: dict = {}
-    first, _ = calibrate_cmd.measure_bandwidth(1, 1, (512,), 3, samples)
+    first, _ = kernel_rates.measure_bandwidth(1, 1, (512,), 3, samples)
     spell["t"] = 1.0
-    second, _ = calibrate_cmd.measure_bandwidth(1, 1, (512,), 3, samples)
+    second, _ = kernel_rates.measure_bandwidth(1, 1, (512,), 3, samples)
     rate = first[0][1]  # bytes / 2 s
     assert len(samples[512]) == 6
     assert second[0][1] == pytest.approx(1.5 * rate)  # the median of three at r and three at 2r
-    alone, _ = calibrate_cmd.measure_bandwidth(1, 1, (512,), 3)
+    alone, _ = kernel_rates.measure_bandwidth(1, 1, (512,), 3)
     assert alone[0][1] == pytest.approx(2 * rate)  # no pool: this look only
 
 
 def test_calibrate_size_factor_is_the_median_round(monkeypatch):
     """Each round times every size and divides by its own largest; one round whose largest fell
     in a fast spell (0.25 instead of 0.5) does not set the factor."""
-    from dist_infer.launch import calibrate_cmd
+    from dist_infer.planner import kernel_rates
 
     times = iter([2.0, 1.0, 2.0, 0.5, 2.0, 1.0])  # (small, large) per round
-    monkeypatch.setattr(calibrate_cmd, "_sustained_time", lambda fn, **kw: next(times))
-    got = calibrate_cmd.measure_size_factor(1, 1, (0.25, 1), rounds=3)
+    monkeypatch.setattr(kernel_rates, "_sustained_time", lambda fn, **kw: next(times))
+    got = kernel_rates.measure_size_factor(1, 1, (0.25, 1), rounds=3)
     if not got:
         pytest.skip("no native kernels: no size factor")
     assert [round(f, 6) for _, f in got] == [0.5, 1.0]
@@ -428,7 +430,7 @@ def test_a_profile_at_another_speed_scales_rates_and_fixed_costs():
     """A shared machine's speed moves (the same GEMM timing by a third within minutes here): bench
     --sweep times calibrate's reference again before each layout and predicts for the machine at
     that speed: FLOP rates times the compute ratio, fixed costs divided by it, bytes at the memory ratio."""
-    from dist_infer.launch.bench.sweep import machine_speed
+    from dist_infer.bench.sweep import machine_speed
 
     hw = gemm_only_profile(rate=1e9, device="cpu", memory_bandwidth={"2": [[512, 4e9], [4096, 2e9]]},
                            attention_flops={"fp32": {"2": {"64": [[128, 1e9]]}}}, per_layer_s=1e-3,
@@ -464,7 +466,7 @@ def test_memory_counts_the_shared_memory_collectives_segments_on_a_cpu_node():
     every rank reads every slot: the largest tensor that fits a slot is resident NBUF x group times.
     A GPU node, a group spanning nodes, a tensor too big for a slot: not counted."""
     from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
-    from dist_infer.launch.cost_model.predict import shm_segment_bytes
+    from dist_infer.planner.memory import shm_segment_bytes
 
     work = Workload(batch=2, prompt_len=100, gen_len=28)
     cpu = gemm_only_profile(device="cpu", shared_node=True)
@@ -548,7 +550,7 @@ def cpu_profile(path, reference: Optional[dict] = None) -> str:
                              memory_bytes=8 * 2**30, devices_per_node=2, shared_node=True,
                              links={"intra": Link(1e-4, 1e9)}, per_layer_s=1e-4, per_step_s=1e-3,
                              reference=reference or {})
-    from dist_infer.launch.cost_model.hardware import save_profile
+    from dist_infer.planner.hardware import save_profile
 
     save_profile(prof, str(path))
     return str(path)

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from dist_infer.launch.peers import PEERS, empty_metrics, make_prompts, peer_argv, run_peer  # noqa: E402
+from dist_infer.bench.peers import PEERS, empty_metrics, make_prompts, peer_argv, run_peer  # noqa: E402
 
 BATCH, PROMPT_LEN, GEN_LEN = 2, 16, 6
 TIMEOUT_S = 240  # the first deepspeed run JIT-builds its shm all-reduce op (~15-40 s), later runs reuse it
@@ -79,7 +79,7 @@ def test_deepspeed_autotp(peer_results):
     if "deepspeed" not in peer_results:
         pytest.skip("deepspeed is not installed (make peers)")
     # Runs on CPU only because the runner sets LOCAL_SIZE for DeepSpeed's shm all-reduce under torchrun;
-    # without it every rank segfaults in the first forward (see dist_infer/launch/peers.py).
+    # without it every rank segfaults in the first forward (see dist_infer/bench/peers/runners.py).
     _check_ok(peer_results["deepspeed"], "deepspeed", 2)
 
 
@@ -113,7 +113,7 @@ def test_unknown_peer():
 
 def test_argv_and_prompts():
     hf = peer_argv("hf", "/m", 2, 4, 256, 32, "/o.json", 12345)
-    assert "torchrun" not in " ".join(hf) and hf[1:3] == ["-m", "dist_infer.launch.peers"]
+    assert "torchrun" not in " ".join(hf) and hf[1:3] == ["-m", "dist_infer.bench.peers"]
     ds = peer_argv("deepspeed", "/m", 2, 4, 256, 32, "/o.json", 12345, threads=1)
     assert "--nproc-per-node=2" in ds and "--master-port=12345" in ds and ds[-2:] == ["--threads", "1"]
     assert set(PEERS) == {"hf", "hf-tp", "deepspeed"}

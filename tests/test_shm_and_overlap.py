@@ -130,8 +130,8 @@ def test_overlap_report_covers_pipeline_and_ring_transfers(flags, group, has_bas
 
 
 def test_report_runs_and_profile_buckets():
-    from dist_infer.launch.bench import report_runs
-    from dist_infer.launch.profile import op_bucket
+    from dist_infer.bench import report_runs
+    from dist_infer.bench.profile import op_bucket
 
     runs = {"base": {"ttft_s": 1.0, "tpot_s": 0.1}, "overlap": {"ttft_s": 0.9, "tpot_s": 0.1},
             "nocomm": {"ttft_s": 0.8, "tpot_s": 0.08, "exposed_s": {"tp": {"all_reduce": 0.0}}}}

@@ -31,10 +31,9 @@ import torch
 
 from dist_infer.comm.base import CommTimeoutError, Communicator, Handle
 from dist_infer.comm.delegating import DelegatingCommunicator
+from dist_infer.comm.shm_sizes import DEFAULT_SLOT_BYTES, NBUF
 
-NBUF = 4
 SPIN_S = 2e-3  # how long a wait spins before it starts sleeping
-DEFAULT_SLOT_BYTES = 8 << 20
 _SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 

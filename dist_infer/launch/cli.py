@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_parallel_flags(bench, cp_auto=True)
     add_rank_flags(bench)
-    from dist_infer.launch.bench import add_bench_flags
+    from dist_infer.bench import add_bench_flags
 
     add_bench_flags(bench)
     add_overlap_flags(bench)
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(published figures for GPUs we cannot reach, or `dist-infer calibrate` for this machine), and "
                     "rank the ones that fit in memory. Exit 1 when none fits, 2 on bad input.",
     )
-    from dist_infer.launch.plan_cmd import add_plan_flags
+    from dist_infer.planner.plan import add_plan_flags
 
     add_plan_flags(plan_p)
 
@@ -252,12 +252,12 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from dist_infer.launch.bench import parse_compare, run_bench
+    from dist_infer.bench import parse_compare, run_bench
     from dist_infer.launch.cp_auto import resolve_cp_auto
     from dist_infer.launch.rank import run_rank_command, spawn_local
 
     if args.sweep:
-        from dist_infer.launch.bench.sweep import run_sweep
+        from dist_infer.bench.sweep import run_sweep
 
         configure_logging("bench", args.log_level)
         return run_sweep(args, argv)
@@ -302,13 +302,13 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dist_infer.launch.plan_cmd import run_plan
+    from dist_infer.planner.plan import run_plan
 
     return run_plan(args)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dist_infer.launch.calibrate_cmd import run_calibrate
+    from dist_infer.planner.calibrate import run_calibrate
 
     configure_logging("calibrate", "INFO")
     return run_calibrate(args)

@@ -31,8 +31,8 @@ import torch
 from dist_infer.models.checkpoint import CheckpointError, TensorIndex, return_freed_memory
 from dist_infer.models.gguf_checks import (MAX_POSITIONS, TensorExtentError, check_header_counts, check_layers_present,
                                            check_tensor_extent, check_tensor_shape, head_dim_of, metadata_int)
+from dist_infer.models.gguf_magic import GGUF_MAGIC, is_gguf  # noqa: F401 (loader, tokenizer import it from here)
 
-GGUF_MAGIC = b"GGUF"
 # Types whose dequantization is implemented by the gguf package and checked here.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ARCHITECTURES = ("llama",)
@@ -50,17 +50,6 @@ _LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-
-
-def is_gguf(path: Union[str, os.PathLike]) -> bool:
-    """A path names a GGUF file when it ends in .gguf (what users type) or starts with its magic."""
-    p = Path(path)
-    if p.suffix.lower() == ".gguf":
-        return True
-    if not p.is_file():
-        return False
-    with open(p, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
 
 
 def hf_name(gguf_name: str) -> Optional[str]:

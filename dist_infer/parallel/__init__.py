@@ -1,17 +1,21 @@
-"""Parallel layers: tensor parallel (column, row, QKV, vocab), pipeline stages."""
+"""Parallel layers: tensor parallel (column, row, QKV, vocab), pipeline stages.
 
-from dist_infer.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
-from dist_infer.parallel.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from dist_infer.parallel.sharding import HeadLayout, ShardingError, balanced_partition, shard_range, stage_layers
-from dist_infer.parallel.weights import WeightShapeError
+The names below are imported on first use (PEP 562), so the torch-free modules here
+(`sharding`, `overlap_policy`, which the planner uses) load without torch."""
 
-__all__ = [
-    "ColumnParallelLinear", "HeadLayout", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
-    "RowParallelLinear", "ShardingError", "VocabParallelEmbedding", "WeightShapeError", "balanced_partition",
-    "shard_range", "stage_layers",
-]
+from importlib import import_module
+
+_WHERE = {
+    "ColumnParallelLinear": "linear", "MergedColumnParallelLinear": "linear", "QKVParallelLinear": "linear",
+    "RowParallelLinear": "linear", "ParallelLMHead": "embedding", "VocabParallelEmbedding": "embedding",
+    "HeadLayout": "sharding", "ShardingError": "sharding", "balanced_partition": "sharding", "shard_range": "sharding",
+    "stage_layers": "sharding", "WeightShapeError": "weights",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(import_module(f"dist_infer.parallel.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'dist_infer.parallel' has no attribute {name!r}")

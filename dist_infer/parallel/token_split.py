@@ -21,6 +21,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from dist_infer.comm.base import Communicator, Handle
+from dist_infer.parallel.overlap_policy import should_split  # noqa: F401 (the engine imports it from here)
 
 
 class SplitLayerOps(Protocol):
@@ -70,13 +71,3 @@ def run_layers_token_split(num_layers: int, x_a: torch.Tensor, x_b: torch.Tensor
     if carried_b is not None:
         x_b = x_b + carried_b.result()
     return x_a, x_b
-
-
-def should_split(mode: str, tokens: int, tp_size: int, threshold: Optional[int]) -> bool:
-    """Whether a step of `tokens` tokens is split: 'on' whenever possible, 'auto' from `threshold`
-    up (None: auto never splits)."""
-    if mode not in ("on", "off", "auto"):
-        raise ValueError(f"overlap mode must be on, off or auto, got {mode!r}")
-    if mode == "off" or tp_size == 1 or tokens < 2:
-        return False
-    return mode == "on" or (threshold is not None and tokens >= threshold)

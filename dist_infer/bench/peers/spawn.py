@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from dist_infer.launch.launcher import stop_process_groups
-from dist_infer.launch.peers.metrics import failed
-from dist_infer.launch.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
+from dist_infer.bench.peers.metrics import failed
+from dist_infer.bench.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
 from dist_infer.topology.discovery import free_port, without_launcher_env
 
 LOCK_PATH = os.path.join(tempfile.gettempdir(), "dist_infer_peers.lock")
@@ -35,7 +35,7 @@ def peer_argv(peer: str, model_path: str, nproc: int, batch: int, prompt_len: in
               repeats: int = 1) -> list[str]:
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
-    tail = ["-m", "dist_infer.launch.peers", "--peer", peer, "--model", str(model_path), "--batch", str(batch),
+    tail = ["-m", "dist_infer.bench.peers", "--peer", peer, "--model", str(model_path), "--batch", str(batch),
             "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--json-out", str(json_out),
             "--timeout", str(timeout_s), "--repeats", str(repeats)]
     if threads:

@@ -64,12 +64,13 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     from tqdm import tqdm
 
     from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
-    from dist_infer.launch.calibrate_cmd import calibrate
-    from dist_infer.launch.cost_model.hardware import ProfileError, load_profile
-    from dist_infer.launch.cost_model.layout import LayoutError, parse_sweep, why_not
-    from dist_infer.launch.cost_model.predict import Schedule, Workload, predict
+    from dist_infer.planner.calibrate import calibrate
+    from dist_infer.planner.hardware import ProfileError, load_profile
+    from dist_infer.planner.layout import LayoutError, parse_sweep, why_not
+    from dist_infer.planner.predict import predict
+    from dist_infer.planner.workload import Schedule, Workload
     from dist_infer.launch.launcher import usable_cores
-    from dist_infer.launch.plan_cmd import PlanError, model_shape
+    from dist_infer.planner.plan import PlanError, model_shape
 
     if args.sweep_rounds < 1:
         print(f"dist-infer bench: --sweep-rounds {args.sweep_rounds}: run the layouts at least once (1 or more)")
@@ -139,7 +140,7 @@ def run_layout(row: dict, base_cmd: list, args, check_speed: bool, hw, plans: di
     """One launch of `row`'s layout; its measurements join the row's rounds, and the row's measured
     values are each metric's median over them (the largest peak memory), with the errors against
     the prediction."""
-    from dist_infer.launch.cost_model.predict import predict
+    from dist_infer.planner.predict import predict
 
     if check_speed and "measured" not in row:  # predict for the machine as fast as it is now (first round)
         try:

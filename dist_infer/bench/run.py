@@ -10,11 +10,11 @@ import sys
 
 from loguru import logger
 
-from dist_infer.launch.bench.flags import parse_compare
-from dist_infer.launch.bench.memory import generation_memory
-from dist_infer.launch.bench.overlap import MEASURED_GROUPS, P2P_RUNS, TP_RUNS, format_overlap, overlap_report
-from dist_infer.launch.bench.report import plot, ratio, run_ours_single_process, save_routing
-from dist_infer.launch.bench.timing import measure
+from dist_infer.bench.flags import parse_compare
+from dist_infer.bench.memory import generation_memory
+from dist_infer.bench.overlap import MEASURED_GROUPS, P2P_RUNS, TP_RUNS, format_overlap, overlap_report
+from dist_infer.bench.report import plot, ratio, run_ours_single_process, save_routing
+from dist_infer.bench.timing import measure
 
 
 def run_bench(args) -> int:
@@ -24,7 +24,7 @@ def run_bench(args) -> int:
     from dist_infer.comm.measured import MeasuredCommunicator
     from dist_infer.launch.generate_cmd import moe_report
     from dist_infer.launch.model_options import build_engine, load_model
-    from dist_infer.launch.peers import make_prompts, run_peer
+    from dist_infer.bench.peers import make_prompts, run_peer
     from dist_infer.launch.rank import join_job
     from dist_infer.topology import ParallelConfig
 
@@ -54,7 +54,7 @@ def run_bench(args) -> int:
     moe = moe_report(stage, groups)
     profile = None
     if args.profile:
-        from dist_infer.launch.profile import profile_generation
+        from dist_infer.bench.profile import profile_generation
 
         profile = profile_generation(engine, prompts, args.gen_len, args.profile, world.rank)
     overlap = overlap_report(engine, groups, prompts, args, lambda: bar.update(1)) if args.overlap_report else None
@@ -114,7 +114,7 @@ def run_bench(args) -> int:
 
         print(format_routing_report(moe))
     if profile is not None:
-        from dist_infer.launch.profile import format_profile
+        from dist_infer.bench.profile import format_profile
 
         print(format_profile(profile))
     if args.save_routing:

@@ -3,7 +3,7 @@ skipped, and how much of it the schedules hide."""
 
 from __future__ import annotations
 
-from dist_infer.launch.bench.timing import measure
+from dist_infer.bench.timing import measure
 
 MEASURED_GROUPS = ("tp", "pp", "cp")  # the groups whose communication --overlap-report measures
 

@@ -1,21 +1,25 @@
 """`dist-infer plan`: which layout for this model, these GPUs and this workload, and what latency
 and memory to expect. Every layout of exactly --gpus ranks the engine can run is predicted by
-the cost model (launch/cost_model) and those that fit in memory are ranked."""
+the cost model (planner/predict.py) and those that fit in memory are ranked."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:  # the cost model imports torch (through the models' shapes): only when a plan runs,
-    # so that the command line builds its flags without it
-    from dist_infer.launch.cost_model.hardware import HardwareProfile
-    from dist_infer.launch.cost_model.predict import Prediction, Schedule, Workload
-    from dist_infer.launch.cost_model.shapes import ModelShape
+from dist_infer.models.builtin import NAMES, resolve_model
+from dist_infer.models.config import ModelConfig, ModelConfigError
+from dist_infer.models.gguf_magic import is_gguf
+from dist_infer.planner.engine_facts import OVERLAP_THRESHOLDS
+from dist_infer.planner.hardware import HardwareProfile, ProfileError, load_profile
+from dist_infer.planner.layout import LayoutError, candidate_layouts, parse_layout, why_not
+from dist_infer.planner.predict import Prediction, predict
+from dist_infer.planner.shapes import ModelShape
+from dist_infer.planner.workload import Schedule, Workload
 
-CONFIG_DIR = os.path.join(os.path.dirname(__file__), "cost_model", "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 PROFILE_ALIASES = {"h100": "h100-sxm"}
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 RANK_BY = ("e2e", "ttft", "tpot")
@@ -32,9 +36,6 @@ def builtin_configs() -> list[str]:
 def model_config_dict(model: Optional[str]) -> tuple[dict, str]:
     """(HF config dict, where it came from) for a config.json, a checkpoint directory, a .gguf
     file, a built-in config name (e.g. llama3.1-405b) or a built-in model (default, tiny)."""
-    from dist_infer.models.builtin import NAMES, resolve_model
-    from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
-
     if model in builtin_configs():
         path = os.path.join(CONFIG_DIR, f"{model}.json")
     elif model is None or model in NAMES:
@@ -47,6 +48,8 @@ def model_config_dict(model: Optional[str]) -> tuple[dict, str]:
         raise PlanError(f"--model {model}: no such file or directory (give a config.json, a checkpoint directory, "
                         f"a .gguf file, or one of {', '.join(builtin_configs() + list(NAMES))})")
     if is_gguf(path):
+        from dist_infer.models.gguf_checkpoint import GGUFCheckpoint  # (the GGUF reader loads torch)
+
         with GGUFCheckpoint(path) as ckpt:
             return dict(ckpt.config), path
     try:
@@ -57,9 +60,6 @@ def model_config_dict(model: Optional[str]) -> tuple[dict, str]:
 
 
 def model_shape(model: Optional[str]) -> tuple[ModelShape, str]:
-    from dist_infer.launch.cost_model.shapes import ModelShape
-    from dist_infer.models.config import ModelConfig, ModelConfigError
-
     cfg, path = model_config_dict(model)
     try:
         return ModelShape.from_config(ModelConfig.from_hf(cfg, path)), path
@@ -68,8 +68,6 @@ def model_shape(model: Optional[str]) -> tuple[ModelShape, str]:
 
 
 def resolve_profile(spec: str) -> HardwareProfile:
-    from dist_infer.launch.cost_model.hardware import ProfileError, load_profile
-
     try:
         return load_profile(PROFILE_ALIASES.get(spec, spec))
     except ProfileError as exc:
@@ -77,8 +75,6 @@ def resolve_profile(spec: str) -> HardwareProfile:
 
 
 def workload_from_args(args, hw: HardwareProfile) -> Workload:
-    from dist_infer.launch.cost_model.predict import Workload
-
     dtype = args.dtype or ("fp32" if hw.device == "cpu" else "bf16")
     return Workload(batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len, weight_dtype=dtype,
                     mlp_dtype=args.mlp_dtype or "", act_dtype="fp32" if dtype == "fp32" else "bf16",
@@ -89,9 +85,6 @@ def workload_from_args(args, hw: HardwareProfile) -> Workload:
 def schedule_from_args(args, hw: HardwareProfile) -> Schedule:
     # a CPU profile's "devices" are cores: the job's ranks share one node unless told otherwise
     per_node = args.gpus_per_node or (args.gpus if hw.shared_node else hw.devices_per_node)
-    from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
-    from dist_infer.launch.cost_model.predict import Schedule
-
     threshold = OVERLAP_THRESHOLDS["cpu" if hw.device == "cpu" else "cuda"]  # the engine's --overlap auto
     return Schedule(overlap=args.overlap, overlap_threshold=threshold, ranks_per_node=per_node,
                     cores_per_node=hw.devices_per_node if hw.shared_node else None)
@@ -103,9 +96,6 @@ def rank_key(p: Prediction, by: str, gen_len: int) -> float:
 
 def plan_layouts(args) -> tuple[list[Prediction], list[tuple[str, str]], ModelShape, HardwareProfile, str]:
     """(predictions best first, [(layout, why it was left out)], shape, profile, model path)."""
-    from dist_infer.launch.cost_model.layout import LayoutError, candidate_layouts, parse_layout, why_not
-    from dist_infer.launch.cost_model.predict import predict
-
     shape, path = model_shape(args.model)
     hw = resolve_profile(args.profile)
     work = workload_from_args(args, hw)

@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional
 
-from dist_infer.launch.cost_model.shapes import ModelShape
+from dist_infer.planner.shapes import ModelShape
 
 AXES = ("tp", "pp", "cp", "ep")
 

@@ -1,4 +1,4 @@
-"""The per-rank command line, `python -m dist_infer.launch.peers`: run one peer, rank 0 writes the JSON."""
+"""The per-rank command line, `python -m dist_infer.bench.peers`: run one peer, rank 0 writes the JSON."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import traceback
 from typing import Any, Optional, Sequence
 
-from dist_infer.launch.peers.metrics import failed, versions
-from dist_infer.launch.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS, RUNNERS, dist_env
+from dist_infer.bench.peers.metrics import failed, versions
+from dist_infer.bench.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS, RUNNERS, dist_env
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -23,7 +23,7 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dist_infer.launch.peers",
+    p = argparse.ArgumentParser(prog="python -m dist_infer.bench.peers",
                                 description="Run one peer (hf, hf-tp, deepspeed) on the bench workload; "
                                             "rank 0 writes the metrics JSON.")
     p.add_argument("--peer", choices=PEERS, required=True)

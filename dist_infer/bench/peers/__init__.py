@@ -2,7 +2,7 @@
 
 One module each: `workload` (the prompts and the timed greedy loop), `metrics` (the result dict),
 `runners` (hf, hf-tp, deepspeed, each inside its own processes), `cli` (the per-rank command line,
-`python -m dist_infer.launch.peers`) and `spawn` (starting a peer from the bench, one at a time).
+`python -m dist_infer.bench.peers`) and `spawn` (starting a peer from the bench, one at a time).
 
 Three peers, each run in its own process(es) so that none shares threads, memory or a process
 group with another (or with us):
@@ -33,8 +33,8 @@ Metrics (one dict per peer, written as JSON by rank 0)::
 
 Started by the bench through `run_peer` (one peer at a time, never concurrently), or by hand::
 
-    python -m dist_infer.launch.peers --peer hf --model DIR --batch 4 --prompt-len 256 --gen-len 32 --json-out hf.json
-    torchrun --nproc-per-node 2 -m dist_infer.launch.peers --peer deepspeed --model DIR ... --json-out ds.json
+    python -m dist_infer.bench.peers --peer hf --model DIR --batch 4 --prompt-len 256 --gen-len 32 --json-out hf.json
+    torchrun --nproc-per-node 2 -m dist_infer.bench.peers --peer deepspeed --model DIR ... --json-out ds.json
 
 What the CPU setup needs (found by reading the installed sources):
 
@@ -56,10 +56,10 @@ What the CPU setup needs (found by reading the installed sources):
   that all peers run the same fp32 CPU workload.
 """
 
-from dist_infer.launch.peers.metrics import empty_metrics, failed
-from dist_infer.launch.peers.runners import DISTRIBUTED_PEERS, PEERS, hf_from_pretrained
-from dist_infer.launch.peers.spawn import peer_argv, run_peer
-from dist_infer.launch.peers.workload import make_prompts, time_greedy
+from dist_infer.bench.peers.metrics import empty_metrics, failed
+from dist_infer.bench.peers.runners import DISTRIBUTED_PEERS, PEERS, hf_from_pretrained
+from dist_infer.bench.peers.spawn import peer_argv, run_peer
+from dist_infer.bench.peers.workload import make_prompts, time_greedy
 
 __all__ = ["DISTRIBUTED_PEERS", "PEERS", "empty_metrics", "failed", "hf_from_pretrained", "make_prompts", "peer_argv",
            "run_peer", "time_greedy"]

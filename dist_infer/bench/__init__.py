@@ -7,13 +7,15 @@ greedy loop shape: one prefill, then G-1 decode steps.
 
 One module each: `flags` (the command line), `timing` (the timed runs), `memory` (the peak of
 generation itself), `overlap` (how much communication is hidden, per group), `report` (ratios,
-the PNG, the routing file) and `run` (the command: ours, then the peers).
+the PNG, the routing file), `run` (the command: ours, then the peers), `profile` (`--profile`: where
+one rank's time goes), `sweep` (`--sweep`: every layout, measured beside the planner's prediction)
+and `peers` (the other systems, each in its own processes).
 """
 
 from __future__ import annotations
 
-from dist_infer.launch.bench.flags import COMPARABLE, add_bench_flags, parse_compare
-from dist_infer.launch.bench.overlap import report_runs
-from dist_infer.launch.bench.run import run_bench
+from dist_infer.bench.flags import COMPARABLE, add_bench_flags, parse_compare
+from dist_infer.bench.overlap import report_runs
+from dist_infer.bench.run import run_bench
 
 __all__ = ["COMPARABLE", "add_bench_flags", "parse_compare", "report_runs", "run_bench"]

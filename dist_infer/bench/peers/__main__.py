@@ -1,6 +1,6 @@
-"""`python -m dist_infer.launch.peers`: one peer on the bench workload (see cli.py)."""
+"""`python -m dist_infer.bench.peers`: one peer on the bench workload (see cli.py)."""
 
-from dist_infer.launch.peers.cli import main
+from dist_infer.bench.peers.cli import main
 from dist_infer.launch.rank import exit_now
 
 # without the interpreter's teardown: DeepSpeed's CPU ranks now and then abort in a C++ destructor
