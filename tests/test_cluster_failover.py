@@ -14,13 +14,15 @@ from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.serving.cluster import AdminError, Cluster, InstanceClient
 from dist_infer.serving.errors import EngineDeadError
+from dist_infer.serving.wire import (AddRequest, Hello, InstanceDead, InstanceState, ResumeRequest, StepOutputs,
+                                     StopInstance)
 
 POISON = [7, 7, 7]  # the prompt that "crashes" whichever fake instance runs it
 
 
-def _hello(index: int) -> dict:
-    return {"index": index, "tp": 1, "pp": 1, "role": "mixed", "total_blocks": 64, "block_size": 4,
-            "max_positions": 256, "vocab_size": 100, "block_bytes": 1024, "cp": 1, "pids": [], "addresses": []}
+def _hello(index: int) -> Hello:
+    return Hello.from_fields(index=index, tp=1, pp=1, role="mixed", total_blocks=64, block_size=4, max_positions=256,
+                             vocab_size=100, block_bytes=1024, cp=1, pids=[], addresses=[])
 
 
 class FakeDriver:
@@ -38,20 +40,20 @@ class FakeDriver:
                 message = self.end.recv()
             except (EOFError, OSError):
                 return
-            if message[0] in ("add", "resume"):
-                request_id, prompt = message[1], message[2]
-                self.seen.append(request_id)
-                if prompt == POISON:
-                    self.end.send(("dead", f"fake instance {self.index} crashed on {request_id}"))
+            match message:
+                case AddRequest(request_id=request_id, prompt_token_ids=prompt) | \
+                        ResumeRequest(request_id=request_id, prompt_token_ids=prompt):
+                    self.seen.append(request_id)
+                    if prompt == POISON:
+                        self.end.send(InstanceDead(f"fake instance {self.index} crashed on {request_id}"))
+                        self.end.close()
+                        return
+                    have = len(message.progress.token_ids) if isinstance(message, ResumeRequest) else 0
+                    ids = [prompt[-1] + i + 1 for i in range(have, message.params.max_new_tokens)]
+                    self.end.send(StepOutputs([RequestOutput(request_id, ids, [0.0] * len(ids), [], "", True, "length")]))
+                case StopInstance():
                     self.end.close()
                     return
-                have = len(message[5]["token_ids"]) if message[0] == "resume" else 0
-                n = message[3].max_new_tokens
-                ids = [prompt[-1] + i + 1 for i in range(have, n)]
-                self.end.send(("out", [RequestOutput(request_id, ids, [0.0] * len(ids), [], "", True, "length")]))
-            elif message[0] == "stop":
-                self.end.close()
-                return
 
 
 def _cluster(count: int, **kwargs) -> tuple[Cluster, list[FakeDriver]]:
@@ -84,7 +86,7 @@ def test_a_poison_request_is_quarantined_after_max_failovers_and_the_rest_serve_
         assert isinstance(poison, EngineDeadError) and "--max-request-failovers 1" in str(poison), poison
         assert cluster.requests_quarantined == 1
         assert sum("poison" in d.seen for d in drivers) == 2  # two instances died of it, then it stopped walking
-        assert [c.state for c in cluster.instances].count("dead") == 2
+        assert [c.state for c in cluster.instances].count(InstanceState.DEAD) == 2
         assert fine == [[i + 1, i + 2, i + 3, i + 4] for i in range(6)]  # the others serve on, on what is left
         assert all(v == 0 for v in cluster.held().values()), cluster.held()
         assert cluster.stats()["requests_quarantined_total"] == 1

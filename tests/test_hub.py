@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 import threading
@@ -13,17 +14,18 @@ import psutil
 import pytest
 
 from dist_infer.serving.hub import Hub, StartupWaiter
+from dist_infer.serving.wire import Hello, StepOutputs
 
 KEY = b"k" * 32
 
 
-def _hello(index: int) -> dict:
-    return {"index": index, "tp": 1, "pp": 1, "total_blocks": 8}
+def _hello(index: int) -> Hello:
+    return Hello.from_fields(index=index, tp=1, pp=1, total_blocks=8, block_size=4, max_positions=64, vocab_size=10)
 
 
 def _join(address, index: int, key: bytes = KEY):
     conn = Client(address, authkey=key)
-    conn.send(("hello", _hello(index)))
+    conn.send(_hello(index))
     return conn
 
 
@@ -71,19 +73,34 @@ def test_hostile_connections_leave_the_hub_accepting(hub):
         s.close()
     conn = _join(hub.address, 0)
     assert hub.got.wait(10), "an honest driver could not join after the hostile connections"
-    assert hub.joined[0][1]["index"] == 0
+    assert hub.joined[0][1].index == 0
     assert psutil.Process().memory_info().rss - rss < 200 * 2 ** 20  # the 1 GiB prefix allocated nothing
     conn.close()
 
 
 def test_a_driver_that_says_something_else_first_is_refused(hub):
     conn = Client(hub.address, authkey=KEY)
-    conn.send(("out", []))
+    conn.send(StepOutputs([]))
     _wait(lambda: hub.refused >= 1)
     conn.close()
     second = _join(hub.address, 1)
-    assert hub.got.wait(10) and hub.joined[0][1]["index"] == 1
+    assert hub.got.wait(10) and hub.joined[0][1].index == 1
     second.close()
+
+
+def test_a_hello_with_wrong_fields_is_refused(hub):
+    with pytest.raises(ValueError, match="tp"):
+        Hello.from_fields(index=0, tp=0, pp=1, total_blocks=8, block_size=4, max_positions=64, vocab_size=10)
+    with pytest.raises(ValueError, match="without all its fields"):
+        Hello.from_fields(index=0, tp=1)
+    with pytest.raises(ValueError, match="unknown fields"):
+        Hello.from_fields(index=0, tp=1, pp=1, total_blocks=8, block_size=4, max_positions=64, vocab_size=10, x=1)
+    bad = dataclasses.replace(_hello(0), index="zero")  # what a pickle can carry: no constructor checks it
+    conn = Client(hub.address, authkey=KEY)
+    conn.send(bad)
+    _wait(lambda: hub.refused >= 1)
+    conn.close()
+    assert not hub.joined
 
 
 def test_startup_waits_for_every_instance_and_names_the_missing():
@@ -96,9 +113,9 @@ def test_startup_waits_for_every_instance_and_names_the_missing():
             waiter.wait(1.0)
         zero = _join(h.address, 0)
         joined = waiter.wait(10.0)
-        assert [hello["index"] for _, hello in joined] == [0, 1]
+        assert [hello.index for _, hello in joined] == [0, 1]
         later = []
-        waiter.hand_over(lambda conn, hello: later.append(hello["index"]))
+        waiter.hand_over(lambda conn, hello: later.append(hello.index))
         more = _join(h.address, 2)
         _wait(lambda: later == [2])
         with pytest.raises(RuntimeError, match="exited"):
@@ -128,7 +145,7 @@ def test_a_slow_drip_handshake_is_cut_at_the_deadline(hub):
         time.sleep(0.2)
     assert len(closed) == len(drippers), "a dripping connection outlived the handshake deadline"
     conn = _join(hub.address, 3)
-    assert hub.got.wait(10) and hub.joined[0][1]["index"] == 3
+    assert hub.got.wait(10) and hub.joined[0][1].index == 3
     conn.close()
     for s in drippers:
         s.close()

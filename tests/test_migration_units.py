@@ -5,7 +5,11 @@ two endpoints in one process (threads, real sockets)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -14,12 +18,15 @@ from dist_infer.comm.base import CommTimeoutError
 from dist_infer.comm.peer_link import PeerLink, PeerLinkError
 from dist_infer.engine.kv_transfer import KVLayout, PeerInstance, TransferError, TransferOp, transfer_map
 from dist_infer.launch.serve_frontend import instance_argv
-from dist_infer.engine.sampling import RowSampling
+from dist_infer.engine.migration import MigratingRequest, MigrationAborted, MigrationOutcome
+from dist_infer.engine.request import Request
+from dist_infer.engine.sampling import RowSampling, SamplingParams
 from dist_infer.engine.step_plan import KIND_IDLE, StepPlan, decode, encode
 from dist_infer.serving.dispatch import Dispatcher, InstanceLoad
 from dist_infer.serving.instances import (InstancesError, InstanceSpec, base_ranks, check_roles, check_world,
                                          parse_instances)
 from dist_infer.serving.rebalance import MoveCandidate, plan_moves
+from dist_infer.serving.wire import Hello, InstanceState, InstanceStats, Role
 
 
 def _layout(tp, pp=1, layers=4, heads=8, kv=2):
@@ -231,3 +238,31 @@ def test_drain_moves_everything_even_when_balanced():
     loads = [_load(0, 50, running=2), _load(1, 50, running=2)]
     moves = plan_moves(loads, {0: _cands(("a", 3), ("b", 1))}, set(), set(), draining={0})
     assert [(m.request_id, m.src, m.dst, m.reason) for m in moves] == [("b", 0, 1, "drain")]
+
+
+def test_a_migration_carries_only_what_the_destination_needs():
+    r = Request("r1", [1, 2, 3], SamplingParams(max_new_tokens=8), seed=5, num_computed=4, text="ab",
+                output_token_ids=[9], output_logprobs=[-0.5], output_top_logprobs=[[(9, -0.5)]],
+                block_table=[3, 4], in_flight=True, logits=[object()], emitted_text=2, emitted_tokens=1)
+    r.arrival_time, r.first_token_time = time.monotonic() - 2.0, time.monotonic() - 1.0
+    state = MigratingRequest.of(r)
+    assert pickle.loads(pickle.dumps(state)) == state  # the wire: no block table, no logits, times as ages
+    assert not {"block_table", "logits", "in_flight", "seq_id"} & {f.name for f in dataclasses.fields(state)}
+    assert 1.9 < state.age_s < 2.5 and MigratingRequest.of(r, send_kv=False).num_computed == 0
+    back = state.to_request()
+    assert (back.output_token_ids, back.num_computed, back.text, back.emitted_tokens, back.block_table,
+            back.in_flight, back.logits, back.seed) == ([9], 4, "ab", 1, [], False, [], 5)
+    assert abs((time.monotonic() - back.arrival_time) - 2.0) < 0.5
+
+
+def test_instance_stats_and_peers_read_the_typed_wire():
+    stats = InstanceStats.from_dict({"num_requests_running": 2, "running_ids": ["a", "b"], "free_blocks": 3,
+                                     "not_a_stat": 1})
+    assert stats.running_ids == ("a", "b") and stats.watermark_blocks == 0
+    assert stats.as_dict()["running_ids"] == ["a", "b"] and "not_a_stat" not in stats.as_dict()
+    assert InstanceStats.empty(64).free_blocks == 64
+    hello = Hello.from_fields(index=2, tp=2, pp=1, total_blocks=8, block_size=4, max_positions=64, vocab_size=10,
+                              role="decode", addresses=[["10.0.0.1", 5], ["10.0.0.1", 6]])
+    assert hello.role is Role.DECODE and PeerInstance.from_hello(hello).addresses == (("10.0.0.1", 5), ("10.0.0.1", 6))
+    assert json.dumps([InstanceState.SERVING, MigrationOutcome.NO_ROOM]) == '["serving", "no_room"]'
+    assert MigrationAborted("no_room", "x").outcome is MigrationOutcome.NO_ROOM

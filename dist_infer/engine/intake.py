@@ -62,24 +62,25 @@ class RequestIntake:
         return request
 
     def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       progress: dict) -> Request:
+                       progress) -> Request:
         """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
-        already has, prefilled again with them, and reports only what is new. `progress`:
-        token_ids, logprobs, top_logprobs, text_chars (reported so far), age_s, first_token_age_s.
-        With the same seed (sampling draws from (seed, position)) it continues exactly as it would have."""
+        already has, prefilled again with them, and reports only what is new. `progress` is a
+        serving/wire.ResumeProgress (token_ids, logprobs, top_logprobs, text_chars reported so far;
+        age_s, first_token_age_s). With the same seed (sampling draws from (seed, position)) it
+        continues exactly as it would have."""
         r = self._new_request(request_id, prompt_token_ids, params)
-        tokens = list(progress["token_ids"])
-        r.output_token_ids, r.output_logprobs = tokens, list(progress["logprobs"])
-        r.output_top_logprobs = [[tuple(x) for x in row] for row in progress["top_logprobs"]]
+        tokens = list(progress.token_ids)
+        r.output_token_ids, r.output_logprobs = tokens, list(progress.logprobs)
+        r.output_top_logprobs = [[tuple(x) for x in row] for row in progress.top_logprobs]
         if self.tokenizer is not None and tokens:
             r.text = self.tokenizer.decode(tokens)
             if 1 < params.min_tokens <= len(tokens) + 1:
                 r.stop_search_from = len(self.tokenizer.decode(tokens[:params.min_tokens - 1]))
-        r.emitted_tokens, r.emitted_text = len(tokens), int(progress["text_chars"])
+        r.emitted_tokens, r.emitted_text = len(tokens), int(progress.text_chars)
         now = time.monotonic()
-        r.arrival_time = now - progress["age_s"]
-        if tokens and progress.get("first_token_age_s") is not None:
-            r.first_token_time = now - progress["first_token_age_s"]
+        r.arrival_time = now - progress.age_s
+        if tokens and progress.first_token_age_s is not None:
+            r.first_token_time = now - progress.first_token_age_s
         return self._enqueue(r)
 
     def abort(self, request_id: str) -> None:

@@ -114,8 +114,9 @@ class PeerInstance:
     addresses: tuple[Address, ...]
 
     @staticmethod
-    def from_hello(hello: dict) -> "PeerInstance":
-        return PeerInstance(hello["index"], hello["tp"], hello["pp"], tuple(tuple(a) for a in hello["addresses"]))
+    def from_hello(hello) -> "PeerInstance":
+        """From an instance's hello (serving/wire.Hello; read by its fields, this layer imports no serving)."""
+        return PeerInstance(hello.index, hello.tp, hello.pp, tuple(tuple(a) for a in hello.addresses))
 
 
 def ip_to_int(host: str) -> int:

@@ -7,7 +7,7 @@ order, and every call answers through `reply(result)` or `reply(exception)`:
     start_out(m, request_id, peer)          reserve_in(m, peer, blocks)   (no room: refused)
     send_out(m, stage)  -> (first, count)   recv_in(m, stage, first, count)     } a few stages
     ... each side reports (m, stage) done through `notify` once its own transfers are out ...
-    pause_out(m, stage) -> (state, first, count)   (answers once the request is paused)
+    pause_out(m, stage) -> (MigratingRequest, first, count)   (answers once the request is paused)
                                             recv_in(...) for the rest, then commit_in(m, state)
     release_out(m)   (or resume_out(m) if the commit failed)      cancel_in(m) on any failure
 
@@ -21,17 +21,35 @@ nothing is freed twice, nothing leaks.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable, Optional
 
 from dist_infer.engine.kv_cache import CacheFullError, blocks_for
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.request import Request, RequestStatus
+from dist_infer.engine.sampling import SamplingParams
 
 Reply = Callable[[object], None]
+
+
+class MigrationOutcome(StrEnum):
+    """How a migration ended, in a word (the migrations_total label; str-valued, so the same strings)."""
+
+    OK = "ok"
+    NOT_FOUND = "not_found"
+    BUSY = "busy"
+    NO_ROOM = "no_room"
+    SOURCE_ENDED = "source_ended"
+    SOURCE_PREEMPTED = "source_preempted"
+    SOURCE_FAILED = "source_failed"
+    DEST_FAILED = "dest_failed"
+    TRANSFER_FAILED = "transfer_failed"
+    INSTANCE_DIED = "instance_died"
+    CANCELLED = "cancelled"
+    ERROR = "error"
 
 
 class MigrationAborted(RuntimeError):
@@ -39,7 +57,51 @@ class MigrationAborted(RuntimeError):
 
     def __init__(self, outcome: str, message: str):
         super().__init__(message)
-        self.outcome = outcome
+        self.outcome = MigrationOutcome(outcome)
+
+
+@dataclass(frozen=True)
+class MigratingRequest:
+    """What a migration carries to the destination: exactly what it needs to run the request on
+    (no block table, no logits, nothing in flight), times as ages (clocks differ by host). The
+    wire format is this, not the engine's in-memory Request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int]
+    output_logprobs: list[float]
+    output_top_logprobs: list
+    num_computed: int
+    num_preemptions: int
+    age_s: float
+    first_token_age_s: Optional[float]
+    text: str
+    emitted_text: int
+    emitted_tokens: int
+    stop_search_from: int
+
+    @classmethod
+    def of(cls, r: Request, send_kv: bool = True) -> "MigratingRequest":
+        """The paused request `r`; without `send_kv` nothing is computed (the destination prefills)."""
+        now = time.monotonic()
+        return cls(r.request_id, list(r.prompt_token_ids), r.params, r.seed, list(r.output_token_ids),
+                   list(r.output_logprobs), list(r.output_top_logprobs), r.num_computed if send_kv else 0,
+                   r.num_preemptions, now - r.arrival_time,
+                   None if r.first_token_time is None else now - r.first_token_time,
+                   r.text, r.emitted_text, r.emitted_tokens, r.stop_search_from)
+
+    def to_request(self) -> Request:
+        """The destination's Request (its seq id and blocks are the engine's to give)."""
+        now = time.monotonic()
+        return Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed,
+                       arrival_time=now - self.age_s, output_token_ids=list(self.output_token_ids), output_logprobs=list(self.output_logprobs),
+                       output_top_logprobs=list(self.output_top_logprobs), status=RequestStatus.MIGRATING,
+                       num_computed=self.num_computed, num_preemptions=self.num_preemptions,
+                       first_token_time=None if self.first_token_age_s is None else now - self.first_token_age_s,
+                       text=self.text, emitted_text=self.emitted_text, emitted_tokens=self.emitted_tokens,
+                       stop_search_from=self.stop_search_from)
 
 
 @dataclass
@@ -140,22 +202,11 @@ class MigrationEndpoint:
         self.scheduler.pause(r)
         out.paused = True
         reply, out.pause_reply = out.pause_reply, None
-        state = self._snapshot(r)
+        state = MigratingRequest.of(r, out.send_kv)
         if not out.send_kv:
-            state.num_computed = 0
             return reply((state, 0, 0))
         first, count = self._queue_send(mid, out, out.pause_stage, blocks_for(r.num_computed, self.block_size))
         reply((state, first, count))
-
-    @staticmethod
-    def _snapshot(r: Request) -> Request:
-        """What travels: the request without its block table; times as ages (clocks differ by host)."""
-        state = copy.copy(r)
-        state.block_table, state.logits, state.in_flight = [], [], False
-        now = time.monotonic()
-        state.arrival_time = now - r.arrival_time
-        state.first_token_time = None if r.first_token_time is None else now - r.first_token_time
-        return state
 
     def release_out(self, mid: int, reply: Reply) -> None:
         """The destination has it: free it here, without a word to the client (it streams on)."""
@@ -204,7 +255,7 @@ class MigrationEndpoint:
             except CacheFullError:
                 raise MigrationAborted("no_room", f"the destination ran out of KV blocks at {len(got.blocks)}") from None
 
-    def commit_in(self, mid: int, state: Request, reply: Reply) -> None:
+    def commit_in(self, mid: int, state: MigratingRequest, reply: Reply) -> None:
         """Every rank waits for the blocks still on the way, then the request runs here."""
         got = self._in.get(mid)
         if got is None:
@@ -219,11 +270,7 @@ class MigrationEndpoint:
         self._committed.append(mid)
         self.scheduler.allocator.free(got.blocks[need:])
         self.engine.queue_transfer(TransferOp(TransferOp.COMMIT, mid))
-        r = copy.copy(state)
-        now = time.monotonic()
-        r.arrival_time = now - state.arrival_time
-        r.first_token_time = None if state.first_token_time is None else now - state.first_token_time
-        self.engine.adopt(r, got.blocks[:need])
+        self.engine.adopt(state.to_request(), got.blocks[:need])
         reply(True)
 
     def cancel_in(self, mid: int, reply: Reply) -> None:

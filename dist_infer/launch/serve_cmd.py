@@ -228,11 +228,12 @@ def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: 
         engine.follow()
     else:
         spec = specs[0] if args.join else specs[index]
-        hello = {"index": index, "layout": spec.layout, "role": spec.role, "tp": spec.tp, "pp": spec.pp,
-                 "pids": pids.tolist(), "addresses": addresses,
-                 "total_blocks": engine.num_blocks, "block_size": args.block_size, "cp": args.cp,
-                 "max_positions": stage.cfg.max_positions, "vocab_size": stage.cfg.vocab_size,
-                 "block_bytes": _block_bytes(stage, args.block_size)}
+        from dist_infer.serving.wire import Hello
+
+        hello = Hello.from_fields(index=index, layout=spec.layout, role=spec.role, tp=spec.tp, pp=spec.pp,
+                                  pids=pids.tolist(), addresses=addresses, total_blocks=engine.num_blocks,
+                                  block_size=args.block_size, cp=args.cp, max_positions=stage.cfg.max_positions,
+                                  vocab_size=stage.cfg.vocab_size, block_bytes=_block_bytes(stage, args.block_size))
         _run_instance(engine, index, address, key, hello)
     if link is not None:
         engine.mover.close()
@@ -318,7 +319,7 @@ def _ignore_stop_signals(who: str) -> None:
         signal.signal(sig, lambda signum, _: logger.info(f"{signal.Signals(signum).name}: waiting for {who} to stop"))
 
 
-def _run_instance(engine, index: int, address: tuple, key: bytes, hello: dict) -> None:
+def _run_instance(engine, index: int, address: tuple, key: bytes, hello) -> None:
     from multiprocessing.connection import Client
 
     from dist_infer.serving.hub import no_delay

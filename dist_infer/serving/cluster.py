@@ -44,6 +44,7 @@ from dist_infer.serving.instance_rpc import InstanceCalls
 from dist_infer.serving.instances import InstanceSpec
 from dist_infer.serving.metrics import BucketCounts
 from dist_infer.serving.migration import MigrationResult
+from dist_infer.serving.wire import AbortRequest, AddRequest, Role, StopInstance
 
 Spawner = Callable[[int, InstanceSpec], object]  # starts instance i as a job of its own; returns its process
 DOWNTIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -62,9 +63,9 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         first = clients[0].hello
         self.instances = clients
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
-        self.max_model_len, self.vocab_size = first["max_positions"], first["vocab_size"]
-        self.block_size, self.block_bytes = first["block_size"], first["block_bytes"]
-        self.cp = first.get("cp", 1)
+        self.max_model_len, self.vocab_size = first.max_positions, first.vocab_size
+        self.block_size, self.block_bytes = first.block_size, first.block_bytes
+        self.cp = first.cp
         self.max_queue = max_queue
         self.dispatcher = Dispatcher(dispatch)
         self.migrate_interval, self.migration_timeout = migrate_interval, migration_timeout
@@ -126,7 +127,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         for client in self.instances:
             if client.alive:
                 try:
-                    client.send(("stop",))
+                    client.send(StopInstance())
                 except OSError:
                     pass
         deadline = time.monotonic() + timeout
@@ -160,13 +161,13 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
                 rec.aborted, rec.parked = rec.moving is not None, False
         if index is not None and self.instances[index].alive:
             try:
-                self.instances[index].send(("abort", request_id))
+                self.instances[index].send(AbortRequest(request_id))
             except OSError:
                 pass
 
     def stats(self) -> dict:
         live = [c for c in self.instances if c.alive] or [c for c in self.instances if c.stats][:1]
-        per = [dict(c.stats, engine=str(c.index)) for c in live]
+        per = [dict(c.stats.as_dict(), engine=str(c.index)) for c in live]
         free, total = sum(s["free_blocks"] for s in per), sum(s["total_blocks"] for s in per)
         return {"num_requests_running": sum(s["num_requests_running"] for s in per),
                 "num_requests_waiting": sum(s["num_requests_waiting"] for s in per),
@@ -181,7 +182,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
     def _num_queued(self) -> int:
         with self._lock:
             open_streams = len(self._requests)
-        running = sum(c.stats.get("num_requests_running", 0) for c in self.instances if c.alive)
+        running = sum(c.stats.num_requests_running for c in self.instances if c.alive)
         return max(0, open_streams - running)
 
     def _choose(self, prompt_len: int, params: SamplingParams, roles: tuple[str, ...],
@@ -205,7 +206,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
 
     def _dispatch(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> InstanceClient:
         with self._lock:
-            index = self._choose(len(prompt_token_ids), params, ("prefill", "mixed"))
+            index = self._choose(len(prompt_token_ids), params, (Role.PREFILL, Role.MIXED))
             if index is None:
                 raise QueueFullError(retry_after_s=5.0)
             self._requests[request_id].owner = index
@@ -234,7 +235,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         try:
             client = self._dispatch(request_id, prompt_token_ids, params)
             try:
-                client.send(("add", request_id, list(prompt_token_ids), params))
+                client.send(AddRequest(request_id, list(prompt_token_ids), params))
             except OSError:
                 self._instance_died(client, "its connection failed")
             while not finished:

@@ -15,6 +15,7 @@ from dist_infer.serving.instance_client import RequestRecord
 from dist_infer.serving.instance_lifecycle import PD_RETRY_S
 from dist_infer.serving.migration import MAX_STAGES, MigrationResult, migrate
 from dist_infer.serving.rebalance import MoveCandidate, plan_moves
+from dist_infer.serving.wire import AbortRequest, InstanceState, MigrationOutcome, Role, StopInstance
 
 TICK_S = 0.05  # how often the controller looks at draining and stopping instances
 
@@ -31,7 +32,7 @@ class MigrationControl:
                 rec.moving = (rec.moving[0], -1)
         if self.instances[index].alive:
             try:
-                self.instances[index].send(("abort", request_id))
+                self.instances[index].send(AbortRequest(request_id))
             except OSError:
                 pass
 
@@ -45,7 +46,7 @@ class MigrationControl:
                 rec.owner = dst
         if not listened:
             try:
-                self.instances[dst].send(("abort", request_id))
+                self.instances[dst].send(AbortRequest(request_id))
             except OSError:
                 pass
 
@@ -83,10 +84,11 @@ class MigrationControl:
             if rec is not None:
                 rec.moved_at = time.monotonic()
                 if reason == "pd":
-                    rec.pd_next = time.monotonic() + PD_RETRY_S if result.outcome != "ok" else float("inf")
+                    ok = result.outcome == MigrationOutcome.OK
+                    rec.pd_next = float("inf") if ok else time.monotonic() + PD_RETRY_S
         self.outcomes[result.outcome] += 1
         self.history.append(result)
-        if result.outcome == "ok":
+        if result.outcome == MigrationOutcome.OK:
             self.downtime.observe(result.downtime_s)
         return result
 
@@ -107,7 +109,7 @@ class MigrationControl:
             if rec.owner != src or rec.moving is not None:
                 rec.pd_next = time.monotonic() + PD_RETRY_S  # moved or moving meanwhile: looked at again later
                 return
-            dst = self._choose(len(rec.progress.prompt_token_ids), rec.progress.params, ("decode", "mixed"),
+            dst = self._choose(len(rec.progress.prompt_token_ids), rec.progress.params, (Role.DECODE, Role.MIXED),
                                queued=False)
             if dst is None or dst == src:
                 rec.pd_next = time.monotonic() + PD_RETRY_S
@@ -136,7 +138,7 @@ class MigrationControl:
     def _rebalance(self, only_drain: bool) -> None:
         now = time.monotonic()
         # prefill instances hand their requests over by rule (above); the controller balances the rest
-        live = [c for c in self.instances if c.alive and (c.role != "prefill" or c.draining)]
+        live = [c for c in self.instances if c.alive and (c.role != Role.PREFILL or c.draining)]
         loads = [c.load() for c in live]
         with self._lock:
             moving = {r for r, rec in self._requests.items() if rec.moving is not None}
@@ -144,8 +146,8 @@ class MigrationControl:
         candidates = {}
         for c in live:
             s = c.stats
-            cands = [MoveCandidate(r, 0, False) for r in s["waiting_ids"]]
-            cands += [MoveCandidate(r, b, True) for r, b in zip(s["running_ids"], s["running_blocks"])]
+            cands = [MoveCandidate(r, 0, False) for r in s.waiting_ids]
+            cands += [MoveCandidate(r, b, True) for r, b in zip(s.running_ids, s.running_blocks)]
             candidates[c.index] = [x for x in cands if x.request_id not in moving]
         draining = {c.index for c in live if c.draining}
         busy = {i for i, n in self._busy.items() if n > 0}
@@ -159,16 +161,16 @@ class MigrationControl:
     def _finish_stops(self) -> None:
         """A stopping instance that holds nothing any more is told to stop."""
         for c in self.instances:
-            if c.state != "stopping" or c.stop_sent or not c.alive:
+            if c.state != InstanceState.STOPPING or c.stop_sent or not c.alive:
                 continue
             with self._lock:
                 held = any(rec.owner == c.index for rec in self._requests.values())
             s = c.stats
-            if held or s.get("num_requests_running") or s.get("num_requests_waiting") or self._busy[c.index] > 0:
+            if held or s.num_requests_running or s.num_requests_waiting or self._busy[c.index] > 0:
                 continue
             c.stop_sent = True
             logger.info(f"instance {c.index} is drained; stopping it")
             try:
-                c.send(("stop",))
+                c.send(StopInstance())
             except OSError:
                 pass

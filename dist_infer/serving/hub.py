@@ -18,9 +18,11 @@ from typing import Callable, Optional
 
 from loguru import logger
 
+from dist_infer.serving.wire import Hello
+
 HANDSHAKE_TIMEOUT_S = 10.0  # a driver that connects answers the challenge and says hello within this
 MAX_HANDSHAKES = 16  # connections being checked at once; more are closed at accept
-OnHello = Callable[[Connection, dict], None]
+OnHello = Callable[[Connection, Hello], None]
 
 
 def no_delay(conn: Connection) -> Connection:
@@ -41,15 +43,15 @@ def set_io_timeout(conn: Connection, seconds: float) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def read_hello(conn: Connection, timeout: float) -> dict:
-    """A driver's first message, its hello; a clear error if it says nothing or something else."""
+def read_hello(conn: Connection, timeout: float) -> Hello:
+    """A driver's first message, its hello, checked; a clear error if it says nothing, something
+    else, or a hello whose fields are wrong."""
     if not conn.poll(timeout):
         raise TimeoutError(f"an instance driver connected but said nothing for {timeout:g} s")
     message = conn.recv()
-    if not (isinstance(message, tuple) and len(message) == 2 and message[0] == "hello"
-            and isinstance(message[1], dict) and isinstance(message[1].get("index"), int)):
+    if not isinstance(message, Hello):
         raise ValueError(f"an instance driver sent {str(message)[:80]!r} first, not its hello")
-    return message[1]
+    return message.checked()
 
 
 class Deadline:
@@ -145,7 +147,7 @@ class Hub:
         try:
             on_hello(no_delay(conn), hello)
         except Exception as exc:  # noqa: BLE001 - e.g. a hello with missing fields
-            logger.warning(f"hub: instance {hello.get('index')}'s hello was refused ({type(exc).__name__}: {exc})")
+            logger.warning(f"hub: instance {hello.index}'s hello was refused ({type(exc).__name__}: {exc})")
             conn.close()
 
 
@@ -155,14 +157,14 @@ class StartupWaiter:
 
     def __init__(self, count: int):
         self.count = count
-        self.conns: dict[int, tuple[Connection, dict]] = {}
+        self.conns: dict[int, tuple[Connection, Hello]] = {}
         self.later: Optional[OnHello] = None
         self._cond = threading.Condition()
 
-    def on_hello(self, conn: Connection, hello: dict) -> None:
+    def on_hello(self, conn: Connection, hello: Hello) -> None:
         with self._cond:
             if self.later is None:
-                index = hello["index"]
+                index = hello.index
                 if not 0 <= index < self.count or index in self.conns:
                     raise ValueError(f"instance {index} is not one of the {self.count} expected, or joined twice")
                 self.conns[index] = (conn, hello)
@@ -170,7 +172,7 @@ class StartupWaiter:
                 return
         self.later(conn, hello)
 
-    def wait(self, timeout: float, failed: Callable[[], Optional[str]] = lambda: None) -> list[tuple[Connection, dict]]:
+    def wait(self, timeout: float, failed: Callable[[], Optional[str]] = lambda: None) -> list[tuple[Connection, Hello]]:
         """Every expected driver, in index order; TimeoutError naming the missing ones, or
         RuntimeError when `failed()` says a started instance has already exited."""
         import time

@@ -13,6 +13,7 @@ from loguru import logger
 from dist_infer.serving.instance_client import AdminError, InstanceClient
 from dist_infer.serving.instances import InstancesError, InstanceSpec, parse_instances
 from dist_infer.serving.migration import MODES
+from dist_infer.serving.wire import InstanceState
 
 
 class InstanceAdmin:
@@ -77,10 +78,10 @@ class InstanceAdmin:
     def stop_instance(self, index: int) -> dict:
         """Scale down: drain the instance, then stop it once it holds nothing (no request is lost)."""
         client = self._instance(index)
-        if client.state != "serving":
+        if client.state != InstanceState.SERVING:
             raise AdminError(409, f"instance {index} is {client.state}")
         self.drain(index)
-        client.state = "stopping"
+        client.state = InstanceState.STOPPING
         logger.info(f"stopping instance {index} once it is drained")
         return client.describe()
 
@@ -88,7 +89,7 @@ class InstanceAdmin:
         """Start a dead or stopped instance again (a job of its own, on this host); it rejoins dispatch
         once its driver connects."""
         client = self._instance(index)
-        if client.state not in ("dead", "stopped"):
+        if client.state not in (InstanceState.DEAD, InstanceState.STOPPED):
             raise AdminError(409, f"instance {index} is {client.state}; only a dead or stopped one can be restarted")
         return self._spawn(client, client.spec, "restart")
 
@@ -105,21 +106,21 @@ class InstanceAdmin:
                 raise AdminError(409, f"the server has {len(self.instances)} instances, --max-instances "
                                       f"{self.max_instances}; restart a dead or stopped one instead")
             client = InstanceClient(len(self.instances), spec=specs[0])
-            client.state = "stopped"
+            client.state = InstanceState.STOPPED
             self.instances.append(client)
         return self._spawn(client, specs[0], "scale-up")
 
     def _spawn(self, client: InstanceClient, spec: InstanceSpec, why: str) -> dict:
         if self._spawner is None:
             raise AdminError(501, "this server cannot start instances (start one with `dist-infer serve --join`)")
-        client.state = "starting"
+        client.state = InstanceState.STARTING
         if why == "restart":
             client.restarts += 1
         logger.info(f"starting instance {client.index} ({spec.describe()}, {why})")
         try:
             client.process = self._spawner(client.index, spec)
         except Exception as exc:  # noqa: BLE001 - the operator sees why
-            client.state, client.dead = "dead", f"could not start: {exc}"
+            client.state, client.dead = InstanceState.DEAD, f"could not start: {exc}"
             raise AdminError(500, f"instance {client.index} could not start: {exc}") from None
         threading.Thread(target=self._watch_start, args=(client, client.process), daemon=True,
                          name=f"instance-{client.index}-start").start()
@@ -134,11 +135,11 @@ class InstanceAdmin:
         except subprocess.TimeoutExpired:
             code = f"did not join within {self.join_timeout_s:g} s (stopped)"
         with self._lock:
-            failed = client.process is process and client.state == "starting"
+            failed = client.process is process and client.state == InstanceState.STARTING
             if failed:
-                client.state, client.dead = "dead", f"its job {code} before joining"
+                client.state, client.dead = InstanceState.DEAD, f"its job {code} before joining"
             parked = []
-            if failed and not any(c.state == "starting" for c in self.instances):
+            if failed and not any(c.state == InstanceState.STARTING for c in self.instances):
                 parked = self._unpark()
         if not failed:
             return

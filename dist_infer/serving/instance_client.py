@@ -16,6 +16,7 @@ from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.serving.dispatch import InstanceLoad
 from dist_infer.serving.instances import InstanceSpec
+from dist_infer.serving.wire import Hello, InstanceState, InstanceStats, ResumeProgress, Role, progress_now
 
 
 @dataclass
@@ -39,11 +40,9 @@ class Progress:
         self.top_logprobs += output.new_top_logprobs
         self.text_chars += len(output.text_delta)
 
-    def wire(self) -> dict:
-        now = time.monotonic()
-        return {"token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
-                "top_logprobs": list(self.top_logprobs), "text_chars": self.text_chars, "age_s": now - self.arrival,
-                "first_token_age_s": None if self.first_token is None else now - self.first_token}
+    def wire(self) -> ResumeProgress:
+        return progress_now(self.token_ids, self.logprobs, self.top_logprobs, self.text_chars, self.arrival,
+                            self.first_token)
 
 
 @dataclass
@@ -77,20 +76,20 @@ class InstanceClient:
     requests sent to it that it has not reported yet, and where it is in its life:
     starting -> serving -> (stopping -> stopped | dead), and from stopped or dead, starting again."""
 
-    def __init__(self, index: int, conn: Optional[Connection] = None, hello: Optional[dict] = None,
+    def __init__(self, index: int, conn: Optional[Connection] = None, hello: Optional[Hello] = None,
                  spec: Optional[InstanceSpec] = None):
         self.index = index
         self.conn: Optional[Connection] = None
-        self.hello: Optional[dict] = None
+        self.hello: Optional[Hello] = None
         self.spec = spec
-        self.state = "starting"
+        self.state = InstanceState.STARTING
         self.draining = False
         self.dead: Optional[str] = None  # why it died (the last time)
         self.restarts = 0
         self.process = None  # the job this API process started for it (restart, scale-up)
         self.stop_sent = False
         self._lock = threading.Lock()
-        self.stats: dict = {}
+        self.stats: Optional[InstanceStats] = None  # its last report (None: it never joined)
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()
         self.incoming: dict[str, int] = {}  # requests migrating here -> their blocks at full length
@@ -98,39 +97,37 @@ class InstanceClient:
         if conn is not None:
             self.attach(conn, hello)
 
-    def attach(self, conn: Connection, hello: dict) -> None:
+    def attach(self, conn: Connection, hello: Hello) -> None:
         """Its driver connected and said hello: it serves from now on (again, after a restart)."""
         self.conn, self.hello = conn, hello
-        self.spec = InstanceSpec(hello["tp"], hello["pp"], hello.get("role", "mixed"))
-        self.stats = {"free_blocks": hello["total_blocks"], "total_blocks": hello["total_blocks"],
-                      "num_requests_running": 0, "num_requests_waiting": 0, "requests_added": 0,
-                      "running_ids": [], "waiting_ids": [], "running_blocks": [], "num_preemptions_total": 0,
-                      "kv_cache_usage_perc": 0.0, "watermark_blocks": 0, "waiting_demand_blocks": 0}
+        self.spec = InstanceSpec(hello.tp, hello.pp, hello.role)
+        self.stats = InstanceStats.empty(hello.total_blocks)
         self.sent = 0  # add messages sent (the instance counts those it applied)
         self.pending = deque()  # (add number, blocks its prompt needs)
         self.draining = self.stop_sent = False
-        self.state = "serving"
+        self.state = InstanceState.SERVING
 
     @property
     def alive(self) -> bool:
-        return self.state in ("serving", "stopping") and self.conn is not None
+        return self.state in (InstanceState.SERVING, InstanceState.STOPPING) and self.conn is not None
 
     @property
     def accepting(self) -> bool:
-        return self.state == "serving" and not self.draining
+        return self.state is InstanceState.SERVING and not self.draining
 
     @property
-    def role(self) -> str:
-        return self.spec.role if self.spec is not None else "mixed"
+    def role(self) -> Role:
+        return Role(self.spec.role) if self.spec is not None else Role.MIXED
 
     @property
     def total_blocks(self) -> int:
-        return self.hello["total_blocks"] if self.hello else 0
+        return self.hello.total_blocks if self.hello else 0
 
     def peer(self) -> PeerInstance:
         return PeerInstance.from_hello(self.hello)
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: object) -> None:
+        """Send one serving/wire.py message (OSError if it is not connected, or the send fails)."""
         with self._lock:
             if self.conn is None:
                 raise OSError(f"instance {self.index} is not connected")
@@ -141,27 +138,28 @@ class InstanceClient:
         if not s:
             return InstanceLoad(self.index, 0, 0, accepting=False)
         with self._pending_lock:
-            while self.pending and self.pending[0][0] <= s["requests_added"]:
+            while self.pending and self.pending[0][0] <= s.requests_added:
                 self.pending.popleft()
             pending = list(self.pending)
         incoming = dict(self.incoming)
-        return InstanceLoad(self.index, s["free_blocks"], s["total_blocks"], s["watermark_blocks"],
-                            s["waiting_demand_blocks"], s["num_requests_running"], s["num_requests_waiting"],
+        return InstanceLoad(self.index, s.free_blocks, s.total_blocks, s.watermark_blocks,
+                            s.waiting_demand_blocks, s.num_requests_running, s.num_requests_waiting,
                             len(pending) + len(incoming), sum(b for _, b in pending) + sum(incoming.values()),
-                            accepting=self.accepting,
-                            running_blocks=tuple(s["running_blocks"]), growth_blocks=s.get("growth_blocks", 0))
+                            accepting=self.accepting, running_blocks=tuple(s.running_blocks),
+                            growth_blocks=s.growth_blocks)
 
     def describe(self) -> dict:
-        s, load = self.stats, self.load()
-        h = self.hello or {}
-        return {"index": self.index, "state": self.state, "role": self.role,
-                "layout": self.spec.layout if self.spec else h.get("layout"), "pids": h.get("pids", []),
-                "hosts": h.get("hosts", []), "links": [f"{a[0]}:{a[1]}" for a in h.get("addresses", [])],
+        """Its /admin/instances entry (plain strings and lists: the JSON is the same as ever)."""
+        s, load, h = self.stats or InstanceStats(), self.load(), self.hello
+        return {"index": self.index, "state": str(self.state), "role": str(self.role),
+                "layout": self.spec.layout if self.spec else (h.layout if h else None),
+                "pids": list(h.pids) if h else [], "hosts": [],
+                "links": [f"{a[0]}:{a[1]}" for a in (h.addresses if h else ())],
                 "load": -load.freeness, "freeness": load.freeness,
-                "free_blocks": s.get("free_blocks", 0), "total_blocks": s.get("total_blocks", 0),
-                "running": list(s.get("running_ids", [])), "waiting": list(s.get("waiting_ids", [])),
-                "num_preemptions": s.get("num_preemptions_total", 0), "draining": self.draining,
-                "dead": self.dead if self.state == "dead" else None, "last_failure": self.dead,
+                "free_blocks": s.free_blocks, "total_blocks": s.total_blocks,
+                "running": list(s.running_ids), "waiting": list(s.waiting_ids),
+                "num_preemptions": s.num_preemptions_total, "draining": self.draining,
+                "dead": self.dead if self.state is InstanceState.DEAD else None, "last_failure": self.dead,
                 "restarts": self.restarts}
 
 

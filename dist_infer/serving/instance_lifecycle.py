@@ -14,18 +14,22 @@ from loguru import logger
 from dist_infer.engine.request import RequestOutput
 from dist_infer.serving.errors import EngineDeadError, RequestFailedError
 from dist_infer.serving.instance_client import InstanceClient
+from dist_infer.serving.wire import (CallReply, Hello, InstanceDead, InstanceState, InstanceStats, MigrationEvent,
+                                     ResumeRequest, Role, StepOutputs)
 
 PD_RETRY_S = 0.5  # a request whose hand-over to a decode instance failed tries again after this
+RESTARTABLE = (InstanceState.STARTING, InstanceState.DEAD, InstanceState.STOPPED)  # a driver may join these
+LIVING = (InstanceState.SERVING, InstanceState.STOPPING, InstanceState.STARTING)  # the server goes on while one is
 
 
 class InstanceLifecycle:
     """Cluster's part that follows each instance's life and routes its outputs."""
 
-    def attach(self, conn: Connection, hello: dict) -> None:
+    def attach(self, conn: Connection, hello: Hello) -> None:
         """A driver connected after start-up: a restarted instance, or a new one (scale-up)."""
-        index = hello.get("index")
+        index = hello.index
         problem = None
-        if (hello.get("vocab_size"), hello.get("block_size"), hello.get("max_positions")) != \
+        if (hello.vocab_size, hello.block_size, hello.max_positions) != \
                 (self.vocab_size, self.block_size, self.max_model_len):
             problem = "it serves another model (vocabulary, block size or positions differ)"
         with self._lock:
@@ -33,7 +37,7 @@ class InstanceLifecycle:
                 self.instances.append(InstanceClient(index))
             if problem is None and not (isinstance(index, int) and 0 <= index < len(self.instances)):
                 problem = f"there is no instance {index} (there are {len(self.instances)}; a new one takes the next index)"
-            elif problem is None and self.instances[index].state not in ("starting", "dead", "stopped"):
+            elif problem is None and self.instances[index].state not in RESTARTABLE:
                 problem = f"instance {index} is {self.instances[index].state}"
             if problem is None:
                 client = self.instances[index]
@@ -43,7 +47,7 @@ class InstanceLifecycle:
             logger.error(f"an instance driver wanted to join as instance {index}, refused: {problem}")
             conn.close()
             return
-        logger.info(f"instance {index} ({client.spec.describe()}, pids {hello.get('pids')}) joined; it takes requests")
+        logger.info(f"instance {index} ({client.spec.describe()}, pids {list(hello.pids)}) joined; it takes requests")
         self._start_reader(client)
         for request_id in parked:
             self._redispatch(request_id, "an instance joined")
@@ -72,19 +76,22 @@ class InstanceLifecycle:
                     else:
                         self._instance_died(client, "its connection closed")
                 return
-            kind = message[0]
             if client.conn is not conn:
                 return  # declared dead from elsewhere (a failed send): its requests went on from their progress
-            if kind == "out":
-                self._route(client, message[1])
-            elif kind == "stats":
-                client.stats = message[1]
-            elif kind in ("reply", "event"):
-                self._soon(self._on_control, client, message)
-            elif kind == "dead":
-                if client.conn is conn:
-                    self._instance_died(client, message[1])
-                return
+            match message:
+                case StepOutputs(outputs=outputs):
+                    self._route(client, outputs)
+                case InstanceStats():
+                    client.stats = message
+                case CallReply() | MigrationEvent():
+                    self._soon(self._on_control, client, message)
+                case InstanceDead(reason=reason):
+                    if client.conn is conn:
+                        self._instance_died(client, reason)
+                    return
+                case _:
+                    logger.warning(f"instance {client.index} sent a message the front end does not know: "
+                                   f"{type(message).__name__}")
 
     def _route(self, client: InstanceClient, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -102,7 +109,7 @@ class InstanceLifecycle:
                 if o.new_token_ids and rec.recovering is not None:
                     (died_at, dead), rec.recovering = rec.recovering, None
                     self._record_recovery(o.request_id, dead, now - died_at)
-                if client.role == "prefill" and not o.finished and o.new_token_ids and rec.owner == client.index \
+                if client.role == Role.PREFILL and not o.finished and o.new_token_ids and rec.owner == client.index \
                         and rec.moving is None and rec.pd_next <= now:
                     rec.pd_next = float("inf")  # until this hand-over is over
                     handover.append(o.request_id)
@@ -117,7 +124,7 @@ class InstanceLifecycle:
         logger.info(f"request {request_id} streams again {seconds * 1e3:.0f} ms after instance {dead} died")
 
     def _instance_stopped(self, client: InstanceClient) -> None:
-        client.state, client.conn = "stopped", None
+        client.state, client.conn = InstanceState.STOPPED, None
         logger.info(f"instance {client.index} ({client.spec.describe()}) stopped")
         self._soon(self._fail_calls, client.index)
 
@@ -127,18 +134,18 @@ class InstanceLifecycle:
         left (none serving, none starting), the server stops."""
         now = time.monotonic()
         with self._lock:
-            if client.state == "dead":
+            if client.state == InstanceState.DEAD:
                 return
-            client.state, client.dead, client.conn = "dead", reason, None
+            client.state, client.dead, client.conn = InstanceState.DEAD, reason, None
             self.failures += 1
             what = f"instance {client.index} ({client.spec.describe()}): {reason}"
-            left = [c for c in self.instances if c.state in ("serving", "stopping", "starting")]
+            left = [c for c in self.instances if c.state in LIVING]
             orphans, moving, streams = [], set(), []
             if not left:
                 self.dead_reason = self.dead_reason or what
                 streams = [rec.stream for rec in self._requests.values()]
             else:
-                queued = set(client.stats.get("waiting_ids", ()))
+                queued = set(client.stats.waiting_ids if client.stats else ())
                 for r, rec in self._requests.items():
                     if rec.owner == client.index:
                         orphans.append(r)
@@ -186,9 +193,9 @@ class InstanceLifecycle:
                                         f"it (--max-request-failovers {self.max_request_failovers}); it is not "
                                         f"dispatched again")
             else:
-                roles = ("decode", "mixed") if progress.token_ids else ("prefill", "mixed")
+                roles = (Role.DECODE, Role.MIXED) if progress.token_ids else (Role.PREFILL, Role.MIXED)
                 index = self._choose(len(progress.prompt_token_ids), progress.params, roles, force=True)
-                if index is None and any(c.state == "starting" for c in self.instances):
+                if index is None and any(c.state == InstanceState.STARTING for c in self.instances):
                     rec.parked, rec.owner = True, None  # goes on once an instance has joined
                     logger.warning(f"request {request_id}: no instance takes requests now; it waits for the one starting")
                     return
@@ -203,8 +210,8 @@ class InstanceLifecycle:
             return
         logger.info(f"request {request_id} ({len(progress.token_ids)} tokens so far) goes on on instance {index} ({why})")
         try:
-            self.instances[index].send(("resume", request_id, progress.prompt_token_ids, progress.params,
-                                        progress.wire()))
+            self.instances[index].send(ResumeRequest(request_id, progress.prompt_token_ids, progress.params,
+                                                     progress.wire()))
         except OSError:
             self._instance_died(self.instances[index], "its connection failed")
             return

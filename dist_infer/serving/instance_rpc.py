@@ -10,6 +10,8 @@ import time
 from dist_infer.engine.kv_transfer import PeerInstance
 from dist_infer.engine.migration import MigrationAborted
 from dist_infer.serving.instance_client import InstanceClient
+from dist_infer.engine.migration import MigrationOutcome
+from dist_infer.serving.wire import CallReply, MigrationCall, MigrationEvent
 
 
 class InstanceCalls:
@@ -18,7 +20,7 @@ class InstanceCalls:
     def peer(self, index: int) -> PeerInstance:
         return self.instances[index].peer()
 
-    async def call(self, index: int, method: str, *args, timeout: float, failure: str = "source_failed"):
+    async def call(self, index: int, method: str, *args, timeout: float, failure: str = MigrationOutcome.SOURCE_FAILED):
         """Call a migration method on instance `index`'s driver; MigrationAborted(`failure`) if it
         does not answer within `timeout` or is dead."""
         client = self.instances[index]
@@ -28,13 +30,13 @@ class InstanceCalls:
         fut = self.loop.create_future()
         self._calls[call_id] = (fut, index)
         try:
-            client.send(("call", call_id, method, args))
+            client.send(MigrationCall(call_id, method, args))
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, OSError) as exc:
             raise MigrationAborted(failure, f"instance {index} did not answer {method} within {timeout:g} s "
                                             f"({type(exc).__name__})") from None
         except MigrationAborted as exc:
-            if exc.outcome == "instance_died":
+            if exc.outcome == MigrationOutcome.INSTANCE_DIED:
                 raise MigrationAborted(failure, str(exc)) from None
             raise
         finally:
@@ -53,7 +55,8 @@ class InstanceCalls:
                 if gone or time.monotonic() > deadline:
                     why = f"instance {gone[0]} is {self.instances[gone[0]].state}" if gone else "alive"
                     raise MigrationAborted(failure if not gone or gone[0] == index else
-                                           ("source_failed" if failure == "dest_failed" else "dest_failed"),
+                                           (MigrationOutcome.SOURCE_FAILED if failure == MigrationOutcome.DEST_FAILED
+                                            else MigrationOutcome.DEST_FAILED),
                                            f"instance {index} did not report {event[0]} of migration {event[1]} "
                                            f"stage {event[2]} within {timeout:g} s ({why})")
                 await asyncio.wait([fut], timeout=0.05)
@@ -61,31 +64,38 @@ class InstanceCalls:
         finally:
             self._events.pop(key, None)
 
-    def _on_control(self, client: InstanceClient, message: tuple) -> None:
-        if message[0] == "reply":
-            _, call_id, ok, value = message
-            entry = self._calls.pop(call_id, None)
-            if entry is None or entry[0].done():
-                return
-            if ok:
-                entry[0].set_result(value)
-            else:
-                entry[0].set_exception(MigrationAborted(*value))
+    def _on_control(self, client: InstanceClient, message: CallReply | MigrationEvent) -> None:
+        """(control loop) A call's reply settles its future; a stage's event settles its wait."""
+        match message:
+            case CallReply():
+                self._on_reply(message)
+            case MigrationEvent(name=name, args=args):
+                self._on_event(client, name, args)
+
+    def _on_reply(self, reply: CallReply) -> None:
+        entry = self._calls.pop(reply.call_id, None)
+        if entry is None or entry[0].done():
+            return
+        if reply.ok:
+            entry[0].set_result(reply.value)
         else:
-            _, name, args = message
-            if not args or args[0] not in self._active_migrations:
-                return  # a report of a migration that is over: nobody waits for it, nothing is kept
-            failed = name == "stage_failed"  # it answers the wait for that stage's stage_done
-            key = (client.index, ("stage_done" if failed else name, *args))
-            fut = self._events.setdefault(key, self.loop.create_future())
-            if not fut.done():
-                if failed:
-                    fut.set_exception(MigrationAborted("transfer_failed", f"instance {client.index}: a KV transfer "
-                                                                          f"of migration {args[0]} stage {args[1]} failed"))
-                else:
-                    fut.set_result(True)
+            entry[0].set_exception(MigrationAborted(*reply.value))
+
+    def _on_event(self, client: InstanceClient, name: str, args: tuple) -> None:
+        if not args or args[0] not in self._active_migrations:
+            return  # a report of a migration that is over: nobody waits for it, nothing is kept
+        failed = name == "stage_failed"  # it answers the wait for that stage's stage_done
+        key = (client.index, ("stage_done" if failed else name, *args))
+        fut = self._events.setdefault(key, self.loop.create_future())
+        if fut.done():
+            return
+        if failed:
+            fut.set_exception(MigrationAborted(MigrationOutcome.TRANSFER_FAILED, f"instance {client.index}: a KV "
+                                               f"transfer of migration {args[0]} stage {args[1]} failed"))
+        else:
+            fut.set_result(True)
 
     def _fail_calls(self, index: int) -> None:
         for call_id, (fut, inst) in list(self._calls.items()):
             if inst == index and not fut.done():
-                fut.set_exception(MigrationAborted("instance_died", f"instance {index} died"))
+                fut.set_exception(MigrationAborted(MigrationOutcome.INSTANCE_DIED, f"instance {index} died"))

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING
 
 from dist_infer.topology import Mesh, ParallelConfig
 
+from dist_infer.serving.wire import Role
+
 if TYPE_CHECKING:  # torch: the launcher parses --instances before any rank starts, without it
     from dist_infer.comm import ParallelGroups
     from dist_infer.comm.base import Communicator
 
-ROLES = ("mixed", "prefill", "decode")
+ROLES = tuple(Role)
 
 
 class InstancesError(ValueError):
@@ -34,7 +36,7 @@ class InstanceSpec:
 
     tp: int = 1
     pp: int = 1
-    role: str = "mixed"
+    role: Role = Role.MIXED
 
     @property
     def size(self) -> int:
@@ -45,7 +47,7 @@ class InstanceSpec:
         return f"tp{self.tp}" + (f"pp{self.pp}" if self.pp > 1 else "")
 
     def describe(self) -> str:
-        return self.layout if self.role == "mixed" else f"{self.role}:{self.layout}"
+        return self.layout if self.role == Role.MIXED else f"{self.role}:{self.layout}"
 
 
 _ITEM = re.compile(r"^(?:(mixed|prefill|decode):)?(?:tp(\d+))?(?:pp(\d+))?$")
@@ -64,7 +66,7 @@ def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
         if not item.strip() or m is None or not (m.group(2) or m.group(3)):
             raise InstancesError(f"--instances {text!r}: item {item.strip()!r} is not a count or a layout like "
                                  f"tp2, pp2, tp2pp2, optionally with a role: prefill:tp2, decode:tp1")
-        spec = InstanceSpec(int(m.group(2) or 1), int(m.group(3) or 1), m.group(1) or "mixed")
+        spec = InstanceSpec(int(m.group(2) or 1), int(m.group(3) or 1), Role(m.group(1) or Role.MIXED))
         if spec.tp < 1 or spec.pp < 1:
             raise InstancesError(f"--instances {text!r}: item {item.strip()!r} has a size below 1")
         specs.append(spec)
@@ -74,7 +76,7 @@ def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
 def check_roles(specs: list[InstanceSpec]) -> None:
     """A server's instances together must both prefill and decode."""
     roles = {s.role for s in specs}
-    if ("prefill" in roles) != ("decode" in roles) and "mixed" not in roles:
+    if (Role.PREFILL in roles) != (Role.DECODE in roles) and Role.MIXED not in roles:
         raise InstancesError(f"--instances {','.join(s.describe() for s in specs)}: prefill instances need a decode "
                              f"(or mixed) instance to hand requests to, and decode instances need one that prefills")
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Optional
 from loguru import logger
 
-from dist_infer.engine.migration import MigrationAborted
+from dist_infer.engine.migration import MigrationAborted, MigrationOutcome
 
 MAX_STAGES = 4  # copy stages while the request runs; then it pauses for the last one
 FEW_BLOCKS = 2  # when at most this many new blocks are left, pause now
+SOURCE_FAILED, DEST_FAILED = MigrationOutcome.SOURCE_FAILED, MigrationOutcome.DEST_FAILED  # whose side failed
 CALL_TIMEOUT_S = 30.0  # an instance that does not answer a migration call in this long has failed it
 
 
@@ -31,7 +32,7 @@ class MigrationResult:
     src: int
     dst: int
     reason: str
-    outcome: str  # "ok", or why it did not happen: no_room, source_ended, source_preempted, dest_failed, ...
+    outcome: MigrationOutcome  # ok, or why it did not happen: no_room, source_ended, source_preempted, ...
     message: str = ""
     downtime_s: float = 0.0
     total_s: float = 0.0
@@ -52,12 +53,12 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
     """Move `request_id` from instance `src` to `dst` (`cluster` routes the calls and streams).
     mode 'recompute': no KV moves; the destination prefills the request's tokens again.
     `max_stages` 0: pause at once and send everything in one stage (prefill -> decode hand-over)."""
-    result = MigrationResult(request_id, src, dst, reason, "ok")
+    result = MigrationResult(request_id, src, dst, reason, MigrationOutcome.OK)
     started = time.perf_counter()
 
     def stage_done(inst: int, stage: int):
         return cluster.wait_event(inst, ("stage_done", mid, stage), timeout,
-                                  "source_failed" if inst == src else "dest_failed", watch=(src, dst))
+                                  SOURCE_FAILED if inst == src else DEST_FAILED, watch=(src, dst))
 
     reserved = committing = False
     pause_at = paused_at = posted_at = 0.0
@@ -68,12 +69,12 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         # a reserve that answers too late is undone by the cancel queued behind it)
         live = mode == "live"
         await cluster.call(dst, "reserve_in", mid, cluster.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
-                           timeout=timeout, failure="dest_failed")
+                           timeout=timeout, failure=DEST_FAILED)
         while live and stage < max_stages:
             first, count = await cluster.call(src, "send_out", mid, stage, timeout=timeout)
             if count == 0 and stage > 0:
                 break
-            await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure="dest_failed")
+            await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure=DEST_FAILED)
             await asyncio.gather(stage_done(src, stage), stage_done(dst, stage))
             sent += count
             stage += 1
@@ -82,12 +83,12 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         pause_at = time.perf_counter()
         state, first, count = await cluster.call(src, "pause_out", mid, stage, live, timeout=timeout)
         paused_at = time.perf_counter()
-        await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure="dest_failed")
+        await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure=DEST_FAILED)
         sent += count
         await stage_done(dst, stage)  # every destination rank has its share: nothing is committed half-moved
         posted_at = time.perf_counter()
         committing = True
-        await cluster.call(dst, "commit_in", mid, state, timeout=timeout, failure="dest_failed")
+        await cluster.call(dst, "commit_in", mid, state, timeout=timeout, failure=DEST_FAILED)
         reserved = False
     except MigrationAborted as exc:
         if committing and await _committed_anyway(cluster, mid, dst, timeout):
@@ -98,7 +99,7 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
             if committing:  # it may still commit later: whatever it then runs is aborted, not streamed
                 cluster.abort_on(dst, request_id)
             await _undo(cluster, mid, src, dst, reserved, timeout)
-    if result.outcome == "ok":
+    if result.outcome == MigrationOutcome.OK:
         # downtime: from the source's answer that the request is paused (its last step there is done)
         # to the destination's that it has taken it over; the wait for the source's current step
         # before that is not downtime (the request is computing its next token in it)
@@ -108,13 +109,13 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         result.stages, result.blocks = stage + 1, sent
         result.bytes = sent * cluster.block_bytes
         cluster.moved(request_id, src, dst)
-    if result.outcome == "ok":  # committed: the source lets go (never resumes: the destination runs it)
+    if result.outcome == MigrationOutcome.OK:  # committed: the source lets go (never resumes: the destination runs it)
         try:
             await cluster.call(src, "release_out", mid, timeout=timeout)
         except MigrationAborted as exc:
             logger.warning(f"migration {mid}: the source did not release {request_id}'s blocks: {exc}")
     result.total_s = time.perf_counter() - started
-    if result.outcome == "ok":
+    if result.outcome == MigrationOutcome.OK:
         logger.info(f"migrated {request_id} instance {src} -> {dst} ({reason}): {result.blocks} blocks in "
                     f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
                     f"{result.phases_ms['transfer']:.1f}, commit {result.phases_ms['commit']:.1f}), total "
@@ -128,7 +129,7 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
 async def _committed_anyway(cluster, mid: int, dst: int, timeout: float) -> bool:
     """After a commit that failed or answered too late: did the destination take the request over?"""
     try:
-        return await cluster.call(dst, "cancel_in", mid, timeout=timeout, failure="dest_failed") == "committed"
+        return await cluster.call(dst, "cancel_in", mid, timeout=timeout, failure=DEST_FAILED) == "committed"
     except MigrationAborted:
         return False  # gone or silent: the source keeps it (a late copy there is aborted)
 
