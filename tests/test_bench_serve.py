@@ -17,25 +17,12 @@ import pytest
 from fastapi import FastAPI, Request  # module level: the app's annotations must resolve here
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dist_infer.launch.bench_serve import (
-    InputError,
-    RequestRecord,
-    approx_token_count,
-    arrival_offsets,
-    chunk_content,
-    gamma_gaps,
-    inter_token_latencies,
-    latency_stats,
-    load_sharegpt,
-    load_trace_csv,
-    main,
-    meets_slo,
-    parse_slo,
-    parse_sse_line,
-    summarize,
-    synthetic_lengths,
-    trace_offsets,
-)
+from dist_infer.bench.serve.arrivals import arrival_offsets, gamma_gaps, trace_offsets
+from dist_infer.bench.serve.client import RequestRecord, chunk_content, inter_token_latencies, parse_sse_line
+from dist_infer.bench.serve.command import main
+from dist_infer.bench.serve.datasets import approx_token_count, load_sharegpt, load_trace_csv, synthetic_lengths
+from dist_infer.bench.serve.flags import InputError, parse_slo
+from dist_infer.bench.serve.report import latency_stats, meets_slo, summarize
 
 # ---------------------------------------------------------------- arrivals and lengths
 
@@ -549,7 +536,7 @@ def test_end_to_end_timeout_and_a_server_that_ignores_stream(capsys):
 def test_tokenizer_file_counts_and_encodes(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from dist_infer.launch.bench_serve import load_tokenizer_counter
+    from dist_infer.bench.serve.datasets import load_tokenizer_counter
 
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()

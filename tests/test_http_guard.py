@@ -23,7 +23,8 @@ import psutil
 import pytest
 from test_api_server import MODEL, FakeEngine, fake_tokens
 
-from dist_infer.launch import bench_serve
+from dist_infer.bench.serve import client as bench_serve_client
+from dist_infer.bench.serve import command as bench_serve
 from dist_infer.launch.http_flags import add_http_flags, http_options_of
 from dist_infer.serving.api_server import DrainingServer, build_app
 from dist_infer.serving.http_guard import HttpGuard
@@ -422,10 +423,10 @@ def test_tls_serves_https_and_bench_serve_speaks_it(self_signed, capsys):
 
 
 def test_bench_serve_api_key_from_the_environment():
-    assert bench_serve.api_key_of(None, {"OPENAI_API_KEY": "a", "DIST_INFER_API_KEY": "b"}) == "a"
-    assert bench_serve.api_key_of(None, {"DIST_INFER_API_KEY": "b"}) == "b"
-    assert bench_serve.api_key_of("c", {"OPENAI_API_KEY": "a"}) == "c"
-    assert bench_serve.api_key_of(None, {}) is None
+    assert bench_serve_client.api_key_of(None, {"OPENAI_API_KEY": "a", "DIST_INFER_API_KEY": "b"}) == "a"
+    assert bench_serve_client.api_key_of(None, {"DIST_INFER_API_KEY": "b"}) == "b"
+    assert bench_serve_client.api_key_of("c", {"OPENAI_API_KEY": "a"}) == "c"
+    assert bench_serve_client.api_key_of(None, {}) is None
 
 
 def test_http_flags_make_the_guard(self_signed):

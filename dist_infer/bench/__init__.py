@@ -8,8 +8,9 @@ greedy loop shape: one prefill, then G-1 decode steps.
 One module each: `flags` (the command line), `timing` (the timed runs), `memory` (the peak of
 generation itself), `overlap` (how much communication is hidden, per group), `report` (ratios,
 the PNG, the routing file), `run` (the command: ours, then the peers), `profile` (`--profile`: where
-one rank's time goes), `sweep` (`--sweep`: every layout, measured beside the planner's prediction)
-and `peers` (the other systems, each in its own processes).
+one rank's time goes), `sweep` (`--sweep`: every layout, measured beside the planner's prediction),
+`peers` (the other systems, each in its own processes) and `serve` (`dist-infer bench-serve`: a load
+generator for any OpenAI-compatible server, split into datasets, arrivals, the client and the report).
 """
 
 from __future__ import annotations

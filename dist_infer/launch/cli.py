@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from loguru import logger
 
 from dist_infer import __version__
+from dist_infer.bench.serve.flags import add_bench_serve_flags, positive_int  # argparse only: no numpy, no httpx
 from dist_infer.comm.backends import BACKENDS, DEFAULT_TIMEOUT_S
 from dist_infer.launch.logs import configure_logging
 
@@ -20,19 +21,9 @@ def _cp_size(text: str):
     if text == "auto":
         return text
     try:
-        return _positive_int(text)
+        return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a positive integer nor auto")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
 
 
 def parse_size(text: str) -> int:
@@ -69,16 +60,16 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
 
 def add_parallel_flags(p: argparse.ArgumentParser, cp_auto: bool = False) -> None:
     """tp, pp, ep, cp; `cp_auto`: --cp also takes auto (commands that know their prompts up front)."""
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (ranks sharing each layer)")
-    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size (stages of layers)")
-    p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size (ranks sharing the experts)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (ranks sharing each layer)")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (stages of layers)")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size (ranks sharing the experts)")
     if cp_auto:
         p.add_argument("--cp", type=_cp_size, default=1,
                        help="context-parallel size (ranks sharing the sequence), or auto: from the longest prompt, "
                             "at least 4096 tokens per cp rank, within --nproc (else the cores or GPUs) after tp x pp "
                             "x ep; under torchrun/mpirun/srun, the job's ranks after tp x pp x ep")
     else:
-        p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (ranks sharing the sequence)")
+        p.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (ranks sharing the sequence)")
 
 
 def add_overlap_flags(p: argparse.ArgumentParser) -> None:
@@ -117,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  dist-infer launch --hostfile hosts -- dist-infer comm-test                 (ssh to every host)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    launch.add_argument("--nproc-per-node", type=_positive_int, default=1,
+    launch.add_argument("--nproc-per-node", type=positive_int, default=1,
                         help="ranks to start on this node when there is no hostfile (default %(default)s)")
     launch.add_argument("--hostfile", help="hosts and their slots ('host slots=N', 'host:N' or 'host' per line)")
     launch.add_argument("--node-rank", type=int, default=None,
@@ -142,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_flags(ct)
     add_rank_flags(ct)
     ct.add_argument("--sizes", type=_sizes, default=None, help="message sizes, e.g. 4K,256K,4M (default 4K,256K,4M)")
-    ct.add_argument("--iters", type=_positive_int, default=None, help="timed iterations per case (default: by size, 5..50)")
+    ct.add_argument("--iters", type=positive_int, default=None, help="timed iterations per case (default: by size, 5..50)")
     ct.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
 
     gen = sub.add_parser(
@@ -232,8 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Send a stream of requests (Poisson or gamma arrivals, synthetic lengths, a ShareGPT file or a "
                     "timestamped trace) to an OpenAI-compatible server and report latency percentiles and throughput.",
     )
-    from dist_infer.launch.bench_serve import add_bench_serve_flags
-
     add_bench_serve_flags(bench_serve)
     return parser
 
@@ -316,7 +305,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     _need(("httpx",), "serve", "bench-serve")
-    from dist_infer.launch.bench_serve import run_bench_serve
+    from dist_infer.bench.serve.command import run_bench_serve
 
     configure_logging("bench-serve", "INFO")
     return run_bench_serve(args)

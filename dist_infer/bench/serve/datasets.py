@@ -1,0 +1,295 @@
+"""What a run sends: synthetic prompts with chat-like lengths, a ShareGPT file, or a CSV trace
+(Azure LLM inference or BurstGPT), turned into timed requests.
+
+The lengths and prompts come from the run's one seeded generator, in a fixed order (lengths,
+ShareGPT shuffle, arrivals, prompts), so the same --seed sends the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import numpy as np
+from loguru import logger
+
+from dist_infer.bench.serve.arrivals import schedule
+from dist_infer.bench.serve.flags import InputError
+
+TOKENS_PER_WORD = 1.3  # English words -> tokens, for ShareGPT text when there is no tokenizer
+SYNTHETIC_SIGMA = 0.7  # spread of log(length) for synthetic lengths: a chat-trace-like long tail
+FIRST_RANDOM_ID = 10  # random prompt ids start here so they avoid the usual special tokens (bos, eos, pad)
+
+# Short common words: most tokenizers map " word" to one token, so N words are about N tokens.
+PROMPT_WORDS = (
+    "the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are", "as",
+    "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by", "word", "but",
+    "not", "what", "all", "were", "we", "when", "your", "can", "said", "there", "use", "an", "each",
+    "which", "she", "do", "how", "their", "if", "will", "up", "other", "about", "out", "many", "then",
+    "them", "these", "so", "some", "her", "would", "make", "like", "him", "into", "time", "has", "look",
+    "two", "more", "write", "go", "see", "number", "no", "way", "could", "people", "my", "than", "first",
+    "water", "been", "call", "who", "oil", "its", "now", "find", "long", "down", "day", "did", "get",
+    "come", "made", "may", "part", "over", "new", "sound", "take", "only", "little", "work", "know",
+    "place", "year", "live", "me", "back", "give", "most", "very", "after", "thing", "our", "just",
+    "name", "good", "sentence", "man", "think", "say", "great", "where", "help", "through", "much",
+)
+
+# Column names accepted in a CSV trace, compared lowercase with everything but letters and digits
+# dropped: Azure LLM inference traces (TIMESTAMP, ContextTokens, GeneratedTokens) and BurstGPT
+# (Timestamp, Request tokens, Response tokens), plus a few obvious spellings.
+TRACE_COLUMNS = {
+    "timestamp": ("timestamp", "time", "arrivaltime", "arrivaltimestamp"),
+    "context tokens": ("contexttokens", "requesttokens", "inputtokens", "prompttokens", "inputlen", "promptlen"),
+    "generated tokens": ("generatedtokens", "responsetokens", "outputtokens", "completiontokens", "outputlen"),
+}
+
+
+def synthetic_lengths(n: int, mean: int, rng: np.random.Generator, sigma: float = SYNTHETIC_SIGMA) -> np.ndarray:
+    """n lengths, lognormal like chat traces (most short, a long tail), clipped to [1, 4*mean].
+
+    mu is set so the unclipped mean is `mean`; the clip at 4x trims about 1% of draws, which
+    lowers the mean by a few percent.
+    """
+    mu = math.log(mean) - sigma * sigma / 2
+    lengths = np.rint(rng.lognormal(mu, sigma, size=n))
+    return np.clip(lengths, 1, 4 * mean).astype(int)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetEntry:
+    """One request as a dataset describes it, before a prompt is made for it."""
+
+    input_len: int
+    output_len: int
+    prompt: Optional[str] = None  # ShareGPT text; None: make a random prompt of input_len tokens
+    timestamp: Optional[float] = None  # CSV traces: arrival time in seconds (any origin)
+
+
+def approx_token_count(text: str) -> int:
+    """Token count of English text without a tokenizer: words x 1.3 (at least 1)."""
+    return max(1, round(len(text.split()) * TOKENS_PER_WORD))
+
+
+def synthetic_entries(n: int, input_len: int, output_len: int, rng: np.random.Generator) -> list[DatasetEntry]:
+    """n synthetic entries: all input lengths drawn first, then all output lengths (the seed's order)."""
+    inputs = synthetic_lengths(n, input_len, rng)
+    outputs = synthetic_lengths(n, output_len, rng)
+    return [DatasetEntry(int(i), int(o)) for i, o in zip(inputs, outputs)]
+
+
+def load_sharegpt(path: Union[str, Path], count_tokens: Callable[[str], int] = approx_token_count) -> list[DatasetEntry]:
+    """Entries of a ShareGPT JSON file: the first human turn is the prompt, the first gpt reply
+    after it sets the output length. Conversations without both are skipped."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"dataset file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read dataset file {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise InputError(f"{path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}}, "
+                         f"not a {type(data).__name__}")
+    entries = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list):
+            continue
+        prompt = reply = None
+        for turn in turns:
+            if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+                continue
+            speaker = str(turn.get("from", "")).lower()
+            if prompt is None and speaker in ("human", "user"):
+                prompt = turn["value"]
+            elif prompt is not None and speaker in ("gpt", "assistant", "chatgpt"):
+                reply = turn["value"]
+                break
+        if prompt and reply and prompt.strip() and reply.strip():
+            entries.append(DatasetEntry(count_tokens(prompt), max(1, count_tokens(reply)), prompt=prompt))
+    if not entries:
+        raise InputError(f"{path}: no conversation with a human turn followed by a gpt reply")
+    return entries
+
+
+def _normalized(name: str) -> str:
+    """A header name as TRACE_COLUMNS spells it: lowercase letters and digits only."""
+    return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+def _parse_timestamp(text: str) -> float:
+    """Seconds from a number (BurstGPT) or a date-time string (Azure: `2023-11-16 18:15:46.6805900`)."""
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    stamp = datetime.fromisoformat(text)  # ValueError for junk
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)  # only differences matter; avoid local DST jumps
+    return stamp.timestamp()
+
+
+def _parse_tokens(text: str) -> int:
+    """A token count cell: a non-negative number (BurstGPT writes some as floats)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return int(value)
+
+
+def load_trace_csv(path: Union[str, Path]) -> list[DatasetEntry]:
+    """Entries of a CSV trace, sorted by timestamp. Token counts of 0 (BurstGPT's failed
+    requests) become 1 so the arrival pattern is kept whole."""
+    path = Path(path)
+    try:
+        handle = path.open(newline="", encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise InputError(f"dataset file {path} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"cannot read dataset file {path}: {exc}") from None
+    with handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if not header:
+            raise InputError(f"{path}: empty file, expected a header line")
+        by_name = {_normalized(name): index for index, name in enumerate(header)}
+        columns = {}
+        for what, accepted in TRACE_COLUMNS.items():
+            found = [by_name[name] for name in accepted if name in by_name]
+            if not found:
+                raise InputError(f"{path}: no {what} column (accepted: {', '.join(accepted)}, any case and "
+                                 f"spacing); the header has: {', '.join(header)}")
+            columns[what] = found[0]
+        entries = []
+        for line_number, row in enumerate(reader, start=2):
+            if not any(cell.strip() for cell in row):
+                continue
+            values = {}
+            for what, index in columns.items():
+                cell = row[index] if index < len(row) else ""
+                try:
+                    values[what] = _parse_timestamp(cell) if what == "timestamp" else _parse_tokens(cell)
+                except ValueError:
+                    raise InputError(f"{path}:{line_number}: bad {header[index]!r} value {cell!r}") from None
+            entries.append(DatasetEntry(max(1, values["context tokens"]), max(1, values["generated tokens"]),
+                                        timestamp=values["timestamp"]))
+    if not entries:
+        raise InputError(f"{path}: the trace has a header but no rows")
+    entries.sort(key=lambda entry: entry.timestamp)
+    return entries
+
+
+def load_tokenizer_counter(path: Union[str, Path]):
+    """(count, encode) functions of a local tokenizer.json, for exact ShareGPT lengths and ids."""
+    from tokenizers import Tokenizer
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise InputError(f"tokenizer file {file} does not exist")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as exc:  # the tokenizers library raises plain Exception for a malformed file
+        raise InputError(f"cannot load tokenizer {file}: {exc}") from None
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    return (lambda text: max(1, len(encode(text)))), encode
+
+
+def dataset_kind(dataset: str) -> str:
+    """synthetic, sharegpt or trace: by name, by extension, else by the file's first character."""
+    if dataset == "synthetic":
+        return "synthetic"
+    path = Path(dataset)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return "trace"
+    if suffix == ".json":
+        return "sharegpt"
+    if not path.exists():
+        raise InputError(f"dataset file {path} does not exist (or use --dataset synthetic)")
+    try:
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            start = handle.read(4096).lstrip()
+    except OSError as exc:
+        raise InputError(f"cannot read dataset file {path}: {exc}") from None
+    return "sharegpt" if start.startswith("[") else "trace"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRequest:
+    """What is sent, and when (seconds after the start)."""
+
+    index: int
+    prompt: Union[str, list[int]]
+    input_len: int
+    output_len: int
+    arrival_s: float
+
+
+def random_text_prompt(n_tokens: int, rng: np.random.Generator) -> str:
+    """n random common words, about n tokens for most tokenizers (see PROMPT_WORDS)."""
+    return " ".join(PROMPT_WORDS[i] for i in rng.integers(0, len(PROMPT_WORDS), size=n_tokens))
+
+
+def random_id_prompt(n_tokens: int, vocab_size: int, rng: np.random.Generator) -> list[int]:
+    """n random ids in [FIRST_RANDOM_ID, vocab_size): exact lengths without a tokenizer."""
+    return [int(i) for i in rng.integers(FIRST_RANDOM_ID, vocab_size, size=n_tokens)]
+
+
+def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
+    """The requests of this run and a phrase saying how they arrive."""
+    kind = dataset_kind(args.dataset)
+    if args.prompt_ids and args.endpoint == "chat":
+        raise InputError("--prompt-ids needs --endpoint completions (chat messages are text)")
+    if args.prompt_ids and args.vocab_size <= FIRST_RANDOM_ID:
+        raise InputError(f"--vocab-size must be above {FIRST_RANDOM_ID} (random ids start there)")
+    count_tokens, encode = approx_token_count, None
+    if args.tokenizer:
+        count_tokens, encode = load_tokenizer_counter(args.tokenizer)
+    if kind == "synthetic":
+        entries = synthetic_entries(args.num_prompts, args.input_len, args.output_len, rng)
+    elif kind == "sharegpt":
+        if args.prompt_ids and encode is None:
+            raise InputError("--prompt-ids with a ShareGPT dataset needs --tokenizer to turn the text into ids")
+        entries = load_sharegpt(args.dataset, count_tokens)
+        if args.max_input_len:
+            kept = [entry for entry in entries if entry.input_len <= args.max_input_len]
+            if not kept:
+                raise InputError(f"{args.dataset}: no prompt is within --max-input-len {args.max_input_len}")
+            entries = kept
+        entries = [entries[i] for i in rng.permutation(len(entries))]
+    else:
+        entries = load_trace_csv(args.dataset)
+    if len(entries) < args.num_prompts:
+        logger.warning(f"{args.dataset} has {len(entries)} usable entries, fewer than --num-prompts "
+                       f"{args.num_prompts}: sending {len(entries)}")
+    entries = entries[:args.num_prompts]
+    if args.max_input_len and kind != "sharegpt":
+        entries = [dataclasses.replace(e, input_len=min(e.input_len, args.max_input_len)) for e in entries]
+    timestamps = [entry.timestamp for entry in entries] if kind == "trace" else None
+    offsets, arrivals = schedule(len(entries), timestamps, args.request_rate, args.burstiness, args.time_scale, rng)
+
+    requests = []
+    for index, (entry, offset) in enumerate(zip(entries, offsets)):
+        if entry.prompt is not None:
+            prompt: Union[str, list[int]] = encode(entry.prompt) if args.prompt_ids else entry.prompt
+        elif args.prompt_ids:
+            prompt = random_id_prompt(entry.input_len, args.vocab_size, rng)
+        else:
+            prompt = random_text_prompt(entry.input_len, rng)
+        requests.append(BenchRequest(index, prompt, entry.input_len, entry.output_len, float(offset)))
+    return requests, arrivals
+
