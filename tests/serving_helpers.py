@@ -10,10 +10,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import httpx
 from conftest import REPO, VENV_BIN, _end_tree, venv_env
+from polling import wait_until
 
 DIST = [str(VENV_BIN / "dist-infer")]
 
@@ -60,14 +61,13 @@ class ServerJob:
         return out
 
     def wait_for_metric(self, name: str, predicate, timeout: float = 30.0) -> float:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self.metrics().get(name)
-            if value is not None and predicate(value):
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{name} = {value} after {timeout} s")
-            time.sleep(0.2)
+        seen = [None]
+
+        def holds():
+            seen[0] = value = self.metrics().get(name)
+            return value is not None and predicate(value) and (value,)  # a tuple: 0.0 may be the awaited value
+
+        return wait_until(holds, timeout, lambda: f"{name} (now {seen[0]})", interval=0.2)[0]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 90.0, api_only: bool = False) -> int:
         """Signal the job's first process (the launcher, or the server itself), or with `api_only`
@@ -102,8 +102,10 @@ async def complete_ids(client: httpx.AsyncClient, url: str, prompt: list[int], d
     return r.json()
 
 
-async def stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], delay: float = 0.0, **body) -> dict:
-    """Stream one completion; returns {'token_ids', 'text', 'finish_reason', 'usage', 'chunks'}."""
+async def stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], delay: float = 0.0,
+                     on_chunk: Optional[Callable[[list[int]], None]] = None, **body) -> dict:
+    """Stream one completion; returns {'token_ids', 'text', 'finish_reason', 'usage', 'chunks'}.
+    `on_chunk(token ids so far)` is called after each chunk."""
     await asyncio.sleep(delay)
     ids, text, finish, usage, chunks = [], "", None, None, 0
     body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **body}
@@ -126,6 +128,8 @@ async def stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], del
                 ids += choice.get("token_ids") or []
                 text += choice.get("text") or ""
                 finish = choice.get("finish_reason") or finish
+            if on_chunk is not None:
+                on_chunk(list(ids))
         assert done, "the stream must end with data: [DONE]"
     return {"token_ids": ids, "text": text, "finish_reason": finish, "usage": usage, "chunks": chunks}
 
@@ -136,14 +140,14 @@ def instances(server) -> list[dict]:
 
 def wait_state(job, index: int, state: str, timeout: float = 120.0) -> dict:
     """Instance `index` as /admin/instances describes it, once it is in `state`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        insts = instances(job)
-        if index < len(insts) and insts[index]["state"] == state:
-            return insts[index]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"instance {index} not {state} after {timeout} s: {insts}\n{job.log()[-4000:]}")
-        time.sleep(0.2)
+    insts: list[dict] = []
+
+    def in_state():
+        insts[:] = instances(job)
+        return index < len(insts) and insts[index]["state"] == state and insts[index]
+
+    return wait_until(in_state, timeout, lambda: f"instance {index} {state}: {insts}\n{job.log()[-4000:]}",
+                      interval=0.2)
 
 
 def where(server, request_id: str) -> int:
@@ -154,14 +158,13 @@ def where(server, request_id: str) -> int:
 
 
 def assert_all_blocks_free(server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        insts = instances(server)
-        if all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in insts):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV blocks not all free again: {insts}")
-        time.sleep(0.1)
+    insts: list[dict] = []
+
+    def all_free():
+        insts[:] = instances(server)
+        return all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in insts)
+
+    wait_until(all_free, timeout, lambda: f"KV blocks all free again: {insts}", interval=0.1)
 
 
 async def stream_tokens(client, url, prompt, on_token=None, errors_ok: bool = False, **body) -> dict:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,6 +24,7 @@ from typing import Optional
 import httpx
 import openai
 import pytest
+from polling import wait_until
 
 from dist_infer.engine.request import RequestError, RequestOutput
 from dist_infer.serving.api_server import DrainingServer, build_app, serve_http
@@ -192,14 +192,6 @@ def http() -> httpx.Client:
 
 def client(served: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.v1, api_key="x", max_retries=0, http_client=http())
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s")
-        time.sleep(0.02)
 
 
 def sse_events(response: httpx.Response) -> list:
@@ -452,7 +444,7 @@ def test_engine_death_is_500_or_an_error_event(served):
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
         engine.dead_reason = None
         assert h.get(served.url + "/health").status_code == 200
-    wait_for(lambda: engine.free_blocks == engine.total_blocks, what="every block free again")
+    wait_until(lambda: engine.free_blocks == engine.total_blocks, 15.0, "every block free again")
 
 
 # -- metrics ------------------------------------------------------------------------------------------
@@ -512,8 +504,8 @@ def test_client_leaving_a_stream_aborts_its_request(served):
         first = next(line for line in lines if line.startswith("data: "))
         request_id = json.loads(first[len("data: "):])["id"]
     # the connection is closed with the request still generating
-    wait_for(lambda: request_id in engine.aborted, what=f"abort({request_id})")
-    wait_for(lambda: engine.free_blocks == engine.total_blocks, what="every block free again")
+    wait_until(lambda: request_id in engine.aborted, 15.0, f"abort({request_id})")
+    wait_until(lambda: engine.free_blocks == engine.total_blocks, 15.0, "every block free again")
 
 
 def test_client_leaving_a_pending_answer_aborts_its_request(served):
@@ -523,10 +515,10 @@ def test_client_leaving_a_pending_answer_aborts_its_request(served):
     with httpx.Client(trust_env=False, timeout=httpx.Timeout(30, read=0.5)) as h:
         with pytest.raises(httpx.ReadTimeout):
             h.post(served.v1 + "/completions", json={"prompt": [1, 7], "max_tokens": 100})
-    wait_for(lambda: len(engine.started) > n_started, what="the request started")
+    wait_until(lambda: len(engine.started) > n_started, 15.0, "the request started")
     request_id = engine.started[n_started]
-    wait_for(lambda: request_id in engine.aborted, what=f"abort({request_id})")
-    wait_for(lambda: engine.free_blocks == engine.total_blocks, what="every block free again")
+    wait_until(lambda: request_id in engine.aborted, 15.0, f"abort({request_id})")
+    wait_until(lambda: engine.free_blocks == engine.total_blocks, 15.0, "every block free again")
 
 
 # -- shutdown -------------------------------------------------------------------------------------------
@@ -540,7 +532,7 @@ def test_shutdown_lets_running_streams_finish():
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         served.server.request_shutdown()
-        wait_for(lambda: not engine.accepting, what="the engine told to stop accepting")
+        wait_until(lambda: not engine.accepting, 15.0, "the engine told to stop accepting")
         try:  # a new request: refused at the socket once uvicorn stops listening, 503 before that
             with http() as other:
                 late = other.post(served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 2})
@@ -590,8 +582,8 @@ def test_sigterm_drains_and_exits_0(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        wait_for(lambda: ready_file.exists() and ready_file.read_text() or proc.poll() is not None, timeout=60,
-                 what="the server ready")
+        wait_until(lambda: ready_file.exists() and ready_file.read_text() or proc.poll() is not None, 60,
+                   "the server ready")
         assert proc.poll() is None, proc.communicate()[0]
         url = f"http://127.0.0.1:{json.loads(ready_file.read_text())['port']}/v1"
         with http() as h, h.stream("POST", url + "/completions",

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import prompts_for
+from polling import wait_until
 from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
                              wait_state, where)
 
@@ -172,9 +173,8 @@ def test_a_thousand_requests_with_migrations_leave_nothing_behind(checkpoint, tm
         outcomes = [m.json().get("outcome") for m in moves if m.status_code == 200]
         assert outcomes.count("ok") >= 5, [m.text for m in moves]
         assert_all_blocks_free(job)
-        deadline = time.monotonic() + 10
-        while any(_entries(job).values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not any(_entries(job).values()), 10, "the front end's per-request entries emptied",
+                   interval=0.2)
         entries = _entries(job)
         assert entries and not any(entries.values()), entries
         assert job.stop() == 0, job.log()[-4000:]

@@ -12,6 +12,7 @@ from multiprocessing.connection import Client
 
 import psutil
 import pytest
+from polling import wait_until
 
 from dist_infer.serving.hub import Hub, StartupWaiter
 from dist_infer.serving.wire import Hello, StepOutputs
@@ -45,13 +46,6 @@ def hub():
     h.close()
 
 
-def _wait(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_hostile_connections_leave_the_hub_accepting(hub):
     rss = psutil.Process().memory_info().rss
     socks = []
@@ -68,7 +62,8 @@ def test_hostile_connections_leave_the_hub_accepting(hub):
     socks += silent
     with pytest.raises(Exception):
         Client(hub.address, authkey=b"wrong" * 4)
-    _wait(lambda: hub.refused >= 4)  # handshakes time out after 1 s each; the accept loop never stopped
+    # handshakes time out after 1 s each; the accept loop never stopped
+    wait_until(lambda: hub.refused >= 4, 10.0, "4 connections refused")
     for s in socks:
         s.close()
     conn = _join(hub.address, 0)
@@ -81,7 +76,7 @@ def test_hostile_connections_leave_the_hub_accepting(hub):
 def test_a_driver_that_says_something_else_first_is_refused(hub):
     conn = Client(hub.address, authkey=KEY)
     conn.send(StepOutputs([]))
-    _wait(lambda: hub.refused >= 1)
+    wait_until(lambda: hub.refused >= 1, 10.0, "a connection refused")
     conn.close()
     second = _join(hub.address, 1)
     assert hub.got.wait(10) and hub.joined[0][1].index == 1
@@ -98,7 +93,7 @@ def test_a_hello_with_wrong_fields_is_refused(hub):
     bad = dataclasses.replace(_hello(0), index="zero")  # what a pickle can carry: no constructor checks it
     conn = Client(hub.address, authkey=KEY)
     conn.send(bad)
-    _wait(lambda: hub.refused >= 1)
+    wait_until(lambda: hub.refused >= 1, 10.0, "a connection refused")
     conn.close()
     assert not hub.joined
 
@@ -117,7 +112,7 @@ def test_startup_waits_for_every_instance_and_names_the_missing():
         later = []
         waiter.hand_over(lambda conn, hello: later.append(hello.index))
         more = _join(h.address, 2)
-        _wait(lambda: later == [2])
+        wait_until(lambda: later == [2], 10.0, "the late join of instance 2 handed over")
         with pytest.raises(RuntimeError, match="exited"):
             StartupWaiter(1).wait(5.0, failed=lambda: "instance 0's job exited with code 1")
         for c in (first, zero, more):

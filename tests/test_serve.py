@@ -248,15 +248,28 @@ def test_health_and_metrics_names(default_server):
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(default_server):
+    """SIGTERM once the stream's first chunk has arrived (so the request is running, not yet done):
+    the server drains it (all 60 tokens, finish_reason length) and then exits 0."""
     async def go():
+        first_chunk = asyncio.Event()
+        ids: list[int] = []
+
+        def on_chunk(ids_so_far: list[int]) -> None:
+            ids[:] = ids_so_far
+            first_chunk.set()
+
         async with httpx.AsyncClient() as client:
             task = asyncio.create_task(stream_ids(client, default_server.url, [1, 4, 4], max_tokens=60,
-                                                  temperature=0, ignore_eos=True))
-            await asyncio.sleep(1.0)
+                                                  temperature=0, ignore_eos=True, on_chunk=on_chunk))
+            waiter = asyncio.create_task(first_chunk.wait())
+            await asyncio.wait([task, waiter], timeout=120, return_when=asyncio.FIRST_COMPLETED)
+            assert first_chunk.is_set(), f"no chunk within 120 s (stream done: {task.done()})"
+            received_at_signal = len(ids)
             default_server.proc.send_signal(signal.SIGTERM)
-            return await task
+            return received_at_signal, await task
 
-    result = run_async(go())
+    received_at_signal, result = run_async(go())
+    assert received_at_signal < 60, "the stream ended before SIGTERM: the drain was not exercised"
     assert len(result["token_ids"]) == 60 and result["finish_reason"] == "length"
     default_server.proc.wait(90)
     assert default_server.proc.returncode == 0, default_server.log()[-4000:]

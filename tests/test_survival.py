@@ -19,6 +19,7 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
+from polling import wait_until
 from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
                              wait_state, where)
 
@@ -52,14 +53,13 @@ def serve_again(job, count: int, timeout: float = 120.0) -> None:
 
 
 def assert_live_blocks_free(job, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        live = [i for i in instances(job) if i["state"] in ("serving", "stopping")]
-        if all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in live):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV blocks not all free again: {live}")
-        time.sleep(0.1)
+    live: list[dict] = []
+
+    def all_free():
+        live[:] = [i for i in instances(job) if i["state"] in ("serving", "stopping")]
+        return all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in live)
+
+    wait_until(all_free, timeout, lambda: f"KV blocks of the live instances all free again: {live}", interval=0.1)
 
 
 def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkpoint, tmp_path):
