@@ -88,3 +88,14 @@ def test_no_rank_listens_on_every_interface(where, tmp_path):
         (tmp_path / "done").write_text("")
         result = finish(proc, JOB_TIMEOUT)
     assert result.returncode == 0
+
+
+def test_a_several_host_job_with_a_loopback_master_is_refused_not_bound_to_every_interface():
+    """Other hosts cannot reach 127.0.0.1; listening on every interface instead would open the
+    unauthenticated store to every network: a clear error naming MASTER_ADDR."""
+    from dist_infer.comm.init import BackendError, rendezvous_store
+    from dist_infer.topology.discovery import RankInfo
+
+    info = RankInfo(0, 4, 0, 2, 0, "127.0.0.1", free_port(), "torchrun-like")
+    with pytest.raises(BackendError, match="MASTER_ADDR '127.0.0.1'.*never listens on every interface"):
+        rendezvous_store(info, timeout=5)

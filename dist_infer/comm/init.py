@@ -112,11 +112,11 @@ def rendezvous_store(info: RankInfo, timeout: float):
     if info.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = TCPStore(host, info.master_port, info.world_size, is_master=False, timeout=limit)
         return PrefixStore("default_pg", store)  # the keys tcp:// would use, clear of the agent's
-    bind = host
     if info.num_nodes > 1 and ipaddress.ip_address(host).is_loopback:
-        logger.warning(f"MASTER_ADDR {info.master_addr!r} is {host} on this host, which other hosts cannot reach: "
-                       f"the rendezvous listens on every interface; set MASTER_ADDR to this host's IP")
-        bind = "::" if ":" in host else "0.0.0.0"
+        raise BackendError(f"MASTER_ADDR {info.master_addr!r} is {host} on this host, which the other hosts cannot "
+                           f"reach, and the rendezvous never listens on every interface: set MASTER_ADDR to this "
+                           f"host's address on the job's network")
+    bind = host
     listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
