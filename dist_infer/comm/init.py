@@ -103,9 +103,13 @@ def store_address(master_addr: str) -> str:
 def rendezvous_store(info: RankInfo, timeout: float):
     """The job's TCPStore. torch's tcp:// rendezvous listens on every interface, so anyone on any
     network the master host is on could talk to it; rank 0 listens on MASTER_ADDR's own address
-    instead, and the other ranks connect there."""
-    from torch.distributed import PrefixStore, TCPStore
+    instead, and the other ranks connect there. A one-process world needs no store server: serving
+    starts its one-rank instances side by side, and each taking a "free" port for a store of its
+    own raced a launcher that had just picked the same port for its job."""
+    from torch.distributed import HashStore, PrefixStore, TCPStore
 
+    if info.world_size == 1:  # nobody to meet: no listener at all, and no port to race other jobs for
+        return HashStore()
     host = store_address(info.master_addr)
     limit = datetime.timedelta(seconds=timeout)
     # under torchrun its agent already serves the store on MASTER_PORT: every rank is a client
