@@ -1,7 +1,8 @@
 """dist_infer: distributed LLM inference with communication hidden behind computation.
 
 Layers, each importing only the ones after it:
-launch -> serving -> engine -> models -> parallel -> comm -> topology.
+cli -> bench -> planner -> launch -> serving -> engine -> models -> parallel -> comm -> topology -> kernels.
+`dist_infer.arg_types` (argument types, standard library only) is outside them: any layer may use it.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """`python -m dist_infer` is the `dist-infer` CLI."""
 
-from dist_infer.launch.cli import run
+from dist_infer.cli.main import run
 
 if __name__ == "__main__":
     run()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import VENV_BIN
 
-from dist_infer.launch.comm_test import _Case, a2a_rows, a2a_width, bus_bandwidth_factor, expected, pattern
+from dist_infer.comm.selftest import _Case, a2a_rows, a2a_width, bus_bandwidth_factor, expected, pattern
 from dist_infer.launch.launcher import (
     LaunchError,
     LaunchOptions,

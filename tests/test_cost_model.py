@@ -88,6 +88,7 @@ def test_causal_attention_flops():
 def test_layout_parsing_and_errors():
     assert parse_layout("tp=8,cp=2") == Layout(tp=8, cp=2)
     assert parse_layout("tp=2 pp=2") == Layout(tp=2, pp=2)
+    assert parse_layout("tp8cp2") == Layout(tp=8, cp=2)  # the compact alias
     for bad, said in (("tp=two", "'two' is not an integer"), ("xp=2", "axes: tp, pp, cp, ep"), ("tp=0", "positive")):
         with pytest.raises(LayoutError, match=said):
             parse_layout(bad)
@@ -104,6 +105,8 @@ def test_candidate_layouts_are_what_the_engine_runs():
     assert why_not(Layout(tp=8), SMALL) == "tp=8 is more than the 4 query heads"
     assert "needs 2 ranks" in why_not(Layout(tp=2), SMALL, 4)
     assert why_not(Layout(ep=2), SMALL).startswith("ep=2 needs a mixture-of-experts")
+    assert why_not(Layout(tp=2, dp=2), SMALL).startswith("dp=2: a plan is for one replica")
+    assert why_not(Layout(tp=2, dp=1), SMALL) is None
 
 
 def test_group_placement_on_nodes():
@@ -535,7 +538,7 @@ def cli(capsys, *args: str) -> tuple[int, str]:
     a process start for each of the many small plan calls (one test starts the real command)."""
     from loguru import logger
 
-    from dist_infer.launch.cli import main
+    from dist_infer.cli.main import main
 
     capsys.readouterr()
     try:

@@ -212,8 +212,8 @@ def test_a_64k_prompt_with_cp2_matches_the_single_process_flash_reference(tmp_pa
 
 
 def test_cp_auto_rewrites_the_ranks_command_line(monkeypatch):
-    from dist_infer.launch import cp_auto
-    from dist_infer.launch.cp_auto import resolve_cp_auto
+    from dist_infer.cli import cp_auto
+    from dist_infer.cli.cp_auto import resolve_cp_auto
     from dist_infer.topology.discovery import discover
 
     monkeypatch.setattr(cp_auto, "discover", lambda env: None)  # started by hand

@@ -1,4 +1,4 @@
-"""The HTTP front end's protection (serving/http_guard.py, launch/http_flags.py): API and admin
+"""The HTTP front end's protection (serving/http_guard.py, cli/http_flags.py): API and admin
 keys, admin access from loopback only, JSON-only bodies of bounded size, CORS, TLS, hostile JSON,
 bounded stop strings, generic 500s, and tokenizing off the event loop.
 
@@ -25,7 +25,7 @@ from test_api_server import MODEL, FakeEngine, fake_tokens
 
 from dist_infer.bench.serve import client as bench_serve_client
 from dist_infer.bench.serve import command as bench_serve
-from dist_infer.launch.http_flags import add_http_flags, http_options_of
+from dist_infer.cli.http_flags import add_http_flags, http_options_of
 from dist_infer.serving.api_server import DrainingServer, build_app
 from dist_infer.serving.http_guard import HttpGuard
 

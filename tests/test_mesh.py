@@ -1,4 +1,4 @@
-"""ParallelConfig arithmetic and the mesh's rank layout and groups."""
+"""Layout arithmetic and the mesh's rank layout and groups."""
 
 from __future__ import annotations
 
@@ -6,25 +6,26 @@ import itertools
 
 import pytest
 
-from dist_infer.topology.mesh import AXES, Mesh, ParallelConfig, ParallelConfigError
+from dist_infer.topology.layout import Layout, ParallelConfigError
+from dist_infer.topology.mesh import RANK_ORDER, Mesh
 
-# -- ParallelConfig.sizes ------------------------------------------------------------------
+# -- Layout.sizes ------------------------------------------------------------------------------
 
 
 def test_dp_derived():
-    assert ParallelConfig(tp=2).sizes(8) == {"tp": 2, "cp": 1, "ep": 1, "dp": 4, "pp": 1}
-    assert ParallelConfig(tp=2, pp=2).sizes(4)["dp"] == 1
-    assert ParallelConfig().sizes(3) == {"tp": 1, "cp": 1, "ep": 1, "dp": 3, "pp": 1}
-    assert ParallelConfig(tp=2, pp=3, ep=2, cp=2).sizes(48)["dp"] == 2
+    assert Layout(tp=2).sizes(8) == {"tp": 2, "cp": 1, "ep": 1, "dp": 4, "pp": 1}
+    assert Layout(tp=2, pp=2).sizes(4)["dp"] == 1
+    assert Layout().sizes(3) == {"tp": 1, "cp": 1, "ep": 1, "dp": 3, "pp": 1}
+    assert Layout(tp=2, pp=3, ep=2, cp=2).sizes(48)["dp"] == 2
 
 
 def test_explicit_dp_matching():
-    assert ParallelConfig(tp=2, dp=2).sizes(4)["dp"] == 2
+    assert Layout(tp=2, dp=2).sizes(4)["dp"] == 2
 
 
 def test_tp_not_dividing_world_shows_arithmetic():
     with pytest.raises(ParallelConfigError) as info:
-        ParallelConfig(tp=3).sizes(4)
+        Layout(tp=3).sizes(4)
     message = str(info.value)
     assert "tp=3" in message and "world size 4" in message
     assert "4 % 3 = 1" in message
@@ -32,7 +33,7 @@ def test_tp_not_dividing_world_shows_arithmetic():
 
 def test_product_not_dividing_world_shows_arithmetic():
     with pytest.raises(ParallelConfigError) as info:
-        ParallelConfig(tp=2, pp=2, ep=2).sizes(12)
+        Layout(tp=2, pp=2, ep=2).sizes(12)
     message = str(info.value)
     assert "tp=2 x pp=2 x ep=2 x cp=1 = 8" in message
     assert "12 % 8 = 4" in message
@@ -40,14 +41,14 @@ def test_product_not_dividing_world_shows_arithmetic():
 
 def test_explicit_dp_mismatch_shows_arithmetic():
     with pytest.raises(ParallelConfigError) as info:
-        ParallelConfig(tp=2, dp=3).sizes(4)
+        Layout(tp=2, dp=3).sizes(4)
     message = str(info.value)
     assert "dp=3 = 6" in message and "world size is 4" in message
 
 
 def test_explicit_dp_too_small():
     with pytest.raises(ParallelConfigError, match=r"= 2, but the world size is 4"):
-        ParallelConfig(tp=2, dp=1).sizes(4)
+        Layout(tp=2, dp=1).sizes(4)
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -55,25 +56,25 @@ def test_explicit_dp_too_small():
 ])
 def test_non_positive_sizes(kwargs, name):
     with pytest.raises(ParallelConfigError, match=rf"{name}.*positive integer"):
-        ParallelConfig(**kwargs).sizes(4)
+        Layout(**kwargs).sizes(4)
 
 
 def test_mesh_build_validates():
     with pytest.raises(ParallelConfigError):
-        Mesh.build(ParallelConfig(tp=3), 4)
+        Mesh.build(Layout(tp=3), 4)
 
 
 # -- rank layout ---------------------------------------------------------------------------
 
 CONFIGS = [
-    (ParallelConfig(), 1),
-    (ParallelConfig(), 4),
-    (ParallelConfig(tp=2, pp=2), 4),
-    (ParallelConfig(tp=2), 8),
-    (ParallelConfig(tp=2, pp=2, ep=2), 8),
-    (ParallelConfig(tp=2, cp=2, ep=2, pp=2, dp=2), 32),
-    (ParallelConfig(tp=3, pp=2), 12),
-    (ParallelConfig(tp=1, cp=3, ep=1, pp=1), 6),
+    (Layout(), 1),
+    (Layout(), 4),
+    (Layout(tp=2, pp=2), 4),
+    (Layout(tp=2), 8),
+    (Layout(tp=2, pp=2, ep=2), 8),
+    (Layout(tp=2, cp=2, ep=2, pp=2, dp=2), 32),
+    (Layout(tp=3, pp=2), 12),
+    (Layout(tp=1, cp=3, ep=1, pp=1), 6),
 ]
 IDS = [f"{m}w{w}" for m, w in [(f"tp{c.tp}pp{c.pp}ep{c.ep}cp{c.cp}dp{c.dp}", w) for c, w in CONFIGS]]
 
@@ -94,17 +95,18 @@ def test_rank_order_formula(config, world):
 
 
 def test_tp_innermost_pp_outermost():
-    mesh = Mesh.build(ParallelConfig(tp=2, pp=2), 8)  # dp = 2
+    mesh = Mesh.build(Layout(tp=2, pp=2), 8)  # dp = 2
     assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert mesh.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert mesh.groups("cp") == [[r] for r in range(8)]
-    assert mesh.describe() == "pp=2 x dp=2 x ep=1 x cp=1 x tp=2"
+    assert mesh.describe() == "tp=2,pp=2,dp=2"
+    assert mesh.layout == Layout(tp=2, pp=2, dp=2)
 
 
 def test_axis_order_constant():
-    assert AXES == ("tp", "cp", "ep", "dp", "pp")
-    mesh = Mesh.build(ParallelConfig(tp=2, cp=2, ep=2, pp=2, dp=2), 32)
+    assert RANK_ORDER == ("tp", "cp", "ep", "dp", "pp")
+    mesh = Mesh.build(Layout(tp=2, cp=2, ep=2, pp=2, dp=2), 32)
     assert mesh.coords(1) == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 0}
     assert mesh.coords(2) == {"tp": 0, "cp": 1, "ep": 0, "dp": 0, "pp": 0}
     assert mesh.coords(4) == {"tp": 0, "cp": 0, "ep": 1, "dp": 0, "pp": 0}
@@ -115,7 +117,7 @@ def test_axis_order_constant():
 @pytest.mark.parametrize("config,world", CONFIGS, ids=IDS)
 def test_groups_partition_the_world_and_match_coords(config, world):
     mesh = Mesh.build(config, world)
-    for axis in AXES:
+    for axis in RANK_ORDER:
         groups = mesh.groups(axis)
         assert groups == sorted(groups)
         flat = [r for g in groups for r in g]
@@ -126,7 +128,7 @@ def test_groups_partition_the_world_and_match_coords(config, world):
             coords = [mesh.coords(r) for r in group]
             # group rank i has axis coordinate i, and every other coordinate is shared
             assert [c[axis] for c in coords] == list(range(mesh.sizes[axis]))
-            for other in AXES:
+            for other in RANK_ORDER:
                 if other != axis:
                     assert len({c[other] for c in coords}) == 1
             for r in group:
@@ -134,7 +136,7 @@ def test_groups_partition_the_world_and_match_coords(config, world):
 
 
 def test_coords_outside_world_and_unknown_axis():
-    mesh = Mesh.build(ParallelConfig(tp=2), 4)
+    mesh = Mesh.build(Layout(tp=2), 4)
     with pytest.raises(ValueError, match="rank 4 outside world size 4"):
         mesh.coords(4)
     with pytest.raises(ValueError, match="unknown axis 'xp'"):
@@ -151,4 +153,13 @@ def test_coords_outside_world_and_unknown_axis():
     (8, 8, 8, False),
 ])
 def test_tp_crosses_nodes(tp, world, local, crosses):
-    assert Mesh.build(ParallelConfig(tp=tp), world).tp_crosses_nodes(local) is crosses
+    assert Mesh.build(Layout(tp=tp), world).tp_crosses_nodes(local) is crosses
+
+
+def test_old_names_still_import():
+    # callers outside topology/ still write ParallelConfig and AXES; they name the one Layout and RANK_ORDER
+    from dist_infer.topology import AXES, ParallelConfig
+    from dist_infer.topology.mesh import ParallelConfigError as MeshError
+
+    assert ParallelConfig is Layout and AXES is RANK_ORDER and MeshError is ParallelConfigError
+    assert ParallelConfig(tp=2, pp=2) == Layout(tp=2, pp=2)

@@ -281,7 +281,7 @@ def test_admin_errors_name_the_problem(server):
     r = httpx.post(server.url + "/admin/instances/5/drain", timeout=30)
     assert r.status_code == 404
     insts = instances(server)
-    assert [i["layout"] for i in insts] == ["tp2", "tp1"] and len(insts[0]["pids"]) == 2
+    assert [i["layout"] for i in insts] == ["tp=2", "tp=1"] and len(insts[0]["pids"]) == 2
 
 
 def test_sigterm_stops_every_instance(server):

@@ -17,7 +17,7 @@ import torch
 from dist_infer.comm.base import CommTimeoutError
 from dist_infer.comm.peer_link import PeerLink, PeerLinkError
 from dist_infer.engine.kv_transfer import KVLayout, PeerInstance, TransferError, TransferOp, transfer_map
-from dist_infer.launch.serve_frontend import instance_argv
+from dist_infer.serving.spawn import instance_argv
 from dist_infer.engine.migration import MigratingRequest, MigrationAborted, MigrationOutcome
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import RowSampling, SamplingParams
@@ -151,7 +151,7 @@ def test_instance_argv_keeps_the_model_flags_and_drops_the_apis():
             "--ready-file", "/r.json", "--dispatch", "rr", "--backend", "mpi", "--protect-metrics", "--max-num-seqs",
             "8", "--api-key", "k1", "--api-key=k2", "--admin-key", "a", "--frontend-only", "--hub-host", "10.0.0.1"]
     assert instance_argv(argv, 3, spec, ("10.0.0.1", 4242)) == [
-        "serve", "--model", "/m", "--kv-blocks", "64", "--max-num-seqs", "8", "--instances", "decode:tp2",
+        "serve", "--model", "/m", "--kv-blocks", "64", "--max-num-seqs", "8", "--instances", "decode:tp=2",
         "--join", "10.0.0.1:4242", "--instance-index", "3"]
 
 
@@ -163,7 +163,7 @@ def test_parse_instances():
     assert parse_instances("prefill:tp2,decode:tp1,decode:tp1") == \
         [InstanceSpec(2, 1, "prefill"), InstanceSpec(1, 1, "decode"), InstanceSpec(1, 1, "decode")]
     assert parse_instances("prefill:tp2,tp1")[1].role == "mixed"
-    assert [s.describe() for s in parse_instances("prefill:tp2pp2,mixed:tp1")] == ["prefill:tp2pp2", "tp1"]
+    assert [s.describe() for s in parse_instances("prefill:tp2pp2,mixed:tp1")] == ["prefill:tp=2,pp=2", "tp=1"]
     for bad in ("tp2,,tp1", "tpx", "dp2", "0", "tp0", "prefil:tp1", "prefill:"):
         with pytest.raises(InstancesError):
             parse_instances(bad)
@@ -172,7 +172,7 @@ def test_parse_instances():
     with pytest.raises(InstancesError, match="need a decode"):
         check_roles(parse_instances("decode:tp1"))
     check_roles(parse_instances("prefill:tp1,tp1"))
-    with pytest.raises(InstancesError, match=r"tp2=2 \+ tp1=1 = 3 ranks, the job has 4"):
+    with pytest.raises(InstancesError, match=r"2 \(tp=2\) \+ 1 \(tp=1\) = 3 ranks, the job has 4"):
         check_world(parse_instances("tp2,tp1"), 4)
 
 
@@ -241,17 +241,17 @@ def test_drain_moves_everything_even_when_balanced():
 
 
 def test_a_migration_carries_only_what_the_destination_needs():
-    r = Request("r1", [1, 2, 3], SamplingParams(max_new_tokens=8), seed=5, num_computed=4, text="ab",
+    r = Request("r1", [1, 2, 3], SamplingParams(max_new_tokens=8), seed=5, num_computed=4,
                 output_token_ids=[9], output_logprobs=[-0.5], output_top_logprobs=[[(9, -0.5)]],
-                block_table=[3, 4], in_flight=True, logits=[object()], emitted_text=2, emitted_tokens=1)
+                block_table=[3, 4], in_flight=True, logits=[object()], emitted_tokens=1)
     r.arrival_time, r.first_token_time = time.monotonic() - 2.0, time.monotonic() - 1.0
     state = MigratingRequest.of(r)
     assert pickle.loads(pickle.dumps(state)) == state  # the wire: no block table, no logits, times as ages
     assert not {"block_table", "logits", "in_flight", "seq_id"} & {f.name for f in dataclasses.fields(state)}
     assert 1.9 < state.age_s < 2.5 and MigratingRequest.of(r, send_kv=False).num_computed == 0
     back = state.to_request()
-    assert (back.output_token_ids, back.num_computed, back.text, back.emitted_tokens, back.block_table,
-            back.in_flight, back.logits, back.seed) == ([9], 4, "ab", 1, [], False, [], 5)
+    assert (back.output_token_ids, back.num_computed, back.emitted_tokens, back.block_table,
+            back.in_flight, back.logits, back.seed) == ([9], 4, 1, [], False, [], 5)
     assert abs((time.monotonic() - back.arrival_time) - 2.0) < 0.5
 
 

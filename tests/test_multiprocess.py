@@ -72,8 +72,8 @@ def test_python_m_help():
 
 LAUNCHER_SIDE = textwrap.dedent("""
     import sys
-    from dist_infer.launch.cli import build_parser
-    from dist_infer.launch.cp_auto import resolve_cp_auto
+    from dist_infer.cli.parser import build_parser
+    from dist_infer.cli.cp_auto import resolve_cp_auto
     from dist_infer.launch.launcher import relaunch_as_local_ranks
     from dist_infer.launch.rank import spawn_local, world_needed
     from dist_infer.models.builtin import resolve_model

@@ -9,7 +9,7 @@ NO_TORCH = "import sys; assert 'torch' not in sys.modules, sorted(m for m in sys
 
 def test_importing_the_planner_loads_no_torch():
     code = ("import dist_infer.planner, dist_infer.planner.plan, dist_infer.planner.predict, "
-            "dist_infer.planner.calibrate, dist_infer.launch.cli; " + NO_TORCH)
+            "dist_infer.planner.calibrate, dist_infer.cli.main, dist_infer.cli.parser; " + NO_TORCH)
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -21,7 +21,7 @@ def test_dist_infer_plan_runs_without_torch():
             "        if name == 'torch' or name.startswith('torch.'):\n"
             "            raise ImportError('dist-infer plan imported torch')\n"
             "sys.meta_path.insert(0, NoTorch())\n"
-            "from dist_infer.launch.cli import main\n"
+            "from dist_infer.cli.main import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     argv = ["plan", "--model", "llama3.1-405b", "--gpus", "128", "--gpus-per-node", "8", "--prompt-len", "131072",
             "--gen-len", "128", "--profile", "h100", "--json"]

@@ -183,6 +183,33 @@ def test_logprobs_and_stop_token(default_server):
     assert r2["token_ids"] == ids[:k + 1] and r2["finish_reason"] == "stop"
 
 
+def test_stop_string_found_in_the_front_end_ends_the_request_and_frees_its_blocks(default_server):
+    """The engine sends ids only; the front end finds the stop string, cuts the text and the ids
+    there, and aborts the request on its instance (blocks freed), streamed or not."""
+    body = {"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(default_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    text, ids = whole["text"], whole["token_ids"]
+    at = len(text) // 2
+    stop = text[at:at + 3]
+    assert stop.strip() and text.find(stop) > 0, f"no stop string to test with in {text!r}"
+    want_text = text[:text.find(stop)]
+    cut = httpx.post(default_server.url + "/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    choice = cut["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want_text, "stop", stop)
+    assert ids[:len(choice["token_ids"])] == choice["token_ids"] and len(choice["token_ids"]) < len(ids)
+    assert cut["usage"]["completion_tokens"] == len(choice["token_ids"])
+
+    async def streamed():
+        async with httpx.AsyncClient() as client:
+            return await stream_ids(client, default_server.url, body["prompt"], max_tokens=24, temperature=0,
+                                    ignore_eos=True, stop=[stop])
+
+    got = run_async(streamed())
+    assert (got["token_ids"], got["text"], got["finish_reason"]) == (choice["token_ids"], want_text, "stop"), got
+    default_server.wait_for_metric("dist_infer:num_requests_running", lambda v: v == 0.0)
+    default_server.wait_for_metric("dist_infer:kv_cache_usage_perc", lambda v: v == 0.0)
+
+
 def test_cancel_mid_stream_frees_the_blocks(default_server):
     async def go():
         async with httpx.AsyncClient() as client:

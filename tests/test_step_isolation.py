@@ -189,7 +189,7 @@ def test_a_resumed_request_with_a_bad_token_fails_at_planning(model, alone, logs
     # a resume's tokens come from the API; one outside the vocabulary would raise in every rank's embedding
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
-    progress = ResumeProgress(token_ids=[10 ** 6], logprobs=[0.0], top_logprobs=[[]], text_chars=0, age_s=0.0)
+    progress = ResumeProgress(token_ids=[10 ** 6], logprobs=[0.0], top_logprobs=[[]], age_s=0.0)
     engine.resume_request("resumed", PROMPTS[1], _params(), progress)
     engine.add_request("a", PROMPTS[0], _params())
     got: dict[str, list] = {"resumed": [], "a": []}

@@ -342,7 +342,7 @@ def test_an_instance_joins_as_a_torchrun_job_of_its_own(checkpoint, tmp_path):
             env=venv_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             inst = wait_state(job, 1, "serving")
-            assert inst["layout"] == "tp2" and len(inst["pids"]) == 2, inst
+            assert inst["layout"] == "tp=2" and len(inst["pids"]) == 2, inst
 
             async def go():
                 async with httpx.AsyncClient() as client:

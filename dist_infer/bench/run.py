@@ -18,19 +18,30 @@ from dist_infer.bench.timing import measure
 
 
 def run_bench(args) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from dist_infer.comm.measured import MeasuredCommunicator
-    from dist_infer.launch.generate_cmd import moe_report
-    from dist_infer.launch.model_options import build_engine, load_model
-    from dist_infer.bench.peers import make_prompts, run_peer
-    from dist_infer.launch.rank import join_job
-    from dist_infer.topology import ParallelConfig
-
     peers = parse_compare(args.compare)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("dist-infer bench: --plot needs matplotlib: pip install 'dist_infer[plot]'")
+    measured = _run_ours(args, peers)
+    if measured is None:  # every rank but 0 is done once ours has run
+        return 0
+    ours, model, bar = measured
+    compare = _run_peers(args, peers, ours, model, bar)
+    _print_report(args, model, ours, compare)
+    return 0
+
+
+def _run_ours(args, peers: list[str]):
+    """Our engine on every rank (timed runs, generation memory, and --profile / --overlap-report).
+    -> rank 0: (our metrics, the model path, the progress bar, still open for the peers); None elsewhere."""
+    import torch
+    from tqdm import tqdm
+
+    from dist_infer.bench.peers import make_prompts
+    from dist_infer.comm.measured import MeasuredCommunicator
+    from dist_infer.launch.model_options import build_engine, load_model, moe_report
+    from dist_infer.launch.rank import join_job
+    from dist_infer.topology import ParallelConfig
+
     groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
@@ -66,7 +77,7 @@ def run_bench(args) -> int:
     plain_groups.destroy()
     world.destroy()
     if world.rank != 0:
-        return 0
+        return None
     ours = {"peer": "dist-infer", **timing, "peak_rss_mb": float(peaks.max()), "peak_rss_mb_per_rank": peaks.tolist(),
             "load_s": report.load_s, "tp": args.tp, "pp": args.pp, "world_size": world.size,
             "batch": args.batch, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
@@ -74,9 +85,17 @@ def run_bench(args) -> int:
             "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
             "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
             "ep": args.ep, **({"moe": moe} if moe is not None else {}),
-            **({"profile": profile} if profile is not None else {})}
+            **({"profile": profile} if profile is not None else {}),
+            **({"overlap": overlap} if overlap else {})}
+    return ours, model, bar
+
+
+def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
+    """Rank 0: each --compare peer in its own processes, one after another -> {peer: metrics}."""
+    from dist_infer.bench.peers import run_peer
+
     compare = {}
-    nproc_peer = world.size
+    nproc_peer = ours["world_size"]
     for peer in peers:
         bar.set_postfix_str(peer)
         if peer == "ours-1proc":
@@ -92,8 +111,13 @@ def run_bench(args) -> int:
         compare[peer] = metrics
         bar.update(1)
     bar.close()
+    return compare
+
+
+def _print_report(args, model: str, ours: dict, compare: dict) -> None:
+    """Rank 0: the table, our memory and prefill lines, the extras asked for, --plot and --json."""
     print(f"bench: {os.path.basename(model.rstrip('/'))}, batch {args.batch} x prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} on {world.size} rank(s)")
+          f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} on {ours['world_size']} rank(s)")
     print(f"{'system':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ttft ms':>10}{'tpot ms':>10}"
           f"{'prefill x':>11}{'decode x':>10}")
     rows = [("dist-infer", ours)] + [(k, v) for k, v in compare.items()]
@@ -104,11 +128,12 @@ def run_bench(args) -> int:
               f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
               f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}")
     print("(x = dist-infer's throughput divided by the system's, same run)")
-    print(f"prefill: {timing['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
+    print(f"prefill: {ours['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
           f"peak memory above the loaded model (KV cache + activations) per rank: "
-          f"{', '.join(f'{m:.0f}' for m in gen_mem[1].tolist())} MiB "
-          f"(peak RSS {', '.join(f'{m:.0f}' for m in gen_mem[0].tolist())} MiB); prefill CPU time per rank "
-          f"{', '.join(f'{c:.2f}' for c in gen_mem[2].tolist())} s")
+          f"{', '.join(f'{m:.0f}' for m in ours['kv_act_peak_mb_per_rank'])} MiB "
+          f"(peak RSS {', '.join(f'{m:.0f}' for m in ours['gen_peak_rss_mb_per_rank'])} MiB); prefill CPU time per rank "
+          f"{', '.join(f'{c:.2f}' for c in ours['prefill_cpu_s_per_rank'])} s")
+    moe, profile = ours.get("moe"), ours.get("profile")
     if moe is not None:
         from dist_infer.models.moe import format_routing_report
 
@@ -119,12 +144,10 @@ def run_bench(args) -> int:
         print(format_profile(profile))
     if args.save_routing:
         save_routing(args.save_routing, moe, args.ep)
-    if overlap:
-        ours["overlap"] = overlap
-        print(format_overlap(overlap))
+    if ours.get("overlap"):
+        print(format_overlap(ours["overlap"]))
     if args.plot:
         plot(args.plot, [(n, m) for n, m in rows if m.get("ok", True)])
         print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps({**ours, "compare": compare}))
-    return 0

@@ -10,7 +10,7 @@ import torch
 
 from dist_infer.comm.base import Communicator
 from dist_infer.comm.shm import ShmAllReduceCommunicator, shm_supported
-from dist_infer.topology.mesh import AXES, Mesh
+from dist_infer.topology.mesh import RANK_ORDER, Mesh
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ParallelGroups:
         return self.mesh.coords(self.world.rank)
 
     def by_axis(self) -> dict[str, Communicator]:
-        return {axis: getattr(self, axis) for axis in AXES}
+        return {axis: getattr(self, axis) for axis in RANK_ORDER}
 
     def destroy(self) -> None:
         """Every axis's own group; not the world (its owner's), also where an axis wraps it."""
@@ -55,7 +55,7 @@ SHM_AXES = ("tp", "cp")  # the groups with a small collective per layer of every
 
 
 def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> ParallelGroups:
-    """Collective over `world`: create every axis's groups, in AXES order on every rank.
+    """Collective over `world`: create every axis's groups, in RANK_ORDER on every rank.
 
     With shm 'auto', a tensor-parallel or context-parallel group whose ranks share a node
     all-reduces and all-gathers CPU tensors through shared memory (see comm/shm.py): the tp
@@ -67,7 +67,7 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
     if mesh.world_size != world.size:
         raise ValueError(f"mesh {mesh.describe()} has {mesh.world_size} ranks, the world has {world.size}")
     comms = {}
-    for axis in AXES:
+    for axis in RANK_ORDER:
         groups = mesh.groups(axis)
         if len(groups) == 1:
             comms[axis] = world  # the axis spans the whole world: reuse it

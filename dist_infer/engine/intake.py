@@ -18,7 +18,7 @@ from dist_infer.engine.sampling import SamplingParams
 
 class RequestIntake:
     """Engine mixin: adding, resuming, aborting requests (thread-safe), the registry, the stats.
-    Uses the engine's scheduler, tokenizer, cfg, `_commands`, `_wakeup`, `_requests`, `_next_seq`."""
+    Uses the engine's scheduler, cfg, `_commands`, `_wakeup`, `_requests`, `_next_seq`."""
 
     # -- the registry (driver; the step loop's thread) --------------------------------------------
     def find(self, request_id: str) -> Optional[Request]:
@@ -65,18 +65,14 @@ class RequestIntake:
                        progress) -> Request:
         """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
         already has, prefilled again with them, and reports only what is new. `progress` is a
-        serving/wire.ResumeProgress (token_ids, logprobs, top_logprobs, text_chars reported so far;
+        serving/wire.ResumeProgress (token_ids, logprobs, top_logprobs reported so far;
         age_s, first_token_age_s). With the same seed (sampling draws from (seed, position)) it
         continues exactly as it would have."""
         r = self._new_request(request_id, prompt_token_ids, params)
         tokens = list(progress.token_ids)
         r.output_token_ids, r.output_logprobs = tokens, list(progress.logprobs)
         r.output_top_logprobs = [[tuple(x) for x in row] for row in progress.top_logprobs]
-        if self.tokenizer is not None and tokens:
-            r.text = self.tokenizer.decode(tokens)
-            if 1 < params.min_tokens <= len(tokens) + 1:
-                r.stop_search_from = len(self.tokenizer.decode(tokens[:params.min_tokens - 1]))
-        r.emitted_tokens, r.emitted_text = len(tokens), int(progress.text_chars)
+        r.emitted_tokens = len(tokens)
         now = time.monotonic()
         r.arrival_time = now - progress.age_s
         if tokens and progress.first_token_age_s is not None:

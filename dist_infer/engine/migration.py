@@ -63,8 +63,8 @@ class MigrationAborted(RuntimeError):
 @dataclass(frozen=True)
 class MigratingRequest:
     """What a migration carries to the destination: exactly what it needs to run the request on
-    (no block table, no logits, nothing in flight), times as ages (clocks differ by host). The
-    wire format is this, not the engine's in-memory Request."""
+    (no block table, no logits, nothing in flight, no text: the front end detokenizes), times as
+    ages (clocks differ by host). The wire format is this, not the engine's in-memory Request."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -77,10 +77,7 @@ class MigratingRequest:
     num_preemptions: int
     age_s: float
     first_token_age_s: Optional[float]
-    text: str
-    emitted_text: int
     emitted_tokens: int
-    stop_search_from: int
 
     @classmethod
     def of(cls, r: Request, send_kv: bool = True) -> "MigratingRequest":
@@ -90,7 +87,7 @@ class MigratingRequest:
                    list(r.output_logprobs), list(r.output_top_logprobs), r.num_computed if send_kv else 0,
                    r.num_preemptions, now - r.arrival_time,
                    None if r.first_token_time is None else now - r.first_token_time,
-                   r.text, r.emitted_text, r.emitted_tokens, r.stop_search_from)
+                   r.emitted_tokens)
 
     def to_request(self) -> Request:
         """The destination's Request (its seq id and blocks are the engine's to give)."""
@@ -100,8 +97,7 @@ class MigratingRequest:
                        output_top_logprobs=list(self.output_top_logprobs), status=RequestStatus.MIGRATING,
                        num_computed=self.num_computed, num_preemptions=self.num_preemptions,
                        first_token_time=None if self.first_token_age_s is None else now - self.first_token_age_s,
-                       text=self.text, emitted_text=self.emitted_text, emitted_tokens=self.emitted_tokens,
-                       stop_search_from=self.stop_search_from)
+                       emitted_tokens=self.emitted_tokens)
 
 
 @dataclass

@@ -69,10 +69,7 @@ class Request:
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
     num_preemptions: int = 0
     first_token_time: Optional[float] = None
-    text: str = ""  # detokenized output so far (when the engine has a tokenizer)
-    emitted_text: int = 0  # characters of `text` already reported
     emitted_tokens: int = 0  # tokens already reported
-    stop_search_from: int = 0  # stop strings are looked for from here on (text before min_tokens is out)
     logits: list = field(default_factory=list)  # per generated token, when the caller asked for them
 
     @property
@@ -96,7 +93,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     new_top_logprobs: list[list[tuple[int, float]]]  # per new token: (id, logprob) best first; [] if not asked
-    text_delta: str  # new text ('' without a tokenizer); never contains a matched stop string
+    text_delta: str  # new text: '' from the engine, filled in by the front end's detokenizer
     finished: bool
     finish_reason: Optional[str] = None  # "stop" (EOS, stop id or stop string), "length", "abort"
     stop_reason: Optional[object] = None  # the stop string or id, None for EOS/length

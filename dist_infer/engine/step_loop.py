@@ -79,7 +79,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
                  static_batching: bool = False, decode_stall_limit: Optional[float] = None,
-                 tokenizer=None, heartbeat_s: float = HEARTBEAT_S):
+                 heartbeat_s: float = HEARTBEAT_S):
         """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
         decode_stall_limit F: beside running decodes, prompt chunks are cut so a step takes about F
         times a decode-only step (from measured step times; pp=1); None: only the budget cuts them."""
@@ -108,7 +108,6 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         self.fixed_blocks = num_blocks
         self.max_batched_tokens, self.max_num_seqs = max_batched_tokens, max_num_seqs
         self.chunked_prefill, self.watermark, self.static_batching = chunked_prefill, watermark, static_batching
-        self.tokenizer = tokenizer
         self.heartbeat_s = heartbeat_s
         self.decode_stall_limit = decode_stall_limit
         self._decode_step_s: Optional[float] = None  # moving averages of measured step times

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
+from dist_infer.arg_types import strip_flag
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT, free_port
 from dist_infer.topology.hostfile import Host, node_rank_offsets
 from dist_infer.topology.network import set_socket_interface
@@ -308,19 +309,6 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-
-
-def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
-    """`argv` without `flag VALUE` / `flag=VALUE` (to re-run a command as ranks without --nproc)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == flag:
-            skip = True
-        elif not a.startswith(flag + "="):
-            out.append(a)
-    return out
 
 
 def relaunch_as_local_ranks(argv: Sequence[str], nproc: int) -> int:

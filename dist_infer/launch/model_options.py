@@ -1,9 +1,10 @@
-"""The model and engine options shared by generate, bench and serve: their flags, the model path,
-and one way to load the model and build the engine from them."""
+"""A rank's model and engine, as generate, bench and serve start them: their flags, the model path,
+one way to load this rank's shard and build the engine from them, and an MoE model's routing report."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 # The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
 # chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
@@ -95,8 +96,6 @@ def overlap_options(args) -> dict:
             "sequence_parallel_threshold": args.sequence_parallel_threshold or DEFAULT_SEQUENCE_PARALLEL_THRESHOLD}
 
 
-
-
 def load_model(args, groups):
     """This rank's stage of --model (its shard only) -> (stage, load report, model path)."""
     import torch
@@ -115,3 +114,10 @@ def build_engine(args, stage, groups, **options):
     from dist_infer.engine.step_loop import Engine
 
     return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant, **options)
+
+
+def moe_report(stage, groups) -> Optional[dict]:
+    """The routing statistics of an MoE model (collective: every rank calls it), None for a dense one."""
+    from dist_infer.models.moe import is_moe_stage, routing_report
+
+    return routing_report(stage, groups) if is_moe_stage(stage) else None

@@ -49,7 +49,7 @@ def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
     all-reduce 'shm'); unless quick, also twice as many ranks as cores (scopes '-over': every
     group's collectives when the node's ranks outnumber its cores), as tp x cp groups and as one
     tp group."""
-    from dist_infer.launch.comm_test import bus_bandwidth_factor
+    from dist_infer.comm.selftest import bus_bandwidth_factor
 
     jobs = [(2, ["--tp", "2"], "")]
     if not quick:

@@ -1,56 +1,15 @@
-"""Layouts: how many ranks share each layer (tp), the layers (pp), the sequence (cp) and the
-experts (ep), and which of them the engine can run for a model."""
+"""Which layouts the engine can run for a model, and sweeps over them. The layout type and its
+parser are the library's one (dist_infer.topology.layout), re-exported here for the planner's users."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Optional
 
 from dist_infer.planner.shapes import ModelShape
+from dist_infer.topology.layout import MODEL_AXES, Layout, LayoutError, parse_layout
 
-AXES = ("tp", "pp", "cp", "ep")
-
-
-class LayoutError(ValueError):
-    """A layout that cannot be parsed or run; the message names the axis and the numbers."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-
-    @property
-    def ranks(self) -> int:
-        """Ranks the layout needs (the engine's mesh: tp x pp x ep x cp; attention is replicated
-        over ep, the experts split over it)."""
-        return self.tp * self.pp * self.cp * self.ep
-
-    def describe(self) -> str:
-        parts = [f"{a}={getattr(self, a)}" for a in AXES if getattr(self, a) > 1]
-        return ",".join(parts) or "tp=1"
-
-    def as_dict(self) -> dict:
-        return {a: getattr(self, a) for a in AXES}
-
-
-def parse_layout(text: str) -> Layout:
-    """'tp=8,cp=2' (commas or spaces; axes left out are 1)."""
-    values = {}
-    for part in text.replace(",", " ").split():
-        axis, sep, number = part.partition("=")
-        if not sep or axis not in AXES:
-            raise LayoutError(f"bad layout part {part!r} in {text!r}: write e.g. tp=8,cp=2 (axes: {', '.join(AXES)})")
-        try:
-            values[axis] = int(number)
-        except ValueError:
-            raise LayoutError(f"bad layout part {part!r} in {text!r}: {number!r} is not an integer") from None
-        if values[axis] < 1:
-            raise LayoutError(f"bad layout part {part!r} in {text!r}: sizes are positive")
-    return Layout(**values)
+__all__ = ["Layout", "LayoutError", "candidate_layouts", "parse_layout", "parse_sweep", "why_not"]
 
 
 def parse_sweep(text: str) -> list[Layout]:
@@ -58,7 +17,7 @@ def parse_sweep(text: str) -> list[Layout]:
     axes: dict[str, list[int]] = {}
     for part in text.split():
         axis, sep, numbers = part.partition("=")
-        if not sep or axis not in AXES:
+        if not sep or axis not in MODEL_AXES:
             raise LayoutError(f"bad sweep part {part!r} in {text!r}: write e.g. \"tp=1,2 pp=1,2 cp=1,2\"")
         try:
             axes[axis] = sorted({int(n) for n in numbers.split(",") if n})
@@ -72,6 +31,8 @@ def parse_sweep(text: str) -> list[Layout]:
 
 def why_not(layout: Layout, shape: ModelShape, gpus: Optional[int] = None) -> Optional[str]:
     """Why the engine cannot run `layout` for this model (None: it can)."""
+    if layout.dp not in (None, 1):
+        return f"dp={layout.dp}: a plan is for one replica (tp x pp x cp x ep); leave dp out"
     if gpus is not None and layout.ranks != gpus:
         return f"needs {layout.ranks} ranks (tp x pp x cp x ep), not {gpus}"
     if layout.tp > shape.heads:

@@ -161,7 +161,8 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="h100-sxm",
                    help="hardware profile: a built-in name (h100 = h100-sxm, h100-meta-gtt) or a JSON file from "
                         "`dist-infer calibrate` (default %(default)s)")
-    p.add_argument("--layout", default=None, help="predict this one layout only, e.g. tp=8,cp=2")
+    p.add_argument("--layout", default=None,
+                   help="predict this one layout only, e.g. tp=8,cp=2 (the compact tp8cp2 also reads)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights and GEMMs (default: fp32 on a CPU profile, bf16 on a GPU profile)")
     p.add_argument("--mlp-dtype", choices=DTYPES, default=None,

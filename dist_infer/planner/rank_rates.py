@@ -10,9 +10,9 @@ from dist_infer.planner.hardware import HardwareProfile, Link
 from dist_infer.planner.layout import Layout
 from dist_infer.planner.shapes import ModelShape, linear_flops
 from dist_infer.planner.workload import Schedule
-from dist_infer.topology.mesh import AXES
+from dist_infer.topology.mesh import RANK_ORDER
 
-MESH_ORDER = tuple(a for a in AXES if a != "dp")  # the engine's mesh order, fastest varying first (a plan has dp=1)
+MESH_ORDER = tuple(a for a in RANK_ORDER if a != "dp")  # the mesh's rank order, fastest varying first; a plan has dp=1
 
 
 def group_placement(layout: Layout, axis: str, ranks_per_node: int) -> tuple[bool, int]:

@@ -67,5 +67,5 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     async def add(request: Request):
         body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("layout"), str):
-            raise ApiError(400, 'the body must be {"layout": "tp1"} (one --instances item, e.g. decode:tp2)', "layout")
+            raise ApiError(400, 'the body must be {"layout": "tp=1"} (one --instances item, e.g. decode:tp=2)', "layout")
         return accepted(cluster.add_instance, body["layout"])

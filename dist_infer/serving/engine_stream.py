@@ -1,7 +1,8 @@
 """One request's stream of deltas between the engine and an HTTP client.
 
-EngineStream wraps the engine's generator with what every endpoint needs around it (the metrics
-clock, and an abort if it ends before the engine finished it); EventStream sends it as
+EngineStream wraps the engine's generator with what every endpoint needs around it (the text,
+read incrementally from the token ids with the stop strings checked there, the metrics clock,
+and an abort if it ends before the engine finished it); EventStream sends it as
 server-sent events and closes it however the response ends; until_disconnect turns a client
 that goes away while a non-streamed answer is pending into ClientGone.
 """
@@ -19,6 +20,7 @@ from loguru import logger
 
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.serving.detokenizer import IncrementalDetokenizer, detokenize_output
 from dist_infer.serving.errors import EngineDeadError
 from dist_infer.serving.metrics import RequestClock
 
@@ -39,8 +41,9 @@ def sse(data: Any) -> str:
 
 
 class EngineStream:
-    """One request's deltas from the engine, with what every endpoint needs around them: the
-    metrics clock fed on each delta, and an abort if it ends before the engine finished it."""
+    """One request's deltas from the engine, with what every endpoint needs around them: their
+    text (the engine sends token ids only), the metrics clock fed on each delta, and an abort if
+    it ends before the engine finished it (a client gone, or a stop string the engine cannot see)."""
 
     def __init__(self, state: "ServingState", request_id: str, prompt_ids: list[int], params: SamplingParams,
                  clock: RequestClock):
@@ -50,6 +53,8 @@ class EngineStream:
         self.clock = clock
         self.finished = False
         self.closed = False
+        tokenizer = state.tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.min_tokens) if tokenizer is not None else None
         self._gen = state.engine.generate(request_id, prompt_ids, params)
 
     async def next(self) -> Optional[RequestOutput]:
@@ -66,6 +71,9 @@ class EngineStream:
             self.finished = True  # raised by the engine (queue full, dead): nothing of it is left to abort
             self.state.active.pop(self.request_id, None)
             raise
+        engine_done = out.finished
+        if self.detok is not None:
+            out = detokenize_output(self.detok, out)
         self.clock.on_output(out)
         if out.error:
             self.finished = True
@@ -73,6 +81,8 @@ class EngineStream:
             raise EngineDeadError(out.error)
         if out.finished:
             self.finished = True
+            if not engine_done:  # a stop string ended it here: the engine still runs it
+                self.state.engine.abort(self.request_id)
             self.clock.on_end(out.finish_reason)
             self.state.active.pop(self.request_id, None)
         return out

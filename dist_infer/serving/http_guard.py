@@ -64,7 +64,7 @@ def internal_error(exc: BaseException, where: str = "request") -> ApiError:
 
 @dataclass(frozen=True)
 class HttpGuard:
-    """How the HTTP front end protects itself (launch/http_flags.py makes one from the flags).
+    """How the HTTP front end protects itself (cli/http_flags.py makes one from the flags).
 
     api_keys: any of them as `Authorization: Bearer KEY` opens /v1/*, /tokenize, /detokenize (none: open).
     admin_keys: any of them opens /admin/* (none: /admin/* answers loopback clients only).

@@ -94,7 +94,7 @@ class InstanceAdmin:
         return self._spawn(client, client.spec, "restart")
 
     def add_instance(self, layout: str) -> dict:
-        """Scale up: start one more instance of `layout` (like one --instances item, e.g. tp1 or decode:tp2)."""
+        """Scale up: start one more instance of `layout` (like one --instances item, e.g. tp=1 or decode:tp=2)."""
         try:
             specs = parse_instances(layout)
         except InstancesError as exc:

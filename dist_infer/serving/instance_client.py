@@ -30,7 +30,6 @@ class Progress:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
-    text_chars: int = 0
 
     def add(self, output: RequestOutput) -> None:
         if output.new_token_ids and self.first_token is None:
@@ -38,10 +37,9 @@ class Progress:
         self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs
         self.top_logprobs += output.new_top_logprobs
-        self.text_chars += len(output.text_delta)
 
     def wire(self) -> ResumeProgress:
-        return progress_now(self.token_ids, self.logprobs, self.top_logprobs, self.text_chars, self.arrival,
+        return progress_now(self.token_ids, self.logprobs, self.top_logprobs, self.arrival,
                             self.first_token)
 
 

@@ -331,7 +331,7 @@ class MigrateBody(BaseModel):
 
 
 class AddInstanceBody(BaseModel):
-    """POST /admin/instances: one --instances item, e.g. decode:tp2."""
+    """POST /admin/instances: one --instances item, e.g. decode:tp=2."""
 
     layout: str
 

@@ -74,7 +74,6 @@ class ResumeProgress:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list
-    text_chars: int
     age_s: float
     first_token_age_s: Optional[float] = None
 
@@ -218,10 +217,10 @@ class InstanceDead:
     reason: str
 
 
-def progress_now(token_ids: list[int], logprobs: list[float], top_logprobs: list, text_chars: int,
+def progress_now(token_ids: list[int], logprobs: list[float], top_logprobs: list,
                  arrival: float, first_token: Optional[float]) -> ResumeProgress:
     """A ResumeProgress from the front end's clock readings (monotonic) as ages."""
     now = time.monotonic()
-    return ResumeProgress(list(token_ids), list(logprobs), list(top_logprobs), text_chars, now - arrival,
+    return ResumeProgress(list(token_ids), list(logprobs), list(top_logprobs), now - arrival,
                           None if first_token is None else now - first_token)
 

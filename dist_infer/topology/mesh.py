@@ -1,4 +1,4 @@
-"""ParallelConfig and the mesh: which ranks form each tp, pp, ep, cp and dp group.
+"""The mesh of a Layout: which ranks form each tp, pp, ep, cp and dp group.
 
 Rank order (fastest varying first): tp, cp, ep, dp, pp, i.e.
     rank = tp_i + tp * (cp_i + cp * (ep_i + ep * (dp_i + dp * pp_i)))
@@ -12,63 +12,30 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional
 
 from loguru import logger
 
-AXES = ("tp", "cp", "ep", "dp", "pp")  # fastest varying first
+from dist_infer.topology.layout import Layout, ParallelConfigError  # noqa: F401 - the error is re-exported here
 
-
-class ParallelConfigError(ValueError):
-    """Parallel sizes that do not fit the world; the message shows the arithmetic."""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-    dp: Optional[int] = None  # None: whatever is left of the world
-
-    def sizes(self, world_size: int) -> dict[str, int]:
-        """Size of every axis for `world_size` ranks, dp derived when not given; validates."""
-        for axis in ("tp", "pp", "ep", "cp"):
-            value = getattr(self, axis)
-            if not isinstance(value, int) or value < 1:
-                raise ParallelConfigError(f"{axis}={value!r} must be a positive integer")
-        model = self.tp * self.pp * self.ep * self.cp
-        arithmetic = f"tp={self.tp} x pp={self.pp} x ep={self.ep} x cp={self.cp} = {model}"
-        if self.dp is None:
-            if world_size % model:
-                raise ParallelConfigError(
-                    f"{arithmetic} does not divide the world size {world_size} "
-                    f"({world_size} % {model} = {world_size % model})"
-                )
-            dp = world_size // model
-        else:
-            if self.dp < 1:
-                raise ParallelConfigError(f"dp={self.dp!r} must be a positive integer")
-            dp = self.dp
-            if model * dp != world_size:
-                raise ParallelConfigError(f"{arithmetic} x dp={dp} = {model * dp}, but the world size is {world_size}")
-        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": dp, "pp": self.pp}
+RANK_ORDER = ("tp", "cp", "ep", "dp", "pp")  # fastest varying first along the ranks; not how a layout is written
+AXES = RANK_ORDER  # the older name, kept for imports elsewhere
+ParallelConfig = Layout  # the older name of the one layout type, kept for imports elsewhere
 
 
 @dataclass(frozen=True)
 class Mesh:
     """The coordinates of every rank on the five axes."""
 
-    sizes: dict  # axis -> size, see AXES
+    sizes: dict  # axis -> size, see RANK_ORDER
 
     @classmethod
-    def build(cls, config: ParallelConfig, world_size: int) -> "Mesh":
-        return cls(config.sizes(world_size))
+    def build(cls, layout: Layout, world_size: int) -> "Mesh":
+        return cls(layout.sizes(world_size))
 
     @property
     def world_size(self) -> int:
         n = 1
-        for axis in AXES:
+        for axis in RANK_ORDER:
             n *= self.sizes[axis]
         return n
 
@@ -76,14 +43,14 @@ class Mesh:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
         out = {}
-        for axis in AXES:
+        for axis in RANK_ORDER:
             out[axis] = rank % self.sizes[axis]
             rank //= self.sizes[axis]
         return out
 
     def rank_of(self, coords: dict[str, int]) -> int:
         rank, stride = 0, 1
-        for axis in AXES:
+        for axis in RANK_ORDER:
             rank += coords.get(axis, 0) * stride
             stride *= self.sizes[axis]
         return rank
@@ -93,9 +60,9 @@ class Mesh:
 
         Listed in a fixed order, identical on all ranks, as collective group creation requires.
         """
-        if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
-        others = [a for a in AXES if a != axis]
+        if axis not in RANK_ORDER:
+            raise ValueError(f"unknown axis {axis!r}; expected one of {RANK_ORDER}")
+        others = [a for a in RANK_ORDER if a != axis]
         out = []
         for fixed in itertools.product(*(range(self.sizes[a]) for a in reversed(others))):
             coords = dict(zip(reversed(others), fixed))
@@ -120,5 +87,11 @@ class Mesh:
                 f"choose tp dividing {local_world_size}"
             )
 
+    @property
+    def layout(self) -> Layout:
+        """The mesh as a Layout with its dp spelled out."""
+        return Layout(**self.sizes)
+
     def describe(self) -> str:
-        return " x ".join(f"{a}={self.sizes[a]}" for a in reversed(AXES))
+        """Canonical layout text with dp, e.g. 'tp=2,pp=2,dp=2'."""
+        return self.layout.describe()

@@ -15,6 +15,6 @@ use the OpenAI fields (plus `ignore_eos`, only when asked for), and the response
 the OpenAI streaming format, with vLLM-style extras (`token_ids` in a choice, usage in every
 chunk) used when present.
 
-This package imports none of its modules, so `dist_infer.launch.cli` can take the flags and argument
-types from `flags` on every command without loading numpy or httpx.
+This package imports none of its modules, so the CLI's parser (`dist_infer.cli.parser`) can take the
+flags from `flags` on every command without loading numpy or httpx.
 """

@@ -1,13 +1,16 @@
-"""The flags of `dist-infer bench-serve`, their argument types and the error for bad input.
+"""The flags of `dist-infer bench-serve`, the --slo type and the error for bad input.
 
-Kept free of numpy and httpx: the CLI imports `positive_int` from here for every command, and the
-other bench-serve modules take `InputError` and the endpoint paths from here.
+Kept free of numpy and httpx: the CLI's parser imports `add_bench_serve_flags` from here for every
+command, and the other bench-serve modules take `InputError` and the endpoint paths from here. The
+plain argument types (positive numbers) are the project's own, from `dist_infer.arg_types`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+
+from dist_infer.arg_types import positive_float, positive_int
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -49,28 +52,6 @@ def _slo_arg(text: str) -> dict[str, float]:
         return parse_slo(text)
     except InputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a number above 0 (nan refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1 (also the CLI's --tp, --pp, ... type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
 
 
 def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""`dist-infer comm-test`: every op on every group at several sizes, checked and timed.
+"""What `dist-infer comm-test` runs (cli/comm_test_cmd.py): every op on every group at several sizes,
+checked and timed.
 
 Each rank fills its buffers with values derived from its global rank (`pattern`), so the
 result every op must produce is computed locally from the group's rank list alone: an

@@ -5,29 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-from pathlib import Path
 from typing import Iterable, Optional
 
+from dist_infer.arg_types import existing_file, positive_size
 from dist_infer.serving.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
 
 API_KEY_ENV = "DIST_INFER_API_KEY"  # comma-separated keys, added to --api-key
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
-
-
-def byte_size(text: str) -> int:
-    """A byte count: 1048576, 512K, 16M, 1G (powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match or int(match.group(1)) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count (e.g. 1048576, 512K, 16M)")
-    return int(match.group(1)) * _UNITS[(match.group(2) or "")[:1].lower()]
-
-
-def _existing_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
-    return text
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:
@@ -46,14 +29,14 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
                    help="enable CORS for these browser origins (comma list or repeat; * for any). Default: no "
                         "CORS headers, so browsers refuse cross-origin reads")
-    g.add_argument("--max-body-bytes", type=byte_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
+    g.add_argument("--max-body-bytes", type=positive_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
                    help="largest request body accepted (e.g. 1048576, 512K, 16M); larger ones get 413 without "
                         "being read (default 16M)")
-    g.add_argument("--ssl-keyfile", type=_existing_file, default=None, metavar="FILE",
+    g.add_argument("--ssl-keyfile", type=existing_file, default=None, metavar="FILE",
                    help="serve HTTPS with this PEM private key (needs --ssl-certfile)")
-    g.add_argument("--ssl-certfile", type=_existing_file, default=None, metavar="FILE",
+    g.add_argument("--ssl-certfile", type=existing_file, default=None, metavar="FILE",
                    help="serve HTTPS with this PEM certificate chain (needs --ssl-keyfile)")
-    g.add_argument("--ssl-ca-certs", type=_existing_file, default=None, metavar="FILE",
+    g.add_argument("--ssl-ca-certs", type=existing_file, default=None, metavar="FILE",
                    help="CA certificates (PEM) that client certificates are checked against (with --ssl-cert-reqs)")
     g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
                    help="client certificates: 0 not asked for, 1 checked if sent, 2 required (as uvicorn; "

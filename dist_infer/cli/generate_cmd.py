@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Sequence
 
 from loguru import logger
 
-from dist_infer.launch.model_options import add_model_flags, add_scheduler_flags, build_engine, load_model, scheduler_options
+from dist_infer.launch.model_options import (add_model_flags, add_scheduler_flags, build_engine, load_model, moe_report,
+                                             scheduler_options)
 
 DEFAULT_PROMPT = "The quick brown fox"
 
@@ -79,11 +80,17 @@ def longest_prompt(args) -> int:
     return max(len(p) for p in prompts)
 
 
-def moe_report(stage, groups) -> Optional[dict]:
-    """The routing statistics of an MoE model (collective: every rank calls it), None for a dense one."""
-    from dist_infer.models.moe import is_moe_stage, routing_report
+def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Start the local ranks (outside a launcher, more than one needed), or run as one rank."""
+    from dist_infer.cli.cp_auto import resolve_cp_auto
+    from dist_infer.launch.rank import run_rank_command, spawn_local
 
-    return routing_report(stage, groups) if is_moe_stage(stage) else None
+    if args.cp == "auto":
+        argv = resolve_cp_auto(args, list(argv), longest_prompt(args))
+    code = spawn_local(args, list(argv))
+    if code is not None:
+        return code
+    return run_rank_command(lambda: run_generate(args))
 
 
 def run_generate(args) -> int:

@@ -2,10 +2,11 @@
 
 It is a process of its own that hosts no engine rank (as vLLM v1 keeps its API server apart from
 EngineCore): every instance, a single one included, is its own processes whose driver connects
-to this process's hub. Killing any rank of any instance therefore ends at most that instance; its
-requests go on on the others, and the API answers throughout.
+to this process's hub (serving/hub.py, serving/join.py). Killing any rank of any instance
+therefore ends at most that instance; its requests go on on the others, and the API answers
+throughout.
 
-Two ways it starts:
+Two ways it starts (serving/spawn.py starts the processes):
 - `dist-infer serve` outside any launcher: this process is the front end and starts each
   instance as a job of its own (`serve --join`, our launcher for its ranks), the same way it
   restarts a dead instance or adds one.
@@ -21,79 +22,13 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Optional
 
 from loguru import logger
 
-HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
-HUB_FILE_ENV = "DIST_INFER_HUB_FILE"  # --frontend-only writes its hub's address here for the job's rank 0
-# flags of the API process that an instance started as a job of its own does not take
-API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", "--dispatch", "--migrate-interval",
-                  "--migration-timeout", "--max-queue", "--served-model-name", "--join", "--instance-index",
-                  "--hub-key-file", "--backend", "--hostfile", "--hub-host", "--max-request-failovers",
-                  "--max-instances", "--api-key", "--admin-key", "--allowed-origins", "--max-body-bytes",
-                  "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs")
-API_ONLY_SWITCHES = ("--frontend-only", "--protect-metrics")  # the same, for flags that take no value
-
-
-def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_FLAGS) -> list[str]:
-    """The command line of a job that runs instance `index` alone and joins the hub: the serve
-    command's own model and engine flags, without the API's (pure; unit tested)."""
-    from dist_infer.launch.launcher import strip_flag
-
-    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
-    for flag in drop:
-        args = strip_flag(args, flag)
-    args = [a for a in args if a not in API_ONLY_SWITCHES]
-    return ["serve", *args, "--instances", spec.describe(), "--join", f"{hub[0]}:{hub[1]}",
-            "--instance-index", str(index)]
-
-
-def spawner(argv: list[str], hub: tuple, key: bytes):
-    """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub."""
-    from dist_infer.topology.discovery import without_launcher_env
-
-    def spawn(index: int, spec):
-        command = [sys.executable, "-m", "dist_infer", *instance_argv(argv, index, spec, hub)]
-        env = without_launcher_env(os.environ)
-        env[HUB_KEY_ENV] = key.decode()
-        env.pop(HUB_FILE_ENV, None)
-        logger.info(f"instance {index}: {' '.join(command)}")
-        # its own session: a Ctrl-C at the terminal reaches the API, which stops the instances in order
-        return subprocess.Popen(command, env=env, start_new_session=True)
-
-    return spawn
-
-
-def start_frontend_child(argv: list[str], hub_host: str, key: bytes, timeout: float) -> tuple[subprocess.Popen, tuple]:
-    """World rank 0 of a launched job: start the front end as a process of its own and wait for its
-    hub's address. -> (the process, (host, port))."""
-    import tempfile
-    import time
-
-    from dist_infer.topology.discovery import without_launcher_env
-
-    hub_file = Path(tempfile.mkdtemp(prefix="dist-infer-hub-")) / "hub.json"
-    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
-    command = [sys.executable, "-m", "dist_infer", "serve", *args, "--frontend-only", "--hub-host", hub_host]
-    env = without_launcher_env(os.environ)
-    env[HUB_KEY_ENV], env[HUB_FILE_ENV] = key.decode(), str(hub_file)
-    process = subprocess.Popen(command, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while not (hub_file.is_file() and hub_file.read_text().strip()):
-        if process.poll() is not None:
-            raise RuntimeError(f"the API process exited with code {process.returncode} before it listened")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise TimeoutError(f"the API process did not listen within {timeout:g} s")
-        time.sleep(0.05)
-    info = json.loads(hub_file.read_text())
-    hub_file.unlink()
-    hub_file.parent.rmdir()
-    return process, (info["host"], info["port"])
+from dist_infer.serving.spawn import HUB_KEY_ENV, spawner, write_hub_file
 
 
 def served_name(flag: Optional[str], model: str) -> str:
@@ -135,7 +70,7 @@ def _tokenizer_and_template(model: str):
 
 def run_frontend(args, argv: list[str]) -> int:
     """Serve the API until SIGTERM (exit 0) or until no instance is left (exit 1)."""
-    from dist_infer.launch.http_flags import http_options_of
+    from dist_infer.cli.http_flags import http_options_of
     from dist_infer.launch.logs import configure_logging
     from dist_infer.launch.model_options import model_path
     from dist_infer.serving.hub import Hub, StartupWaiter
@@ -156,10 +91,8 @@ def run_frontend(args, argv: list[str]) -> int:
     hub = Hub(args.hub_host or "127.0.0.1", key)
     waiter = StartupWaiter(len(specs))
     hub.start(waiter.on_hello)
-    if args.frontend_only and os.environ.get(HUB_FILE_ENV):  # whole or not at all: rank 0 polls for it
-        path = Path(os.environ[HUB_FILE_ENV])
-        path.with_suffix(".tmp").write_text(json.dumps({"host": hub.address[0], "port": hub.address[1]}))
-        os.replace(path.with_suffix(".tmp"), path)
+    if args.frontend_only:
+        write_hub_file(hub.address)
     spawn = spawner(argv, hub.address, key)
     processes: dict = {}
     try:

@@ -1,0 +1,96 @@
+"""The command line's values: argparse argument types (positive numbers, byte sizes, files) and
+taking a flag out of a command line.
+
+Standard library only, and outside the layers (dist_infer/__init__.py): every command line of the
+project takes its types from here, the CLI's (`dist_infer.cli`) as well as the ones below it
+(`bench-serve`'s flags in `bench.serve.flags`, the instance command lines `serving.spawn` builds,
+the launcher's rank command lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence, Union
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (--tp, --pp, --num-prompts, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def positive_int_or_auto(text: str) -> Union[int, str]:
+    """A positive integer, or the word auto (--cp auto)."""
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive integer nor auto") from None
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (nan refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """A byte count like 4096, 4K, 256KB, 1.5M or 2GiB (binary units: K, M, G, T)."""
+    part = text.strip().lower()
+    part = part[:-2] if part.endswith("ib") else part.rstrip("b")
+    mult = _UNITS.get(part[-1:], 1)
+    number = part[:-1] if part[-1:] in _UNITS else part
+    try:
+        return int(float(number) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text.strip()!r}; use e.g. 4K, 256M, 2G") from None
+
+
+def positive_size(text: str) -> int:
+    """parse_size, at least one byte (--kv-cache-memory, --max-body-bytes)."""
+    try:
+        value = parse_size(text)
+    except argparse.ArgumentTypeError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count (e.g. 1048576, 512K, 16M)")
+    return value
+
+
+def size_list(text: str) -> list[int]:
+    """Comma-separated sizes: 4K,256K,4M."""
+    return [parse_size(part) for part in text.split(",")]
+
+
+def existing_file(text: str) -> str:
+    """The path of a file that exists."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """`argv` without `flag VALUE` / `flag=VALUE` (to re-run a command with some of its flags)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
