@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NPROC ?= 4
 
-.PHONY: setup run test peers clean
+.PHONY: setup run test test-quick gpu-check peers clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,22 @@ run: setup
 # The tests run the peers too (DeepSpeed and transformers side by side with ours), so they install them.
 test: setup peers
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
+
+# The quick subset: tests/unit, every test that runs in one process (tests/integration is marked slow).
+test-quick: setup
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
+
+# The CUDA paths on a real GPU (tests/gpu: NCCL, CUDA-stream overlap, the attention kernels' log-sum-exp,
+# the engine against transformers on the device, bench on the default model), then the two figures the
+# planner lacks (FP8 GEMM rate, a ring step's fixed cost). Without a GPU it says so and succeeds: the
+# set-up installs the CPU wheel of torch here; on a GPU machine install a CUDA build of torch==2.13.0 first.
+gpu-check: setup peers
+	@if $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -rs -s tests/gpu && \
+		$(BIN)/python -m dist_infer.bench.gpu_figures; \
+	else \
+		echo "make gpu-check: skipped: torch sees no CUDA device here ($$($(BIN)/python -c 'import torch; print(torch.__version__)'))"; \
+	fi
 
 # The peers for side-by-side benchmarks. DeepSpeed builds against the installed torch (no CUDA ops;
 # its CPU shared-memory all-reduce is compiled on first use).

@@ -3,7 +3,7 @@ two checkouts side by side, alternating, 5 runs each: what every local job pays 
 its work (issue 17: the launcher without torch, the ranks without the interpreter's teardown).
 
     python benchmarks/launch_bench.py OLD_CHECKOUT NEW_CHECKOUT MODEL_DIR
-(MODEL_DIR: any small HF Llama checkpoint, e.g. tests/checkpoints.py's llama-gqa.)"""
+(MODEL_DIR: any small HF Llama checkpoint, e.g. tests/support/checkpoints.py's llama-gqa.)"""
 
 import os
 import statistics

@@ -83,8 +83,9 @@ class RecvHandle(Handle):
     def __init__(self, link: "PeerLink", key: Key, tensor: torch.Tensor, peer: Address,
                  on_done: Optional[Callable[["RecvHandle"], None]]):
         self.link, self.key, self.tensor, self.peer, self.on_done = link, key, tensor, peer, on_done
+        # the socket writes host memory: a device destination gets a host buffer, pinned for CUDA, copied on wait
         self.staging = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else \
-            torch.empty(tensor.shape, dtype=tensor.dtype)
+            torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
         self.error: Optional[Exception] = None
         self._event = threading.Event()
 

@@ -32,6 +32,15 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy of a device tensor (through pinned memory from CUDA), or the host tensor itself."""
+    if tensor.device.type == "cpu":
+        return tensor.contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    host.copy_(tensor)
+    return host
+
+
 def fmt(address: Address) -> str:
     return f"{address[0]}:{address[1]}"
 
@@ -131,7 +140,7 @@ class Outbounds:
 
     def send(self, tensor: torch.Tensor, peer: Address, key: Key) -> None:
         """Send now (returns once the bytes are with the kernel); PeerLinkError if the peer is gone."""
-        data = as_bytes(tensor.detach().contiguous().cpu())
+        data = as_bytes(_on_host(tensor.detach()))
         entry = None
         try:
             for _ in range(2):

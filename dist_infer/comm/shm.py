@@ -37,6 +37,11 @@ SPIN_S = 2e-3  # how long a wait spins before it starts sleeping
 _SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
+def _on_host(*tensors: torch.Tensor) -> bool:
+    """The segment is host memory: device tensors (CUDA or any other) go to the inner backend."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def shm_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
@@ -103,7 +108,7 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
     def all_gather(self, output, input, async_op=False):
         """Every rank's `input` into `output`, through the segment (the LM head's logits)."""
         nbytes = input.numel() * input.element_size()
-        if (self.size == 1 or input.is_cuda or not input.is_contiguous() or not output.is_contiguous()
+        if (self.size == 1 or not _on_host(input, output) or not input.is_contiguous() or not output.is_contiguous()
                 or nbytes > self.slot_bytes or output.numel() != input.numel() * self.size):
             return self.inner.all_gather(output, input, async_op)
         handle = self._post(input, output)
@@ -115,7 +120,8 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
     def reduce_scatter(self, output, input, op="sum", async_op=False):
         """Sum over the group of `input`, of which this rank keeps its chunk in `output` (the
         sequence-parallel layers): every rank publishes its input, and adds up only its chunk."""
-        if (self.size == 1 or input.numel() == 0 or not self._fits(input, op) or not output.is_contiguous()
+        if (self.size == 1 or input.numel() == 0 or not self._fits(input, op) or not _on_host(output)
+                or not output.is_contiguous()
                 or output.numel() * self.size != input.numel()):
             return self.inner.reduce_scatter(output, input, op, async_op)
         handle = self._post(input, None, output)
@@ -125,7 +131,7 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         return None
 
     def _fits(self, tensor: torch.Tensor, op: str) -> bool:
-        return (op == "sum" and not tensor.is_cuda and tensor.is_contiguous() and tensor.dtype in _SUMMABLE
+        return (op == "sum" and _on_host(tensor) and tensor.is_contiguous() and tensor.dtype in _SUMMABLE
                 and tensor.numel() * tensor.element_size() <= self.slot_bytes)
 
     def all_reduce(self, tensor, op="sum", async_op=False):

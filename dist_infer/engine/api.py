@@ -9,7 +9,7 @@ import torch
 from dist_infer.comm import ParallelGroups, build_groups, init_world
 from dist_infer.engine.step_loop import Engine, GenerationOutput
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.models.loader import load_stage, stage_from_hf_model
+from dist_infer.models.loader import load_stage, resolve_device, stage_from_hf_model
 from dist_infer.topology import Mesh, ParallelConfig
 
 
@@ -34,17 +34,20 @@ def join(parallel: ParallelConfig, backend: str = "auto", groups: Optional[Paral
 
 
 def shard(hf_model, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
-          backend: str = "auto", pp_split: Optional[Sequence[int]] = None, block_size: int = 16) -> ShardedModel:
-    """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference)."""
+          backend: str = "auto", pp_split: Optional[Sequence[int]] = None, block_size: int = 16,
+          device: str = "cpu") -> ShardedModel:
+    """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference);
+    `device`: cpu, cuda (this rank's GPU) or auto."""
     groups = join(parallel, backend, groups)
-    stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split)
+    stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split, device=resolve_device(device))
     return ShardedModel(Engine(stage, groups, block_size), groups)
 
 
 def load(path, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
          backend: str = "auto", dtype: torch.dtype = torch.float32, pp_split: Optional[Sequence[int]] = None,
-         block_size: int = 16) -> ShardedModel:
-    """Load a HF checkpoint directory over the job, each rank reading only its shard."""
+         block_size: int = 16, device: str = "cpu") -> ShardedModel:
+    """Load a HF checkpoint directory (or GGUF file) over the job, each rank reading only its shard;
+    `device`: cpu, cuda (this rank's GPU) or auto."""
     groups = join(parallel, backend, groups)
-    stage, _ = load_stage(path, groups, dtype, pp_split)
+    stage, _ = load_stage(path, groups, dtype, pp_split, device=resolve_device(device))
     return ShardedModel(Engine(stage, groups, block_size), groups)

@@ -29,6 +29,7 @@ from loguru import logger
 
 from dist_infer.comm.base import Handle
 from dist_infer.comm.peer_link import Address, PeerLink, RecvHandle
+from dist_infer.engine.device_io import host_index
 from dist_infer.parallel.sharding import HeadLayout, stage_layers
 
 ACK = 1 << 20  # a follower's "my share of this stage is in" message: key (migration, stage, ACK + rank)
@@ -229,8 +230,12 @@ class BlockMover:
         k0 = self.cache_layers[0][0]
         return torch.empty((layers, 2, blocks, k0.shape[1], heads, k0.shape[3]), dtype=k0.dtype, device=k0.device)
 
+    def _block_index(self, blocks: list[int]) -> torch.Tensor:
+        """The blocks' ids on the cache's device, where the gather and the scatter index with them."""
+        return host_index(blocks, self.cache_layers[0][0].device)
+
     def _post_sends(self, op: TransferOp) -> None:
-        index = torch.tensor(op.blocks, dtype=torch.long)
+        index = self._block_index(op.blocks)
         for piece in transfer_map(self.layout, self._peer_layout(op.peer)):
             if piece.src != self.local:
                 continue
@@ -250,7 +255,7 @@ class BlockMover:
                                         work=self._copy(buffer, gather_and_send)))
 
     def _post_recvs(self, op: TransferOp) -> None:
-        index = torch.tensor(op.blocks, dtype=torch.long)
+        index = self._block_index(op.blocks)
         pieces = transfer_map(self._peer_layout(op.peer), self.layout)
         mine = [p for p in pieces if p.dst == self.local]
         key = (op.migration_id, op.stage)

@@ -3,6 +3,10 @@
 The driver broadcasts each plan to the ranks of the first pipeline stage; each stage runs its
 share and sends the plan on with its hidden states; the last stage's sampler rank samples and
 sends the tokens back to the driver. Every rank but the driver runs `follow` until a stop plan.
+
+Plans and sampled tokens are host values and travel as host tensors (the driver and the
+scheduler need them there); hidden states stay on the model's device, sent and received there.
+Both ends of every message agree on the device, as NCCL (CUDA) and gloo (CPU) each require.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from dist_infer.engine.device_io import host_index, sampled_to_host, to_host
 from dist_infer.engine.sampling import SampledTokens, sample_rows
 from dist_infer.engine.step_plan import KIND_STOP, KIND_WORK, StepPlan, decode, encode, sizes
 
@@ -50,7 +55,7 @@ class PipelineTransport:
             if not last_stage:
                 self._post(wire, self.pp.rank + 1, TAG_FORWARD)
             return None
-        inputs = hidden if hidden is not None else torch.tensor(plan.input_ids, dtype=torch.long)
+        inputs = hidden if hidden is not None else host_index(plan.input_ids, self.worker.device)
         out = self.worker.execute(plan, inputs, meta)
         if self._follower_start is not None and any(plan.sample):  # this rank's own prefill ends here
             wall, cpu = self._follower_start
@@ -61,10 +66,12 @@ class PipelineTransport:
             return None
         if not self.is_sampler:
             return None
-        logits = out[torch.tensor(plan.sample_index, dtype=torch.long)]
-        sampled = self.guard.sample(sample_rows, logits, plan, tuple(self.cfg.eos_token_ids))
+        logits = out[host_index(plan.sample_index, out.device)]
+        sample = self.sampler or sample_rows  # looked up here: a test may replace the module's sampler
+        sampled = self.guard.sample(sample, logits, plan, tuple(self.cfg.eos_token_ids))
+        sampled = sampled_to_host(sampled)  # the driver reads them, and a pipeline sends them, from the host
         if plan.return_logits:
-            sampled.logits = logits.float()
+            sampled.logits = to_host(logits.float())
         if self.pp.size > 1:
             k = plan.top_logprobs
             ints = torch.cat([sampled.tokens, sampled.top_ids.reshape(-1)]) if k else sampled.tokens
@@ -113,18 +120,24 @@ class PipelineTransport:
         plan = decode(ints, floats)
         hidden = None
         if plan.kind == KIND_WORK and self.pp.rank > 0:
-            hidden = torch.empty(plan.total_tokens, self.cfg.hidden_size, dtype=self.stage.dtype)
+            hidden = torch.empty(plan.total_tokens, self.cfg.hidden_size, dtype=self.stage.dtype,
+                                 device=self.worker.device)  # the previous stage sends its device's tensor
             receive(hidden)
         return plan, [n, ints, floats], hidden
 
     def follow(self) -> None:
         """Every rank but the driver: run the plans as they come, until the driver says stop."""
-        while True:
-            plan, wire, hidden = self._receive_plan()
-            self._run_stage(plan, wire, hidden)
-            if plan.kind == KIND_STOP:
-                self._drain()
-                return
+        while self.follow_one():
+            pass
+
+    def follow_one(self) -> bool:
+        """Every rank but the driver: wait for the next plan and run it; False once it said stop."""
+        plan, wire, hidden = self._receive_plan()
+        self._run_stage(plan, wire, hidden)
+        if plan.kind == KIND_STOP:
+            self._drain()
+            return False
+        return True
 
     def stop_followers(self) -> None:
         """Driver: tell every other rank the loop is over."""

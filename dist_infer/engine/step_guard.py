@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 from loguru import logger
 
+from dist_infer.engine.device_io import sampled_to_host
 from dist_infer.engine.request import Request, RequestOutput
 from dist_infer.engine.sampling import RowSampling, SampledTokens
 from dist_infer.engine.step_plan import StepPlan
@@ -102,7 +103,8 @@ def check_chunk(r: Request, start: int, num_tokens: int, vocab_size: int, max_po
 def sample_guarded(sample: Callable[..., SampledTokens], logits: torch.Tensor, rows: list[RowSampling],
                    eos_ids: tuple[int, ...], what: str = "sampling") -> SampledTokens:
     """Sample the batch; if it raises, sample row by row, so only the rows that raise fail: each
-    is logged here (the sampler rank) under its own error id, which its token carries (`failed_token`)."""
+    is logged here (the sampler rank) under its own error id, which its token carries (`failed_token`).
+    The row-by-row result is built on the host (its rows are host copies), the batch's stays on the device."""
     try:
         return sample(logits, rows, eos_ids)
     except Exception as exc:  # noqa: BLE001 - a row's parameters may make the sampler raise
@@ -114,7 +116,7 @@ def sample_guarded(sample: Callable[..., SampledTokens], logits: torch.Tensor, r
     top_logprobs = torch.full((len(rows), n), float("nan"), dtype=torch.float64)
     for b, row in enumerate(rows):
         try:
-            one = sample(logits[b:b + 1], [replace(row, logprobs=n)], eos_ids)
+            one = sampled_to_host(sample(logits[b:b + 1], [replace(row, logprobs=n)], eos_ids))
         except Exception as exc:  # noqa: BLE001
             tokens[b] = failed_token(log_exception(exc, f"{what}: row {b} of {len(rows)} failed"))
             continue

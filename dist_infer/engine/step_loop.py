@@ -44,6 +44,7 @@ from dist_infer.engine.offline_outputs import GenerationOutput
 from dist_infer.engine.pipeline import PipelineTransport
 from dist_infer.engine.request import PromptError, Request
 from dist_infer.engine.request_progress import RequestProgress
+from dist_infer.engine.sampling import SampledTokens
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.worker import StageWorker
@@ -79,10 +80,12 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
                  static_batching: bool = False, decode_stall_limit: Optional[float] = None,
-                 heartbeat_s: float = HEARTBEAT_S):
+                 heartbeat_s: float = HEARTBEAT_S, sampler: Optional[Callable[..., SampledTokens]] = None):
         """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
         decode_stall_limit F: beside running decodes, prompt chunks are cut so a step takes about F
-        times a decode-only step (from measured step times; pp=1); None: only the budget cuts them."""
+        times a decode-only step (from measured step times; pp=1); None: only the budget cuts them.
+        sampler: logits, rows, EOS ids -> SampledTokens on the sampler rank (None: sampling.sample_rows);
+        the seam where a check without a device's values puts a fixed token."""
         if decode_stall_limit is not None and decode_stall_limit <= 1:
             raise ValueError(f"decode_stall_limit must be above 1 (a multiple of a decode step), got {decode_stall_limit}")
         if cp_variant not in CP_VARIANTS:
@@ -131,6 +134,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         self._last_plan = time.monotonic()
         self.return_logits = False
         self.guard = StepGuard(self._fail)
+        self.sampler = sampler
         if num_blocks is not None:
             self._allocate(num_blocks)
 

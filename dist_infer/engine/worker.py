@@ -5,6 +5,9 @@ bookkeeping of its own: keys and values go where the plan's block tables say. Co
 ranks are the exception: each holds its zigzag share of a prompt and a round-robin share of
 the decode tokens, so each keeps its own block tables (from the plan's sequence ids and token
 counts), and frees them when the plan lists the sequence as freed.
+
+The metadata is built on the host from the plan's lists and moved to the model's device once per
+step (`_on_device`, through engine/device_io.py); on a CPU model it stays as built.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Optional
 import torch
 
 from dist_infer.comm.groups import ParallelGroups
+from dist_infer.engine.device_io import host_index, module_device, to_device
 from dist_infer.engine.kv_cache import PagedKVCache
 from dist_infer.engine.step_plan import StepPlan
 from dist_infer.models.attention_metadata import build_attention_metadata, split_token_halves
@@ -34,6 +38,7 @@ class StageWorker:
                  sequence_parallel_threshold: Optional[int], cp_variant: str):
         self.stage, self.groups, self.cache, self.block_size = stage, groups, cache, block_size
         self.cfg = stage.cfg
+        self.device = module_device(stage)  # every tensor of a step goes here (engine/device_io.py)
         self.overlap, self.overlap_threshold = overlap, overlap_threshold
         self.sequence_parallel, self.sequence_parallel_threshold = sequence_parallel, sequence_parallel_threshold
         self.cp, self.cp_variant = groups.cp, cp_variant
@@ -58,11 +63,18 @@ class StageWorker:
             return None
         q_lens, seq_lens = plan.num_tokens, plan.seq_lens
         if should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold):
-            return split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+            split = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+            return self._on_device(split)
         meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
         meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
                                                           self.groups.tp.size, self.sequence_parallel_threshold)
-        return meta
+        return self._on_device(meta)
+
+    def _on_device(self, meta):
+        """The step's metadata, built on the host, moved to the model's device once (CPU: as it is)."""
+        if self.device.type == "cpu":
+            return meta
+        return meta.moved(lambda t: to_device(t, self.device))
 
     def execute(self, plan: StepPlan, inputs: torch.Tensor, meta: Optional[object] = None) -> torch.Tensor:
         """Run the stage on `inputs` (token ids on the first stage, hidden states after it);
@@ -96,10 +108,10 @@ class StageWorker:
             attn = self.stage.layers[0].self_attn if len(self.stage.layers) else None
             meta, mine = cp_prefill_metadata(q_lens, n, me, tables, self.block_size, self.cp_variant,
                                              attn.q_heads if attn else 1, attn.kv_heads if attn else 1,
-                                             self.cfg.sliding_window, next(self.stage.parameters()).device.type,
+                                             self.cfg.sliding_window, self.device.type,
                                              torch.empty((), dtype=self.stage.dtype).element_size())
             starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
-            inputs = inputs[torch.tensor([st + p for st, pos in zip(starts, mine) for p in pos], dtype=torch.long)]
+            inputs = inputs[host_index([st + p for st, pos in zip(starts, mine) for p in pos], inputs.device)]
             for s, q in zip(seq_ids, q_lens):
                 self._cp_prompt_len[s] = self._cp_len[s] = q
             added = local
@@ -112,6 +124,7 @@ class StageWorker:
             meta = cp_decode_metadata(positions, store, local_lens, tables, self.block_size)
             for s in seq_ids:
                 self._cp_len[s] += 1
+        meta = self._on_device(meta)
         with torch.inference_mode():
             out = self.stage(inputs, meta, cache.layers)
         for s, a in zip(seq_ids, added):

@@ -181,8 +181,9 @@ def load_cpu_kernels() -> Optional[CpuKernels]:
 
 
 def serving(kernels: Optional[CpuKernels], *tensors: torch.Tensor) -> Optional[CpuKernels]:
-    """`kernels` if every tensor is what they are written for (fp32 on the CPU), else None."""
-    if kernels is None or any(t.is_cuda or t.dtype != torch.float32 for t in tensors):
+    """`kernels` if every tensor is what they are written for (fp32 on the CPU), else None. Any
+    device but the CPU is refused (CUDA, and whatever else a tensor may live on): they read host memory."""
+    if kernels is None or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     return kernels
 

@@ -41,6 +41,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="layers per pipeline stage, comma separated (default: balanced)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weight and activation dtype (default %(default)s)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where each rank's shard and KV cache live: cuda (the rank's local GPU, NCCL between "
+                        "ranks), cpu (gloo), or auto: cuda where torch sees a GPU, else cpu (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default %(default)s)")
     p.add_argument("--native-kernels", choices=("on", "off"), default="on",
                    help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
@@ -100,12 +103,13 @@ def load_model(args, groups):
     """This rank's stage of --model (its shard only) -> (stage, load report, model path)."""
     import torch
 
-    from dist_infer.models.loader import load_stage
+    from dist_infer.models.loader import load_stage, resolve_device
 
     model = model_path(args)
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
-    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, expert_placement=args.expert_placement,
-                               native_kernels=args.native_kernels == "on")
+    device = resolve_device(getattr(args, "device", "auto"))
+    stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, device=device,
+                               expert_placement=args.expert_placement, native_kernels=args.native_kernels == "on")
     return stage, report, model
 
 

@@ -11,8 +11,9 @@ of them imports another's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -62,6 +63,15 @@ class AttentionMetadata:
         are already the [B, max_q] batch, no padding or gathering needed."""
         return self.pad_index.numel() == self.batch * self.max_q
 
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "AttentionMetadata":
+        """A copy with every tensor (its parts' and cp's too) passed through `move`: the metadata is
+        built on the host from the plan's lists, and the engine moves it to the model's device once."""
+        fields = {f.name: move(v) for f in dataclasses.fields(self)
+                  if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        parts = None if self.parts is None else [(move(rows), sub.moved(move)) for rows, sub in self.parts]
+        cp = None if self.cp is None else self.cp.moved(move)
+        return dataclasses.replace(self, **fields, parts=parts, cp=cp)
+
 
 @dataclass
 class ContextParallelMetadata:
@@ -74,6 +84,10 @@ class ContextParallelMetadata:
     store_rows: Optional[torch.Tensor]  # rows whose K/V this rank stores (None: all); slots in slot_mapping
     last_rows: torch.Tensor  # prefill: [B] this rank's row of each sequence's last token, -1 if another rank has it
 
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "ContextParallelMetadata":
+        store = None if self.store_rows is None else move(self.store_rows)
+        return dataclasses.replace(self, store_rows=store, last_rows=move(self.last_rows))
+
 
 @dataclass
 class TokenSplit:
@@ -83,6 +97,9 @@ class TokenSplit:
     b: AttentionMetadata
     cut: int  # tokens [0, cut) are half a
     full: AttentionMetadata  # the whole step, for layers that run unsplit (the trimmed last layer)
+
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "TokenSplit":
+        return TokenSplit(self.a.moved(move), self.b.moved(move), self.cut, self.full.moved(move))
 
 
 def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],

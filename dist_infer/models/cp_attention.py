@@ -123,19 +123,21 @@ def cp_decode_metadata(positions: Sequence[int], store: Sequence[bool], local_le
         query_lens=[1] * B, seq_lens=list(local_lens), block_tables=tables,
         pad_index=torch.arange(B), mask=None, last_token_index=torch.arange(B),
         max_q=1, max_ctx=max(local_lens) if B else 0, fresh=False, cp=cp,
+        seq_lens_t=torch.tensor(list(local_lens), dtype=torch.long),  # moves with the metadata: the shard's mask
     )
 
 
 def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           local_lens: Sequence[int], scale: float,
-                           kernels: Optional[CpuKernels] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           local_lens: Sequence[int], scale: float, kernels: Optional[CpuKernels] = None,
+                           local_lens_t: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence against this rank's shard only: (O [B, Hq, d], LSE [B, Hq]), fp32.
 
     A sequence with no key on this rank gives O = 0, LSE = -inf: the identity of the merge.
     With the native kernels (CPU, fp32) one call reads the shard through the block table; the
     torch path gathers the blocks into a padded batch first (SmolLM2's cp=2 decode step, batch 4:
     80-82 ms that way, 69 ms through the kernel, 42 ms once the merge's all-gather also went
-    through shared memory).
+    through shared memory). `local_lens_t`: the same lengths as a tensor on q's device, if the caller
+    has them there (the step's metadata does), so no layer copies them from the host again.
     """
     B, heads, d = q.shape
     kv_heads = k_cache.shape[2]
@@ -154,7 +156,8 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     values = v_cache[block_tables].view(B, -1, kv_heads, d)[:, :longest].to(acc)
     g = heads // kv_heads
     scores = torch.einsum("bkgd,blkd->bkgl", q.view(B, kv_heads, g, d).to(acc), keys) * scale
-    valid = torch.arange(longest, device=q.device)[None, :] < torch.tensor(list(local_lens), device=q.device)[:, None]
+    lens = local_lens_t if local_lens_t is not None else torch.tensor(list(local_lens), device=q.device)
+    valid = torch.arange(longest, device=q.device)[None, :] < lens[:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
@@ -182,7 +185,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     if info.phase == "prefill":
         out, _ = ring_attention(q, k, v, cp, info.layout, info.variant, causal=True, scale=scale, steps=info.steps)
     else:
-        partial, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kernels)
+        partial, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kernels,
+                                              meta.seq_lens_t)
         out, _ = merge_across_ranks(partial, lse, cp)
     return out.to(q.dtype).reshape(q.shape[0], -1)
 
@@ -199,11 +203,8 @@ def cp_last_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     info = meta.cp
     d = k.shape[2]
     _store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    rows = info.last_rows
-    B, heads = rows.numel(), q.shape[1]
-    last_q = q.new_zeros(B, heads, d)
-    mine = rows >= 0
-    last_q[mine] = q[rows[mine]]
+    B, heads = info.last_rows.numel(), q.shape[1]
+    last_q = _rows_held_here(q, info.last_rows)
     cp.all_reduce(last_q)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, heads, d, dtype=acc, device=q.device)
@@ -228,9 +229,15 @@ def cp_last_hidden(x: torch.Tensor, meta: AttentionMetadata, cp: Communicator) -
     info = meta.cp
     if info.phase == "decode":
         return x[meta.last_token_index]
-    rows = info.last_rows
-    out = x.new_zeros(rows.numel(), x.shape[-1])
-    mine = rows >= 0
-    out[mine] = x[rows[mine]]
+    out = _rows_held_here(x, info.last_rows)
     cp.all_reduce(out)
     return out
+
+
+def _rows_held_here(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x[rows[b]] where rows[b] >= 0, zeros where another rank holds the row (-1): [B, ...].
+    Selected without a boolean mask, whose result's size would need a device read."""
+    if x.shape[0] == 0:  # this rank holds no row at all
+        return x.new_zeros(rows.numel(), *x.shape[1:])
+    held = (rows >= 0).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(held, x[rows.clamp(min=0)], 0.0).contiguous()

@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def _native(self, x: torch.Tensor):
-        return serving(self.kernels, x) if x.dim() == 2 and x.is_contiguous() else None
+        return serving(self.kernels, x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
 
     def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + branch, norm(x + branch)): the residual add and the next norm in one pass where
@@ -297,7 +297,7 @@ class LlamaStage(nn.Module):
             for i in unsplit:
                 rows = meta.last_token_index if trim and i == len(self.layers) - 1 else None
                 x = self.layers[i](x, cos, sin, kv_caches[i], meta, rows)
-        last_index = torch.arange(meta.batch) if trim else meta.last_token_index
+        last_index = torch.arange(meta.batch, device=x.device) if trim else meta.last_token_index
         if not self.last:
             return x
         if cp_meta is not None and not trim:

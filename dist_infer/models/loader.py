@@ -32,6 +32,31 @@ class LoadReport:
     layers: tuple[int, int]
 
 
+class DeviceError(ValueError):
+    """A --device this process cannot use (cuda without a GPU torch can see)."""
+
+
+def resolve_device(name: Optional[str] = "auto") -> torch.device:
+    """Where a rank's model goes: 'auto' (or None) is this rank's GPU when torch sees one, else
+    the CPU; 'cuda' is this rank's GPU (comm/init.py picked it from the local rank)."""
+    name = name or "auto"
+    if name not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"--device {name!r}: one of auto, cpu, cuda")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceError("--device cuda: torch sees no CUDA device here (a CPU-only build, or no GPU visible)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def place_stage(stage: LlamaStage, device: Optional[torch.device]) -> LlamaStage:
+    """Move a loaded stage to `device` (None or the CPU: it stays where it was built). The engine
+    puts its KV cache and every step's tensors where the stage's parameters are."""
+    if device is not None and torch.device(device).type != "cpu":
+        stage.to(device)
+    return stage
+
+
 def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
                 pp_split: Optional[Sequence[int]] = None, native_kernels: bool = True, **options) -> LlamaStage:
     """`options` go to the family's builder (e.g. expert_placement for MoE models). `native_kernels`:
@@ -45,23 +70,27 @@ def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = t
 
 
 def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-               pp_split: Optional[Sequence[int]] = None, **options) -> tuple[LlamaStage, LoadReport]:
-    """This rank's stage of the checkpoint at `path` (a HF directory or a .gguf file), with what
-    loading cost."""
+               pp_split: Optional[Sequence[int]] = None, device: Optional[torch.device] = None,
+               **options) -> tuple[LlamaStage, LoadReport]:
+    """This rank's stage of the checkpoint at `path` (a HF directory or a .gguf file), on `device`
+    (None: the CPU), with what loading cost."""
     start, rss0 = time.perf_counter(), current_rss_mb()
     gguf = is_gguf(path)
     with (GGUFCheckpoint(path) if gguf else open_checkpoint(path)) as ckpt:
         cfg = ModelConfig.from_hf(ckpt.config, str(path) if gguf else str(Path(path) / "config.json"))
         stage = build_stage(cfg, groups, dtype, pp_split, **options)
         stage.load_weights(ckpt.tensor)
+    place_stage(stage, device)
     return_freed_memory()
     report = LoadReport(time.perf_counter() - start, rss0, peak_rss_mb(), (stage.layer_ids.start, stage.layer_ids.stop))
     return stage, report
 
 
 def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.dtype] = None,
-                        pp_split: Optional[Sequence[int]] = None, **options) -> LlamaStage:
-    """This rank's stage of a transformers model already in memory (deepspeed.init_inference's counterpart)."""
+                        pp_split: Optional[Sequence[int]] = None, device: Optional[torch.device] = None,
+                        **options) -> LlamaStage:
+    """This rank's stage of a transformers model already in memory (deepspeed.init_inference's
+    counterpart), on `device` (None: the CPU)."""
     cfg = ModelConfig.from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__}.config")
     dtype = dtype or next(hf_model.parameters()).dtype
     stage = build_stage(cfg, groups, dtype, pp_split, **options)
@@ -73,4 +102,4 @@ def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.
         return state[name]
 
     stage.load_weights(get)
-    return stage
+    return place_stage(stage, device)

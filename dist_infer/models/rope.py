@@ -6,6 +6,7 @@ import math
 from typing import Optional
 
 import torch
+from torch import nn
 
 from dist_infer.models.config import ModelConfigError
 
@@ -36,14 +37,28 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict] = N
     raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 
-class Rotary:
-    """cos/sin per position, computed once for all positions the model can see."""
+class Rotary(nn.Module):
+    """cos/sin per position, computed once for all positions the model can see.
+
+    A module with the tables as buffers (not saved with the weights), so they go wherever the
+    model is moved (`stage.to("cuda")`) and a step's positions, on the model's device, index
+    them there. They stay fp32 whatever dtype the model is cast to: `apply_rotary` casts them
+    to the activations' dtype itself, like HF."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict] = None):
+        super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Follow the model's moves (`fn` tells where to) but not its casts: the fp32 tables go there."""
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]

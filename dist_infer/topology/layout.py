@@ -72,10 +72,10 @@ class Layout:
     def describe(self) -> str:
         """Canonical text, e.g. 'tp=2,pp=2': axes of 1 left out ('tp=1' when all are); dp shown
         whenever it is given, since dp=1 (exactly one replica) differs from no dp."""
-        parts = [f"{a}={getattr(self, a)}" for a in MODEL_AXES if getattr(self, a) != 1]
+        parts = [f"{a}={getattr(self, a)}" for a in MODEL_AXES if getattr(self, a) != 1] or ["tp=1"]
         if self.dp is not None:
             parts.append(f"dp={self.dp}")
-        return ",".join(parts) or "tp=1"
+        return ",".join(parts)
 
     def as_dict(self) -> dict:
         """tp, pp, cp and ep, and dp when it is given."""

@@ -67,10 +67,12 @@ class ParallelExperts(nn.Module):
             down_rows = down[e:e + 1, :, self.i_start:self.i_start + self.i_local][0]
             copy_into(self.w2[j], down_rows, f"{self.name}.down_proj[{e}]")
 
-    def forward(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """Expert `local_ids[i]` applied to `rows[i]`; un-reduced over tp."""
+    def forward(self, rows: torch.Tensor, local_ids: torch.Tensor, sizes: Optional[list[int]] = None) -> torch.Tensor:
+        """Expert `local_ids[i]` applied to `rows[i]`; un-reduced over tp. `sizes`: rows per local
+        expert when the caller knows them on the host (else counted here: a device read)."""
         order = torch.argsort(local_ids, stable=True)
-        sizes = torch.bincount(local_ids, minlength=len(self.experts)).tolist()
+        if sizes is None:
+            sizes = torch.bincount(local_ids, minlength=len(self.experts)).tolist()
         grouped = rows[order]
         out = torch.empty_like(grouped)
         start = 0

@@ -20,6 +20,7 @@ the chunk, before the all-gather over ep.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -33,6 +34,18 @@ from dist_infer.parallel.moe.routing import dispatch_order, token_chunk, topk_ro
 from dist_infer.parallel.moe.stats import RoutingStats
 from dist_infer.parallel.sharding import ShardingError
 from dist_infer.parallel.weights import check_shape, copy_into
+
+
+@dataclass
+class Routing:
+    """One ep rank's chunk of a step routed (`ExpertParallelMoE.route`), on the activations' device:
+    its rows [start, start + n), and its (token, expert) pairs in dispatch order."""
+
+    start: int
+    n: int
+    tokens: torch.Tensor  # [n * k] row in the chunk of each pair
+    weights: torch.Tensor  # [n * k] fp32 router weight of each pair
+    counts: torch.Tensor  # [E] pairs per expert
 
 
 class ExpertParallelMoE(nn.Module):
@@ -54,8 +67,8 @@ class ExpertParallelMoE(nn.Module):
         self.name, self.tp, self.ep = name, tp, ep
         self.hidden, self.num_experts, self.top_k, self.renormalize = hidden, num_experts, top_k, renormalize
         self.placement = placement
-        self.owner = torch.tensor(placement.owner, dtype=torch.long)
-        self.mine = torch.tensor(placement.local_experts(ep.rank), dtype=torch.long)
+        # expert -> owner rank, a buffer: it indexes the router's device output, so it goes where the layer goes
+        self.register_buffer("owner", torch.tensor(placement.owner, dtype=torch.long), persistent=False)
         self.gate = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
         self.experts = ParallelExperts(placement, ep.rank, hidden, intermediate, tp, dtype, f"{name}.experts")
         self.shared = shared
@@ -72,7 +85,7 @@ class ExpertParallelMoE(nn.Module):
         y = self._chunk_partial(x)
         t0 = time.perf_counter()
         self.tp.all_reduce(y)
-        out = self._gather_chunks(y, x.shape[0])
+        out = self.gather_chunks(y, x.shape[0])
         self.stats.time_s["gather"] += time.perf_counter() - t0
         return out
 
@@ -80,50 +93,69 @@ class ExpertParallelMoE(nn.Module):
         """Like forward, but the tp all-reduce is left to the caller (to overlap it): [T, H] partial sums."""
         y = self._chunk_partial(x)
         t0 = time.perf_counter()
-        out = self._gather_chunks(y, x.shape[0])
+        out = self.gather_chunks(y, x.shape[0])
         self.stats.time_s["gather"] += time.perf_counter() - t0
         return out
 
     def _chunk_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This ep rank's chunk of tokens through the routed (and shared) experts, not reduced over tp."""
-        ep, E, k, times = self.ep, self.num_experts, self.top_k, self.stats.time_s
+        times = self.stats.time_s
         t0 = time.perf_counter()
-        start, n = token_chunk(x.shape[0], ep.size, ep.rank)
-        xc = x[start:start + n]
-        weights, experts = topk_routing(F.linear(xc, self.gate), k, self.renormalize)
-        order = dispatch_order(experts, self.owner)
-        send_tokens = order // k
-        send_weights = weights.reshape(-1)[order]
-        counts = torch.bincount(experts.reshape(-1), minlength=E)
+        routing = self.route(x)
         t1 = time.perf_counter()
-        # Every rank learns every rank's tokens per expert: the splits of both all-to-alls and the stats.
-        all_counts = torch.empty(ep.size, E, dtype=torch.long)
-        ep.all_gather(all_counts, counts)
-        per_rank = torch.zeros(ep.size, dtype=torch.long).index_add_(0, self.owner, counts)
-        send_splits = per_rank.tolist()
-        from_each = all_counts[:, self.mine]  # [ep, E_local]: rows each source sends me, per local expert
-        recv_splits = from_each.sum(1).tolist()
+        counts = self.routing_counts(routing.counts)
+        times["route"] += t1 - t0
+        times["dispatch"] += time.perf_counter() - t1
+        return self.exchange(x, routing, counts)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """This ep rank's chunk of `x` routed, on x's device: which rows go where, with what weight."""
+        start, n = token_chunk(x.shape[0], self.ep.size, self.ep.rank)
+        weights, experts = topk_routing(F.linear(x[start:start + n], self.gate), self.top_k, self.renormalize)
+        order = dispatch_order(experts, self.owner)
+        flat = experts.reshape(-1)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount's counts, without its host read of the max
+        return Routing(start, n, order // self.top_k, weights.reshape(-1)[order], counts)
+
+    def routing_counts(self, counts: torch.Tensor) -> list[list[int]]:
+        """Every ep rank's (token, expert) pairs per expert, [ep][E], on the host: the all-to-alls'
+        split sizes and the statistics. The layer's one read of device values (a sync on a GPU)."""
+        all_counts = counts.new_empty(self.ep.size, self.num_experts)
+        self.ep.all_gather(all_counts, counts)
+        return all_counts.tolist()
+
+    def exchange(self, x: torch.Tensor, routing: Routing, counts: list[list[int]]) -> torch.Tensor:
+        """Dispatch the routed rows, run this rank's experts, send the results back and sum them
+        per token (plus the shared expert): [n, H] for this rank's chunk, not reduced over tp."""
+        ep, times = self.ep, self.stats.time_s
+        t0 = time.perf_counter()
+        mine = self.placement.local_experts(ep.rank)
+        send_splits = [sum(counts[ep.rank][e] for e in self.placement.local_experts(r)) for r in range(ep.size)]
+        from_each = [[counts[src][e] for e in mine] for src in range(ep.size)]  # rows each source sends me
+        recv_splits = [sum(row) for row in from_each]
+        xc = x[routing.start:routing.start + routing.n]
         received = x.new_empty(sum(recv_splits), x.shape[1])
-        ep.all_to_all(received, xc[send_tokens].contiguous(), recv_splits, send_splits)
+        ep.all_to_all(received, xc[routing.tokens].contiguous(), recv_splits, send_splits)
+        t1 = time.perf_counter()
+        repeats = torch.tensor([c for row in from_each for c in row], dtype=torch.long)
+        local_ids = torch.arange(len(mine)).repeat(ep.size).repeat_interleave(repeats, output_size=sum(recv_splits))
+        sizes = [sum(row[j] for row in from_each) for j in range(len(mine))]
+        computed = self.experts(received, local_ids.to(x.device), sizes)
         t2 = time.perf_counter()
-        local_ids = torch.arange(len(self.mine)).repeat(ep.size).repeat_interleave(from_each.reshape(-1))
-        computed = self.experts(received, local_ids)
-        t3 = time.perf_counter()
-        back = x.new_empty(send_tokens.numel(), x.shape[1])
+        back = x.new_empty(routing.tokens.numel(), x.shape[1])
         ep.all_to_all(back, computed, send_splits, recv_splits)
-        scale = send_weights if self.weights_fp32 else send_weights.to(x.dtype)
-        y = x.new_zeros(n, x.shape[1]).index_add_(0, send_tokens, (back * scale[:, None]).to(x.dtype))
+        scale = routing.weights if self.weights_fp32 else routing.weights.to(x.dtype)
+        y = x.new_zeros(routing.n, x.shape[1]).index_add_(0, routing.tokens, (back * scale[:, None]).to(x.dtype))
         if self.shared is not None:
             y = y + self.shared(xc)
-        t4 = time.perf_counter()
-        self.stats.record(all_counts.sum(0))
-        times["route"] += t1 - t0
-        times["dispatch"] += t2 - t1
-        times["experts"] += t3 - t2
-        times["combine"] += t4 - t3
+        self.stats.record(torch.tensor(counts, dtype=torch.long).sum(0))
+        times["dispatch"] += t1 - t0
+        times["experts"] += t2 - t1
+        times["combine"] += time.perf_counter() - t2
         return y
 
-    def _gather_chunks(self, y: torch.Tensor, total: int) -> torch.Tensor:
+    def gather_chunks(self, y: torch.Tensor, total: int) -> torch.Tensor:
         """Every ep rank's chunk, in rank order: [total, H] on every rank (chunks padded to equal size)."""
         ep = self.ep
         if ep.size == 1:

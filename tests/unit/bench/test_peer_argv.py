@@ -1,0 +1,26 @@
+"""The bench's peer runners without running them: the command lines `run_peer` starts, the prompts,
+the metrics' keys, and an unknown peer refused before anything starts. (The peers themselves, run
+as their own processes: tests/integration/test_peers.py.)"""
+
+from __future__ import annotations
+
+from dist_infer.bench.peers import PEERS, empty_metrics, make_prompts, peer_argv, run_peer
+
+METRIC_KEYS = {"peer", "prefill_tok_s", "decode_tok_s", "ttft_s", "tpot_s", "peak_rss_mb", "tp", "ok", "error"}
+
+
+def test_unknown_peer():
+    m = run_peer("vllm", "/nowhere", 1, 1, 4, 2, timeout_s=5)
+    assert m["ok"] is False and "unknown peer" in m["error"]
+
+
+def test_argv_and_prompts():
+    hf = peer_argv("hf", "/m", 2, 4, 256, 32, "/o.json", 12345)
+    assert "torchrun" not in " ".join(hf) and hf[1:3] == ["-m", "dist_infer.bench.peers"]
+    ds = peer_argv("deepspeed", "/m", 2, 4, 256, 32, "/o.json", 12345, threads=1)
+    assert "--nproc-per-node=2" in ds and "--master-port=12345" in ds and ds[-2:] == ["--threads", "1"]
+    assert set(PEERS) == {"hf", "hf-tp", "deepspeed"}
+    p = make_prompts(3, 7, 50)
+    assert p.shape == (3, 7) and int(p.min()) >= 3 and int(p.max()) < 50
+    assert (p == make_prompts(3, 7, 50)).all()
+    assert METRIC_KEYS == set(empty_metrics("hf"))
