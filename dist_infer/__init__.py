@@ -1,7 +1,7 @@
 """dist_infer: distributed LLM inference with communication hidden behind computation.
 
-Layers, each importing only the ones after it:
-cli -> bench -> planner -> launch -> serving -> engine -> models -> parallel -> comm -> topology -> kernels.
+Layers, each importing only the ones after it (the two packages of a layer may import each other):
+cli / launch -> bench, planner -> serving -> engine -> models -> parallel -> comm -> topology -> kernels.
 `dist_infer.arg_types` (argument types, standard library only) is outside them: any layer may use it.
 """
 

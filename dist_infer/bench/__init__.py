@@ -11,12 +11,16 @@ the PNG, the routing file), `run` (the command: ours, then the peers), `profile`
 one rank's time goes), `sweep` (`--sweep`: every layout, measured beside the planner's prediction),
 `peers` (the other systems, each in its own processes) and `serve` (`dist-infer bench-serve`: a load
 generator for any OpenAI-compatible server, split into datasets, arrivals, the client and the report).
+
+One layer with `planner`, below `cli` and `launch`: it imports neither. The CLI adds the model flags
+and hands `run_bench` each rank's start (`RankStart`: join the job, load the shard, build the engine);
+child jobs, cores and process groups come from `topology`.
 """
 
 from __future__ import annotations
 
 from dist_infer.bench.flags import COMPARABLE, add_bench_flags, parse_compare
 from dist_infer.bench.overlap import report_runs
-from dist_infer.bench.run import run_bench
+from dist_infer.bench.run import RankStart, run_bench
 
-__all__ = ["COMPARABLE", "add_bench_flags", "parse_compare", "report_runs", "run_bench"]
+__all__ = ["COMPARABLE", "RankStart", "add_bench_flags", "parse_compare", "report_runs", "run_bench"]

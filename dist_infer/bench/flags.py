@@ -8,9 +8,8 @@ COMPARABLE = ("deepspeed", "hf", "hf-tp", "ours-1proc")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    from dist_infer.launch.model_options import add_model_flags
-
-    add_model_flags(p)  # the same model and layout flags as generate and serve
+    """The bench's own flags; the model and layout flags, the same as generate's and serve's, are
+    the rank start-up's (`launch.model_options.add_model_flags`), which the CLI adds before these."""
     p.add_argument("--batch", type=int, default=4, help="prompts per batch (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default %(default)s)")
     p.add_argument("--gen-len", type=int, default=32, help="new tokens per prompt (default %(default)s)")

@@ -55,7 +55,6 @@ def gemm_rates(rows: int = ROWS) -> list[dict]:
         bf16 = _time_cuda(lambda: a @ w.t())
         out.append({"shape": name, "m": rows, "k": k, "n": n, "fp8_tflops": flops / fp8 / 1e12,
                     "bf16_tflops": flops / bf16 / 1e12, "fp8_over_bf16": bf16 / fp8})
-        del a, w, a8, w8
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dist_infer.launch.subcommand import SubcommandError, run_json
+from dist_infer.topology.subcommand import SubcommandError, run_json
 
 
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:

@@ -1,4 +1,7 @@
-"""`dist-infer bench`: our engine on every rank, then each peer in its own processes, one table."""
+"""`dist-infer bench`: our engine on every rank, then each peer in its own processes, one table.
+
+How a rank joins the job, loads its shard and builds the engine is the rank start-up's
+(`dist_infer.launch`, above this layer): the CLI hands it down as a `RankStart`."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import importlib.util
 import json
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from loguru import logger
 
@@ -17,11 +22,22 @@ from dist_infer.bench.report import plot, ratio, run_ours_single_process, save_r
 from dist_infer.bench.timing import measure
 
 
-def run_bench(args) -> int:
+@dataclass(frozen=True)
+class RankStart:
+    """This rank's start, as the command's flags say: `join()` joins the job -> its parallel groups;
+    `load(groups)` -> (this rank's stage of the model, its load report, the model path);
+    `build_engine(stage, groups)` -> our engine over the stage."""
+
+    join: Callable[[], Any]
+    load: Callable[[Any], tuple[Any, Any, str]]
+    build_engine: Callable[[Any, Any], Any]
+
+
+def run_bench(args, start: RankStart) -> int:
     peers = parse_compare(args.compare)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("dist-infer bench: --plot needs matplotlib: pip install 'dist_infer[plot]'")
-    measured = _run_ours(args, peers)
+    measured = _run_ours(args, peers, start)
     if measured is None:  # every rank but 0 is done once ours has run
         return 0
     ours, model, bar = measured
@@ -30,7 +46,7 @@ def run_bench(args) -> int:
     return 0
 
 
-def _run_ours(args, peers: list[str]):
+def _run_ours(args, peers: list[str], start: RankStart):
     """Our engine on every rank (timed runs, generation memory, and --profile / --overlap-report).
     -> rank 0: (our metrics, the model path, the progress bar, still open for the peers); None elsewhere."""
     import torch
@@ -38,18 +54,15 @@ def _run_ours(args, peers: list[str]):
 
     from dist_infer.bench.peers import make_prompts
     from dist_infer.comm.measured import MeasuredCommunicator
-    from dist_infer.launch.model_options import build_engine, load_model, moe_report
-    from dist_infer.launch.rank import join_job
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.models.moe import moe_report
 
-    groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                      args.timeout, args.iface, args.log_level, args.shm)
+    groups = start.join()
     world = groups.world
     plain_groups = groups  # what to tear down at the end (the wrappers below share their communicators)
     if args.overlap_report or args.profile:  # time (and for the report, serialise or skip) each group's communication
         groups = dataclasses.replace(groups, **{g: MeasuredCommunicator(getattr(groups, g)) for g in MEASURED_GROUPS})
-    stage, report, model = load_model(args, groups)
-    engine = build_engine(args, stage, groups)
+    stage, report, model = start.load(groups)
+    engine = start.build_engine(stage, groups)
     prompts = make_prompts(args.batch, args.prompt_len, stage.cfg.vocab_size).tolist()
     measured_runs = 0
     if args.overlap_report:

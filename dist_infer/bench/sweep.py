@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 from loguru import logger
 
-from dist_infer.launch.subcommand import SubcommandError, run_json
+from dist_infer.topology.cores import usable_cores
+from dist_infer.topology.subcommand import SubcommandError, run_json
 
 # flags of the bench command line the sweep sets per run (with how many values each takes)
 _SET_PER_RUN = {"--sweep": 1, "--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--nproc": 1, "--json": 0, "--plot": 1,
@@ -69,7 +70,6 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     from dist_infer.planner.layout import LayoutError, parse_sweep, why_not
     from dist_infer.planner.predict import predict
     from dist_infer.planner.workload import Schedule, Workload
-    from dist_infer.launch.launcher import usable_cores
     from dist_infer.planner.plan import PlanError, model_shape
 
     if args.sweep_rounds < 1:

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from loguru import logger
 
-from dist_infer.launch.model_options import (add_model_flags, add_scheduler_flags, build_engine, load_model, moe_report,
+from dist_infer.launch.model_options import (add_model_flags, add_scheduler_flags, build_engine, load_model,
                                              scheduler_options)
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -101,6 +101,7 @@ def run_generate(args) -> int:
     from dist_infer.launch.rank import join_job
     from dist_infer.models.checkpoint import peak_rss_mb
     from dist_infer.models.gguf_checkpoint import shared_parses
+    from dist_infer.models.moe import moe_report
     from dist_infer.topology import ParallelConfig
 
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,

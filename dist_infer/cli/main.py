@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run() -> None:
     """The program (`dist-infer`, `python -m dist_infer`): `main`, then the process ends without the
     interpreter's teardown (`exit_now`: ~0.5 s saved in every rank of every job)."""
-    from dist_infer.launch.rank import exit_now
+    from dist_infer.topology.processes import exit_now
 
     exit_now(main())
 

@@ -134,6 +134,7 @@ def _add_generate(sub) -> None:
 
 def _add_bench(sub) -> None:
     from dist_infer.bench import add_bench_flags
+    from dist_infer.launch.model_options import add_model_flags
 
     p = sub.add_parser(
         "bench",
@@ -143,6 +144,7 @@ def _add_bench(sub) -> None:
     )
     add_parallel_flags(p, cp_auto=True)
     add_rank_flags(p)
+    add_model_flags(p)  # the same model and layout flags as generate and serve
     add_bench_flags(p)
     add_overlap_flags(p)
 

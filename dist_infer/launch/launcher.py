@@ -25,9 +25,11 @@ from typing import Optional, Sequence
 from loguru import logger
 
 from dist_infer.arg_types import strip_flag
+from dist_infer.topology.cores import threads_per_rank
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT, free_port
 from dist_infer.topology.hostfile import Host, node_rank_offsets
 from dist_infer.topology.network import set_socket_interface
+from dist_infer.topology.processes import stop_process_groups
 
 
 class LaunchError(ValueError):
@@ -59,20 +61,6 @@ class LaunchOptions:
     launcher: str = "local"
     ssh_command: str = "ssh"
     iface: Optional[str] = None
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. under a batch scheduler), else all."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def threads_per_rank(nproc_local: int, cpus: Optional[int] = None) -> int:
-    """Cores each local rank may use: the node's usable cores shared evenly, at least one."""
-    cpus = cpus or usable_cores()
-    return max(1, cpus // max(1, nproc_local))
 
 
 def rank_env(rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int) -> dict[str, str]:
@@ -212,26 +200,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-def stop_process_groups(procs: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
-    """TERM each process group (started with start_new_session), KILL what is left after `grace` s."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
 
 
 def _stop(children: Sequence[tuple[Proc, subprocess.Popen]]) -> None:

@@ -1,10 +1,9 @@
 """A rank's model and engine, as generate, bench and serve start them: their flags, the model path,
-one way to load this rank's shard and build the engine from them, and an MoE model's routing report."""
+one way to load this rank's shard and build the engine from them."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional
 
 # The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
 # chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
@@ -29,7 +28,7 @@ def scheduler_options(args) -> dict:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The model and how it is laid out: shared by generate and serve."""
+    """The model and how it is laid out: shared by generate, bench and serve."""
     p.add_argument("--model", default=None,
                    help="HF checkpoint directory (config.json, *.safetensors, tokenizer.json), a GGUF file (Llama "
                         "family; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Qn_K), 'default': SmolLM2-135M-Instruct from "
@@ -118,10 +117,3 @@ def build_engine(args, stage, groups, **options):
     from dist_infer.engine.step_loop import Engine
 
     return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant, **options)
-
-
-def moe_report(stage, groups) -> Optional[dict]:
-    """The routing statistics of an MoE model (collective: every rank calls it), None for a dense one."""
-    from dist_infer.models.moe import is_moe_stage, routing_report
-
-    return routing_report(stage, groups) if is_moe_stage(stage) else None

@@ -3,11 +3,10 @@ that one failing rank ends the whole job instead of leaving the others waiting).
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Callable, NoReturn, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 from loguru import logger
 
@@ -46,23 +45,6 @@ def _abort_mpi(code: int) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
         mpi.COMM_WORLD.Abort(code)  # MPI_Finalize would wait for the ranks we are abandoning
-
-
-def exit_now(code: int) -> NoReturn:
-    """End a finished program without the interpreter's teardown, which takes ~0.5 s once torch is
-    loaded (clearing its modules) and can abort in C++ destructors (DeepSpeed's CPU ranks) after
-    the work succeeded. What teardown does that matters still happens: the streams are flushed,
-    the atexit handlers run (the process group's), and MPI is finalized (mpirun counts a rank that
-    skips it as failed)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    atexit._run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def run_rank_command(body: Callable[[], int]) -> int:

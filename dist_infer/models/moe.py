@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -273,3 +273,8 @@ def format_routing_report(report: dict) -> str:
 
 def is_moe_stage(stage) -> bool:
     return isinstance(stage, MoEStage)
+
+
+def moe_report(stage, groups: ParallelGroups) -> Optional[dict]:
+    """The routing statistics of an MoE model (collective: every rank calls it), None for a dense one."""
+    return routing_report(stage, groups) if is_moe_stage(stage) else None

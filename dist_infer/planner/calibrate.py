@@ -23,12 +23,13 @@ from typing import Callable
 
 from loguru import logger
 
-from dist_infer.launch.subcommand import SubcommandError, run_json
 from dist_infer.planner.hardware import HardwareProfile, Link, save_profile
 from dist_infer.planner.kernel_rates import (ATTENTION_LENGTHS, DECODE_CONTEXTS, GEMM_ROWS, STREAM_PLACEMENTS,
                                              STREAM_ROW_LENGTHS, measure_attention, measure_bandwidth,
                                              measure_decode_attention, measure_gemm, measure_reference,
                                              measure_size_factor)
+from dist_infer.topology.cores import usable_cores
+from dist_infer.topology.subcommand import SubcommandError, run_json
 
 COMM_SIZES = "256,4K,64K,1M,4M"
 COMM_OPS = ("all_reduce", "all_gather", "all_to_all", "send_recv")
@@ -154,8 +155,6 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
 def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[str], None] = lambda s: None) -> HardwareProfile:
     import psutil
 
-    from dist_infer.launch.launcher import usable_cores
-
     cores = usable_cores()
     thread_counts = sorted({1, cores})
     gemm, attention, attention_full, bandwidth, reader, decode_attention, size_factor = {}, {}, {}, {}, "", {}, {}
@@ -204,8 +203,6 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
 
 def run_calibrate(args) -> int:
     from tqdm import tqdm
-
-    from dist_infer.launch.launcher import usable_cores
 
     if args.reference:
         print(json.dumps(measure_reference(usable_cores())))

@@ -1,4 +1,7 @@
-"""Where every rank is: discovery from launchers, hostfiles, the layout and the mesh of parallel groups."""
+"""Where every rank is: discovery from launchers, hostfiles, the layout and the mesh of parallel groups;
+and the host's processes as every layer above sees them: its usable cores and each local rank's share
+(`cores`), stopping child process groups and ending this process without teardown (`processes`), and
+another `dist-infer` command run as a child job, its `--json` read back (`subcommand`). No torch."""
 
 from dist_infer.topology.discovery import (
     DiscoveryError,

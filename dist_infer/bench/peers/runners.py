@@ -8,9 +8,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from dist_infer.launch.launcher import threads_per_rank
 from dist_infer.bench.peers.metrics import finished
 from dist_infer.bench.peers.workload import time_greedy
+from dist_infer.topology.cores import threads_per_rank
 
 PEERS = ("hf", "hf-tp", "deepspeed")
 DISTRIBUTED_PEERS = ("hf-tp", "deepspeed")

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from dist_infer.launch.launcher import stop_process_groups
 from dist_infer.bench.peers.metrics import failed
 from dist_infer.bench.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
 from dist_infer.topology.discovery import free_port, without_launcher_env
+from dist_infer.topology.processes import stop_process_groups
 
 LOCK_PATH = os.path.join(tempfile.gettempdir(), "dist_infer_peers.lock")
 

@@ -17,8 +17,8 @@ from dist_infer.launch.launcher import (
     describe_exit,
     plan,
     plan_local,
-    threads_per_rank,
 )
+from dist_infer.topology.cores import threads_per_rank
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT
 from dist_infer.topology.hostfile import Host
 
