@@ -10,6 +10,7 @@ the launcher's rank command lines).
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -55,9 +56,12 @@ def parse_size(text: str) -> int:
     mult = _UNITS.get(part[-1:], 1)
     number = part[:-1] if part[-1:] in _UNITS else part
     try:
-        return int(float(number) * mult)
+        value = float(number) * mult
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text.strip()!r}; use e.g. 4K, 256M, 2G") from None
+        value = math.nan
+    if not math.isfinite(value):  # 'x', 'inf', 1e400
+        raise argparse.ArgumentTypeError(f"bad size {text.strip()!r}; use e.g. 4K, 256M, 2G")
+    return int(value)
 
 
 def positive_size(text: str) -> int:
@@ -72,8 +76,19 @@ def positive_size(text: str) -> int:
 
 
 def size_list(text: str) -> list[int]:
-    """Comma-separated sizes: 4K,256K,4M."""
-    return [parse_size(part) for part in text.split(",")]
+    """Comma-separated positive sizes: 4K,256K,4M."""
+    return [positive_size(part) for part in text.split(",")]
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
 
 
 def existing_file(text: str) -> str:

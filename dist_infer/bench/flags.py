@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from dist_infer.arg_types import positive_int
+
 COMPARABLE = ("deepspeed", "hf", "hf-tp", "ours-1proc")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
     """The bench's own flags; the model and layout flags, the same as generate's and serve's, are
     the rank start-up's (`launch.model_options.add_model_flags`), which the CLI adds before these."""
-    p.add_argument("--batch", type=int, default=4, help="prompts per batch (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt (default %(default)s)")
-    p.add_argument("--gen-len", type=int, default=32, help="new tokens per prompt (default %(default)s)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--batch", type=positive_int, default=4, help="prompts per batch (default %(default)s)")
+    p.add_argument("--prompt-len", type=positive_int, default=256, help="tokens per prompt (default %(default)s)")
+    p.add_argument("--gen-len", type=positive_int, default=32, help="new tokens per prompt (default %(default)s)")
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="timed runs of our engine; the best is reported (default %(default)s)")
     p.add_argument("--compare", default="",
                    help="peers to run in the same invocation, comma separated: deepspeed (AutoTP, tp ranks), "

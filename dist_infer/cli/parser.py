@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from dist_infer import __version__
-from dist_infer.arg_types import positive_int, positive_int_or_auto, size_list
+from dist_infer.arg_types import port_number, positive_int, positive_int_or_auto, size_list
 from dist_infer.comm.backends import BACKENDS, DEFAULT_TIMEOUT_S
 
 
@@ -91,7 +91,7 @@ def _add_launch(sub) -> None:
     p.add_argument("--node-rank", type=int, default=None,
                    help="with --hostfile: start only this node's ranks (run once on every node, no ssh needed)")
     p.add_argument("--master-addr", help="address of rank 0's host (default: the first host, or 127.0.0.1)")
-    p.add_argument("--master-port", type=int, help="rendezvous port (default: 29500 with a hostfile, a free port locally)")
+    p.add_argument("--master-port", type=port_number, help="rendezvous port (default: 29500 with a hostfile, a free port locally)")
     p.add_argument("--launcher", choices=("local", "torchrun", "mpirun"), default="local",
                    help="who starts the ranks: this process (local), torchrun, or mpirun (default %(default)s)")
     p.add_argument("--ssh-command", default="ssh",

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from loguru import logger
 
-from dist_infer.arg_types import positive_size
+from dist_infer.arg_types import port_number, positive_size
 from dist_infer.cli.extras import need
 from dist_infer.serving.spawn import HUB_KEY_ENV
 
@@ -39,7 +39,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_scheduler_flags(p, offline=False)
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default %(default)s; 0: a free one, logged)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default %(default)s; 0: a free one, logged)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the checkpoint directory's name)")
     p.add_argument("--kv-cache-memory", type=positive_size, default=KV_CACHE_MEMORY_DEFAULT,

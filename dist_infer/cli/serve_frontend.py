@@ -140,6 +140,15 @@ def _end(processes: dict) -> None:
             process.kill()
 
 
+def write_private(path: str, text: str) -> None:
+    """Write a secret readable by its owner only, also over a file that existed with a wider mode
+    (open's mode applies only to a file it creates)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)
+
+
 def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, tokenizer, template,
            stopping: threading.Event) -> int:
     from dist_infer.serving.api_server import build_app, serve_http
@@ -149,9 +158,7 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, 
     for index, process in processes.items():
         clients[index].process = process
     if args.hub_key_file:
-        path = Path(args.hub_key_file)
-        path.touch(mode=0o600)
-        path.write_text(hub.key.decode())
+        write_private(args.hub_key_file, hub.key.decode())
 
     def on_dead(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why

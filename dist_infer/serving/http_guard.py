@@ -167,7 +167,7 @@ class GuardMiddleware:
             return refusal
         length = headers.get("content-length")
         if length is not None:
-            if not length.strip().isdigit() or len(length.strip()) > 19:
+            if not (length.strip().isascii() and length.strip().isdigit()) or len(length.strip()) > 19:
                 return ApiError(400, f"Content-Length {length[:40]!r} is not a byte count")
             if int(length) > self.guard.max_body_bytes:
                 return BodyTooLarge(self.guard.max_body_bytes)

@@ -75,13 +75,16 @@ class InstanceSpec:
         return self.layout if self.role == Role.MIXED else f"{self.role}:{self.layout}"
 
 
+MAX_INSTANCE_COUNT = 1024  # a count past any job's ranks (check_world refuses it anyway); bounds the list made
+
+
 def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
     """'prefill:tp=2,pp=2; decode:tp=1' (items separated by ';' or spaces) -> one instance per item;
     'tp2,tp1,tp2pp2' (the older comma list of compact layouts) too; '3' -> three of tp x pp."""
     text = (text or "").strip()
-    if text.isdigit():
-        if int(text) < 1:
-            raise InstancesError(f"--instances {text}: at least one instance")
+    if text.isascii() and text.isdigit():
+        if not 1 <= int(text) <= MAX_INSTANCE_COUNT:
+            raise InstancesError(f"--instances {text}: from 1 to {MAX_INSTANCE_COUNT} instances")
         return [InstanceSpec(Layout(tp=tp, pp=pp))] * int(text)
     return [_spec(parts, text) for parts in _items(text)]
 

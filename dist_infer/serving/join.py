@@ -25,8 +25,9 @@ HUB_CONNECT_TRIES = 6
 def hub_to_join(join: Optional[str], key_file: Optional[str]) -> tuple[tuple, bytes]:
     """--join HOST:PORT and the key (from $DIST_INFER_HUB_KEY, else --hub-key-file) -> (address, key)."""
     host, _, port = (join or "").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--join {join!r}: expected HOST:PORT (the hub address the server logs)")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:PORT
+    if not host or not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"--join {join!r}: expected HOST:PORT with a port in 1..65535 (the hub address the server logs)")
     key = os.environ.get(HUB_KEY_ENV)
     if not key and key_file:
         key = Path(key_file).read_text().strip()
