@@ -16,6 +16,7 @@ from typing import Optional
 from loguru import logger
 
 from dist_infer.launch.logs import configure_logging
+from dist_infer.topology.cores import usable_cores
 from dist_infer.topology.discovery import discover
 
 
@@ -28,7 +29,7 @@ def _local_slots() -> int:
             return torch.cuda.device_count()
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return usable_cores()
 
 
 def resolve_cp_auto(args, argv: list[str], longest_prompt: int) -> list[str]:

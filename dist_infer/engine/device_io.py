@@ -54,6 +54,8 @@ def to_host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def sampled_to_host(sampled: SampledTokens) -> SampledTokens:
     """A step's sampled rows where the driver reads them (the sampler leaves them on the logits' device)."""
+    if sampled.tokens.device.type == "cpu":
+        return sampled
     return replace(sampled, tokens=to_host(sampled.tokens), logprobs=to_host(sampled.logprobs),
                    top_ids=to_host(sampled.top_ids), top_logprobs=to_host(sampled.top_logprobs),
                    logits=to_host(sampled.logits))

@@ -220,7 +220,10 @@ def draw_token(logits: torch.Tensor, row: RowSampling) -> torch.Tensor:
     temperature = min(row.temperature, MAX_TEMPERATURE)
     probs = filter_logits(scaled_logits(logits, temperature), row.top_k, row.top_p).softmax(-1)
     token = torch.multinomial(probs, 1, generator=token_generator(row.seed, row.index, probs.device))[0]
-    # only on a uniform draw of exactly 0 ahead of zero-probability tokens; chosen on the device, no host read
+    # only on a uniform draw of exactly 0 ahead of zero-probability tokens: on the CPU a read and a
+    # rare argmax; on a device chosen there, without a host read
+    if probs.device.type == "cpu":
+        return token if probs[token] > 0 else probs.argmax()
     return torch.where(probs[token] > 0, token, probs.argmax())
 
 

@@ -34,6 +34,7 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.comm.peer_link import PeerLink
 from dist_infer.engine.allocator import tune_malloc
+from dist_infer.engine.device_io import module_device
 from dist_infer.engine.driver_step import DriverStep, InFlightStep
 from dist_infer.engine.intake import RequestIntake
 from dist_infer.engine.kv_cache import PagedKVCache
@@ -153,7 +154,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         if not self.chunked_prefill and budget is not None and budget < self.cfg.max_positions:
             budget = self.cfg.max_positions  # unchunked, any prompt must fit in one step (vLLM's rule too)
         kv_heads = max(1, self.stage.kv_heads_local)
-        device = next(self.stage.parameters()).device
+        device = module_device(self.stage)
         cache = PagedKVCache(len(self.stage.layers), num_blocks, self.block_size, kv_heads, self.cfg.head_dim,
                              self.stage.dtype, device)
         self.worker = StageWorker(self.stage, self.groups, cache, self.block_size, **self.worker_options)

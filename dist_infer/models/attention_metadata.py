@@ -85,8 +85,8 @@ class ContextParallelMetadata:
     last_rows: torch.Tensor  # prefill: [B] this rank's row of each sequence's last token, -1 if another rank has it
 
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "ContextParallelMetadata":
-        store = None if self.store_rows is None else move(self.store_rows)
-        return dataclasses.replace(self, store_rows=store, last_rows=move(self.last_rows))
+        return dataclasses.replace(self, **{f.name: move(v) for f in dataclasses.fields(self)
+                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
 
 
 @dataclass

@@ -146,17 +146,17 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if longest == 0:
         return (torch.zeros(B, heads, d, dtype=acc, device=q.device),
                 torch.full((B, heads), float("-inf"), dtype=acc, device=q.device))
+    lens = local_lens_t if local_lens_t is not None else torch.tensor(list(local_lens), dtype=torch.long, device=q.device)
     kernels = serving(kernels, q, k_cache)
-    if kernels is not None:
+    if kernels is not None:  # a CPU model: `lens` is a host int64 tensor
         lse = torch.empty(B, heads, dtype=torch.float32)
         out = kernels.decode_attention(q.reshape(B, heads * d), k_cache, v_cache, block_tables.contiguous(),
-                                       torch.tensor(list(local_lens), dtype=torch.long), None, scale, lse)
+                                       lens, None, scale, lse)
         return out.view(B, heads, d), lse
     keys = k_cache[block_tables].view(B, -1, kv_heads, d)[:, :longest].to(acc)
     values = v_cache[block_tables].view(B, -1, kv_heads, d)[:, :longest].to(acc)
     g = heads // kv_heads
     scores = torch.einsum("bkgd,blkd->bkgl", q.view(B, kv_heads, g, d).to(acc), keys) * scale
-    lens = local_lens_t if local_lens_t is not None else torch.tensor(list(local_lens), device=q.device)
     valid = torch.arange(longest, device=q.device)[None, :] < lens[:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)

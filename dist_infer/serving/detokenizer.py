@@ -47,10 +47,6 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop: Optional[str] = None
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self._ids)
-
     def add(self, token: int) -> bool:
         """Take one token; True if a stop string ends the output with it."""
         if self.stop is not None:

@@ -67,12 +67,10 @@ class ParallelExperts(nn.Module):
             down_rows = down[e:e + 1, :, self.i_start:self.i_start + self.i_local][0]
             copy_into(self.w2[j], down_rows, f"{self.name}.down_proj[{e}]")
 
-    def forward(self, rows: torch.Tensor, local_ids: torch.Tensor, sizes: Optional[list[int]] = None) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, local_ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Expert `local_ids[i]` applied to `rows[i]`; un-reduced over tp. `sizes`: rows per local
-        expert when the caller knows them on the host (else counted here: a device read)."""
+        expert, which the caller knows on the host (counting them here would read the device)."""
         order = torch.argsort(local_ids, stable=True)
-        if sizes is None:
-            sizes = torch.bincount(local_ids, minlength=len(self.experts)).tolist()
         grouped = rows[order]
         out = torch.empty_like(grouped)
         start = 0
