@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NPROC ?= 4
 
-.PHONY: setup run test test-quick gpu-check peers clean
+.PHONY: setup run test test-quick gpu-check peers llama-cpp clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,24 @@ $(VENV)/.peers: $(VENV)/.installed
 	touch $@
 
 peers: $(VENV)/.peers
+
+# llama.cpp, the CPU peer of the serving and quantization benchmarks (benchmarks/serve_compare.py
+# llama-server, docs/benchmarks.md): built with cmake from its public source, the copy vendored in the
+# llama-cpp-python sdist on the package index; static, into the venv's bin. Not a dependency of the
+# package or of `make test` (a ~10-minute build on 2 cores).
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_BUILD := build/llama.cpp
+$(BIN)/llama-server: | $(VENV)/.installed
+	rm -rf $(LLAMA_BUILD) && mkdir -p $(LLAMA_BUILD)
+	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_BUILD)
+	tar xzf $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_BUILD)
+	cmake -S $(LLAMA_BUILD)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp -B $(LLAMA_BUILD)/out \
+		-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_BUILD)/out -j2 --target llama-server llama-bench llama-batched-bench
+	cp $(LLAMA_BUILD)/out/bin/llama-server $(LLAMA_BUILD)/out/bin/llama-bench $(LLAMA_BUILD)/out/bin/llama-batched-bench $(BIN)/
+
+llama-cpp: $(BIN)/llama-server
 
 clean:
 	rm -rf $(VENV) *.egg-info

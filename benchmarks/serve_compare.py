@@ -8,6 +8,7 @@ then the ratios. Every figure in docs/benchmarks.md's serving section comes from
     python benchmarks/serve_compare.py migration  # 2 instances under memory pressure: rr vs load vs load + migration
     python benchmarks/serve_compare.py pd         # prefill/decode instances vs the same ranks serving mixed
     python benchmarks/serve_compare.py failover   # kill an instance under a stream: lost requests, recovery time
+    python benchmarks/serve_compare.py llama-server  # ours (ITL target off / auto) vs llama.cpp's server, same GGUF
 
 Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
 """
@@ -183,9 +184,48 @@ def failover(model: str, log_dir: Path, common: list[str], args, extra: list[str
     return result
 
 
+def vocab_size(model: str) -> int:
+    if Path(model).is_dir():
+        return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    from dist_infer.models.gguf_checkpoint import GGUFCheckpoint
+
+    with GGUFCheckpoint(model) as ckpt:
+        return int(ckpt.config["vocab_size"])
+
+
+def against_llama_server(model: str, log_dir: Path, args, extra: list[str]) -> dict:
+    """The same GGUF and stream (256-token prompts as ids, 64 tokens out, ignore_eos) against
+    llama.cpp's server (--parallel 8, 2 threads) and ours with the ITL target off (the old default)
+    and auto (the new one), at each load in --loads; the ratios the ITL-target goals are stated in."""
+    if not Path(model).is_file():
+        raise SystemExit("llama-server: --model must be a GGUF file (default: the built-in one)")
+    servers = [
+        ("llama-server", lambda n, port, d: Server(n, [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port",
+                                                       str(port), "-t", "2", "--parallel", "8", "-c", "8192"], port, d)),
+        ("ours-itl-off", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "off", *extra)),
+        ("ours-itl-auto", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "auto", *extra)),
+    ]
+    results: dict = {}
+    for load in args.loads.split(","):
+        rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
+        stream = ["--num-prompts", str(args.num_prompts), "--seed", "1", "--vocab-size", str(vocab_size(model)),
+                  "--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos", *rate]
+        named = [(f"{name}@{load}", start) for name, start in servers]
+        results[load] = run_pair(named, stream, log_dir)
+        peer, off, auto = (results[load][f"{n}@{load}"] for n, _ in servers)
+        results[load]["ratios"] = {
+            "itl_p99_auto_over_llama": auto["itl_ms"]["p99"] / peer["itl_ms"]["p99"],
+            "req_s_auto_over_llama": auto["request_throughput"] / peer["request_throughput"],
+            "ttft_p50_auto_over_llama": auto["ttft_ms"]["median"] / peer["ttft_ms"]["median"],
+            "throughput_auto_over_off": auto["output_throughput"] / off["output_throughput"],
+            "ttft_p50_auto_over_off": auto["ttft_ms"]["median"] / off["ttft_ms"]["median"]}
+        print(f"{load}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[load]["ratios"].items()), flush=True)
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=("batching", "chunking", "hf", "migration", "pd", "failover"))
+    p.add_argument("scenario", choices=("batching", "chunking", "hf", "migration", "pd", "failover", "llama-server"))
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the built-in model)")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--request-rate", type=float, default=4.0)
@@ -200,14 +240,16 @@ def main() -> int:
                    help="pd: the disaggregated layout; the mixed one is the same without roles")
     p.add_argument("--long-prompt", type=int, default=1500, help="pd: tokens of each long prompt")
     p.add_argument("--kill-after", type=float, default=3.0, help="failover: seconds into the stream to kill instance 1")
+    p.add_argument("--loads", default="c4,c8,r2",
+                   help="llama-server: the loads, each cN (N at a time, all queued at once) or rN (Poisson, N req/s)")
+    p.add_argument("--llama-server", default=shutil.which("llama-server") or "llama-server",
+                   help="llama-server: the binary (built from llama.cpp's source; see docs/benchmarks.md)")
     args = p.parse_args()
-    model = args.model
-    if model == "default":
-        from dist_infer.models.default_model import ensure_default_model
+    from dist_infer.models.builtin import resolve_model
 
-        model = str(ensure_default_model())
+    model = resolve_model(args.model)
     log_dir = Path(tempfile.mkdtemp(prefix=f"serve-{args.scenario}-"))
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(model)
     extra = args.flags.split()
     common = ["--num-prompts", str(args.num_prompts), "--seed", "1", "--vocab-size", str(vocab)]
     print(f"uptime before: {os.getloadavg()}; logs in {log_dir}", flush=True)
@@ -230,14 +272,14 @@ def main() -> int:
         trace.write_text("\n".join(rows) + "\n")
         stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
         results = run_pair([
-            ("unchunked", lambda n, port, d: ours(n, model, port, d, "--no-chunked-prefill", "--decode-stall-limit", "0",
+            ("unchunked", lambda n, port, d: ours(n, model, port, d, "--no-chunked-prefill", "--itl-target-ms", "off",
                                                    *extra)),
-            ("chunked-256", lambda n, port, d: ours(n, model, port, d, "--decode-stall-limit", "0", *extra)),
+            ("chunked-256", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "off", *extra)),
             ("chunked-32", lambda n, port, d: ours(n, model, port, d, "--max-batched-tokens", "32",
-                                                    "--decode-stall-limit", "0", *extra)),
-            ("chunked-adaptive", lambda n, port, d: ours(n, model, port, d, "--decode-stall-limit", "2", *extra)),
+                                                    "--itl-target-ms", "off", *extra)),
+            ("itl-target-auto", lambda n, port, d: ours(n, model, port, d, *extra)),
         ], stream, log_dir)
-        for name in ("unchunked", "chunked-256", "chunked-32", "chunked-adaptive"):
+        for name in ("unchunked", "chunked-256", "chunked-32", "itl-target-auto"):
             r = json.loads((log_dir / f"{name}.json").read_text())
             itl = sorted(g for rec in r.get("requests", r if isinstance(r, list) else []) for g in rec.get("itl", []))
             stats = results[name]["itl_ms"]
@@ -291,6 +333,8 @@ def main() -> int:
                              "throughput_pd_over_mixed": pd["output_throughput"] / m["output_throughput"]}
     elif args.scenario == "failover":
         results = failover(model, log_dir, common, args, extra)
+    elif args.scenario == "llama-server":
+        results = against_llama_server(model, log_dir, args, extra)
     else:
         # text prompts (HF's server takes no token ids) and no ignore_eos (HF refuses the field); greedy, so both
         # servers generate the same tokens and stop at the same EOS

@@ -15,6 +15,7 @@ from dist_infer.engine.kv_transfer import TransferOp
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SampledTokens
 from dist_infer.engine.scheduler import SchedulerOutput
+from dist_infer.engine.step_cost import StepShape, chunk_pairs
 from dist_infer.engine.step_guard import failed_error_id
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_WORK, StepPlan
 
@@ -27,6 +28,16 @@ class InFlightStep:
     chunks: list  # the scheduler's chunks, in plan order
     launched: float
     result: Optional[SampledTokens] = None  # pp=1: sampled at launch; pp>1: comes back from the last stage
+
+
+def step_shape(chunks) -> StepShape:
+    """A step's shape for the cost model: its prompt chunks, and its decodes (one token each: a
+    prompt's last token costs what a decode does)."""
+    prompts = [c for c in chunks if c.num_tokens > 1]
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    return StepShape(prompt_tokens=sum(c.num_tokens for c in prompts),
+                     prompt_pairs=sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
+                     decodes=len(decodes), decode_context=sum(c.start + 1 for c in decodes))
 
 
 class DriverStep:
@@ -63,26 +74,40 @@ class DriverStep:
         live = len(self.scheduler.running) + len(self.scheduler.waiting)
         return max(1, -(-live // self.pp.size))
 
-    def _prefill_cap(self) -> Optional[int]:
-        """Prompt tokens to put beside this step's decodes so the step lasts about
-        decode_stall_limit decode steps (Sarathi-Serve's budget from the inter-token latency
-        target, but measured here instead of profiled beforehand)."""
-        if self.decode_stall_limit is None or self._decode_step_s is None or not self._prefill_token_s:
+    def _prefill_cap(self):
+        """The step's prompt tokens beside its decodes, sized so the step ends within the
+        inter-token latency target (Sarathi-Serve's stall-free budget, from the step costs learned
+        online: step_cost.py). None: only the token budget cuts prompts."""
+        if self.itl_target is None:
             return None
-        return max(16, int((self.decode_stall_limit - 1) * self._decode_step_s / self._prefill_token_s))
+        return self._prompt_tokens_within
 
-    def _learn_step_time(self, flight: InFlightStep, elapsed: float) -> None:
-        prefill = sum(c.num_tokens for c in flight.chunks if c.num_tokens > 1)
-        decodes = sum(1 for c in flight.chunks if c.num_tokens == 1)
+    def _prompt_tokens_within(self, decodes: int, decode_context: int, start: int):
+        """Prompt tokens a step of these decodes can add and still meet the target (None: not learned yet)."""
+        return self.step_costs.prompt_tokens_within(self.step_target_s(decodes, decode_context), decodes,
+                                                    decode_context, start)
 
-        def ema(old: Optional[float], new: float) -> float:
-            return new if old is None else 0.8 * old + 0.2 * new
+    def step_target_s(self, decodes: int, decode_context: int) -> float:
+        """One step's share of the inter-token latency target: a fixed time (milliseconds, split
+        over the pp steps a request's token waits for) or a multiple of the decode-only step."""
+        kind, value = self.itl_target
+        if kind == "ms":
+            return value / 1000.0 / self.pp.size
+        return value * self.step_costs.decode_step_s(decodes, decode_context)
 
-        if prefill == 0 and decodes:
-            self._decode_step_s = ema(self._decode_step_s, elapsed)
-        elif prefill >= 8 and (decodes == 0 or self._decode_step_s is not None):
-            base = self._decode_step_s if decodes else 0.0
-            self._prefill_token_s = ema(self._prefill_token_s, max(elapsed - base, 0.0) / prefill)
+    def _learn_step_time(self, flight: InFlightStep, now: float) -> None:
+        """Feed the step's duration to the cost model and the step-time histogram. With pp steps
+        in flight a step's own time is the gap since the previous completion (its slot in the
+        pipeline) or, when it ran alone, its latency over the pp stages."""
+        shape = step_shape(flight.chunks)
+        if flight.launched >= self._last_complete or self.pp.size == 1:
+            seconds = (now - flight.launched) / self.pp.size
+        else:
+            seconds = now - self._last_complete
+        self._last_complete = now
+        if shape.prompt_tokens or shape.decodes:
+            self.step_costs.observe(shape, seconds)
+            self.step_times.observe(shape.kind, seconds)
 
     def _take_freed(self) -> list[int]:
         freed, self._freed = self._freed, []
@@ -121,8 +146,7 @@ class DriverStep:
 
     def _complete(self, flight: InFlightStep) -> list[RequestOutput]:
         sampled = flight.result if flight.result is not None else self._receive_sampled(flight.plan)
-        if self.pp.size == 1:
-            self._learn_step_time(flight, time.perf_counter() - flight.launched)
+        self._learn_step_time(flight, time.perf_counter())
         now = time.monotonic()
         outputs = []
         rows = [c for c in flight.chunks if c.sample]

@@ -112,7 +112,8 @@ class RequestIntake:
                 "watermark_blocks": s.watermark_blocks, "waiting_demand_blocks": s.waiting_demand(),
                 "growth_blocks": s.growth_demand(),
                 "running_ids": [r.request_id for r in s.running], "waiting_ids": [r.request_id for r in s.waiting],
-                "running_blocks": [len(r.block_table) for r in s.running], "requests_added": self.requests_added}
+                "running_blocks": [len(r.block_table) for r in s.running], "requests_added": self.requests_added,
+                "step_seconds": self.step_times.snapshot()}
 
     def _apply_commands(self) -> list[RequestOutput]:
         outputs = []

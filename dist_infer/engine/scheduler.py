@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Union
 
 from dist_infer.engine.kv_cache import BlockAllocator, blocks_for
 from dist_infer.engine.request import Request, RequestStatus
@@ -87,6 +87,10 @@ def check_fits(prompt_len: int, max_new_tokens: int, num_blocks: int, block_size
     if need > num_blocks:
         return f"needs {need} KV blocks of {block_size} tokens for {tokens} tokens, the cache has {num_blocks}"
     return None
+
+
+# prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start) -> tokens
+PrefillCap = Union[None, int, Callable[[int, int, int], Optional[int]]]
 
 
 class Scheduler:
@@ -216,19 +220,20 @@ class Scheduler:
         out.preempted.append(request)
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self, max_seqs: Optional[int] = None, prefill_cap: Optional[int] = None) -> SchedulerOutput:
+    def schedule(self, max_seqs: Optional[int] = None, prefill_cap: "PrefillCap" = None) -> SchedulerOutput:
         out = self._schedule(max_seqs, prefill_cap, prompts_first=True)
         if not out.chunks and self.config.whole_prompt_steps:
             # cp: the waiting prompts do not fit yet; the running requests decode (and free blocks)
             out = self._schedule(max_seqs, prefill_cap, prompts_first=False, freed=out.freed, preempted=out.preempted)
         return out
 
-    def _schedule(self, max_seqs: Optional[int], prefill_cap: Optional[int], prompts_first: bool,
+    def _schedule(self, max_seqs: Optional[int], prefill_cap: "PrefillCap", prompts_first: bool,
                   freed: Optional[list] = None, preempted: Optional[list] = None) -> SchedulerOutput:
         """The next step's batch (at most `max_seqs` sequences). Requests whose sampled token is
         still on the way (pipeline stages in flight) are left out until it arrives.
-        `prefill_cap`: prompt tokens allowed beside the step's decodes (the engine sizes it from
-        measured step times so decodes are not stalled); a step without decodes is not capped."""
+        `prefill_cap`: prompt tokens allowed beside the step's decodes, a number or a function of
+        (decodes, their context tokens, where the next prompt chunk starts) -> tokens or None (the
+        engine sizes it to its inter-token latency target); a step without decodes is not capped."""
         out = SchedulerOutput(preempted=list(preempted or []))
         max_seqs = max_seqs or self.config.max_num_seqs
         budget = self.config.max_batched_tokens if self.config.max_batched_tokens is not None else float("inf")
@@ -242,7 +247,7 @@ class Scheduler:
         if not cp_prefill_step:
             for decodes in (True, False):
                 if not decodes and out.chunks and prefill_cap is not None:
-                    budget = min(budget, prefill_cap)
+                    budget = min(budget, self._cap(prefill_cap, out))
                 for request in list(self.running):
                     if len(out.chunks) >= max_seqs:
                         break
@@ -300,6 +305,17 @@ class Scheduler:
         if out.chunks:
             self._last_step_prefill = cp_prefill_step
         return out
+
+    def _cap(self, prefill_cap: "PrefillCap", out: SchedulerOutput) -> float:
+        """Prompt tokens allowed beside the decodes already in `out`."""
+        if not callable(prefill_cap):
+            return prefill_cap
+        decodes = [c for c in out.chunks if c.num_tokens == 1]
+        context = sum(c.start + 1 for c in decodes)
+        start = next((r.num_computed for r in self.running
+                      if not r.in_flight and r.num_tokens - r.num_computed > 1), 0)
+        cap = prefill_cap(len(decodes), context, start)
+        return float("inf") if cap is None else cap
 
     def _add_chunk(self, out: SchedulerOutput, request: Request, n: int, scheduled: set[int]) -> None:
         start = request.num_computed

@@ -47,6 +47,7 @@ from dist_infer.engine.request import PromptError, Request
 from dist_infer.engine.request_progress import RequestProgress
 from dist_infer.engine.sampling import SampledTokens
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.step_cost import StepCostModel, StepTimes, parse_itl_target
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.worker import StageWorker
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
@@ -80,15 +81,15 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                  sequence_parallel_threshold: Optional[int] = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
-                 static_batching: bool = False, decode_stall_limit: Optional[float] = None,
+                 static_batching: bool = False, itl_target: Optional[str] = None,
                  heartbeat_s: float = HEARTBEAT_S, sampler: Optional[Callable[..., SampledTokens]] = None):
         """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
-        decode_stall_limit F: beside running decodes, prompt chunks are cut so a step takes about F
-        times a decode-only step (from measured step times; pp=1); None: only the budget cuts them.
+        itl_target: the inter-token latency a step beside running decodes keeps, its prompt chunk
+        sized from step costs learned online (step_cost.py): 'auto' (twice the decode-only step),
+        'Nx' (N times it), 'MS' milliseconds, or None / 'off': only the token budget cuts prompts.
         sampler: logits, rows, EOS ids -> SampledTokens on the sampler rank (None: sampling.sample_rows);
         the seam where a check without a device's values puts a fixed token."""
-        if decode_stall_limit is not None and decode_stall_limit <= 1:
-            raise ValueError(f"decode_stall_limit must be above 1 (a multiple of a decode step), got {decode_stall_limit}")
+        self.itl_target = parse_itl_target(itl_target)
         if cp_variant not in CP_VARIANTS:
             raise ContextParallelError(f"cp variant {cp_variant!r} is not one of {CP_VARIANTS}")
         if groups.cp.size > 1 and groups.pp.size > 1:
@@ -113,9 +114,9 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         self.max_batched_tokens, self.max_num_seqs = max_batched_tokens, max_num_seqs
         self.chunked_prefill, self.watermark, self.static_batching = chunked_prefill, watermark, static_batching
         self.heartbeat_s = heartbeat_s
-        self.decode_stall_limit = decode_stall_limit
-        self._decode_step_s: Optional[float] = None  # moving averages of measured step times
-        self._prefill_token_s: Optional[float] = None
+        self.step_costs = StepCostModel()  # what a step costs, learned from the steps run (driver)
+        self.step_times = StepTimes()  # step durations by kind, for /metrics
+        self._last_complete = 0.0
         self.timing = Timing()
         self.worker: Optional[StageWorker] = None
         self.scheduler: Optional[Scheduler] = None

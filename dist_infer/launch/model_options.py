@@ -6,13 +6,23 @@ from __future__ import annotations
 import argparse
 
 from dist_infer.arg_types import positive_int
+from dist_infer.engine.step_cost import parse_itl_target
 
 # The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
 # chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
 # model, 27 ms steps) and 83% (125M Llama, 315 ms steps) of the best prefill throughput; larger
 # chunks buy little throughput for much longer decode stalls (docs/benchmarks.md).
 DEFAULT_MAX_BATCHED_TOKENS = 256
-DEFAULT_DECODE_STALL_LIMIT = 0.0
+DEFAULT_ITL_TARGET = "auto"
+
+
+def itl_target_arg(text: str) -> str:
+    """Checked at parse time, kept as text (the engine parses it again in each rank)."""
+    try:
+        parse_itl_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--itl-target {text!r}: ")) from None
+    return text
 
 
 def model_path(args) -> str:
@@ -26,7 +36,15 @@ def scheduler_options(args) -> dict:
     return {"num_blocks": args.kv_blocks, "max_batched_tokens": args.max_batched_tokens,
             "max_num_seqs": args.max_num_seqs, "chunked_prefill": not args.no_chunked_prefill,
             "static_batching": args.scheduling == "static",
-            "decode_stall_limit": getattr(args, "decode_stall_limit", 0) or None}
+            "itl_target": itl_target(args)}
+
+
+def itl_target(args) -> str | None:
+    """--itl-target-ms as the engine takes it; the old --decode-stall-limit F is F times the decode step."""
+    stall = getattr(args, "decode_stall_limit", None)
+    if stall is not None:
+        return f"{stall}x" if stall > 0 else "off"
+    return getattr(args, "itl_target_ms", None)
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +60,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="layers per pipeline stage, comma separated (default: balanced)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weight and activation dtype (default %(default)s)")
+    p.add_argument("--quantization", choices=("auto", "int8", "int4", "none"), default="auto",
+                   help="weight-only quantized linear layers and LM head, computed with torch's CPU int8/int4 kernels: "
+                        "int8 (one scale per output channel), int4 (groups of 32, scale and zero), each rank "
+                        "quantizing its own shard at load; none: float weights; auto: a GGUF file's Q8_0/Q4_x/K-quant "
+                        "tensors stay quantized, a HF checkpoint loads as floats (default %(default)s)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where each rank's shard and KV cache live: cuda (the rank's local GPU, NCCL between "
                         "ranks), cpu (gloo), or auto: cuda where torch sees a GPU, else cpu (default %(default)s)")
@@ -69,12 +92,14 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="compute each prompt in one step instead of in chunks under the token budget")
     if not offline:
-        p.add_argument("--decode-stall-limit", type=float, default=DEFAULT_DECODE_STALL_LIMIT,
-                       help="beside running decodes, cut prompt chunks so that a step takes about this many times a "
-                            "decode-only step (from measured step times), keeping inter-token latency smooth while long "
-                            "prompts are prefilled (2 meets Sarathi-Serve's p99/median ITL <= 2 on the CPU machine, at a "
-                            "cost in TTFT and throughput under load: docs/benchmarks.md); 0: only --max-batched-tokens "
-                            "cuts them (default %(default)s)")
+        p.add_argument("--itl-target-ms", type=itl_target_arg, default=DEFAULT_ITL_TARGET, metavar="auto|MS|Nx|off",
+                       help="the gap between a streaming request's tokens that a step beside running decodes keeps: "
+                            "each step's prompt chunk is sized from step costs the engine learns while serving (per "
+                            "prompt token, per decode, fixed), so long prompts never stall running streams. auto: "
+                            "twice the decode-only step (the default); MS: milliseconds; Nx: N times the decode-only "
+                            "step; off: only --max-batched-tokens cuts prompts. A step without decodes always takes "
+                            "the full budget; a prompt advances at least 16 tokens a step (docs/benchmarks.md)")
+        p.add_argument("--decode-stall-limit", type=float, default=None, help=argparse.SUPPRESS)  # old name: F -> Fx
     p.add_argument("--scheduling", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join and leave the batch at every step (default); static: a new batch "
                         "starts only when the whole running batch has finished (the baseline benchmarks compare with)")
@@ -110,6 +135,7 @@ def load_model(args, groups):
     split = [int(x) for x in args.pp_split.split(",")] if args.pp_split else None
     device = resolve_device(getattr(args, "device", "auto"))
     stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, device=device,
+                               quantization=getattr(args, "quantization", "auto"),
                                expert_placement=args.expert_placement, native_kernels=args.native_kernels == "on")
     return stage, report, model
 

@@ -64,6 +64,15 @@ class BucketCounts:
         return self.bounds, list(self.counts), self.total
 
 
+def cumulative_buckets(bounds, counts) -> list[tuple[str, float]]:
+    """Counts per bucket (+Inf last) -> Prometheus' cumulative (upper bound, count) pairs."""
+    cumulative, running = [], 0
+    for bound, n in zip(list(bounds) + [float("inf")], counts):
+        running += n
+        cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(running)))
+    return cumulative
+
+
 class EngineStatsCollector:
     """Gauges and the preemption counter, read from engine.stats() when Prometheus scrapes."""
 
@@ -98,6 +107,7 @@ class EngineStatsCollector:
         for outcome, n in sorted((stats or {}).get("migrations_total", {}).items()):
             m.add_metric([self.model_name, outcome], float(n))
         families.append(m)
+        families.append(self._step_histogram(per))
         families.append(self._histogram(stats, "migration_downtime", "migration_downtime_seconds",
                                         "Time a migrated request did not run: from its pause on the source to its "
                                         "commit on the destination (seconds)."))
@@ -124,17 +134,23 @@ class EngineStatsCollector:
             families.append(g)
         return families
 
+    def _step_histogram(self, per: list[dict]) -> HistogramMetricFamily:
+        """Each instance's forward-step durations by kind: decode (decodes only), mixed (a prompt
+        chunk beside decodes: what --itl-target-ms sizes) and prefill (prompts only)."""
+        h = HistogramMetricFamily(PREFIX + "step_duration_seconds", "Forward steps of each instance by kind "
+                                  "(decode, mixed, prefill): seconds per step.", labels=["model_name", "engine", "kind"])
+        for s in per:
+            for kind, (bounds, counts, total) in sorted((s.get("step_seconds") or {}).items()):
+                h.add_metric([self.model_name, s["engine"], kind], cumulative_buckets(bounds, counts), total)
+        return h
+
     def _histogram(self, stats: Optional[dict], key: str, name: str, doc: str) -> HistogramMetricFamily:
         """A histogram from a stats entry (bucket bounds, counts per bucket, sum)."""
         h = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
         entry = (stats or {}).get(key)
         if entry is not None:
             bounds, counts, total = entry
-            cumulative, running = [], 0
-            for bound, n in zip(list(bounds) + [float("inf")], counts):
-                running += n
-                cumulative.append((str(bound) if bound != float("inf") else "+Inf", float(running)))
-            h.add_metric([self.model_name], cumulative, total)
+            h.add_metric([self.model_name], cumulative_buckets(bounds, counts), total)
         return h
 
     def describe(self):

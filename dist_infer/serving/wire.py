@@ -179,6 +179,7 @@ class InstanceStats:
     waiting_ids: tuple[str, ...] = ()
     running_blocks: tuple[int, ...] = ()
     requests_added: int = 0
+    step_seconds: Optional[dict] = None  # {kind: (bucket bounds, counts, sum)}: the engine's step times
 
     @classmethod
     def from_dict(cls, stats: dict) -> "InstanceStats":

@@ -271,6 +271,13 @@ def test_health_and_metrics_names(default_server):
                  "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "prompt_tokens_total", "generation_tokens_total"):
         assert f"dist_infer:{name}" in text, name
+    # the step-time histogram by kind, per instance: a request's prompt and its decodes were timed
+    httpx.post(default_server.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 3},
+               timeout=60).raise_for_status()
+    text = httpx.get(default_server.url + "/metrics", timeout=30).text
+    counts = {line.split('kind="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("dist_infer:step_duration_seconds_count{")}
+    assert counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0, counts
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(default_server):

@@ -18,14 +18,16 @@ import numpy as np
 from dist_infer.bench.serve.client import RequestRecord
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+LATENCY_COLUMNS = ("mean", "median", "p90", "p99", "max")
 
 
 def latency_stats(values: Sequence[float]) -> dict[str, Optional[float]]:
-    """mean, median and p99 in milliseconds (None for no values, so the JSON stays valid)."""
+    """mean, median, p90, p99 and max in milliseconds (None for no values, so the JSON stays valid)."""
     if len(values) == 0:
-        return {"mean": None, "median": None, "p99": None}
+        return {key: None for key in LATENCY_COLUMNS}
     ms = np.asarray(values, dtype=float) * 1000.0
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p99": float(np.percentile(ms, 99))}
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p90": float(np.percentile(ms, 90)),
+            "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
 
 
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
@@ -107,10 +109,11 @@ def format_report(summary: dict[str, Any]) -> str:
     width = max(len(label) for label, _ in rows) + 2
     lines = ["=" * 20 + " bench-serve " + "=" * 20]
     lines += [f"{label + ':':<{width}}{value}" for label, value in rows]
-    lines.append(f"{'latency (ms)':<14}{'mean':>12}{'median':>12}{'p99':>12}")
+    lines.append(f"{'latency (ms)':<14}" + "".join(f"{key:>12}" for key in LATENCY_COLUMNS))
     for name in LATENCY_METRICS:
         stats = summary[f"{name}_ms"]
-        lines.append(f"{name.upper():<14}" + "".join(f"{_number(stats[key]):>12}" for key in ("mean", "median", "p99")))
+        lines.append(f"{name.upper():<14}" + "".join(f"{_number(stats.get(key)):>12}" for key in LATENCY_COLUMNS))
+    lines.append("(ITL: every gap between two streamed chunks of a request, pooled over requests)")
     errors = list(summary["errors"].items())  # most frequent first
     for error, count in errors[:5]:
         lines.append(f"failed x{count}: {error[:300]}")

@@ -87,7 +87,9 @@ def test_latency_stats_and_tpot():
     assert stats["mean"] == pytest.approx(250.0)
     assert stats["median"] == pytest.approx(250.0)
     assert stats["p99"] == pytest.approx(397.0)  # linear interpolation between 300 and 400
-    assert latency_stats([]) == {"mean": None, "median": None, "p99": None}
+    assert stats["p90"] == pytest.approx(370.0)
+    assert stats["max"] == pytest.approx(400.0)
+    assert latency_stats([]) == {"mean": None, "median": None, "p90": None, "p99": None, "max": None}
     assert _record(0, ttft=0.1, e2e=1.0, tokens=10).tpot == pytest.approx(0.1)
     assert _record(0, ttft=0.1, e2e=1.0, tokens=1).tpot is None
     assert _record(0, ttft=None, e2e=1.0, tokens=0, success=False).tpot is None

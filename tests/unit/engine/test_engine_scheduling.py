@@ -426,3 +426,34 @@ def test_offline_timing_has_a_gap_per_later_token_and_their_median(llama):
     assert all(g > 0 for g in timing.token_gaps_s)
     assert timing.as_dict()["tpot_median_s"] == statistics.median(timing.token_gaps_s)
     assert min(timing.token_gaps_s) <= timing.as_dict()["tpot_median_s"] <= max(timing.token_gaps_s)
+
+
+def test_an_itl_target_cuts_prompt_chunks_beside_decodes_and_keeps_hfs_tokens(llama):
+    """A 1 ms target on this model cuts every chunk beside running decodes to the minimum (16), once
+    the engine has timed a decode step and a prompt; tokens stay HF's and the step kinds are counted."""
+    from dist_infer.engine.step_cost import MIN_CHUNK
+
+    path, model = llama
+    prompts = prompts_for([5, 40, 45, 50], seed=3)
+    refs = [hf_reference(None, [p], NEW, model=model) for p in prompts]
+    (groups,) = thread_groups(1, 1)
+    engine = _engine(model, groups, num_blocks=64, max_batched_tokens=64, max_num_seqs=4, itl_target="1")
+    shapes, schedule = [], engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        shapes.append([c.num_tokens for c in out.chunks])
+        return out
+
+    engine.scheduler.schedule = recording
+    reqs = _serve_stream(engine, prompts, [0, 0, 4, 5], SamplingParams(max_new_tokens=NEW, stop_at_eos=False))
+    for i, r in enumerate(reqs):
+        (want,), (want_logits,) = refs[i]
+        _assert_greedy_equal(r.output_token_ids, want, want_logits, f"itl target prompt {i}")
+    assert engine.step_costs.ready
+    mixed = [s for s in shapes if 1 in s and any(n > 1 for n in s)]
+    assert mixed and all(sum(n for n in s if n > 1) <= MIN_CHUNK for s in mixed[1:]), shapes
+    kinds = {k: sum(counts) for k, (_, counts, _) in engine.stats()["step_seconds"].items()}
+    assert kinds["decode"] > 0 and kinds["mixed"] > 0 and kinds["prefill"] > 0, kinds
+    assert engine.stats()["free_blocks"] == 64
+    engine.stop_followers()

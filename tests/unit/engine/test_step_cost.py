@@ -1,0 +1,197 @@
+"""The step-cost model the ITL target sizes prompt chunks with, and the scheduler under that cap:
+fitted from steps, solved for a target, never starving a prompt. Pure: no model, no processes."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from dist_infer.engine.request import Request
+from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.step_cost import (AUTO_FACTOR, MIN_CHUNK, StepCostModel, StepShape, StepTimes, chunk_pairs,
+                                         parse_itl_target)
+
+# a CPU-like truth: 4 ms fixed, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
+# 0.05 ms per 1000 decode context tokens
+TRUE = np.array([4e-3, 1e-4, 2e-5, 3e-4, 5e-5])
+
+
+def true_seconds(shape: StepShape) -> float:
+    return float(TRUE @ shape.features())
+
+
+def _random_shape(rng: random.Random) -> StepShape:
+    kind = rng.choice(("decode", "mixed", "prefill"))
+    decodes = 0 if kind == "prefill" else rng.randint(1, 32)
+    n = 0 if kind == "decode" else rng.randint(16, 512)
+    start = rng.randint(0, 2000)
+    return StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(start, n) if n else 0.0, decodes=decodes,
+                     decode_context=decodes * rng.randint(10, 1500))
+
+
+def test_the_fit_recovers_the_costs_of_a_step():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(200):
+        shape = _random_shape(rng)
+        model.observe(shape, true_seconds(shape))
+    np.testing.assert_allclose(model.coefficients(), TRUE, rtol=0.02, atol=1e-7)
+    shape = StepShape(prompt_tokens=100, prompt_pairs=chunk_pairs(300, 100), decodes=8, decode_context=4000)
+    assert model.predict(shape) == pytest.approx(true_seconds(shape), rel=0.01)
+
+
+def test_noisy_steps_still_give_a_usable_fit():
+    rng = random.Random(1)
+    model = StepCostModel()
+    for _ in range(400):
+        shape = _random_shape(rng)
+        model.observe(shape, true_seconds(shape) * rng.uniform(0.9, 1.1))
+    shape = StepShape(prompt_tokens=256, decodes=8, decode_context=2000)
+    assert model.predict(shape) == pytest.approx(true_seconds(shape), rel=0.1)
+
+
+def test_the_chunk_it_picks_fills_the_target_and_no_more():
+    model = StepCostModel()
+    rng = random.Random(2)
+    for _ in range(200):
+        shape = _random_shape(rng)
+        model.observe(shape, true_seconds(shape))
+    for decodes, context, start, target in [(8, 3000, 0, 0.03), (32, 40000, 1500, 0.05), (1, 10, 4000, 0.2)]:
+        n = model.prompt_tokens_within(target, decodes, context, start)
+        at = StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(start, n), decodes=decodes, decode_context=context)
+        over = StepShape(prompt_tokens=n + 2, prompt_pairs=chunk_pairs(start, n + 2), decodes=decodes,
+                         decode_context=context)
+        assert true_seconds(at) <= target * 1.01 and true_seconds(over) > target * 0.99, (decodes, start, n)
+
+
+def test_a_target_the_decodes_alone_miss_still_advances_prompts():
+    model = StepCostModel()
+    model.observe(StepShape(decodes=8, decode_context=800), 0.05)
+    model.observe(StepShape(prompt_tokens=256), 0.03)
+    assert model.prompt_tokens_within(0.01, 8, 800, 0) == MIN_CHUNK
+
+
+def test_nothing_is_capped_before_both_costs_are_seen():
+    model = StepCostModel()
+    assert model.prompt_tokens_within(0.05, 4, 100, 0) is None
+    model.observe(StepShape(decodes=4, decode_context=100), 0.01)
+    assert model.prompt_tokens_within(0.05, 4, 100, 0) is None, "no prompt token's cost seen yet"
+    model.observe(StepShape(prompt_tokens=100), 0.02)
+    assert model.prompt_tokens_within(0.05, 4, 100, 0) is not None
+
+
+def test_the_fit_follows_a_machine_that_slows_down():
+    rng = random.Random(3)
+    model = StepCostModel()
+    for slow in (1.0, 3.0):
+        for _ in range(300):
+            shape = _random_shape(rng)
+            model.observe(shape, slow * true_seconds(shape))
+    shape = StepShape(prompt_tokens=128, decodes=4, decode_context=400)
+    assert model.predict(shape) == pytest.approx(3.0 * true_seconds(shape), rel=0.05)
+
+
+def test_bad_durations_are_ignored():
+    model = StepCostModel()
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        model.observe(StepShape(decodes=1), bad)
+    assert model.seen == {"decode": 0, "mixed": 0, "prefill": 0}
+
+
+@pytest.mark.parametrize("text,want", [("auto", ("x", AUTO_FACTOR)), ("off", None), (None, None), ("3x", ("x", 3.0)),
+                                       ("50", ("ms", 50.0)), ("12.5ms", ("ms", 12.5))])
+def test_itl_target_forms(text, want):
+    assert parse_itl_target(text) == want
+
+
+@pytest.mark.parametrize("text,says", [("fast", "expected auto"), ("1x", "above 1"), ("0", "positive"),
+                                       ("-5", "positive"), ("nan", "positive"), ("infx", "above 1")])
+def test_bad_itl_targets_say_what_is_expected(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_itl_target(text)
+
+
+def test_step_times_count_per_kind_into_buckets():
+    times = StepTimes()
+    times.observe("decode", 0.004)
+    times.observe("mixed", 0.06)
+    times.observe("mixed", 100.0)
+    snap = times.snapshot()
+    bounds, counts, total = snap["mixed"]
+    assert sum(counts) == 2 and counts[-1] == 1 and total == pytest.approx(100.06)
+    assert sum(snap["decode"][1]) == 1 and sum(snap["prefill"][1]) == 0
+
+
+# -- the scheduler under the cap, with steps timed by the truth above -------------------------------
+
+def _request(i: int, prompt_len: int, max_new: int) -> Request:
+    return Request(f"r{i}", [5] * prompt_len, SamplingParams(max_new_tokens=max_new), seed=0, seq_id=i)
+
+
+def _run(scheduler: Scheduler, model: StepCostModel, target_factor: float, steps: int, arrive):
+    """Step the scheduler `steps` times with the ITL-target cap, timing each step by the truth
+    and teaching the model; `arrive(step)` returns new requests. Returns (shape, seconds) per step."""
+    history = []
+
+    def cap(decodes, context, start):
+        target = target_factor * model.decode_step_s(decodes, context)
+        return model.prompt_tokens_within(target, decodes, context, start)
+
+    for step in range(steps):
+        for r in arrive(step):
+            scheduler.add(r)
+        out = scheduler.schedule(prefill_cap=cap)
+        prompts = [c for c in out.chunks if c.num_tokens > 1]
+        decodes = [c for c in out.chunks if c.num_tokens == 1]
+        shape = StepShape(sum(c.num_tokens for c in prompts), sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
+                          len(decodes), sum(c.start + 1 for c in decodes))
+        seconds = true_seconds(shape)
+        if out.chunks:
+            model.observe(shape, seconds)
+        history.append((shape, seconds))
+        for c in out.chunks:
+            if c.sample:
+                if not c.request.output_token_ids:
+                    c.request.first_token_step = step
+                c.request.output_token_ids.append(7)
+                scheduler.on_sampled(c.request)
+                if len(c.request.output_token_ids) >= c.request.params.max_new_tokens:
+                    scheduler.finish(c.request, "length")
+    return history
+
+
+def test_steps_beside_decodes_keep_the_target_once_learned():
+    s = Scheduler(SchedulerConfig(num_blocks=4000, block_size=16, max_batched_tokens=2048))
+    model = StepCostModel()
+    chats = [_request(i, 32, 400) for i in range(8)]
+    longs = {20 + 5 * k: _request(100 + k, 1500, 4) for k in range(10)}
+    history = _run(s, model, 2.0, 120, lambda step: (chats if step == 0 else []) + ([longs[step]] if step in longs else []))
+    mixed = [(shape, sec) for shape, sec in history[30:] if shape.kind == "mixed"]
+    assert mixed, "long prompts arrived amid running decodes"
+    for shape, sec in mixed:
+        decode_only = true_seconds(StepShape(decodes=shape.decodes, decode_context=shape.decode_context))
+        assert sec <= 2.0 * decode_only * 1.05 or shape.prompt_tokens == MIN_CHUNK, (shape, sec, decode_only)
+    # with no decodes running a prompt takes the whole budget
+    s2 = Scheduler(SchedulerConfig(num_blocks=4000, block_size=16, max_batched_tokens=512))
+    first = _run(s2, model, 2.0, 1, lambda step: [_request(0, 1500, 4)])
+    assert first[0][0].prompt_tokens == 512
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    s = Scheduler(SchedulerConfig(num_blocks=8000, block_size=16, max_batched_tokens=256))
+    model = StepCostModel()
+    model.observe(StepShape(decodes=4, decode_context=400), 0.01)
+    model.observe(StepShape(prompt_tokens=256), 0.5)  # a prompt token looks dear: the cap is MIN_CHUNK
+    chats = [_request(i, 16, 100_000) for i in range(4)]
+    long = _request(999, 2000, 1)
+    shorts = iter(_request(1000 + i, 24, 2) for i in range(10_000))
+    history = _run(s, model, 1.5, 400,
+                   lambda step: (chats if step == 0 else []) + ([long] if step == 3 else []) + [next(shorts)])
+    assert long.output_token_ids, "the long prompt got its first token"
+    assert all(shape.prompt_tokens >= MIN_CHUNK or shape.kind == "decode" for shape, _ in history[4:200])
+    # it advanced by at least MIN_CHUNK every step once admitted: its first token within 2000 / 16
+    # steps of its arrival, and a few for the shorts that arrived before it
+    assert long.first_token_step - 3 <= 2000 // MIN_CHUNK + 8, long.first_token_step
