@@ -7,8 +7,10 @@ throughput and goodput under SLOs.
 
 One module per job, each importing only those before it: `flags` (the command line, its argument
 types and `InputError`), `arrivals` (when each request is sent), `datasets` (what is sent:
-synthetic, ShareGPT or a CSV trace), `client` (the HTTP side: streamed requests, TTFT and ITL
-capture, keys and TLS), `report` (percentiles, goodput, the table, the PNG, JSON) and `command`
+synthetic, shared prefixes, ShareGPT or a CSV trace), `conversations` and `multiturn` (multi-turn
+chats replayed turn by turn, each turn the whole conversation so far), `client` (the HTTP side:
+streamed requests, TTFT and ITL capture, keys and TLS), `cache_metrics` (the server's prefix cache
+hit rate over the run, from /metrics), `report` (percentiles, goodput, the table, the PNG, JSON) and `command`
 (`run_bench_serve` and the standalone `main`). The maths are pure functions so the tests check
 them without a server; only `client.run_load` does I/O. Nothing is server-specific: the requests
 use the OpenAI fields (plus `ignore_eos`, only when asked for), and the responses are read from

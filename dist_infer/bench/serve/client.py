@@ -9,13 +9,14 @@ when present. Keys (--api-key or the environment) and TLS (--insecure, --ca-cert
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import ssl
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, NamedTuple, Optional, Sequence, Union
 
 from loguru import logger
 
@@ -28,8 +29,9 @@ API_KEY_ENVS = ("OPENAI_API_KEY", "DIST_INFER_API_KEY")  # where --api-key comes
 def request_payload(request: BenchRequest, model: str, endpoint: str, ignore_eos: bool) -> dict[str, Any]:
     """The JSON body: streamed, greedy, max_tokens = the request's output length."""
     body: dict[str, Any] = {"model": model}
-    if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+    if endpoint == "chat":  # a list prompt on chat is a whole conversation's messages (multi-turn)
+        body["messages"] = request.prompt if isinstance(request.prompt, list) else [
+            {"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = request.prompt
     body.update({"max_tokens": request.output_len, "temperature": 0.0, "stream": True,
@@ -74,6 +76,7 @@ class ChunkContent(NamedTuple):
     completion_tokens: Optional[int]  # usage.completion_tokens if the chunk has usage
     prompt_tokens: Optional[int]
     error: Optional[str]
+    token_ids: Optional[list[int]] = None  # the new ids, when the server sends them (vLLM's return_token_ids)
 
 
 def chunk_content(event: dict, completion_tokens_so_far: Optional[int] = None) -> ChunkContent:
@@ -103,7 +106,7 @@ def chunk_content(event: dict, completion_tokens_so_far: Optional[int] = None) -
     else:
         tokens = 1 if text else 0
     return ChunkContent(text, tokens, completion if isinstance(completion, int) else None,
-                        prompt if isinstance(prompt, int) else None, None)
+                        prompt if isinstance(prompt, int) else None, None, token_ids)
 
 
 def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
@@ -134,6 +137,8 @@ class RequestRecord:
     prompt_tokens: Optional[int] = None  # as the server's usage reports it
     success: bool = False
     error: str = ""
+    conversation: Optional[int] = None  # multi-turn runs: which conversation (0-based) and turn (1-based)
+    turn: Optional[int] = None
 
     @property
     def tpot(self) -> Optional[float]:
@@ -141,6 +146,24 @@ class RequestRecord:
         if not self.success or self.ttft is None or self.e2e is None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclasses.dataclass
+class Answer:
+    """What a request generated, kept apart from its RequestRecord (whose --save-results stay small)
+    for multi-turn runs, where the answer goes into the next turn's prompt."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    ids_complete: bool = True  # every content chunk carried its token ids
+
+    def add(self, content: ChunkContent) -> None:
+        """Append one chunk's text and ids."""
+        self.text += content.text
+        if content.token_ids is not None:
+            self.token_ids += [int(i) for i in content.token_ids]
+        elif content.text:
+            self.ids_complete = False
 
 
 def api_key_of(flag: Optional[str], environ: Optional[dict] = None) -> Optional[str]:
@@ -179,8 +202,10 @@ async def default_model(client, base_url: str) -> str:
                          f"pass --model") from None
 
 
-async def stream_request(client, url: str, payload: dict, record: RequestRecord, start: float) -> None:
-    """Send one streamed request, filling `record` as chunks arrive (so a timeout keeps what came)."""
+async def stream_request(client, url: str, payload: dict, record: RequestRecord, start: float,
+                         answer: Optional[Answer] = None) -> None:
+    """Send one streamed request, filling `record` (and `answer`, if given) as chunks arrive (so a
+    timeout keeps what came)."""
     sent = time.perf_counter()
     record.send_time = sent - start
     completion_tokens: Optional[int] = None
@@ -219,6 +244,8 @@ async def stream_request(client, url: str, payload: dict, record: RequestRecord,
                 completion_tokens = content.completion_tokens
             if content.prompt_tokens is not None:
                 record.prompt_tokens = content.prompt_tokens
+            if answer is not None:
+                answer.add(content)
             if content.tokens or content.text:
                 if record.ttft is None:
                     record.ttft = now - sent
@@ -240,11 +267,28 @@ async def _as_async(items):
         yield item
 
 
-async def run_load(requests: Sequence[BenchRequest], base_url: str, model: Optional[str], endpoint: str,
-                   ignore_eos: bool, max_concurrency: Optional[int], timeout_s: float,
-                   progress: Optional[Callable[[RequestRecord], None]] = None, api_key: Optional[str] = None,
-                   verify: Union[bool, ssl.SSLContext] = True) -> tuple[list[RequestRecord], float, str]:
-    """Send every request at its arrival time; returns the records, the run's duration and the model.
+@dataclasses.dataclass
+class Session:
+    """One run's HTTP client and what every request of the run shares."""
+
+    client: Any  # httpx.AsyncClient
+    base_url: str
+    model: str
+    url: str  # the endpoint's URL
+    slots: Optional[asyncio.Semaphore]  # --max-concurrency
+    timeout_s: float
+    start: float = 0.0  # perf_counter at the run's start; send and chunk times are relative to it
+
+    def now(self) -> float:
+        """Seconds since the run's start."""
+        return time.perf_counter() - self.start
+
+
+@contextlib.asynccontextmanager
+async def open_session(base_url: str, model: Optional[str], endpoint: str, max_concurrency: Optional[int],
+                       timeout_s: float, api_key: Optional[str] = None,
+                       verify: Union[bool, ssl.SSLContext] = True) -> AsyncIterator[Session]:
+    """An HTTP client for the run, with the model resolved (the first of /v1/models when None).
     api_key: sent as a Bearer token; verify: httpx's TLS verification (see tls_verify_of)."""
     try:
         import httpx
@@ -260,33 +304,58 @@ async def run_load(requests: Sequence[BenchRequest], base_url: str, model: Optio
         if model is None:
             model = await default_model(client, base_url)
             logger.info(f"model {model!r} (first of {base_url}/v1/models)")
-        url = base_url + ENDPOINT_PATHS[endpoint]
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        start = time.perf_counter()
+        yield Session(client, base_url, model, base_url + ENDPOINT_PATHS[endpoint], slots, timeout_s,
+                      time.perf_counter())
 
-        async def one(request: BenchRequest) -> RequestRecord:
-            record = RequestRecord(request.index, request.input_len, request.output_len)
-            delay = request.arrival_s - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            payload = request_payload(request, model, endpoint, ignore_eos)
-            if slots is not None:
-                await slots.acquire()
-            try:
-                await asyncio.wait_for(stream_request(client, url, payload, record, start), deadline)
-            except asyncio.TimeoutError:
-                record.error = f"timed out after {timeout_s:g} s"
-            except (httpx.HTTPError, OSError) as exc:
-                record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            finally:
-                if slots is not None:
-                    slots.release()
-            if not record.success and record.e2e is None:
-                record.e2e = time.perf_counter() - start - record.send_time
-            if progress is not None:
-                progress(record)
-            return record
 
-        records = await asyncio.gather(*(one(request) for request in requests))
-        duration = time.perf_counter() - start
-    return list(records), duration, model
+async def send_request(session: Session, payload: dict, record: RequestRecord,
+                       answer: Optional[Answer] = None) -> RequestRecord:
+    """Send one request now (after a --max-concurrency slot frees), turning timeouts and transport
+    errors into the record's error."""
+    import httpx
+
+    deadline = None if math.isinf(session.timeout_s) else session.timeout_s
+    if session.slots is not None:
+        await session.slots.acquire()
+    try:
+        await asyncio.wait_for(stream_request(session.client, session.url, payload, record, session.start, answer),
+                               deadline)
+    except asyncio.TimeoutError:
+        record.error = f"timed out after {session.timeout_s:g} s"
+    except (httpx.HTTPError, OSError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    finally:
+        if session.slots is not None:
+            session.slots.release()
+    if not record.success and record.e2e is None:
+        record.e2e = session.now() - record.send_time
+    return record
+
+
+async def run_requests(session: Session, requests: Sequence[BenchRequest], endpoint: str, ignore_eos: bool,
+                       progress: Optional[Callable[[RequestRecord], None]] = None) -> list[RequestRecord]:
+    """Send every request at its arrival time (relative to session.start); the records in request order."""
+
+    async def one(request: BenchRequest) -> RequestRecord:
+        record = RequestRecord(request.index, request.input_len, request.output_len)
+        delay = request.arrival_s - session.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await send_request(session, request_payload(request, session.model, endpoint, ignore_eos), record)
+        if progress is not None:
+            progress(record)
+        return record
+
+    return list(await asyncio.gather(*(one(request) for request in requests)))
+
+
+async def run_load(requests: Sequence[BenchRequest], base_url: str, model: Optional[str], endpoint: str,
+                   ignore_eos: bool, max_concurrency: Optional[int], timeout_s: float,
+                   progress: Optional[Callable[[RequestRecord], None]] = None, api_key: Optional[str] = None,
+                   verify: Union[bool, ssl.SSLContext] = True) -> tuple[list[RequestRecord], float, str]:
+    """Send every request at its arrival time; returns the records, the run's duration and the model."""
+    async with open_session(base_url, model, endpoint, max_concurrency, timeout_s, api_key, verify) as session:
+        session.start = time.perf_counter()
+        records = await run_requests(session, requests, endpoint, ignore_eos, progress)
+        return records, session.now(), session.model

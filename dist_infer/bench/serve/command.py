@@ -1,7 +1,9 @@
 """`dist-infer bench-serve`: a load generator for any OpenAI-compatible completion server.
 
-The command itself: check the outputs can be written, build the requests, run the load, then
-report. Kept thin so each step lives (and is tested) in its own module; see the package docstring.
+The command itself: check the outputs can be written, build the requests (or the conversations of
+a multi-turn run), run the load between two scrapes of the server's /metrics (for the prefix cache
+hit rate), then report. Kept thin so each step lives (and is tested) in its own module; see the
+package docstring.
 """
 
 from __future__ import annotations
@@ -11,16 +13,48 @@ import asyncio
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 from loguru import logger
 
-from dist_infer.bench.serve.client import api_key_of, normalized_base_url, run_load, tls_verify_of
-from dist_infer.bench.serve.datasets import build_requests
+from dist_infer.bench.serve.cache_metrics import cache_report_line, cache_summary, scrape_cache_counters
+from dist_infer.bench.serve.client import RequestRecord, api_key_of, normalized_base_url, open_session, run_requests
+from dist_infer.bench.serve.client import tls_verify_of
+from dist_infer.bench.serve.conversations import Conversation, build_conversations, is_multiturn
+from dist_infer.bench.serve.datasets import BenchRequest, build_requests, load_tokenizer_counter
 from dist_infer.bench.serve.flags import ENDPOINT_PATHS, InputError, add_bench_serve_flags, parse_slo
+from dist_infer.bench.serve.multiturn import run_conversations, ttft_by_turn, turn_report_lines
 from dist_infer.bench.serve.report import finite_or_none, format_report, plot_cdfs, summarize, write_results
+
+
+async def run_workload(args: argparse.Namespace, base_url: str, work: Union[list[BenchRequest], list[Conversation]],
+                       progress: Callable[[RequestRecord], None]) -> tuple[list[RequestRecord], float, str, dict]:
+    """Send the requests (or replay the conversations) between two /metrics scrapes; the records,
+    the duration, the model and the prefix cache entries of the summary."""
+    async with open_session(base_url, args.model, args.endpoint, args.max_concurrency, args.timeout,
+                            api_key_of(args.api_key), tls_verify_of(args.insecure, args.ca_cert)) as session:
+        before = await scrape_cache_counters(session.client, base_url)
+        session.start = time.perf_counter()
+        if is_multiturn(args):
+            encode = load_tokenizer_counter(args.tokenizer)[1] if args.tokenizer and args.prompt_ids else None
+            records = await run_conversations(session, work, args.endpoint, args.ignore_eos, args.prompt_ids,
+                                              args.max_input_len, progress, encode)
+        else:
+            records = await run_requests(session, work, args.endpoint, args.ignore_eos, progress)
+        duration = session.now()
+        after = await scrape_cache_counters(session.client, base_url)
+    return records, duration, session.model, cache_summary(before, after)
+
+
+def report_text(summary: dict) -> str:
+    """report.format_report's table with the prefix cache hit rate and (multi-turn) the per-turn
+    TTFT rows added above its closing rule."""
+    table = format_report(summary).split("\n")
+    extra = [cache_report_line(summary)] + turn_report_lines(summary)
+    return "\n".join(table[:-1] + extra + table[-1:])
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -35,14 +69,20 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             if output and not Path(output).resolve().parent.is_dir():  # fail now, not after the whole run
                 raise InputError(f"{flag} {output}: directory {Path(output).resolve().parent} does not exist")
         rng = np.random.default_rng(args.seed)
-        requests, arrivals = build_requests(args, rng)
+        multiturn = is_multiturn(args)
+        if multiturn:
+            work, arrivals = build_conversations(args, rng)
+            planned = sum(len(c.turns) for c in work)
+            what = f"{len(work)} conversations (at most {planned} requests)"
+        else:
+            work, arrivals = build_requests(args, rng)
+            planned = len(work)
+            what = f"{planned} requests"
         base_url = normalized_base_url(args.url)
-        logger.info(f"{len(requests)} requests to {base_url}{ENDPOINT_PATHS[args.endpoint]}, arrivals: {arrivals}")
-        with tqdm(total=len(requests), desc="bench-serve", unit="req", file=sys.stderr, disable=None) as bar:
-            records, duration, model = asyncio.run(run_load(
-                requests, base_url, args.model, args.endpoint, args.ignore_eos, args.max_concurrency,
-                args.timeout, progress=lambda record: bar.update(1), api_key=api_key_of(args.api_key),
-                verify=tls_verify_of(args.insecure, args.ca_cert)))
+        logger.info(f"{what} to {base_url}{ENDPOINT_PATHS[args.endpoint]}, arrivals: {arrivals}")
+        with tqdm(total=planned, desc="bench-serve", unit="req", file=sys.stderr, disable=None) as bar:
+            records, duration, model, cache = asyncio.run(
+                run_workload(args, base_url, work, progress=lambda record: bar.update(1)))
     except InputError as exc:
         print(f"bench-serve: error: {exc}", file=sys.stderr)
         return 2
@@ -53,7 +93,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "endpoint": args.endpoint,
         "endpoint_url": base_url + ENDPOINT_PATHS[args.endpoint],
         "dataset": args.dataset,
-        "num_prompts": len(requests),
+        "num_prompts": len(records),
+        "num_conversations": len(work) if multiturn else None,
         "arrivals": arrivals,
         "request_rate": args.request_rate,
         "burstiness": args.burstiness,
@@ -61,9 +102,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         **summarize(records, duration, slo),
+        **cache,
+        **(ttft_by_turn(records) if multiturn else {"ttft_ms_by_turn": None, "completed_by_turn": None}),
     }
     summary = finite_or_none(summary)
-    print(format_report(summary))
+    print(report_text(summary))
     try:
         if args.save_results:
             write_results(args.save_results, summary, records)

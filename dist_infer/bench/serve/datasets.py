@@ -1,8 +1,10 @@
-"""What a run sends: synthetic prompts with chat-like lengths, a ShareGPT file, or a CSV trace
-(Azure LLM inference or BurstGPT), turned into timed requests.
+"""What a run sends: synthetic prompts with chat-like lengths, shared-prefix prompts, a ShareGPT
+file, or a CSV trace (Azure LLM inference or BurstGPT), turned into timed requests. (Multi-turn
+conversations, sent turn by turn, are `conversations`.)
 
 The lengths and prompts come from the run's one seeded generator, in a fixed order (lengths,
-ShareGPT shuffle, arrivals, prompts), so the same --seed sends the same requests.
+ShareGPT shuffle, arrivals, prompts; shared prefixes: prefixes, arrivals, suffixes), so the same
+--seed sends the same requests.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dist_infer.bench.serve.flags import InputError
 TOKENS_PER_WORD = 1.3  # English words -> tokens, for ShareGPT text when there is no tokenizer
 SYNTHETIC_SIGMA = 0.7  # spread of log(length) for synthetic lengths: a chat-trace-like long tail
 FIRST_RANDOM_ID = 10  # random prompt ids start here so they avoid the usual special tokens (bos, eos, pad)
+SENTENCE_WORDS = 7  # words per sentence of a shared text prefix: 7 words and a period, about 8 tokens
 
 # Short common words: most tokenizers map " word" to one token, so N words are about N tokens.
 PROMPT_WORDS = (
@@ -83,9 +86,8 @@ def synthetic_entries(n: int, input_len: int, output_len: int, rng: np.random.Ge
     return [DatasetEntry(int(i), int(o)) for i, o in zip(inputs, outputs)]
 
 
-def load_sharegpt(path: Union[str, Path], count_tokens: Callable[[str], int] = approx_token_count) -> list[DatasetEntry]:
-    """Entries of a ShareGPT JSON file: the first human turn is the prompt, the first gpt reply
-    after it sets the output length. Conversations without both are skipped."""
+def read_sharegpt(path: Union[str, Path]) -> list:
+    """The JSON list of a ShareGPT file; errors name the file."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -98,8 +100,14 @@ def load_sharegpt(path: Union[str, Path], count_tokens: Callable[[str], int] = a
     if not isinstance(data, list):
         raise InputError(f"{path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}}, "
                          f"not a {type(data).__name__}")
+    return data
+
+
+def load_sharegpt(path: Union[str, Path], count_tokens: Callable[[str], int] = approx_token_count) -> list[DatasetEntry]:
+    """Entries of a ShareGPT JSON file: the first human turn is the prompt, the first gpt reply
+    after it sets the output length. Conversations without both are skipped."""
     entries = []
-    for item in data:
+    for item in read_sharegpt(path):
         turns = item.get("conversations") if isinstance(item, dict) else None
         if not isinstance(turns, list):
             continue
@@ -209,9 +217,10 @@ def load_tokenizer_counter(path: Union[str, Path]):
 
 
 def dataset_kind(dataset: str) -> str:
-    """synthetic, sharegpt or trace: by name, by extension, else by the file's first character."""
-    if dataset == "synthetic":
-        return "synthetic"
+    """synthetic, prefix, multiturn, sharegpt or trace: by name, by extension, else by the file's
+    first character."""
+    if dataset in ("synthetic", "prefix", "multiturn"):
+        return dataset
     path = Path(dataset)
     suffix = path.suffix.lower()
     if suffix == ".csv":
@@ -233,7 +242,7 @@ class BenchRequest:
     """What is sent, and when (seconds after the start)."""
 
     index: int
-    prompt: Union[str, list[int]]
+    prompt: Union[str, list[int], list[dict]]  # text, token ids, or (chat, multi-turn) the messages so far
     input_len: int
     output_len: int
     arrival_s: float
@@ -249,13 +258,62 @@ def random_id_prompt(n_tokens: int, vocab_size: int, rng: np.random.Generator) -
     return [int(i) for i in rng.integers(FIRST_RANDOM_ID, vocab_size, size=n_tokens)]
 
 
-def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
-    """The requests of this run and a phrase saying how they arrive."""
-    kind = dataset_kind(args.dataset)
+def sentence_text_prompt(n_tokens: int, rng: np.random.Generator) -> str:
+    """About n tokens of random common words in sentences of SENTENCE_WORDS words, ending with a period.
+
+    Shared text prefixes are made of these: a prefix that ends at a period, followed by a space and
+    the next word, tokenizes the same way in front of any suffix (BPE and SentencePiece tokenizers
+    split before the space), so the server's tokenizer sees the same leading tokens in every
+    request of a group. The count is approximate: a word is one token for most tokenizers, a
+    period one more.
+    """
+    n_words = max(1, n_tokens - n_tokens // (SENTENCE_WORDS + 1))
+    words = [PROMPT_WORDS[i] for i in rng.integers(0, len(PROMPT_WORDS), size=n_words)]
+    return " ".join(" ".join(words[i:i + SENTENCE_WORDS]) + "." for i in range(0, n_words, SENTENCE_WORDS))
+
+
+def shared_prefixes(args: argparse.Namespace, rng: np.random.Generator) -> list[Union[str, list[int]]]:
+    """--num-prefixes distinct prefixes of --prefix-len tokens: random ids with --prompt-ids, else sentences."""
+    if args.prompt_ids:
+        return [random_id_prompt(args.prefix_len, args.vocab_size, rng) for _ in range(args.num_prefixes)]
+    return [sentence_text_prompt(args.prefix_len, rng) for _ in range(args.num_prefixes)]
+
+
+def prefix_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
+    """--dataset prefix: request i is prefix i mod --num-prefixes (round robin, so the groups are as
+    equal as --num-prompts allows) followed by --suffix-len random tokens of its own, asking for
+    exactly --output-len tokens. Text suffixes follow the prefix's final period after a space."""
+    prefixes = shared_prefixes(args, rng)
+    n = args.num_prompts
+    offsets, arrivals = schedule(n, None, args.request_rate, args.burstiness, args.time_scale, rng)
+    requests = []
+    for index, offset in enumerate(offsets):
+        prefix = prefixes[index % len(prefixes)]
+        if args.prompt_ids:
+            prompt: Union[str, list[int]] = prefix + random_id_prompt(args.suffix_len, args.vocab_size, rng)
+        else:
+            prompt = prefix + " " + random_text_prompt(args.suffix_len, rng)
+        requests.append(BenchRequest(index, prompt, args.prefix_len + args.suffix_len, args.output_len, float(offset)))
+    return requests, arrivals
+
+
+def check_prompt_flags(args: argparse.Namespace) -> None:
+    """--prompt-ids needs the completions endpoint and room above the special ids."""
     if args.prompt_ids and args.endpoint == "chat":
         raise InputError("--prompt-ids needs --endpoint completions (chat messages are text)")
     if args.prompt_ids and args.vocab_size <= FIRST_RANDOM_ID:
         raise InputError(f"--vocab-size must be above {FIRST_RANDOM_ID} (random ids start there)")
+
+
+def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
+    """The requests of this run and a phrase saying how they arrive (not for multi-turn runs, which
+    `conversations` builds)."""
+    kind = dataset_kind(args.dataset)
+    check_prompt_flags(args)
+    if getattr(args, "multiturn", False) or kind == "multiturn":
+        raise InputError("multi-turn runs are built by conversations.build_conversations")
+    if kind == "prefix":
+        return prefix_requests(args, rng)
     count_tokens, encode = approx_token_count, None
     if args.tokenizer:
         count_tokens, encode = load_tokenizer_counter(args.tokenizer)

@@ -62,7 +62,7 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="model name sent in every request (default: the first id listed by GET URL/v1/models)")
     p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions",
                    help="completions: POST /v1/completions with a prompt (default); chat: POST /v1/chat/completions "
-                        "with one user message")
+                        "with one user message (multi-turn: the whole conversation's messages)")
     p.add_argument("--num-prompts", type=positive_int, default=100,
                    help="requests to send (default %(default)s); a dataset with fewer entries sends all it has")
     p.add_argument("--request-rate", type=positive_float, default=None,
@@ -74,10 +74,32 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of arrivals, synthetic lengths, random prompts and ShareGPT sampling (default %(default)s)")
     p.add_argument("--dataset", default="synthetic",
-                   help="synthetic (default): random prompts with lengths around --input-len/--output-len; or a "
-                        "ShareGPT-format .json file (first human turn is the prompt, the first gpt reply's token "
-                        "count the output length); or a .csv trace with timestamp, context-token and generated-token "
-                        "columns (Azure LLM inference trace or BurstGPT headers)")
+                   help="synthetic (default): random prompts with lengths around --input-len/--output-len; prefix: "
+                        "shared-prefix prompts (--num-prefixes prefixes of --prefix-len tokens, each request one of "
+                        "them round robin + its own --suffix-len random tokens); multiturn: synthetic chats of "
+                        "--turns turns (a --prefix-len system prompt, --suffix-len user messages, --output-len "
+                        "answers), each turn sending the whole conversation so far; or a ShareGPT-format .json file "
+                        "(first human turn is the prompt, the first gpt reply's token count the output length; with "
+                        "--multiturn every turn is replayed); or a .csv trace with timestamp, context-token and "
+                        "generated-token columns (Azure LLM inference trace or BurstGPT headers)")
+    p.add_argument("--prefix-len", type=positive_int, default=256,
+                   help="prefix: tokens of each shared prefix; multiturn: tokens of the system prompt "
+                        "(default %(default)s). A text prefix is common words in sentences ending with a period, so "
+                        "it tokenizes the same in front of every suffix, but its token count is approximate (about "
+                        "one token a word); --prompt-ids makes it exact")
+    p.add_argument("--num-prefixes", type=positive_int, default=10,
+                   help="prefix: distinct shared prefixes, request i uses prefix i mod this; multiturn: distinct "
+                        "system prompts, conversation i uses system prompt i mod this (default %(default)s)")
+    p.add_argument("--suffix-len", type=positive_int, default=64,
+                   help="prefix: random tokens after the prefix, different for every request; multiturn: tokens of "
+                        "each user message (default %(default)s)")
+    p.add_argument("--turns", type=positive_int, default=5,
+                   help="multiturn: turns (user message + answer) per conversation; ShareGPT with --multiturn: at "
+                        "most this many turns of each conversation (default %(default)s). Turn k+1 is sent when "
+                        "turn k has finished; --num-prompts counts conversations, --request-rate their first turns")
+    p.add_argument("--multiturn", action="store_true",
+                   help="ShareGPT .json: replay whole conversations (every human turn, each sent with the "
+                        "conversation so far, the answers being what the server returned) instead of first turns")
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="CSV traces: multiply the gaps between the trace's timestamps by this (0.5 = twice as fast; "
                         "default %(default)s)")
@@ -86,13 +108,16 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
                         "clipped to [1, 4 x mean]")
     p.add_argument("--output-len", type=positive_int, default=64,
                    help="synthetic: mean output length in tokens, sent as max_tokens (default %(default)s); "
-                        "lognormal, clipped to [1, 4 x mean]")
+                        "lognormal, clipped to [1, 4 x mean]; prefix and multiturn: exactly this max_tokens")
     p.add_argument("--max-input-len", type=positive_int, default=None,
                    help="synthetic and CSV traces: clip prompt lengths to this many tokens; ShareGPT: skip longer "
-                        "prompts (default: no limit)")
+                        "prompts; multi-turn: end a conversation before a later turn whose prompt would be longer "
+                        "(default: no limit)")
     p.add_argument("--prompt-ids", action="store_true",
                    help="send prompts as lists of token ids instead of text (completions only): random ids in "
-                        "[10, --vocab-size) for synthetic and trace prompts, --tokenizer ids for ShareGPT")
+                        "[10, --vocab-size) for synthetic, prefix, multiturn and trace prompts, --tokenizer ids "
+                        "for ShareGPT; multi-turn appends each answer's token ids as the server returns them "
+                        "(return_token_ids, as vLLM and this project's server do)")
     p.add_argument("--vocab-size", type=positive_int, default=1000,
                    help="--prompt-ids: random ids are drawn below this (default %(default)s)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",

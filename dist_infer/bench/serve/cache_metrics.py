@@ -1,0 +1,101 @@
+"""The server's prefix cache hit rate over a run, from its Prometheus `/metrics` scraped before and
+after: hits / queries in prompt tokens.
+
+Reads this project's `dist_infer:prefix_cache_{queries,hits}_total` or vLLM's
+`vllm:prefix_cache_{queries,hits}_total`, summed over their labels (engines, instances). Anything
+that goes wrong (no /metrics, a 401 or 404, no such counters, a server that restarted and so counts
+from zero again) gives None rather than failing the run: the hit rate is an extra.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+from loguru import logger
+
+METRIC_PREFIXES = ("dist_infer", "vllm")  # this project's names first, then vLLM's
+SCRAPE_TIMEOUT_S = 10.0
+
+
+class CacheCounters(NamedTuple):
+    """Prefix cache counters at one moment, in prompt tokens."""
+
+    queries: float
+    hits: float
+
+
+def _sample_value(line: str, name: str) -> Optional[float]:
+    """The value of one exposition line if it is a sample of `name` (any labels), else None."""
+    if not line.startswith(name):
+        return None
+    rest = line[len(name):]
+    if rest.startswith("{"):
+        end = rest.rfind("}")
+        if end < 0:
+            return None
+        rest = rest[end + 1:]
+    elif not rest[:1].isspace():
+        return None  # a longer name that starts with this one (e.g. ..._total_created)
+    fields = rest.split()
+    if not fields:
+        return None
+    try:
+        value = float(fields[0])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_cache_counters(text: str) -> Optional[CacheCounters]:
+    """The prefix cache counters of a Prometheus text exposition, each summed over its labels; the
+    first of METRIC_PREFIXES that exports the queries counter wins. None if neither does."""
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    for prefix in METRIC_PREFIXES:
+        sums = {}
+        for counter in ("queries", "hits"):
+            name = f"{prefix}:prefix_cache_{counter}_total"
+            values = [v for v in (_sample_value(line, name) for line in lines) if v is not None]
+            sums[counter] = sum(values) if values else None
+        if sums["queries"] is not None:
+            return CacheCounters(sums["queries"], sums["hits"] or 0.0)
+    return None
+
+
+async def scrape_cache_counters(client: Any, base_url: str) -> Optional[CacheCounters]:
+    """GET base_url/metrics with the run's client (so the same key and TLS settings); None if the
+    server has no /metrics, refuses it, or exports no prefix cache counters."""
+    try:
+        response = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
+        if response.status_code != 200:
+            logger.debug(f"{base_url}/metrics: HTTP {response.status_code}, no prefix cache hit rate")
+            return None
+        return parse_cache_counters(response.text)
+    except Exception as exc:  # any transport or decoding error: the hit rate is optional
+        logger.debug(f"{base_url}/metrics unreadable ({type(exc).__name__}: {exc}), no prefix cache hit rate")
+        return None
+
+
+def cache_summary(before: Optional[CacheCounters], after: Optional[CacheCounters]) -> dict[str, Optional[float]]:
+    """The summary's prefix cache entries: the run's query and hit tokens and their ratio; all None
+    when either scrape found no counters, the counters went backwards (a restart) or nothing was
+    queried."""
+    empty = {"prefix_cache_hit_rate": None, "prefix_cache_queries": None, "prefix_cache_hits": None}
+    if before is None or after is None:
+        return empty
+    queries, hits = after.queries - before.queries, after.hits - before.hits
+    if queries <= 0 or hits < 0 or hits > queries:
+        return empty
+    return {"prefix_cache_hit_rate": hits / queries, "prefix_cache_queries": queries, "prefix_cache_hits": hits}
+
+
+def cache_report_line(summary: dict[str, Any], width: int = 33) -> str:
+    """The table's hit rate line, its value at column `width` like report.format_report's rows."""
+    rate = summary.get("prefix_cache_hit_rate")
+    if rate is None:
+        value = "- (the server's /metrics has no prefix cache counters)"
+    else:
+        value = (f"{100 * rate:.1f}%  ({summary['prefix_cache_hits']:.0f} of "
+                 f"{summary['prefix_cache_queries']:.0f} prompt tokens)")
+    return f"{'Prefix cache hit rate:':<{width}}{value}"
