@@ -97,10 +97,19 @@ def _run_ours(args, peers: list[str], start: RankStart):
             "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
             "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
             "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
-            "ep": args.ep, **({"moe": moe} if moe is not None else {}),
+            "ep": args.ep, "threads_total": _threads_total(world.size), **({"moe": moe} if moe is not None else {}),
             **({"profile": profile} if profile is not None else {}),
             **({"overlap": overlap} if overlap else {})}
     return ours, model, bar
+
+
+def _threads_total(world_size: int) -> int:
+    """The cores our run used, as far as this host goes: ranks x this rank's threads, at most its cores."""
+    import torch
+
+    from dist_infer.topology.cores import usable_cores
+
+    return min(usable_cores(), world_size * torch.get_num_threads())
 
 
 def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
@@ -114,8 +123,9 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
         if peer == "ours-1proc":
             metrics = run_ours_single_process(args)
         else:
+            threads = ours["threads_total"] if peer == "llama.cpp" else None  # one process: all our ranks' cores
             metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
-                               repeats=args.repeat)
+                               threads=threads, repeats=args.repeat)
         metrics.pop("token_ids", None)
         metrics["prefill_ratio"] = ratio(ours["prefill_tok_s"], metrics.get("prefill_tok_s"))
         metrics["decode_ratio"] = ratio(ours["decode_tok_s"], metrics.get("decode_tok_s"))
@@ -141,6 +151,9 @@ def _print_report(args, model: str, ours: dict, compare: dict) -> None:
               f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
               f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}")
     print("(x = dist-infer's throughput divided by the system's, same run)")
+    for name, m in compare.items():
+        if m.get("ok") and m.get("note"):
+            print(f"{name}: {m['note']}")
     print(f"prefill: {ours['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
           f"peak memory above the loaded model (KV cache + activations) per rank: "
           f"{', '.join(f'{m:.0f}' for m in ours['kv_act_peak_mb_per_rank'])} MiB "

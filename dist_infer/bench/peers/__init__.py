@@ -2,9 +2,11 @@
 
 One module each: `workload` (the prompts and the timed greedy loop), `metrics` (the result dict),
 `runners` (hf, hf-tp, deepspeed, each inside its own processes), `cli` (the per-rank command line,
-`python -m dist_infer.bench.peers`) and `spawn` (starting a peer from the bench, one at a time).
+`python -m dist_infer.bench.peers`), `spawn` (starting a peer from the bench, one at a time) and
+`llama_cpp` (llama.cpp's own llama-bench / llama-batched-bench on the same GGUF file: a C++ peer,
+timed by its own programs, so none of the workload below applies to it; see that module).
 
-Three peers, each run in its own process(es) so that none shares threads, memory or a process
+Three Python peers, each run in its own process(es) so that none shares threads, memory or a process
 group with another (or with us):
 
 - ``hf``        HF transformers, one process, ``torch.set_num_threads(threads)``;

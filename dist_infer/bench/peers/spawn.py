@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+from dist_infer.bench.peers.llama_cpp import PEER as LLAMA_CPP
+from dist_infer.bench.peers.llama_cpp import llama_repeats, run_llama_cpp
 from dist_infer.bench.peers.metrics import failed
 from dist_infer.bench.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
 from dist_infer.topology.discovery import free_port, without_launcher_env
@@ -80,10 +82,18 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
 
     `hf` is one plain process (`nproc` is ignored; `threads` defaults to all cores); `hf-tp` and
     `deepspeed` run as `nproc` torchrun ranks (threads per rank default to cores // nproc). Peers
-    started through here never overlap: a file lock serialises them.
+    started through here never overlap: a file lock serialises them. `llama.cpp` runs llama.cpp's
+    own benchmark binary (`peers.llama_cpp`) with `threads` cores (default: all usable ones).
     """
+    if peer == LLAMA_CPP:
+        with _exclusive():
+            load_before = os.getloadavg()[0]
+            metrics = run_llama_cpp(model_path, batch, prompt_len, gen_len, threads, llama_repeats(repeats),
+                                    timeout_s)
+            metrics["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+            return metrics
     if peer not in PEERS:
-        return failed(peer, f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
+        return failed(peer, f"unknown peer {peer!r}; one of {', '.join(PEERS + (LLAMA_CPP,))}")
     tp = nproc if peer in DISTRIBUTED_PEERS else 1
     with tempfile.TemporaryDirectory(prefix=f"peer-{peer}-") as tmp, _exclusive():
         json_out = os.path.join(tmp, "metrics.json")
