@@ -75,6 +75,22 @@ class _Named:
             return self.fn(*args)
 
 
+def _dequantize_fits(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor,
+                     group_size: int, bits: int) -> bool:
+    """Whether dequantize_rows' tensors are what the C function reads and writes: on the CPU,
+    contiguous, of its dtypes and of one another's shapes (a wrong one would read past a buffer)."""
+    if bits not in (4, 8) or not isinstance(group_size, int) or group_size <= 0 or out.dim() != 2:
+        return False
+    N, K = out.shape
+    if K == 0 or K % group_size or (bits == 4 and group_size % 2):
+        return False
+    q_dtype, q_cols = (torch.int8, K) if bits == 8 else (torch.uint8, K // 2)
+    want = [(q, q_dtype, (N, q_cols)), (scales, torch.float32, (N, K // group_size)),
+            (out, torch.float32, (N, K))] + ([(zeros, torch.float32, (N, K // group_size))] if zeros is not None else [])
+    return all(t.device.type == "cpu" and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
+               for t, dtype, shape in want)
+
+
 class CpuKernels:
     """The loaded library, with torch-tensor entry points."""
 
@@ -95,7 +111,13 @@ class CpuKernels:
         self._attn = lib.decode_attention
         self._attn.restype = ctypes.c_int
         self._attn.argtypes = [_ptr] * 4 + [_long, _ptr] + [_long] * 6 + [_f32, _ptr, _ptr, ctypes.c_int]
-        for attr in ("_skinny", "_rms", "_rope", "_attn"):
+        self._quant = lib.quant_linear
+        self._quant.restype = ctypes.c_int
+        self._quant.argtypes = [_ptr] * 5 + [_long] * 4 + [ctypes.c_int, _long, ctypes.c_int]
+        self._dequant = lib.dequantize_rows
+        self._dequant.restype = ctypes.c_int
+        self._dequant.argtypes = [_ptr] * 4 + [_long] * 3 + [ctypes.c_int] * 2
+        for attr in ("_skinny", "_rms", "_rope", "_attn", "_quant", "_dequant"):
             fn = getattr(self, attr)
             setattr(self, attr, _Named(fn, f"dist_infer::{fn.__name__}"))
 
@@ -109,6 +131,33 @@ class CpuKernels:
             raise ValueError(f"skinny_linear: {M} rows is outside 1..{MAX_ROWS}")
         return y
 
+    def quant_linear(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     group_size: int, bits: int) -> Optional[torch.Tensor]:
+        """x [M, K] @ W^T for W weight-only quantized (cpu_kernels.c's quant_linear: q int8 [N, K], or
+        [N, K / 2] bytes of two 4-bit values; fp32 scales / zeros [N, K / group_size]), 1 <= M <= MAX_ROWS,
+        all contiguous on the CPU. None where the kernel does not take the shape (the caller uses torch)."""
+        M, K = x.shape
+        N = q.shape[0]
+        y = torch.empty(M, N, dtype=x.dtype)
+        threads = torch.get_num_threads() if self.threaded else 1
+        if self._quant(x.data_ptr(), q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+                       y.data_ptr(), M, N, K, group_size, bits, N, threads) != 0:
+            return None
+        return y
+
+    def dequantize_rows(self, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor,
+                        group_size: int, bits: int) -> bool:
+        """Rows of a weight-only quantized W as fp32 into `out` [N, K] (cpu_kernels.c's dequantize_rows;
+        quant_linear's layouts: q int8 [N, K] for bits 8, uint8 [N, K / 2] of two 4-bit values for bits 4;
+        fp32 scales / zeros [N, K / group_size]), bit for bit QuantizedWeight.dequantize's values. Row
+        slices of a layer's buffers are fine (contiguous from their first row). False, `out` untouched,
+        where the kernel does not take the tensors (the caller uses torch)."""
+        if not _dequantize_fits(q, scales, zeros, out, group_size, bits):
+            return False
+        threads = torch.get_num_threads() if self.threaded else 1
+        N, K = out.shape
+        return self._dequant(q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+                             out.data_ptr(), N, K, group_size, bits, threads) == 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:

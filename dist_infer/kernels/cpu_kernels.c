@@ -10,6 +10,10 @@
  * too few lines in flight: an explicit prefetch into L2 32 KB ahead (past the end of W is
  * harmless) took 4 rows from 13-15 to 21-24 GB/s on the 2-core EPYC (docs/benchmarks.md).
  * One row runs fast enough without it, and slower with it.
+ *
+ * quant_linear: the same product with W weight-only quantized (int8 or packed 4-bit, a scale
+ * and an optional zero per group of columns), for --quantization; dequantize_rows: such a W's rows
+ * as fp32, for the batches too large for it (prefill), which a GEMM then takes.
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -98,6 +102,188 @@ int skinny_linear(const float *x, const float *w, float *y, long M, long N, long
     for (int t = 0; t < threads; t++) {
         long a = t * per, b = a + per < N ? a + per : N;
         if (a < b) fn(x, w, y, K, N, a, b);
+    }
+    return 0;
+}
+
+/* quant_linear: y = x W^T with W held weight-only quantized in groups of G columns,
+ * W[n, k] = scales[n, k / G] * q[n, k] + zeros[n, k / G] (zeros NULL: 0). Decode streams the
+ * integers (a quarter or an eighth of fp32's bytes) and widens them in registers, one group's
+ * scale and zero applied as the values are converted, so no float weight is ever written.
+ * q is int8, one value a byte (bits = 8), or two 4-bit values 0..15 a byte (bits = 4): in each
+ * group byte j holds value j in its low nibble and value j + G/2 in its high one, so a vector of
+ * bytes yields two vectors of consecutive values. Needs K % G == 0 and G % (2 VW) == 0; returns
+ * -1 otherwise (the caller then uses torch). */
+typedef unsigned char vub __attribute__((vector_size(VW)));
+typedef int vi __attribute__((vector_size(VW * sizeof(int))));
+
+/* int8 -> fp32 through the unsigned widening (x ^ 0x80 = x + 128 as a byte): GCC turns a signed
+ * char vector's conversion into scalar code, the unsigned one into one instruction. */
+static inline vf widen_s8(const signed char *p) {
+    vub b, bias = (vub){0} + 0x80;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b ^ bias, vi) - 128, vf);
+}
+
+static inline void widen_u4(const unsigned char *p, vf *lo, vf *hi) {
+    vub b, low_nibble = (vub){0} + 15;
+    memcpy(&b, p, sizeof b);
+    *lo = __builtin_convertvector(__builtin_convertvector(b & low_nibble, vi), vf);
+    *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, vi), vf);
+}
+
+/* Two accumulators a row of x (alternate vectors): one would chain every FMA on the one before. */
+#define QUANT(M)                                                                                  \
+    static void quant_##M(const float *x, const void *qv, const float *sc, const float *zr,       \
+                          float *y, long K, long G, int bits, long ldy, long n0, long n1) {        \
+        long groups = K / G, row_bytes = bits == 8 ? K : K / 2;                                   \
+        for (long n = n0; n < n1; n++) {                                                          \
+            const unsigned char *row = (const unsigned char *)qv + n * row_bytes;                 \
+            vf a0[M], a1[M];                                                                      \
+            for (int m = 0; m < M; m++) a0[m] = a1[m] = (vf){0};                                  \
+            for (long g = 0; g < groups; g++) {                                                   \
+                vf s = (vf){0} + sc[n * groups + g], z = (vf){0} + (zr ? zr[n * groups + g] : 0.0f); \
+                const float *xg = x + g * G;                                                      \
+                if (bits == 8) {                                                                  \
+                    const signed char *qg = (const signed char *)row + g * G;                     \
+                    for (long k = 0; k < G; k += 2 * VW) {                                        \
+                        vf w0 = widen_s8(qg + k) * s + z, w1 = widen_s8(qg + k + VW) * s + z;     \
+                        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                     \
+                            a0[m] += w0 * load(xg + m * K + k);                                   \
+                            a1[m] += w1 * load(xg + m * K + k + VW);                              \
+                        }                                                                         \
+                    }                                                                             \
+                } else {                                                                          \
+                    const unsigned char *qg = row + g * (G / 2);                                  \
+                    for (long k = 0; k < G / 2; k += VW) {                                        \
+                        vf lo, hi;                                                                \
+                        widen_u4(qg + k, &lo, &hi);                                               \
+                        lo = lo * s + z;                                                          \
+                        hi = hi * s + z;                                                          \
+                        _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                     \
+                            a0[m] += lo * load(xg + m * K + k);                                   \
+                            a1[m] += hi * load(xg + m * K + k + G / 2);                           \
+                        }                                                                         \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int m = 0; m < M; m++) y[m * ldy + n] = hsum(a0[m] + a1[m]);                     \
+        }                                                                                         \
+    }
+QUANT(1) QUANT(2) QUANT(3) QUANT(4) QUANT(5) QUANT(6) QUANT(7) QUANT(8)
+
+typedef void (*quant_fn)(const float *, const void *, const float *, const float *, float *, long, long, int,
+                         long, long, long);
+static const quant_fn QUANT_BY_ROWS[9] = {0, quant_1, quant_2, quant_3, quant_4,
+                                          quant_5, quant_6, quant_7, quant_8};
+
+/* y[M, N] (row stride ldy) = x[M, K] W^T for 1 <= M <= 8; the rows of W split over `threads`. */
+int quant_linear(const float *x, const void *q, const float *scales, const float *zeros, float *y,
+                 long M, long N, long K, long G, int bits, long ldy, int threads) {
+    if (M < 1 || M > 8 || G <= 0 || K % G || (bits != 8 && bits != 4) || G % (2 * VW))
+        return -1;
+    quant_fn fn = QUANT_BY_ROWS[M];
+    if (threads <= 1 || N < 64 * threads) {
+        fn(x, q, scales, zeros, y, K, G, bits, ldy, 0, N);
+        return 0;
+    }
+    long per = (N + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        long a = t * per, b = a + per < N ? a + per : N;
+        if (a < b) fn(x, q, scales, zeros, y, K, G, bits, ldy, a, b);
+    }
+    return 0;
+}
+
+/* dequantize_rows: out[n, k] = scales[n, k / G] * q[n, k] + zeros[n, k / G] (zeros NULL: no add) for
+ * rows [0, n_rows), q in quant_linear's layouts, out fp32 [n_rows, K] contiguous: a prefill batch's
+ * weight, a block of rows at a time for a GEMM, in one pass (widen, scale, add, store) instead of
+ * torch's several. The product is rounded before the zero is added, as QuantizedWeight.dequantize
+ * does, so the values are the reference's bit for bit: no fused multiply-add. GCC contracts a * b + c
+ * even across statements under its default -ffp-contract=fast, hence the attribute (file-wide flags
+ * would also take the FMAs out of the other kernels); clang only contracts within one expression.
+ * Needs K % G == 0 (and G even for bits 4); returns -1 otherwise, or for other bit widths. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FP_CONTRACT
+#endif
+
+/* Rows [n0, n1); instantiated below with G, bits and whether there are zeros as constants for the
+ * common groups, so a group's few vectors are straight-line code with no tail or branch left. */
+NO_FP_CONTRACT static inline __attribute__((always_inline)) void
+dequant_impl(const unsigned char *q, const float *sc, const float *zr, float *out, long K, long G, int bits,
+             int has_zero, long n0, long n1) {
+    long groups = K / G, row_bytes = bits == 8 ? K : K / 2, half = G / 2;
+    for (long n = n0; n < n1; n++) {
+        const unsigned char *row = q + n * row_bytes;
+        for (long g = 0; g < groups; g++) {
+            float s = sc[n * groups + g], z = has_zero ? zr[n * groups + g] : 0.0f;
+            float *o = out + n * K + g * G;
+            long k = 0;
+            if (bits == 8) {
+                const signed char *qg = (const signed char *)row + g * G;
+                for (; k + VW <= G; k += VW) {
+                    vf w = widen_s8(qg + k) * s;
+                    if (has_zero) w = w + z;
+                    memcpy(o + k, &w, sizeof w);
+                }
+                for (; k < G; k++) {
+                    float w = (float)qg[k] * s;
+                    o[k] = has_zero ? w + z : w;
+                }
+            } else {
+                const unsigned char *qg = row + g * half;
+                for (; k + VW <= half; k += VW) {
+                    vf lo, hi;
+                    widen_u4(qg + k, &lo, &hi);
+                    lo = lo * s;
+                    hi = hi * s;
+                    if (has_zero) {
+                        lo = lo + z;
+                        hi = hi + z;
+                    }
+                    memcpy(o + k, &lo, sizeof lo);
+                    memcpy(o + k + half, &hi, sizeof hi);
+                }
+                for (; k < half; k++) {
+                    float lo = (float)(qg[k] & 15) * s, hi = (float)(qg[k] >> 4) * s;
+                    o[k] = has_zero ? lo + z : lo;
+                    o[k + half] = has_zero ? hi + z : hi;
+                }
+            }
+        }
+    }
+}
+
+#define DEQUANT_CASE(GC, BITS)                                                                             \
+    if (G == (GC) && bits == (BITS)) {                                                                     \
+        if (zr) dequant_impl(q, sc, zr, out, K, GC, BITS, 1, n0, n1);                                      \
+        else dequant_impl(q, sc, zr, out, K, GC, BITS, 0, n0, n1);                                         \
+        return;                                                                                            \
+    }
+
+NO_FP_CONTRACT static void dequant_block(const unsigned char *q, const float *sc, const float *zr, float *out,
+                                         long K, long G, int bits, long n0, long n1) {
+    DEQUANT_CASE(32, 4) DEQUANT_CASE(64, 4) DEQUANT_CASE(32, 8) DEQUANT_CASE(64, 8)
+    dequant_impl(q, sc, zr, out, K, G, bits, zr != NULL, n0, n1);
+}
+
+/* The rows split over `threads` (the output rows are independent: no reduction). */
+int dequantize_rows(const void *q, const float *scales, const float *zeros, float *out, long n_rows, long K,
+                    long G, int bits, int threads) {
+    if (n_rows < 0 || K <= 0 || G <= 0 || K % G || (bits != 8 && bits != 4) || (bits == 4 && G % 2))
+        return -1;
+    if (threads <= 1 || n_rows * K < 16384L * threads) {
+        dequant_block(q, scales, zeros, out, K, G, bits, 0, n_rows);
+        return 0;
+    }
+    long per = (n_rows + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; t++) {
+        long a = t * per, b = a + per < n_rows ? a + per : n_rows;
+        if (a < b) dequant_block(q, scales, zeros, out, K, G, bits, a, b);
     }
     return 0;
 }

@@ -9,7 +9,9 @@ bytes), so
   overlap its columns. A shard boundary inside a block costs the two ranks that share it one
   extra block each per row; the values are the same either way, since each block dequantizes
   alone.
-The `gguf` package reads the file (memory-mapped) and dequantizes the blocks.
+The `gguf` package reads the file (memory-mapped) and dequantizes the blocks. A layer that keeps
+its weight quantized reads it with `quantized_slice` instead: the same rows and blocks, as integers
+and per-group scales (gguf_quant), never as a float weight.
 
 llama.cpp stores the q and k projections of Llama models with each head's rows interleaved
 (its converter permutes them for its rotary kernel); the row map here undoes that, so the
@@ -20,18 +22,36 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
+from loguru import logger
 
 from dist_infer.models.checkpoint import CheckpointError, TensorIndex, return_freed_memory
-from dist_infer.models.gguf_checks import (MAX_POSITIONS, TensorExtentError, check_header_counts, check_layers_present,
-                                           check_tensor_extent, check_tensor_shape, head_dim_of, metadata_int)
+from dist_infer.models.gguf_checks import (
+    MAX_POSITIONS,
+    TensorExtentError,
+    check_header_counts,
+    check_layers_present,
+    check_tensor_shape,
+    head_dim_of,
+    metadata_int,
+)
 from dist_infer.models.gguf_magic import GGUF_MAGIC, is_gguf  # noqa: F401 (loader, tokenizer import it from here)
+from dist_infer.models.gguf_quant import (
+    EXACT_BITS,
+    GROUP,
+    REQUANT_BITS,
+    blocks_to_weight,
+    quantization_error,
+    quantization_of_type,
+    requantize,
+)
+from dist_infer.models.gguf_reader import ArrayField, lean_reader_class
+from dist_infer.parallel.quantized import QuantizedWeight
 
 # Types whose dequantization is implemented by the gguf package and checked here.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -52,7 +72,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
                  "output.weight": "lm_head.weight"}
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
+def hf_name(gguf_name: str) -> str | None:
     """The HF tensor name of a GGUF tensor name, or None for tensors the model does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -75,8 +95,9 @@ def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 
 def open_reader(path: Path):
-    """The parsed file (memory-mapped). Inside a `shared_parses()` block each file is parsed once for
-    every reader of it; outside one, each caller gets its own parse, dropped with it."""
+    """The parsed file (memory-mapped; metadata arrays such as the vocabulary decoded only when read, see
+    gguf_reader). Inside a `shared_parses()` block each file is parsed once for every reader of it;
+    outside one, each caller gets its own parse, dropped with it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
@@ -97,15 +118,14 @@ def open_reader(path: Path):
 
 
 # The parses shared inside the outermost `shared_parses()` block of this context (None: no block).
-_SHARED_PARSES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("gguf_shared_parses", default=None)
+_SHARED_PARSES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("gguf_shared_parses", default=None)
 
 
 @contextlib.contextmanager
 def shared_parses():
     """Parse each GGUF file once for all its readers inside the block: a rank reads its file for the
-    weights and again for the tokenizer, and parsing SmolLM2's (its 49K-entry vocabulary and merges)
-    takes ~2 s. When the block ends the parses go, and with them the memory maps and the reader's
-    per-entry arrays: kept for the life of the process they held ~0.2 GiB beside SmolLM2's weights."""
+    weights and again for the tokenizer. When the block ends the parses go, and with them the memory
+    maps (the parse itself holds no per-entry arrays: gguf_reader leaves the vocabulary undecoded)."""
     if _SHARED_PARSES.get() is not None:  # nested: the outer block owns the parses
         yield
         return
@@ -117,25 +137,9 @@ def shared_parses():
         return_freed_memory()
 
 
-@functools.lru_cache(maxsize=None)
-def _checked_reader_class():
-    """gguf's reader, checking that each tensor lies inside the file before it maps the tensor."""
-    import gguf  # a core dependency, imported on use: it takes ~0.2 s
-
-    class CheckedReader(gguf.GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            for f in fields:
-                _, name, _, dims, type_id, offset = f.parts
-                check_tensor_extent(bytes(name).decode("utf-8", "replace"), [int(d) for d in dims], int(type_id[0]),
-                                    int(start_offs) + int(offset[0]), len(self.data))
-            super()._build_tensors(start_offs, fields)
-
-    return CheckedReader
-
-
 def _parse(path: str):
     try:
-        return _checked_reader_class()(path, "r")
+        return lean_reader_class()(path, "r")
     except TensorExtentError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
@@ -155,7 +159,7 @@ class GGUFTensor:
     Indexing with slices (what `narrow` does) dequantizes only the selected rows and the blocks
     covering the selected columns, to fp32."""
 
-    def __init__(self, path: Path, tensor, name: str, row_map: Optional[np.ndarray] = None):
+    def __init__(self, path: Path, tensor, name: str, row_map: np.ndarray | None = None):
         import gguf
         self.path, self._t, self.name, self._row_map = path, tensor, name, row_map
         self.gguf_name = tensor.name
@@ -165,6 +169,7 @@ class GGUFTensor:
         self._qtype = tensor.tensor_type
         self._block, self._block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         self._dequantize = gguf.quants.dequantize
+        self.requantization_error: tuple[float, float] | None = None  # (max abs, relative RMS)
 
     @property
     def ndim(self) -> int:
@@ -178,27 +183,33 @@ class GGUFTensor:
         rows = int(np.prod(self.shape[:-1])) if self.ndim > 1 else 1
         return np.asarray(self._t.data).reshape(-1).view(np.uint8).reshape(rows, -1)
 
+    def _rows(self, rows: slice) -> np.ndarray:
+        """The stored rows of the HF rows `rows` (through the row map)."""
+        if self.ndim == 1:
+            return np.array([0])
+        picked = np.arange(self.shape[0])[rows]
+        return picked if self._row_map is None else self._row_map[picked]
+
+    def _blocks(self, rows: np.ndarray, b0: int, b1: int) -> np.ndarray:
+        """Blocks b0..b1-1 of the stored rows `rows`: a copy of just those bytes, [len(rows), bytes]."""
+        raw = self._raw_rows()
+        expected = (self.shape[-1] // self._block) * self._block_bytes
+        if raw.shape[1] != expected:
+            raise CheckpointError(f"{self.path}: tensor {self.gguf_name!r} ({self.type_name}) has {raw.shape[1]} bytes "
+                                  f"per row, expected {expected}")
+        return np.ascontiguousarray(raw[rows, b0 * self._block_bytes: b1 * self._block_bytes])
+
     def __getitem__(self, index) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
         index = index + (slice(None),) * (self.ndim - len(index))
         if len(index) != self.ndim or not all(isinstance(s, slice) and s.step in (None, 1) for s in index):
             raise CheckpointError(f"{self.name}: only contiguous slices are supported, got {index}")
-        cols = self.shape[-1]
-        c0, c1, _ = index[-1].indices(cols)
-        if self.ndim == 1:
-            rows = np.array([0])
-        else:
-            rows = np.arange(self.shape[0])[index[0]]
-            if self._row_map is not None:
-                rows = self._row_map[rows]
+        c0, c1, _ = index[-1].indices(self.shape[-1])
+        rows = self._rows(index[0])
         b0, b1 = c0 // self._block, -(-c1 // self._block)
-        raw = self._raw_rows()
-        if raw.shape[1] != (cols // self._block) * self._block_bytes:
-            raise CheckpointError(f"{self.path}: tensor {self.gguf_name!r} ({self.type_name}) has {raw.shape[1]} bytes "
-                                  f"per row, expected {(cols // self._block) * self._block_bytes}")
-        picked = raw[rows, b0 * self._block_bytes: b1 * self._block_bytes]  # copies only these rows' blocks
+        picked = self._blocks(rows, b0, b1)
         try:
-            values = self._dequantize(np.ascontiguousarray(picked), self._qtype)
+            values = self._dequantize(picked, self._qtype)
         except Exception as exc:
             raise CheckpointError(f"{self.path}: cannot dequantize tensor {self.gguf_name!r} of type "
                                   f"{self.type_name}: {exc}") from exc
@@ -206,11 +217,44 @@ class GGUFTensor:
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         return out[0] if self.ndim == 1 else out
 
+    @property
+    def quantization(self) -> str | None:
+        """"int8" / "int4": what `quantized_slice` gives; None: a float tensor (index it instead)."""
+        return quantization_of_type(self.type_name) if self.ndim == 2 else None
+
+    def quantized_slice(self, rows: slice = slice(None), cols: slice = slice(None)) -> QuantizedWeight | None:
+        """[rows, cols] of this matrix kept as integers with per-group scales, or None for a float tensor.
+
+        Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K blocks convert as stored (only the asked rows'
+        blocks covering `cols` are read); Q2_K, Q3_K and Q6_K are dequantized and requantized
+        (gguf_quant), the error logged once a tensor. `cols` must start on a 32-value group boundary,
+        so every group is one of the file's own (a ValueError otherwise: the caller reads floats)."""
+        if self.quantization is None:
+            return None
+        if not all(isinstance(s, slice) and s.step in (None, 1) for s in (rows, cols)):
+            raise CheckpointError(f"{self.name}: only contiguous slices are supported, got {(rows, cols)}")
+        c0, c1, _ = cols.indices(self.shape[1])
+        if c0 % GROUP:
+            raise CheckpointError(f"{self.name}: columns {c0}..{c1} start inside a {GROUP}-value group of "
+                                  f"{self.type_name}; a quantized shard must start on a group boundary")
+        if self.type_name in EXACT_BITS:
+            b0, b1 = c0 // self._block, -(-c1 // self._block)
+            picked = self._blocks(self._rows(rows), b0, b1)
+            return blocks_to_weight(picked, self.type_name, c0 - b0 * self._block, c1 - c0)
+        values = self[rows, slice(c0, c1)]
+        bits = REQUANT_BITS[self.type_name]
+        weight = requantize(values, bits, GROUP)
+        if self.requantization_error is None:  # measured on the first shard read; every shard is alike
+            self.requantization_error = quantization_error(values, weight)
+            logger.info(f"{self.gguf_name} ({self.type_name}) requantized to int{bits} per {GROUP}: max abs error "
+                         f"{self.requantization_error[0]:.3g}, relative RMS {self.requantization_error[1]:.3g}")
+        return weight
+
 
 class GGUFCheckpoint(TensorIndex):
     """A .gguf file as a checkpoint: `config` (HF-style), `tensor(name)`, `has`, `names`."""
 
-    def __init__(self, path: Union[str, os.PathLike]):
+    def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._reader = open_reader(self.path)
         r = self._reader
@@ -251,6 +295,25 @@ class GGUFCheckpoint(TensorIndex):
             row_map = unpermute_rows(int(t.shape[1]), self.config["num_key_value_heads"])
         return GGUFTensor(self.path, t, name, row_map)
 
+    @property
+    def quantization(self) -> str | None:
+        """What the file's matrices hold, by most values: "int8" / "int4" (as `quantized_slice` gives them), or
+        None for float matrices; lets `--quantization auto` keep the file's own."""
+        counts: dict[str | None, int] = {}
+        for t in self._index.values():
+            if t.ndim == 2:
+                counts[t.quantization] = counts.get(t.quantization, 0) + t.shape[0] * t.shape[1]
+        return max(counts, key=counts.get) if counts else None
+
+    def requantization_report(self) -> str | None:
+        """One line on the tensors `quantized_slice` requantized so far (their largest errors), None if none."""
+        errors = {t.gguf_name: t.requantization_error for t in self._index.values() if t.requantization_error}
+        if not errors:
+            return None
+        worst = max(errors, key=lambda n: errors[n][1])
+        return (f"{len(errors)} tensors requantized per {GROUP} values: largest abs error "
+                f"{max(e[0] for e in errors.values()):.3g}, largest relative RMS error {errors[worst][1]:.3g} ({worst})")
+
     def tensor(self, name: str) -> GGUFTensor:
         t = self._index.get(name)
         if t is None:
@@ -286,7 +349,9 @@ def gguf_config(reader, path: Path) -> dict:
     hidden, heads = count("embedding_length"), count("attention.head_count")
     kv_heads = count("attention.head_count_kv", read_field(reader, f"{arch}.attention.head_count_kv", heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = read_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if tokens is not None:  # its length, without decoding the vocabulary
+        tokens = len(tokens) if isinstance(tokens, ArrayField) else len(tokens.data)
+    vocab = read_field(reader, f"{arch}.vocab_size") or tokens
     if vocab is None:
         raise CheckpointError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
     vocab = count("vocab_size", vocab)

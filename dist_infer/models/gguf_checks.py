@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-from typing import Any, Optional
+from typing import Any
 
 from dist_infer.models.checkpoint import CheckpointError
 
@@ -43,7 +43,7 @@ def check_header_counts(path: Any, head: bytes, file_size: int) -> None:
                               f"{room // MIN_KV_BYTES} metadata entries")
 
 
-def tensor_nbytes(name: str, dims: list[int], type_id: int) -> Optional[int]:
+def tensor_nbytes(name: str, dims: list[int], type_id: int) -> int | None:
     """Bytes a tensor of these GGUF dims and type takes (Python ints: no overflow), None for an unknown type."""
     import gguf
 
@@ -66,7 +66,7 @@ def check_tensor_extent(name: str, dims: list[int], type_id: int, start: int, fi
                                 f"the {file_size}-byte file")
 
 
-def metadata_int(path: Any, key: str, value: Any, minimum: int = 1, maximum: Optional[int] = None) -> int:
+def metadata_int(path: Any, key: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
     """Metadata `key` as an int in [minimum, maximum], else a CheckpointError naming the file and key."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or value != int(value)):
@@ -79,7 +79,7 @@ def metadata_int(path: Any, key: str, value: Any, minimum: int = 1, maximum: Opt
     return n
 
 
-def head_dim_of(path: Any, arch: str, hidden: int, heads: int, kv_heads: int, key_length: Optional[int]) -> int:
+def head_dim_of(path: Any, arch: str, hidden: int, heads: int, kv_heads: int, key_length: int | None) -> int:
     """The per-head width, after checking the head counts divide as attention needs."""
     if heads % kv_heads:
         raise CheckpointError(f"{path}: {arch}.attention.head_count={heads} is not a multiple of "

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Union
 
 GGUF_MAGIC = b"GGUF"
 
 
-def is_gguf(path: Union[str, os.PathLike]) -> bool:
+def is_gguf(path: str | os.PathLike) -> bool:
     """A path names a GGUF file when it ends in .gguf (what users type) or starts with its magic."""
     p = Path(path)
     if p.suffix.lower() == ".gguf":

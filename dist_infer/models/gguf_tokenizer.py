@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
 
 from dist_infer.models.checkpoint import CheckpointError
 from dist_infer.models.gguf_checkpoint import open_reader, read_field
@@ -32,10 +31,10 @@ PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "lla
 @dataclass
 class GGUFTokenizerInfo:
     """What the engine and the chat endpoint need besides the token mapping."""
-    bos_id: Optional[int]
-    eos_id: Optional[int]
+    bos_id: int | None
+    eos_id: int | None
     add_bos: bool
-    chat_template: Optional[str]
+    chat_template: str | None
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -51,7 +50,7 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def tokenizer_from_gguf(path: Union[str, os.PathLike]):
+def tokenizer_from_gguf(path: str | os.PathLike):
     """(tokenizers.Tokenizer, GGUFTokenizerInfo) for the GGUF file at `path`."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -91,7 +90,7 @@ def tokenizer_from_gguf(path: Union[str, os.PathLike]):
     if user:
         tokenizer.add_tokens(user)
 
-    def token_id(key: str) -> Optional[int]:
+    def token_id(key: str) -> int | None:
         value = read_field(reader, f"tokenizer.ggml.{key}")
         return int(value) if value is not None else None
 

@@ -132,7 +132,8 @@ class LlamaAttention(nn.Module):
         attention for those rows only (keys and values of every token still go to the cache).
         None where the native kernels do not serve the step: then the caller attends in full."""
         qkv = self.qkv_proj
-        if type(qkv) is not QKVParallelLinear or native_kernels_for(x, kv[0], meta, self.kernels) is None:
+        if (type(qkv) is not QKVParallelLinear or qkv.quantized is not None
+                or native_kernels_for(x, kv[0], meta, self.kernels) is None):
             return None
         qs = qkv.q_size
         bias = qkv.bias
@@ -258,7 +259,8 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype) if last else None
-        if first and last and cfg.tie_word_embeddings:  # both own the same vocabulary rows: hold them once
+        self.tied = first and last and cfg.tie_word_embeddings  # both own the same vocabulary rows: hold them once
+        if self.tied:  # (held quantized, the embedding hands the head its packed table: see set_quantization)
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         layout = self.layers[0].self_attn if len(self.layers) else None
@@ -351,6 +353,6 @@ class LlamaStage(nn.Module):
             layer.load_weights(get, self.cfg)
         if self.last:
             load_replicated(self.norm.weight, get("model.norm.weight"), "model.norm.weight")
-            if not self.first or self.lm_head.weight is not self.embed_tokens.weight:
+            if not self.tied:
                 head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
                 self.lm_head.weight_loader(get(head))

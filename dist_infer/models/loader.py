@@ -19,8 +19,10 @@ from dist_infer.kernels import load_cpu_kernels, use_native_kernels
 from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb, return_freed_memory
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from dist_infer.models.gguf_quant import EXACT_BITS
 from dist_infer.models.llama import LlamaStage
 from dist_infer.models.registry import builder_for
+from dist_infer.parallel.quantized_linear import QuantizationError, check_scheme
 from dist_infer.parallel.sharding import stage_layers
 
 
@@ -57,28 +59,80 @@ def place_stage(stage: LlamaStage, device: Optional[torch.device]) -> LlamaStage
     return stage
 
 
+def resolve_quantization(scheme: str, gguf: bool, device: Optional[torch.device]) -> str:
+    """What --quantization means for this checkpoint and device: 'auto' keeps a GGUF file's
+    quantized tensors (on the CPU, where the kernels run) and is 'none' for float checkpoints;
+    'int8' / 'int4' quantize every linear shard at load (CPU only)."""
+    scheme = check_scheme(scheme or "auto")
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if scheme == "auto":
+        return "auto" if gguf and on_cpu else "none"
+    if scheme != "none" and not on_cpu:
+        raise QuantizationError(f"--quantization {scheme}: the quantized kernels run on the CPU only, "
+                                f"not on {torch.device(device).type}")
+    return scheme
+
+
+def embedding_converts_exactly(ckpt) -> bool:
+    """Whether the checkpoint's embedding is a GGUF type whose blocks become integers with exactly
+    the file's values (Q8_0, Q4_x, Q5_x, Q4_K, Q5_K), so a lookup from them is the float table's."""
+    name = "model.embed_tokens.weight"
+    return ckpt.has(name) and getattr(ckpt.tensor(name), "type_name", None) in EXACT_BITS
+
+
+def quantize_layers(stage: LlamaStage, scheme: str, exact_embedding: bool = False) -> None:
+    """Ask every linear layer of `stage` (and the LM head, and the experts) to hold its shard
+    quantized, before loading.
+
+    The embedding is held quantized where that leaves the model's values as the reference has
+    them: under 'auto' when its blocks convert exactly (`exact_embedding`), under 'int8' / 'int4'
+    when the table is tied to the LM head (the tied table is quantized once, for both: the model
+    equals the float one with the dequantized table as both ends; on a pipeline the last stage's
+    head quantizes its rows alike). An untied embedding under 'int8' / 'int4' stays float. An LM
+    head tied to a quantized embedding computes with the embedding's integers; tied to a float
+    one it stays tied (float)."""
+    if scheme == "none":
+        return
+    head, embed = getattr(stage, "lm_head", None), getattr(stage, "embed_tokens", None)
+    tied = bool(getattr(stage, "tied", False))
+    table = exact_embedding if scheme == "auto" else bool(stage.cfg.tie_word_embeddings)
+    if embed is not None and table:
+        embed.set_quantization(scheme, head if tied else None)
+    for module in stage.modules():
+        if module is embed or (module is head and tied):
+            continue
+        if hasattr(module, "set_quantization"):
+            module.set_quantization(scheme)
+
+
 def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                pp_split: Optional[Sequence[int]] = None, native_kernels: bool = True, **options) -> LlamaStage:
+                pp_split: Optional[Sequence[int]] = None, native_kernels: bool = True, quantization: str = "none",
+                exact_embedding: bool = False, **options) -> LlamaStage:
     """`options` go to the family's builder (e.g. expert_placement for MoE models). `native_kernels`:
     hand the native CPU kernels to the layers (they use them where they serve: fp32 on the CPU);
-    `use_native_kernels(stage, None)` switches them off again in the same process."""
+    `use_native_kernels(stage, None)` switches them off again in the same process. `quantization`:
+    a resolved scheme (see resolve_quantization) the layers are set to before loading;
+    `exact_embedding`: see quantize_layers."""
     pp = groups.pp
     layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
     stage = builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype, **options)
+    quantize_layers(stage, quantization, exact_embedding)
     use_native_kernels(stage, load_cpu_kernels() if native_kernels else None)
     return stage
 
 
 def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
                pp_split: Optional[Sequence[int]] = None, device: Optional[torch.device] = None,
-               **options) -> tuple[LlamaStage, LoadReport]:
+               quantization: str = "auto", **options) -> tuple[LlamaStage, LoadReport]:
     """This rank's stage of the checkpoint at `path` (a HF directory or a .gguf file), on `device`
-    (None: the CPU), with what loading cost."""
+    (None: the CPU), with what loading cost. `quantization`: --quantization (auto, int8, int4, none)."""
     start, rss0 = time.perf_counter(), current_rss_mb()
     gguf = is_gguf(path)
+    scheme = resolve_quantization(quantization, gguf, device)
     with (GGUFCheckpoint(path) if gguf else open_checkpoint(path)) as ckpt:
         cfg = ModelConfig.from_hf(ckpt.config, str(path) if gguf else str(Path(path) / "config.json"))
-        stage = build_stage(cfg, groups, dtype, pp_split, **options)
+        exact = gguf and embedding_converts_exactly(ckpt)
+        stage = build_stage(cfg, groups, dtype, pp_split, quantization=scheme, exact_embedding=exact, **options)
         stage.load_weights(ckpt.tensor)
     place_stage(stage, device)
     return_freed_memory()
@@ -88,12 +142,13 @@ def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
 
 def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.dtype] = None,
                         pp_split: Optional[Sequence[int]] = None, device: Optional[torch.device] = None,
-                        **options) -> LlamaStage:
+                        quantization: str = "none", **options) -> LlamaStage:
     """This rank's stage of a transformers model already in memory (deepspeed.init_inference's
-    counterpart), on `device` (None: the CPU)."""
+    counterpart), on `device` (None: the CPU); `quantization` as load_stage's."""
     cfg = ModelConfig.from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__}.config")
     dtype = dtype or next(hf_model.parameters()).dtype
-    stage = build_stage(cfg, groups, dtype, pp_split, **options)
+    scheme = resolve_quantization(quantization, False, device)
+    stage = build_stage(cfg, groups, dtype, pp_split, quantization=scheme, **options)
     state = dict(hf_model.state_dict())
 
     def get(name: str):

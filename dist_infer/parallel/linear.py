@@ -16,6 +16,7 @@ from torch import nn
 from dist_infer.comm.base import Communicator
 from dist_infer.kernels import CpuKernels, serving
 from dist_infer.kernels.build import MAX_ROWS
+from dist_infer.parallel.quantized_linear import FloatLinear, QuantizedShard
 from dist_infer.parallel.sharding import HeadLayout, shard_range
 from dist_infer.parallel.tp_comm import reduce_from_tp
 from dist_infer.parallel.weights import check_shape, copy_into, narrow
@@ -47,7 +48,50 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class QuantizableWeight:
+    """What the parallel linears share to hold their shard quantized (`--quantization`).
+
+    `set_quantization` before loading drops the float weight (never filled: no fp32 copy is kept);
+    the loaders then hand their row blocks to a QuantizedShard, and the packed shard becomes
+    `quantized` (or, where no kernel applies, the float `weight` again)."""
+
+    weight: Optional[nn.Parameter]
+    _shard: Optional[QuantizedShard] = None
+    weight_parts = 1  # weight loader calls that make the shard
+
+    @property
+    def quantized(self) -> Optional[nn.Module]:
+        """The packed shard (GroupQuantLinear, Int8Linear or Int4Linear) once loaded quantized, else None."""
+        return self._modules.get("qlinear")
+
+    def set_quantization(self, scheme: str, rows: Optional[int] = None) -> None:
+        if scheme == "none":
+            return
+        self._shard = QuantizedShard(scheme, self.weight.dtype, self.name, self.weight_parts, rows)
+        self.weight = None
+
+    def _load_quantized(self, source, rows: slice, cols: slice, offset: int, label: str) -> None:
+        packed = self._shard.add(source, rows, cols, offset, label, native=self.kernels is not None)
+        if packed is not None:
+            self._shard = None
+            self.hold(packed)
+
+    def hold(self, packed: nn.Module) -> None:
+        """Compute with `packed` (what pack_block made of the shard): a FloatLinear's weight becomes
+        `weight` again, anything else `quantized`. A tied LM head is handed its embedding's."""
+        if isinstance(packed, FloatLinear):
+            self.weight = nn.Parameter(packed.weight, requires_grad=False)
+        else:
+            self.add_module("qlinear", packed)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.quantized is None:
+            return skinny_linear(x, self.weight, bias, self.kernels)
+        y = self.quantized(x, self.kernels)
+        return y if bias is None else y + bias
+
+
+class ColumnParallelLinear(QuantizableWeight, nn.Module):
     """y[:, shard] = x W[shard]^T: this rank computes out_features / tp of the outputs."""
 
     def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
@@ -67,10 +111,13 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, source, which: str = "weight") -> None:
         full = (self.out_features, self.in_features) if which == "weight" else (self.out_features,)
         check_shape(f"{self.name}.{which}", source, full)
+        if which == "weight" and self._shard is not None:
+            rows = slice(self.out_start, self.out_start + self.out_local)
+            return self._load_quantized(source, rows, slice(None), 0, f"{self.name}.weight")
         copy_into(getattr(self, which), narrow(source, 0, self.out_start, self.out_local), f"{self.name}.{which}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, self.bias, self.kernels)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -88,6 +135,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                          out_range=(0, sum(length for _, length in part_ranges)))  # the parts' loaders place the rows
         self.part_sizes, self.part_ranges = list(part_sizes), part_ranges
         self.part_local = [length for _, length in part_ranges]
+        self.weight_parts = len(part_sizes)
 
     def weight_loader(self, source, part: int, which: str = "weight") -> None:
         size = self.part_sizes[part]
@@ -95,11 +143,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(f"{self.name}[{part}].{which}", source, full)
         start, local = self.part_ranges[part]
         offset = sum(self.part_local[:part])
+        if which == "weight" and self._shard is not None:
+            return self._load_quantized(source, slice(start, start + local), slice(None), offset,
+                                        f"{self.name}[{part}].weight")
         dest = getattr(self, which).narrow(0, offset, local)
         copy_into(dest, narrow(source, 0, start, local), f"{self.name}[{part}].{which}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return skinny_linear(x, self.weight, self.bias, self.kernels).split(self.part_local, dim=-1)
+        return self._matmul(x, self.bias).split(self.part_local, dim=-1)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -119,6 +170,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.weight = _param(out, hidden, dtype=dtype)
         self.bias = _param(out, dtype=dtype) if bias else None
         self.kernels: Optional[CpuKernels] = None
+        self.weight_parts = 3
 
     def weight_loader(self, source, part: str, which: str = "weight") -> None:
         """Load `part` in {'q', 'k', 'v'} from the full q_proj / k_proj / v_proj tensor."""
@@ -131,14 +183,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             start, length = lay.kv_start * d, self.kv_size
             offset = self.q_size + (0 if part == "k" else self.kv_size)
+        if which == "weight" and self._shard is not None:
+            return self._load_quantized(source, slice(start, start + length), slice(None), offset,
+                                        f"{self.name}.{part}.weight")
         dest = getattr(self, which).narrow(0, offset, length)
         copy_into(dest, narrow(source, 0, start, length), f"{self.name}.{part}.{which}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return skinny_linear(x, self.weight, self.bias, self.kernels).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self._matmul(x, self.bias).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableWeight, nn.Module):
     """y = sum over tp ranks of x[:, shard] W[:, shard]^T: input already split, all-reduce out.
 
     `in_range` (start, length): the input columns this rank holds when the layer before decides
@@ -162,11 +217,14 @@ class RowParallelLinear(nn.Module):
             copy_into(self.bias, narrow(source, 0, 0, self.out_features), f"{self.name}.bias")
             return
         check_shape(f"{self.name}.weight", source, (self.out_features, self.in_features))
+        if self._shard is not None:
+            cols = slice(self.in_start, self.in_start + self.in_local)
+            return self._load_quantized(source, slice(0, self.out_features), cols, 0, f"{self.name}.weight")
         copy_into(self.weight, narrow(source, 1, self.in_start, self.in_local), f"{self.name}.weight")
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum, before the all-reduce (so the caller can overlap it)."""
-        return skinny_linear(x, self.weight, kernels=self.kernels)
+        return self._matmul(x, None)
 
     def add_bias(self, y: torch.Tensor) -> torch.Tensor:
         """What follows the all-reduce: the bias, added once."""

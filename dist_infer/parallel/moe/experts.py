@@ -15,6 +15,7 @@ from torch import nn
 
 from dist_infer.comm.base import Communicator
 from dist_infer.parallel.moe.placement import ExpertPlacement
+from dist_infer.parallel.quantized_linear import QuantizedShard
 from dist_infer.parallel.sharding import shard_range
 from dist_infer.parallel.weights import check_shape, copy_into
 
@@ -37,6 +38,34 @@ class ParallelExperts(nn.Module):
         n = len(self.experts)
         self.w13 = nn.Parameter(torch.empty(n, 2 * self.i_local, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden, self.i_local, dtype=dtype), requires_grad=False)
+        self.scheme = "none"
+        self.packed13, self.packed2 = nn.ModuleDict(), nn.ModuleDict()  # per local expert, when quantized
+        self._shards: dict[tuple[int, str], QuantizedShard] = {}
+        self.kernels = None  # the native CPU kernels (use_native_kernels), for the quantized experts
+
+    def set_quantization(self, scheme: str) -> None:
+        """Hold each expert's weights packed for the quantized kernels (see parallel/quantized_linear.py);
+        the stacked float weights are dropped before loading."""
+        if scheme == "none":
+            return
+        dtype = self.w13.dtype
+        self.scheme, self.w13, self.w2 = scheme, None, None
+        for j, e in enumerate(self.experts):
+            self._shards[j, "13"] = QuantizedShard(scheme, dtype, f"{self.name}.{e}.gate_up", parts=2)
+            self._shards[j, "2"] = QuantizedShard(scheme, dtype, f"{self.name}.{e}.down", parts=1)
+
+    def _load_packed(self, j: int, which: str, source, rows: slice, cols: slice, offset: int, label: str) -> None:
+        packed = self._shards[j, which].add(source, rows, cols, offset, label, native=self.kernels is not None)
+        if packed is not None:
+            del self._shards[j, which]
+            (self.packed13 if which == "13" else self.packed2)[str(j)] = packed
+
+    def _gate_up_down(self, j: int):
+        """Expert j's two products x -> [gate | up] and h -> down."""
+        if self.w13 is not None:
+            return (lambda x: F.linear(x, self.w13[j])), (lambda h: F.linear(h, self.w2[j]))
+        gate_up, down = self.packed13[str(j)], self.packed2[str(j)]
+        return (lambda x: gate_up(x, self.kernels)), (lambda h: down(h, self.kernels))
 
     def _rows(self, source, rows: int, expert: Optional[int] = None) -> torch.Tensor:
         """This rank's intermediate rows of a [I, H] source (or of expert `expert` of an [E, I', H] one)."""
@@ -48,12 +77,19 @@ class ParallelExperts(nn.Module):
     def load_expert(self, expert: int, gate, up, down) -> None:
         """One expert from its own tensors: gate/up [I, H] (Mixtral w1/w3), down [H, I] (w2)."""
         j, I, H = self.local_index[expert], self.intermediate, self.hidden
+        rows, cols = slice(self.i_start, self.i_start + self.i_local), slice(self.i_start, self.i_start + self.i_local)
         for part, source in enumerate((gate, up)):
             label = f"{self.name}.{expert}.{'gate' if part == 0 else 'up'}"
             check_shape(label, source, (I, H))
-            copy_into(self.w13[j, part * self.i_local:(part + 1) * self.i_local], self._rows(source, 0), label)
+            if self.w13 is None:
+                self._load_packed(j, "13", source, rows, slice(None), part * self.i_local, label)
+            else:
+                copy_into(self.w13[j, part * self.i_local:(part + 1) * self.i_local], self._rows(source, 0), label)
         check_shape(f"{self.name}.{expert}.down", down, (H, I))
-        copy_into(self.w2[j], down[:, self.i_start:self.i_start + self.i_local], f"{self.name}.{expert}.down")
+        if self.w2 is None:
+            self._load_packed(j, "2", down, slice(None), cols, 0, f"{self.name}.{expert}.down")
+        else:
+            copy_into(self.w2[j], down[:, cols], f"{self.name}.{expert}.down")
 
     def load_fused(self, gate_up, down, num_experts: int) -> None:
         """From transformers' fused tensors: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
@@ -61,6 +97,13 @@ class ParallelExperts(nn.Module):
         check_shape(f"{self.name}.gate_up_proj", gate_up, (num_experts, 2 * I, H))
         check_shape(f"{self.name}.down_proj", down, (num_experts, H, I))
         for j, e in enumerate(self.experts):
+            if self.w13 is None:  # quantized: the fused tensors' slices of expert e, as floats
+                for part in (0, 1):
+                    self._load_packed(j, "13", self._rows(gate_up, part * I, e), slice(None), slice(None),
+                                      part * self.i_local, f"{self.name}.gate_up_proj[{e}]")
+                self._load_packed(j, "2", down[e:e + 1, :, self.i_start:self.i_start + self.i_local][0], slice(None),
+                                  slice(None), 0, f"{self.name}.down_proj[{e}]")
+                continue
             for part in (0, 1):
                 copy_into(self.w13[j, part * self.i_local:(part + 1) * self.i_local], self._rows(gate_up, part * I, e),
                           f"{self.name}.gate_up_proj[{e}]")
@@ -76,8 +119,9 @@ class ParallelExperts(nn.Module):
         start = 0
         for j, n in enumerate(sizes):
             if n:
-                gate, up = F.linear(grouped[start:start + n], self.w13[j]).chunk(2, dim=-1)
-                out[start:start + n] = F.linear(F.silu(gate) * up, self.w2[j])
+                gate_up, down = self._gate_up_down(j)
+                gate, up = gate_up(grouped[start:start + n]).chunk(2, dim=-1)
+                out[start:start + n] = down(F.silu(gate) * up)
             start += n
         result = torch.empty_like(out)
         result[order] = out

@@ -195,3 +195,21 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     # it advanced by at least MIN_CHUNK every step once admitted: its first token within 2000 / 16
     # steps of its arrival, and a few for the shorts that arrived before it
     assert long.first_token_step - 3 <= 2000 // MIN_CHUNK + 8, long.first_token_step
+
+
+def test_pipeline_steps_are_timed_by_their_slot():
+    """pp=2: a step that ran alone took both stages (its time is halved); one that followed a step
+    still in flight is timed from that step's completion (the pipeline's slot)."""
+    from types import SimpleNamespace
+
+    from dist_infer.engine.driver_step import DriverStep, InFlightStep
+
+    chunks = [SimpleNamespace(num_tokens=1, start=10, sample=True)]
+    engine = SimpleNamespace(pp=SimpleNamespace(size=2), step_costs=StepCostModel(), step_times=StepTimes(),
+                             _last_complete=0.0)
+    learn = DriverStep._learn_step_time
+    learn(engine, InFlightStep(plan=None, chunks=chunks, launched=1.0), now=1.2)  # alone: 0.2 s over 2 stages
+    learn(engine, InFlightStep(plan=None, chunks=chunks, launched=1.1), now=1.25)  # behind it: its slot, 0.05 s
+    _, counts, total = engine.step_times.snapshot()["decode"]
+    assert sum(counts) == 2 and total == pytest.approx(0.1 + 0.05)
+    assert engine.step_costs.seen["decode"] == 2
