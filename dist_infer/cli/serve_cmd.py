@@ -54,9 +54,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "';' or spaces, each optionally with a role (--instances \"prefill:tp=2,pp=2; decode:tp=1\"; "
                         "the compact tp2,tp1,tp2pp2 also reads). The job needs the sum of their sizes in ranks. "
                         "Default: one instance over all ranks")
-    p.add_argument("--dispatch", choices=("load", "rr", "queue"), default="load",
-                   help="which instance a new request goes to: load (Llumnix's freeness: free KV blocks left after "
-                        "the queued demand, per request; default), rr (round robin), queue (shortest queue)")
+    p.add_argument("--dispatch", choices=("prefix", "load", "rr", "queue"), default="prefix",
+                   help="which instance a new request goes to: prefix (default): where the prompt's prefix is cached, "
+                        "weighed against load (prefill blocks left to compute + KV blocks active after it, as NVIDIA "
+                        "Dynamo's KV router; plain load when no instance holds any of it), load (Llumnix's freeness: "
+                        "free KV blocks left after the queued demand, per request), rr (round robin), queue "
+                        "(shortest queue)")
     p.add_argument("--migrate-interval", type=float, default=1.0,
                    help="seconds between the migration controller's rounds, which move live requests from the most "
                         "to the least loaded instance (0: only forced or drain migrations; default %(default)s)")

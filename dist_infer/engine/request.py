@@ -71,6 +71,12 @@ class Request:
     first_token_time: Optional[float] = None
     emitted_tokens: int = 0  # tokens already reported
     logits: list = field(default_factory=list)  # per generated token, when the caller asked for them
+    # prefix caching (prefix_cache.py): the hashes of its full blocks so far (its tokens only grow, so
+    # they hold across preemption), how many leading blocks of its table are cached (shared or
+    # registered), and whether its computed blocks may be registered (not those a migration brought)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    cacheable: bool = True
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,7 +10,15 @@ prompt plus what it generated, which it recomputes when readmitted. Sampling is 
 the tokens it goes on with are the ones it would have drawn (up to a near tie in greedy logits,
 since the recompute is a prefill, not decode steps).
 
-The scheduler owns the block allocator and every request's block table; the ranks only store
+With prefix caching (prefix_cache.py), an admitted request first takes the longest run of
+cached full blocks its tokens match (its own, after a preemption, or another request's) and
+computes only the rest, at least its last token, into blocks of its own. A full block is
+registered once a launched step has computed it: at the next `schedule` (every plan scheduled
+before has left by then; one that failed ended its requests), or when its request ends
+(stop, length), is preempted or moves to another instance; an aborted or failed request's newest
+blocks are not (its step may never have run). Blocks a migration brought are never registered.
+
+The scheduler owns the block pool and every request's block table; the ranks only store
 keys and values where the step plan says. It is pure bookkeeping (no tensors, no processes), so
 the tests drive it directly.
 """
@@ -21,7 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from dist_infer.engine.kv_cache import BlockAllocator, blocks_for
+from dist_infer.engine.kv_cache import blocks_for
+from dist_infer.engine.prefix_cache import BlockPool, extend_hashes
 from dist_infer.engine.request import Request, RequestStatus
 
 
@@ -35,8 +44,11 @@ class SchedulerConfig:
     chunked_prefill: bool = True  # False: a prompt is computed in one step, never cut
     whole_prompt_steps: bool = False  # context parallel: a step is all fresh prompts or all decodes
     static_batching: bool = False  # the baseline: admit a new batch only when the running one has finished
+    prefix_caching: bool = False  # reuse cached full blocks of matching prefixes (the engine turns it on)
 
     def __post_init__(self):
+        if self.prefix_caching and self.whole_prompt_steps:
+            raise ValueError("prefix caching does not support context parallel (whole-prompt steps): turn it off")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
@@ -95,9 +107,13 @@ PrefillCap = Union[None, int, Callable[[int, int, int], Optional[int]]]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cp: int = 1):
+        if config.prefix_caching and cp > 1:
+            raise ValueError(f"prefix caching does not support context parallel (cp={cp}): turn it off")
         self.config = config
         self.cp = cp
-        self.allocator = BlockAllocator(config.num_blocks)
+        self.allocator = BlockPool(config.num_blocks)
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
+        self.prefix_cache_hits = 0  # of those, tokens found cached (not computed again)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -123,7 +139,7 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self._release(request)
+        self._release(request, cache=reason in ("stop", "length"))  # an abort may be a step that never ran
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
 
@@ -141,17 +157,20 @@ class Scheduler:
 
     def resume(self, request: Request) -> None:
         """A paused request goes on here (its move failed)."""
-        self.install(request, request.block_table)
+        self.install(request, request.block_table, computed_here=True)
 
     def hand_over(self, request: Request) -> None:
         """A paused request now lives elsewhere: free its blocks, forget it."""
-        self._release(request)
+        self._release(request, cache=True)
         request.status = RequestStatus.FINISHED
 
-    def install(self, request: Request, blocks: list[int]) -> None:
+    def install(self, request: Request, blocks: list[int], computed_here: bool = False) -> None:
         """A request arrives with its first `num_computed` tokens in `blocks`: it runs next step
-        (or waits for admission, if none of it is computed)."""
+        (or waits for admission, if none of it is computed). Blocks another instance computed (a
+        transfer may still be writing them) are never registered in the prefix cache."""
         request.block_table, request.in_flight = list(blocks), False
+        if not computed_here:
+            request.cacheable, request.num_cached_blocks = False, 0
         if request.num_computed == 0:
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
@@ -199,10 +218,15 @@ class Scheduler:
         for _ in range(self._blocks_to_grow(request, new_tokens)):
             request.block_table.append(self.allocator.allocate())
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, cache: bool = False) -> None:
+        """Free a request's blocks; `cache`: its computed full blocks are sound (their steps left),
+        register them first, so they stay cached."""
+        if cache:
+            self._cache_computed(request)
         if request.block_table:
             self.allocator.free(request.block_table)
             request.block_table = []
+        request.num_cached_blocks, request.cacheable = 0, True
         had_cp_shard = self._cp_prefill.pop(request.request_id, None) is not None
         if request.num_computed or had_cp_shard:
             self._freed.append(request)
@@ -212,7 +236,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute later: free everything, queue it first (it was admitted before the others)."""
         self.running.remove(request)
-        self._release(request)
+        self._release(request, cache=True)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -221,6 +245,10 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self, max_seqs: Optional[int] = None, prefill_cap: "PrefillCap" = None) -> SchedulerOutput:
+        """The next step's batch. The caller launches each step before it asks for the next (or
+        fails its requests): what the steps so far computed is then registered in the prefix cache."""
+        for request in self.running:
+            self._cache_computed(request)
         out = self._schedule(max_seqs, prefill_cap, prompts_first=True)
         if not out.chunks and self.config.whole_prompt_steps:
             # cp: the waiting prompts do not fit yet; the running requests decode (and free blocks)
@@ -276,35 +304,79 @@ class Scheduler:
         admitting = not self.config.static_batching or not self.running or all(
             r.num_computed < r.num_tokens and not r.output_token_ids for r in self.running)
         if admitting and (not self.config.whole_prompt_steps or cp_prefill_step):
-            while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-                   and len(out.chunks) < max_seqs):
-                request = self.waiting[0]
-                remaining = request.num_tokens
-                if self.config.chunked_prefill and not self.config.whole_prompt_steps:
-                    n = min(remaining, budget)
-                elif remaining <= budget or not out.chunks:
-                    n = remaining  # a prompt longer than the budget still runs, alone
-                else:
-                    break
-                if self.cp > 1:
-                    self._cp_prefill[request.request_id] = request.num_tokens
-                grow = self._blocks_to_grow(request, n)
-                if grow > self.allocator.num_free - self._watermark_blocks and (self.running or out.chunks):
-                    self._cp_prefill.pop(request.request_id, None)
-                    break  # wait for blocks (unless nothing else runs: then take what there is)
-                if grow > self.allocator.num_free:
-                    self._cp_prefill.pop(request.request_id, None)
-                    break
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                self._grow(request, n)
-                self._add_chunk(out, request, n, scheduled)
-                budget -= n
+            self._admit(out, budget, max_seqs, scheduled)
         out.freed, self._freed = list(freed or []) + self._freed, []
         if out.chunks:
             self._last_step_prefill = cp_prefill_step
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: float, max_seqs: int, scheduled: set[int]) -> None:
+        """Step 2 of `_schedule`: start waiting requests, first come first served, each from the
+        cached blocks its tokens match (prefix caching), while blocks and the budget last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.chunks) < max_seqs:
+            request = self.waiting[0]
+            hit = self._match(request)
+            cached = len(hit) * self.config.block_size
+            remaining = request.num_tokens - cached
+            if self.config.chunked_prefill and not self.config.whole_prompt_steps:
+                n = min(remaining, budget)
+            elif remaining <= budget or not out.chunks:
+                n = remaining  # a prompt longer than the budget still runs, alone
+            else:
+                break
+            if self.cp > 1:
+                self._cp_prefill[request.request_id] = request.num_tokens
+            # the new blocks, and the matched ones nobody holds (they leave the allocatable count)
+            grow = self._blocks_to_grow(request, cached + n) - len(hit) + self.allocator.reclaimed_by(hit)
+            if grow > self.allocator.num_free - self._watermark_blocks and (self.running or out.chunks):
+                self._cp_prefill.pop(request.request_id, None)
+                break  # wait for blocks (unless nothing else runs: then take what there is)
+            if grow > self.allocator.num_free:
+                self._cp_prefill.pop(request.request_id, None)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if self.config.prefix_caching:
+                self.allocator.take(hit)
+                request.block_table, request.num_computed, request.num_cached_blocks = hit, cached, len(hit)
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += cached
+            self._grow(request, n)
+            self._add_chunk(out, request, n, scheduled)
+            budget -= n
+
+    # -- prefix caching (prefix_cache.py) ---------------------------------------------------------
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The hashes of the request's first `num_blocks` full blocks (computed once, kept on it)."""
+        if len(request.block_hashes) < num_blocks:
+            extend_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, num_blocks)
+        return request.block_hashes[:num_blocks]
+
+    def _match(self, request: Request) -> list[int]:
+        """The cached blocks a waiting request starts from: the longest matching run of its full
+        blocks, short of its last token (which is computed, into a block of its own, to sample from)."""
+        if not self.config.prefix_caching:
+            return []
+        return self.allocator.match(self._hashes(request, (request.num_tokens - 1) // self.config.block_size))
+
+    def _cache_computed(self, request: Request) -> None:
+        """Register the full blocks of `request` that launched steps computed (no step writes
+        them again: its next tokens go to later blocks)."""
+        if not self.config.prefix_caching or not request.cacheable:
+            return
+        full = min(request.num_computed // self.config.block_size, len(request.block_table))
+        if full <= request.num_cached_blocks:
+            return
+        hashes = self._hashes(request, full)
+        for i in range(request.num_cached_blocks, full):
+            self.allocator.register(request.block_table[i], hashes[i])
+        request.num_cached_blocks = full
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks no request holds: allocatable (in `num_free_blocks`), evicted only when needed."""
+        return self.allocator.num_evictable
 
     def _cap(self, prefill_cap: "PrefillCap", out: SchedulerOutput) -> float:
         """Prompt tokens allowed beside the decodes already in `out`."""

@@ -29,6 +29,7 @@ from collections import deque
 from typing import Callable, Optional
 
 import torch
+from loguru import logger
 
 from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
@@ -81,14 +82,18 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                  sequence_parallel_threshold: Optional[int] = DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
-                 static_batching: bool = False, itl_target: Optional[str] = None,
+                 static_batching: bool = False, itl_target: Optional[str] = None, prefix_caching: bool = False,
                  heartbeat_s: float = HEARTBEAT_S, sampler: Optional[Callable[..., SampledTokens]] = None):
         """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
         itl_target: the inter-token latency a step beside running decodes keeps, its prompt chunk
         sized from step costs learned online (step_cost.py): 'auto' (twice the decode-only step),
         'Nx' (N times it), 'MS' milliseconds, or None / 'off': only the token budget cuts prompts.
         sampler: logits, rows, EOS ids -> SampledTokens on the sampler rank (None: sampling.sample_rows);
-        the seam where a check without a device's values puts a fixed token."""
+        the seam where a check without a device's values puts a fixed token.
+        prefix_caching: reuse the KV blocks of prompt prefixes computed before (prefix_cache.py);
+        turned off, with an info line, under context parallel (cp shards blocks per rank). The CLI's
+        --prefix-caching turns it on by default; the library default is off so that callers that
+        time repeated runs of the same prompts (bench) measure computed prefills, not cache hits."""
         self.itl_target = parse_itl_target(itl_target)
         if cp_variant not in CP_VARIANTS:
             raise ContextParallelError(f"cp variant {cp_variant!r} is not one of {CP_VARIANTS}")
@@ -113,6 +118,11 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         self.fixed_blocks = num_blocks
         self.max_batched_tokens, self.max_num_seqs = max_batched_tokens, max_num_seqs
         self.chunked_prefill, self.watermark, self.static_batching = chunked_prefill, watermark, static_batching
+        if prefix_caching and groups.cp.size > 1:
+            if groups.world.rank == 0:
+                logger.info(f"prefix caching is off: not supported with context parallel (cp={groups.cp.size})")
+            prefix_caching = False
+        self.prefix_caching = prefix_caching
         self.heartbeat_s = heartbeat_s
         self.step_costs = StepCostModel()  # what a step costs, learned from the steps run (driver)
         self.step_times = StepTimes()  # step durations by kind, for /metrics
@@ -163,7 +173,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
             num_blocks=num_blocks, block_size=self.block_size, max_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs, watermark=self.watermark,
             chunked_prefill=self.chunked_prefill and self.cp.size == 1, whole_prompt_steps=self.cp.size > 1,
-            static_batching=self.static_batching,
+            static_batching=self.static_batching, prefix_caching=self.prefix_caching,
         ), cp=self.cp.size)
 
     def enable_migration(self, link: PeerLink, addresses: list[tuple[str, int]],

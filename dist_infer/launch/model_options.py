@@ -36,7 +36,7 @@ def scheduler_options(args) -> dict:
     return {"num_blocks": args.kv_blocks, "max_batched_tokens": args.max_batched_tokens,
             "max_num_seqs": args.max_num_seqs, "chunked_prefill": not args.no_chunked_prefill,
             "static_batching": args.scheduling == "static",
-            "itl_target": itl_target(args)}
+            "itl_target": itl_target(args), "prefix_caching": getattr(args, "prefix_caching", "on") == "on"}
 
 
 def itl_target(args) -> str | None:
@@ -103,6 +103,10 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
     p.add_argument("--scheduling", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join and leave the batch at every step (default); static: a new batch "
                         "starts only when the whole running batch has finished (the baseline benchmarks compare with)")
+    p.add_argument("--prefix-caching", choices=("on", "off"), default="on",
+                   help="automatic prefix caching: a request starts from the cached KV blocks of the longest prefix "
+                        "it shares with earlier ones and computes only the rest; freed blocks stay cached until "
+                        "their room is needed (least recently used first). Off under --cp > 1 (default %(default)s)")
 
 
 def add_expert_placement_flag(p: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import blocks_at_full_length, check_fits
 from dist_infer.serving.controller import MigrationControl
 from dist_infer.serving.dispatch import Dispatcher
+from dist_infer.serving.prefix_index import prompt_block_hashes
 from dist_infer.serving.errors import QueueFullError, RequestFailedError
 from dist_infer.serving.instance_admin import InstanceAdmin
 from dist_infer.serving.instance_client import (
@@ -56,7 +57,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
     """The EngineClient over one or more instances (see serving/api_server.py for the interface)."""
 
     def __init__(self, clients: list[InstanceClient], model_name: str, tokenizer=None,
-                 chat_template: Optional[str] = None, max_queue: int = 1024, dispatch: str = "load",
+                 chat_template: Optional[str] = None, max_queue: int = 1024, dispatch: str = "prefix",
                  migrate_interval: float = 1.0, migration_timeout: float = 30.0, cooldown_s: Optional[float] = None,
                  on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None,
                  join_timeout_s: float = 300.0, max_request_failovers: int = 1, max_instances: int = 16):
@@ -186,15 +187,19 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         return max(0, open_streams - running)
 
     def _choose(self, prompt_len: int, params: SamplingParams, roles: tuple[str, ...],
-                force: bool = False, queued: bool = True) -> Optional[int]:
+                force: bool = False, queued: bool = True, tokens: Optional[list[int]] = None) -> Optional[int]:
         """The instance for a request (with the lock held): among those accepting, the ones of the
         roles asked for (any, if none of them accepts); `force`: if none has room, still the least
-        loaded (it queues there). `queued`: it arrives as an add the instance will count."""
+        loaded (it queues there). `queued`: it arrives as an add the instance will count. `tokens`:
+        what it will compute there (prompt, and any tokens it already has), which the `prefix`
+        policy looks up in each instance's prefix cache."""
         need = blocks_at_full_length(prompt_len, params.max_new_tokens, self.block_size, self.cp)
         accepting = [c for c in self.instances if c.accepting]
         pool = [c for c in accepting if c.role in roles] or accepting
-        loads = [c.load() for c in pool]
-        index = self.dispatcher.choose(loads, need)
+        hashes = tuple(prompt_block_hashes(tokens, self.block_size)) if tokens and self.dispatcher.policy == "prefix" \
+            else ()
+        loads = [c.load(hashes) for c in pool]
+        index = self.dispatcher.choose(loads, need, len(hashes))
         if index is None and force and loads:
             index = max(loads, key=lambda x: (x.freeness, -x.index)).index
         if index is not None and queued:
@@ -202,11 +207,12 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
             with client._pending_lock:
                 client.sent += 1
                 client.pending.append((client.sent, need))
+            client.prefix.expect(hashes)
         return index
 
     def _dispatch(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> InstanceClient:
         with self._lock:
-            index = self._choose(len(prompt_token_ids), params, (Role.PREFILL, Role.MIXED))
+            index = self._choose(len(prompt_token_ids), params, (Role.PREFILL, Role.MIXED), tokens=prompt_token_ids)
             if index is None:
                 raise QueueFullError(retry_after_s=5.0)
             self._requests[request_id].owner = index

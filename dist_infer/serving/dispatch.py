@@ -14,6 +14,19 @@ the second, an instance holding one long request looks freer than one holding tw
 and takes the next long one too (measured: 843 preemptions instead of 0 on a bursty stream,
 docs/benchmarks.md). `rr` takes turns; `queue` picks the shortest queue (vLLM's data-parallel
 load balancing by waiting, then running).
+
+`prefix` (the default) adds the prefix caches (serving/prefix_index.py): where no instance holds
+any block of the prompt it is `load`; otherwise the request goes where
+
+    cost = PREFILL_WEIGHT x (prompt blocks - blocks held there)              (prefill work left)
+         + (total - available) + (blocks at full length - blocks held there)  (blocks active after it)
+
+is least. Both terms are in KV blocks, so they add without a scale: the first is the prefill a
+held prefix saves (TTFT, and compute every other request on that instance waits behind), the
+second the memory and decode work the instance carries once it takes the request (committed
+demand included, as `load` counts it); a held block also needs no new block. This is the sum
+NVIDIA Dynamo's KV router minimises (its overlap weight 1 by default); llm-d scores the same two
+things (prefix match and load) with weights. Ties go to the freer instance.
 """
 
 from __future__ import annotations
@@ -21,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-DISPATCH_POLICIES = ("load", "rr", "queue")
+DISPATCH_POLICIES = ("prefix", "load", "rr", "queue")
+PREFILL_WEIGHT = 1.0
 
 
 @dataclass
@@ -38,6 +52,7 @@ class InstanceLoad:
     accepting: bool = True  # false while draining or dead
     running_blocks: tuple = ()  # blocks each running request holds (the controller's choice)
     growth_blocks: int = 0  # blocks the running requests still need to reach max_tokens
+    cached_blocks: int = 0  # leading blocks of the request's prompt this instance holds in its prefix cache
 
     @property
     def available(self) -> int:
@@ -67,8 +82,15 @@ class Dispatcher:
         self.policy = policy
         self._turn = 0
 
-    def choose(self, loads: list[InstanceLoad], blocks_needed: int) -> Optional[int]:
-        """The chosen instance's index, or None if none accepts one of `blocks_needed` blocks."""
+    def prefix_cost(self, load: InstanceLoad, blocks_needed: int, prompt_blocks: int) -> float:
+        """The `prefix` policy's cost of placing the request on this instance (module docstring)."""
+        held = min(load.cached_blocks, prompt_blocks)
+        active = load.total_blocks - load.available + max(0, blocks_needed - held)
+        return PREFILL_WEIGHT * (prompt_blocks - held) + active
+
+    def choose(self, loads: list[InstanceLoad], blocks_needed: int, prompt_blocks: int = 0) -> Optional[int]:
+        """The chosen instance's index, or None if none accepts one of `blocks_needed` blocks.
+        `prompt_blocks`: the prompt's full blocks an instance could hold (the `prefix` policy)."""
         eligible = [x for x in loads if x.accepting and x.total_blocks >= blocks_needed]
         if not eligible:
             return None
@@ -79,4 +101,7 @@ class Dispatcher:
             return pick
         if self.policy == "queue":
             return min(eligible, key=lambda x: (x.waiting + x.pending, x.running, x.index)).index
+        if self.policy == "prefix" and any(x.cached_blocks for x in eligible):
+            return min(eligible, key=lambda x: (self.prefix_cost(x, blocks_needed, prompt_blocks),
+                                                -x.freeness_after(blocks_needed), x.index)).index
         return max(eligible, key=lambda x: (x.freeness_after(blocks_needed), -x.index)).index

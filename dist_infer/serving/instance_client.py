@@ -16,6 +16,7 @@ from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.serving.dispatch import InstanceLoad
 from dist_infer.serving.instances import InstanceSpec
+from dist_infer.serving.prefix_index import PrefixIndex
 from dist_infer.serving.wire import Hello, InstanceState, InstanceStats, ResumeProgress, Role, progress_now
 
 
@@ -69,6 +70,9 @@ class AdminError(ValueError):
         self.status = status
 
 
+PREFIX_INDEX_PER_BLOCK = 4  # hashes the front end keeps per KV block of an instance (expected ones included)
+
+
 class InstanceClient:
     """One instance as the API process sees it: its connection, its last reported load, the
     requests sent to it that it has not reported yet, and where it is in its life:
@@ -92,6 +96,7 @@ class InstanceClient:
         self.pending: deque[tuple[int, int]] = deque()
         self.incoming: dict[str, int] = {}  # requests migrating here -> their blocks at full length
         self._pending_lock = threading.Lock()
+        self.prefix = PrefixIndex(1)  # the block hashes its prefix cache holds (sized when it joins)
         if conn is not None:
             self.attach(conn, hello)
 
@@ -103,6 +108,7 @@ class InstanceClient:
         self.sent = 0  # add messages sent (the instance counts those it applied)
         self.pending = deque()  # (add number, blocks its prompt needs)
         self.draining = self.stop_sent = False
+        self.prefix = PrefixIndex(PREFIX_INDEX_PER_BLOCK * hello.total_blocks)  # a new process: an empty cache
         self.state = InstanceState.SERVING
 
     @property
@@ -131,7 +137,8 @@ class InstanceClient:
                 raise OSError(f"instance {self.index} is not connected")
             self.conn.send(message)
 
-    def load(self) -> InstanceLoad:
+    def load(self, prompt_hashes: tuple = ()) -> InstanceLoad:
+        """Its load as dispatch reads it; with a prompt's block hashes, how many of them it holds."""
         s = self.stats
         if not s:
             return InstanceLoad(self.index, 0, 0, accepting=False)
@@ -144,7 +151,8 @@ class InstanceClient:
                             s.waiting_demand_blocks, s.num_requests_running, s.num_requests_waiting,
                             len(pending) + len(incoming), sum(b for _, b in pending) + sum(incoming.values()),
                             accepting=self.accepting, running_blocks=tuple(s.running_blocks),
-                            growth_blocks=s.growth_blocks)
+                            growth_blocks=s.growth_blocks,
+                            cached_blocks=self.prefix.matched_blocks(prompt_hashes) if prompt_hashes else 0)
 
     def describe(self) -> dict:
         """Its /admin/instances entry (plain strings and lists: the JSON is the same as ever)."""
@@ -158,6 +166,8 @@ class InstanceClient:
                 "running": list(s.running_ids), "waiting": list(s.waiting_ids),
                 "num_preemptions": s.num_preemptions_total, "draining": self.draining,
                 "dead": self.dead if self.state is InstanceState.DEAD else None, "last_failure": self.dead,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "cached_blocks": s.cached_blocks,
+                "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else None,
+                "prefix_index_blocks": len(self.prefix)}
 
 

@@ -15,7 +15,7 @@ from dist_infer.engine.request import RequestOutput
 from dist_infer.serving.errors import EngineDeadError, RequestFailedError
 from dist_infer.serving.instance_client import InstanceClient
 from dist_infer.serving.wire import (CallReply, Hello, InstanceDead, InstanceState, InstanceStats, MigrationEvent,
-                                     ResumeRequest, Role, StepOutputs)
+                                     PrefixEvents, ResumeRequest, Role, StepOutputs)
 
 PD_RETRY_S = 0.5  # a request whose hand-over to a decode instance failed tries again after this
 RESTARTABLE = (InstanceState.STARTING, InstanceState.DEAD, InstanceState.STOPPED)  # a driver may join these
@@ -83,6 +83,8 @@ class InstanceLifecycle:
                     self._route(client, outputs)
                 case InstanceStats():
                     client.stats = message
+                case PrefixEvents(stored=stored, removed=removed):
+                    client.prefix.apply(stored, removed)
                 case CallReply() | MigrationEvent():
                     self._soon(self._on_control, client, message)
                 case InstanceDead(reason=reason):
@@ -194,7 +196,8 @@ class InstanceLifecycle:
                                         f"dispatched again")
             else:
                 roles = (Role.DECODE, Role.MIXED) if progress.token_ids else (Role.PREFILL, Role.MIXED)
-                index = self._choose(len(progress.prompt_token_ids), progress.params, roles, force=True)
+                index = self._choose(len(progress.prompt_token_ids), progress.params, roles, force=True,
+                                     tokens=progress.prompt_token_ids + progress.token_ids)
                 if index is None and any(c.state == InstanceState.STARTING for c in self.instances):
                     rec.parked, rec.owner = True, None  # goes on once an instance has joined
                     logger.warning(f"request {request_id}: no instance takes requests now; it waits for the one starting")

@@ -20,7 +20,8 @@ from loguru import logger
 from dist_infer.engine.migration import MigrationAborted, MigrationOutcome
 from dist_infer.engine.request import RequestError, RequestOutput
 from dist_infer.serving.wire import (AbortRequest, AddRequest, CallReply, Hello, InstanceDead, InstanceStats,
-                                     MigrationCall, MigrationEvent, ResumeRequest, StepOutputs, StopInstance)
+                                     MigrationCall, MigrationEvent, PrefixEvents, ResumeRequest, StepOutputs,
+                                     StopInstance)
 
 STATS_EVERY_S = 0.1  # an instance's load reaches the API at least this often while it changes
 MIGRATION_CALLS = {"start_out", "send_out", "pause_out", "release_out", "resume_out",
@@ -111,6 +112,9 @@ class InstanceServer:
     def _after_step(self) -> None:
         """Send the load when it changed: at once if the batch or the queue did (or the instance is
         idle), else at most every STATS_EVERY_S (the API's dispatcher and migration controller read it)."""
+        stored, removed = self.engine.prefix_events()
+        if stored or removed:  # every step that changed the cache: the front end's index must not miss one
+            self.send(PrefixEvents(tuple(stored), tuple(removed)))
         stats = InstanceStats.from_dict(self.engine.stats())
         if stats == self._last_stats:
             return

@@ -74,7 +74,7 @@ def cumulative_buckets(bounds, counts) -> list[tuple[str, float]]:
 
 
 class EngineStatsCollector:
-    """Gauges and the preemption counter, read from engine.stats() when Prometheus scrapes."""
+    """Gauges, the preemption and prefix cache counters, read from engine.stats() when Prometheus scrapes."""
 
     GAUGES = {
         "num_requests_running": "Requests in the running batch (they hold KV blocks).",
@@ -101,6 +101,12 @@ class EngineStatsCollector:
         for s in per:
             c.add_metric([self.model_name, s["engine"]], float(s.get("num_preemptions_total", 0)))
         families.append(c)
+        for key, doc in (("prefix_cache_queries", "Prefix cache queries: tokens of admitted requests looked up."),
+                         ("prefix_cache_hits", "Prefix cache hits: queried tokens found cached, not computed.")):
+            c = CounterMetricFamily(PREFIX + key, doc, labels=["model_name", "engine"])
+            for s in per:
+                c.add_metric([self.model_name, s["engine"]], float(s.get(key, 0)))
+            families.append(c)
         m = CounterMetricFamily(PREFIX + "migrations", "Live request migrations between instances, by outcome "
                                 "(ok, or why not: no_room, source_ended, source_preempted, dest_failed, ...).",
                                 labels=["model_name", "outcome"])

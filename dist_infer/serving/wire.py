@@ -7,8 +7,8 @@ named once, here. The enums are str-valued: JSON, the admin output and Prometheu
 same strings as before.
 
     front end -> instance   AddRequest | ResumeRequest | AbortRequest | MigrationCall | StopInstance
-    instance -> front end   Hello (first) | StepOutputs | InstanceStats | CallReply | MigrationEvent
-                            | InstanceDead
+    instance -> front end   Hello (first) | StepOutputs | InstanceStats | PrefixEvents | CallReply
+                            | MigrationEvent | InstanceDead
 
 The state a migration carries (MigratingRequest) and its outcomes (MigrationOutcome) are made by
 the engine's migration endpoint, below this layer; they are defined there and named here.
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # this module loads no torch: serving/instances.py (and the C
     from dist_infer.engine.sampling import SamplingParams
 
 __all__ = ["AbortRequest", "AddRequest", "CallReply", "Hello", "InstanceDead", "InstanceState", "InstanceStats",
-           "MigratingRequest", "MigrationCall", "MigrationEvent", "MigrationOutcome", "ResumeProgress",
+           "MigratingRequest", "MigrationCall", "MigrationEvent", "MigrationOutcome", "PrefixEvents", "ResumeProgress",
            "ResumeRequest", "Role", "StepOutputs", "StopInstance"]
 
 
@@ -157,6 +157,14 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class PrefixEvents:
+    """The block hashes an instance's prefix cache stored and evicted in its last steps (batched
+    per step; the front end's prefix index, serving/prefix_index.py, reads them)."""
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class StepOutputs:
     outputs: list[RequestOutput]
 
@@ -170,6 +178,9 @@ class InstanceStats:
     num_requests_waiting: int = 0
     kv_cache_usage_perc: float = 0.0
     num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    cached_blocks: int = 0  # blocks holding cached prefixes nobody uses now (counted in free_blocks)
     free_blocks: int = 0
     total_blocks: int = 0
     watermark_blocks: int = 0

@@ -429,7 +429,7 @@ def test_offline_timing_has_a_gap_per_later_token_and_their_median(llama):
 
 
 def test_an_itl_target_cuts_prompt_chunks_beside_decodes_and_keeps_hfs_tokens(llama):
-    """A 1 ms target on this model cuts every chunk beside running decodes to the minimum (16), once
+    """A 1 us target (below any step's cost) cuts every chunk beside running decodes to the minimum (16), once
     the engine has timed a decode step and a prompt; tokens stay HF's and the step kinds are counted."""
     from dist_infer.engine.step_cost import MIN_CHUNK
 
@@ -437,7 +437,7 @@ def test_an_itl_target_cuts_prompt_chunks_beside_decodes_and_keeps_hfs_tokens(ll
     prompts = prompts_for([5, 40, 45, 50], seed=3)
     refs = [hf_reference(None, [p], NEW, model=model) for p in prompts]
     (groups,) = thread_groups(1, 1)
-    engine = _engine(model, groups, num_blocks=64, max_batched_tokens=64, max_num_seqs=4, itl_target="1")
+    engine = _engine(model, groups, num_blocks=64, max_batched_tokens=64, max_num_seqs=4, itl_target="0.001")
     shapes, schedule = [], engine.scheduler.schedule
 
     def recording(*args, **kwargs):
