@@ -88,7 +88,10 @@ def bench(url: str, args: list[str], out: Path) -> dict:
 def scrape(url: str) -> dict[str, float]:
     """/metrics as name -> value, summed over labels."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    r = httpx.get(url + "/metrics", timeout=30)
+    if r.status_code != 200:  # a peer without Prometheus metrics (llama-server unless --metrics)
+        return out
+    for line in r.text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             key = name.split("{")[0]
@@ -357,6 +360,8 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
         names = [k for k, v in results.items() if isinstance(v, dict) and "ttft_ms" in v]
+        names += [k for v in results.values() if isinstance(v, dict) for k, w in v.items()
+                  if isinstance(w, dict) and "ttft_ms" in w]  # llama-server: a level per load
         plot(log_dir, names, Path(args.plot), f"{args.scenario}: {Path(model).name}")
     return 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -109,3 +109,34 @@ def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
         elif not a.startswith(flag + "="):
             out.append(a)
     return out
+
+
+# --itl-target-ms auto: a step beside decodes may take twice a decode-only step, and never less than
+# AUTO_FLOOR_S: a gap a streaming reader does not see (chat's TPOT objective in Sarathi-Serve's and
+# DistServe's evaluations), so a CPU, whose decode step is short next to a prompt chunk, does not cut
+# prompts into slivers that cost TTFT and throughput (docs/benchmarks.md, issue 37)
+AUTO_FACTOR = 2.0
+AUTO_FLOOR_S = 0.1
+
+
+def parse_itl_target(text) -> Optional[tuple[str, float]]:
+    """--itl-target: 'auto' (AUTO_FACTOR times the decode-only step, at least AUTO_FLOOR_S), 'Nx' (N
+    times it), a number of milliseconds, or 'off' / None -> None. Returns ('auto', factor), ('x',
+    factor) or ('ms', milliseconds)."""
+    if text is None:
+        return None
+    word = str(text).strip().lower()
+    if word in ("off", "none", ""):
+        return None
+    if word == "auto":
+        return ("auto", AUTO_FACTOR)
+    kind, number = ("x", word[:-1]) if word.endswith("x") else ("ms", word.removesuffix("ms"))
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"--itl-target {text!r}: expected auto, off, a multiple of the decode step such as 2x, "
+                         f"or milliseconds such as 50") from None
+    if not math.isfinite(value) or (kind == "x" and value <= 1) or (kind == "ms" and value <= 0):
+        need = "above 1 (a multiple of the decode-only step)" if kind == "x" else "a positive number of milliseconds"
+        raise ValueError(f"--itl-target {text!r}: must be {need}")
+    return (kind, value)

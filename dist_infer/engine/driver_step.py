@@ -15,7 +15,7 @@ from dist_infer.engine.kv_transfer import TransferOp
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SampledTokens
 from dist_infer.engine.scheduler import SchedulerOutput
-from dist_infer.engine.step_cost import StepShape, chunk_pairs
+from dist_infer.engine.step_cost import AUTO_FLOOR_S, StepShape, chunk_pairs
 from dist_infer.engine.step_guard import failed_error_id
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_WORK, StepPlan
 
@@ -89,11 +89,13 @@ class DriverStep:
 
     def step_target_s(self, decodes: int, decode_context: int) -> float:
         """One step's share of the inter-token latency target: a fixed time (milliseconds, split
-        over the pp steps a request's token waits for) or a multiple of the decode-only step."""
+        over the pp steps a request's token waits for), a multiple of the decode-only step, or
+        (auto) that multiple but at least AUTO_FLOOR_S over the pp steps."""
         kind, value = self.itl_target
         if kind == "ms":
             return value / 1000.0 / self.pp.size
-        return value * self.step_costs.decode_step_s(decodes, decode_context)
+        target = value * self.step_costs.decode_step_s(decodes, decode_context)
+        return max(target, AUTO_FLOOR_S / self.pp.size) if kind == "auto" else target
 
     def _learn_step_time(self, flight: InFlightStep, now: float) -> None:
         """Feed the step's duration to the cost model and the step-time histogram. With pp steps

@@ -20,6 +20,8 @@ from typing import Optional
 
 import numpy as np
 
+from dist_infer.arg_types import AUTO_FACTOR, AUTO_FLOOR_S, parse_itl_target  # noqa: F401 (defined there for the CLI)
+
 FEATURES = ("fixed", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k")
 MIN_CHUNK = 16  # a prompt advances at least this much per step beside decodes: no starvation
 STEP_KINDS = ("decode", "mixed", "prefill")
@@ -108,31 +110,6 @@ class StepCostModel:
         else:
             n = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
         return MIN_CHUNK if n < MIN_CHUNK else (int(n) if math.isfinite(n) else None)
-
-
-AUTO_FACTOR = 2.0  # --itl-target auto: a step beside decodes takes at most twice a decode-only step
-
-
-def parse_itl_target(text) -> Optional[tuple[str, float]]:
-    """--itl-target: 'auto' (AUTO_FACTOR times the decode-only step), 'Nx' (N times it), a number of
-    milliseconds, or 'off' / None -> None. Returns ('x', factor) or ('ms', milliseconds)."""
-    if text is None:
-        return None
-    word = str(text).strip().lower()
-    if word in ("off", "none", ""):
-        return None
-    if word == "auto":
-        return ("x", AUTO_FACTOR)
-    kind, number = ("x", word[:-1]) if word.endswith("x") else ("ms", word.removesuffix("ms"))
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"--itl-target {text!r}: expected auto, off, a multiple of the decode step such as 2x, "
-                         f"or milliseconds such as 50") from None
-    if not math.isfinite(value) or (kind == "x" and value <= 1) or (kind == "ms" and value <= 0):
-        need = "above 1 (a multiple of the decode-only step)" if kind == "x" else "a positive number of milliseconds"
-        raise ValueError(f"--itl-target {text!r}: must be {need}")
-    return (kind, value)
 
 
 @dataclass

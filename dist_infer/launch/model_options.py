@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dist_infer.arg_types import positive_int
-from dist_infer.engine.step_cost import parse_itl_target
+from dist_infer.arg_types import parse_itl_target, positive_int
 
 # The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
 # chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
@@ -96,7 +95,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
                        help="the gap between a streaming request's tokens that a step beside running decodes keeps: "
                             "each step's prompt chunk is sized from step costs the engine learns while serving (per "
                             "prompt token, per decode, fixed), so long prompts never stall running streams. auto: "
-                            "twice the decode-only step (the default); MS: milliseconds; Nx: N times the decode-only "
+                            "twice the decode-only step but at least 100 ms, a gap a reader does not see (the default); MS: milliseconds; Nx: N times the decode-only "
                             "step; off: only --max-batched-tokens cuts prompts. A step without decodes always takes "
                             "the full budget; a prompt advances at least 16 tokens a step (docs/benchmarks.md)")
         p.add_argument("--decode-stall-limit", type=float, default=None, help=argparse.SUPPRESS)  # old name: F -> Fx

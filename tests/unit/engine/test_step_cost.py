@@ -101,7 +101,7 @@ def test_bad_durations_are_ignored():
     assert model.seen == {"decode": 0, "mixed": 0, "prefill": 0}
 
 
-@pytest.mark.parametrize("text,want", [("auto", ("x", AUTO_FACTOR)), ("off", None), (None, None), ("3x", ("x", 3.0)),
+@pytest.mark.parametrize("text,want", [("auto", ("auto", AUTO_FACTOR)), ("off", None), (None, None), ("3x", ("x", 3.0)),
                                        ("50", ("ms", 50.0)), ("12.5ms", ("ms", 12.5))])
 def test_itl_target_forms(text, want):
     assert parse_itl_target(text) == want
@@ -195,6 +195,28 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     # it advanced by at least MIN_CHUNK every step once admitted: its first token within 2000 / 16
     # steps of its arrival, and a few for the shorts that arrived before it
     assert long.first_token_step - 3 <= 2000 // MIN_CHUNK + 8, long.first_token_step
+
+
+def test_auto_is_twice_the_decode_step_but_never_below_the_floor():
+    from types import SimpleNamespace
+
+    from dist_infer.engine.driver_step import DriverStep
+    from dist_infer.engine.step_cost import AUTO_FLOOR_S
+
+    model = StepCostModel()
+    rng = random.Random(5)
+    for _ in range(200):
+        shape = _random_shape(rng)
+        model.observe(shape, true_seconds(shape))
+    small = true_seconds(StepShape(decodes=4, decode_context=400))  # ~5 ms: under the floor when doubled
+    big = true_seconds(StepShape(decodes=200, decode_context=200_000))  # ~74 ms: doubled, above it
+    assert 2 * small < AUTO_FLOOR_S < 2 * big
+    for pp, itl, decodes, context, want in [(1, "auto", 4, 400, AUTO_FLOOR_S), (1, "auto", 200, 200_000, 2 * big),
+                                            (2, "auto", 4, 400, AUTO_FLOOR_S / 2), (1, "2x", 4, 400, 2 * small),
+                                            (2, "50", 4, 400, 0.025)]:
+        engine = SimpleNamespace(pp=SimpleNamespace(size=pp), step_costs=model, itl_target=parse_itl_target(itl))
+        got = DriverStep.step_target_s(engine, decodes, context)
+        assert got == pytest.approx(want, rel=0.02), (pp, itl, decodes, got)
 
 
 def test_pipeline_steps_are_timed_by_their_slot():
