@@ -24,6 +24,17 @@ def itl_target_arg(text: str) -> str:
     return text
 
 
+def stall_limit_arg(text: str) -> float:
+    """The old --decode-stall-limit F (0: off), refused at parse time as --itl-target-ms Fx would be."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != 0:
+        itl_target_arg(f"{value}x")
+    return value
+
+
 def model_path(args) -> str:
     """--model as a path: 'default' (or nothing) is SmolLM2-135M-Instruct, 'tiny' the small random model."""
     from dist_infer.models.builtin import resolve_model
@@ -98,7 +109,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
                             "twice the decode-only step but at least 100 ms, a gap a reader does not see (the default); MS: milliseconds; Nx: N times the decode-only "
                             "step; off: only --max-batched-tokens cuts prompts. A step without decodes always takes "
                             "the full budget; a prompt advances at least 16 tokens a step (docs/benchmarks.md)")
-        p.add_argument("--decode-stall-limit", type=float, default=None, help=argparse.SUPPRESS)  # old name: F -> Fx
+        p.add_argument("--decode-stall-limit", type=stall_limit_arg, default=None,
+                       help=argparse.SUPPRESS)  # the old name: F -> Fx
     p.add_argument("--scheduling", choices=("continuous", "static"), default="continuous",
                    help="continuous: requests join and leave the batch at every step (default); static: a new batch "
                         "starts only when the whole running batch has finished (the baseline benchmarks compare with)")

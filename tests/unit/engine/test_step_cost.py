@@ -235,3 +235,29 @@ def test_pipeline_steps_are_timed_by_their_slot():
     _, counts, total = engine.step_times.snapshot()["decode"]
     assert sum(counts) == 2 and total == pytest.approx(0.1 + 0.05)
     assert engine.step_costs.seen["decode"] == 2
+
+
+@pytest.mark.parametrize("argv,want", [(["--itl-target-ms", "50"], "50"), (["--decode-stall-limit", "2"], "2.0x"),
+                                       (["--decode-stall-limit", "0"], "off"), ([], "auto")])
+def test_the_serve_flags_give_the_engine_its_target(argv, want):
+    import argparse
+
+    from dist_infer.launch.model_options import add_scheduler_flags, itl_target
+
+    p = argparse.ArgumentParser()
+    add_scheduler_flags(p, offline=False)
+    assert itl_target(p.parse_args(argv)) == want
+
+
+@pytest.mark.parametrize("argv", [["--itl-target-ms", "fast"], ["--itl-target-ms", "1x"], ["--decode-stall-limit", "0.5"],
+                                  ["--decode-stall-limit", "nan"], ["--decode-stall-limit", "x"]])
+def test_bad_targets_are_refused_when_the_flags_are_read(argv, capsys):
+    import argparse
+
+    from dist_infer.launch.model_options import add_scheduler_flags
+
+    p = argparse.ArgumentParser()
+    add_scheduler_flags(p, offline=False)
+    with pytest.raises(SystemExit):
+        p.parse_args(argv)
+    assert argv[0] in capsys.readouterr().err
