@@ -187,17 +187,15 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         return max(0, open_streams - running)
 
     def _choose(self, prompt_len: int, params: SamplingParams, roles: tuple[str, ...],
-                force: bool = False, queued: bool = True, tokens: Optional[list[int]] = None) -> Optional[int]:
+                force: bool = False, queued: bool = True, hashes: tuple[int, ...] = ()) -> Optional[int]:
         """The instance for a request (with the lock held): among those accepting, the ones of the
         roles asked for (any, if none of them accepts); `force`: if none has room, still the least
-        loaded (it queues there). `queued`: it arrives as an add the instance will count. `tokens`:
-        what it will compute there (prompt, and any tokens it already has), which the `prefix`
-        policy looks up in each instance's prefix cache."""
+        loaded (it queues there). `queued`: it arrives as an add the instance will count. `hashes`:
+        the block hashes of what it will compute there (prompt_hashes), which the `prefix` policy
+        looks up in each instance's prefix cache."""
         need = blocks_at_full_length(prompt_len, params.max_new_tokens, self.block_size, self.cp)
         accepting = [c for c in self.instances if c.accepting]
         pool = [c for c in accepting if c.role in roles] or accepting
-        hashes = tuple(prompt_block_hashes(tokens, self.block_size)) if tokens and self.dispatcher.policy == "prefix" \
-            else ()
         loads = [c.load(hashes) for c in pool]
         index = self.dispatcher.choose(loads, need, len(hashes))
         if index is None and force and loads:
@@ -210,9 +208,15 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
             client.prefix.expect(hashes)
         return index
 
+    def prompt_hashes(self, tokens: list[int]) -> tuple[int, ...]:
+        """The block hashes the `prefix` dispatch looks up (none for the other policies); computed
+        before the lock is taken (a long prompt hashes for a while)."""
+        return tuple(prompt_block_hashes(tokens, self.block_size)) if self.dispatcher.policy == "prefix" else ()
+
     def _dispatch(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> InstanceClient:
+        hashes = self.prompt_hashes(prompt_token_ids)
         with self._lock:
-            index = self._choose(len(prompt_token_ids), params, (Role.PREFILL, Role.MIXED), tokens=prompt_token_ids)
+            index = self._choose(len(prompt_token_ids), params, (Role.PREFILL, Role.MIXED), hashes=hashes)
             if index is None:
                 raise QueueFullError(retry_after_s=5.0)
             self._requests[request_id].owner = index
