@@ -4,16 +4,19 @@ The serving layer's orchestrator (serving/migration.py) calls these between step
 order, and every call answers through `reply(result)` or `reply(exception)`:
 
     source                                  destination
-    start_out(m, request_id, peer)          reserve_in(m, peer, blocks)   (no room: refused)
-    send_out(m, stage)  -> (first, count)   recv_in(m, stage, first, count)     } a few stages
+    start_out(m, request_id, peer)          reserve_in(m, peer, blocks, hashes) -> held
+    send_out(m, stage, held) -> (first, count)   recv_in(m, stage, first, count)  } a few stages
     ... each side reports (m, stage) done through `notify` once its own transfers are out ...
-    pause_out(m, stage) -> (MigratingRequest, first, count)   (answers once the request is paused)
+    pause_out(m, stage, send_kv, held) -> (MigratingRequest, first, count)   (once it is paused)
                                             recv_in(...) for the rest, then commit_in(m, state)
     release_out(m)   (or resume_out(m) if the commit failed)      cancel_in(m) on any failure
 
 While the stages run the request keeps decoding on the source; only between pause_out and
 commit_in is it stopped (the downtime). A stage sends only blocks that are full, which never
-change again; the pause sends the rest. If the request ends on the source (finished, aborted,
+change again; the pause sends the rest. The destination first claims the leading blocks its
+prefix cache already holds (matched by the block hashes start_out reports; they are the same keys
+and values, prefix_cache.py), and the source starts sending after them: a request whose prefix
+the destination has computed moves only its own tail. If the request ends on the source (finished, aborted,
 preempted) before it is paused, the next call raises MigrationAborted and the request ends or
 stays where it is. The destination's reserved blocks are its own until commit or cancel;
 nothing is freed twice, nothing leaks.
@@ -25,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from dist_infer.engine.kv_cache import CacheFullError, blocks_for
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
@@ -147,7 +150,9 @@ class MigrationEndpoint:
         if any(o.request is r for o in self._out.values()):
             return reply(MigrationAborted("busy", f"request {request_id} is already migrating"))
         self._out[mid] = _Out(r, peer, r.num_preemptions)
-        reply({"blocks": len(r.block_table), "num_tokens": r.num_tokens, "running": r.status is RequestStatus.RUNNING})
+        hashes = self.scheduler.computed_block_hashes(r) if r.status is RequestStatus.RUNNING else []
+        reply({"blocks": len(r.block_table), "num_tokens": r.num_tokens, "running": r.status is RequestStatus.RUNNING,
+               "hashes": hashes})
 
     def _live(self, mid: int) -> _Out:
         out = self._out.get(mid)
@@ -172,17 +177,19 @@ class MigrationEndpoint:
         out.sent = max(out.sent, upto)
         return first, max(0, count)
 
-    def send_out(self, mid: int, stage: int, reply: Reply) -> None:
-        """Send the blocks that filled up since the last stage (the request goes on decoding)."""
+    def send_out(self, mid: int, stage: int, held: int = 0, *, reply: Reply) -> None:
+        """Send the blocks that filled up since the last stage (the request goes on decoding); the
+        first `held` blocks the destination has already (its prefix cache) are never sent."""
         try:
             out = self._live(mid)
         except MigrationAborted as exc:
             return reply(exc)
         r = out.request
+        out.sent = max(out.sent, held)
         full = r.num_computed // self.block_size if r.status is RequestStatus.RUNNING else 0
         reply(self._queue_send(mid, out, stage, full))
 
-    def pause_out(self, mid: int, stage: int, send_kv: bool = True, *, reply: Reply) -> None:
+    def pause_out(self, mid: int, stage: int, send_kv: bool = True, held: int = 0, *, reply: Reply) -> None:
         """Stop scheduling the request (once its sampled token is back), send what is left, and
         answer with the request's state. Without `send_kv` nothing is sent and the state says
         nothing is computed: the destination recomputes the KV (the baseline live migration beats)."""
@@ -191,6 +198,7 @@ class MigrationEndpoint:
         except MigrationAborted as exc:
             return reply(exc)
         out.pause_reply, out.pause_stage, out.send_kv = reply, stage, send_kv
+        out.sent = max(out.sent, held)
         self.poll()
 
     def _finish_pause(self, mid: int, out: _Out) -> None:
@@ -221,14 +229,22 @@ class MigrationEndpoint:
         reply(True)
 
     # -- destination ---------------------------------------------------------------------------
-    def reserve_in(self, mid: int, peer: PeerInstance, num_blocks: int, reply: Reply) -> None:
+    def reserve_in(self, mid: int, peer: PeerInstance, num_blocks: int, hashes: Sequence[int] = (), *,
+                   reply: Reply) -> None:
+        """Hold `num_blocks` blocks for the request: first the leading ones this instance's prefix
+        cache has under the request's block `hashes` (taken, so they are not evicted), then new
+        ones. Answers how many leading blocks it already holds: the source sends none of them."""
         s = self.scheduler
+        pool = s.allocator
+        held = pool.match(hashes[:num_blocks]) if num_blocks else []
+        needed = num_blocks - len(held) + pool.reclaimed_by(held)  # allocatable blocks it uses up
         spare = s.num_free_blocks - s.watermark_blocks
-        if num_blocks > spare:
-            return reply(MigrationAborted("no_room", f"needs {num_blocks} KV blocks, {max(0, spare)} are spare "
+        if needed > spare:
+            return reply(MigrationAborted("no_room", f"needs {needed} KV blocks, {max(0, spare)} are spare "
                                                      f"({s.num_free_blocks} free, watermark {s.watermark_blocks})"))
-        self._in[mid] = _In(peer, [s.allocator.allocate() for _ in range(num_blocks)])
-        reply(num_blocks)
+        pool.take(held)
+        self._in[mid] = _In(peer, held + [pool.allocate() for _ in range(num_blocks - len(held))])
+        reply(len(held))
 
     def recv_in(self, mid: int, stage: int, first: int, count: int, reply: Reply) -> None:
         got = self._in.get(mid)

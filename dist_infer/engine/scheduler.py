@@ -353,6 +353,13 @@ class Scheduler:
             extend_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, num_blocks)
         return request.block_hashes[:num_blocks]
 
+    def computed_block_hashes(self, request: Request) -> list[int]:
+        """The hashes of the request's full blocks scheduled so far (what a migration's destination
+        may hold already); none under cp, whose blocks hold a shard of the tokens, not a run."""
+        if self.cp > 1:
+            return []
+        return list(self._hashes(request, min(request.num_computed // self.config.block_size, len(request.block_table))))
+
     def _match(self, request: Request) -> list[int]:
         """The cached blocks a waiting request starts from: the longest matching run of its full
         blocks, short of its last token (which is computed, into a block of its own, to sample from)."""

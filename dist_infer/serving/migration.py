@@ -3,7 +3,9 @@
 As in Llumnix, the request keeps decoding on the source while its KV blocks are copied to the
 destination in stages, each stage carrying the blocks completed since the last; when few are
 left (or after MAX_STAGES) the source pauses the request, sends the rest, and the destination
-takes it over. Downtime is the last stage alone, so it stays flat as the context grows.
+takes it over. Downtime is the last stage alone, so it stays flat as the context grows. The
+destination claims the leading blocks its prefix cache already holds when it reserves, and the
+source sends only the blocks after them.
 
 Every step is a call on one instance's driver (engine/migration.py) that answers or raises
 MigrationAborted; every failure undoes what was done: the destination's reserved blocks are
@@ -37,7 +39,8 @@ class MigrationResult:
     downtime_s: float = 0.0
     total_s: float = 0.0
     stages: int = 0
-    blocks: int = 0
+    blocks: int = 0  # blocks sent
+    held_blocks: int = 0  # leading blocks the destination's prefix cache had already: not sent
     bytes: int = 0
     phases_ms: Optional[dict] = None  # pause (waits for the source's current step), transfer of the rest, commit
 
@@ -62,16 +65,16 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
 
     reserved = committing = False
     pause_at = paused_at = posted_at = 0.0
-    stage = sent = 0
+    stage = sent = held = 0
     try:
         info = await cluster.call(src, "start_out", mid, request_id, cluster.peer(dst), timeout=timeout)
         reserved = True  # from here on a failure cancels on the destination (a no-op if it reserved nothing;
         # a reserve that answers too late is undone by the cancel queued behind it)
         live = mode == "live"
-        await cluster.call(dst, "reserve_in", mid, cluster.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
-                           timeout=timeout, failure=DEST_FAILED)
+        held = await cluster.call(dst, "reserve_in", mid, cluster.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
+                                  info.get("hashes", []), timeout=timeout, failure=DEST_FAILED)
         while live and stage < max_stages:
-            first, count = await cluster.call(src, "send_out", mid, stage, timeout=timeout)
+            first, count = await cluster.call(src, "send_out", mid, stage, held, timeout=timeout)
             if count == 0 and stage > 0:
                 break
             await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure=DEST_FAILED)
@@ -81,7 +84,7 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
             if count <= FEW_BLOCKS:
                 break
         pause_at = time.perf_counter()
-        state, first, count = await cluster.call(src, "pause_out", mid, stage, live, timeout=timeout)
+        state, first, count = await cluster.call(src, "pause_out", mid, stage, live, held, timeout=timeout)
         paused_at = time.perf_counter()
         await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure=DEST_FAILED)
         sent += count
@@ -106,7 +109,7 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
         result.downtime_s = time.perf_counter() - paused_at
         result.phases_ms = {"pause": 1e3 * (paused_at - pause_at), "transfer": 1e3 * (posted_at - paused_at),
                             "commit": 1e3 * (time.perf_counter() - posted_at)}
-        result.stages, result.blocks = stage + 1, sent
+        result.stages, result.blocks, result.held_blocks = stage + 1, sent, held
         result.bytes = sent * cluster.block_bytes
         cluster.moved(request_id, src, dst)
     if result.outcome == MigrationOutcome.OK:  # committed: the source lets go (never resumes: the destination runs it)
@@ -116,7 +119,8 @@ async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason
             logger.warning(f"migration {mid}: the source did not release {request_id}'s blocks: {exc}")
     result.total_s = time.perf_counter() - started
     if result.outcome == MigrationOutcome.OK:
-        logger.info(f"migrated {request_id} instance {src} -> {dst} ({reason}): {result.blocks} blocks in "
+        logger.info(f"migrated {request_id} instance {src} -> {dst} ({reason}): {result.blocks} blocks "
+                    f"({result.held_blocks} held there already) in "
                     f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
                     f"{result.phases_ms['transfer']:.1f}, commit {result.phases_ms['commit']:.1f}), total "
                     f"{result.total_s * 1e3:.0f} ms")

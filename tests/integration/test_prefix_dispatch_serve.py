@@ -1,17 +1,24 @@
-"""Cache-aware dispatch as a real job over HTTP on 127.0.0.1: two instances, two prompt prefixes.
-Once each prefix has been computed on one instance, every later request sharing it goes there,
-its prefix is not computed again (the instance's hit counter rises by the prefix's tokens), its
-tokens are HF's, and every block is free (or cached, evictable) at the end."""
+"""Prefix caching across instances, as real jobs over HTTP on 127.0.0.1 (two tp1 instances).
+
+Cache-aware dispatch: once each of two prefixes has been computed on one instance, every later
+request sharing it goes there, its prefix is not computed again (the instance's hit counter rises
+by the prefix's tokens), its tokens are HF's, and every block is free (or cached, evictable) at the
+end. Migration and failover: a request moved to an instance that caches its prefix is sent without
+the prefix's blocks (a cold one sends them all); a request whose instance dies goes on where its
+prefix is cached and computes only the rest; both end with the tokens they have alone (= HF)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf
-from serving_helpers import ServerJob, assert_all_blocks_free, instances, run_async, stream_tokens
+from serving_helpers import (ServerJob, assert_all_blocks_free, assert_live_blocks_free, force_migrate, instances,
+                             run_async, stream_tokens, wait_state, where)
 
 PREFIX = 64  # 4 blocks of 16
 
@@ -67,3 +74,60 @@ def test_requests_go_where_their_prefix_is_cached(checkpoint, tmp_path):
                             [r["token_ids"] for r in later], 8, "later requests, prefix cached")
         assert_all_blocks_free(job)
         assert job.stop() == 0, job.log()[-4000:]
+
+
+def test_migration_sends_only_what_the_destination_lacks_and_failover_hits_the_cache(checkpoint, tmp_path):
+    """rr dispatch, so the test says where things go: both instances compute prefix P first. A
+    request on P moved mid-decode is sent without P's blocks (held there: `held_blocks`), a
+    request on an uncached prefix with all of them. Then the instance running a request on P is
+    killed: the request goes on on the other, whose hit counter rises by P's tokens."""
+    P = [3 + (i * 11) % 97 for i in range(96)]  # 6 blocks of 16
+    Q = [5 + (i * 13) % 89 for i in range(96)]
+    tail = {name: [101 + k, 107 + k, 113 + k] for k, name in enumerate(("moved", "cold", "failover"))}
+    prompt = {"moved": P + tail["moved"], "cold": Q + tail["cold"], "failover": P + tail["failover"]}
+    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "200",
+                              "--dispatch", "rr", "--migrate-interval", "0", "--timeout", "60"]) as job:
+        async def go():
+            async with httpx.AsyncClient() as client:
+                for k in range(2):  # P computed on each instance, in turn
+                    await stream_tokens(client, job.url, P + [90 + k], max_tokens=2)
+                moves = {}
+
+                def move_at(name):
+                    async def on_token(request_id, n):
+                        if n >= 4 and name not in moves:
+                            moves[name] = "pending"
+                            moves[name] = await force_migrate(client, job.url, request_id, 1 - where(job, request_id))
+                    return on_token
+
+                streams = {name: await stream_tokens(client, job.url, prompt[name], move_at(name), max_tokens=300)
+                           for name in ("moved", "cold")}
+                killed = {}
+
+                async def kill_at(request_id, n):
+                    if n >= 8 and not killed:
+                        killed["instance"] = where(job, request_id)
+                        killed["hits"] = hits_by_instance(job)
+                        os.kill(instances(job)[killed["instance"]]["pids"][0], signal.SIGKILL)
+
+                streams["failover"] = await stream_tokens(client, job.url, prompt["failover"], kill_at, max_tokens=120)
+                alone = {name: await stream_tokens(client, job.url, prompt[name], max_tokens=len(streams[name]["token_ids"]))
+                         for name in prompt}
+                return moves, streams, killed, alone
+
+        moves, streams, killed, alone = run_async(go())
+        moved, cold = (moves[name].json() for name in ("moved", "cold"))
+        assert moved["outcome"] == "ok" and cold["outcome"] == "ok", (moved, cold)
+        assert moved["held_blocks"] == len(P) // 16 and cold["held_blocks"] == 0, (moved, cold)
+        assert cold["blocks"] >= len(P) // 16 + 1 > moved["blocks"] >= 1, (moved, cold)
+        assert moved["bytes"] < cold["bytes"], (moved, cold)
+        survivor = 1 - killed["instance"]
+        wait_state(job, killed["instance"], "dead")
+        hits = hits_by_instance(job)
+        assert hits[str(survivor)] - killed["hits"].get(str(survivor), 0.0) >= len(P), (killed, hits)
+        for name in prompt:
+            s = streams[name]
+            assert s["error"] is None and s["token_ids"] == alone[name]["token_ids"], (name, s, alone[name])
+        assert_ids_match_hf(checkpoint, list(prompt.values()), [streams[n]["token_ids"][:40] for n in prompt], 40,
+                            "moved with a held prefix, moved cold, failed over onto a cached prefix")
+        assert_live_blocks_free(job)

@@ -19,9 +19,8 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
-from polling import wait_until
-from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
-                             wait_state, where)
+from serving_helpers import (ServerJob, assert_all_blocks_free, assert_live_blocks_free, force_migrate, instances,
+                             run_async, stream_tokens, wait_state, where)
 
 LONG = 300  # tokens per request: long enough that a kill lands mid-decode
 HF_CHECKED = 40
@@ -49,16 +48,6 @@ def serve_again(job, count: int, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not every instance serving after {timeout} s: {insts}\n{job.log()[-4000:]}")
         time.sleep(0.2)
-
-
-def assert_live_blocks_free(job, timeout: float = 30.0) -> None:
-    live: list[dict] = []
-
-    def all_free():
-        live[:] = [i for i in instances(job) if i["state"] in ("serving", "stopping")]
-        return all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in live)
-
-    wait_until(all_free, timeout, lambda: f"KV blocks of the live instances all free again: {live}", interval=0.1)
 
 
 def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkpoint, tmp_path):

@@ -168,6 +168,17 @@ def assert_all_blocks_free(server, timeout: float = 20.0) -> None:
     wait_until(all_free, timeout, lambda: f"KV blocks all free again: {insts}", interval=0.1)
 
 
+def assert_live_blocks_free(job, timeout: float = 30.0) -> None:
+    """As assert_all_blocks_free, over the instances that are serving or stopping (not the dead)."""
+    live: list[dict] = []
+
+    def all_free():
+        live[:] = [i for i in instances(job) if i["state"] in ("serving", "stopping")]
+        return all(i["free_blocks"] == i["total_blocks"] and not i["running"] and not i["waiting"] for i in live)
+
+    wait_until(all_free, timeout, lambda: f"KV blocks of the live instances all free again: {live}", interval=0.1)
+
+
 async def stream_tokens(client, url, prompt, on_token=None, errors_ok: bool = False, **body) -> dict:
     """Stream one completion (greedy, 400 tokens, EOS ignored unless `body` says otherwise);
     `on_token(request_id, tokens so far)` may act mid-stream (await-able).
