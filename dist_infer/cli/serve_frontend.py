@@ -93,7 +93,7 @@ def run_frontend(args, argv: list[str]) -> int:
     hub.start(waiter.on_hello)
     if args.frontend_only:
         write_hub_file(hub.address)
-    spawn = spawner(argv, hub.address, key)
+    spawn = spawner(argv, hub.address, key, local_ranks=sum(spec.size for spec in specs))
     processes: dict = {}
     try:
         if not args.frontend_only:

@@ -25,6 +25,7 @@ from pathlib import Path
 from loguru import logger
 
 from dist_infer.arg_types import strip_flag
+from dist_infer.topology.cores import threads_per_rank
 from dist_infer.topology.discovery import without_launcher_env
 
 HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
@@ -49,13 +50,20 @@ def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_F
             "--instance-index", str(index)]
 
 
-def spawner(argv: list[str], hub: tuple, key: bytes):
-    """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub."""
+def spawner(argv: list[str], hub: tuple, key: bytes, local_ranks: int = 1):
+    """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub.
+    Each job's launcher would give its ranks every core of the host, so instances side by side
+    would oversubscribe it (two 2-thread instances on 2 cores ran several times slower than one):
+    each rank gets the host's cores shared over the fleet's `local_ranks`, unless OMP_NUM_THREADS
+    is set. A restarted instance takes the same share; one added later does too."""
+    threads = str(threads_per_rank(local_ranks))
+
     def spawn(index: int, spec):
         command = [sys.executable, "-m", "dist_infer", *instance_argv(argv, index, spec, hub)]
         env = without_launcher_env(os.environ)
         env[HUB_KEY_ENV] = key.decode()
         env.pop(HUB_FILE_ENV, None)
+        env.setdefault("OMP_NUM_THREADS", threads)
         logger.info(f"instance {index}: {' '.join(command)}")
         # its own session: a Ctrl-C at the terminal reaches the API, which stops the instances in order
         return subprocess.Popen(command, env=env, start_new_session=True)

@@ -155,6 +155,23 @@ def test_instance_argv_keeps_the_model_flags_and_drops_the_apis():
         "--join", "10.0.0.1:4242", "--instance-index", "3"]
 
 
+def test_spawned_instances_share_the_host_s_cores(monkeypatch):
+    """Instances started side by side split the cores instead of each taking all (oversubscribed);
+    a user's OMP_NUM_THREADS wins."""
+    import dist_infer.serving.spawn as spawn_module
+
+    started = []
+    monkeypatch.setattr(spawn_module.subprocess, "Popen", lambda cmd, env, **kw: started.append(env))
+    monkeypatch.setattr(spawn_module, "threads_per_rank", lambda ranks: max(1, 8 // ranks))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    spec = parse_instances("tp2,tp1,tp1")
+    spawn = spawn_module.spawner(["serve", "--model", "m"], ("127.0.0.1", 1), b"k", local_ranks=sum(x.size for x in spec))
+    spawn(0, spec[0])
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    spawn(1, spec[1])
+    assert [env["OMP_NUM_THREADS"] for env in started] == ["2", "3"]
+
+
 def test_parse_instances():
     assert parse_instances("tp2,tp1,tp1") == [InstanceSpec(2), InstanceSpec(1), InstanceSpec(1)]
     assert parse_instances("3", tp=2) == [InstanceSpec(2)] * 3
