@@ -140,3 +140,25 @@ def parse_itl_target(text) -> Optional[tuple[str, float]]:
         need = "above 1 (a multiple of the decode-only step)" if kind == "x" else "a positive number of milliseconds"
         raise ValueError(f"--itl-target {text!r}: must be {need}")
     return (kind, value)
+
+
+def parse_ladder_residual(text) -> Union[str, tuple[int, int], None]:
+    """--ladder-residual: 'all' (every decoder layer), 'FIRST:LAST' (layers FIRST..LAST, both
+    included, counted from 0) or 'off' (none, whatever config.json says); None: as config.json says.
+    Returns 'all', 'off', (FIRST, LAST) or None. The layer count is checked when the model is known."""
+    if text is None:
+        return None
+    word = str(text).strip().lower()
+    if word in ("all", "off"):
+        return word
+    first, sep, last = word.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        span = (int(first), int(last))
+    except ValueError:
+        raise ValueError(f"--ladder-residual {text!r}: expected all, off, or FIRST:LAST (decoder layers, "
+                         f"both included, counted from 0), such as 8:31") from None
+    if span[0] < 0 or span[1] < span[0]:
+        raise ValueError(f"--ladder-residual {text!r}: need 0 <= FIRST <= LAST")
+    return span

@@ -35,22 +35,26 @@ def join(parallel: ParallelConfig, backend: str = "auto", groups: Optional[Paral
 
 def shard(hf_model, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
           backend: str = "auto", pp_split: Optional[Sequence[int]] = None, block_size: int = 16,
-          device: str = "cpu", quantization: str = "auto") -> ShardedModel:
+          device: str = "cpu", quantization: str = "auto", ladder: Optional[str] = None) -> ShardedModel:
     """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference);
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization
-    (auto: float weights for an in-memory model; int8 / int4: each rank quantizes its shard, CPU only)."""
+    (auto: float weights for an in-memory model; int8 / int4: each rank quantizes its shard, CPU only).
+    `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as the model's config says)."""
     groups = join(parallel, backend, groups)
     stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split, device=resolve_device(device),
-                                quantization=quantization)
+                                quantization=quantization, ladder=ladder)
     return ShardedModel(Engine(stage, groups, block_size), groups)
 
 
 def load(path, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
          backend: str = "auto", dtype: torch.dtype = torch.float32, pp_split: Optional[Sequence[int]] = None,
-         block_size: int = 16, device: str = "cpu", quantization: str = "auto") -> ShardedModel:
+         block_size: int = 16, device: str = "cpu", quantization: str = "auto",
+         ladder: Optional[str] = None) -> ShardedModel:
     """Load a HF checkpoint directory (or GGUF file) over the job, each rank reading only its shard;
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization (auto:
-    a GGUF file's quantized tensors stay quantized on the CPU, a HF checkpoint loads as floats)."""
+    a GGUF file's quantized tensors stay quantized on the CPU, a HF checkpoint loads as floats).
+    `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as config.json's ladder_residual says)."""
     groups = join(parallel, backend, groups)
-    stage, _ = load_stage(path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization)
+    stage, _ = load_stage(path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization,
+                          ladder=ladder)
     return ShardedModel(Engine(stage, groups, block_size), groups)

@@ -120,7 +120,8 @@ class PipelineTransport:
         plan = decode(ints, floats)
         hidden = None
         if plan.kind == KIND_WORK and self.pp.rank > 0:
-            hidden = torch.empty(plan.total_tokens, self.cfg.hidden_size, dtype=self.stage.dtype,
+            width = getattr(self.stage, "input_width", self.cfg.hidden_size)  # 2H inside a ladder range
+            hidden = torch.empty(plan.total_tokens, width, dtype=self.stage.dtype,
                                  device=self.worker.device)  # the previous stage sends its device's tensor
             receive(hidden)
         return plan, [n, ints, floats], hidden

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dist_infer.arg_types import parse_itl_target, positive_int
+from dist_infer.arg_types import parse_itl_target, parse_ladder_residual, positive_int
 
 # The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
 # chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
@@ -21,6 +21,15 @@ def itl_target_arg(text: str) -> str:
         parse_itl_target(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--itl-target {text!r}: ")) from None
+    return text
+
+
+def ladder_residual_arg(text: str) -> str:
+    """Checked at parse time, kept as text (each rank's loader parses it again)."""
+    try:
+        parse_ladder_residual(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--ladder-residual {text!r}: ")) from None
     return text
 
 
@@ -83,6 +92,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
                         "step's GEMMs, norms and attention where they serve; off: torch's ops only, for comparisons "
                         "(default %(default)s)"),
+    p.add_argument("--ladder-residual", type=ladder_residual_arg, default=None, metavar="all|FIRST:LAST|off",
+                   help="Ladder Residual (arXiv 2501.06589): decoder layers add their attention and MLP outputs to "
+                        "the residual one module later, so each tensor-parallel all-reduce overlaps the next "
+                        "module. For checkpoints trained or adapted that way: all layers, layers FIRST..LAST (both "
+                        "included, from 0), or off; default: as config.json's ladder_residual says. Such layers run "
+                        "without --overlap's token split and --sequence-parallel; not with --cp > 1")
     add_expert_placement_flag(p)
     add_cp_variant_flag(p)
 
@@ -151,7 +166,8 @@ def load_model(args, groups):
     device = resolve_device(getattr(args, "device", "auto"))
     stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, device=device,
                                quantization=getattr(args, "quantization", "auto"),
-                               expert_placement=args.expert_placement, native_kernels=args.native_kernels == "on")
+                               expert_placement=args.expert_placement, native_kernels=args.native_kernels == "on",
+                               ladder=getattr(args, "ladder_residual", None))
     return stage, report, model
 
 

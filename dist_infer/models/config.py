@@ -3,8 +3,11 @@ mixture-of-experts families Mixtral, Qwen2-MoE and Qwen3-MoE)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from dist_infer.arg_types import parse_ladder_residual
 
 DENSE_TYPES = ("llama", "mistral", "qwen2")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -45,6 +48,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = field(default_factory=tuple)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+    # Ladder Residual (arXiv 2501.06589): decoder layers FIRST..LAST (both included) add their attention
+    # and MLP outputs to the residual one module later (models/ladder.py); None: the standard residual.
+    ladder_layers: Optional[tuple] = None
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has experts (HF's rule: not in mlp_only_layers, every
@@ -115,8 +121,48 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            ladder_layers=ladder_from_json(cfg.get("ladder_residual"), int(need("num_hidden_layers")), source),
             **moe,
         )
+
+
+def ladder_from_json(value: Any, num_layers: int, source: str) -> Optional[tuple[int, int]]:
+    """config.json's `ladder_residual`: true or "all" (every layer), an int FIRST (FIRST to the last
+    layer), [FIRST, LAST] (both included); false / null / absent: none."""
+    if value is None or value is False:
+        return None
+    if value is True or value == "all":
+        return (0, num_layers - 1)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ladder_span((value, num_layers - 1), num_layers, f"{source}: ladder_residual {value!r}")
+    if (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        return ladder_span(tuple(value), num_layers, f"{source}: ladder_residual {value!r}")
+    raise ModelConfigError(f"{source}: ladder_residual must be true, \"all\", a first layer or [first, last], "
+                           f"got {str(value)[:40]!r}")
+
+
+def ladder_span(span: tuple[int, int], num_layers: int, what: str) -> tuple[int, int]:
+    first, last = span
+    if not 0 <= first <= last < num_layers:
+        raise ModelConfigError(f"{what}: need 0 <= first <= last < {num_layers} (the model's layers)")
+    return (first, last)
+
+
+def with_ladder(cfg: ModelConfig, spec: Any) -> ModelConfig:
+    """`cfg` with the --ladder-residual override `spec`: its text ('all', 'off', 'FIRST:LAST'), or
+    parse_ladder_residual's result; None: config.json's choice stands."""
+    if isinstance(spec, str):
+        spec = parse_ladder_residual(spec)
+    if spec is None:
+        return cfg
+    if spec == "off":
+        layers = None
+    elif spec == "all":
+        layers = (0, cfg.num_layers - 1)
+    else:
+        layers = ladder_span(tuple(spec), cfg.num_layers, f"--ladder-residual {spec[0]}:{spec[1]}")
+    return dataclasses.replace(cfg, ladder_layers=layers)
 
 
 MAX_POSITIONS = 1 << 24  # the rotary tables are sized by it: a hostile config must not ask for terabytes

@@ -23,6 +23,7 @@ from dist_infer.models.attention import (
 from dist_infer.models.attention_metadata import AttentionMetadata, TokenSplit
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.cp_attention import cp_attention, cp_last_hidden, cp_last_token_attention
+from dist_infer.models.ladder import LadderPlan, run_ladder_stage
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel import (
     MergedColumnParallelLinear,
@@ -157,14 +158,18 @@ class LlamaMLP(nn.Module):
         """A long prefill runs in slices of `ROW_CHUNK` rows: its gate/up output and activation are
         2-3 x intermediate values per row, the largest temporaries of a layer (the peak of a long
         prefill, cp ranks included), and every row is independent. One all-reduce for all slices."""
+        return self.down_proj.finish(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """down_proj's partial sums of `x`, before the all-reduce (in `ROW_CHUNK` slices, see forward)."""
         rows = x.shape[0]
         if rows <= self.ROW_CHUNK:
-            return self.down_proj(self.activated(x))
+            return self.down_proj.partial(self.activated(x))
         out = x.new_empty(rows, self.down_proj.out_features)
         for start in range(0, rows, self.ROW_CHUNK):
             piece = x[start:start + self.ROW_CHUNK]
             out[start:start + piece.shape[0]] = self.down_proj.partial(self.activated(piece))
-        return self.down_proj.finish(out)
+        return out
 
     def load_weights(self, get: Callable[[str], object], prefix: str, bias: bool = False) -> None:
         for i, proj in enumerate(("gate_proj", "up_proj")):
@@ -265,11 +270,14 @@ class LlamaStage(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         layout = self.layers[0].self_attn if len(self.layers) else None
         self.kv_heads_local = layout.kv_heads if layout else 0
+        self.ladder = LadderPlan(cfg, layers, cp.size if cp is not None else 1)
+        self.input_width = self.ladder.input_width  # a later stage's hidden states in (2H inside a ladder range)
 
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
-        """`inputs`: token ids [T] on the first stage, hidden states [T, H] after it.
+        """`inputs`: token ids [T] on the first stage, hidden states [T, input_width] after it.
 
-        Returns hidden states [T, H], or on the last stage the logits [B, vocab] of each
+        Returns hidden states [T, H] ([T, 2H] where a ladder range runs on into the next stage:
+        models/ladder.py), or on the last stage the logits [B, vocab] of each
         sequence's last new token.
         """
         x = self.embed_tokens(inputs) if self.first else inputs
@@ -281,6 +289,20 @@ class LlamaStage(nn.Module):
         trim = self.last and len(self.layers) > 0 and (
             (cp_meta is None and x.shape[0] > meta.batch) or (cp_meta is not None and cp_meta.phase == "prefill"
                                                               and split is None))
+        if self.ladder.active:  # the step's full metadata: no token split, no sequence parallelism
+            x = run_ladder_stage(self, x, meta, kv_caches, trim)
+        else:
+            x = self._forward_layers(x, split, meta, kv_caches, trim)
+        last_index = torch.arange(meta.batch, device=x.device) if trim else meta.last_token_index
+        if not self.last:
+            return x
+        if cp_meta is not None and not trim:
+            return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
+        return self.lm_head(self.norm(x[last_index]))
+
+    def _forward_layers(self, x: torch.Tensor, split: Optional[TokenSplit], meta: AttentionMetadata,
+                        kv_caches: list[KVCache], trim: bool) -> torch.Tensor:
+        """The stage's (standard) layers: token-split, sequence-parallel or plain, as the step's metadata says."""
         unsplit = range(len(self.layers))
         if split:
             interleaved = len(self.layers) - 1 if trim else len(self.layers)
@@ -299,12 +321,7 @@ class LlamaStage(nn.Module):
             for i in unsplit:
                 rows = meta.last_token_index if trim and i == len(self.layers) - 1 else None
                 x = self.layers[i](x, cos, sin, kv_caches[i], meta, rows)
-        last_index = torch.arange(meta.batch, device=x.device) if trim else meta.last_token_index
-        if not self.last:
-            return x
-        if cp_meta is not None and not trim:
-            return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
-        return self.lm_head(self.norm(x[last_index]))
+        return x
 
     def _forward_sequence_parallel(self, x: torch.Tensor, layers: list[int], cos, sin, kv_caches: list[KVCache],
                                    meta: AttentionMetadata) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.kernels import load_cpu_kernels, use_native_kernels
 from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb, return_freed_memory
-from dist_infer.models.config import ModelConfig
+from dist_infer.models.config import ModelConfig, with_ladder
 from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from dist_infer.models.gguf_quant import EXACT_BITS
 from dist_infer.models.llama import LlamaStage
@@ -107,12 +107,14 @@ def quantize_layers(stage: LlamaStage, scheme: str, exact_embedding: bool = Fals
 
 def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
                 pp_split: Optional[Sequence[int]] = None, native_kernels: bool = True, quantization: str = "none",
-                exact_embedding: bool = False, **options) -> LlamaStage:
+                exact_embedding: bool = False, ladder=None, **options) -> LlamaStage:
     """`options` go to the family's builder (e.g. expert_placement for MoE models). `native_kernels`:
     hand the native CPU kernels to the layers (they use them where they serve: fp32 on the CPU);
     `use_native_kernels(stage, None)` switches them off again in the same process. `quantization`:
     a resolved scheme (see resolve_quantization) the layers are set to before loading;
-    `exact_embedding`: see quantize_layers."""
+    `exact_embedding`: see quantize_layers. `ladder`: --ladder-residual's override of config.json's
+    ladder_residual ('all', 'FIRST:LAST', 'off'; None: as config.json says; models/ladder.py)."""
+    cfg = with_ladder(cfg, ladder)
     pp = groups.pp
     layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
     stage = builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype, **options)

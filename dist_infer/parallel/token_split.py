@@ -40,7 +40,7 @@ class SplitLayerOps(Protocol):
         """What follows down_proj's all-reduce (its bias)."""
 
 
-class _InFlight:
+class InFlight:
     """A partial sum whose all-reduce has been posted."""
 
     def __init__(self, tp: Communicator, partial: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]):
@@ -57,16 +57,16 @@ class _InFlight:
 def run_layers_token_split(num_layers: int, x_a: torch.Tensor, x_b: torch.Tensor, tp: Communicator,
                            ops: SplitLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layers 0..num_layers-1 over the two halves, every all-reduce overlapped; returns both residuals."""
-    carried_b: Optional[_InFlight] = None
+    carried_b: Optional[InFlight] = None
     for i in range(num_layers):
-        attn_a = _InFlight(tp, ops.attn(i, x_a, 0), lambda y, i=i: ops.attn_done(i, y))
+        attn_a = InFlight(tp, ops.attn(i, x_a, 0), lambda y, i=i: ops.attn_done(i, y))
         if carried_b is not None:
             x_b = x_b + carried_b.result()
-        attn_b = _InFlight(tp, ops.attn(i, x_b, 1), lambda y, i=i: ops.attn_done(i, y))
+        attn_b = InFlight(tp, ops.attn(i, x_b, 1), lambda y, i=i: ops.attn_done(i, y))
         x_a = x_a + attn_a.result()
-        mlp_a = _InFlight(tp, ops.mlp(i, x_a), lambda y, i=i: ops.mlp_done(i, y))
+        mlp_a = InFlight(tp, ops.mlp(i, x_a), lambda y, i=i: ops.mlp_done(i, y))
         x_b = x_b + attn_b.result()
-        carried_b = _InFlight(tp, ops.mlp(i, x_b), lambda y, i=i: ops.mlp_done(i, y))
+        carried_b = InFlight(tp, ops.mlp(i, x_b), lambda y, i=i: ops.mlp_done(i, y))
         x_a = x_a + mlp_a.result()
     if carried_b is not None:
         x_b = x_b + carried_b.result()
