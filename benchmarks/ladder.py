@@ -1,0 +1,115 @@
+"""Ladder Residual against the standard residual on the same shapes (issue 35), side by side in one run.
+
+For each shape (random fp32 weights written with transformers: the default model's shape, and a
+wider one), each round runs `dist-infer bench --tp 2` with `--ladder-residual off` and `all`, in
+alternating order (the machine's speed drifts over minutes), and the medians over the rounds give
+the ratios; then one `--overlap-report` run of each gives the decode step with the collectives
+skipped (the lower bound), so the all-reduce time left exposed (step - no-comm step) is measured
+before and after. `--shm off` runs the same over gloo's TCP path (the slower link).
+
+    python benchmarks/ladder.py --rounds 3 [--shm off] [--out FILE.json]
+
+Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+SHAPES = {  # Llama shapes: the default model's (SmolLM2-135M) and a wider one
+    "default-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3),
+    "wide": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+                 num_key_value_heads=4),
+}
+
+
+def write_checkpoint(root: Path, name: str, shape: dict) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = root / name
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True, **shape)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def bench(model: str, ladder: str, args, extra: tuple = ()) -> dict:
+    cmd = [str(BIN / "dist-infer"), "bench", "--model", model, "--tp", "2", "--batch", str(args.batch),
+           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", "3",
+           "--ladder-residual", ladder, "--shm", args.shm, "--json", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
+
+
+def exposed_decode_s(model: str, ladder: str, args) -> dict:
+    """The decode step as run and with the collectives skipped (--overlap-report's lower bound)."""
+    report = bench(model, ladder, args, ("--overlap-report",)).get("overlap") or {}
+    decode = report.get("decode", {})
+    step = decode.get("t_base_s") or decode.get("t_overlap_s")
+    nocomm = decode.get("t_nocomm_s")
+    return {"step_s": step, "nocomm_s": nocomm,
+            "exposed_s": None if step is None or nocomm is None else max(0.0, step - nocomm)}
+
+
+def run_shape(model: str, args) -> dict:
+    runs: dict = {"off": [], "all": []}
+    for r in range(args.rounds):
+        for ladder in (("off", "all") if r % 2 == 0 else ("all", "off")):
+            runs[ladder].append(bench(model, ladder, args))
+    out = {}
+    for ladder, results in runs.items():
+        out[ladder] = {key: statistics.median(m[key] for m in results) for key in ("decode_tok_s", "prefill_tok_s")}
+        out[ladder]["decode_tok_s_all"] = [round(m["decode_tok_s"], 2) for m in results]
+        if args.overlap_report:
+            out[ladder].update(exposed_decode_s(model, ladder, args))
+    out["ratios"] = {"decode_ladder_over_standard": out["all"]["decode_tok_s"] / out["off"]["decode_tok_s"],
+                     "prefill_ladder_over_standard": out["all"]["prefill_tok_s"] / out["off"]["prefill_tok_s"]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(SHAPES))
+    p.add_argument("--rounds", type=int, default=3, help="bench runs of each setting per shape (medians reported)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--shm", choices=("auto", "off"), default="auto", help="off: the all-reduces over gloo's TCP path")
+    p.add_argument("--overlap-report", choices=("on", "off"), default="on",
+                   help="also measure the exposed all-reduce time of a decode step (one extra run per setting)")
+    p.add_argument("--checkpoints", default=None, help="where the random checkpoints go (default: a temp dir)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+    args.overlap_report = args.overlap_report == "on"
+    root = Path(args.checkpoints or tempfile.mkdtemp(prefix="ladder-bench-"))
+    print(f"uptime before: {os.getloadavg()}", flush=True)
+    results = {}
+    for name in args.shapes.split(","):
+        model = write_checkpoint(root, name, SHAPES[name])
+        results[name] = run_shape(model, args)
+        r = results[name]
+        print(f"{name}: decode tok/s standard {r['off']['decode_tok_s']:.1f} ladder {r['all']['decode_tok_s']:.1f} "
+              f"({r['ratios']['decode_ladder_over_standard']:.2f}x), prefill {r['off']['prefill_tok_s']:.0f} / "
+              f"{r['all']['prefill_tok_s']:.0f} ({r['ratios']['prefill_ladder_over_standard']:.2f}x); exposed "
+              f"all-reduce per decode step {r['off'].get('exposed_s')} -> {r['all'].get('exposed_s')} s", flush=True)
+    print(f"uptime after: {os.getloadavg()}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
