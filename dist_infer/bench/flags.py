@@ -6,7 +6,7 @@ import argparse
 
 from dist_infer.arg_types import positive_int
 
-COMPARABLE = ("deepspeed", "hf", "hf-tp", "llama.cpp", "ours-1proc")
+COMPARABLE = ("deepspeed", "hf", "hf-tp", "ladder", "llama.cpp", "ours-1proc")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="peers to run in the same invocation, comma separated: deepspeed (AutoTP, tp ranks), "
                         "hf (transformers, one process), hf-tp (transformers tp_plan=auto, tp ranks), "
                         "llama.cpp (llama-bench / llama-batched-bench on the same GGUF file and as many cores as our "
-                        "run; `make llama-cpp` builds them), ours-1proc (this engine in one process on all cores)")
+                        "run; `make llama-cpp` builds them), ours-1proc (this engine in one process on all cores), ladder "
+                        "(this engine, the same layout and workload, every decoder layer a Ladder Residual layer: "
+                        "what overlapping each all-reduce with the next module buys; for measurements, since a "
+                        "standard checkpoint run as a ladder computes a different function)")
     p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds each peer may take (default %(default)s)")
     p.add_argument("--overlap-report", action="store_true",
                    help="run the workload three ways (tensor parallel baseline, token-split overlap, collectives "

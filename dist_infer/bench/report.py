@@ -3,9 +3,16 @@ and our own engine in one process as a peer."""
 
 from __future__ import annotations
 
-from typing import Optional
+import sys
+from typing import Optional, Sequence
 
+from dist_infer.arg_types import strip_flag
 from dist_infer.topology.subcommand import SubcommandError, run_json
+
+# flags of this run the ladder peer's run drops (what it reports, or the wiring it changes)
+LADDER_PEER_DROPS = ("--compare", "--plot", "--profile", "--save-routing", "--ladder-residual", "--sweep",
+                     "--sweep-rounds", "--sweep-max-ranks", "--sweep-speed-check", "--hardware-profile")
+LADDER_PEER_SWITCHES = ("--json", "--overlap-report")
 
 
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
@@ -23,6 +30,27 @@ def run_ours_single_process(args) -> dict:
     except SubcommandError as exc:
         return {"peer": "ours-1proc", "ok": False, "error": str(exc)}
     out.update(peer="ours-1proc", ok=True, tp=1)
+    out.pop("compare", None)
+    return out
+
+
+def run_ours_ladder(args, argv: Optional[Sequence[str]] = None) -> dict:
+    """This engine on the same command line (layout, model, workload) with every decoder layer a
+    Ladder Residual layer (`--ladder-residual all`): what the ladder wiring buys on this layout.
+    `argv`: this run's command line after `dist-infer` (default: this process's, which a rank
+    started by our launcher, torchrun or mpirun shares with the user's command)."""
+    if getattr(args, "ladder_residual", None) not in (None, "off"):
+        return {"peer": "ladder", "ok": False,
+                "error": "--compare ladder compares the standard wiring with the ladder: run it without --ladder-residual"}
+    cmd = list(sys.argv[1:] if argv is None else argv)
+    for flag in LADDER_PEER_DROPS:
+        cmd = strip_flag(cmd, flag)
+    cmd = [a for a in cmd if a not in LADDER_PEER_SWITCHES] + ["--ladder-residual", "all", "--json"]
+    try:
+        out = run_json(cmd, args.peer_timeout)
+    except SubcommandError as exc:
+        return {"peer": "ladder", "ok": False, "error": str(exc)}
+    out.update(peer="ladder", ok=True)
     out.pop("compare", None)
     return out
 

@@ -18,7 +18,7 @@ from loguru import logger
 from dist_infer.bench.flags import parse_compare
 from dist_infer.bench.memory import generation_memory
 from dist_infer.bench.overlap import MEASURED_GROUPS, P2P_RUNS, TP_RUNS, format_overlap, overlap_report
-from dist_infer.bench.report import plot, ratio, run_ours_single_process, save_routing
+from dist_infer.bench.report import plot, ratio, run_ours_ladder, run_ours_single_process, save_routing
 from dist_infer.bench.timing import measure
 
 
@@ -86,6 +86,7 @@ def _run_ours(args, peers: list[str], start: RankStart):
     peaks[world.rank] = report.peak_rss_mb
     world.all_reduce(peaks)
     world.barrier()
+    ladder_layers = engine.cfg.ladder_layers  # (first, last) this rank's model runs as a ladder, or None
     engine.close()
     plain_groups.destroy()
     world.destroy()
@@ -97,7 +98,7 @@ def _run_ours(args, peers: list[str], start: RankStart):
             "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
             "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
             "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
-            "ep": args.ep, "threads_total": _threads_total(world.size), **({"moe": moe} if moe is not None else {}),
+            "ep": args.ep, "threads_total": _threads_total(world.size), "ladder_layers": ladder_layers, **({"moe": moe} if moe is not None else {}),
             **({"profile": profile} if profile is not None else {}),
             **({"overlap": overlap} if overlap else {})}
     return ours, model, bar
@@ -122,6 +123,8 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
         bar.set_postfix_str(peer)
         if peer == "ours-1proc":
             metrics = run_ours_single_process(args)
+        elif peer == "ladder":
+            metrics = run_ours_ladder(args)
         else:
             threads = ours["threads_total"] if peer == "llama.cpp" else None  # one process: all our ranks' cores
             metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,

@@ -11,7 +11,8 @@ single-process torch over the HF checkpoint's weights, recomputing every prefix 
   asynchronous all-reduce through MPI);
 - `dist-infer serve --tp 2` of a checkpoint whose config.json asks for the ladder itself, a cache
   too small for the burst of concurrent greedy requests (forced preemption and recomputation):
-  every request's ids identical to the reference's for its prompt alone.
+  every request's ids identical to the reference's for its prompt alone;
+- `dist-infer bench --compare ladder`: the same command run again as a ladder, beside ours.
 """
 
 from __future__ import annotations
@@ -157,3 +158,17 @@ def test_served_ladder_checkpoint_under_preemption_matches_the_reference(model, 
     want, _ = _reference(hf, prompts, LADDERS["all"])
     for i, (ids, ref) in enumerate(zip(got, want)):
         assert ids == ref, f"served ladder, prompt {i} (len {len(prompts[i])}): {ids} vs the reference's {ref}"
+
+
+def test_bench_compares_the_ladder_on_the_same_layout(model):
+    """`bench --compare ladder`: the same command line run again with every layer laddered, as a
+    peer beside ours (the standard wiring), its ratios in the JSON."""
+    cmd = [_exe("dist-infer"), "bench", "--model", str(model), "--tp", "2", "--batch", "1", "--prompt-len", "8",
+           "--gen-len", "3", "--compare", "ladder", "--json"]
+    proc = run(cmd, TIMEOUT_S, env=_env())
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
+    ours = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
+    peer = ours["compare"]["ladder"]
+    assert peer["ok"], peer.get("error")
+    assert ours["ladder_layers"] is None and peer["ladder_layers"] == [0, LAYERS - 1], (ours, peer)
+    assert (peer["tp"], peer["world_size"]) == (2, 2) and peer["decode_ratio"] > 0 and peer["prefill_ratio"] > 0
