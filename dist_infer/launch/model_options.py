@@ -15,22 +15,21 @@ DEFAULT_MAX_BATCHED_TOKENS = 256
 DEFAULT_ITL_TARGET = "auto"
 
 
-def itl_target_arg(text: str) -> str:
-    """Checked at parse time, kept as text (the engine parses it again in each rank)."""
-    try:
-        parse_itl_target(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--itl-target {text!r}: ")) from None
-    return text
+def checked_text(parse, flag: str):
+    """An argparse type that checks a flag's text with `parse` when the flags are read and keeps it
+    as text (each rank parses it again); `parse`'s ValueError starts with "FLAG 'TEXT': "."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag} {text!r}: ")) from None
+        return text
+    check.__name__ = flag.lstrip("-").replace("-", "_")  # argparse names the type in its error
+    return check
 
 
-def ladder_residual_arg(text: str) -> str:
-    """Checked at parse time, kept as text (each rank's loader parses it again)."""
-    try:
-        parse_ladder_residual(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--ladder-residual {text!r}: ")) from None
-    return text
+itl_target_arg = checked_text(parse_itl_target, "--itl-target")
+ladder_residual_arg = checked_text(parse_ladder_residual, "--ladder-residual")
 
 
 def stall_limit_arg(text: str) -> float:
