@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from hf_compare import TIE_GAP, prompts_for
+from hf_compare import prompts_for, steps_agreeing_with_hf
 from paths import VENV_BIN
 from processes import run
 from quantized_reference import dequantize_hf_model
@@ -57,11 +57,6 @@ def test_generate_tp2_quantized_matches_hf_on_dequantized_weights(arch, scheme, 
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
     dumped = torch.load(dump)
     for b, row in enumerate(out["outputs"]):
-        ids, want = row["token_ids"], ref_ids[b]
-        diverge = next((i for i in range(NEW_TOKENS) if ids[i] != want[i]), None)
-        if diverge is not None:  # only a near tie in HF's logits excuses it; the contexts differ after it
-            top2 = ref_logits[b][diverge].topk(2).values
-            assert float(top2[0] - top2[1]) < TIE_GAP, f"{scheme} prompt {b}: {ids} vs HF {want} at step {diverge}"
-        steps = NEW_TOKENS if diverge is None else diverge + 1
+        steps = steps_agreeing_with_hf(row["token_ids"], ref_ids[b], ref_logits[b], f"{scheme} prompt {b}")
         torch.testing.assert_close(dumped[b][:steps], ref_logits[b][:steps], atol=ATOL, rtol=RTOL,
                                    msg=lambda m, b=b: f"{scheme} prompt {b}: logits differ from HF\n{m}")

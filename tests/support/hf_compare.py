@@ -45,6 +45,22 @@ class CheckpointStore:
         return self.refs[key]
 
 
+def steps_agreeing_with_hf(got: list[int], want: list[int], want_logits: torch.Tensor, what: str) -> int:
+    """How many greedy steps to compare with HF: all of them when `got` equals HF's `want`; else up
+    to the first differing step, which must be a near tie in HF's logits there (printed): after it
+    the contexts differ."""
+    diverge = next((i for i in range(len(want)) if got[i] != want[i]), None)
+    if diverge is None:
+        return len(want)
+    top2 = want_logits[diverge].topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < TIE_GAP, (f"{what}: greedy ids differ from HF at step {diverge}: ours {list(got)} vs HF {list(want)}; "
+                           f"HF's top-2 logit gap there is {gap:.3g}, not a near tie (< {TIE_GAP})")
+    print(f"NOTE {what}: ids differ from HF at step {diverge} on a near tie (HF top-2 gap {gap:.3g} < {TIE_GAP}); "
+          f"compared steps 0..{diverge}")
+    return diverge + 1
+
+
 def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, ref_logits, what: str) -> None:
     """`out`: generate's JSON; `dumped`: its --dump-logits; ref_*: hf_reference's answer."""
     rows = out["outputs"]
@@ -56,18 +72,7 @@ def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, r
         assert len(ids) == new_tokens, f"{what} prompt {b}: {len(ids)} tokens, want {new_tokens}"
         assert got_logits.dtype == torch.float32
         assert tuple(got_logits.shape) == tuple(want.shape), f"{what} prompt {b}: logits {tuple(got_logits.shape)} vs HF {tuple(want.shape)}"
-        steps = new_tokens
-        diverge = next((i for i in range(new_tokens) if ids[i] != want_ids[i]), None)
-        if diverge is not None:
-            top2 = want[diverge].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE_GAP, (
-                f"{what} prompt {b} (len {len(prompts[b])}): greedy ids differ from HF at step {diverge}: "
-                f"ours {ids} vs HF {want_ids}; HF's top-2 logit gap there is {gap:.3g}, not a near tie (< {TIE_GAP})"
-            )
-            steps = diverge + 1  # the differing step still saw the same context; after it, contexts differ
-            print(f"NOTE {what} prompt {b}: ids differ at step {diverge} on a near tie "
-                  f"(HF top-2 gap {gap:.3g} < {TIE_GAP}); compared steps 0..{diverge}")
+        steps = steps_agreeing_with_hf(ids, want_ids, want, f"{what} prompt {b} (len {len(prompts[b])})")
         for i in range(steps):
             torch.testing.assert_close(
                 got_logits[i], want[i], atol=ATOL, rtol=RTOL,
@@ -88,9 +93,4 @@ def assert_ids_match_hf(path, prompts, got: list[list[int]], n: int, what: str) 
     for i, (p, ids) in enumerate(zip(prompts, got)):
         (want,), (logits,) = hf_reference(None, [p], n, model=model)
         assert len(ids) >= n, f"{what} prompt {i}: {len(ids)} tokens, {n} expected"
-        diverge = next((k for k in range(n) if ids[k] != want[k]), None)
-        if diverge is not None:
-            top2 = logits[diverge].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE_GAP, f"{what} prompt {i}: {ids[:n]} vs HF {want} (step {diverge}, HF top-2 gap {gap:.3g})"
-            print(f"NOTE {what} prompt {i}: differs from HF at step {diverge} on a near tie (gap {gap:.3g})")
+        steps_agreeing_with_hf(ids[:n], want, logits, f"{what} prompt {i}")

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from hf_compare import ATOL, RTOL, TIE_GAP, prompts_for
+from hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from threads import run_ranks, thread_groups
@@ -287,13 +287,7 @@ def _serve(engine, prompts, params, arrivals=ARRIVALS):
 
 def _assert_hf(r, ref, what: str) -> None:
     (want,), (want_logits,) = ref
-    got = r.output_token_ids
-    diverge = next((i for i in range(len(want)) if got[i] != want[i]), None)
-    steps = len(want)
-    if diverge is not None:
-        top2 = want_logits[diverge].topk(2).values
-        assert float(top2[0] - top2[1]) < TIE_GAP, f"{what}: {got} vs HF {want} at step {diverge}"
-        steps = diverge + 1
+    steps = steps_agreeing_with_hf(r.output_token_ids, want, want_logits, what)
     torch.testing.assert_close(torch.stack(r.logits)[:steps], want_logits[:steps], atol=ATOL, rtol=RTOL)
 
 
