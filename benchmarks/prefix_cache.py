@@ -38,23 +38,6 @@ def same_tokens(url: str, prompts: list[list[int]], max_tokens: int) -> list[lis
     return out
 
 
-def with_tokens(start, prompts: list[list[int]], max_tokens: int, into: dict):
-    """A server factory (as run_pair takes) that also records the greedy tokens of `prompts` once the
-    stream is done, before the server stops: run_pair benches, then this runs in its `finally`."""
-    def factory(name, port, log_dir):
-        server = start(name, port, log_dir)
-        stop = server.stop
-
-        def stop_after_tokens():
-            try:
-                into[name] = same_tokens(server.url, prompts, max_tokens)
-            finally:
-                stop()
-        server.stop = stop_after_tokens
-        return server
-    return factory
-
-
 def shared(model: str, log_dir: Path, args, vocab: int) -> dict:
     rng = random.Random(7)
     stream = ["--dataset", "prefix", "--num-prefixes", "1", "--prefix-len", str(PREFIX_LEN), "--suffix-len",
@@ -63,10 +46,14 @@ def shared(model: str, log_dir: Path, args, vocab: int) -> dict:
               "--max-concurrency", str(args.concurrency)]
     system = [rng.randrange(3, vocab) for _ in range(PREFIX_LEN)]
     check = [system + [rng.randrange(3, vocab) for _ in range(SUFFIX_LEN)] for _ in range(4)]
-    tokens: dict = {}
-    results = run_pair([(name, with_tokens(lambda n, port, d, f=flag: ours(n, model, port, d, "--prefix-caching", f,
-                                                                          *args.extra), check, 16, tokens))
-                        for name, flag in (("caching-off", "off"), ("caching-on", "on"))], stream, log_dir)
+    tokens: dict = {}  # after each stream, the greedy ids of the same `check` prompts
+
+    def record_tokens(name, server):
+        tokens[name] = same_tokens(server.url, check, 16)
+
+    results = run_pair([(name, lambda n, port, d, f=flag: ours(n, model, port, d, "--prefix-caching", f, *args.extra))
+                        for name, flag in (("caching-off", "off"), ("caching-on", "on"))], stream, log_dir,
+                       after=record_tokens)
     on, off = results["caching-on"], results["caching-off"]
     results["ratios"] = {"ttft_p50_on_over_off": on["ttft_ms"]["median"] / off["ttft_ms"]["median"],
                          "throughput_on_over_off": on["output_throughput"] / off["output_throughput"],

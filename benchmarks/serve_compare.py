@@ -99,7 +99,9 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def run_pair(configs, bench_args, log_dir: Path) -> dict:
+def run_pair(configs, bench_args, log_dir: Path, after=None) -> dict:
+    """Each configuration in turn: start it, bench it, scrape it, `after(name, server)` (more
+    requests of the caller's own, say), stop it."""
     results = {}
     for name, start in configs:
         server = start(name, free_port(), log_dir)
@@ -108,6 +110,8 @@ def run_pair(configs, bench_args, log_dir: Path) -> dict:
             metrics = scrape(server.url)
             results[name]["preemptions"] = metrics.get("dist_infer:num_preemptions_total", 0.0)
             results[name]["migrations"] = metrics.get("dist_infer:migrations_total", 0.0)
+            if after is not None:
+                after(name, server)
         finally:
             server.stop()
         s = results[name]
