@@ -7,9 +7,20 @@ the ratios; then one `--overlap-report` run of each gives the decode step with t
 skipped (the lower bound), so the all-reduce time left exposed (step - no-comm step) is measured
 before and after. `--shm off` runs the same over gloo's TCP path (the slower link).
 
-    python benchmarks/ladder.py --rounds 3 [--shm off] [--out FILE.json]
+`--two-hosts` runs the same comparison with the two tp ranks on two "hosts": two network namespaces
+joined by a veth pair (benchmarks/netns_hosts.py), one `dist-infer launch --hostfile HF --node-rank K`
+in each, gloo over TCP between 10.231.X.1 and 10.231.X.2 (`--shm off` implied: nothing is shared
+across the namespaces). The plain veth has no wire and no rate limit, the kernel passing each packet
+to the other namespace's stack: about loopback's speed, but an MTU of 1500 and two TCP stacks, as
+between hosts. `--link-rate 10gbit` (tc's units) caps both ends with a token-bucket filter, for a
+slower interconnect's bandwidth (no added latency). Needs root. The two "hosts" share this machine's
+cores: each rank gets half of them, as in the one-host runs.
 
-Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
+    python benchmarks/ladder.py --rounds 3 [--shm off] [--out FILE.json]
+    python benchmarks/ladder.py --rounds 3 --two-hosts [--link-rate 10gbit] [--out FILE.json]
+
+Only 127.0.0.1 (and with --two-hosts the namespaces' 10.231.* addresses) is ever contacted. Check
+`uptime` before and after: figures count on a quiet machine.
 """
 
 from __future__ import annotations
@@ -21,7 +32,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
+
+from netns_hosts import rate_bits_per_s, two_hosts
 
 BIN = Path(sys.executable).parent
 SHAPES = {  # Llama shapes: the default model's (SmolLM2-135M) and a wider one
@@ -45,10 +59,14 @@ def write_checkpoint(root: Path, name: str, shape: dict) -> str:
 
 
 def bench(model: str, ladder: str, args, extra: tuple = ()) -> dict:
+    """One `dist-infer bench --tp 2` run: two local ranks, or with --two-hosts one in each namespace."""
     cmd = [str(BIN / "dist-infer"), "bench", "--model", model, "--tp", "2", "--batch", str(args.batch),
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", "3",
            "--ladder-residual", ladder, "--shm", args.shm, "--json", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if args.hosts is not None:
+        proc = args.hosts.run(cmd, timeout=1800)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"bench failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     return json.loads([line for line in proc.stdout.splitlines() if line.strip()][-1])
@@ -75,9 +93,19 @@ def run_shape(model: str, args) -> dict:
         out[ladder]["decode_tok_s_all"] = [round(m["decode_tok_s"], 2) for m in results]
         if args.overlap_report:
             out[ladder].update(exposed_decode_s(model, ladder, args))
+    out["mode"] = mode(args)
     out["ratios"] = {"decode_ladder_over_standard": out["all"]["decode_tok_s"] / out["off"]["decode_tok_s"],
                      "prefill_ladder_over_standard": out["all"]["prefill_tok_s"] / out["off"]["prefill_tok_s"]}
     return out
+
+
+def mode(args) -> dict:
+    """How the two ranks were placed and what joins them, recorded with each shape's results."""
+    if args.hosts is None:
+        return {"hosts": "one", "link": "shared memory where supported" if args.shm == "auto" else "gloo TCP over loopback",
+                "shm": args.shm}
+    return {"hosts": "two", "link": "gloo TCP over a veth pair between two network namespaces",
+            "link_rate": args.link_rate or "unlimited (plain veth)", "shm": args.shm}
 
 
 def main() -> int:
@@ -88,27 +116,51 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--shm", choices=("auto", "off"), default="auto", help="off: the all-reduces over gloo's TCP path")
+    p.add_argument("--two-hosts", action="store_true",
+                   help="the two ranks in two network namespaces joined by a veth pair, gloo over TCP (implies "
+                        "--shm off; needs root)")
+    p.add_argument("--link-rate", default=None,
+                   help="with --two-hosts: cap the veth at this rate (tc's units, e.g. 10gbit; default: no cap)")
     p.add_argument("--overlap-report", choices=("on", "off"), default="on",
                    help="also measure the exposed all-reduce time of a decode step (one extra run per setting)")
     p.add_argument("--checkpoints", default=None, help="where the random checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     args.overlap_report = args.overlap_report == "on"
+    names = args.shapes.split(",")
+    if unknown := [n for n in names if n not in SHAPES]:
+        p.error(f"--shapes: unknown {', '.join(unknown)}; expected some of {', '.join(SHAPES)}")
+    if args.link_rate and not args.two_hosts:
+        p.error("--link-rate needs --two-hosts")
+    if args.link_rate:
+        try:
+            rate_bits_per_s(args.link_rate)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.two_hosts:
+        args.shm = "off"
     root = Path(args.checkpoints or tempfile.mkdtemp(prefix="ladder-bench-"))
     print(f"uptime before: {os.getloadavg()}", flush=True)
     results = {}
-    for name in args.shapes.split(","):
-        model = write_checkpoint(root, name, SHAPES[name])
-        results[name] = run_shape(model, args)
-        r = results[name]
-        print(f"{name}: decode tok/s standard {r['off']['decode_tok_s']:.1f} ladder {r['all']['decode_tok_s']:.1f} "
-              f"({r['ratios']['decode_ladder_over_standard']:.2f}x), prefill {r['off']['prefill_tok_s']:.0f} / "
-              f"{r['all']['prefill_tok_s']:.0f} ({r['ratios']['prefill_ladder_over_standard']:.2f}x); exposed "
-              f"all-reduce per decode step {r['off'].get('exposed_s')} -> {r['all'].get('exposed_s')} s", flush=True)
+    with ExitStack() as stack:
+        args.hosts = stack.enter_context(two_hosts(args.link_rate)) if args.two_hosts else None
+        if args.hosts is not None:
+            print(f"two hosts: namespaces {', '.join(args.hosts.names)} at {', '.join(args.hosts.addrs)}, "
+                  f"link rate {args.link_rate or 'unlimited'}", flush=True)
+        for name in names:
+            results[name] = run_shape(write_checkpoint(root, name, SHAPES[name]), args)
+            report(name, results[name])
     print(f"uptime after: {os.getloadavg()}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def report(name: str, r: dict) -> None:
+    print(f"{name}: decode tok/s standard {r['off']['decode_tok_s']:.1f} ladder {r['all']['decode_tok_s']:.1f} "
+          f"({r['ratios']['decode_ladder_over_standard']:.2f}x), prefill {r['off']['prefill_tok_s']:.0f} / "
+          f"{r['all']['prefill_tok_s']:.0f} ({r['ratios']['prefill_ladder_over_standard']:.2f}x); exposed "
+          f"all-reduce per decode step {r['off'].get('exposed_s')} -> {r['all'].get('exposed_s')} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 
 from dist_infer.arg_types import positive_int
 
-COMPARABLE = ("deepspeed", "hf", "hf-tp", "ladder", "llama.cpp", "ours-1proc")
+COMPARABLE = ("deepspeed", "hf", "hf-tp", "ladder", "layered", "llama.cpp", "ours-1proc")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,13 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "run; `make llama-cpp` builds them), ours-1proc (this engine in one process on all cores), ladder "
                         "(this engine, the same layout and workload, every decoder layer a Ladder Residual layer: "
                         "what overlapping each all-reduce with the next module buys; for measurements, since a "
-                        "standard checkpoint run as a ladder computes a different function)")
+                        "standard checkpoint run as a ladder computes a different function), layered (this engine, "
+                        "the same run with --prefill-schedule layered: prompts over --max-batched-tokens go through "
+                        "layer groups instead of token chunks; needs --max-batched-tokens; MoE models report expert "
+                        "weight reads of both)")
+    p.add_argument("--max-batched-tokens", type=positive_int, default=None,
+                   help="the step's token budget: prompts over it are cut (--prefill-schedule) (default: none, every "
+                        "prompt of the batch in one step)")
     p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds each peer may take (default %(default)s)")
     p.add_argument("--overlap-report", action="store_true",
                    help="run the workload three ways (tensor parallel baseline, token-split overlap, collectives "

@@ -9,10 +9,11 @@ from typing import Optional, Sequence
 from dist_infer.arg_types import strip_flag
 from dist_infer.topology.subcommand import SubcommandError, run_json
 
-# flags of this run the ladder peer's run drops (what it reports, or the wiring it changes)
-LADDER_PEER_DROPS = ("--compare", "--plot", "--profile", "--save-routing", "--ladder-residual", "--sweep",
-                     "--sweep-rounds", "--sweep-max-ranks", "--sweep-speed-check", "--hardware-profile")
-LADDER_PEER_SWITCHES = ("--json", "--overlap-report")
+# flags of this run a variant peer's run drops (what it reports), and what the variant switches
+PEER_DROPS = ("--compare", "--plot", "--profile", "--save-routing", "--sweep", "--sweep-rounds", "--sweep-max-ranks",
+              "--sweep-speed-check", "--hardware-profile")
+PEER_SWITCHES = ("--json", "--overlap-report")
+VARIANTS = {"ladder": ("--ladder-residual", ("all",)), "layered": ("--prefill-schedule", ("layered",))}
 
 
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
@@ -34,23 +35,37 @@ def run_ours_single_process(args) -> dict:
     return out
 
 
-def run_ours_ladder(args, argv: Optional[Sequence[str]] = None) -> dict:
-    """This engine on the same command line (layout, model, workload) with every decoder layer a
-    Ladder Residual layer (`--ladder-residual all`): what the ladder wiring buys on this layout.
-    `argv`: this run's command line after `dist-infer` (default: this process's, which a rank
-    started by our launcher, torchrun or mpirun shares with the user's command)."""
-    if getattr(args, "ladder_residual", None) not in (None, "off"):
-        return {"peer": "ladder", "ok": False,
-                "error": "--compare ladder compares the standard wiring with the ladder: run it without --ladder-residual"}
+def variant_refusal(args, peer: str) -> Optional[str]:
+    """Why --compare `peer` (ladder, layered) cannot run beside this command line, or None."""
+    if peer == "ladder" and getattr(args, "ladder_residual", None) not in (None, "off"):
+        return "--compare ladder compares the standard wiring with the ladder: run it without --ladder-residual"
+    if peer == "layered" and getattr(args, "prefill_schedule", "chunked") == "layered":
+        return "--compare layered compares chunked prefill with layered: run it without --prefill-schedule layered"
+    if peer == "layered" and getattr(args, "max_batched_tokens", None) is None:
+        return ("--compare layered needs --max-batched-tokens: prompts over it are cut, into token chunks here "
+                "and into layer groups by the peer")
+    return None
+
+
+def run_ours_variant(args, peer: str, argv: Optional[Sequence[str]] = None) -> dict:
+    """This engine on the same command line (layout, model, workload) with one thing switched (VARIANTS):
+    every decoder layer a Ladder Residual layer (ladder), or prompts over the token budget computed
+    layer group by layer group (layered). `argv`: this run's command line after `dist-infer`
+    (default: this process's, which a rank started by our launcher, torchrun or mpirun shares with
+    the user's command)."""
+    refusal = variant_refusal(args, peer)
+    if refusal is not None:
+        return {"peer": peer, "ok": False, "error": refusal}
+    switch, extra = VARIANTS[peer]
     cmd = list(sys.argv[1:] if argv is None else argv)
-    for flag in LADDER_PEER_DROPS:
+    for flag in PEER_DROPS + (switch,):
         cmd = strip_flag(cmd, flag)
-    cmd = [a for a in cmd if a not in LADDER_PEER_SWITCHES] + ["--ladder-residual", "all", "--json"]
+    cmd = [a for a in cmd if a not in PEER_SWITCHES] + [switch, *extra, "--json"]
     try:
         out = run_json(cmd, args.peer_timeout)
     except SubcommandError as exc:
-        return {"peer": "ladder", "ok": False, "error": str(exc)}
-    out.update(peer="ladder", ok=True)
+        return {"peer": peer, "ok": False, "error": str(exc)}
+    out.update(peer=peer, ok=True)
     out.pop("compare", None)
     return out
 

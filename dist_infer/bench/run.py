@@ -18,7 +18,7 @@ from loguru import logger
 from dist_infer.bench.flags import parse_compare
 from dist_infer.bench.memory import generation_memory
 from dist_infer.bench.overlap import MEASURED_GROUPS, P2P_RUNS, TP_RUNS, format_overlap, overlap_report
-from dist_infer.bench.report import plot, ratio, run_ours_ladder, run_ours_single_process, save_routing
+from dist_infer.bench.report import plot, ratio, run_ours_single_process, run_ours_variant, save_routing
 from dist_infer.bench.timing import measure
 
 
@@ -98,7 +98,9 @@ def _run_ours(args, peers: list[str], start: RankStart):
             "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
             "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
             "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
-            "ep": args.ep, "threads_total": _threads_total(world.size), "ladder_layers": ladder_layers, **({"moe": moe} if moe is not None else {}),
+            "ep": args.ep, "threads_total": _threads_total(world.size), "ladder_layers": ladder_layers,
+            "prefill_schedule": getattr(args, "prefill_schedule", "chunked"), "max_batched_tokens": args.max_batched_tokens,
+            **({"moe": moe} if moe is not None else {}),
             **({"profile": profile} if profile is not None else {}),
             **({"overlap": overlap} if overlap else {})}
     return ours, model, bar
@@ -123,8 +125,8 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
         bar.set_postfix_str(peer)
         if peer == "ours-1proc":
             metrics = run_ours_single_process(args)
-        elif peer == "ladder":
-            metrics = run_ours_ladder(args)
+        elif peer in ("ladder", "layered"):
+            metrics = run_ours_variant(args, peer)
         else:
             threads = ours["threads_total"] if peer == "llama.cpp" else None  # one process: all our ranks' cores
             metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
@@ -157,6 +159,10 @@ def _print_report(args, model: str, ours: dict, compare: dict) -> None:
     for name, m in compare.items():
         if m.get("ok") and m.get("note"):
             print(f"{name}: {m['note']}")
+        if m.get("ok") and m.get("moe") and ours.get("moe"):
+            mine, theirs = ours["moe"]["expert_bytes"]["prompt"], m["moe"]["expert_bytes"]["prompt"]
+            print(f"{name}: expert weights read in steps with prompt tokens {theirs / 2**20:.0f} MiB, ours "
+                  f"{mine / 2**20:.0f} MiB ({ratio(theirs, mine) or 0:.2f}x ours)")
     print(f"prefill: {ours['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
           f"peak memory above the loaded model (KV cache + activations) per rank: "
           f"{', '.join(f'{m:.0f}' for m in ours['kv_act_peak_mb_per_rank'])} MiB "

@@ -32,14 +32,14 @@ def rank_start(args: argparse.Namespace):
     """How each bench rank joins the job, loads its shard and builds its engine: the rank start-up's
     (`launch.rank`, `launch.model_options`), handed to the bench, which imports no launch code."""
     from dist_infer.bench import RankStart
-    from dist_infer.launch.model_options import build_engine, load_model
+    from dist_infer.launch.model_options import build_bench_engine, load_model
     from dist_infer.launch.rank import join_job
     from dist_infer.topology import ParallelConfig
 
     config = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     return RankStart(join=lambda: join_job(args.backend, config, args.timeout, args.iface, args.log_level, args.shm),
                      load=lambda groups: load_model(args, groups),
-                     build_engine=lambda stage, groups: build_engine(args, stage, groups))
+                     build_engine=lambda stage, groups: build_bench_engine(args, stage, groups))
 
 
 def cmd_bench_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -134,7 +134,7 @@ def _add_generate(sub) -> None:
 
 def _add_bench(sub) -> None:
     from dist_infer.bench import add_bench_flags
-    from dist_infer.launch.model_options import add_model_flags
+    from dist_infer.launch.model_options import add_model_flags, add_prefill_schedule_flags
 
     p = sub.add_parser(
         "bench",
@@ -146,6 +146,7 @@ def _add_bench(sub) -> None:
     add_rank_flags(p)
     add_model_flags(p)  # the same model and layout flags as generate and serve
     add_bench_flags(p)
+    add_prefill_schedule_flags(p)
     add_overlap_flags(p)
 
 

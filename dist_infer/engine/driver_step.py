@@ -35,8 +35,10 @@ def step_shape(chunks) -> StepShape:
     prompt's last token costs what a decode does)."""
     prompts = [c for c in chunks if c.num_tokens > 1]
     decodes = [c for c in chunks if c.num_tokens == 1]
-    return StepShape(prompt_tokens=sum(c.num_tokens for c in prompts),
-                     prompt_pairs=sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
+    # a layered prompt's group runs a fraction of the layers: it costs that fraction of its tokens
+    share = [1.0 if c.work_tokens is None else c.work_tokens / c.num_tokens for c in prompts]
+    return StepShape(prompt_tokens=round(sum(c.num_tokens * f for c, f in zip(prompts, share))),
+                     prompt_pairs=round(sum(chunk_pairs(c.start, c.num_tokens) * f for c, f in zip(prompts, share))),
                      decodes=len(decodes), decode_context=sum(c.start + 1 for c in decodes))
 
 

@@ -322,8 +322,8 @@ class MigrationEndpoint:
                     self._out.pop(mid, None)
                     reply(MigrationAborted("source_ended", f"request {out.request.request_id} ended on the source "
                                                            f"({out.request.finish_reason})"))
-                elif not out.request.in_flight:
-                    self._finish_pause(mid, out)
+                elif not out.request.in_flight and out.request.layer_progress is None:
+                    self._finish_pause(mid, out)  # (a layered prompt pauses after its last group)
         for mid, got in self._in.items():
             report(mid, got.stages)
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dist_infer.engine.layered_prefill import LayerProgress
 from dist_infer.engine.sampling import SamplingParams
 
 
@@ -77,6 +78,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
     cacheable: bool = True
+    layer_progress: Optional[LayerProgress] = None  # in the middle of a layered prefill (layered_prefill.py)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -29,7 +29,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from dist_infer.engine.block_demand import blocks_at_full_length, check_fits, cp_rows_needed  # noqa: F401
 from dist_infer.engine.kv_cache import blocks_for
+from dist_infer.engine.layered_prefill import LayeredPrefill, LayerProgress, group_charge
 from dist_infer.engine.prefix_cache import BlockPool, extend_hashes
 from dist_infer.engine.request import Request, RequestStatus
 
@@ -45,8 +47,11 @@ class SchedulerConfig:
     whole_prompt_steps: bool = False  # context parallel: a step is all fresh prompts or all decodes
     static_batching: bool = False  # the baseline: admit a new batch only when the running one has finished
     prefix_caching: bool = False  # reuse cached full blocks of matching prefixes (the engine turns it on)
+    layered: Optional[LayeredPrefill] = None  # prompts over the budget run layer group by layer group, not cut
 
     def __post_init__(self):
+        if self.layered is not None and (self.whole_prompt_steps or not self.chunked_prefill):
+            raise ValueError("layered prefill replaces chunked prefill: it needs chunked prefill on and no context parallel")
         if self.prefix_caching and self.whole_prompt_steps:
             raise ValueError("prefix caching does not support context parallel (whole-prompt steps): turn it off")
         if self.num_blocks < 1:
@@ -63,6 +68,8 @@ class ScheduledChunk:
     start: int  # tokens of the request already in the cache
     num_tokens: int  # new tokens computed this step
     sample: bool  # the chunk reaches the request's last known token: sample the next one
+    layers: Optional[tuple[int, int]] = None  # layered prefill: the group of layers [first, end) it runs; None: all
+    work_tokens: Optional[int] = None  # what it counts against the token budget (None: num_tokens)
 
 
 @dataclass
@@ -74,31 +81,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-
-def cp_rows_needed(num_prompt: int, num_generated: int, cp: int) -> int:
-    """An upper bound on the KV rows any one of `cp` ranks holds for a sequence: its two zigzag
-    chunks of the prompt (ceil(P / 2cp) rows each) and its round-robin share of the decode tokens."""
-    chunk = -(-num_prompt // (2 * cp))
-    return 2 * chunk + -(-num_generated // cp)
-
-
-def blocks_at_full_length(prompt_len: int, max_new_tokens: int, block_size: int, cp: int = 1) -> int:
-    """KV blocks (per rank) a request holds at its full length."""
-    tokens = prompt_len + max_new_tokens
-    # cp: a shard holds at most 2 ceil(a / 2cp) + ceil(b / cp) <= ceil((a + b) / cp) + 2 rows for a
-    # prompt of a tokens and b decoded ones, however a preemption redrew the line between them
-    rows = tokens if cp == 1 else -(-(tokens - 1) // cp) + 2
-    return blocks_for(rows, block_size)
-
-
-def check_fits(prompt_len: int, max_new_tokens: int, num_blocks: int, block_size: int, cp: int = 1) -> Optional[str]:
-    """Why a request can never run in a cache of `num_blocks` (its full length needs more), or None."""
-    tokens = prompt_len + max_new_tokens
-    need = blocks_at_full_length(prompt_len, max_new_tokens, block_size, cp)
-    if need > num_blocks:
-        return f"needs {need} KV blocks of {block_size} tokens for {tokens} tokens, the cache has {num_blocks}"
-    return None
 
 
 # prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start) -> tokens
@@ -228,9 +210,9 @@ class Scheduler:
             request.block_table = []
         request.num_cached_blocks, request.cacheable = 0, True
         had_cp_shard = self._cp_prefill.pop(request.request_id, None) is not None
-        if request.num_computed or had_cp_shard:
-            self._freed.append(request)
-        request.num_computed = 0
+        if request.num_computed or had_cp_shard or request.layer_progress is not None:
+            self._freed.append(request)  # the ranks drop what they keep of it (cp shards, layered hidden states)
+        request.num_computed, request.layer_progress = 0, None
         request.in_flight = False
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -284,6 +266,9 @@ class Scheduler:
                     remaining = request.num_tokens - request.num_computed
                     if (remaining == 1) != decodes or (self.config.whole_prompt_steps and remaining != 1):
                         continue
+                    if request.layer_progress is not None:  # its next group runs whatever the budget left
+                        budget -= self._add_layer_group(out, request, scheduled)
+                        continue
                     n = min(remaining, budget) if self.config.chunked_prefill else remaining
                     if n <= 0 or n > budget:
                         continue
@@ -318,7 +303,13 @@ class Scheduler:
             hit = self._match(request)
             cached = len(hit) * self.config.block_size
             remaining = request.num_tokens - cached
-            if self.config.chunked_prefill and not self.config.whole_prompt_steps:
+            groups = self._layer_groups(remaining, budget)
+            if groups > 1 and (any(r.layer_progress is not None for r in self.running)
+                               or any(c.layers is not None for c in out.chunks)):
+                break  # one prompt in its layers at a time (a step holds at most one)
+            if groups > 1:
+                n = remaining
+            elif self.config.chunked_prefill and not self.config.whole_prompt_steps:
                 n = min(remaining, budget)
             elif remaining <= budget or not out.chunks:
                 n = remaining  # a prompt longer than the budget still runs, alone
@@ -343,8 +334,35 @@ class Scheduler:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += cached
             self._grow(request, n)
+            if groups > 1:
+                request.layer_progress = LayerProgress(request.num_computed, n, groups)
+                budget -= self._add_layer_group(out, request, scheduled)
+                continue
             self._add_chunk(out, request, n, scheduled)
             budget -= n
+
+    # -- layered prefill (layered_prefill.py) ------------------------------------------------------
+    def _layer_groups(self, remaining: int, budget: float) -> int:
+        """Groups a prompt with `remaining` tokens to compute is cut into; 1: not layered (it fits
+        the budget left, or the schedule is chunked)."""
+        layered = self.config.layered
+        if layered is None or remaining <= budget:
+            return 1
+        return layered.groups_for(remaining, budget)
+
+    def _add_layer_group(self, out: SchedulerOutput, request: Request, scheduled: set[int]) -> int:
+        """The next group of a layered prompt into `out`; its tokens count as computed with the
+        last group. Returns what the step counts against the budget."""
+        progress, num_layers = request.layer_progress, self.config.layered.num_layers
+        first, end = progress.next_bounds(num_layers)
+        sample = progress.last
+        progress.done += 1
+        if sample:
+            request.num_computed, request.layer_progress, request.in_flight = progress.start + progress.tokens, None, True
+        charge = group_charge(progress.tokens, first, end, num_layers)
+        out.chunks.append(ScheduledChunk(request, progress.start, progress.tokens, sample, (first, end), charge))
+        scheduled.add(id(request))
+        return charge
 
     # -- prefix caching (prefix_cache.py) ---------------------------------------------------------
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:

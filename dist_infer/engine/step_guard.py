@@ -163,6 +163,8 @@ class StepGuard:
                 failed += self.fail_all([r], "planning its step", exc)
                 continue
             planned.append(chunk)
+            if chunk.layers is not None:
+                plan.layered.append((len(plan.seq_ids), *chunk.layers))
             plan.seq_ids.append(r.seq_id)
             plan.num_tokens.append(chunk.num_tokens)
             plan.starts.append(chunk.start)

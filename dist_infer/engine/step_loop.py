@@ -40,6 +40,7 @@ from dist_infer.engine.driver_step import DriverStep, InFlightStep
 from dist_infer.engine.intake import RequestIntake
 from dist_infer.engine.kv_cache import PagedKVCache
 from dist_infer.engine.kv_transfer import BlockMover, KVLayout, TransferOp
+from dist_infer.engine.layered_prefill import SCHEDULES, LayeredPrefill
 from dist_infer.engine.migration import MigrationEndpoint
 from dist_infer.engine.offline_generate import OfflineGenerate, Timing
 from dist_infer.engine.offline_outputs import GenerationOutput
@@ -83,6 +84,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                  num_blocks: Optional[int] = None, max_batched_tokens: Optional[int] = None,
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
                  static_batching: bool = False, itl_target: Optional[str] = None, prefix_caching: bool = False,
+                 prefill_schedule: str = "chunked", layer_groups: Optional[int] = None,
                  heartbeat_s: float = HEARTBEAT_S, sampler: Optional[Callable[..., SampledTokens]] = None):
         """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
         itl_target: the inter-token latency a step beside running decodes keeps, its prompt chunk
@@ -93,7 +95,10 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         prefix_caching: reuse the KV blocks of prompt prefixes computed before (prefix_cache.py);
         turned off, with an info line, under context parallel (cp shards blocks per rank). The CLI's
         --prefix-caching turns it on by default; the library default is off so that callers that
-        time repeated runs of the same prompts (bench) measure computed prefills, not cache hits."""
+        time repeated runs of the same prompts (bench) measure computed prefills, not cache hits.
+        prefill_schedule: 'chunked' cuts a prompt over the token budget into token chunks; 'layered'
+        runs it whole, one group of `layer_groups` layer groups per step (None: as many as the
+        budget needs; engine/layered_prefill.py). Layered needs pp=1, cp=1 and no ladder layers."""
         self.itl_target = parse_itl_target(itl_target)
         if cp_variant not in CP_VARIANTS:
             raise ContextParallelError(f"cp variant {cp_variant!r} is not one of {CP_VARIANTS}")
@@ -123,6 +128,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                 logger.info(f"prefix caching is off: not supported with context parallel (cp={groups.cp.size})")
             prefix_caching = False
         self.prefix_caching = prefix_caching
+        self.layered = layered_schedule(prefill_schedule, layer_groups, stage, groups)
         self.heartbeat_s = heartbeat_s
         self.step_costs = StepCostModel()  # what a step costs, learned from the steps run (driver)
         self.step_times = StepTimes()  # step durations by kind, for /metrics
@@ -174,6 +180,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
             max_num_seqs=self.max_num_seqs, watermark=self.watermark,
             chunked_prefill=self.chunked_prefill and self.cp.size == 1, whole_prompt_steps=self.cp.size > 1,
             static_batching=self.static_batching, prefix_caching=self.prefix_caching,
+            layered=self.layered if self.chunked_prefill else None,
         ), cp=self.cp.size)
 
     def enable_migration(self, link: PeerLink, addresses: list[tuple[str, int]],
@@ -225,3 +232,20 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         """Release the stage group this engine made (pp > 1); the caller owns the others."""
         if self.stage_comm is not self.groups.world:
             self.stage_comm.destroy()
+
+
+def layered_schedule(schedule: str, layer_groups: Optional[int], stage, groups: ParallelGroups
+                     ) -> Optional[LayeredPrefill]:
+    """The scheduler's layered-prefill settings for `--prefill-schedule` (None: chunked), or a
+    clear error where this engine cannot run it."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"prefill schedule {schedule!r} is not one of {SCHEDULES}")
+    if schedule == "chunked":
+        return None
+    why = ("pp > 1 (a prompt's hidden states would cross stages between groups)" if groups.pp.size > 1 else
+           "cp > 1 (a context-parallel prompt runs whole, in one step)" if groups.cp.size > 1 else
+           "Ladder Residual layers (their residual stream is two tensors wide)" if getattr(stage, "ladder", None)
+           and stage.ladder.active else None)
+    if why is not None:
+        raise ValueError(f"--prefill-schedule layered is not supported with {why}; use chunked")
+    return LayeredPrefill(len(stage.layers), layer_groups)

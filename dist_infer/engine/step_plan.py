@@ -18,7 +18,8 @@ from dist_infer.engine.kv_transfer import TransferOp
 from dist_infer.engine.sampling import RowSampling
 
 KIND_STOP, KIND_IDLE, KIND_WORK = 0, 1, 2
-_HEAD = 10  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs, transfer ints
+_HEAD = 11  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs, transfer ints,
+# layered sequences
 _PER_SEQ = 5  # seq id, new tokens, context before, table length, sample flag
 _PER_ROW = 7  # temperature, top_k, top_p, seed, index, logprobs, ban_eos
 
@@ -37,6 +38,9 @@ class StepPlan:
     freed: list[int] = field(default_factory=list)  # seq ids whose cache the ranks may forget
     return_logits: bool = False
     transfers: list[TransferOp] = field(default_factory=list)  # run before the forward, in order
+    # layered prefill (engine/layered_prefill.py): (index of the sequence in this plan, first layer, end
+    # layer) of each sequence that runs only layers [first, end); the others run every layer
+    layered: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -60,12 +64,14 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     head = [plan.kind, plan.step, n, plan.total_tokens, sum(len(t) for t in plan.block_tables), len(plan.rows),
             len(plan.freed), int(plan.return_logits), plan.top_logprobs]
     transfers = [x for op in plan.transfers for x in op.encode()]
-    head.append(len(transfers))
+    head += [len(transfers), len(plan.layered)]
     per_seq = []
     for i in range(n):
         per_seq += [plan.seq_ids[i], plan.num_tokens[i], plan.starts[i], len(plan.block_tables[i]), int(plan.sample[i])]
     tables = [b for t in plan.block_tables for b in t]
-    ints = torch.tensor(head + per_seq + tables + list(plan.input_ids) + list(plan.freed) + transfers, dtype=torch.long)
+    layered = [x for entry in plan.layered for x in entry]
+    ints = torch.tensor(head + per_seq + tables + list(plan.input_ids) + list(plan.freed) + transfers + layered,
+                        dtype=torch.long)
     floats = torch.tensor([[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs, r.ban_eos] for r in plan.rows],
                           dtype=torch.float64).reshape(-1)  # seeds < 2**53 are exact in float64
     return ints, floats
@@ -73,7 +79,7 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
     v = ints.tolist()
-    kind, step, n, tokens, table_entries, rows, freed, logits, _, transfer_ints = v[:_HEAD]
+    kind, step, n, tokens, table_entries, rows, freed, logits, _, transfer_ints, layered = v[:_HEAD]
     at = _HEAD
     per_seq = [v[at + i * _PER_SEQ: at + (i + 1) * _PER_SEQ] for i in range(n)]
     at += n * _PER_SEQ
@@ -89,12 +95,14 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
     while at < end:
         op, at = TransferOp.decode(v, at)
         transfers.append(op)
+    layered_entries = [tuple(v[at + 3 * i: at + 3 * i + 3]) for i in range(layered)]
     f = floats.view(-1, _PER_ROW).tolist() if rows else []
     return StepPlan(
         kind=kind, step=step, seq_ids=[r[0] for r in per_seq], num_tokens=[r[1] for r in per_seq],
         starts=[r[2] for r in per_seq], block_tables=tables, sample=[bool(r[4]) for r in per_seq],
         rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp), int(b)) for t, k, p, s, i, lp, b in f],
         input_ids=input_ids, freed=freed_ids, return_logits=bool(logits), transfers=transfers,
+        layered=layered_entries,
     )
 
 

@@ -27,6 +27,7 @@ from dist_infer.models.cp_attention import (
     cp_decode_owner,
     cp_prefill_metadata,
 )
+from dist_infer.models.layered import LayeredStep, LayeredStepError, check_layered
 from dist_infer.parallel.ring.shards import zigzag_chunks
 from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split
@@ -44,9 +45,12 @@ class StageWorker:
         self.cp, self.cp_variant = groups.cp, cp_variant
         self._cp_prompt_len: dict[int, int] = {}  # sequence -> prompt length it was prefilled with
         self._cp_len: dict[int, int] = {}  # sequence -> tokens so far, all cp ranks together
+        self._layered_hidden: dict[int, torch.Tensor] = {}  # layered prefill: sequence -> hidden states between groups
 
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences that finished or were preempted: drop this rank's own bookkeeping of them."""
+        for s in seq_ids:
+            self._layered_hidden.pop(s, None)
         if self.cp.size == 1:
             return
         for s in seq_ids:
@@ -62,6 +66,8 @@ class StageWorker:
             self._cp_kind(plan)
             return None
         q_lens, seq_lens = plan.num_tokens, plan.seq_lens
+        if plan.layered:
+            return self._on_device(self._layered_step(plan))
         if should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold):
             split = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
             return self._on_device(split)
@@ -69,6 +75,28 @@ class StageWorker:
         meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
                                                           self.groups.tp.size, self.sequence_parallel_threshold)
         return self._on_device(meta)
+
+    def _layered_step(self, plan: StepPlan) -> LayeredStep:
+        """The metadata of a step with a prompt in the middle of its layers (models/layered.py):
+        the whole step's, and the others' for the layers it does not run."""
+        if len(plan.layered) != 1 or self.groups.pp.size > 1:
+            raise LayeredStepError(f"a step runs one layered prompt on a whole model (pp=1); got {len(plan.layered)} "
+                                   f"with pp={self.groups.pp.size}")
+        (index, first, end), = plan.layered
+        q_lens, seq_lens, tables = plan.num_tokens, plan.seq_lens, plan.block_tables
+        window = self.cfg.sliding_window
+        full = build_attention_metadata(q_lens, seq_lens, tables, self.block_size, window)
+        a = sum(q_lens[:index])
+        keep = [i for i in range(len(q_lens)) if i != index]
+        others = other_rows = None
+        if keep:
+            others = build_attention_metadata([q_lens[i] for i in keep], [seq_lens[i] for i in keep],
+                                              [tables[i] for i in keep], self.block_size, window)
+            other_rows = torch.cat([torch.arange(a), torch.arange(a + q_lens[index], plan.total_tokens)])
+        step = LayeredStep(full, others, other_rows, (a, a + q_lens[index]), index, plan.seq_ids[index], first, end,
+                           self._layered_hidden)
+        check_layered(step, len(self.stage.layers))
+        return step
 
     def _on_device(self, meta):
         """The step's metadata, built on the host, moved to the model's device once (CPU: as it is)."""

@@ -54,7 +54,12 @@ def scheduler_options(args) -> dict:
     return {"num_blocks": args.kv_blocks, "max_batched_tokens": args.max_batched_tokens,
             "max_num_seqs": args.max_num_seqs, "chunked_prefill": not args.no_chunked_prefill,
             "static_batching": args.scheduling == "static",
-            "itl_target": itl_target(args), "prefix_caching": getattr(args, "prefix_caching", "on") == "on"}
+            "itl_target": itl_target(args), "prefix_caching": getattr(args, "prefix_caching", "on") == "on",
+            **prefill_schedule_options(args)}
+
+
+def prefill_schedule_options(args) -> dict:
+    return {"prefill_schedule": getattr(args, "prefill_schedule", "chunked"), "layer_groups": getattr(args, "layer_groups", None)}
 
 
 def itl_target(args) -> str | None:
@@ -115,6 +120,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
                         "what --kv-cache-memory holds, at most enough for --max-num-seqs full-length requests") + ")")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="compute each prompt in one step instead of in chunks under the token budget")
+    add_prefill_schedule_flags(p)
     if not offline:
         p.add_argument("--itl-target-ms", type=itl_target_arg, default=DEFAULT_ITL_TARGET, metavar="auto|MS|Nx|off",
                        help="the gap between a streaming request's tokens that a step beside running decodes keeps: "
@@ -132,6 +138,18 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
                    help="automatic prefix caching: a request starts from the cached KV blocks of the longest prefix "
                         "it shares with earlier ones and computes only the rest; freed blocks stay cached until "
                         "their room is needed (least recently used first). Off under --cp > 1 (default %(default)s)")
+
+
+def add_prefill_schedule_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-schedule", choices=("chunked", "layered"), default="chunked",
+                   help="how a prompt longer than the step's token budget is cut: chunked (token chunks, each through "
+                        "every layer) or layered (the whole prompt through one group of layers per step while the "
+                        "step's decodes run every layer, so each layer's weights, an MoE layer's experts, are read "
+                        "once per prompt, not once per chunk; one such prompt at a time; pp=1, no cp, no Ladder "
+                        "Residual layers) (default %(default)s)")
+    p.add_argument("--layer-groups", type=positive_int, default=None, metavar="G",
+                   help="layered: cut the layers into G groups (default: as many as keep each step's share of the "
+                        "prompt within the token budget left beside the decodes)")
 
 
 def add_expert_placement_flag(p: argparse.ArgumentParser) -> None:
@@ -175,3 +193,8 @@ def build_engine(args, stage, groups, **options):
     from dist_infer.engine.step_loop import Engine
 
     return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant, **options)
+
+
+def build_bench_engine(args, stage, groups):
+    """The bench's engine: offline, its prompts cut only under --max-batched-tokens (chunked or layered)."""
+    return build_engine(args, stage, groups, max_batched_tokens=args.max_batched_tokens, **prefill_schedule_options(args))

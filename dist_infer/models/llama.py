@@ -24,6 +24,7 @@ from dist_infer.models.attention_metadata import AttentionMetadata, TokenSplit
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.cp_attention import cp_attention, cp_last_hidden, cp_last_token_attention
 from dist_infer.models.ladder import LadderPlan, run_ladder_stage
+from dist_infer.models.layered import LayeredStep, run_layered_stage
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel import (
     MergedColumnParallelLinear,
@@ -281,6 +282,8 @@ class LlamaStage(nn.Module):
         sequence's last new token.
         """
         x = self.embed_tokens(inputs) if self.first else inputs
+        if isinstance(meta, LayeredStep):  # one prompt in the middle of its layers (pp=1: models/layered.py)
+            return self.lm_head(self.norm(run_layered_stage(self, x, meta, kv_caches)))
         split = meta if isinstance(meta, TokenSplit) else None
         meta = split.full if split else meta
         # The last layer keeps only each sequence's last token (see LlamaDecoderLayer.forward).

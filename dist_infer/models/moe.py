@@ -109,6 +109,11 @@ class MoEDecoderLayer(LlamaDecoderLayer):
                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, placement, tp, groups.ep, dtype,
                                      shared=shared, weights_fp32=cfg.model_type == "mixtral", name=f"{prefix}.mlp")
 
+    def forward(self, x, cos, sin, kv, meta, rows=None):
+        if self.sparse:  # the routing statistics count expert reads of prompt steps apart from decode-only ones
+            self.mlp.step_has_prompt = meta.max_q > 1
+        return super().forward(x, cos, sin, kv, meta, rows)
+
     def load_mlp(self, get, cfg: ModelConfig) -> None:
         if not self.sparse:
             return super().load_mlp(get, cfg)
@@ -209,13 +214,16 @@ def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:
     owners = torch.zeros(L, E, dtype=torch.float64)
     times = torch.tensor([sum(s.time_s[p] for s in stage.routing_stats().values()) for p in PHASES],
                          dtype=torch.float64)
+    reads = torch.zeros(2, dtype=torch.float64)  # expert weight reads in prompt steps, in decode-only steps
     for i, s in stage.routing_stats().items():
+        reads += torch.tensor([s.expert_reads["prompt"], s.expert_reads["decode"]], dtype=torch.float64)
         counts[i] = s.expert_tokens
         steps[i] = torch.tensor([s.steps, s.imbalance_sum, s.imbalance_max], dtype=torch.float64)
         sparse[i] = 1.0
         owners[i] = torch.tensor(s.placement.owner, dtype=torch.float64)
-    packed = torch.cat([counts.view(-1), steps.view(-1), sparse, owners.view(-1)])
+    packed = torch.cat([counts.view(-1), steps.view(-1), sparse, owners.view(-1), reads])
     groups.pp.all_reduce(packed)
+    packed, reads = packed[:-2], packed[-2:]
     counts, steps = packed[: L * E].view(L, E), packed[L * E: L * E + 3 * L].view(L, 3)
     sparse, owners = packed[L * E + 3 * L: L * E + 4 * L], packed[L * E + 4 * L:].view(L, E)
     time_sum, time_max = times.clone(), times.clone()
@@ -248,11 +256,18 @@ def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:
         "top_k": cfg.num_experts_per_tok,
         "layers": layers,
         "tokens_per_rank": total_rank,
+        "expert_reads": {"prompt": int(reads[0]), "decode": int(reads[1])},
+        "expert_bytes": {k: int(n) * expert_bytes(cfg, stage.dtype) for k, n in zip(("prompt", "decode"), reads.tolist())},
         "imbalance": imbalance(total_rank),
         "time_s_mean": mean,
         "time_s_max": dict(zip(PHASES, time_max.tolist())),
         "dispatch_combine_over_experts": exchange / mean["experts"] if mean["experts"] else None,
     }
+
+
+def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The bytes of one routed expert's weights (gate, up and down projections, all tp shards)."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * torch.empty((), dtype=dtype).element_size()
 
 
 def format_routing_report(report: dict) -> str:
@@ -266,6 +281,10 @@ def format_routing_report(report: dict) -> str:
                      f"max {layer['step_imbalance_max']:.2f})")
     t = report["time_s_mean"]
     ratio = report["dispatch_combine_over_experts"]
+    reads, nbytes = report["expert_reads"], report["expert_bytes"]
+    lines.append(f"  expert weights read: {reads['prompt']} times in steps with prompt tokens "
+                 f"({nbytes['prompt'] / 2**20:.0f} MiB), {reads['decode']} in decode-only steps "
+                 f"({nbytes['decode'] / 2**20:.0f} MiB)")
     lines.append("  time per rank (mean over ranks): " + ", ".join(f"{p} {t[p] * 1e3:.1f} ms" for p in PHASES)
                  + (f"; dispatch+combine / experts = {ratio:.2f}" if ratio is not None else ""))
     return "\n".join(lines)

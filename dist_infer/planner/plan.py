@@ -16,8 +16,9 @@ from dist_infer.planner.engine_facts import OVERLAP_THRESHOLDS
 from dist_infer.planner.hardware import HardwareProfile, ProfileError, load_profile
 from dist_infer.planner.layout import LayoutError, candidate_layouts, parse_layout, why_not
 from dist_infer.planner.predict import Prediction, predict
+from dist_infer.planner.prefill_schedule import format_prefill_schedules, predict_prefill_schedules
 from dist_infer.planner.shapes import ModelShape
-from dist_infer.planner.workload import Schedule, Workload
+from dist_infer.planner.workload import Schedule, Setup, Workload
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 PROFILE_ALIASES = {"h100": "h100-sxm"}
@@ -172,13 +173,21 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="the engine's token-splitting overlap of tp all-reduces (as generate's --overlap)")
     p.add_argument("--rank-by", choices=RANK_BY, default="e2e",
                    help="order: e2e (TTFT + (gen-len - 1) x TPOT, default), ttft or tpot")
+    p.add_argument("--max-batched-tokens", type=int, default=256,
+                   help="the serving step's token budget, for the prefill schedules' prediction (chunked against "
+                        "layered prefill of one --prompt-len prompt; default %(default)s, serve's)")
+    p.add_argument("--running-decodes", type=int, default=8,
+                   help="decodes running beside that prompt (default %(default)s)")
     p.add_argument("--json", action="store_true",
                    help='print {"layouts": [{"tp", "pp", "cp", "ep", "ttft_s", "tpot_s", "memory_gib_per_rank", ...}]} '
                         "best first")
 
 
 def check_plan_args(args) -> None:
-    for flag in ("gpus", "prompt_len", "gen_len", "batch"):
+    if args.max_batched_tokens <= args.running_decodes:
+        raise PlanError(f"--max-batched-tokens {args.max_batched_tokens} leaves no room beside --running-decodes "
+                        f"{args.running_decodes}")
+    for flag in ("gpus", "prompt_len", "gen_len", "batch", "max_batched_tokens"):
         if getattr(args, flag) < 1:
             raise PlanError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
@@ -197,8 +206,13 @@ def run_plan(args) -> int:
         print(f"dist-infer plan: no layout of {args.gpus} ranks fits in {hw.memory_bytes / 2**30:.1f} GiB per rank")
         return 1
     print(format_plan(preds, skipped, shape, hw, path, args))
+    best = preds[0].layout
+    setup = Setup(shape, best, workload_from_args(args, hw), hw, schedule_from_args(args, hw))
+    schedules = predict_prefill_schedules(setup, args.prompt_len, args.max_batched_tokens, args.running_decodes)
+    print(format_prefill_schedules(schedules, best, args.prompt_len, args.max_batched_tokens, args.running_decodes))
     if args.json:
         print(json.dumps({"model": path, "profile": hw.name, "gpus": args.gpus,
                           "layouts": [p.as_dict() for p in preds],
+                          "prefill_schedules": {k: v.as_dict() if v else None for k, v in schedules.items()},
                           "left_out": [{"layout": lay, "why": why} for lay, why in skipped]}))
     return 0

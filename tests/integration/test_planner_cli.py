@@ -66,6 +66,7 @@ def test_plan_cli_ranks_layouts_and_explains(tmp_path, capsys):
     for x in lays:
         assert {"tp", "pp", "cp", "ep", "ttft_s", "tpot_s", "memory_gib_per_rank", "dominant_prefill"} <= set(x)
     assert "best: " in out.stdout and "prefill bound by" in out.stdout
+    assert "prefill schedules" in out.stdout and set(result["prefill_schedules"]) == {"chunked", "layered"}
     code, one = cli(capsys, "plan", "--model", str(cfg), "--gpus", "4", "--profile", prof, "--layout", "tp=2,pp=2",
                     "--json")
     assert code == 0 and [(x["tp"], x["pp"]) for x in json.loads(one.strip().splitlines()[-1])["layouts"]] == [(2, 2)]
@@ -80,6 +81,10 @@ def test_plan_cli_bad_input_names_the_thing(tmp_path, capsys):
     assert code == 2 and "no hardware profile 'nope'" in out
     code, out = cli(capsys, "plan", "--model", str(tmp_path / "missing"), "--gpus", "4")
     assert code == 2 and "no such file or directory" in out
+    code, out = cli(capsys, "plan", "--model", str(cfg), "--gpus", "4", "--max-batched-tokens", "8")
+    assert code == 2 and "--max-batched-tokens 8 leaves no room beside --running-decodes 8" in out
+    code, out = cli(capsys, "plan", "--model", "mixtral-8x7b", "--gpus", "8", "--layout", "tp=8")
+    assert code == 0 and "expert weights read" in out, out
     out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--hardware-profile", str(tmp_path / "none.json"))
     assert out.returncode == 2 and "no hardware profile" in out.stdout and "none.json" in out.stdout
     out = dist_infer("bench", "--model", "tiny", "--sweep", "tp=1,2", "--sweep-rounds", "0")

@@ -74,6 +74,7 @@ class ExpertParallelMoE(nn.Module):
         self.shared = shared
         self.weights_fp32 = weights_fp32
         self.stats = RoutingStats(placement)
+        self.step_has_prompt = False  # set by the decoder layer per call: whose weight reads the stats count
 
     def gate_loader(self, source) -> None:
         check_shape(f"{self.name}.gate.weight", source, (self.num_experts, self.hidden))
@@ -149,7 +150,7 @@ class ExpertParallelMoE(nn.Module):
         y = x.new_zeros(routing.n, x.shape[1]).index_add_(0, routing.tokens, (back * scale[:, None]).to(x.dtype))
         if self.shared is not None:
             y = y + self.shared(xc)
-        self.stats.record(torch.tensor(counts, dtype=torch.long).sum(0))
+        self.stats.record(torch.tensor(counts, dtype=torch.long).sum(0), self.step_has_prompt)
         times["dispatch"] += t1 - t0
         times["experts"] += t2 - t1
         times["combine"] += time.perf_counter() - t2

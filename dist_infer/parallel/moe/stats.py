@@ -1,5 +1,7 @@
 """Routing statistics of one MoE layer, accumulated step by step: tokens per expert and per rank,
-load imbalance, and time per phase of the layer (`PHASES`).
+load imbalance, time per phase of the layer (`PHASES`), and how often experts' weights were read
+(an expert with any token in a step reads its weights once; split by steps with and without
+prompt tokens, what layered prefill saves against chunked: engine/layered_prefill.py).
 
 Separate from the layer so that what is measured, and how it is summarised for the routing
 report, can be read and tested without running the all-to-all.
@@ -35,11 +37,14 @@ class RoutingStats:
         self.imbalance_max = 0.0
         self.last: Optional[dict] = None
         self.time_s = {p: 0.0 for p in PHASES}
+        self.expert_reads = {"prompt": 0, "decode": 0}  # (step, expert) pairs with tokens, by the step's kind
         self.history.clear()
 
-    def record(self, expert_counts: torch.Tensor) -> None:
-        """One step's tokens per expert [E] (summed over the ep group)."""
+    def record(self, expert_counts: torch.Tensor, prompt: bool = False) -> None:
+        """One step's tokens per expert [E] (summed over the ep group); `prompt`: the step carries
+        prompt tokens (else only decodes)."""
         counts = expert_counts.to(torch.float64)
+        self.expert_reads["prompt" if prompt else "decode"] += int((counts > 0).sum())
         per_rank = self.placement.rank_loads(counts.tolist())
         ratio = imbalance(per_rank)
         self.steps += 1
@@ -63,4 +68,5 @@ class RoutingStats:
             "step_imbalance_max": self.imbalance_max if self.steps else 1.0,
             "placement": list(self.placement.owner),
             "time_s": dict(self.time_s),
+            "expert_reads": dict(self.expert_reads),
         }
