@@ -271,3 +271,46 @@ def test_layered_reads_each_experts_weights_once_per_prompt_where_chunks_read_th
     # 60 + 3 tokens, 12 a step: chunked reads (nearly) every expert of every sparse layer in each of 6 steps
     assert reads["layered"] <= sparse * 8 + 8, reads
     assert reads["layered"] < 0.5 * reads["chunked"], reads
+
+
+class _Instance:
+    """What MigrationEndpoint reads of an engine: a (layered) scheduler, its requests, queued transfers."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.scheduler = _layered_scheduler(budget=10, layers=4)
+        self.block_size = 4
+        self.mover = SimpleNamespace(stage_done=lambda mid, stage: True, failures=set())
+        self.requests, self.ops = {}, []
+
+    def find(self, request_id):
+        return self.requests.get(request_id)
+
+    def queue_transfer(self, op):
+        self.ops.append(op)
+
+
+def test_a_migration_pauses_a_prompt_in_its_layers_only_after_its_last_group():
+    from dist_infer.engine.kv_transfer import PeerInstance
+    from dist_infer.engine.migration import MigrationEndpoint
+
+    src = _Instance()
+    endpoint = MigrationEndpoint(src, lambda *event: None)
+    r = src.requests["r0"] = _request(0, 25)
+    src.scheduler.add(r)
+    _finish_step(src.scheduler, src.scheduler.schedule())  # its first layer group
+    assert r.layer_progress is not None
+    started, paused = [], []
+    endpoint.start_out(1, "r0", PeerInstance(1, 1, 1, (("127.0.0.1", 1001),)), reply=started.append)
+    assert started[0]["hashes"] == [], "nothing computed yet: no block a destination could hold"
+    endpoint.pause_out(1, 0, True, 0, reply=paused.append)
+    groups = 1
+    while not paused:
+        assert r.layer_progress is not None or r.num_computed == 25, "paused only after its last group"
+        _finish_step(src.scheduler, src.scheduler.schedule())
+        groups += 1
+        endpoint.poll()
+        assert groups < 10
+    state, first, count = paused[0]
+    assert state.num_computed == 25 and (first, count) == (0, 7) and groups == 3, (state.num_computed, first, count)

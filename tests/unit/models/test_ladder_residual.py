@@ -2,7 +2,7 @@
 
 The reference (tests/support/ladder_reference.py) is a few lines of torch over the HF model's own
 weights and modules: the ladder wiring of arXiv 2501.06589, recomputing every prefix in full. Ours
-runs in the engine (chunked prefills beside decodes, the KV cache) at tp=1, 2 and 3 on threads,
+runs in the engine (chunked prefills beside decodes, the KV cache) at tp=1, 2, 3 and 4 on threads,
 and stage by stage for pp=2."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_the_reference_without_ladder_is_hfs_forward(llama):
     torch.testing.assert_close(reference_logits(llama, ids), want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_ladder_on_every_layer_matches_the_reference(llama, tp):
     _assert_matches(_ours(llama, tp, "all"), llama, (0, 3), f"tp={tp}, all layers")
 
