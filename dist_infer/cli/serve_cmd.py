@@ -85,6 +85,18 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-instances", type=int, default=16,
                    help="the most instances the server may have, dead and stopped ones included: POST "
                         "/admin/instances beyond it gets HTTP 409 (default %(default)s)")
+    p.add_argument("--placement", choices=("local", "ray"), default="local",
+                   help="where the front end starts its instances (at start, restart, scale-up): local (jobs of "
+                        "their own on this host) or ray (each instance a Ray placement group of one bundle per "
+                        "rank packed on one node, wherever the cluster has room; its node in /admin/instances; "
+                        "needs pip install 'dist_infer[ray]') (default %(default)s)")
+    p.add_argument("--ray-address", default="auto", metavar="auto|HOST:PORT",
+                   help="--placement ray: the Ray cluster to join (auto: the one running on this host)")
+    p.add_argument("--ray-cpus-per-rank", type=int, default=1,
+                   help="--placement ray: CPUs each rank's bundle reserves (and its threads) (default %(default)s)")
+    p.add_argument("--auto-restart", choices=("auto", "on", "off"), default="auto",
+                   help="start a dead instance again (placed anew: under Ray on any node with room), up to 3 times "
+                        "before it serves again; auto: on under --placement ray, else off (default %(default)s)")
     p.add_argument("--frontend-only", action="store_true",
                    help="internal: run only the API and wait for the job's instances to join (world rank 0 of a "
                         "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")

@@ -93,7 +93,7 @@ def run_frontend(args, argv: list[str]) -> int:
     hub.start(waiter.on_hello)
     if args.frontend_only:
         write_hub_file(hub.address)
-    spawn = spawner(argv, hub.address, key, local_ranks=sum(spec.size for spec in specs))
+    spawn = _spawner_for(args, argv, hub.address, key, specs)
     processes: dict = {}
     try:
         if not args.frontend_only:
@@ -113,6 +113,17 @@ def run_frontend(args, argv: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
+    """What starts instance i: a local job of its own, or a Ray placement group (serving/placement_ray.py)."""
+    if getattr(args, "placement", "local") == "ray":
+        from dist_infer.serving.placement_ray import connect, ray_spawner
+
+        connect(args.ray_address)
+        return ray_spawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
+                           gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0)
+    return spawner(argv, hub, key, local_ranks=sum(spec.size for spec in specs))
 
 
 def served_name_for(args, model: str) -> str:
@@ -166,7 +177,8 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, 
     cluster = Cluster(clients, name, tokenizer, template, args.max_queue, args.dispatch, args.migrate_interval,
                       migration_timeout=args.migration_timeout, on_dead=on_dead, spawner=spawn,
                       join_timeout_s=max(60.0, args.timeout), max_request_failovers=args.max_request_failovers,
-                      max_instances=args.max_instances)
+                      max_instances=args.max_instances,
+                      auto_restart=args.auto_restart == "on" or (args.auto_restart == "auto" and args.placement == "ray"))
     cluster.start()
     try:
         waiter.hand_over(cluster.attach)

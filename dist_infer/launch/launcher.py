@@ -29,7 +29,7 @@ from dist_infer.topology.cores import threads_per_rank
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT, free_port
 from dist_infer.topology.hostfile import Host, node_rank_offsets
 from dist_infer.topology.network import set_socket_interface
-from dist_infer.topology.processes import stop_process_groups
+from dist_infer.topology.processes import die_with_parent, stop_process_groups
 
 
 class LaunchError(ValueError):
@@ -234,7 +234,8 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
         for proc in procs:
             env = {**os.environ, **proc.env}
             try:
-                child = subprocess.Popen(proc.argv, env=env, start_new_session=True)
+                # its own session (signals go to its group), but it dies with this launcher
+                child = subprocess.Popen(proc.argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
             except OSError as exc:
                 logger.error(f"{proc.label}: cannot start {proc.argv[0]!r}: {exc.strerror or exc}")
                 _stop(children)

@@ -60,7 +60,8 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
                  chat_template: Optional[str] = None, max_queue: int = 1024, dispatch: str = "prefix",
                  migrate_interval: float = 1.0, migration_timeout: float = 30.0, cooldown_s: Optional[float] = None,
                  on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None,
-                 join_timeout_s: float = 300.0, max_request_failovers: int = 1, max_instances: int = 16):
+                 join_timeout_s: float = 300.0, max_request_failovers: int = 1, max_instances: int = 16,
+                 auto_restart: bool = False):
         first = clients[0].hello
         self.instances = clients
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
@@ -77,6 +78,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         self._spawner = spawner
         self.join_timeout_s = join_timeout_s
         self.max_request_failovers, self.max_instances = max_request_failovers, max_instances
+        self.auto_restart = auto_restart  # a dead instance is started again (placed anew by the spawner)
         self._lock = threading.RLock()
         self._requests: dict[str, RequestRecord] = {}
         self._busy: Counter = Counter()  # instance -> migrations it takes part in

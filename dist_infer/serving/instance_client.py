@@ -88,6 +88,7 @@ class InstanceClient:
         self.draining = False
         self.dead: Optional[str] = None  # why it died (the last time)
         self.restarts = 0
+        self.auto_restarts = 0  # --auto-restart's attempts since it last joined
         self.process = None  # the job this API process started for it (restart, scale-up)
         self.stop_sent = False
         self._lock = threading.Lock()
@@ -103,6 +104,7 @@ class InstanceClient:
     def attach(self, conn: Connection, hello: Hello) -> None:
         """Its driver connected and said hello: it serves from now on (again, after a restart)."""
         self.conn, self.hello = conn, hello
+        self.auto_restarts = 0
         self.spec = InstanceSpec(hello.tp, hello.pp, hello.role)
         self.stats = InstanceStats.empty(hello.total_blocks)
         self.sent = 0  # add messages sent (the instance counts those it applied)
@@ -154,12 +156,21 @@ class InstanceClient:
                             growth_blocks=s.growth_blocks,
                             cached_blocks=self.prefix.matched_blocks(prompt_hashes) if prompt_hashes else 0)
 
+    @property
+    def node(self) -> Optional[str]:
+        """Where it runs: the Ray node id under --placement ray, else the host its driver reached us from."""
+        node = getattr(self.process, "node", None)
+        if node is not None:
+            return node
+        h = self.hello
+        return h.addresses[0][0] if h is not None and h.addresses else None
+
     def describe(self) -> dict:
         """Its /admin/instances entry (plain strings and lists: the JSON is the same as ever)."""
         s, load, h = self.stats or InstanceStats(), self.load(), self.hello
         return {"index": self.index, "state": str(self.state), "role": str(self.role),
                 "layout": self.spec.layout if self.spec else (h.layout if h else None),
-                "pids": list(h.pids) if h else [], "hosts": [],
+                "pids": list(h.pids) if h else [], "hosts": [], "node": self.node,
                 "links": [f"{a[0]}:{a[1]}" for a in (h.addresses if h else ())],
                 "load": -load.freeness, "freeness": load.freeness,
                 "free_blocks": s.free_blocks, "total_blocks": s.total_blocks,

@@ -17,6 +17,7 @@ from dist_infer.serving.instance_client import InstanceClient
 from dist_infer.serving.wire import (CallReply, Hello, InstanceDead, InstanceState, InstanceStats, MigrationEvent,
                                      PrefixEvents, ResumeRequest, Role, StepOutputs)
 
+MAX_AUTO_RESTARTS = 3  # --auto-restart's attempts for an instance that keeps dying before it serves
 PD_RETRY_S = 0.5  # a request whose hand-over to a decode instance failed tries again after this
 RESTARTABLE = (InstanceState.STARTING, InstanceState.DEAD, InstanceState.STOPPED)  # a driver may join these
 LIVING = (InstanceState.SERVING, InstanceState.STOPPING, InstanceState.STARTING)  # the server goes on while one is
@@ -140,6 +141,9 @@ class InstanceLifecycle:
                 return
             client.state, client.dead, client.conn = InstanceState.DEAD, reason, None
             self.failures += 1
+            restart = self._restarts_on_death(client)
+            if restart:  # counted as starting now: its requests wait for it if no other instance can take them
+                client.state = InstanceState.STARTING
             what = f"instance {client.index} ({client.spec.describe()}): {reason}"
             left = [c for c in self.instances if c.state in LIVING]
             orphans, moving, streams = [], set(), []
@@ -157,6 +161,9 @@ class InstanceLifecycle:
                         if rec.moving is not None:
                             moving.add(r)
         self._soon(self._fail_calls, client.index)
+        if restart:
+            threading.Thread(target=self._restart_dead, args=(client, reason), daemon=True,
+                             name=f"instance-{client.index}-restart").start()
         if not left:
             logger.error(f"instance {client.index} failed: {reason}; no instance is left")
             error = self._no_instance_left()
@@ -170,6 +177,31 @@ class InstanceLifecycle:
         for request_id in orphans:
             if request_id not in moving:  # a migrating one is settled when its migration ends
                 self._redispatch(request_id, f"instance {client.index} died")
+
+    def _restarts_on_death(self, client: InstanceClient) -> bool:
+        """--auto-restart: a dead instance is started again (placed anew by the spawner), up to
+        MAX_AUTO_RESTARTS times in a row without serving in between; not while the server stops."""
+        return (self.auto_restart and self._spawner is not None and self.accepting
+                and client.auto_restarts < MAX_AUTO_RESTARTS)
+
+    def _restart_dead(self, client: InstanceClient, reason: str) -> None:
+        """Give the dead job's resources back (its Ray placement group), then start it again."""
+        old, client.auto_restarts = client.process, client.auto_restarts + 1
+        if old is not None:
+            try:
+                old.kill()
+            except Exception as exc:  # noqa: BLE001 - a job already gone
+                logger.debug(f"instance {client.index}: ending its dead job: {exc!r}")
+        logger.warning(f"instance {client.index} died ({reason}); --auto-restart starts it again "
+                       f"(attempt {client.auto_restarts} of {MAX_AUTO_RESTARTS})")
+        try:
+            self._spawn(client, client.spec, "restart")
+        except Exception as exc:  # noqa: BLE001 - _spawn marked it dead and logged why
+            logger.error(f"instance {client.index}: the automatic restart failed: {exc}")
+            with self._lock:
+                parked = self._unpark() if not any(c.state == InstanceState.STARTING for c in self.instances) else []
+            for request_id in parked:
+                self._redispatch(request_id, f"instance {client.index} could not be restarted")
 
     def _no_instance_left(self) -> EngineDeadError:
         """What clients are told: that no instance is left, not why (the why, an instance's error

@@ -1,5 +1,5 @@
-"""Ending processes: stop child process groups (TERM, then KILL), and end this process now,
-without the interpreter's teardown. Standard library only (MPI only if the process loaded it)."""
+"""Ending processes: stop child process groups (TERM, then KILL), end this process now without the
+interpreter's teardown, and tie a child's life to its parent's. Standard library only (MPI only if the process loaded it)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,18 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def die_with_parent() -> None:
+    """A child's preexec_fn (Linux): SIGKILL this process when the thread that started it dies, so a
+    launcher killed outright (or a cluster node lost, taking the process that owned the job) leaves
+    no orphaned ranks behind. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os._exit(137)
