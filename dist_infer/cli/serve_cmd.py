@@ -97,6 +97,20 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-restart", choices=("auto", "on", "off"), default="auto",
                    help="start a dead instance again (placed anew: under Ray on any node with room), up to 3 times "
                         "before it serves again; auto: on under --placement ray, else off (default %(default)s)")
+    p.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                   help="grow and shrink the fleet between MIN and MAX instances to --slo: one more (a stopped one "
+                        "restarted, else a new one of the first instance's layout) when the p90 TTFT or time per "
+                        "output token of the last 10 s passes the SLO, or a request has waited longer than the TTFT "
+                        "SLO for its first token; one fewer, drained by live migration so no request is dropped, "
+                        "when everything stayed under half the SLO with nothing queued for --autoscale-down-after "
+                        "seconds. Without --instances, the server starts MIN instances")
+    p.add_argument("--slo", default=None, metavar="ttft=S,tpot=S",
+                   help="--autoscale's targets in seconds: TTFT and/or time per output token (e.g. ttft=2,tpot=0.1)")
+    p.add_argument("--autoscale-cooldown", type=float, default=10.0,
+                   help="seconds after a scaling decision before the next (the flap guard; default %(default)s)")
+    p.add_argument("--autoscale-down-after", type=float, default=15.0,
+                   help="seconds the fleet must stay under half the SLO before one instance is removed "
+                        "(default %(default)s)")
     p.add_argument("--frontend-only", action="store_true",
                    help="internal: run only the API and wait for the job's instances to join (world rank 0 of a "
                         "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")

@@ -77,7 +77,8 @@ def run_frontend(args, argv: list[str]) -> int:
     from dist_infer.serving.instances import check_roles, parse_instances
 
     configure_logging("api", args.log_level)
-    specs = parse_instances(args.instances or "1", args.tp, args.pp)
+    scale = autoscale_bounds(args)
+    specs = parse_instances(args.instances or str(scale[0] if scale else 1), args.tp, args.pp)
     check_roles(specs)
     if len(specs) > 1 and (args.ep > 1 or args.cp > 1):
         raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
@@ -124,6 +125,34 @@ def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
         return ray_spawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
                            gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0)
     return spawner(argv, hub, key, local_ranks=sum(spec.size for spec in specs))
+
+
+def autoscale_bounds(args) -> Optional[tuple[int, int]]:
+    """--autoscale's (MIN, MAX), checked with --slo and --max-instances before anything starts."""
+    from dist_infer.serving.autoscale import parse_autoscale, parse_slo
+
+    if not getattr(args, "autoscale", None):
+        if getattr(args, "slo", None):
+            raise ValueError("--slo is --autoscale's target: give --autoscale MIN:MAX too")
+        return None
+    bounds = parse_autoscale(args.autoscale)
+    if not args.slo:
+        raise ValueError("--autoscale needs --slo ttft=S and/or tpot=S: the latency it scales to")
+    parse_slo(args.slo)
+    if bounds[1] > args.max_instances:
+        raise ValueError(f"--autoscale {args.autoscale}: MAX is more than --max-instances {args.max_instances}")
+    return bounds
+
+
+def _autoscaler(args, cluster):
+    from dist_infer.serving.autoscale import AutoscalePolicy, parse_autoscale, parse_slo
+    from dist_infer.serving.autoscaler import Autoscaler
+
+    lo, hi = parse_autoscale(args.autoscale)
+    policy = AutoscalePolicy(lo, hi, parse_slo(args.slo), cooldown_s=args.autoscale_cooldown,
+                             low_for_s=args.autoscale_down_after)
+    logger.info(f"autoscaling between {lo} and {hi} instances to the SLO {policy.slo.describe()}")
+    return Autoscaler(cluster, policy, cluster.instances[0].spec.describe())
 
 
 def served_name_for(args, model: str) -> str:
@@ -179,6 +208,8 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, 
                       join_timeout_s=max(60.0, args.timeout), max_request_failovers=args.max_request_failovers,
                       max_instances=args.max_instances,
                       auto_restart=args.auto_restart == "on" or (args.auto_restart == "auto" and args.placement == "ray"))
+    if args.autoscale:
+        cluster.autoscaler = _autoscaler(args, cluster)
     cluster.start()
     try:
         waiter.hand_over(cluster.attach)

@@ -29,6 +29,7 @@ from typing import AsyncIterator, Callable, Optional
 from dist_infer.engine.request import RequestError, RequestOutput, check_prompt
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import blocks_at_full_length, check_fits
+from dist_infer.serving.autoscale import LatencyWindow
 from dist_infer.serving.controller import MigrationControl
 from dist_infer.serving.dispatch import Dispatcher
 from dist_infer.serving.prefix_index import prompt_block_hashes
@@ -79,6 +80,8 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         self.join_timeout_s = join_timeout_s
         self.max_request_failovers, self.max_instances = max_request_failovers, max_instances
         self.auto_restart = auto_restart  # a dead instance is started again (placed anew by the spawner)
+        self.latency = LatencyWindow()  # recent TTFTs and token gaps (the autoscaler's)
+        self.autoscaler = None  # serving/autoscaler.py, when --autoscale is given
         self._lock = threading.RLock()
         self._requests: dict[str, RequestRecord] = {}
         self._busy: Counter = Counter()  # instance -> migrations it takes part in
@@ -180,7 +183,8 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
                 "migrations_total": dict(self.outcomes),
                 "migration_downtime": self.downtime.snapshot(), "requests_recovered": self.recovery.snapshot(),
                 "requests_lost_total": self.requests_lost, "instance_failures_total": self.failures,
-                "requests_quarantined_total": self.requests_quarantined, "frontend_entries": self.held()}
+                "requests_quarantined_total": self.requests_quarantined, "frontend_entries": self.held(),
+                **({"autoscale_decisions_total": dict(self.autoscaler.counts)} if self.autoscaler else {})}
 
     def _num_queued(self) -> int:
         with self._lock:

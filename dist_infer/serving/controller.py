@@ -126,6 +126,8 @@ class MigrationControl:
             if self.dead_reason is not None:
                 continue
             try:
+                if self.autoscaler is not None:
+                    self.autoscaler.tick()
                 self._finish_stops()
                 if not (draining or due):
                     continue

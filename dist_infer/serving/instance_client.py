@@ -28,13 +28,15 @@ class Progress:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     first_token: Optional[float] = None
+    last_token: Optional[float] = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
 
     def add(self, output: RequestOutput) -> None:
-        if output.new_token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
+        if output.new_token_ids:
+            self.last_token = time.monotonic()
+            self.first_token = self.first_token or self.last_token
         self.token_ids += output.new_token_ids
         self.logprobs += output.new_logprobs
         self.top_logprobs += output.new_top_logprobs

@@ -106,6 +106,10 @@ class InstanceLifecycle:
                 if rec is None or not (rec.owner == client.index or (rec.moving or (None, None))[1] == client.index):
                     continue
                 targets.append((rec.stream, o))
+                if o.new_token_ids:  # the autoscaler's window: TTFT, or the gap per token since the last
+                    last = rec.progress.last_token
+                    self.latency.record(now, ttft=None if last else now - rec.progress.arrival,
+                                        gap=now - last if last else None, tokens=len(o.new_token_ids))
                 rec.progress.add(o)
                 if o.finished and rec.owner == client.index:
                     rec.owner = None

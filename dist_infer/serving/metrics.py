@@ -131,6 +131,12 @@ class EngineStatsCollector:
                 c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
                 c.add_metric([self.model_name], float((stats or {}).get(key, 0)))
                 families.append(c)
+        if stats is None or "autoscale_decisions_total" in stats:
+            c = CounterMetricFamily(PREFIX + "autoscale_decisions", "The autoscaler's decisions, by action (up, down; "
+                                    "_failed: decided but not done).", labels=["model_name", "action"])
+            for action, n in sorted((stats or {}).get("autoscale_decisions_total", {}).items()):
+                c.add_metric([self.model_name, action], float(n))
+            families.append(c)
         if stats is None or "frontend_entries" in stats:
             g = GaugeMetricFamily(PREFIX + "frontend_entries", "Entries the API process holds for requests and "
                                   "migrations in flight, by kind (all 0 when idle: nothing outlives its request).",

@@ -1,0 +1,83 @@
+"""The autoscaler's hands (policy: serving/autoscale.py): each control-loop tick it samples the
+fleet from the cluster, asks the policy, and acts through the admin operations any operator has:
+up restarts a stopped instance (or adds one of the fleet's layout, placed by the spawner: locally
+or by Ray), down stops the least busy serving instance, which drains live first. Every decision is
+logged with its reason, counted for /metrics and listed in /admin/instances."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from typing import Optional
+
+from loguru import logger
+
+from dist_infer.serving.autoscale import AutoscalePolicy, Decision, FleetSample
+from dist_infer.serving.instance_client import AdminError
+from dist_infer.serving.wire import InstanceState
+
+TICK_S = 1.0  # how often the fleet is sampled
+
+
+class Autoscaler:
+    def __init__(self, cluster, policy: AutoscalePolicy, layout: str):
+        self.cluster, self.policy, self.layout = cluster, policy, layout
+        self.decisions: deque[dict] = deque(maxlen=100)
+        self.counts: Counter = Counter()  # action -> decisions taken
+        self._last_tick = 0.0
+
+    def tick(self, now: Optional[float] = None) -> Optional[Decision]:
+        """Called by the cluster's control loop; at most once per TICK_S it samples and decides. The
+        action runs on a thread of its own: placing an instance (Ray) may take seconds."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_tick < TICK_S:
+            return None
+        self._last_tick = now
+        decision = self.policy.decide(self.sample(now))
+        if decision is not None:
+            threading.Thread(target=self.act, args=(decision,), daemon=True, name=f"autoscale-{decision.action}").start()
+        return decision
+
+    def sample(self, now: float) -> FleetSample:
+        c = self.cluster
+        states = [x.state for x in c.instances]
+        ttft, tpot = c.latency.p90s(now)
+        with c._lock:
+            waiting = [now - rec.progress.arrival for rec in c._requests.values() if rec.progress.first_token is None]
+        return FleetSample(now=now, serving=sum(1 for x in c.instances if x.accepting),
+                           starting=states.count(InstanceState.STARTING), ttft_p90=ttft, tpot_p90=tpot,
+                           oldest_wait_s=max(waiting, default=0.0), queued=len(waiting))
+
+    def act(self, decision: Decision) -> None:
+        try:
+            index = self._scale_up() if decision.action == "up" else self._scale_down()
+        except AdminError as exc:
+            index, outcome = None, f"not done: {exc}"
+        else:
+            outcome = "no instance to act on" if index is None else "done"
+        entry = {"at": time.time(), "action": decision.action, "reason": decision.reason, "instance": index,
+                 "instances_before": decision.instances, "outcome": outcome}
+        self.decisions.append(entry)
+        self.counts[decision.action if outcome == "done" else f"{decision.action}_failed"] += 1
+        log = logger.info if outcome == "done" else logger.warning
+        log(f"autoscale {decision.action}: {decision.reason}; instance {index}: {outcome}")
+
+    def _scale_up(self) -> Optional[int]:
+        stopped = [x for x in self.cluster.instances if x.state == InstanceState.STOPPED]
+        if stopped:
+            return self.cluster.restart_instance(stopped[0].index)["index"]
+        return self.cluster.add_instance(self.layout)["index"]
+
+    def _scale_down(self) -> Optional[int]:
+        serving = [x for x in self.cluster.instances if x.state == InstanceState.SERVING and not x.draining]
+        if len(serving) <= 1:
+            return None
+        idle = min(serving, key=lambda x: (x.stats.num_requests_running + x.stats.num_requests_waiting, -x.index))
+        return self.cluster.stop_instance(idle.index)["index"]
+
+    def describe(self) -> dict:
+        p = self.policy
+        return {"min": p.min_instances, "max": p.max_instances, "slo": p.slo.describe(), "cooldown_s": p.cooldown_s,
+                "low_water": p.low_water, "low_for_s": p.low_for_s, "decisions": list(self.decisions),
+                "counts": dict(self.counts)}

@@ -1,0 +1,61 @@
+"""The SLO autoscaler's policy (serving/autoscale.py), pure: flags, the windowed p90s, when it
+scales up and down, and the flap guard (cool-down and hysteresis)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_infer.serving.autoscale import (SLO, AutoscaleError, AutoscalePolicy, FleetSample, LatencyWindow, p90,
+                                          parse_autoscale, parse_slo)
+
+
+def test_flags_parse_and_name_themselves():
+    assert parse_slo("ttft=2,tpot=0.1") == SLO(2.0, 0.1) and parse_slo("tpot=0.05") == SLO(None, 0.05)
+    assert parse_autoscale("1:3") == (1, 3) and parse_autoscale("2:2") == (2, 2)
+    for bad in ("", "ttft", "ttft=0", "e2e=3", "ttft=x", "ttft=-1", "ttft=inf"):
+        with pytest.raises(AutoscaleError, match="--slo"):
+            parse_slo(bad)
+    for bad in ("3", "3:1", "0:2", "a:b", "1:"):
+        with pytest.raises(AutoscaleError, match="--autoscale"):
+            parse_autoscale(bad)
+
+
+def test_p90_and_the_window_forget_old_samples():
+    assert p90([]) is None and p90([5.0]) == 5.0 and p90(list(range(1, 11))) == 9
+    w = LatencyWindow(window_s=10.0)
+    w.record(0.0, ttft=9.0)
+    w.record(5.0, ttft=1.0, gap=0.3, tokens=3)
+    assert w.p90s(6.0) == (9.0, pytest.approx(0.1))
+    assert w.p90s(12.0) == (1.0, pytest.approx(0.1)), "the 9 s TTFT left the window"
+    assert w.p90s(100.0) == (None, None)
+
+
+def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0):
+    return FleetSample(now, serving, starting, ttft, tpot, wait, queued)
+
+
+def test_up_on_a_missed_slo_or_a_long_wait_and_only_one_start_at_a_time():
+    p = AutoscalePolicy(1, 3, SLO(ttft_s=2.0, tpot_s=0.1), cooldown_s=5.0)
+    assert p.decide(_sample(0.0, ttft=1.0, tpot=0.05)) is None
+    d = p.decide(_sample(1.0, ttft=2.5))
+    assert d.action == "up" and "p90 TTFT" in d.reason and d.instances == 1
+    assert p.decide(_sample(3.0, ttft=9.0)) is None, "cool-down"
+    assert p.decide(_sample(7.0, serving=1, starting=1, ttft=9.0)) is None, "one instance starting already"
+    d = p.decide(_sample(8.0, serving=2, wait=3.0, queued=4))
+    assert d.action == "up" and "waited 3 s" in d.reason
+    assert p.decide(_sample(20.0, serving=3, tpot=0.5)) is None, "at MAX"
+    q = AutoscalePolicy(1, 3, SLO(tpot_s=0.1))
+    assert q.decide(_sample(0.0, tpot=0.2)).action == "up"
+
+
+def test_down_only_after_a_sustained_low_and_never_below_min():
+    p = AutoscalePolicy(1, 3, SLO(ttft_s=2.0, tpot_s=0.1), cooldown_s=5.0, low_water=0.5, low_for_s=10.0)
+    assert p.decide(_sample(0.0, serving=2, ttft=0.5, tpot=0.02)) is None
+    assert p.decide(_sample(5.0, serving=2, ttft=1.5, tpot=0.02)) is None, "between the thresholds: hysteresis"
+    assert p.decide(_sample(6.0, serving=2, ttft=0.5)) is None, "the low spell starts again"
+    assert p.decide(_sample(12.0, serving=2, ttft=0.5, queued=1)) is None, "something queued"
+    assert p.decide(_sample(13.0, serving=2)) is None
+    d = p.decide(_sample(23.5, serving=2))
+    assert d.action == "down" and "10 s" in d.reason
+    assert p.decide(_sample(60.0, serving=1)) is None, "at MIN"
+    assert p.decide(_sample(61.0, serving=0)).action == "up", "below MIN (an instance died)"
