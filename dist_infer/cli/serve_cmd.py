@@ -108,6 +108,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="--autoscale's targets in seconds: TTFT and/or time per output token (e.g. ttft=2,tpot=0.1)")
     p.add_argument("--autoscale-cooldown", type=float, default=10.0,
                    help="seconds after a scaling decision before the next (the flap guard; default %(default)s)")
+    p.add_argument("--autoscale-window", type=float, default=10.0,
+                   help="seconds of TTFTs and token gaps the p90s are taken over (default %(default)s)")
     p.add_argument("--autoscale-down-after", type=float, default=15.0,
                    help="seconds the fleet must stay under half the SLO before one instance is removed "
                         "(default %(default)s)")

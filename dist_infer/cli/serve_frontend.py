@@ -124,7 +124,11 @@ def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
         connect(args.ray_address)
         return ray_spawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
                            gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0)
-    return spawner(argv, hub, key, local_ranks=sum(spec.size for spec in specs))
+    ranks = sum(spec.size for spec in specs)
+    bounds = autoscale_bounds(args)
+    if bounds is not None:  # each instance gets the cores of its slot in the largest fleet, not of the first one
+        ranks = max(ranks, bounds[1] * max(spec.size for spec in specs))
+    return spawner(argv, hub, key, local_ranks=ranks)
 
 
 def autoscale_bounds(args) -> Optional[tuple[int, int]]:
@@ -152,6 +156,7 @@ def _autoscaler(args, cluster):
     policy = AutoscalePolicy(lo, hi, parse_slo(args.slo), cooldown_s=args.autoscale_cooldown,
                              low_for_s=args.autoscale_down_after)
     logger.info(f"autoscaling between {lo} and {hi} instances to the SLO {policy.slo.describe()}")
+    cluster.latency.window_s = args.autoscale_window
     return Autoscaler(cluster, policy, cluster.instances[0].spec.describe())
 
 

@@ -37,7 +37,7 @@ API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", 
                   "--max-instances", "--api-key", "--admin-key", "--allowed-origins", "--max-body-bytes",
                   "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--placement", "--ray-address",
                   "--auto-restart", "--ray-cpus-per-rank", "--autoscale", "--slo", "--autoscale-cooldown",
-                  "--autoscale-down-after")
+                  "--autoscale-down-after", "--autoscale-window")
 API_ONLY_SWITCHES = ("--frontend-only", "--protect-metrics")  # the same, for flags that take no value
 
 
