@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NPROC ?= 4
 
-.PHONY: setup run test test-quick gpu-check peers llama-cpp clean
+.PHONY: setup run test test-quick gpu-check peers slurm llama-cpp clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,9 @@ setup: $(VENV)/.installed
 run: setup
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/dist-infer generate --tp 2 --pp 2 --nproc $(NPROC) --prompt "The three primary colors are" --max-new-tokens 32
 
-# The tests run the peers too (DeepSpeed and transformers side by side with ours), so they install them.
-test: setup peers
+# The tests run the peers too (DeepSpeed and transformers side by side with ours), so they install them,
+# and Slurm where they can (tests/integration/test_slurm.py starts a one-host Slurm of its own).
+test: setup peers slurm
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
 
 # The quick subset: tests/unit, every test that runs in one process (tests/integration is marked slow).
@@ -52,6 +53,25 @@ $(VENV)/.peers: $(VENV)/.installed
 	touch $@
 
 peers: $(VENV)/.peers
+
+# Slurm for tests/integration/test_slurm.py: Debian's slurm-wlm (22.05) and munge, with apt-get, as root or
+# through password-less sudo. The tests start their own daemons (tests/support/slurm_cluster.py: config, key
+# and state in a temporary folder, 127.0.0.1 only); where the packages cannot be installed they skip and say
+# why. Never fails the build; a no-op once installed. apt's network waits are bounded, dpkg is never killed.
+SLURM_PROGRAMS := slurmctld slurmd srun salloc sbatch munged
+APT_INSTALL := env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	-o Acquire::http::Timeout=20 -o Acquire::Retries=1 -o DPkg::Lock::Timeout=120 slurm-wlm munge
+slurm:
+	@missing=; for p in $(SLURM_PROGRAMS); do PATH=$$PATH:/usr/sbin:/sbin command -v $$p >/dev/null || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	sudo=; [ "$$(id -u)" = 0 ] || sudo="sudo -n"; \
+	if ! command -v apt-get >/dev/null || { [ -n "$$sudo" ] && ! sudo -n true 2>/dev/null; }; then \
+		echo "make slurm: no$$missing, and apt-get cannot install them here (no apt-get, or not root and no password-less sudo): the Slurm tests will skip"; \
+		exit 0; fi; \
+	echo "make slurm: installing slurm-wlm and munge (no$$missing)"; \
+	$$sudo $(APT_INSTALL) >/dev/null 2>&1 || { $$sudo apt-get update -q -o Acquire::http::Timeout=20 >/dev/null 2>&1 && \
+		$$sudo $(APT_INSTALL) >/dev/null 2>&1; } || \
+		echo "make slurm: apt-get could not install slurm-wlm and munge: the Slurm tests will skip"
 
 # llama.cpp, the CPU peer of the serving and quantization benchmarks (benchmarks/serve_compare.py
 # llama-server, docs/benchmarks.md): built with cmake from its public source, the copy vendored in the

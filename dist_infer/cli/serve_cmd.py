@@ -85,11 +85,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-instances", type=int, default=16,
                    help="the most instances the server may have, dead and stopped ones included: POST "
                         "/admin/instances beyond it gets HTTP 409 (default %(default)s)")
-    p.add_argument("--placement", choices=("local", "ray"), default="local",
+    p.add_argument("--placement", choices=("local", "ray", "slurm"), default="local",
                    help="where the front end starts its instances (at start, restart, scale-up): local (jobs of "
-                        "their own on this host) or ray (each instance a Ray placement group of one bundle per "
+                        "their own on this host), ray (each instance a Ray placement group of one bundle per "
                         "rank packed on one node, wherever the cluster has room; its node in /admin/instances; "
-                        "needs pip install 'dist_infer[ray]') (default %(default)s)")
+                        "needs pip install 'dist_infer[ray]') or slurm (inside an allocation, sbatch or salloc: "
+                        "each instance a job step, srun --nodes 1 --ntasks N --exact, on a node with room; the front "
+                        "end stays where serve runs, its hub on the address facing the allocation's other nodes) "
+                        "(default %(default)s)")
     p.add_argument("--ray-address", default="auto", metavar="auto|HOST:PORT",
                    help="--placement ray: the Ray cluster to join (auto: the one running on this host)")
     p.add_argument("--ray-cpus-per-rank", type=int, default=1,
@@ -118,7 +121,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")
     p.add_argument("--hub-host", default=None,
                    help="the address the API's hub listens on for instance drivers (default 127.0.0.1; world rank 0 "
-                        "of a launched job passes the address facing its rendezvous host). Instances on other hosts "
+                        "of a launched job passes the address facing its rendezvous host; --placement slurm: the one facing "
+                        "the allocation's other nodes). Instances on other hosts "
                         "need an address they reach")
     add_http_flags(p)
 
@@ -131,7 +135,8 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     need(("fastapi", "uvicorn", "prometheus_client", "jinja2"), "serve", "serve")
     args.argv = list(argv)  # to start an instance as a job of its own (start-up, restart, scale-up)
-    if args.frontend_only or (not args.join and discover(os.environ) is None):
+    # --placement slurm: the front end, also in the batch script or a one-task step of the allocation
+    if args.frontend_only or (not args.join and (discover(os.environ) is None or args.placement == "slurm")):
         from dist_infer.cli.serve_frontend import run_frontend
 
         try:

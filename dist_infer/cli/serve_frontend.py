@@ -89,7 +89,7 @@ def run_frontend(args, argv: list[str]) -> int:
         raise ValueError(f"--frontend-only: no key in ${HUB_KEY_ENV}")
     stopping = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    hub = Hub(args.hub_host or "127.0.0.1", key)
+    hub = Hub(args.hub_host or _default_hub_host(args), key)
     waiter = StartupWaiter(len(specs))
     hub.start(waiter.on_hello)
     if args.frontend_only:
@@ -117,7 +117,12 @@ def run_frontend(args, argv: list[str]) -> int:
 
 
 def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
-    """What starts instance i: a local job of its own, or a Ray placement group (serving/placement_ray.py)."""
+    """What starts instance i: a local job of its own, a Ray placement group (serving/placement_ray.py)
+    or a Slurm job step (serving/placement_slurm.py)."""
+    if getattr(args, "placement", "local") == "slurm":
+        from dist_infer.serving.placement_slurm import slurm_spawner
+
+        return slurm_spawner(argv, hub, key)
     if getattr(args, "placement", "local") == "ray":
         from dist_infer.serving.placement_ray import connect, ray_spawner
 
@@ -158,6 +163,15 @@ def _autoscaler(args, cluster):
     logger.info(f"autoscaling between {lo} and {hi} instances to the SLO {policy.slo.describe()}")
     cluster.latency.window_s = args.autoscale_window
     return Autoscaler(cluster, policy, cluster.instances[0].spec.describe())
+
+
+def _default_hub_host(args) -> str:
+    """127.0.0.1, or under --placement slurm the address the allocation's other nodes reach."""
+    if getattr(args, "placement", "local") == "slurm":
+        from dist_infer.serving.placement_slurm import hub_host
+
+        return hub_host(os.environ)
+    return "127.0.0.1"
 
 
 def served_name_for(args, model: str) -> str:

@@ -90,8 +90,9 @@ def parse_slurm_tasks_per_node(value: str) -> list[int]:
 
 
 def _slurm_local_world(env: Mapping[str, str], world: int, nodes: int) -> int:
-    """Ranks on this node: its entry of SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, else an even share."""
-    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    """Ranks on this node: its entry of the step's task counts (SLURM_STEP_TASKS_PER_NODE, then the
+    allocation's SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE), else an even share."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         value = env.get(name)
         if value:
             counts = parse_slurm_tasks_per_node(value)
@@ -147,6 +148,28 @@ def _expand_brackets(name: str) -> list[str]:
     return out
 
 
+SLURM_BATCH_STEP = "4294967294"  # the step id Slurm gives a batch script, where it says so
+
+
+def slurm_task(env: Mapping[str, str]) -> bool:
+    """True in a task of an srun job step. A batch script (sbatch) also has SLURM_PROCID=0 and the
+    allocation's SLURM_NTASKS, but no step id: it is where `srun` is run from, not a rank of N."""
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return False
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return "SLURM_JOB_ID" not in env or step not in (None, "", SLURM_BATCH_STEP, "batch")
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of a job step when MASTER_PORT is not set: derived from the job and step
+    ids, so steps side by side on one node (serve --placement slurm starts one per instance) do not
+    all listen on 29500; below the ephemeral ports. DEFAULT_MASTER_PORT without the ids."""
+    job, step = _int(env, "SLURM_JOB_ID", "SLURM_JOBID"), _int(env, "SLURM_STEP_ID", "SLURM_STEPID")
+    if job is None or step is None:
+        return DEFAULT_MASTER_PORT
+    return 20000 + (job * 101 + step) % 10000
+
+
 def _master(env: Mapping[str, str]) -> tuple[Optional[str], Optional[int]]:
     port = _int(env, "MASTER_PORT")
     return env.get("MASTER_ADDR") or None, port
@@ -198,12 +221,14 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
         local_world = _int(env, "MPI_LOCALNRANKS") or 1
         local = _int(env, "MPI_LOCALRANKID") or 0
         info = RankInfo(rank, world, local, local_world, rank // local_world, addr, port, "mpich")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    elif slurm_task(env):
         rank, world = _rank_and_size(env, "SLURM_PROCID", "SLURM_NTASKS")
-        nodes = _int(env, "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
+        nodes = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1
         local_world = _slurm_local_world(env, world, nodes)
-        if addr is None and env.get("SLURM_JOB_NODELIST"):
-            hosts = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])
+        # the step's first node: a step on part of the allocation does not meet on the job's first
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if addr is None and nodelist:
+            hosts = expand_slurm_nodelist(nodelist)
             addr = hosts[0] if hosts else None
         info = RankInfo(
             rank=rank,
@@ -212,7 +237,7 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
             local_world_size=local_world,
             node_rank=_int(env, "SLURM_NODEID") or 0,
             master_addr=addr,
-            master_port=port or DEFAULT_MASTER_PORT,
+            master_port=port or slurm_port(env),
             launcher="slurm",
         )
     else:

@@ -112,6 +112,39 @@ def test_slurm_tasks_per_node():
     assert (info.local_world_size, info.num_nodes, info.master_addr) == (2, 2, "a")
 
 
+# What srun 22.05 leaves in a task of a step on part of a two-node allocation, and in the batch script.
+_STEP = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+         "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n[1-2]",
+         "SLURM_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n2", "SLURM_STEP_TASKS_PER_NODE": "2",
+         "SLURM_NTASKS_PER_NODE": "4", "SLURM_TASKS_PER_NODE": "2"}
+_BATCH = {"SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+          "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+
+
+def test_slurm_step_meets_on_its_own_first_node_with_its_own_task_counts():
+    info = discover(_STEP)
+    assert (info.rank, info.world_size, info.local_world_size, info.num_nodes) == (1, 2, 2, 1)
+    assert info.master_addr == "n2"  # not the allocation's first node, where this step has no rank
+
+
+def test_slurm_steps_side_by_side_get_ports_of_their_own():
+    from dist_infer.topology.discovery import slurm_port
+
+    ports = {discover({**_STEP, "SLURM_STEP_ID": str(step)}).master_port for step in range(50)}
+    assert len(ports) == 50 and all(20000 <= p < 30000 for p in ports)
+    assert discover({**_STEP, "MASTER_PORT": "31000"}).master_port == 31000
+    assert slurm_port({}) == DEFAULT_MASTER_PORT
+
+
+@pytest.mark.parametrize("step", [None, "4294967294", "batch"])
+def test_slurm_batch_script_is_no_rank(step):
+    """sbatch's script has SLURM_PROCID=0 and SLURM_NTASKS=4 but is no rank of 4: the script that
+    runs srun (or a front end) would otherwise wait for three ranks that never come."""
+    env = dict(_BATCH) if step is None else {**_BATCH, "SLURM_STEP_ID": step}
+    assert discover(env) is None
+    assert discover({**_BATCH, "SLURM_STEP_ID": "0"}).world_size == 4
+
+
 # -- precedence and errors -----------------------------------------------------------------
 
 _SLURM_ALLOC = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
@@ -299,6 +332,7 @@ def test_slurm_tasks_per_node_with_repeats():
     with pytest.raises(DiscoveryError, match="'2x3'"):
         parse_slurm_tasks_per_node("2x3")
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_NNODES": "4", "SLURM_NODEID": "3",
-           "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2(x3),1", "SLURM_JOB_ID": "1"}
+           "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2(x3),1", "SLURM_JOB_ID": "1",
+           "SLURM_STEP_ID": "0"}  # a task of a step (srun sets the step id; the batch script has none)
     info = discover(env)
     assert info.local_world_size == 1 and info.world_size == 7
