@@ -18,6 +18,8 @@ from dist_infer.serving.wire import (AddRequest, Hello, InstanceDead, InstanceSt
                                      StopInstance)
 
 POISON = [7, 7, 7]  # the prompt that "crashes" whichever fake instance runs it
+VANISH = [8, 8, 8]  # the first instance to run this vanishes without a word (its node lost: the connection drops)
+VANISHED: set[str] = set()  # requests that made an instance vanish already (taken over, they run)
 
 
 def _hello(index: int) -> Hello:
@@ -44,6 +46,10 @@ class FakeDriver:
                 case AddRequest(request_id=request_id, prompt_token_ids=prompt) | \
                         ResumeRequest(request_id=request_id, prompt_token_ids=prompt):
                     self.seen.append(request_id)
+                    if prompt == VANISH and request_id not in VANISHED:
+                        VANISHED.add(request_id)
+                        self.end.close()
+                        return
                     if prompt == POISON:
                         self.end.send(InstanceDead(f"fake instance {self.index} crashed on {request_id}"))
                         self.end.close()
@@ -110,5 +116,78 @@ def test_scale_up_is_bounded_by_max_instances():
         with pytest.raises(AdminError, match="--max-instances 2") as err:
             cluster.add_instance("tp1")
         assert err.value.status == 409 and len(cluster.instances) == 2
+    finally:
+        cluster.stop(timeout=5)
+
+
+class FakeJob:
+    """What a spawner returns: a job that runs until killed."""
+
+    def __init__(self):
+        self.killed = False
+
+    def poll(self):
+        return -9 if self.killed else None
+
+    def wait(self, timeout=None):
+        import subprocess
+        import time
+
+        deadline = time.monotonic() + (timeout or 0)
+        while not self.killed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.killed:
+            raise subprocess.TimeoutExpired("fake job", timeout)
+        return -9
+
+    def kill(self):
+        self.killed = True
+
+    terminate = kill
+
+
+def test_auto_restart_places_a_dead_instance_again_and_the_last_one_s_death_ends_nothing():
+    """--auto-restart: the only instance's driver goes away (its node lost): the server does not stop,
+    the spawner starts it again, and once its new driver joins it serves."""
+    import time
+
+    spawned, jobs = [], []
+
+    def spawner(index, spec):
+        spawned.append(index)
+        jobs.append(FakeJob())
+        driver = FakeDriver(index)
+        threading.Timer(0.2, lambda: cluster.attach(driver.api_end, _hello(index))).start()
+        return jobs[-1]
+
+    cluster, drivers = _cluster(1, spawner=spawner, auto_restart=True)
+    cluster.instances[0].process = first = FakeJob()
+    try:
+        assert asyncio.run(_run(cluster, "before", [1, 2])) == [3, 4, 5, 6]
+        lost = asyncio.run(_run(cluster, "lost-1", VANISH))  # its node is gone mid-request: the connection drops
+        deadline = time.monotonic() + 10
+        while cluster.instances[0].state != InstanceState.SERVING or not spawned:
+            assert time.monotonic() < deadline, cluster.instances[0].describe()
+            time.sleep(0.02)
+        assert cluster.dead_reason is None and spawned == [0] and first.killed, "the dead job was cleaned up"
+        assert cluster.instances[0].restarts == 1 and cluster.instances[0].auto_restarts == 0
+        assert lost == [9, 10, 11, 12], "the request went on on the restarted instance"
+        assert asyncio.run(_run(cluster, "after", [1, 5])) == [6, 7, 8, 9]
+    finally:
+        cluster.stop(timeout=5)
+
+
+def test_without_auto_restart_a_dead_instance_stays_dead():
+    cluster, drivers = _cluster(2, spawner=lambda index, spec: pytest.fail("nothing may start"))
+    try:
+        asyncio.run(_run(cluster, "r0", [1, 2]))  # rr: the next goes to instance 1
+        assert asyncio.run(_run(cluster, "lost-2", VANISH)) == [9, 10, 11, 12], "it went on on instance 0"
+        import time
+
+        deadline = time.monotonic() + 10
+        while cluster.instances[1].state != InstanceState.DEAD:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert cluster.instances[0].state == InstanceState.SERVING
     finally:
         cluster.stop(timeout=5)
