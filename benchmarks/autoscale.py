@@ -8,7 +8,7 @@ largest fleet). The same trace runs against each: phases of `bench-serve` runs (
 time integral of the instances holding resources (serving, starting or stopping). Goodput is
 bench-serve's: completed requests per second that met both SLOs. Dropped: failed requests.
 
-    python benchmarks/autoscale.py [--rounds 2] [--phases 6x40,0.15x8,6x40,0.15x8] [--out FILE.json]
+    python benchmarks/autoscale.py [--rounds 2] [--phases 1.5x60,0.1x8,1.5x60,0.1x8] [--out FILE.json]
 
 Only 127.0.0.1 is contacted. Check `uptime` before and after: figures count on a quiet machine.
 """
@@ -110,11 +110,12 @@ def parse_phases(text: str) -> list[tuple[float, int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--phases", type=parse_phases, default=parse_phases("6x40,0.15x8,6x40,0.15x8"),
+    p.add_argument("--phases", type=parse_phases, default=parse_phases("1.5x60,0.1x8,1.5x60,0.1x8"),
                    help="RATExREQUESTS,...: the trace's phases, bursts and quiet spells, gamma arrivals in each")
     p.add_argument("--window", type=float, default=5.0, help="the autoscaler's latency window, seconds")
+    p.add_argument("--down-after", type=float, default=3.0, help="--autoscale-down-after, seconds")
     p.add_argument("--ttft", type=float, default=2.0, help="TTFT SLO, seconds")
-    p.add_argument("--tpot", type=float, default=0.1, help="time per output token SLO, seconds")
+    p.add_argument("--tpot", type=float, default=0.2, help="time per output token SLO, seconds")
     p.add_argument("--hidden", type=int, default=512, help="the random Llama's width")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--input-len", type=int, default=512)
@@ -123,7 +124,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="dist-infer-autoscale-"))
     model = checkpoint(Path(tempfile.gettempdir()), args.hidden, args.layers)
     fleets = {"autoscale": ["--autoscale", "1:2", "--slo", f"ttft={args.ttft},tpot={args.tpot}", "--autoscale-window",
-                            str(args.window), "--autoscale-cooldown", "5", "--autoscale-down-after", "5"],
+                            str(args.window), "--autoscale-cooldown", "5", "--autoscale-down-after", str(args.down_after)],
               "fixed": ["--instances", "tp1,tp1"]}
     runs: dict = {name: [] for name in fleets}
     for r in range(args.rounds):
