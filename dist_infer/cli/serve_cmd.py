@@ -105,8 +105,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "restarted, else a new one of the first instance's layout) when the p90 TTFT or time per "
                         "output token of the last 10 s passes the SLO, or a request has waited longer than the TTFT "
                         "SLO for its first token; one fewer, drained by live migration so no request is dropped, "
-                        "when everything stayed under half the SLO with nothing queued for --autoscale-down-after "
-                        "seconds. Without --instances, the server starts MIN instances")
+                        "when everything stayed under half the SLO with nothing queued and at most two running "
+                        "requests per instance left for --autoscale-down-after seconds. Without --instances, the "
+                        "server starts MIN instances")
     p.add_argument("--slo", default=None, metavar="ttft=S,tpot=S",
                    help="--autoscale's targets in seconds: TTFT and/or time per output token (e.g. ttft=2,tpot=0.1)")
     p.add_argument("--autoscale-cooldown", type=float, default=10.0,

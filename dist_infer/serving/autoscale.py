@@ -8,8 +8,9 @@ The policy is pure (`AutoscalePolicy.decide` on a `FleetSample`), tested without
 - up, when the windowed p90 TTFT or p90 time per output token passes its SLO, or a request has
   waited longer than the TTFT SLO for its first token (the queue's wait, seen before it ends), and
   no instance is starting yet, below MAX;
-- down, when for `low_for_s` every sample's p90s were under `low_water` x the SLO and nothing was
-  queued, above MIN;
+- down, when for `low_for_s` every sample's p90s were under `low_water` x the SLO, nothing was
+  queued, and the requests running would leave at most `low_running` per instance on one instance
+  fewer (latency alone is low right after a scale-up met a burst that is still going on), above MIN;
 - the flap guard: after any decision, nothing for `cooldown_s`; and the gap between the up
   threshold (the SLO) and the down one (low_water x SLO) is the hysteresis, so one noisy window
   neither adds nor removes.
@@ -80,6 +81,7 @@ class FleetSample:
     tpot_p90: Optional[float]
     oldest_wait_s: float  # the longest a request now waiting for its first token has waited
     queued: int  # requests without their first token yet
+    running: int = 0  # requests the fleet holds (streaming or waiting)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class AutoscalePolicy:
     cooldown_s: float = 10.0
     low_water: float = 0.5
     low_for_s: float = 15.0
+    low_running: float = 2.0
     _last_action: float = field(default=-math.inf, repr=False)
     _low_since: Optional[float] = field(default=None, repr=False)
 
@@ -105,7 +108,7 @@ class AutoscalePolicy:
         """The action for this sample, or None; an action starts the cool-down."""
         fleet = s.serving + s.starting
         over = self._over_slo(s)
-        low = self._under_low_water(s)
+        low = self._under_low_water(s) and s.running <= self.low_running * max(1, fleet - 1)
         self._low_since = (self._low_since if self._low_since is not None else s.now) if low else None
         if s.now - self._last_action < self.cooldown_s:
             return None
@@ -117,8 +120,9 @@ class AutoscalePolicy:
             decision = Decision(s.now, "up", over, fleet)
         elif (low and fleet > self.min_instances and s.starting == 0
               and s.now - self._low_since >= self.low_for_s):
-            decision = Decision(s.now, "down", f"p90 latency under {self.low_water:g} x the SLO and nothing queued "
-                                               f"for {s.now - self._low_since:.0f} s", fleet)
+            decision = Decision(s.now, "down", f"p90 latency under {self.low_water:g} x the SLO, nothing queued and "
+                                               f"{s.running} request(s) running for {s.now - self._low_since:.0f} s",
+                                fleet)
         if decision is not None:
             self._last_action, self._low_since = s.now, None
         return decision

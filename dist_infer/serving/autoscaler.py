@@ -43,11 +43,10 @@ class Autoscaler:
         c = self.cluster
         states = [x.state for x in c.instances]
         ttft, tpot = c.latency.p90s(now)
-        with c._lock:
-            waiting = [now - rec.progress.arrival for rec in c._requests.values() if rec.progress.first_token is None]
+        waiting = c.first_token_waits(now)
         return FleetSample(now=now, serving=sum(1 for x in c.instances if x.accepting),
                            starting=states.count(InstanceState.STARTING), ttft_p90=ttft, tpot_p90=tpot,
-                           oldest_wait_s=max(waiting, default=0.0), queued=len(waiting))
+                           oldest_wait_s=max(waiting, default=0.0), queued=len(waiting), running=c.num_open())
 
     def act(self, decision: Decision) -> None:
         try:
@@ -79,5 +78,5 @@ class Autoscaler:
     def describe(self) -> dict:
         p = self.policy
         return {"min": p.min_instances, "max": p.max_instances, "slo": p.slo.describe(), "cooldown_s": p.cooldown_s,
-                "low_water": p.low_water, "low_for_s": p.low_for_s, "decisions": list(self.decisions),
+                "low_water": p.low_water, "low_for_s": p.low_for_s, "low_running": p.low_running, "decisions": list(self.decisions),
                 "counts": dict(self.counts)}

@@ -186,6 +186,16 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
                 "requests_quarantined_total": self.requests_quarantined, "frontend_entries": self.held(),
                 **({"autoscale_decisions_total": dict(self.autoscaler.counts)} if self.autoscaler else {})}
 
+    def num_open(self) -> int:
+        """Requests the front end holds: streaming, queued or moving."""
+        with self._lock:
+            return len(self._requests)
+
+    def first_token_waits(self, now: float) -> list[float]:
+        """How long each request without its first token yet has waited (the autoscaler's queue signal)."""
+        with self._lock:
+            return [now - rec.progress.arrival for rec in self._requests.values() if rec.progress.first_token is None]
+
     def _num_queued(self) -> int:
         with self._lock:
             open_streams = len(self._requests)

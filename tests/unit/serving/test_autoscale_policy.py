@@ -30,8 +30,8 @@ def test_p90_and_the_window_forget_old_samples():
     assert w.p90s(100.0) == (None, None)
 
 
-def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0):
-    return FleetSample(now, serving, starting, ttft, tpot, wait, queued)
+def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0):
+    return FleetSample(now, serving, starting, ttft, tpot, wait, queued, running)
 
 
 def test_up_on_a_missed_slo_or_a_long_wait_and_only_one_start_at_a_time():
@@ -54,6 +54,7 @@ def test_down_only_after_a_sustained_low_and_never_below_min():
     assert p.decide(_sample(5.0, serving=2, ttft=1.5, tpot=0.02)) is None, "between the thresholds: hysteresis"
     assert p.decide(_sample(6.0, serving=2, ttft=0.5)) is None, "the low spell starts again"
     assert p.decide(_sample(12.0, serving=2, ttft=0.5, queued=1)) is None, "something queued"
+    assert p.decide(_sample(12.5, serving=2, ttft=0.5, running=3)) is None, "fast, but busy: the burst goes on"
     assert p.decide(_sample(13.0, serving=2)) is None
     d = p.decide(_sample(23.5, serving=2))
     assert d.action == "down" and "10 s" in d.reason
