@@ -8,7 +8,8 @@ The policy is pure (`AutoscalePolicy.decide` on a `FleetSample`), tested without
 - up, when the windowed p90 TTFT or p90 time per output token passes its SLO, or a request has
   waited longer than the TTFT SLO for its first token (the queue's wait, seen before it ends), and
   no instance is starting yet, below MAX;
-- down, when for `low_for_s` every sample's p90s were under `low_water` x the SLO, nothing was
+- down, when for `low_for_s` every sample's p90s (over its last `low_for_s` seconds, so a burst's
+  slow first tokens still in the up window do not hold it back) were under `low_water` x the SLO, nothing was
   queued, and the requests running would leave at most `low_running` per instance on one instance
   fewer (latency alone is low right after a scale-up met a burst that is still going on), above MIN;
 - the flap guard: after any decision, nothing for `cooldown_s`; and the gap between the up
@@ -82,6 +83,8 @@ class FleetSample:
     oldest_wait_s: float  # the longest a request now waiting for its first token has waited
     queued: int  # requests without their first token yet
     running: int = 0  # requests the fleet holds (streaming or waiting)
+    recent_ttft_p90: Optional[float] = None  # the p90s over the last low_for_s seconds only (None: no sample)
+    recent_tpot_p90: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -141,9 +144,9 @@ class AutoscalePolicy:
         slo, k = self.slo, self.low_water
         if s.queued:
             return False
-        if slo.ttft_s is not None and s.ttft_p90 is not None and s.ttft_p90 > k * slo.ttft_s:
+        if slo.ttft_s is not None and s.recent_ttft_p90 is not None and s.recent_ttft_p90 > k * slo.ttft_s:
             return False
-        return not (slo.tpot_s is not None and s.tpot_p90 is not None and s.tpot_p90 > k * slo.tpot_s)
+        return not (slo.tpot_s is not None and s.recent_tpot_p90 is not None and s.recent_tpot_p90 > k * slo.tpot_s)
 
 
 def p90(values: list[float]) -> Optional[float]:
@@ -170,10 +173,12 @@ class LatencyWindow:
             if gap is not None and tokens > 0:
                 self._tpot.append((now, gap / tokens))
 
-    def p90s(self, now: float) -> tuple[Optional[float], Optional[float]]:
+    def p90s(self, now: float, span: Optional[float] = None) -> tuple[Optional[float], Optional[float]]:
+        """(TTFT p90, TPOT p90) over the window, or over its last `span` seconds."""
         start = now - self.window_s
+        recent = now - span if span is not None else start
         with self._lock:
             for q in (self._ttft, self._tpot):
                 while q and q[0][0] < start:
                     q.popleft()
-            return p90([v for _, v in self._ttft]), p90([v for _, v in self._tpot])
+            return (p90([v for t, v in self._ttft if t >= recent]), p90([v for t, v in self._tpot if t >= recent]))

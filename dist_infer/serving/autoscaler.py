@@ -43,10 +43,12 @@ class Autoscaler:
         c = self.cluster
         states = [x.state for x in c.instances]
         ttft, tpot = c.latency.p90s(now)
+        recent = c.latency.p90s(now, self.policy.low_for_s)
         waiting = c.first_token_waits(now)
         return FleetSample(now=now, serving=sum(1 for x in c.instances if x.accepting),
                            starting=states.count(InstanceState.STARTING), ttft_p90=ttft, tpot_p90=tpot,
-                           oldest_wait_s=max(waiting, default=0.0), queued=len(waiting), running=c.num_open())
+                           oldest_wait_s=max(waiting, default=0.0), queued=len(waiting), running=c.num_open(),
+                           recent_ttft_p90=recent[0], recent_tpot_p90=recent[1])
 
     def act(self, decision: Decision) -> None:
         try:

@@ -28,10 +28,15 @@ def test_p90_and_the_window_forget_old_samples():
     assert w.p90s(6.0) == (9.0, pytest.approx(0.1))
     assert w.p90s(12.0) == (1.0, pytest.approx(0.1)), "the 9 s TTFT left the window"
     assert w.p90s(100.0) == (None, None)
+    w.record(101.0, ttft=4.0)
+    w.record(104.0, ttft=0.5)
+    assert w.p90s(105.0) == (4.0, None) and w.p90s(105.0, span=2.0) == (0.5, None)
 
 
-def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0):
-    return FleetSample(now, serving, starting, ttft, tpot, wait, queued, running)
+def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0, recent=None):
+    """`recent`: the p90s of the last low_for_s seconds (default: the window's)."""
+    recent = (ttft, tpot) if recent is None else recent
+    return FleetSample(now, serving, starting, ttft, tpot, wait, queued, running, *recent)
 
 
 def test_up_on_a_missed_slo_or_a_long_wait_and_only_one_start_at_a_time():
@@ -59,4 +64,10 @@ def test_down_only_after_a_sustained_low_and_never_below_min():
     d = p.decide(_sample(23.5, serving=2))
     assert d.action == "down" and "10 s" in d.reason
     assert p.decide(_sample(60.0, serving=1)) is None, "at MIN"
+    q = AutoscalePolicy(1, 3, SLO(ttft_s=2.0), cooldown_s=0.0, low_for_s=2.0)
+    assert q.decide(_sample(0.0, serving=2, ttft=3.0, recent=(0.2, None))) is not None, "up on the window's p90"
+    r = AutoscalePolicy(1, 3, SLO(ttft_s=2.0), cooldown_s=0.0, low_for_s=2.0)
+    assert r.decide(_sample(0.0, serving=3, ttft=1.5, recent=(0.2, None))) is None
+    d = r.decide(_sample(2.5, serving=3, ttft=1.5, recent=(0.2, None)))
+    assert d.action == "down", "the burst's slow TTFTs still in the window do not hold a scale-down back"
     assert p.decide(_sample(61.0, serving=0)).action == "up", "below MIN (an instance died)"
