@@ -140,7 +140,7 @@ DECODE_CONTEXTS = (1024, 4096, 8192, 16384)  # tokens of one sequence's cache on
 
 
 def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 160, head_dims=ATTENTION_HEAD_DIMS,
-                             kv_heads=DECODE_KV_HEADS, placements: int = 3) -> dict:
+                             kv_heads=DECODE_KV_HEADS, placements: int = 3, min_s: float = 0.2, reps: int = 3) -> dict:
     """{head_dim: {kv_heads: [[context, KV bytes/s]]}} the native paged decode attention reads: one
     query, `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so
     that they come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a
@@ -151,7 +151,8 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
     older kernel that read one KV head at a time slowed with more heads and longer contexts, 4
     heads of 32: 3.6 GB/s at 4K, 2.3 at 16K). The caches lie in `placements` separate buffers of
     `mib` MiB, each pass reading all of them (with that older kernel the same read measured 2.3 and
-    3.2 GB/s at 4 heads of 32 and 8K in two processes minutes apart, one buffer each).
+    3.2 GB/s at 4 heads of 32 and 8K in two processes minutes apart, one buffer each). Each point is
+    the best of `reps` timings of at least `min_s` seconds.
     {} without the native kernels (the model then uses the memory bandwidth)."""
     import torch
 
@@ -186,7 +187,7 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
                     for kc, vc in caches:
                         kernels.decode_attention(q, kc, vc, tables, lens, None, 0.1)
 
-                t = _sustained_time(run, min_s=0.2, warm_s=warm, reps=3)
+                t = _sustained_time(run, min_s=min_s, warm_s=warm, reps=reps)
                 warm = 0.0
                 out[str(d)][str(kv)].append([context, len(caches) * context * kv * d * 4 * 2 / t])
     return out

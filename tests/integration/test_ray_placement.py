@@ -23,7 +23,7 @@ from serving_helpers import (ServerJob, assert_live_blocks_free, instances, run_
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'dist_infer[ray]'); make test installs it")
 
-LONG = 200
+LONG = 100
 HF_CHECKED = 30
 LOCAL = "127.0.0.1"
 

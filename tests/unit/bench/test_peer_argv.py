@@ -24,3 +24,16 @@ def test_argv_and_prompts():
     assert p.shape == (3, 7) and int(p.min()) >= 3 and int(p.max()) < 50
     assert (p == make_prompts(3, 7, 50)).all()
     assert METRIC_KEYS == set(empty_metrics("hf"))
+
+
+def test_variant_peers_are_refused_where_they_compare_nothing():
+    from types import SimpleNamespace
+
+    from dist_infer.bench.report import variant_refusal
+
+    assert "without --ladder-residual" in variant_refusal(SimpleNamespace(ladder_residual="all"), "ladder")
+    assert variant_refusal(SimpleNamespace(ladder_residual=None), "ladder") is None
+    assert "needs --max-batched-tokens" in variant_refusal(SimpleNamespace(max_batched_tokens=None), "layered")
+    assert "without --prefill-schedule layered" in variant_refusal(
+        SimpleNamespace(prefill_schedule="layered", max_batched_tokens=64), "layered")
+    assert variant_refusal(SimpleNamespace(prefill_schedule="chunked", max_batched_tokens=64), "layered") is None
