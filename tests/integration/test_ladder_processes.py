@@ -27,8 +27,7 @@ import torch
 from checkpoints import load_hf_model, write_hf_checkpoint
 from hf_compare import assert_matches_hf, prompts_for
 from ladder_reference import reference_greedy
-from paths import REPO, VENV_BIN
-from processes import run, venv_env
+from processes import checkout_env, run, venv_exe
 from serving_helpers import ServerJob, complete_ids, run_async, stream_ids
 
 NEW = 6
@@ -39,15 +38,6 @@ SERVED = prompts_for([15, 17, 14, 16, 4], seed=32)  # the burst of test_served_.
 LADDERS = {"all": (0, LAYERS - 1), "1:2": (1, 2)}
 
 
-def _env() -> dict[str, str]:
-    """venv_env with this checkout first on sys.path: the venv's console scripts (and mpirun's ranks)
-    would otherwise import the package its editable install points at, which need not be this tree."""
-    return venv_env({"PYTHONPATH": str(REPO)})
-
-
-def _exe(name: str) -> str:
-    path = VENV_BIN / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,7 +79,7 @@ def _generate(prefix: list[str], model, dump, flags: list[str]) -> dict:
            "--dump-logits", str(dump), *flags]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
-    proc = run(cmd, TIMEOUT_S, env=_env())
+    proc = run(cmd, TIMEOUT_S, env=checkout_env())
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines, f"no stdout\nstderr:\n{proc.stderr[-3000:]}"
@@ -108,7 +98,7 @@ def test_pp2_generate_matches_the_reference(model, hf, tmp_path, ladder):
     """Our launcher, 2 stages of 2 layers: the hand-over between them is [T, 2H] inside a ladder
     range that spans the boundary (both cases here), [T, H] outside one."""
     dump = tmp_path / "logits.pt"
-    out = _generate([_exe("dist-infer")], model, dump, ["--pp", "2", "--nproc", "2", "--ladder-residual", ladder])
+    out = _generate([venv_exe("dist-infer")], model, dump, ["--pp", "2", "--nproc", "2", "--ladder-residual", ladder])
     _check(out, dump, hf, ladder, f"pp=2 --ladder-residual {ladder}", 1, 2)
 
 
@@ -121,9 +111,9 @@ def test_the_ladder_changes_the_greedy_ids(hf):
 
 
 def test_tp2_generate_over_mpirun_matches_the_reference(model, hf, tmp_path):
-    mpirun = shutil.which("mpirun") or _exe("mpirun")
+    mpirun = shutil.which("mpirun") or venv_exe("mpirun")
     dump = tmp_path / "logits.pt"
-    out = _generate([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", _exe("dist-infer")], model, dump,
+    out = _generate([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", venv_exe("dist-infer")], model, dump,
                     ["--tp", "2", "--backend", "mpi", "--shm", "off", "--ladder-residual", "all"])
     assert "mpi" in out["parallel"]["backend"], out["parallel"]
     _check(out, dump, hf, "all", "mpirun tp=2 --ladder-residual all", 2, 1)
@@ -149,7 +139,7 @@ def test_served_ladder_checkpoint_under_preemption_matches_the_reference(model, 
     prompts = SERVED
     args = ["--model", served, "--nproc", "2", "--tp", "2", "--block-size", "4", "--max-batched-tokens", "7",
             "--kv-blocks", "9", "--max-num-seqs", "4", "--timeout", "60"]
-    with ServerJob(tmp_path, args, env=_env()) as server:
+    with ServerJob(tmp_path, args, env=checkout_env()) as server:
         got = run_async(_burst(server.url, prompts))
         metrics = server.metrics()
         assert metrics["dist_infer:num_preemptions_total"] > 0, "the burst was meant to preempt"
@@ -163,9 +153,9 @@ def test_served_ladder_checkpoint_under_preemption_matches_the_reference(model, 
 def test_bench_compares_the_ladder_on_the_same_layout(model):
     """`bench --compare ladder`: the same command line run again with every layer laddered, as a
     peer beside ours (the standard wiring), its ratios in the JSON."""
-    cmd = [_exe("dist-infer"), "bench", "--model", str(model), "--tp", "2", "--batch", "1", "--prompt-len", "8",
+    cmd = [venv_exe("dist-infer"), "bench", "--model", str(model), "--tp", "2", "--batch", "1", "--prompt-len", "8",
            "--gen-len", "3", "--compare", "ladder", "--json"]
-    proc = run(cmd, TIMEOUT_S, env=_env())
+    proc = run(cmd, TIMEOUT_S, env=checkout_env())
     assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
     ours = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
     peer = ours["compare"]["ladder"]

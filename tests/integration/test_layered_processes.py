@@ -21,8 +21,7 @@ import pytest
 import torch
 from checkpoints import hf_reference, write_hf_checkpoint
 from hf_compare import assert_matches_hf, prompts_for
-from paths import REPO, VENV_BIN
-from processes import run, venv_env
+from processes import checkout_env, run, venv_exe
 from serving_helpers import ServerJob, complete_ids, run_async, stream_ids
 
 NEW = 5
@@ -31,14 +30,6 @@ PROMPTS = prompts_for([5, 19, 3, 14], seed=41)
 SERVED = prompts_for([15, 17, 14, 16, 4], seed=42)
 
 
-def _env() -> dict[str, str]:
-    """This checkout first on sys.path (the venv's editable install may point at another tree)."""
-    return venv_env({"PYTHONPATH": str(REPO)})
-
-
-def _exe(name: str) -> str:
-    path = VENV_BIN / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,7 +63,7 @@ def _generate(prefix: list[str], model, dump, flags: list[str]) -> dict:
            "--dump-logits", str(dump), "--prefill-schedule", "layered", "--max-batched-tokens", "6", *flags]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
-    proc = run(cmd, TIMEOUT_S, env=_env())
+    proc = run(cmd, TIMEOUT_S, env=checkout_env())
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines, f"no stdout\nstderr:\n{proc.stderr[-3000:]}"
@@ -81,16 +72,16 @@ def _generate(prefix: list[str], model, dump, flags: list[str]) -> dict:
 
 def test_moe_tp2_generate_layered_matches_hf(checkpoints, tmp_path):
     dump = tmp_path / "logits.pt"
-    out = _generate([_exe("dist-infer")], checkpoints["moe"], dump, ["--tp", "2", "--nproc", "2"])
+    out = _generate([venv_exe("dist-infer")], checkpoints["moe"], dump, ["--tp", "2", "--nproc", "2"])
     assert (out["parallel"]["tp"], out["parallel"]["world_size"]) == (2, 2), out["parallel"]
     ids, logits = _reference(checkpoints["moe"], PROMPTS)
     assert_matches_hf(out, torch.load(dump), PROMPTS, ids, logits, "qwen2-moe tp=2 layered")
 
 
 def test_moe_ep2_generate_layered_over_mpirun_matches_hf(checkpoints, tmp_path):
-    mpirun = shutil.which("mpirun") or _exe("mpirun")
+    mpirun = shutil.which("mpirun") or venv_exe("mpirun")
     dump = tmp_path / "logits.pt"
-    out = _generate([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", _exe("dist-infer")],
+    out = _generate([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", venv_exe("dist-infer")],
                     checkpoints["moe"], dump, ["--ep", "2", "--backend", "mpi", "--shm", "off"])
     assert "mpi" in out["parallel"]["backend"] and out["parallel"]["world_size"] == 2, out["parallel"]
     ids, logits = _reference(checkpoints["moe"], PROMPTS)
@@ -111,7 +102,7 @@ def test_served_layered_under_preemption_matches_hf(checkpoints, tmp_path):
     args = ["--model", checkpoints["dense"], "--nproc", "2", "--tp", "2", "--block-size", "4",
             "--max-batched-tokens", "7", "--kv-blocks", "9", "--max-num-seqs", "4", "--timeout", "60",
             "--prefill-schedule", "layered", "--layer-groups", "2", "--prefix-caching", "off"]
-    with ServerJob(tmp_path, args, env=_env()) as server:
+    with ServerJob(tmp_path, args, env=checkout_env()) as server:
         got = run_async(_burst(server.url, SERVED))
         metrics = server.metrics()
         assert metrics["dist_infer:num_preemptions_total"] > 0, "the burst was meant to preempt"
@@ -123,9 +114,9 @@ def test_served_layered_under_preemption_matches_hf(checkpoints, tmp_path):
 
 
 def test_bench_compares_layered_prefill_with_its_expert_reads(checkpoints):
-    cmd = [_exe("dist-infer"), "bench", "--model", str(checkpoints["moe"]), "--batch", "2", "--prompt-len", "48",
+    cmd = [venv_exe("dist-infer"), "bench", "--model", str(checkpoints["moe"]), "--batch", "2", "--prompt-len", "48",
            "--gen-len", "3", "--max-batched-tokens", "12", "--compare", "layered", "--json"]
-    proc = run(cmd, TIMEOUT_S, env=_env())
+    proc = run(cmd, TIMEOUT_S, env=checkout_env())
     assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
     ours = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
     peer = ours["compare"]["layered"]

@@ -27,6 +27,20 @@ def venv_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     return env
 
 
+def checkout_env() -> dict[str, str]:
+    """venv_env with this checkout first on sys.path: the venv's console scripts (and mpirun's ranks)
+    would otherwise import the package its editable install points at, which need not be this tree."""
+    return venv_env({"PYTHONPATH": str(REPO)})
+
+
+def venv_exe(name: str) -> str:
+    """The venv's `name` (dist-infer, mpirun), else the one on PATH."""
+    import shutil
+
+    path = VENV_BIN / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
 def _show(cmd, proc_out: str, proc_err: str, why: str) -> None:
     print(f"--- {why}: {cmd}")
     print("--- stdout (tail):\n" + (proc_out or "")[-6000:])
