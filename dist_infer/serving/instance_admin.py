@@ -120,7 +120,7 @@ class InstanceAdmin:
         try:
             client.process = self._spawner(client.index, spec)
         except Exception as exc:  # noqa: BLE001 - the operator sees why
-            client.state, client.dead = InstanceState.DEAD, f"could not start: {exc}"
+            self._start_failed(client, client.process, f"could not start: {exc}")
             raise AdminError(500, f"instance {client.index} could not start: {exc}") from None
         threading.Thread(target=self._watch_start, args=(client, client.process), daemon=True,
                          name=f"instance-{client.index}-start").start()
@@ -134,17 +134,19 @@ class InstanceAdmin:
             code = f"exited with code {process.wait(self.join_timeout_s)}"
         except subprocess.TimeoutExpired:
             code = f"did not join within {self.join_timeout_s:g} s (stopped)"
-        with self._lock:
-            failed = client.process is process and client.state == InstanceState.STARTING
-            if failed:
-                client.state, client.dead = InstanceState.DEAD, f"its job {code} before joining"
-            parked = []
-            if failed and not any(c.state == InstanceState.STARTING for c in self.instances):
-                parked = self._unpark()
-        if not failed:
-            return
-        if process.poll() is None:
+        if self._start_failed(client, process, f"its job {code} before joining") and process.poll() is None:
             process.kill()
-        logger.error(f"instance {client.index}: {client.dead}")
+
+    def _start_failed(self, client: InstanceClient, process, why: str) -> bool:
+        """Instance `client`, starting as `process`, did not start: it is dead, and once no instance
+        is starting the requests parked for one go on elsewhere (or fail, saying so). False: it had
+        joined, or another start took over, meanwhile."""
+        with self._lock:
+            if client.process is not process or client.state != InstanceState.STARTING:
+                return False
+            client.state, client.dead = InstanceState.DEAD, why
+            parked = [] if any(c.state == InstanceState.STARTING for c in self.instances) else self._unpark()
+        logger.error(f"instance {client.index}: {why}")
         for request_id in parked:
             self._redispatch(request_id, f"instance {client.index} could not start")
+        return True

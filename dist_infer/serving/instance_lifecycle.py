@@ -200,12 +200,8 @@ class InstanceLifecycle:
                        f"(attempt {client.auto_restarts} of {MAX_AUTO_RESTARTS})")
         try:
             self._spawn(client, client.spec, "restart")
-        except Exception as exc:  # noqa: BLE001 - _spawn marked it dead and logged why
+        except Exception as exc:  # noqa: BLE001 - _spawn marked it dead, logged why and released what waited for it
             logger.error(f"instance {client.index}: the automatic restart failed: {exc}")
-            with self._lock:
-                parked = self._unpark() if not any(c.state == InstanceState.STARTING for c in self.instances) else []
-            for request_id in parked:
-                self._redispatch(request_id, f"instance {client.index} could not be restarted")
 
     def _no_instance_left(self) -> EngineDeadError:
         """What clients are told: that no instance is left, not why (the why, an instance's error

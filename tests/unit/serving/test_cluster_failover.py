@@ -191,3 +191,18 @@ def test_without_auto_restart_a_dead_instance_stays_dead():
         assert cluster.instances[0].state == InstanceState.SERVING
     finally:
         cluster.stop(timeout=5)
+
+
+def test_a_failed_automatic_restart_ends_the_requests_that_waited_for_it():
+    """The last instance vanishes and its restart cannot even start (no node has room): the request
+    parked for the restart ends with an error its client sees; it does not wait forever."""
+    def spawner(index, spec):
+        raise RuntimeError("no Ray node had room")
+
+    cluster, _ = _cluster(1, spawner=spawner, auto_restart=True)
+    try:
+        out = asyncio.run(asyncio.wait_for(_run(cluster, "lost-3", VANISH), timeout=10))
+        assert isinstance(out, EngineDeadError), out
+        assert cluster.instances[0].state == InstanceState.DEAD and "no Ray node had room" in cluster.instances[0].dead
+    finally:
+        cluster.stop(timeout=5)
