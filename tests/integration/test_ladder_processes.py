@@ -27,8 +27,10 @@ import torch
 from checkpoints import load_hf_model, write_hf_checkpoint
 from hf_compare import assert_matches_hf, prompts_for
 from ladder_reference import reference_greedy
-from processes import checkout_env, run, venv_exe
+from processes import checkout_env, one_torch_thread, run, venv_exe  # noqa: F401 (a fixture)
 from serving_helpers import ServerJob, complete_ids, run_async, stream_ids
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW = 6
 LAYERS = 4
@@ -36,18 +38,6 @@ TIMEOUT_S = 120  # a case takes a few seconds here; this only bounds a hang
 PROMPTS = prompts_for([5, 11, 3], seed=31)
 SERVED = prompts_for([15, 17, 14, 16, 4], seed=32)  # the burst of test_served_...: 4 long, one short
 LADDERS = {"all": (0, LAYERS - 1), "1:2": (1, 2)}
-
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The reference's tiny matmuls in one thread: two intra-op threads beside the jobs' ranks on a
-    loaded 2-core machine made it 10-30 times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

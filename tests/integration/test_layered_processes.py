@@ -21,24 +21,15 @@ import pytest
 import torch
 from checkpoints import hf_reference, write_hf_checkpoint
 from hf_compare import assert_matches_hf, prompts_for
-from processes import checkout_env, run, venv_exe
+from processes import checkout_env, one_torch_thread, run, venv_exe  # noqa: F401 (a fixture)
 from serving_helpers import ServerJob, complete_ids, run_async, stream_ids
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW = 5
 TIMEOUT_S = 120  # a case takes a few seconds here; this only bounds a hang
 PROMPTS = prompts_for([5, 19, 3, 14], seed=41)
 SERVED = prompts_for([15, 17, 14, 16, 4], seed=42)
-
-
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """HF's tiny reference matmuls in one thread beside the jobs' ranks on a 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

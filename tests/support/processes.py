@@ -41,6 +41,19 @@ def venv_exe(name: str) -> str:
     return str(path) if path.exists() else (shutil.which(name) or name)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """In-process references (HF's tiny matmuls) in one thread beside a job's ranks: two intra-op threads
+    beside them on a loaded 2-core machine made them 10-30 times slower. A test module takes it with
+    `from processes import one_torch_thread` and `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _show(cmd, proc_out: str, proc_err: str, why: str) -> None:
     print(f"--- {why}: {cmd}")
     print("--- stdout (tail):\n" + (proc_out or "")[-6000:])
