@@ -64,12 +64,7 @@ def run_layered_stage(stage, x: torch.Tensor, step: LayeredStep, kv_caches) -> t
     state of each sequence [B, H], in plan order (zeros for a layered sequence not at its end yet)."""
     num_layers = len(stage.layers)
     a, b = step.rows
-    if step.first == 0:
-        mine = x[a:b]
-    elif step.seq_id in step.stash:
-        mine = step.stash.pop(step.seq_id)
-    else:
-        raise LayeredStepError(f"sequence {step.seq_id}: no hidden states kept for its layers from {step.first}")
+    mine = x[a:b] if step.first == 0 else step.stash.pop(step.seq_id)  # (check_layered made sure it is there)
     others = None if step.others is None else x[step.other_rows]
     others = _run_layers(stage, others, step.others, kv_caches, range(0, step.first))
     joined = mine if others is None else torch.cat([others[:a], mine, others[a:]])
