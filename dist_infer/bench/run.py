@@ -115,6 +115,13 @@ def _threads_total(world_size: int) -> int:
     return min(usable_cores(), world_size * torch.get_num_threads())
 
 
+def _hf_placement(args) -> dict:
+    """transformers runs where and in the dtype ours ran: one GPU under --device cuda (else the CPU)."""
+    from dist_infer.models.loader import resolve_device
+
+    return {"device": resolve_device(getattr(args, "device", "auto")).type, "dtype": getattr(args, "dtype", "float32")}
+
+
 def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
     """Rank 0: each --compare peer in its own processes, one after another -> {peer: metrics}."""
     from dist_infer.bench.peers import run_peer
@@ -129,8 +136,9 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
             metrics = run_ours_variant(args, peer)
         else:
             threads = ours["threads_total"] if peer == "llama.cpp" else None  # one process: all our ranks' cores
+            where = _hf_placement(args) if peer == "hf" else {}
             metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
-                               threads=threads, repeats=args.repeat)
+                               threads=threads, repeats=args.repeat, **where)
         metrics.pop("token_ids", None)
         metrics["prefill_ratio"] = ratio(ours["prefill_tok_s"], metrics.get("prefill_tok_s"))
         metrics["decode_ratio"] = ratio(ours["decode_tok_s"], metrics.get("decode_tok_s"))

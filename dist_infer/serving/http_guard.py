@@ -12,11 +12,12 @@ import hmac
 import ipaddress
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from loguru import logger
-from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse
+
+if TYPE_CHECKING:  # starlette (the serve extra) is imported where a response is made: the CLI's flags need none
+    from starlette.responses import JSONResponse
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ERROR_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 403: "PermissionDeniedError",
@@ -49,6 +50,8 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Any
 
 
 def error_response(err: ApiError) -> JSONResponse:
+    from starlette.responses import JSONResponse
+
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
                         headers=err.headers)
 
@@ -234,5 +237,7 @@ def install_guard(app, guard: HttpGuard) -> None:
     app.state.http_guard = guard
     app.add_middleware(GuardMiddleware, guard=guard)
     if guard.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
         app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in guard.allowed_origins)

@@ -159,6 +159,17 @@ def test_importing_the_planner_loads_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_cli_parser_needs_no_serving_extra():
+    """`generate` and `bench` work where the serve extra (fastapi, starlette, uvicorn) is not installed:
+    building the whole parser imports none of it (a GPU image without it found this)."""
+    code = ("import sys\n"
+            "from dist_infer.cli.parser import build_parser\n"
+            "build_parser().parse_args(['generate', '--max-new-tokens', '2'])\n"
+            "extra = sorted(m for m in sys.modules if m.split('.')[0] in ('starlette', 'fastapi', 'uvicorn'))\n"
+            "assert not extra, extra\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_dist_infer_plan_runs_without_torch():
     # the README's example, run through the real CLI entry point; an import hook refuses torch
     code = ("import sys\n"

@@ -18,7 +18,8 @@ group with another (or with us):
 The workload is identical for all three and timed by the same loop (`time_greedy`): B seeded
 random prompts of exactly P token ids in [3, vocab); prefill = one forward over the B x P batch
 (``ttft_s``, ``prefill_tok_s = B*P/ttft_s``); then G-1 greedy decode steps through a
-``DynamicCache`` (``tpot_s`` = mean step time, ``decode_tok_s = B/tpot_s``). fp32, CPU,
+``DynamicCache`` (``tpot_s`` = mean step time, ``decode_tok_s = B/tpot_s``). fp32, CPU (the
+``hf`` peer alone runs where and in the dtype our run did: one GPU under ``bench --device cuda``),
 ``torch.inference_mode()``, one untimed warm-up (a short prefill and 2 decode steps) first;
 ``--repeats N`` times the workload N times and keeps the best ttft and mean step time (the estimate
 least disturbed by other work on a shared machine).
@@ -29,7 +30,9 @@ Metrics (one dict per peer, written as JSON by rank 0)::
 
     {"peer", "prefill_tok_s", "decode_tok_s", "ttft_s", "tpot_s", "peak_rss_mb", "tp", "ok", "error",
      "token_ids" (B x G greedy ids), "peak_rss_mb_total", "load_s", "threads", "batch", "prompt_len",
-     "gen_len", "world_size", "versions", "repeats", "ttft_s_all", "tpot_s_all"}
+     "gen_len", "world_size", "versions", "repeats", "ttft_s_all", "tpot_s_all",
+     "tokens_changed_between_repeats" (0 on the CPU, where a change is an error; on a GPU, whose
+     reductions are not deterministic, near ties may flip)}
 
 `run_peer` adds "command", "wall_s", "loadavg_1m" (before, after) and, on failure, "stderr_tail".
 
@@ -55,7 +58,7 @@ What the CPU setup needs (found by reading the installed sources):
   ``distributed_config=DistributedConfig(tp_plan="auto")``; we use the latter where it exists. HF TP
   picks its device from ``torch._C._get_accelerator()`` and the gloo backend for CPU, so it runs on
   CPU as is; `run_peer` hides any GPU (``CUDA_VISIBLE_DEVICES=""``, ``DS_ACCELERATOR=cpu``) so
-  that all peers run the same fp32 CPU workload.
+  that all peers run the same fp32 CPU workload (all but ``hf`` asked for ``--device cuda``).
 """
 
 from dist_infer.bench.peers.metrics import empty_metrics, failed

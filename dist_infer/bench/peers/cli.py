@@ -35,12 +35,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up; the best is reported")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout in seconds")
     p.add_argument("--json-out", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the hf peer runs (the others: cpu)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the hf peer's weight dtype (the others: float32)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     rank, world = dist_env()
+    if args.peer != "hf" and (args.device, args.dtype) != ("cpu", "float32"):
+        err = f"--peer {args.peer} runs fp32 on the CPU only; --device and --dtype apply to the hf peer"
+        if rank == 0:
+            _write_json(args.json_out, failed(args.peer, err, tp=world))
+        print(err, file=sys.stderr)
+        return 2
     if args.peer in DISTRIBUTED_PEERS and "RANK" not in os.environ:
         err = f"--peer {args.peer} must be started by torchrun (no RANK/WORLD_SIZE in the environment)"
         _write_json(args.json_out, failed(args.peer, err, tp=world))
@@ -53,6 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(err, file=sys.stderr)
         return 2
     kwargs: dict[str, Any] = {"threads": args.threads, "repeats": args.repeats}
+    if args.peer == "hf":
+        kwargs.update(device=args.device, dtype=args.dtype)
     if args.peer in DISTRIBUTED_PEERS:
         kwargs["timeout_s"] = args.timeout
     try:

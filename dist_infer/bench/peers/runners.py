@@ -49,18 +49,20 @@ def hf_from_pretrained(model_path: str, **kwargs):
 
 
 def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-           repeats: int = 1) -> dict:
-    """HF transformers in this one process."""
+           repeats: int = 1, device: str = "cpu", dtype: str = "float32") -> dict:
+    """HF transformers in this one process, on the CPU or one GPU, in the dtype our run used."""
     import torch
 
     threads = threads or threads_per_rank(1)
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    model = hf_from_pretrained(model_path, dtype=torch.float32)
+    model = hf_from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     load_s = time.perf_counter() - t0
-    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats)
-    return finished("hf", 1, threads, load_s, timing, batch, prompt_len, gen_len, 1)
+    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats, device=device)
+    metrics = finished("hf", 1, threads, load_s, timing, batch, prompt_len, gen_len, 1)
+    metrics.update(device=device, dtype=dtype)
+    return metrics
 
 
 def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,

@@ -34,7 +34,7 @@ def torchrun_argv(nproc: int, port: int) -> list[str]:
 
 def peer_argv(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
               json_out: str, port: int, threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              repeats: int = 1) -> list[str]:
+              repeats: int = 1, device: str = "cpu", dtype: str = "float32") -> list[str]:
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
     tail = ["-m", "dist_infer.bench.peers", "--peer", peer, "--model", str(model_path), "--batch", str(batch),
@@ -42,6 +42,8 @@ def peer_argv(peer: str, model_path: str, nproc: int, batch: int, prompt_len: in
             "--timeout", str(timeout_s), "--repeats", str(repeats)]
     if threads:
         tail += ["--threads", str(threads)]
+    if (device, dtype) != ("cpu", "float32"):
+        tail += ["--device", device, "--dtype", dtype]
     if peer in DISTRIBUTED_PEERS:
         return torchrun_argv(nproc, port) + tail
     return [sys.executable] + tail
@@ -77,13 +79,16 @@ def _tail(text: str, n: int = 4000) -> str:
 
 def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
              timeout_s: float = DEFAULT_TIMEOUT_S, threads: Optional[int] = None,
-             env: Optional[dict[str, str]] = None, repeats: int = 1) -> dict:
+             env: Optional[dict[str, str]] = None, repeats: int = 1, device: str = "cpu",
+             dtype: str = "float32") -> dict:
     """Run one peer in its own process(es) and return its metrics dict (ok False + stderr tail on failure).
 
     `hf` is one plain process (`nproc` is ignored; `threads` defaults to all cores); `hf-tp` and
     `deepspeed` run as `nproc` torchrun ranks (threads per rank default to cores // nproc). Peers
     started through here never overlap: a file lock serialises them. `llama.cpp` runs llama.cpp's
     own benchmark binary (`peers.llama_cpp`) with `threads` cores (default: all usable ones).
+    `device` and `dtype` apply to `hf` alone (on `cuda`, the same GPU our run used); the others
+    run the fp32 CPU workload.
     """
     if peer == LLAMA_CPP:
         with _exclusive():
@@ -99,17 +104,18 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
         json_out = os.path.join(tmp, "metrics.json")
         port = free_port()
         argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
-                         repeats)
+                         repeats, device, dtype)
         load_before = os.getloadavg()[0]
         child_env = without_launcher_env(os.environ)  # we may ourselves be a rank: the peer is a job of its own
         child_env.update({
-            "CUDA_VISIBLE_DEVICES": "",      # every peer runs the same fp32 CPU workload
             "DS_ACCELERATOR": "cpu",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         })
+        if device == "cpu":
+            child_env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU workload: the same fp32 run on every CPU peer
         # the package must be importable by the child even when it is not installed
         root = str(Path(__file__).resolve().parents[2])
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))

@@ -54,8 +54,14 @@ def _expand_kv(k, v, q_heads):
 
 
 def _cuda_attention_with_lse(q, k, v, causal, scale):
-    """flash-attn when installed (GQA native), else torch's flash op (fp16/bf16) or efficient op (fp32)."""
-    if q.dtype in (torch.float16, torch.bfloat16):
+    """flash-attn when installed (GQA native), else torch's flash op (fp16/bf16) or efficient op.
+
+    The flash kernels align a causal mask to the bottom right when there are fewer queries than
+    keys; ours is top-left (query i sees keys 0..i), so such a block goes to the efficient op,
+    whose causal mask is top-left (found on an H200: docs/benchmarks.md, "The CUDA paths").
+    """
+    top_left_differs = causal and q.shape[0] != k.shape[0]
+    if q.dtype in (torch.float16, torch.bfloat16) and not top_left_differs:
         try:
             from flash_attn import flash_attn_func
         except ImportError:
@@ -68,7 +74,7 @@ def _cuda_attention_with_lse(q, k, v, causal, scale):
         res = torch.ops.aten._scaled_dot_product_flash_attention(
             _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, False, scale=scale)
         return res[0][0].transpose(0, 1), res[1][0].transpose(0, 1)
-    if q.dtype == torch.float32:
+    if q.dtype in (torch.float32, torch.float16, torch.bfloat16):
         k, v = _expand_kv(k, v, q.shape[1])
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
             _heads_first(q).contiguous(), _heads_first(k).contiguous(), _heads_first(v).contiguous(),
