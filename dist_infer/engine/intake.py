@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from dist_infer.engine.request import PromptError, Request, RequestOutput, check_prompt
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.step_cost import prefill_backlog_s
 
 
 class RequestIntake:
@@ -116,7 +117,15 @@ class RequestIntake:
                 "growth_blocks": s.growth_demand(),
                 "running_ids": [r.request_id for r in s.running], "waiting_ids": [r.request_id for r in s.waiting],
                 "running_blocks": [len(r.block_table) for r in s.running], "requests_added": self.requests_added,
-                "step_seconds": self.step_times.snapshot()}
+                "step_seconds": self.step_times.snapshot(), "prefill_backlog_s": self._prefill_backlog_s()}
+
+    def _prefill_backlog_s(self):
+        """Predicted seconds of prompt compute queued here (step_cost.prefill_backlog_s): every
+        request with more than its next token still to compute, waiting or running."""
+        s = self.scheduler
+        left = [(r.num_computed, r.num_tokens - r.num_computed) for r in (*s.waiting, *s.running)
+                if r.num_tokens - r.num_computed > 1]
+        return prefill_backlog_s(self.step_costs, left)
 
     def prefix_events(self) -> tuple[list[int], list[int]]:
         """Driver: the block hashes the prefix cache stored and evicted since the last call."""

@@ -112,6 +112,17 @@ class StepCostModel:
         return MIN_CHUNK if n < MIN_CHUNK else (int(n) if math.isfinite(n) else None)
 
 
+def prefill_backlog_s(model: StepCostModel, prompts) -> Optional[float]:
+    """Seconds of prompt compute still ahead of this engine: `prompts` gives (tokens computed,
+    tokens left) per prompt not yet through its prefill. The autoscaler's predicted wait for a
+    first token (serving/autoscale.py), from the learned per-token costs; the steps' fixed cost and
+    the decodes beside them are left out, so it errs short. None until a prompt's cost is learned."""
+    if not model.ready:
+        return None
+    _, a, c, _, _ = (float(v) for v in model.coefficients())
+    return sum(a * left + c * chunk_pairs(done, left) / 1000.0 for done, left in prompts)
+
+
 @dataclass
 class StepTimes:
     """Step durations counted per kind in Prometheus buckets (what /metrics exports per instance)."""

@@ -6,8 +6,10 @@ first hands every request it holds to the others (serving/instance_admin.py `sto
 The policy is pure (`AutoscalePolicy.decide` on a `FleetSample`), tested without processes:
 
 - up, when the windowed p90 TTFT or p90 time per output token passes its SLO, or a request has
-  waited longer than the TTFT SLO for its first token (the queue's wait, seen before it ends), and
-  no instance is starting yet, below MAX;
+  waited longer than the TTFT SLO for its first token (the queue's wait, seen before it ends), or
+  the queue's predicted wait passes it (the prompts queued at the least backlogged instance, times
+  the per-token prefill cost its engine learned: seen as a burst arrives, before anyone waited),
+  and no instance is starting yet, below MAX;
 - down, when for `low_for_s` every sample's p90s (over its last `low_for_s` seconds, so a burst's
   slow first tokens still in the up window do not hold it back) were under `low_water` x the SLO, nothing was
   queued, and the requests running would leave at most `low_running` per instance on one instance
@@ -85,6 +87,7 @@ class FleetSample:
     running: int = 0  # requests the fleet holds (streaming or waiting)
     recent_ttft_p90: Optional[float] = None  # the p90s over the last low_for_s seconds only (None: no sample)
     recent_tpot_p90: Optional[float] = None
+    predicted_wait_s: float = 0.0  # the prompt compute queued ahead of a request arriving now
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,8 @@ class AutoscalePolicy:
             return f"p90 TTFT {s.ttft_p90:.3g} s over the SLO's {slo.ttft_s:g} s"
         if slo.ttft_s is not None and s.oldest_wait_s > slo.ttft_s:
             return f"a request has waited {s.oldest_wait_s:.3g} s for its first token (SLO {slo.ttft_s:g} s)"
+        if slo.ttft_s is not None and s.predicted_wait_s > slo.ttft_s:
+            return f"the queued prompts predict a {s.predicted_wait_s:.3g} s wait for a first token (SLO {slo.ttft_s:g} s)"
         if slo.tpot_s is not None and s.tpot_p90 is not None and s.tpot_p90 > slo.tpot_s:
             return f"p90 time per output token {s.tpot_p90 * 1e3:.3g} ms over the SLO's {slo.tpot_s * 1e3:g} ms"
         return None

@@ -45,10 +45,12 @@ class Autoscaler:
         ttft, tpot = c.latency.p90s(now)
         recent = c.latency.p90s(now, self.policy.low_for_s)
         waiting = c.first_token_waits(now)
-        return FleetSample(now=now, serving=sum(1 for x in c.instances if x.accepting),
+        backlogs = [x.stats.prefill_backlog_s or 0.0 for x in c.instances if x.accepting]
+        return FleetSample(now=now, serving=len(backlogs),
                            starting=states.count(InstanceState.STARTING), ttft_p90=ttft, tpot_p90=tpot,
                            oldest_wait_s=max(waiting, default=0.0), queued=len(waiting), running=c.num_open(),
-                           recent_ttft_p90=recent[0], recent_tpot_p90=recent[1])
+                           recent_ttft_p90=recent[0], recent_tpot_p90=recent[1],
+                           predicted_wait_s=min(backlogs, default=0.0))  # where dispatch would put a new one
 
     def act(self, decision: Decision) -> None:
         try:

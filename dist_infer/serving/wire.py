@@ -191,6 +191,7 @@ class InstanceStats:
     running_blocks: tuple[int, ...] = ()
     requests_added: int = 0
     step_seconds: Optional[dict] = None  # {kind: (bucket bounds, counts, sum)}: the engine's step times
+    prefill_backlog_s: Optional[float] = None  # predicted seconds of the prompts queued (engine/step_cost.py)
 
     @classmethod
     def from_dict(cls, stats: dict) -> "InstanceStats":

@@ -12,7 +12,7 @@ from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
 from dist_infer.engine.step_cost import (AUTO_FACTOR, MIN_CHUNK, StepCostModel, StepShape, StepTimes, chunk_pairs,
-                                         parse_itl_target)
+                                         parse_itl_target, prefill_backlog_s)
 
 # a CPU-like truth: 4 ms fixed, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
 # 0.05 ms per 1000 decode context tokens
@@ -261,3 +261,35 @@ def test_bad_targets_are_refused_when_the_flags_are_read(argv, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_the_prefill_backlog_is_the_learned_cost_of_the_prompt_tokens_left():
+    """The autoscaler's predicted wait: per prompt, a x tokens left + c x their attention pairs (from
+    where it stands); unknown until a prompt's cost was learned, and nothing for a queue of none."""
+    model = StepCostModel()
+    assert prefill_backlog_s(model, [(0, 500)]) is None
+    rng = random.Random(1)
+    for _ in range(200):
+        shape = _random_shape(rng)
+        model.observe(shape, true_seconds(shape))
+    _, a, c, _, _ = TRUE
+    want = a * 500 + c * chunk_pairs(0, 500) / 1000 + a * 300 + c * chunk_pairs(200, 300) / 1000
+    assert prefill_backlog_s(model, [(0, 500), (200, 300)]) == pytest.approx(want, rel=0.03)
+    assert prefill_backlog_s(model, []) == 0.0
+
+
+def test_the_engine_reports_its_prefill_backlog():
+    """stats()['prefill_backlog_s'] counts the prompts waiting or part-way through, not the decodes."""
+    from types import SimpleNamespace
+
+    from dist_infer.engine.intake import RequestIntake
+
+    model = StepCostModel()
+    model.observe(StepShape(decodes=1, decode_context=10), 0.01)
+    model.observe(StepShape(prompt_tokens=100), 0.1)  # a prompt token: ~1 ms
+    waiting, part, decoding = _request(0, 400, 4), _request(1, 300, 4), _request(2, 50, 4)
+    part.num_computed, decoding.num_computed = 100, 49
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[part, decoding]), step_costs=model)
+    got = RequestIntake._prefill_backlog_s(engine)
+    assert got == pytest.approx(prefill_backlog_s(model, [(0, 400), (100, 200)]))
+    assert 0.4 < got < 0.8

@@ -33,10 +33,11 @@ def test_p90_and_the_window_forget_old_samples():
     assert w.p90s(105.0) == (4.0, None) and w.p90s(105.0, span=2.0) == (0.5, None)
 
 
-def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0, recent=None):
+def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0, recent=None,
+            predicted=0.0):
     """`recent`: the p90s of the last low_for_s seconds (default: the window's)."""
     recent = (ttft, tpot) if recent is None else recent
-    return FleetSample(now, serving, starting, ttft, tpot, wait, queued, running, *recent)
+    return FleetSample(now, serving, starting, ttft, tpot, wait, queued, running, *recent, predicted_wait_s=predicted)
 
 
 def test_up_on_a_missed_slo_or_a_long_wait_and_only_one_start_at_a_time():
@@ -51,6 +52,14 @@ def test_up_on_a_missed_slo_or_a_long_wait_and_only_one_start_at_a_time():
     assert p.decide(_sample(20.0, serving=3, tpot=0.5)) is None, "at MAX"
     q = AutoscalePolicy(1, 3, SLO(tpot_s=0.1))
     assert q.decide(_sample(0.0, tpot=0.2)).action == "up"
+
+
+def test_up_when_the_queued_prompts_predict_a_wait_past_the_slo_before_anyone_waited():
+    p = AutoscalePolicy(1, 3, SLO(ttft_s=2.0), cooldown_s=5.0)
+    assert p.decide(_sample(0.0, queued=3, wait=0.2, predicted=1.5)) is None, "within the SLO"
+    d = p.decide(_sample(1.0, queued=6, wait=0.3, predicted=2.6))
+    assert d.action == "up" and "predict a 2.6 s wait" in d.reason
+    assert AutoscalePolicy(1, 3, SLO(tpot_s=0.1)).decide(_sample(0.0, predicted=50.0)) is None, "no TTFT SLO"
 
 
 def test_down_only_after_a_sustained_low_and_never_below_min():
