@@ -96,7 +96,7 @@ def run_fleet(model: str, fleet: list[str], args, workdir: Path) -> dict:
     duration = sum(r["duration_s"] for r in results)
     within = sum(round(r["goodput"] * r["duration_s"]) for r in results)
     seconds = sum((t1 - t0) * n for (t0, n), (t1, _) in zip(samples, samples[1:]))
-    decisions = [(d["action"], d["outcome"]) for d in (admin.get("autoscale") or {}).get("decisions", [])]
+    decisions = [(d["action"], d["outcome"], d.get("reason")) for d in (admin.get("autoscale") or {}).get("decisions", [])]
     return {"goodput": within / duration, "within_slo": within, "completed": sum(r["completed"] for r in results),
             "failed": sum(r.get("failed", 0) for r in results), "duration_s": duration, "instance_seconds": seconds,
             "ttft_p90_ms": [r.get("ttft_ms", {}).get("p90") for r in results], "decisions": decisions}
