@@ -89,7 +89,8 @@ def fixed_cost_layouts(cores: int, quick: bool) -> list:
     return [Layout()] + [lay for n in sizes for lay in candidate_layouts(shape, n)]
 
 
-def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS) -> dict:
+def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS, repeat: int = 5,
+                        gen_len: int = 64) -> dict:
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
     negligible) that differ only in depth, each run in every layout of `layouts` (the first is
     one rank): per_layer_s / per_step_s (one rank's decode step against the depth) and, per
@@ -97,7 +98,8 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
     step and of the time to first token: the collectives' latencies, hand-overs, ring steps, merges
     and waits for a core as they happen inside the step loop). From cp=2 also
     cp_step_s (what one ring step adds per layer to a prefill) and cp_decode_layer_s, and from tp at
-    twice the cores sync_oversubscribed_s: the per-op estimates for layouts not timed here."""
+    twice the cores sync_oversubscribed_s: the per-op estimates for layouts not timed here.
+    Each run is `repeat` timed generations of `gen_len` tokens (--quick: fewer and shorter)."""
     from dist_infer.models.tiny_model import write_tiny_model
 
     runs: dict = {}
@@ -110,7 +112,7 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS)
             for lay in layouts:
                 runs[depth, lay.describe()] = run_json(
                     ["bench", "--model", d, "--nproc", str(lay.ranks), "--tp", str(lay.tp), "--pp", str(lay.pp),
-                     "--cp", str(lay.cp), "--batch", "1", "--prompt-len", "128", "--gen-len", "64", "--repeat", "5",
+                     "--cp", str(lay.cp), "--batch", "1", "--prompt-len", "128", "--gen-len", str(gen_len), "--repeat", str(repeat),
                      "--json"], timeout)
     lo, hi = depths
 
@@ -174,13 +176,13 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         # curves more than their last percent
         decode_attention[str(t)] = measure_decode_attention(t, DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
                                                             80 if quick else 160, min_s=0.08 if quick else 0.2,
-                                                            reps=2 if quick else 3)
+                                                            reps=2 if quick else 3, placements=2 if quick else 3)
         size_factor[str(t)] = measure_size_factor(t, 64 if quick else 256, rounds=2 if quick else 3)
     reference = measure_reference(cores)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step, per layout (bench)")
-    fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick))
+    fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick), **({"repeat": 3, "gen_len": 32} if quick else {}))
     for t in thread_counts:  # the second look at streaming, minutes after the first
         progress(f"memory bandwidth again, {t} thread(s)")
         bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS,

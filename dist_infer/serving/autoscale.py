@@ -14,9 +14,11 @@ The policy is pure (`AutoscalePolicy.decide` on a `FleetSample`), tested without
   slow first tokens still in the up window do not hold it back) were under `low_water` x the SLO, nothing was
   queued, and the requests running would leave at most `low_running` per instance on one instance
   fewer (latency alone is low right after a scale-up met a burst that is still going on), above MIN;
-- the flap guard: after any decision, nothing for `cooldown_s`; and the gap between the up
-  threshold (the SLO) and the down one (low_water x SLO) is the hysteresis, so one noisy window
-  neither adds nor removes.
+- the flap guard: after any decision, nothing for `cooldown_s`; the p90s an up looks at count only
+  the requests that got their first token after the last decision (the window's older ones
+  describe the fleet before it: a burst met by one instance must not add back the instance a
+  scale-down just removed); and the gap between the up threshold (the SLO) and the down one
+  (low_water x SLO) is the hysteresis, so one noisy window neither adds nor removes.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ class AutoscalePolicy:
     low_running: float = 2.0
     _last_action: float = field(default=-math.inf, repr=False)
     _low_since: Optional[float] = field(default=None, repr=False)
+
+    @property
+    def last_action_at(self) -> float:
+        """When the last decision was taken (-inf: none yet)."""
+        return self._last_action
 
     def decide(self, s: FleetSample) -> Optional[Decision]:
         """The action for this sample, or None; an action starts the cool-down."""

@@ -42,7 +42,8 @@ class Autoscaler:
     def sample(self, now: float) -> FleetSample:
         c = self.cluster
         states = [x.state for x in c.instances]
-        ttft, tpot = c.latency.p90s(now)
+        since = now - self.policy.last_action_at  # the window's older samples are the fleet before it
+        ttft, tpot = c.latency.p90s(now, since if since < c.latency.window_s else None)
         recent = c.latency.p90s(now, self.policy.low_for_s)
         waiting = c.first_token_waits(now)
         backlogs = [x.stats.prefill_backlog_s or 0.0 for x in c.instances if x.accepting]

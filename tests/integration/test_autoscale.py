@@ -71,7 +71,8 @@ def test_the_fleet_grows_in_a_burst_and_drains_live_after_it(tmp_path):
         assert_ids_match_hf(checkpoint, prompts, [d["token_ids"] for d in during], 30, "autoscaled down mid-stream")
         stopped = downs[0]["instance"]
         wait_until(lambda: instances(job)[stopped]["state"] == "stopped", 60,
-                   lambda: f"instance {stopped} stopped after its drain: {instances(job)}", interval=0.2)
+                   lambda: f"instance {stopped} stopped after its drain: {instances(job)}; decisions: "
+                           f"{_admin(job)['autoscale']['decisions']}", interval=0.2)
         metrics = job.metrics()
         assert metrics["dist_infer:requests_lost_total"] == 0 and metrics["dist_infer:instance_failures_total"] == 0
         assert metrics["dist_infer:autoscale_decisions_total"] >= 2, metrics

@@ -80,3 +80,33 @@ def test_down_only_after_a_sustained_low_and_never_below_min():
     d = r.decide(_sample(2.5, serving=3, ttft=1.5, recent=(0.2, None)))
     assert d.action == "down", "the burst's slow TTFTs still in the window do not hold a scale-down back"
     assert p.decide(_sample(61.0, serving=0)).action == "up", "below MIN (an instance died)"
+
+
+def test_an_up_looks_only_at_first_tokens_since_the_last_decision():
+    """A burst's slow first tokens, met by one instance, stay in the window after a scale-down; they
+    must not add the instance back (the flap the real-server test caught): the sampler hands the
+    policy the p90s of the first tokens after its last decision, and the backlog where dispatch
+    would send a new request (the least of the serving instances')."""
+    from types import SimpleNamespace
+
+    from dist_infer.serving.autoscaler import Autoscaler
+    from dist_infer.serving.wire import InstanceState
+
+    def instance(backlog):
+        return SimpleNamespace(state=InstanceState.SERVING, accepting=True,
+                               stats=SimpleNamespace(prefill_backlog_s=backlog))
+
+    window = LatencyWindow(window_s=10.0)
+    cluster = SimpleNamespace(instances=[instance(0.4), instance(None)], latency=window, num_open=lambda: 1,
+                              first_token_waits=lambda now: [])
+    policy = AutoscalePolicy(1, 2, SLO(ttft_s=0.3), cooldown_s=1.5, low_for_s=1.5)
+    scaler = Autoscaler(cluster, policy, "tp1")
+    for t in (100.0, 100.5, 101.0):
+        window.record(t, ttft=0.9)  # the burst, before the scale-down
+    assert scaler.sample(102.0).ttft_p90 == 0.9, "no decision yet: the whole window"
+    policy._last_action = 103.0  # the scale-down
+    window.record(104.0, ttft=0.1)
+    got = scaler.sample(105.0)
+    assert got.ttft_p90 == 0.1 and got.predicted_wait_s == 0.0 and got.serving == 2
+    assert policy.decide(got) is None, "the burst's first tokens do not bring the instance back"
+    assert scaler.sample(115.0).ttft_p90 is None, "and once the window has passed, it is the window's again"
