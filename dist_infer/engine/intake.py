@@ -120,12 +120,23 @@ class RequestIntake:
                 "step_seconds": self.step_times.snapshot(), "prefill_backlog_s": self._prefill_backlog_s()}
 
     def _prefill_backlog_s(self):
-        """Predicted seconds of prompt compute queued here (step_cost.prefill_backlog_s): every
-        request with more than its next token still to compute, waiting or running."""
+        """Predicted seconds until the prompts queued here are through (step_cost.prefill_backlog_s:
+        every request with more than its next token still to compute, waiting or running). Beside
+        running decodes, the ITL target paces prompts to a chunk per step of the target's length,
+        which is then the longer figure."""
         s = self.scheduler
         left = [(r.num_computed, r.num_tokens - r.num_computed) for r in (*s.waiting, *s.running)
                 if r.num_tokens - r.num_computed > 1]
-        return prefill_backlog_s(self.step_costs, left)
+        compute = prefill_backlog_s(self.step_costs, left)
+        decodes = [r for r in s.running if r.num_tokens - r.num_computed <= 1]
+        if compute is None or not left or not decodes or getattr(self, "itl_target", None) is None:
+            return compute
+        context = sum(r.num_tokens for r in decodes)
+        chunk = self._prompt_tokens_within(len(decodes), context, 0)
+        if not chunk:
+            return compute
+        steps = -(-sum(n for _, n in left) // chunk)
+        return max(compute, steps * self.step_target_s(len(decodes), context))
 
     def prefix_events(self) -> tuple[list[int], list[int]]:
         """Driver: the block hashes the prefix cache stored and evicted since the last call."""

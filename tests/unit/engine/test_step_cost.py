@@ -293,3 +293,30 @@ def test_the_engine_reports_its_prefill_backlog():
     got = RequestIntake._prefill_backlog_s(engine)
     assert got == pytest.approx(prefill_backlog_s(model, [(0, 400), (100, 200)]))
     assert 0.4 < got < 0.8
+
+
+def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():
+    """With decodes running under an ITL target, prompts advance one capped chunk per step of the
+    target's length: the backlog is that many steps (when longer than the compute alone)."""
+    from types import SimpleNamespace
+
+    from dist_infer.engine.intake import RequestIntake
+
+    model = StepCostModel()
+    model.observe(StepShape(decodes=1, decode_context=10), 0.01)
+    model.observe(StepShape(prompt_tokens=100), 0.1)
+    waiting, decoding = _request(0, 600, 4), _request(1, 50, 4)
+    decoding.num_computed = 49
+    seen = []
+
+    def within(decodes, context, start):
+        seen.append((decodes, context, start))
+        return 64
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[decoding]), step_costs=model,
+                             itl_target=("auto", 2.0), _prompt_tokens_within=within,
+                             step_target_s=lambda decodes, context: 0.1)
+    assert RequestIntake._prefill_backlog_s(engine) == pytest.approx(10 * 0.1)  # ceil(600 / 64) steps
+    assert seen == [(1, 50, 0)]
+    engine.itl_target = None  # the target off: the compute alone
+    assert RequestIntake._prefill_backlog_s(engine) == pytest.approx(prefill_backlog_s(model, [(0, 600)]))
