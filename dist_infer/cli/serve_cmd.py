@@ -103,8 +103,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                    help="grow and shrink the fleet between MIN and MAX instances to --slo: one more (a stopped one "
                         "restarted, else a new one of the first instance's layout) when the p90 TTFT or time per "
-                        "output token of the last 10 s passes the SLO, or a request has waited longer than the TTFT "
-                        "SLO for its first token; one fewer, drained by live migration so no request is dropped, "
+                        "output token of the last 10 s (only first tokens since the last decision) passes the SLO, or a "
+                        "request has waited longer than the TTFT SLO for its first token, or the prompts queued at the "
+                        "least backlogged instance predict a longer wait; one fewer, drained by live migration so no request is dropped, "
                         "when everything stayed under half the SLO with nothing queued and at most two running "
                         "requests per instance left for --autoscale-down-after seconds. Without --instances, the "
                         "server starts MIN instances")

@@ -129,7 +129,7 @@ class RequestIntake:
                 if r.num_tokens - r.num_computed > 1]
         compute = prefill_backlog_s(self.step_costs, left)
         decodes = [r for r in s.running if r.num_tokens - r.num_computed <= 1]
-        if compute is None or not left or not decodes or getattr(self, "itl_target", None) is None:
+        if compute is None or not left or not decodes or self.itl_target is None:
             return compute
         context = sum(r.num_tokens for r in decodes)
         chunk = self._prompt_tokens_within(len(decodes), context, 0)

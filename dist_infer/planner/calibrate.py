@@ -112,8 +112,8 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS,
             for lay in layouts:
                 runs[depth, lay.describe()] = run_json(
                     ["bench", "--model", d, "--nproc", str(lay.ranks), "--tp", str(lay.tp), "--pp", str(lay.pp),
-                     "--cp", str(lay.cp), "--batch", "1", "--prompt-len", "128", "--gen-len", str(gen_len), "--repeat", str(repeat),
-                     "--json"], timeout)
+                     "--cp", str(lay.cp), "--batch", "1", "--prompt-len", "128", "--gen-len", str(gen_len),
+                     "--repeat", str(repeat), "--json"], timeout)
     lo, hi = depths
 
     def slope(key: str, run: str) -> float:
@@ -182,7 +182,8 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step, per layout (bench)")
-    fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick), **({"repeat": 3, "gen_len": 32} if quick else {}))
+    fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick), repeat=3 if quick else 5,
+                                gen_len=32 if quick else 64)
     for t in thread_counts:  # the second look at streaming, minutes after the first
         progress(f"memory bandwidth again, {t} thread(s)")
         bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS,

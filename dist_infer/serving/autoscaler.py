@@ -83,5 +83,6 @@ class Autoscaler:
     def describe(self) -> dict:
         p = self.policy
         return {"min": p.min_instances, "max": p.max_instances, "slo": p.slo.describe(), "cooldown_s": p.cooldown_s,
-                "low_water": p.low_water, "low_for_s": p.low_for_s, "low_running": p.low_running, "decisions": list(self.decisions),
+                "low_water": p.low_water, "low_for_s": p.low_for_s, "low_running": p.low_running,
+                "decisions": list(self.decisions),
                 "counts": dict(self.counts)}

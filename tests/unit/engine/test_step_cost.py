@@ -289,7 +289,8 @@ def test_the_engine_reports_its_prefill_backlog():
     model.observe(StepShape(prompt_tokens=100), 0.1)  # a prompt token: ~1 ms
     waiting, part, decoding = _request(0, 400, 4), _request(1, 300, 4), _request(2, 50, 4)
     part.num_computed, decoding.num_computed = 100, 49
-    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[part, decoding]), step_costs=model)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[part, decoding]), step_costs=model,
+                             itl_target=None)
     got = RequestIntake._prefill_backlog_s(engine)
     assert got == pytest.approx(prefill_backlog_s(model, [(0, 400), (100, 200)]))
     assert 0.4 < got < 0.8
