@@ -27,7 +27,10 @@ from typing import Optional
 import torch
 from loguru import logger
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+from dist_infer.kernels.decode_stack import DecodeStackPlan
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "decode_stack.c"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 MAX_ROWS = 8  # skinny_linear handles 1..MAX_ROWS rows of x
 _f32 = ctypes.c_float
@@ -52,7 +55,7 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path) -> Optional[str]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
         return proc.stderr.strip()[-500:]
@@ -117,7 +120,10 @@ class CpuKernels:
         self._dequant = lib.dequantize_rows
         self._dequant.restype = ctypes.c_int
         self._dequant.argtypes = [_ptr] * 4 + [_long] * 3 + [ctypes.c_int] * 2
-        for attr in ("_skinny", "_rms", "_rope", "_attn", "_quant", "_dequant"):
+        self._stack = lib.decode_stack
+        self._stack.restype = ctypes.c_int
+        self._stack.argtypes = [_ptr, _long, _ptr, _ptr]
+        for attr in ("_skinny", "_rms", "_rope", "_attn", "_quant", "_dequant", "_stack"):
             fn = getattr(self, attr)
             setattr(self, attr, _Named(fn, f"dist_infer::{fn.__name__}"))
 
@@ -158,6 +164,24 @@ class CpuKernels:
         N, K = out.shape
         return self._dequant(q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                              out.data_ptr(), N, K, group_size, bits, threads) == 0
+
+    def decode_stack(self, plan: DecodeStackPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int],
+                     block_size: int) -> torch.Tensor:
+        """A decode step (one new token for each row of x [B, hidden], B <= MAX_ROWS) through every
+        layer `plan` packs (decode_stack.c): the hidden states after the last layer, each new key
+        and value in its cache `slots`. cos/sin [B, head_dim]; tables [B, width], seq_lens [B] int64."""
+        x = x.contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        threads = torch.get_num_threads() if self.threaded else 1
+        step = plan.step(x.shape[0], cos, sin, slots.contiguous(), tables.contiguous(), seq_lens.contiguous(),
+                         window, block_size, threads)
+        rc = self._stack(ctypes.addressof(plan.packed), len(plan.layers), ctypes.byref(step), x.data_ptr())
+        if rc == -1:
+            raise ValueError(f"decode_stack: a {list(x.shape)} step or a layer's shapes are outside what it takes")
+        if rc != 0:
+            raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} sequences")
+        return x
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -214,7 +238,7 @@ def load_cpu_kernels() -> Optional[CpuKernels]:
     if cc is None:
         logger.debug("no C compiler found: native CPU kernels off, torch ops used instead")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
     for flags, threaded in ((FLAGS + ("-fopenmp",), True), (FLAGS, False)):
         key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
         target = cache_dir() / f"cpu_kernels-{key}.so"

@@ -25,6 +25,7 @@
 
 #if defined(__AVX512F__)
 #define VW 16
+#include <immintrin.h>
 #elif defined(__AVX__)
 #define VW 8
 #else
@@ -50,6 +51,9 @@ typedef float f4 __attribute__((vector_size(4 * sizeof(float))));
 /* The sum of a vector's lanes as a tree of halves (a chain of VW dependent scalar adds was a
  * third of a decode attention's time at heads of 32: one sum per key and query head). */
 static inline float hsum(vf v) {
+#if VW == 16
+    return _mm512_reduce_add_ps((__m512)v);  /* the same tree, in registers: no store and reload */
+#else
     float t[VW];
     memcpy(t, &v, sizeof v);
 #if VW == 16
@@ -59,6 +63,7 @@ static inline float hsum(vf v) {
     FOLD_HALF(f4, t, 4);
 #endif
     return (t[0] + t[2]) + (t[1] + t[3]);
+#endif
 }
 
 /* Rows [n0, n1) of W against M rows of x; M is a compile-time constant in each instance. */
@@ -117,6 +122,18 @@ int skinny_linear(const float *x, const float *w, float *y, long M, long N, long
 typedef unsigned char vub __attribute__((vector_size(VW)));
 typedef int vi __attribute__((vector_size(VW * sizeof(int))));
 
+#if VW == 16
+/* AVX-512: a byte to a 32-bit lane in one instruction (sign- or zero-extending), then to float. */
+static inline vf widen_s8(const signed char *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+static inline void widen_u4(const unsigned char *p, vf *lo, vf *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#else
 /* int8 -> fp32 through the unsigned widening (x ^ 0x80 = x + 128 as a byte): GCC turns a signed
  * char vector's conversion into scalar code, the unsigned one into one instruction. */
 static inline vf widen_s8(const signed char *p) {
@@ -130,6 +147,63 @@ static inline void widen_u4(const unsigned char *p, vf *lo, vf *hi) {
     memcpy(&b, p, sizeof b);
     *lo = __builtin_convertvector(__builtin_convertvector(b & low_nibble, vi), vf);
     *hi = __builtin_convertvector(__builtin_convertvector(b >> 4, vi), vf);
+}
+#endif
+
+/* One row of x (a batch-1 decode), where the widening dominates: a group's scale multiplies its
+ * partial dot product once instead of every widened weight, and the zeros' share,
+ * sum_g zeros[n, g] * (x's sum over group g), takes the group sums `xs` made once per call. About
+ * 8 vector instructions per 32 weights instead of 11 (docs/benchmarks.md, "Weights that stay
+ * quantized"). Two accumulators, alternate groups. */
+/* Group g of one row's weights (bytes `row`) dotted with x's group: the partial sum, unscaled. */
+static inline vf group_dot(const unsigned char *row, const float *x, long g, long G, int bits) {
+    const float *xg = x + g * G;
+    vf t;
+    if (bits == 8) {
+        const signed char *qg = (const signed char *)row + g * G;
+        t = widen_s8(qg) * load(xg);
+        t += widen_s8(qg + VW) * load(xg + VW);
+        for (long k = 2 * VW; k < G; k += 2 * VW) {
+            t += widen_s8(qg + k) * load(xg + k);
+            t += widen_s8(qg + k + VW) * load(xg + k + VW);
+        }
+    } else {
+        const unsigned char *qg = row + g * (G / 2);
+        vf lo, hi;
+        widen_u4(qg, &lo, &hi);
+        t = lo * load(xg);
+        t += hi * load(xg + G / 2);
+        for (long k = VW; k < G / 2; k += VW) {
+            widen_u4(qg + k, &lo, &hi);
+            t += lo * load(xg + k);
+            t += hi * load(xg + k + G / 2);
+        }
+    }
+    return t;
+}
+
+static inline __attribute__((always_inline)) void
+quant_row_impl(const float *x, const float *xs, const void *qv, const float *sc, const float *zr, float *y, long K,
+               long G, int bits, long n0, long n1) {
+    long groups = K / G, row_bytes = bits == 8 ? K : K / 2;
+    for (long n = n0; n < n1; n++) {
+        const unsigned char *row = (const unsigned char *)qv + n * row_bytes;
+        const float *s = sc + n * groups;
+        vf a0 = (vf){0}, a1 = (vf){0};
+        long g = 0;
+        for (; g + 2 <= groups; g += 2) {
+            a0 += group_dot(row, x, g, G, bits) * s[g];
+            a1 += group_dot(row, x, g + 1, G, bits) * s[g + 1];
+        }
+        if (g < groups) a0 += group_dot(row, x, g, G, bits) * s[g];
+        float tail = 0.f;
+        if (zr) { /* the zeros' share, a vector at a time (a chain of scalar adds rivals the row's own work) */
+            const float *z = zr + n * groups;
+            for (g = 0; g + VW <= groups; g += VW) a1 += load(z + g) * load(xs + g);
+            for (; g < groups; g++) tail += z[g] * xs[g];
+        }
+        y[n] = hsum(a0 + a1) + tail;
+    }
 }
 
 /* Two accumulators a row of x (alternate vectors): one would chain every FMA on the one before. */
@@ -177,22 +251,42 @@ typedef void (*quant_fn)(const float *, const void *, const float *, const float
 static const quant_fn QUANT_BY_ROWS[9] = {0, quant_1, quant_2, quant_3, quant_4,
                                           quant_5, quant_6, quant_7, quant_8};
 
+/* quant_row_impl with the GGUF blocks' group of 32 as a constant (straight-line groups), else as given. */
+static void quant_row(const float *x, const float *xs, const void *qv, const float *sc, const float *zr, float *y,
+                      long K, long G, int bits, long n0, long n1) {
+    if (G == 32 && bits == 4)
+        quant_row_impl(x, xs, qv, sc, zr, y, K, 32, 4, n0, n1);
+    else if (G == 32 && bits == 8)
+        quant_row_impl(x, xs, qv, sc, zr, y, K, 32, 8, n0, n1);
+    else
+        quant_row_impl(x, xs, qv, sc, zr, y, K, G, bits, n0, n1);
+}
+
 /* y[M, N] (row stride ldy) = x[M, K] W^T for 1 <= M <= 8; the rows of W split over `threads`. */
 int quant_linear(const float *x, const void *q, const float *scales, const float *zeros, float *y,
                  long M, long N, long K, long G, int bits, long ldy, int threads) {
     if (M < 1 || M > 8 || G <= 0 || K % G || (bits != 8 && bits != 4) || G % (2 * VW))
         return -1;
-    quant_fn fn = QUANT_BY_ROWS[M];
-    if (threads <= 1 || N < 64 * threads) {
-        fn(x, q, scales, zeros, y, K, G, bits, ldy, 0, N);
-        return 0;
+    long groups = K / G;
+    float *xs = M == 1 && zeros ? malloc(groups * sizeof(float)) : NULL;
+    if (M == 1 && zeros && !xs) return -1;
+    for (long g = 0; xs && g < groups; g++) {
+        float t = 0.f;
+        for (long k = 0; k < G; k++) t += x[g * G + k];
+        xs[g] = t;
     }
-    long per = (N + threads - 1) / threads;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++) {
+    int workers = threads <= 1 || N < 64 * threads ? 1 : threads;
+    long per = (N + workers - 1) / workers;
+#pragma omp parallel for num_threads(workers) schedule(static) if (workers > 1)
+    for (int t = 0; t < workers; t++) {
         long a = t * per, b = a + per < N ? a + per : N;
-        if (a < b) fn(x, q, scales, zeros, y, K, G, bits, ldy, a, b);
+        if (a >= b) continue;
+        if (M == 1)
+            quant_row(x, xs, q, scales, zeros, y, K, G, bits, a, b);
+        else
+            QUANT_BY_ROWS[M](x, q, scales, zeros, y, K, G, bits, ldy, a, b);
     }
+    free(xs);
     return 0;
 }
 

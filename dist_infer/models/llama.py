@@ -23,6 +23,7 @@ from dist_infer.models.attention import (
 from dist_infer.models.attention_metadata import AttentionMetadata, TokenSplit
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.cp_attention import cp_attention, cp_last_hidden, cp_last_token_attention
+from dist_infer.models.fused_decode import fused_decode
 from dist_infer.models.ladder import LadderPlan, run_ladder_stage
 from dist_infer.models.layered import LayeredStep, run_layered_stage
 from dist_infer.models.rope import Rotary, apply_rotary
@@ -305,7 +306,11 @@ class LlamaStage(nn.Module):
 
     def _forward_layers(self, x: torch.Tensor, split: Optional[TokenSplit], meta: AttentionMetadata,
                         kv_caches: list[KVCache], trim: bool) -> torch.Tensor:
-        """The stage's (standard) layers: token-split, sequence-parallel or plain, as the step's metadata says."""
+        """The stage's (standard) layers: token-split, sequence-parallel or plain, as the step's metadata says;
+        a decode step in one native call where that serves (models/fused_decode.py)."""
+        fused = None if split or meta.sequence_parallel else fused_decode(self, x, meta, kv_caches)
+        if fused is not None:
+            return fused
         unsplit = range(len(self.layers))
         if split:
             interleaved = len(self.layers) - 1 if trim else len(self.layers)

@@ -1,0 +1,16 @@
+/* The entry points of cpu_kernels.c that decode_stack.c composes (see each one's comment there). */
+#ifndef DIST_INFER_CPU_KERNELS_H
+#define DIST_INFER_CPU_KERNELS_H
+
+int skinny_linear(const float *x, const float *w, float *y, long M, long N, long K, int threads);
+int quant_linear(const float *x, const void *q, const float *scales, const float *zeros, float *y,
+                 long M, long N, long K, long G, int bits, long ldy, int threads);
+void rms_norm(float *x, const float *residual, const float *weight, float *out, long T, long H, float eps);
+void rope_cache_write(float *q, float *k, const float *v, long ldq, long ldk, long ldv,
+                      const float *cos, const float *sin, float *k_cache, float *v_cache,
+                      const long *slots, long T, long q_heads, long kv_heads, long d);
+int decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
+                     long width, const long *seq_lens, long window, long B, long q_heads, long kv_heads,
+                     long d, long block_size, float scale, float *out, float *lse, int threads);
+
+#endif

@@ -1,0 +1,86 @@
+"""The native decode stack's arguments: every layer's weights and caches as C structures, packed
+once and reused by every decode step (decode_stack.c says what the call does and why).
+
+The plan holds the tensors it points into, so they live as long as it does; whoever builds it
+rebuilds it when any of them is replaced (a KV cache reallocated, weights loaded again)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_ptr, _long = ctypes.c_void_p, ctypes.c_long
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("scales", _ptr), ("zeros", _ptr), ("n", _long), ("k", _long), ("group", _long),
+                ("bits", _long)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("batch", _long), ("hidden", _long), ("q_heads", _long), ("kv_heads", _long),
+                ("head_dim", _long), ("intermediate", _long), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
+                ("tables", _ptr), ("seq_lens", _ptr), ("table_width", _long), ("window", _long),
+                ("block_size", _long), ("threads", _long), ("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+
+
+@dataclass
+class StackLinear:
+    """One linear layer as the kernels read it: an fp32 weight [n, k] (bits 32), or quant_linear's
+    integers with their scales and zeros (bits 8 or 4, groups of `group` columns)."""
+    weight: torch.Tensor
+    n: int
+    k: int
+    scales: Optional[torch.Tensor] = None
+    zeros: Optional[torch.Tensor] = None
+    group: int = 0
+    bits: int = 32
+
+    def packed(self) -> _Linear:
+        return _Linear(self.weight.data_ptr(), _address(self.scales), _address(self.zeros), self.n, self.k,
+                       self.group, self.bits)
+
+
+@dataclass
+class StackLayer:
+    """A decoder layer's norms, linears and KV cache."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: StackLinear
+    o: StackLinear
+    gate_up: StackLinear
+    down: StackLinear
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def _address(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStackPlan:
+    """Layers packed for `CpuKernels.decode_stack`, with the model's dimensions."""
+
+    def __init__(self, layers: list[StackLayer], q_heads: int, kv_heads: int, head_dim: int, hidden: int,
+                 intermediate: int, eps: float, scale: float):
+        self.layers = layers  # what the packed pointers point into
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.hidden, self.intermediate, self.eps, self.scale = hidden, intermediate, eps, scale
+        self.packed = (_Layer * len(layers))(*[
+            _Layer(L.input_norm.data_ptr(), L.post_norm.data_ptr(), L.qkv.packed(), L.o.packed(),
+                   L.gate_up.packed(), L.down.packed(), L.k_cache.data_ptr(), L.v_cache.data_ptr())
+            for L in layers])
+
+    def step(self, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+             seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int) -> _Step:
+        return _Step(batch, self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate,
+                     cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+                     tables.shape[1], window or 0, block_size, threads, self.eps, self.scale)

@@ -1,0 +1,106 @@
+"""A decode step through all of a stage's layers in one native call (kernels/decode_stack.c).
+
+At batch 1 on the CPU the layer-by-layer path spends about as long between its native kernels
+(the interpreter, torch's dispatch, ~15 calls a layer) as in them; the fused call runs the same
+kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). It serves the
+plain case only, and anything else goes the layer-by-layer way: a decode-only step of up to
+MAX_ROWS sequences, fp32 on the CPU with the native kernels, tp=1, no context parallelism, token
+split or ladder, Llama layers with a dense MLP and no biases, every linear fp32 or the native
+quantized form. The results are the layer-by-layer path's but for the activation's exp (libm's
+against torch's): tests/unit/models/test_fused_decode.py holds them together and to transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dist_infer.kernels.build import MAX_ROWS, CpuKernels, serving
+from dist_infer.kernels.decode_stack import DecodeStackPlan, StackLayer, StackLinear
+from dist_infer.models.attention_metadata import AttentionMetadata
+from dist_infer.parallel.linear import QKVParallelLinear
+from dist_infer.parallel.quantized_linear import GroupQuantLinear
+
+
+def _linear(layer) -> Optional[StackLinear]:
+    """What the kernels read of a parallel linear, or None where they cannot (a bias, another packing)."""
+    if getattr(layer, "bias", None) is not None:
+        return None
+    packed = layer.quantized
+    if packed is None:
+        w = layer.weight
+        if w is None or w.dtype != torch.float32 or not w.is_contiguous():
+            return None
+        return StackLinear(w, int(w.shape[0]), int(w.shape[1]))
+    if type(packed) is not GroupQuantLinear or packed.group_size % 32:
+        return None
+    return StackLinear(packed.q, packed.out_features, packed.in_features, packed.scales, packed.zeros,
+                       packed.group_size, packed.bits)
+
+
+def _stack_layer(layer, kv) -> Optional[StackLayer]:
+    from dist_infer.models.llama import LlamaDecoderLayer, LlamaMLP  # the layer types this serves (no cycle at import)
+
+    if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn.qkv_proj) is not QKVParallelLinear:
+        return None
+    parts = [_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
+        return None
+    k_cache, v_cache = kv
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or serving(attn.kernels, k_cache, v_cache) is None:
+        return None
+    return StackLayer(norms[0], norms[1], *parts, k_cache, v_cache)
+
+
+def _plan(stage, kv_caches: list) -> Optional[DecodeStackPlan]:
+    layers = [_stack_layer(layer, kv) for layer, kv in zip(stage.layers, kv_caches)]
+    if not layers or any(L is None for L in layers):
+        return None
+    first = stage.layers[0]
+    attn, norm = first.self_attn, first.input_layernorm
+    if any(L.post_norm is None or layer.input_layernorm.eps != norm.eps or layer.post_attention_layernorm.eps != norm.eps
+           for L, layer in zip(layers, stage.layers)):
+        return None
+    return DecodeStackPlan(layers, attn.q_heads, attn.kv_heads, attn.head_dim, stage.cfg.hidden_size,
+                           layers[0].down.k, norm.eps, attn.scale)
+
+
+def _kernels(stage) -> Optional[CpuKernels]:
+    """The kernels every layer was given, or None (not given, or not the same everywhere)."""
+    first = stage.layers[0].self_attn.kernels
+    if first is None:
+        return None
+    for layer in stage.layers:
+        for m in (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                  layer.mlp.down_proj, layer.input_layernorm, layer.post_attention_layernorm):
+            if getattr(m, "kernels", None) is not first:
+                return None
+    return first
+
+
+def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> Optional[torch.Tensor]:
+    """The hidden states after every layer of `stage` for a decode step, or None where the fused
+    call does not serve it (the caller then runs the layers one by one)."""
+    if (not getattr(stage, "fused_decode", True) or not len(stage.layers) or stage.tp.size != 1
+            or not meta.decode or meta.cp is not None or meta.parts is not None or meta.seq_lens_t is None
+            or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[0] != meta.batch
+            or x.dtype != torch.float32 or x.device.type != "cpu"):
+        return None
+    key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)])
+    cached = getattr(stage, "_decode_stack", None)
+    if cached is None or cached[0] != key:
+        plan = _plan(stage, kv_caches)  # first: it checks the layers' types, which _kernels then walks
+        kernels = _kernels(stage) if plan is not None else None
+        cached = (key, kernels, plan if kernels is not None else None)
+        stage._decode_stack = cached
+    _, kernels, plan = cached
+    if plan is None or stage.layers[0].self_attn.kernels is not kernels:
+        return None
+    cos, sin = stage.rotary.cos_sin(meta.positions)
+    return kernels.decode_stack(plan, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t,
+                                meta.window, kv_caches[0][0].shape[1])

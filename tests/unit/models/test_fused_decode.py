@@ -1,0 +1,111 @@
+"""The decode step in one native call (models/fused_decode.py, kernels/decode_stack.c): against
+the layer-by-layer path on the same stage (the same kernels: within a few ulps, the same ids) and
+against transformers (greedy ids identical, logits within fp32 tolerance), fp32 and quantized;
+the cases it leaves to the layer-by-layer path; and the kernel's refusal of shapes it cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from quantized_reference import dequantize_hf_model
+from threads import run_ranks, thread_groups
+
+from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.step_loop import Engine
+from dist_infer.kernels import load_cpu_kernels
+from dist_infer.models.loader import stage_from_hf_model
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the native kernels are not built")
+
+PROMPTS = [[5, 9, 17, 3, 44], [7, 11] * 6, [2] * 19]  # three lengths: a decode step of 3 rows, 3 contexts
+NEW = 6
+
+
+def _generate(stage, group, prompts, fused: bool):
+    stage.fused_decode = fused
+    stage.__dict__.pop("_decode_stack", None)
+    outs = Engine(stage, group).generate(prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False),
+                                         return_logits=True)
+    return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
+
+
+def _fused_ran(stage) -> bool:
+    cached = getattr(stage, "_decode_stack", None)
+    return cached is not None and cached[2] is not None
+
+
+@pytest.mark.parametrize("arch,scheme", [("llama-gqa", "none"), ("llama-mqa", "int4"), ("llama-tied", "int8"),
+                                         ("llama31-rope", "int4")])
+def test_fused_decode_equals_layer_by_layer_and_transformers(arch, scheme, tmp_path):
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, arch))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, quantization=scheme, native_kernels=True)
+    ids_off, logits_off = _generate(stage, group, PROMPTS, fused=False)
+    assert not _fused_ran(stage)
+    ids_on, logits_on = _generate(stage, group, PROMPTS, fused=True)
+    assert _fused_ran(stage)
+    assert ids_on == ids_off
+    for a, b in zip(logits_on, logits_off):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 1)
+    ref_ids, ref_logits = hf_reference(None, PROMPTS, NEW, model=model)
+    assert ids_on == ref_ids
+    for got, want in zip(logits_on, ref_logits):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_fused_decode_with_a_sliding_window_equals_layer_by_layer(tmp_path):
+    """Mistral with a window shorter than the prompts: the attention sees the last `window` keys."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "mistral", sliding_window=8))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, native_kernels=True)
+    ids_off, logits_off = _generate(stage, group, PROMPTS, fused=False)
+    ids_on, logits_on = _generate(stage, group, PROMPTS, fused=True)
+    assert _fused_ran(stage) and ids_on == ids_off
+    for a, b in zip(logits_on, logits_off):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mixtral"])  # a QKV bias; experts instead of a dense MLP
+def test_layers_it_does_not_serve_go_layer_by_layer(arch, tmp_path):
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, arch))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, native_kernels=True)
+    ids, _ = _generate(stage, group, PROMPTS[:1], fused=True)
+    assert not _fused_ran(stage)  # refused (qwen2: looked at once and cached; MoE stages never ask)
+    assert ids == hf_reference(None, PROMPTS[:1], NEW, model=hf)[0]
+
+
+def test_tensor_parallel_stages_go_layer_by_layer(tmp_path):
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa"))
+
+    def body(g):
+        stage = stage_from_hf_model(hf, g, native_kernels=True)
+        ids, _ = _generate(stage, g, PROMPTS[:1], fused=True)
+        return ids, getattr(stage, "_decode_stack", None)
+
+    for ids, cached in run_ranks(thread_groups(2, 1), body):
+        assert cached is None  # never looked at: tp=2 is refused before any planning
+        assert ids == hf_reference(None, PROMPTS[:1], NEW, model=hf)[0]
+
+
+def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
+    """Nine rows (the kernels take 1..8): a ValueError naming the step, and nothing written."""
+    from dist_infer.models.attention_metadata import build_attention_metadata
+    from dist_infer.models.fused_decode import fused_decode
+
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa"))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, native_kernels=True)
+    _generate(stage, group, PROMPTS[:1], fused=True)
+    _, kernels, plan = stage._decode_stack
+    meta = build_attention_metadata([1] * 9, [3] * 9, [[b] for b in range(9)], 16)
+    x = torch.randn(9, stage.cfg.hidden_size)
+    cos, sin = stage.rotary.cos_sin(meta.positions)
+    k_before = plan.layers[0].k_cache.clone()
+    with pytest.raises(ValueError, match="decode_stack"):
+        kernels.decode_stack(plan, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
+    assert torch.equal(plan.layers[0].k_cache, k_before)
+    assert fused_decode(stage, x, meta, [(L.k_cache, L.v_cache) for L in plan.layers]) is None  # over MAX_ROWS
