@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from loguru import logger
 
-from dist_infer.kernels.decode_stack import DecodeStackPlan
+from dist_infer.kernels.decode_stack import DecodeStackPlan, DecodeStep
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "decode_stack.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
@@ -123,7 +123,10 @@ class CpuKernels:
         self._stack = lib.decode_stack
         self._stack.restype = ctypes.c_int
         self._stack.argtypes = [_ptr, _long, _ptr, _ptr]
-        for attr in ("_skinny", "_rms", "_rope", "_attn", "_quant", "_dequant", "_stack"):
+        self._part = lib.decode_layer_part
+        self._part.restype = ctypes.c_int
+        self._part.argtypes = [_ptr, _long, ctypes.c_int] + [_ptr] * 4
+        for attr in ("_skinny", "_rms", "_rope", "_attn", "_quant", "_dequant", "_stack", "_part"):
             fn = getattr(self, attr)
             setattr(self, attr, _Named(fn, f"dist_infer::{fn.__name__}"))
 
@@ -165,23 +168,44 @@ class CpuKernels:
         return self._dequant(q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                              out.data_ptr(), N, K, group_size, bits, threads) == 0
 
-    def decode_stack(self, plan: DecodeStackPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int],
-                     block_size: int) -> torch.Tensor:
-        """A decode step (one new token for each row of x [B, hidden], B <= MAX_ROWS) through every
-        layer `plan` packs (decode_stack.c): the hidden states after the last layer, each new key
-        and value in its cache `slots`. cos/sin [B, head_dim]; tables [B, width], seq_lens [B] int64."""
-        x = x.contiguous().clone()
-        cos, sin = cos.contiguous(), sin.contiguous()
+    def decode_step(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor,
+                    slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int],
+                    block_size: int) -> DecodeStep:
+        """A decode step's arguments for decode_stack / decode_layer_part: cos/sin [B, head_dim] of the
+        new positions, the cache `slots` [B], block tables [B, width] and seq_lens [B] (int64)."""
         threads = torch.get_num_threads() if self.threaded else 1
-        step = plan.step(x.shape[0], cos, sin, slots.contiguous(), tables.contiguous(), seq_lens.contiguous(),
-                         window, block_size, threads)
-        rc = self._stack(ctypes.addressof(plan.packed), len(plan.layers), ctypes.byref(step), x.data_ptr())
+        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads)
+
+    def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [B, hidden] (B <= MAX_ROWS) through every layer `plan` packs (decode_stack.c): the
+        hidden states after the last layer, each new key and value in its cache slot."""
+        x = self._rows(x, step)
+        self._check(self._stack(ctypes.addressof(plan.packed), len(plan.layers), step.address, x.data_ptr()), x)
+        return x
+
+    def decode_layer_part(self, plan: DecodeStackPlan, step: DecodeStep, layer: int, part: int, x: torch.Tensor,
+                          pending: Optional[torch.Tensor], out: torch.Tensor) -> None:
+        """Half of layer `layer` (0: attention, 1: the MLP) for a tensor-parallel stage: x += pending
+        (in place), then the half's partial sum into `out` [B, hidden], for the caller to all-reduce."""
+        for t in (x, pending, out):
+            if t is not None and (not t.is_contiguous() or t.dtype != torch.float32 or t.shape[0] != step.batch):
+                raise ValueError(f"decode_layer_part: rows must be contiguous fp32 [{step.batch}, hidden]")
+        rc = self._part(ctypes.addressof(plan.packed), layer, part, step.address, x.data_ptr(),
+                        pending.data_ptr() if pending is not None else None, out.data_ptr())
+        self._check(rc, x)
+
+    @staticmethod
+    def _rows(x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] != step.batch or x.dtype != torch.float32:
+            raise ValueError(f"decode_stack: rows {list(x.shape)} {x.dtype}, expected [{step.batch}, hidden] fp32")
+        return x.contiguous().clone()
+
+    @staticmethod
+    def _check(rc: int, x: torch.Tensor) -> None:
         if rc == -1:
             raise ValueError(f"decode_stack: a {list(x.shape)} step or a layer's shapes are outside what it takes")
         if rc != 0:
             raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} sequences")
-        return x
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -11,6 +11,8 @@
  *
  * x [batch, hidden] is the residual stream, updated in place. Returns 0, -1 when a shape is outside
  * what the kernels take (nothing is half-done: checked before the first layer), -2 without memory.
+ * Under tensor parallelism the caller runs each layer's two halves (decode_layer_part) with its
+ * all-reduces between them.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -44,7 +46,8 @@ typedef struct {
 static int linear_fits(const StackLinear *w, long n, long k) {
     if (w->n != n || w->k != k || !w->w) return 0;
     if (w->bits == 32) return 1;
-    return (w->bits == 8 || w->bits == 4) && w->scales && w->group > 0 && k % w->group == 0;
+    /* quant_linear's groups: a multiple of 32 values (whole vectors, two for packed 4-bit) */
+    return (w->bits == 8 || w->bits == 4) && w->scales && w->group > 0 && w->group % 32 == 0 && k % w->group == 0;
 }
 
 static int linear(const StackLinear *w, const float *x, float *y, long M, int threads) {
@@ -75,34 +78,86 @@ static int step_fits(const StackLayer *layers, long n_layers, const StackStep *s
     return 1;
 }
 
+/* Each layer's scratch, sized for the step. */
+typedef struct {
+    float *normed, *qkv, *q, *attn, *gate_up, *act, *branch[2];
+} Work;
+
+static float *work_alloc(const StackStep *st, Work *w) {
+    long M = st->batch, H = st->hidden, d = st->head_dim, I = st->intermediate;
+    long qd = st->q_heads * d, width = qd + 2 * st->kv_heads * d;
+    float *p = malloc((size_t)M * (3 * H + width + 2 * qd + 3 * I) * sizeof(float));
+    if (!p) return NULL;
+    w->normed = p;
+    w->qkv = w->normed + M * H;
+    w->q = w->qkv + M * width;
+    w->attn = w->q + M * qd;
+    w->gate_up = w->attn + M * qd;
+    w->act = w->gate_up + M * 2 * I;
+    w->branch[0] = w->act + M * I;
+    w->branch[1] = w->branch[0] + M * H;
+    return p;
+}
+
+/* The attention half: x += pending (the previous layer's MLP output, if any), the input norm, QKV,
+ * rotary and the cache write, attention, o_proj into out (this rank's partial sum under tp). */
+static int attention_part(const StackLayer *L, const StackStep *st, float *x, const float *pending, float *out,
+                          Work *w) {
+    long M = st->batch, H = st->hidden, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d;
+    long width = qd + 2 * kvd;
+    int threads = (int)st->threads, rc;
+    rms_norm(x, pending, L->input_norm, w->normed, M, H, (float)st->eps);
+    if ((rc = linear(&L->qkv, w->normed, w->qkv, M, threads)) != 0) return rc;
+    rope_cache_write(w->qkv, w->qkv + qd, w->qkv + qd + kvd, width, width, width, st->cos, st->sin, L->k_cache,
+                     L->v_cache, st->slots, M, st->q_heads, st->kv_heads, d);
+    for (long m = 0; m < M; m++) memcpy(w->q + m * qd, w->qkv + m * width, qd * sizeof(float));
+    if ((rc = decode_attention(w->q, L->k_cache, L->v_cache, st->tables, st->table_width, st->seq_lens, st->window,
+                               M, st->q_heads, st->kv_heads, d, st->block_size, (float)st->scale, w->attn, NULL,
+                               threads)) != 0)
+        return rc;
+    return linear(&L->o, w->attn, out, M, threads);
+}
+
+/* The MLP half: x += attention's output, the post-attention norm, gate/up, silu(gate) * up, down
+ * into out (this rank's partial sum under tp). */
+static int mlp_part(const StackLayer *L, const StackStep *st, float *x, const float *attention, float *out, Work *w) {
+    long M = st->batch, I = st->intermediate;
+    int rc;
+    rms_norm(x, attention, L->post_norm, w->normed, M, st->hidden, (float)st->eps);
+    if ((rc = linear(&L->gate_up, w->normed, w->gate_up, M, (int)st->threads)) != 0) return rc;
+    silu_mul(w->gate_up, w->act, M, I);
+    return linear(&L->down, w->act, out, M, (int)st->threads);
+}
+
 int decode_stack(const StackLayer *layers, long n_layers, const StackStep *st, float *x) {
     if (!step_fits(layers, n_layers, st)) return -1;
-    long M = st->batch, H = st->hidden, d = st->head_dim, I = st->intermediate;
-    long qd = st->q_heads * d, kvd = st->kv_heads * d, width = qd + 2 * kvd;
-    int threads = (int)st->threads;
-    float eps = (float)st->eps, scale = (float)st->scale;
-    float *normed = malloc((size_t)M * (H + width + 2 * qd + H + 3 * I) * sizeof(float));
-    if (!normed) return -2;
-    float *qkv = normed + M * H, *q = qkv + M * width, *attn = q + M * qd, *branch = attn + M * qd;
-    float *gate_up = branch + M * H, *act = gate_up + M * 2 * I;
+    Work w;
+    float *mem = work_alloc(st, &w);
+    if (!mem) return -2;
     int rc = 0;
+    const float *pending = NULL;
     for (long l = 0; l < n_layers && rc == 0; l++) {
-        const StackLayer *L = layers + l;
-        rms_norm(x, NULL, L->input_norm, normed, M, H, eps);
-        if ((rc = linear(&L->qkv, normed, qkv, M, threads)) != 0) break;
-        rope_cache_write(qkv, qkv + qd, qkv + qd + kvd, width, width, width, st->cos, st->sin, L->k_cache,
-                         L->v_cache, st->slots, M, st->q_heads, st->kv_heads, d);
-        for (long m = 0; m < M; m++) memcpy(q + m * qd, qkv + m * width, qd * sizeof(float));
-        if ((rc = decode_attention(q, L->k_cache, L->v_cache, st->tables, st->table_width, st->seq_lens, st->window,
-                                   M, st->q_heads, st->kv_heads, d, st->block_size, scale, attn, NULL, threads)) != 0)
-            break;
-        if ((rc = linear(&L->o, attn, branch, M, threads)) != 0) break;
-        rms_norm(x, branch, L->post_norm, normed, M, H, eps);
-        if ((rc = linear(&L->gate_up, normed, gate_up, M, threads)) != 0) break;
-        silu_mul(gate_up, act, M, I);
-        if ((rc = linear(&L->down, act, branch, M, threads)) != 0) break;
-        for (long i = 0; i < M * H; i++) x[i] += branch[i];
+        rc = attention_part(layers + l, st, x, pending, w.branch[0], &w);
+        if (rc == 0) rc = mlp_part(layers + l, st, x, w.branch[0], w.branch[1], &w);
+        pending = w.branch[1];
     }
-    free(normed);
+    if (rc == 0 && pending)
+        for (long i = 0; i < st->batch * st->hidden; i++) x[i] += pending[i];
+    free(mem);
+    return rc == 0 ? 0 : -2;
+}
+
+/* One half of layer `l` (part 0: attention, 1: the MLP) for a tensor-parallel stage, whose caller
+ * all-reduces `out` between the halves and hands it back as the next half's `pending` (NULL before
+ * the first layer); after the last layer, x += pending is the caller's too. Returns as decode_stack. */
+int decode_layer_part(const StackLayer *layers, long l, int part, const StackStep *st, float *x,
+                      const float *pending, float *out) {
+    if ((part != 0 && part != 1) || !step_fits(layers + l, 1, st)) return -1;
+    Work w;
+    float *mem = work_alloc(st, &w);
+    if (!mem) return -2;
+    int rc = part == 0 ? attention_part(layers + l, st, x, pending, out, &w)
+                       : mlp_part(layers + l, st, x, pending, out, &w);
+    free(mem);
     return rc == 0 ? 0 : -2;
 }

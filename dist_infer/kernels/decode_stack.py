@@ -80,7 +80,25 @@ class DecodeStackPlan:
             for L in layers])
 
     def step(self, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-             seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int) -> _Step:
-        return _Step(batch, self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate,
-                     cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                     tables.shape[1], window or 0, block_size, threads, self.eps, self.scale)
+             seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int) -> "DecodeStep":
+        return DecodeStep(self, batch, cos, sin, slots, tables, seq_lens, window, block_size, threads)
+
+
+class DecodeStep:
+    """One step's arguments as the C structure, holding the (contiguous) tensors it points into."""
+
+    def __init__(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int):
+        self.batch = batch
+        self.tensors = [t.contiguous() for t in (cos, sin, slots, tables, seq_lens)]
+        cos, sin, slots, tables, seq_lens = self.tensors
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or any(
+                t.dtype != torch.int64 for t in (slots, tables, seq_lens)):
+            raise ValueError("decode step: cos/sin must be fp32, slots, tables and seq_lens int64")
+        if cos.shape != (batch, plan.head_dim) or sin.shape != cos.shape or slots.shape != (batch,) \
+                or seq_lens.shape != (batch,) or tables.dim() != 2 or tables.shape[0] != batch:
+            raise ValueError(f"decode step: arguments do not describe {batch} sequences of head_dim {plan.head_dim}")
+        self.struct = _Step(batch, plan.hidden, plan.q_heads, plan.kv_heads, plan.head_dim, plan.intermediate,
+                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+                            tables.shape[1], window or 0, block_size, threads, plan.eps, plan.scale)
+        self.address = ctypes.addressof(self.struct)

@@ -4,9 +4,9 @@ At batch 1 on the CPU the layer-by-layer path spends about as long between its n
 (the interpreter, torch's dispatch, ~15 calls a layer) as in them; the fused call runs the same
 kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). It serves the
 plain case only, and anything else goes the layer-by-layer way: a decode-only step of up to
-MAX_ROWS sequences, fp32 on the CPU with the native kernels, tp=1, no context parallelism, token
-split or ladder, Llama layers with a dense MLP and no biases, every linear fp32 or the native
-quantized form. The results are the layer-by-layer path's but for the activation's exp (libm's
+MAX_ROWS sequences, fp32 on the CPU with the native kernels, no context parallelism, token split
+or ladder, Llama layers with a dense MLP and no biases, every linear fp32 or the native quantized
+form. Under tp each layer's two halves are a call each, with the all-reduces between them. The results are the layer-by-layer path's but for the activation's exp (libm's
 against torch's): tests/unit/models/test_fused_decode.py holds them together and to transformers.
 """
 
@@ -21,6 +21,7 @@ from dist_infer.kernels.decode_stack import DecodeStackPlan, StackLayer, StackLi
 from dist_infer.models.attention_metadata import AttentionMetadata
 from dist_infer.parallel.linear import QKVParallelLinear
 from dist_infer.parallel.quantized_linear import GroupQuantLinear
+from dist_infer.parallel.tp_comm import reduce_from_tp
 
 
 def _linear(layer) -> Optional[StackLinear]:
@@ -45,7 +46,7 @@ def _stack_layer(layer, kv) -> Optional[StackLayer]:
     if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn.qkv_proj) is not QKVParallelLinear:
+    if type(attn.qkv_proj) is not QKVParallelLinear or not (attn.o_proj.reduce_results and mlp.down_proj.reduce_results):
         return None
     parts = [_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -86,7 +87,7 @@ def _kernels(stage) -> Optional[CpuKernels]:
 def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> Optional[torch.Tensor]:
     """The hidden states after every layer of `stage` for a decode step, or None where the fused
     call does not serve it (the caller then runs the layers one by one)."""
-    if (not getattr(stage, "fused_decode", True) or not len(stage.layers) or stage.tp.size != 1
+    if (not getattr(stage, "fused_decode", True) or not len(stage.layers)
             or not meta.decode or meta.cp is not None or meta.parts is not None or meta.seq_lens_t is None
             or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[0] != meta.batch
             or x.dtype != torch.float32 or x.device.type != "cpu"):
@@ -102,5 +103,22 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
     if plan is None or stage.layers[0].self_attn.kernels is not kernels:
         return None
     cos, sin = stage.rotary.cos_sin(meta.positions)
-    return kernels.decode_stack(plan, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t,
-                                meta.window, kv_caches[0][0].shape[1])
+    step = kernels.decode_step(plan, x.shape[0], cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t,
+                               meta.window, kv_caches[0][0].shape[1])
+    if stage.tp.size == 1:
+        return kernels.decode_stack(plan, step, x)
+    return _layer_parts(stage, kernels, plan, step, x)
+
+
+def _layer_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: torch.Tensor) -> torch.Tensor:
+    """Under tp: each layer's two halves in C, the all-reduce of each half's partial sum between
+    them (as o_proj's and down_proj's `finish` would do it)."""
+    x = x.contiguous().clone()
+    pending = None
+    for i in range(len(plan.layers)):
+        for part in (0, 1):
+            out = torch.empty_like(x)
+            kernels.decode_layer_part(plan, step, i, part, x, pending, out)
+            reduce_from_tp(out, stage.tp)
+            pending = out
+    return x.add_(pending)

@@ -78,17 +78,30 @@ def test_layers_it_does_not_serve_go_layer_by_layer(arch, tmp_path):
     assert ids == hf_reference(None, PROMPTS[:1], NEW, model=hf)[0]
 
 
-def test_tensor_parallel_stages_go_layer_by_layer(tmp_path):
-    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa"))
+UNEVEN_HEADS = dict(hidden_size=288, num_attention_heads=9, num_key_value_heads=3)  # the default model's 9 / 3
+
+
+@pytest.mark.parametrize("shape,scheme", [(UNEVEN_HEADS, "none"), ({}, "int4")])
+def test_tensor_parallel_stages_run_each_layer_in_two_halves(shape, scheme, tmp_path):
+    """tp=2, each layer's attention and MLP halves a native call each with the all-reduces between
+    them: the default model's uneven heads (6 + 3 / 2 + 1 KV per rank) in fp32, and int4 (whose
+    reference, dequantize_hf_model, quantizes even column shards)."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa", **shape))
 
     def body(g):
-        stage = stage_from_hf_model(hf, g, native_kernels=True)
-        ids, _ = _generate(stage, g, PROMPTS[:1], fused=True)
-        return ids, getattr(stage, "_decode_stack", None)
+        stage = stage_from_hf_model(hf, g, quantization=scheme, native_kernels=True)
+        off = _generate(stage, g, PROMPTS, fused=False)
+        on = _generate(stage, g, PROMPTS, fused=True)
+        return off, on, _fused_ran(stage)
 
-    for ids, cached in run_ranks(thread_groups(2, 1), body):
-        assert cached is None  # never looked at: tp=2 is refused before any planning
-        assert ids == hf_reference(None, PROMPTS[:1], NEW, model=hf)[0]
+    results = run_ranks(thread_groups(2, 1), body)
+    model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 2)
+    ref_ids, ref_logits = hf_reference(None, PROMPTS, NEW, model=model)
+    for (ids_off, logits_off), (ids_on, logits_on), ran in results:
+        assert ran and ids_on == ids_off == ref_ids
+        for got, off, want in zip(logits_on, logits_off, ref_logits):
+            torch.testing.assert_close(got, off, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
 def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
@@ -105,7 +118,8 @@ def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
     x = torch.randn(9, stage.cfg.hidden_size)
     cos, sin = stage.rotary.cos_sin(meta.positions)
     k_before = plan.layers[0].k_cache.clone()
+    step = kernels.decode_step(plan, 9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
     with pytest.raises(ValueError, match="decode_stack"):
-        kernels.decode_stack(plan, x, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
+        kernels.decode_stack(plan, step, x)
     assert torch.equal(plan.layers[0].k_cache, k_before)
     assert fused_decode(stage, x, meta, [(L.k_cache, L.v_cache) for L in plan.layers]) is None  # over MAX_ROWS
