@@ -16,7 +16,12 @@ between hosts. `--link-rate 10gbit` (tc's units) caps both ends with a token-buc
 slower interconnect's bandwidth (no added latency). Needs root. The two "hosts" share this machine's
 cores: each rank gets half of them, as in the one-host runs.
 
-    python benchmarks/ladder.py --rounds 3 [--shm off] [--out FILE.json]
+`--native-kernels layers` (the default here) has both wirings call the native kernels layer by layer,
+as every table in docs/benchmarks.md's ladder section was measured: the standard residual's decode
+step can also run each layer's halves in one call each (kernels/decode_stack.c, `on`), which the
+ladder's wiring has not got.
+
+    python benchmarks/ladder.py --rounds 3 [--shm off] [--native-kernels layers|on] [--out FILE.json]
     python benchmarks/ladder.py --rounds 3 --two-hosts [--link-rate 10gbit] [--out FILE.json]
 
 Only 127.0.0.1 (and with --two-hosts the namespaces' 10.231.* addresses) is ever contacted. Check
@@ -62,7 +67,7 @@ def bench(model: str, ladder: str, args, extra: tuple = ()) -> dict:
     """One `dist-infer bench --tp 2` run: two local ranks, or with --two-hosts one in each namespace."""
     cmd = [str(BIN / "dist-infer"), "bench", "--model", model, "--tp", "2", "--batch", str(args.batch),
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", "3",
-           "--ladder-residual", ladder, "--shm", args.shm, "--json", *extra]
+           "--ladder-residual", ladder, "--shm", args.shm, "--native-kernels", args.native_kernels, "--json", *extra]
     if args.hosts is not None:
         proc = args.hosts.run(cmd, timeout=1800)
     else:
@@ -116,6 +121,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--shm", choices=("auto", "off"), default="auto", help="off: the all-reduces over gloo's TCP path")
+    p.add_argument("--native-kernels", choices=("layers", "on"), default="layers",
+                   help="layers: both wirings call the native kernels layer by layer (the tables' setting); on: the "
+                        "standard residual's decode steps through decode_stack.c, which the ladder has not got")
     p.add_argument("--two-hosts", action="store_true",
                    help="the two ranks in two network namespaces joined by a veth pair, gloo over TCP (implies "
                         "--shm off; needs root)")

@@ -92,10 +92,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="where each rank's shard and KV cache live: cuda (the rank's local GPU, NCCL between "
                         "ranks), cpu (gloo), or auto: cuda where torch sees a GPU, else cpu (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size in tokens (default %(default)s)")
-    p.add_argument("--native-kernels", choices=("on", "off"), default="on",
+    p.add_argument("--native-kernels", choices=("on", "layers", "off"), default="on",
                    help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
-                        "step's GEMMs, norms and attention where they serve; off: torch's ops only, for comparisons "
-                        "(default %(default)s)"),
+                        "step's GEMMs, norms and attention where they serve, a plain Llama stage's decode step through "
+                        "all its layers in one call (kernels/decode_stack.c); layers: the same kernels called layer by "
+                        "layer; off: torch's ops only. layers and off are for comparisons (default %(default)s)"),
     p.add_argument("--ladder-residual", type=ladder_residual_arg, default=None, metavar="all|FIRST:LAST|off",
                    help="Ladder Residual (arXiv 2501.06589): decoder layers add their attention and MLP outputs to "
                         "the residual one module later, so each tensor-parallel all-reduce overlaps the next "
@@ -183,8 +184,9 @@ def load_model(args, groups):
     device = resolve_device(getattr(args, "device", "auto"))
     stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, device=device,
                                quantization=getattr(args, "quantization", "auto"),
-                               expert_placement=args.expert_placement, native_kernels=args.native_kernels == "on",
+                               expert_placement=args.expert_placement, native_kernels=args.native_kernels != "off",
                                ladder=getattr(args, "ladder_residual", None))
+    stage.fused_decode = args.native_kernels == "on"  # models/fused_decode.py
     return stage, report, model
 
 

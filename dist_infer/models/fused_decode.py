@@ -4,9 +4,10 @@ At batch 1 on the CPU the layer-by-layer path spends about as long between its n
 (the interpreter, torch's dispatch, ~15 calls a layer) as in them; the fused call runs the same
 kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). It serves the
 plain case only, and anything else goes the layer-by-layer way: a decode-only step of up to
-MAX_ROWS sequences, fp32 on the CPU with the native kernels, no context parallelism, token split
-or ladder, Llama layers with a dense MLP and no biases, every linear fp32 or the native quantized
-form. Under tp each layer's two halves are a call each, with the all-reduces between them. The results are the layer-by-layer path's but for the activation's exp (libm's
+MAX_ROWS sequences, fp32 on the CPU with the native kernels, no context parallelism or token
+split, Llama layers with a dense MLP and no biases, every linear fp32 or the native quantized
+form. Under tp each layer's two halves are a call each, with the all-reduces between them, and a
+ladder stage (models/ladder.py) runs its halves with the ladder's wiring at any tp. The results are the layer-by-layer path's but for the activation's exp (libm's
 against torch's): tests/unit/models/test_fused_decode.py holds them together and to transformers.
 """
 
@@ -19,8 +20,10 @@ import torch
 from dist_infer.kernels.build import MAX_ROWS, CpuKernels, serving
 from dist_infer.kernels.decode_stack import DecodeStackPlan, StackLayer, StackLinear
 from dist_infer.models.attention_metadata import AttentionMetadata
+from dist_infer.models.ladder import Ready
 from dist_infer.parallel.linear import QKVParallelLinear
 from dist_infer.parallel.quantized_linear import GroupQuantLinear
+from dist_infer.parallel.token_split import InFlight
 from dist_infer.parallel.tp_comm import reduce_from_tp
 
 
@@ -87,24 +90,26 @@ def _kernels(stage) -> Optional[CpuKernels]:
 def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> Optional[torch.Tensor]:
     """The hidden states after every layer of `stage` for a decode step, or None where the fused
     call does not serve it (the caller then runs the layers one by one)."""
-    if (not getattr(stage, "fused_decode", True) or not len(stage.layers)
-            or not meta.decode or meta.cp is not None or meta.parts is not None or meta.seq_lens_t is None
-            or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[0] != meta.batch
+    kernels = stage.layers[0].self_attn.kernels if stage.fused_decode and len(stage.layers) else None
+    if (kernels is None or not meta.decode or meta.cp is not None or meta.parts is not None or meta.seq_lens_t is None
+            or x.dim() != 2 or x.shape[1] != stage.input_width or not 1 <= x.shape[0] <= MAX_ROWS
+            or x.shape[0] != meta.batch
             or x.dtype != torch.float32 or x.device.type != "cpu"):
         return None
-    key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)])
-    cached = getattr(stage, "_decode_stack", None)
-    if cached is None or cached[0] != key:
+    key = (kernels, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)]))
+    cached = stage._decode_stack
+    if cached is None or cached[0] != key:  # planned once per kernels and caches (the weights are loaded once)
         plan = _plan(stage, kv_caches)  # first: it checks the layers' types, which _kernels then walks
-        kernels = _kernels(stage) if plan is not None else None
-        cached = (key, kernels, plan if kernels is not None else None)
+        cached = (key, kernels, plan if plan is not None and _kernels(stage) is kernels else None)
         stage._decode_stack = cached
-    _, kernels, plan = cached
-    if plan is None or stage.layers[0].self_attn.kernels is not kernels:
+    plan = cached[2]
+    if plan is None:
         return None
     cos, sin = stage.rotary.cos_sin(meta.positions)
     step = kernels.decode_step(plan, x.shape[0], cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t,
                                meta.window, kv_caches[0][0].shape[1])
+    if stage.ladder.active:
+        return _ladder_parts(stage, kernels, plan, step, x)
     if stage.tp.size == 1:
         return kernels.decode_stack(plan, step, x)
     return _layer_parts(stage, kernels, plan, step, x)
@@ -122,3 +127,46 @@ def _layer_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: tor
             reduce_from_tp(out, stage.tp)
             pending = out
     return x.add_(pending)
+
+
+def _ladder_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: torch.Tensor) -> torch.Tensor:
+    """run_ladder_stage's wiring (models/ladder.py) over the layers' halves in C: a ladder layer's
+    attention half adds the previous attention's output (its all-reduce waited only now) and posts
+    its own; its MLP half the same with the previous MLP's. Layers outside the range are standard."""
+    lp, hidden, tp = stage.ladder, stage.cfg.hidden_size, stage.tp
+    attn = mlp = None  # the pending outputs of the range's last attention and MLP (InFlight or Ready)
+    if lp.carries_in:
+        x, mlp = x[:, :hidden].contiguous().clone(), Ready(x[:, hidden:].contiguous())
+    else:
+        x = x.contiguous().clone()
+    pending = None  # a standard layer's reduced MLP output, added by the next half
+    for i in range(len(plan.layers)):
+        if i in lp.local:
+            if pending is not None:  # the standard layer before the range: its MLP output joins now
+                x.add_(pending)
+                pending = None
+            halves = [attn, mlp]
+            for part in (0, 1):
+                out = torch.empty_like(x)
+                kernels.decode_layer_part(plan, step, i, part, x, halves[part].result() if halves[part] else None,
+                                          out)
+                halves[part] = InFlight(tp, out, _same)
+            attn, mlp = halves
+            continue
+        if attn is not None:  # the range ended at the layer before
+            x.add_(attn.result()).add_(mlp.result())
+            attn = mlp = None
+        for part in (0, 1):
+            out = torch.empty_like(x)
+            kernels.decode_layer_part(plan, step, i, part, x, pending, out)
+            reduce_from_tp(out, tp)
+            pending = out
+    if attn is None:
+        return x if pending is None else x.add_(pending)
+    if lp.carries_out:
+        return torch.cat([x.add_(attn.result()), mlp.result()], dim=-1)
+    return x.add_(attn.result()).add_(mlp.result())
+
+
+def _same(y: torch.Tensor) -> torch.Tensor:
+    return y  # no bias after the reduce: the fused layers have none

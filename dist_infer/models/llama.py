@@ -273,6 +273,8 @@ class LlamaStage(nn.Module):
         layout = self.layers[0].self_attn if len(self.layers) else None
         self.kv_heads_local = layout.kv_heads if layout else 0
         self.ladder = LadderPlan(cfg, layers, cp.size if cp is not None else 1)
+        self.fused_decode = True  # a decode step through every layer in one native call where it serves (--native-kernels)
+        self._decode_stack = None  # fused_decode's plan, with the kernels and caches it was made for
         self.input_width = self.ladder.input_width  # a later stage's hidden states in (2H inside a ladder range)
 
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
@@ -293,7 +295,10 @@ class LlamaStage(nn.Module):
         trim = self.last and len(self.layers) > 0 and (
             (cp_meta is None and x.shape[0] > meta.batch) or (cp_meta is not None and cp_meta.phase == "prefill"
                                                               and split is None))
-        if self.ladder.active:  # the step's full metadata: no token split, no sequence parallelism
+        fused = None if split or trim or meta.sequence_parallel else fused_decode(self, x, meta, kv_caches)
+        if fused is not None:  # a decode step in native calls (models/fused_decode.py)
+            x = fused
+        elif self.ladder.active:  # the step's full metadata: no token split, no sequence parallelism
             x = run_ladder_stage(self, x, meta, kv_caches, trim)
         else:
             x = self._forward_layers(x, split, meta, kv_caches, trim)
@@ -306,11 +311,7 @@ class LlamaStage(nn.Module):
 
     def _forward_layers(self, x: torch.Tensor, split: Optional[TokenSplit], meta: AttentionMetadata,
                         kv_caches: list[KVCache], trim: bool) -> torch.Tensor:
-        """The stage's (standard) layers: token-split, sequence-parallel or plain, as the step's metadata says;
-        a decode step in one native call where that serves (models/fused_decode.py)."""
-        fused = None if split or meta.sequence_parallel else fused_decode(self, x, meta, kv_caches)
-        if fused is not None:
-            return fused
+        """The stage's (standard) layers: token-split, sequence-parallel or plain, as the step's metadata says."""
         unsplit = range(len(self.layers))
         if split:
             interleaved = len(self.layers) - 1 if trim else len(self.layers)

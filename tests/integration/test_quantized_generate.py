@@ -36,9 +36,11 @@ def checkpoints(tmp_path_factory):
 # the other combinations (int4 native on tp=1, tied int8, tied with torch's kernels) run in threads in
 # tests/unit/parallel/test_quantized*.py; these three cross process boundaries once for each path
 @pytest.mark.parametrize("arch,scheme,native,pp", [
-    ("qwen2", "int8", "on", 1), ("qwen2", "int4", "off", 1), ("llama-tied", "int4", "on", 2)])
+    ("qwen2", "int8", "layers", 1), ("qwen2", "int4", "off", 1), ("llama-tied", "int4", "on", 2)])
 def test_generate_tp2_quantized_matches_hf_on_dequantized_weights(arch, scheme, native, pp, checkpoints, tmp_path):
-    """native on: the decode steps through cpu_kernels.c's quant_linear; off: torch's int kernels.
+    """native on: the decode steps through cpu_kernels.c's quant_linear (llama-tied: each layer's two
+    halves in one call each, decode_stack.c; qwen2's biases keep it layer by layer, as `layers` asks);
+    off: torch's int kernels.
     llama-tied: the table is quantized once, embedding and LM head alike (HF's tied table dequantized);
     over pp=2 the first stage's embedding and the last stage's head each quantize it, to the same values."""
     checkpoint = checkpoints[arch]

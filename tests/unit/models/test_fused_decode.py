@@ -25,7 +25,7 @@ NEW = 6
 
 def _generate(stage, group, prompts, fused: bool):
     stage.fused_decode = fused
-    stage.__dict__.pop("_decode_stack", None)
+    stage._decode_stack = None
     outs = Engine(stage, group).generate(prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False),
                                          return_logits=True)
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
@@ -123,3 +123,26 @@ def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
         kernels.decode_stack(plan, step, x)
     assert torch.equal(plan.layers[0].k_cache, k_before)
     assert fused_decode(stage, x, meta, [(L.k_cache, L.v_cache) for L in plan.layers]) is None  # over MAX_ROWS
+
+
+@pytest.mark.parametrize("tp,ladder,span", [(1, "all", (0, 3)), (2, "all", (0, 3)), (2, "1:2", (1, 2))])
+def test_a_ladder_stage_runs_its_halves_with_the_ladder_wiring(tp, ladder, span, tmp_path):
+    """The ladder's decode steps in C (models/ladder.py's wiring over decode_layer_part): the
+    layer-by-layer ladder's logits and ids, and the plain reference of the ladder forward's."""
+    from ladder_reference import reference_greedy
+
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa", num_hidden_layers=4))
+
+    def body(g):
+        stage = stage_from_hf_model(hf, g, native_kernels=True, ladder=ladder)
+        off = _generate(stage, g, PROMPTS, fused=False)
+        on = _generate(stage, g, PROMPTS, fused=True)
+        return off, on, _fused_ran(stage)
+
+    for (ids_off, logits_off), (ids_on, logits_on), ran in run_ranks(thread_groups(tp, 1), body):
+        assert ran and ids_on == ids_off
+        for prompt, ids, got, off in zip(PROMPTS, ids_on, logits_on, logits_off):
+            torch.testing.assert_close(got, off, atol=1e-5, rtol=1e-5)
+            want_ids, want_logits = reference_greedy(hf, prompt, span, NEW)
+            assert ids == want_ids
+            torch.testing.assert_close(got, want_logits, atol=2e-4, rtol=1e-4)

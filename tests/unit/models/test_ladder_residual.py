@@ -123,23 +123,31 @@ def test_moe_ladder_matches_the_reference(tmp_path):
 
 # -- pp: two stages, each handing the next what it needs ---------------------------------------
 
-def _stage(hf, cfg, layers, first, last):
+def _stage(hf, cfg, layers, first, last, kernels=None):
+    from dist_infer.kernels import use_native_kernels
     from dist_infer.models.llama import LlamaStage
 
     (groups,) = thread_groups(1, 1)
     stage = LlamaStage(cfg, groups.tp, layers, first, last)
     state = hf.state_dict()
     stage.load_weights(lambda name: state[name])
+    use_native_kernels(stage, kernels)
     return stage
 
 
+@pytest.mark.parametrize("native", [False, True])  # True: the decode step through decode_layer_part (fused_decode.py)
 @pytest.mark.parametrize("ladder,cut,width", [("all", 2, 2), ("1:2", 2, 2), ("0:1", 2, 1), ("2:3", 1, 1)])
-def test_pp2_stages_are_the_one_stage_model(llama, ladder, cut, width):
+def test_pp2_stages_are_the_one_stage_model(llama, ladder, cut, width, native):
     from dist_infer.engine.kv_cache import PagedKVCache
+    from dist_infer.kernels import load_cpu_kernels
     from dist_infer.models.attention_metadata import build_attention_metadata
 
+    kernels = load_cpu_kernels() if native else None
+    if native and kernels is None:
+        pytest.skip("no C compiler: the native kernels are not built")
     cfg = with_ladder(ModelConfig.from_hf(llama.config.to_dict()), ladder)
-    stages = [_stage(llama, cfg, range(0, cut), True, False), _stage(llama, cfg, range(cut, 4), False, True)]
+    stages = [_stage(llama, cfg, range(0, cut), True, False, kernels),
+              _stage(llama, cfg, range(cut, 4), False, True, kernels)]
     assert stages[1].input_width == width * cfg.hidden_size
     prompt = PROMPTS[1]
     want = reference_logits(llama, prompt + [7], cfg.ladder_layers)
@@ -153,6 +161,7 @@ def test_pp2_stages_are_the_one_stage_model(llama, ladder, cut, width):
             logits = stages[1](hidden, meta, caches[1])
         torch.testing.assert_close(logits[0], want[s - 1], atol=ATOL, rtol=RTOL)
         inputs = torch.tensor([7])
+    assert all((s._decode_stack is not None and s._decode_stack[2] is not None) == native for s in stages)
 
 
 # -- selection ----------------------------------------------------------------------------------
