@@ -4,10 +4,13 @@ Sarathi-Serve keeps decodes stall-free by sizing each step's prompt chunk to a t
 from a profile taken before serving. Here the profile is learned online from the steps the engine
 runs, so it fits any model, layout (pp included) and machine without a calibration pass:
 
-    step seconds ~ fixed + a P + c (P s + P^2 / 2) / 1000 + b D + e L / 1000
+    step seconds ~ fixed + f [P > 0] + a P + c (P s + P^2 / 2) / 1000 + b D + e L / 1000
 
 P prompt tokens in the step, s the context they start from (their attention pairs grow with it),
-D decoding sequences, L the decodes' context tokens (a decode reads its whole KV). The fit is a
+D decoding sequences, L the decodes' context tokens (a decode reads its whole KV). f is what a step
+with prompt tokens pays on top, whatever its size: on the CPU a decode-only step runs its layers in
+one native call (models/fused_decode.py), a step with a prompt one layer and one kernel at a time,
+milliseconds more per step on the default model (docs/benchmarks.md). The fit is a
 least squares over recent steps with exponential forgetting (recursive least squares as a sum of
 outer products), so it follows a machine whose speed drifts. Pure numpy: tested without processes.
 """
@@ -22,7 +25,7 @@ import numpy as np
 
 from dist_infer.arg_types import AUTO_FACTOR, AUTO_FLOOR_S, parse_itl_target  # noqa: F401 (defined there for the CLI)
 
-FEATURES = ("fixed", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k")
+FEATURES = ("fixed", "prompt_step", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k")
 MIN_CHUNK = 16  # a prompt advances at least this much per step beside decodes: no starvation
 STEP_KINDS = ("decode", "mixed", "prefill")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -44,8 +47,8 @@ class StepShape:
         return "prefill" if self.prompt_tokens else "decode"
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.prompt_tokens, self.prompt_pairs / 1000.0, self.decodes,
-                         self.decode_context / 1000.0])
+        return np.array([1.0, 1.0 if self.prompt_tokens else 0.0, self.prompt_tokens, self.prompt_pairs / 1000.0,
+                         self.decodes, self.decode_context / 1000.0])
 
 
 def chunk_pairs(start: int, n: int) -> float:
@@ -80,7 +83,7 @@ class StepCostModel:
     def coefficients(self) -> np.ndarray:
         """The fitted cost per feature (FEATURES order), none below zero."""
         if self._coef is None:
-            reg = self.ridge * np.eye(len(FEATURES)) * max(1.0, float(np.trace(self._xtx)) / len(FEATURES))
+            reg = self.ridge * np.diag(np.diag(self._xtx))  # each feature by its own scale (a 0/1 one beside token counts)
             reg[0, 0] = 0.0
             coef, *_ = np.linalg.lstsq(self._xtx + reg, self._xty, rcond=None)
             self._coef = np.maximum(coef, 0.0)
@@ -98,8 +101,8 @@ class StepCostModel:
         decodes can take and still end within `target_s`; never below MIN_CHUNK. None: not known yet."""
         if not self.ready:
             return None
-        fixed, a, c, b, e = (float(v) for v in self.coefficients())
-        room = target_s - (fixed + b * decodes + e * decode_context / 1000.0)
+        fixed, f, a, c, b, e = (float(v) for v in self.coefficients())
+        room = target_s - (fixed + f + b * decodes + e * decode_context / 1000.0)
         # a n + (c / 1000) (n start + n^2 / 2) <= room: the positive root of a quadratic in n
         lin = a + c * start / 1000.0
         quad = c / 2000.0
@@ -119,7 +122,7 @@ def prefill_backlog_s(model: StepCostModel, prompts) -> Optional[float]:
     the decodes beside them are left out, so it errs short. None until a prompt's cost is learned."""
     if not model.ready:
         return None
-    _, a, c, _, _ = (float(v) for v in model.coefficients())
+    _, _, a, c, _, _ = (float(v) for v in model.coefficients())
     return sum(a * left + c * chunk_pairs(done, left) / 1000.0 for done, left in prompts)
 
 

@@ -14,9 +14,9 @@ from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
 from dist_infer.engine.step_cost import (AUTO_FACTOR, MIN_CHUNK, StepCostModel, StepShape, StepTimes, chunk_pairs,
                                          parse_itl_target, prefill_backlog_s)
 
-# a CPU-like truth: 4 ms fixed, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
+# a CPU-like truth: 4 ms fixed, 3 ms more for a step with a prompt, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
 # 0.05 ms per 1000 decode context tokens
-TRUE = np.array([4e-3, 1e-4, 2e-5, 3e-4, 5e-5])
+TRUE = np.array([4e-3, 3e-3, 1e-4, 2e-5, 3e-4, 5e-5])
 
 
 def true_seconds(shape: StepShape) -> float:
@@ -272,7 +272,7 @@ def test_the_prefill_backlog_is_the_learned_cost_of_the_prompt_tokens_left():
     for _ in range(200):
         shape = _random_shape(rng)
         model.observe(shape, true_seconds(shape))
-    _, a, c, _, _ = TRUE
+    _, _, a, c, _, _ = TRUE
     want = a * 500 + c * chunk_pairs(0, 500) / 1000 + a * 300 + c * chunk_pairs(200, 300) / 1000
     assert prefill_backlog_s(model, [(0, 500), (200, 300)]) == pytest.approx(want, rel=0.03)
     assert prefill_backlog_s(model, []) == 0.0
@@ -286,7 +286,8 @@ def test_the_engine_reports_its_prefill_backlog():
 
     model = StepCostModel()
     model.observe(StepShape(decodes=1, decode_context=10), 0.01)
-    model.observe(StepShape(prompt_tokens=100), 0.1)  # a prompt token: ~1 ms
+    model.observe(StepShape(prompt_tokens=100), 0.104)  # a prompt token: ~1 ms, a step with one 4 ms more
+    model.observe(StepShape(prompt_tokens=300), 0.304)
     waiting, part, decoding = _request(0, 400, 4), _request(1, 300, 4), _request(2, 50, 4)
     part.num_computed, decoding.num_computed = 100, 49
     engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[part, decoding]), step_costs=model,
@@ -294,6 +295,24 @@ def test_the_engine_reports_its_prefill_backlog():
     got = RequestIntake._prefill_backlog_s(engine)
     assert got == pytest.approx(prefill_backlog_s(model, [(0, 400), (100, 200)]))
     assert 0.4 < got < 0.8
+
+
+def test_a_step_with_a_prompt_pays_a_fixed_cost_of_its_own():
+    """Decode-only steps run their layers in one native call, steps with a prompt layer by layer
+    (models/fused_decode.py): the fit keeps the two fixed costs apart, so a mixed step's chunk
+    leaves room for the extra one and a decode step is not charged it."""
+    rng = random.Random(3)
+    model = StepCostModel()
+    for _ in range(300):
+        shape = _random_shape(rng)
+        model.observe(shape, true_seconds(shape))
+    fixed, prompt_step = model.coefficients()[:2]
+    assert fixed == pytest.approx(TRUE[0], rel=0.02) and prompt_step == pytest.approx(TRUE[1], rel=0.02)
+    assert model.decode_step_s(8, 4000) == pytest.approx(true_seconds(StepShape(decodes=8, decode_context=4000)),
+                                                         rel=0.01)
+    n = model.prompt_tokens_within(0.05, 8, 4000, 0)
+    assert true_seconds(StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(0, n), decodes=8,
+                                  decode_context=4000)) <= 0.05 * 1.01
 
 
 def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():
