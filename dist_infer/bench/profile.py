@@ -13,8 +13,10 @@ import json
 import os
 from typing import Optional
 
+# the native products too, and the decode stack's calls: whole layers, but mostly their products
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-            "dist_infer::skinny_linear")
+            "dist_infer::skinny_linear", "dist_infer::quant_linear", "dist_infer::dequantize_rows",
+            "dist_infer::decode_stack", "dist_infer::decode_layer_part")
 ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "dist_infer::decode_attention",
                  "dist_infer::rope_cache_write")
 MARK = "dist_infer::generate"
