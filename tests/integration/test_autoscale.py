@@ -18,6 +18,7 @@ from processes import venv_env
 from serving_helpers import ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_until
 
 LONG = 600
+ROUNDS = 8  # pairs of streams at most while waiting for the scale-down
 
 
 def _admin(job) -> dict:
@@ -56,10 +57,15 @@ def test_the_fleet_grows_in_a_burst_and_drains_live_after_it(tmp_path):
         prompts = prompts_for([14, 9], seed=81)
 
         async def streams():
+            """The two streams, again until the fleet has shrunk during a pair of them (how many
+            pairs that takes depends on how fast this machine decodes); then each alone."""
             async with httpx.AsyncClient() as client:
-                tasks = [asyncio.create_task(stream_tokens(client, job.url, p, max_tokens=LONG)) for p in prompts]
-                await asyncio.sleep(0)
-                during = await asyncio.gather(*tasks)
+                for _ in range(ROUNDS):
+                    tasks = [asyncio.create_task(stream_tokens(client, job.url, p, max_tokens=LONG)) for p in prompts]
+                    await asyncio.sleep(0)
+                    during = await asyncio.gather(*tasks)
+                    if (await client.get(job.url + "/admin/instances", timeout=30)).json()["autoscale"]["counts"].get("down"):
+                        break
                 alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts]
                 return during, alone
 
