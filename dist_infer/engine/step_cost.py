@@ -65,6 +65,7 @@ class StepCostModel:
     _xty: np.ndarray = field(default_factory=lambda: np.zeros(len(FEATURES)))
     _coef: Optional[np.ndarray] = None
     seen: dict = field(default_factory=lambda: {k: 0 for k in STEP_KINDS})
+    _prompt_sizes: set = field(default_factory=set)  # distinct prompt token counts seen, up to two
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -73,6 +74,8 @@ class StepCostModel:
         self._xtx = self.forget * self._xtx + np.outer(x, x)
         self._xty = self.forget * self._xty + x * seconds
         self.seen[shape.kind] += 1
+        if shape.prompt_tokens and len(self._prompt_sizes) < 2:
+            self._prompt_sizes.add(shape.prompt_tokens)
         self._coef = None
 
     @property
@@ -83,9 +86,13 @@ class StepCostModel:
     def coefficients(self) -> np.ndarray:
         """The fitted cost per feature (FEATURES order), none below zero."""
         if self._coef is None:
-            reg = self.ridge * np.diag(np.diag(self._xtx))  # each feature by its own scale (a 0/1 one beside token counts)
+            reg = self.ridge * np.eye(len(FEATURES)) * max(1.0, float(np.trace(self._xtx)) / len(FEATURES))
             reg[0, 0] = 0.0
-            coef, *_ = np.linalg.lstsq(self._xtx + reg, self._xty, rcond=None)
+            reg[1, 1] = self.ridge * self._xtx[1, 1]  # the 0/1 prompt_step by its own scale, not the token counts
+            use = np.ones(len(FEATURES), dtype=bool)
+            use[1] = len(self._prompt_sizes) > 1  # it says what prompt_token says until two prompt sizes are seen
+            coef = np.zeros(len(FEATURES))
+            coef[use], *_ = np.linalg.lstsq((self._xtx + reg)[np.ix_(use, use)], self._xty[use], rcond=None)
             self._coef = np.maximum(coef, 0.0)
         return self._coef
 

@@ -187,17 +187,20 @@ class CpuKernels:
                           pending: Optional[torch.Tensor], out: torch.Tensor) -> None:
         """Half of layer `layer` (0: attention, 1: the MLP) for a tensor-parallel stage: x += pending
         (in place), then the half's partial sum into `out` [B, hidden], for the caller to all-reduce."""
+        if not 0 <= layer < len(plan.layers) or part not in (0, 1):
+            raise ValueError(f"decode_layer_part: layer {layer} part {part} of a plan of {len(plan.layers)} layers")
         for t in (x, pending, out):
-            if t is not None and (not t.is_contiguous() or t.dtype != torch.float32 or t.shape[0] != step.batch):
-                raise ValueError(f"decode_layer_part: rows must be contiguous fp32 [{step.batch}, hidden]")
+            if t is not None and (not t.is_contiguous() or t.dtype != torch.float32
+                                  or tuple(t.shape) != (step.batch, plan.hidden)):
+                raise ValueError(f"decode_layer_part: rows must be contiguous fp32 [{step.batch}, {plan.hidden}]")
         rc = self._part(ctypes.addressof(plan.packed), layer, part, step.address, x.data_ptr(),
                         pending.data_ptr() if pending is not None else None, out.data_ptr())
         self._check(rc, x)
 
     @staticmethod
     def _rows(x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] != step.batch or x.dtype != torch.float32:
-            raise ValueError(f"decode_stack: rows {list(x.shape)} {x.dtype}, expected [{step.batch}, hidden] fp32")
+        if x.dim() != 2 or tuple(x.shape) != (step.batch, step.hidden) or x.dtype != torch.float32:
+            raise ValueError(f"decode_stack: rows {list(x.shape)} {x.dtype}, expected [{step.batch}, {step.hidden}] fp32")
         return x.contiguous().clone()
 
     @staticmethod

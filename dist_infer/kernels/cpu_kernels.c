@@ -35,7 +35,6 @@
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-typedef float f8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float f4 __attribute__((vector_size(4 * sizeof(float))));
 
 /* Lanes [0, n) of t += lanes [n, 2n), as one vector of type T (n lanes). */
@@ -56,9 +55,6 @@ static inline float hsum(vf v) {
 #else
     float t[VW];
     memcpy(t, &v, sizeof v);
-#if VW == 16
-    FOLD_HALF(f8, t, 8);
-#endif
 #if VW >= 8
     FOLD_HALF(f4, t, 4);
 #endif

@@ -1,8 +1,10 @@
 """The native decode stack's arguments: every layer's weights and caches as C structures, packed
 once and reused by every decode step (decode_stack.c says what the call does and why).
 
-The plan holds the tensors it points into, so they live as long as it does; whoever builds it
-rebuilds it when any of them is replaced (a KV cache reallocated, weights loaded again)."""
+The plan holds the weight tensors it points into, and `weights_moved` says whether any of them has
+new storage since. The KV caches it only knows by address: holding them would keep an engine's old
+cache alive beside the new one it makes. Whoever builds it checks those addresses before each step
+and plans again when a cache was replaced (models/fused_decode.py)."""
 
 from __future__ import annotations
 
@@ -51,15 +53,20 @@ class StackLinear:
 
 @dataclass
 class StackLayer:
-    """A decoder layer's norms, linears and KV cache."""
+    """A decoder layer's norms and linears, and its KV cache's addresses (data_ptr of K and V)."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: StackLinear
     o: StackLinear
     gate_up: StackLinear
     down: StackLinear
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    k_cache: int
+    v_cache: int
+
+    def weights(self) -> list[torch.Tensor]:
+        linears = (self.qkv, self.o, self.gate_up, self.down)
+        return [self.input_norm, self.post_norm, *(t for L in linears for t in (L.weight, L.scales, L.zeros)
+                                                   if t is not None)]
 
 
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -76,8 +83,13 @@ class DecodeStackPlan:
         self.hidden, self.intermediate, self.eps, self.scale = hidden, intermediate, eps, scale
         self.packed = (_Layer * len(layers))(*[
             _Layer(L.input_norm.data_ptr(), L.post_norm.data_ptr(), L.qkv.packed(), L.o.packed(),
-                   L.gate_up.packed(), L.down.packed(), L.k_cache.data_ptr(), L.v_cache.data_ptr())
+                   L.gate_up.packed(), L.down.packed(), L.k_cache, L.v_cache)
             for L in layers])
+        self._weights = [(t, t.data_ptr()) for L in layers for t in L.weights()]
+
+    def weights_moved(self) -> bool:
+        """Whether a weight tensor now has other storage than the packed pointer (its data replaced)."""
+        return any(t.data_ptr() != address for t, address in self._weights)
 
     def step(self, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
              seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int) -> "DecodeStep":
@@ -89,7 +101,7 @@ class DecodeStep:
 
     def __init__(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int):
-        self.batch = batch
+        self.batch, self.hidden = batch, plan.hidden
         self.tensors = [t.contiguous() for t in (cos, sin, slots, tables, seq_lens)]
         cos, sin, slots, tables, seq_lens = self.tensors
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or any(

@@ -186,7 +186,7 @@ def load_model(args, groups):
                                quantization=getattr(args, "quantization", "auto"),
                                expert_placement=args.expert_placement, native_kernels=args.native_kernels != "off",
                                ladder=getattr(args, "ladder_residual", None))
-    stage.fused_decode = args.native_kernels == "on"  # models/fused_decode.py
+    stage.native_decode_stack = args.native_kernels == "on"  # models/fused_decode.py
     return stage, report, model
 
 

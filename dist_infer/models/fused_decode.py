@@ -7,12 +7,14 @@ plain case only, and anything else goes the layer-by-layer way: a decode-only st
 MAX_ROWS sequences, fp32 on the CPU with the native kernels, no context parallelism or token
 split, Llama layers with a dense MLP and no biases, every linear fp32 or the native quantized
 form. Under tp each layer's two halves are a call each, with the all-reduces between them, and a
-ladder stage (models/ladder.py) runs its halves with the ladder's wiring at any tp. The results are the layer-by-layer path's but for the activation's exp (libm's
-against torch's): tests/unit/models/test_fused_decode.py holds them together and to transformers.
+ladder stage (models/ladder.py) runs its halves with the ladder's wiring at any tp. The results are
+the layer-by-layer path's but for the activation's exp (libm's against torch's):
+tests/unit/models/test_fused_decode.py holds them together and to transformers.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -58,7 +60,7 @@ def _stack_layer(layer, kv) -> Optional[StackLayer]:
     k_cache, v_cache = kv
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or serving(attn.kernels, k_cache, v_cache) is None:
         return None
-    return StackLayer(norms[0], norms[1], *parts, k_cache, v_cache)
+    return StackLayer(norms[0], norms[1], *parts, k_cache.data_ptr(), v_cache.data_ptr())
 
 
 def _plan(stage, kv_caches: list) -> Optional[DecodeStackPlan]:
@@ -87,22 +89,29 @@ def _kernels(stage) -> Optional[CpuKernels]:
     return first
 
 
+@dataclass
+class DecodeStackCache:
+    """A stage's plan (None: its layers are not served), with the kernels and cache addresses it was
+    made for."""
+    key: tuple
+    plan: Optional[DecodeStackPlan]
+
+
 def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> Optional[torch.Tensor]:
     """The hidden states after every layer of `stage` for a decode step, or None where the fused
     call does not serve it (the caller then runs the layers one by one)."""
-    kernels = stage.layers[0].self_attn.kernels if stage.fused_decode and len(stage.layers) else None
+    kernels = stage.layers[0].self_attn.kernels if stage.native_decode_stack and len(stage.layers) else None
     if (kernels is None or not meta.decode or meta.cp is not None or meta.parts is not None or meta.seq_lens_t is None
             or x.dim() != 2 or x.shape[1] != stage.input_width or not 1 <= x.shape[0] <= MAX_ROWS
-            or x.shape[0] != meta.batch
-            or x.dtype != torch.float32 or x.device.type != "cpu"):
+            or x.shape[0] != meta.batch or x.dtype != torch.float32 or x.device.type != "cpu"):
         return None
     key = (kernels, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)]))
-    cached = stage._decode_stack
-    if cached is None or cached[0] != key:  # planned once per kernels and caches (the weights are loaded once)
+    cached = stage.decode_stack_cache
+    if cached is None or cached.key != key or (cached.plan is not None and cached.plan.weights_moved()):
         plan = _plan(stage, kv_caches)  # first: it checks the layers' types, which _kernels then walks
-        cached = (key, kernels, plan if plan is not None and _kernels(stage) is kernels else None)
-        stage._decode_stack = cached
-    plan = cached[2]
+        cached = DecodeStackCache(key, plan if plan is not None and _kernels(stage) is kernels else None)
+        stage.decode_stack_cache = cached
+    plan = cached.plan
     if plan is None:
         return None
     cos, sin = stage.rotary.cos_sin(meta.positions)
@@ -150,7 +159,7 @@ def _ladder_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: to
                 out = torch.empty_like(x)
                 kernels.decode_layer_part(plan, step, i, part, x, halves[part].result() if halves[part] else None,
                                           out)
-                halves[part] = InFlight(tp, out, _same)
+                halves[part] = InFlight(tp, out, _no_bias)
             attn, mlp = halves
             continue
         if attn is not None:  # the range ended at the layer before
@@ -168,5 +177,5 @@ def _ladder_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: to
     return x.add_(attn.result()).add_(mlp.result())
 
 
-def _same(y: torch.Tensor) -> torch.Tensor:
-    return y  # no bias after the reduce: the fused layers have none
+def _no_bias(y: torch.Tensor) -> torch.Tensor:
+    return y  # what follows a reduce: the fused layers have no bias to add

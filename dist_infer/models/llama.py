@@ -273,8 +273,8 @@ class LlamaStage(nn.Module):
         layout = self.layers[0].self_attn if len(self.layers) else None
         self.kv_heads_local = layout.kv_heads if layout else 0
         self.ladder = LadderPlan(cfg, layers, cp.size if cp is not None else 1)
-        self.fused_decode = True  # a decode step through every layer in one native call where it serves (--native-kernels)
-        self._decode_stack = None  # fused_decode's plan, with the kernels and caches it was made for
+        self.native_decode_stack = True  # a decode step's layers in one native call where it serves (--native-kernels)
+        self.decode_stack_cache = None  # fused_decode's plan for this stage (models/fused_decode.py)
         self.input_width = self.ladder.input_width  # a later stage's hidden states in (2H inside a ladder range)
 
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:

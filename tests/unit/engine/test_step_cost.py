@@ -286,8 +286,7 @@ def test_the_engine_reports_its_prefill_backlog():
 
     model = StepCostModel()
     model.observe(StepShape(decodes=1, decode_context=10), 0.01)
-    model.observe(StepShape(prompt_tokens=100), 0.104)  # a prompt token: ~1 ms, a step with one 4 ms more
-    model.observe(StepShape(prompt_tokens=300), 0.304)
+    model.observe(StepShape(prompt_tokens=100), 0.1)  # a prompt token: ~1 ms (one prompt size: no prompt_step yet)
     waiting, part, decoding = _request(0, 400, 4), _request(1, 300, 4), _request(2, 50, 4)
     part.num_computed, decoding.num_computed = 100, 49
     engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[part, decoding]), step_costs=model,

@@ -24,16 +24,16 @@ NEW = 6
 
 
 def _generate(stage, group, prompts, fused: bool):
-    stage.fused_decode = fused
-    stage._decode_stack = None
+    stage.native_decode_stack = fused
+    stage.decode_stack_cache = None
     outs = Engine(stage, group).generate(prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False),
                                          return_logits=True)
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
 
 
 def _fused_ran(stage) -> bool:
-    cached = getattr(stage, "_decode_stack", None)
-    return cached is not None and cached[2] is not None
+    cached = stage.decode_stack_cache
+    return cached is not None and cached.plan is not None
 
 
 @pytest.mark.parametrize("arch,scheme", [("llama-gqa", "none"), ("llama-mqa", "int4"), ("llama-tied", "int8"),
@@ -106,23 +106,32 @@ def test_tensor_parallel_stages_run_each_layer_in_two_halves(shape, scheme, tmp_
 
 def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
     """Nine rows (the kernels take 1..8): a ValueError naming the step, and nothing written."""
+    from dist_infer.engine.kv_cache import PagedKVCache
     from dist_infer.models.attention_metadata import build_attention_metadata
     from dist_infer.models.fused_decode import fused_decode
 
     hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa"))
     group = thread_groups(1, 1)[0]
     stage = stage_from_hf_model(hf, group, native_kernels=True)
-    _generate(stage, group, PROMPTS[:1], fused=True)
-    _, kernels, plan = stage._decode_stack
-    meta = build_attention_metadata([1] * 9, [3] * 9, [[b] for b in range(9)], 16)
-    x = torch.randn(9, stage.cfg.hidden_size)
-    cos, sin = stage.rotary.cos_sin(meta.positions)
-    k_before = plan.layers[0].k_cache.clone()
-    step = kernels.decode_step(plan, 9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
-    with pytest.raises(ValueError, match="decode_stack"):
-        kernels.decode_stack(plan, step, x)
-    assert torch.equal(plan.layers[0].k_cache, k_before)
-    assert fused_decode(stage, x, meta, [(L.k_cache, L.v_cache) for L in plan.layers]) is None  # over MAX_ROWS
+    caches = PagedKVCache(len(stage.layers), 16, 16, stage.kv_heads_local, stage.cfg.head_dim).layers
+    hidden = stage.cfg.hidden_size
+    with torch.inference_mode():
+        assert fused_decode(stage, torch.randn(1, hidden), build_attention_metadata([1], [3], [[0]], 16), caches) \
+            is not None  # planned against these caches
+        plan, kernels = stage.decode_stack_cache.plan, stage.layers[0].self_attn.kernels
+        meta = build_attention_metadata([1] * 9, [3] * 9, [[b] for b in range(9)], 16)
+        x = torch.randn(9, hidden)
+        cos, sin = stage.rotary.cos_sin(meta.positions)
+        k_before = caches[0][0].clone()
+        step = kernels.decode_step(plan, 9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
+        with pytest.raises(ValueError, match="decode_stack"):
+            kernels.decode_stack(plan, step, x)
+        assert torch.equal(caches[0][0], k_before)
+        assert fused_decode(stage, x, meta, caches) is None  # over MAX_ROWS: layer by layer
+        with pytest.raises(ValueError, match="decode_layer_part"):  # a layer the plan has not got
+            kernels.decode_layer_part(plan, kernels.decode_step(plan, 1, cos[:1], sin[:1], meta.slot_mapping[:1],
+                                                                meta.block_tables[:1], meta.seq_lens_t[:1], None, 16),
+                                      len(plan.layers), 0, x[:1].clone(), None, torch.empty(1, hidden))
 
 
 @pytest.mark.parametrize("tp,ladder,span", [(1, "all", (0, 3)), (2, "all", (0, 3)), (2, "1:2", (1, 2))])

@@ -161,7 +161,7 @@ def test_pp2_stages_are_the_one_stage_model(llama, ladder, cut, width, native):
             logits = stages[1](hidden, meta, caches[1])
         torch.testing.assert_close(logits[0], want[s - 1], atol=ATOL, rtol=RTOL)
         inputs = torch.tensor([7])
-    assert all((s._decode_stack is not None and s._decode_stack[2] is not None) == native for s in stages)
+    assert all((s.decode_stack_cache is not None and s.decode_stack_cache.plan is not None) == native for s in stages)
 
 
 # -- selection ----------------------------------------------------------------------------------
