@@ -26,27 +26,21 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def build(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """The library as `rev` has it (its cpu_kernels.c, and decode_stack.c where it had one)."""
-    sources = []
+    """The library as `rev` has it: its kernel sources, under their own names in a folder of their
+    own (decode_stack.c includes cpu_kernels.h beside it; older revisions have only cpu_kernels.c)."""
+    src = out_dir / rev.replace("/", "_")
+    src.mkdir()
     for name in ("cpu_kernels.c", "cpu_kernels.h", "decode_stack.c"):
-        target = out_dir / f"{rev.replace('/', '_')}_{name}"
         if rev == "WORKTREE":
-            if not (KERNELS / name).exists():
-                continue
-            target.write_bytes((KERNELS / name).read_bytes())
+            text = (KERNELS / name).read_bytes() if (KERNELS / name).exists() else None
         else:
             shown = subprocess.run(["git", "show", f"{rev}:dist_infer/kernels/{name}"], cwd=ROOT, capture_output=True)
-            if shown.returncode != 0:
-                continue
-            target.write_bytes(shown.stdout)
-        if name.endswith(".c"):
-            sources.append(target)
-    header = out_dir / "cpu_kernels.h"
-    if (out_dir / f"{rev.replace('/', '_')}_cpu_kernels.h").exists():
-        header.write_bytes((out_dir / f"{rev.replace('/', '_')}_cpu_kernels.h").read_bytes())
-    lib = out_dir / f"{rev.replace('/', '_')}.so"
-    subprocess.run(["cc", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *map(str, sources), "-o", str(lib),
-                    "-lm"], check=True)
+            text = shown.stdout if shown.returncode == 0 else None
+        if text is not None:
+            (src / name).write_bytes(text)
+    lib = src / "kernels.so"
+    subprocess.run(["cc", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *map(str, sorted(src.glob("*.c"))),
+                    "-o", str(lib), "-lm"], check=True)
     so = ctypes.CDLL(str(lib))
     so.quant_linear.restype = ctypes.c_int
     so.quant_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int, ctypes.c_long,

@@ -20,8 +20,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default="",
                    help="peers to run in the same invocation, comma separated: deepspeed (AutoTP, tp ranks), "
                         "hf (transformers, one process, on our --device in our --dtype), hf-tp (transformers "
-                        "tp_plan=auto, tp ranks), "
-                        "llama.cpp (llama-bench / llama-batched-bench on the same GGUF file and as many cores as our "
+                        "tp_plan=auto, tp ranks), llama.cpp (llama-bench / llama-batched-bench on the same GGUF file and as many cores as our "
                         "run; `make llama-cpp` builds them), ours-1proc (this engine in one process on all cores), ladder "
                         "(this engine, the same layout and workload, every decoder layer a Ladder Residual layer: "
                         "what overlapping each all-reduce with the next module buys; for measurements, since a "

@@ -105,8 +105,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "restarted, else a new one of the first instance's layout) when the p90 TTFT or time per "
                         "output token of the last 10 s (only first tokens since the last decision) passes the SLO, or a "
                         "request has waited longer than the TTFT SLO for its first token, or the prompts queued at the "
-                        "least backlogged instance predict a longer wait; one fewer, drained by live migration so no request is dropped, "
-                        "when everything stayed under half the SLO with nothing queued and at most two running "
+                        "least backlogged instance predict a longer wait; one fewer, drained by live migration so no "
+                        "request is dropped, when everything stayed under half the SLO with nothing queued and at most two running "
                         "requests per instance left for --autoscale-down-after seconds. Without --instances, the "
                         "server starts MIN instances")
     p.add_argument("--slo", default=None, metavar="ttft=S,tpot=S",

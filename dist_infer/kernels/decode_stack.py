@@ -1,10 +1,11 @@
 """The native decode stack's arguments: every layer's weights and caches as C structures, packed
 once and reused by every decode step (decode_stack.c says what the call does and why).
 
-The plan holds the weight tensors it points into, and `weights_moved` says whether any of them has
-new storage since. The KV caches it only knows by address: holding them would keep an engine's old
-cache alive beside the new one it makes. Whoever builds it checks those addresses before each step
-and plans again when a cache was replaced (models/fused_decode.py)."""
+The plan holds the storage of every weight it points into, so no packed pointer can outlive its
+memory, without a check in the step (dist_infer loads weights once; a tensor given new data
+afterwards would not be seen). The KV caches it only knows by address: holding them would keep an
+engine's old cache alive beside the new one it makes. Whoever builds it checks those addresses
+before each step and plans again when a cache was replaced (models/fused_decode.py)."""
 
 from __future__ import annotations
 
@@ -85,11 +86,7 @@ class DecodeStackPlan:
             _Layer(L.input_norm.data_ptr(), L.post_norm.data_ptr(), L.qkv.packed(), L.o.packed(),
                    L.gate_up.packed(), L.down.packed(), L.k_cache, L.v_cache)
             for L in layers])
-        self._weights = [(t, t.data_ptr()) for L in layers for t in L.weights()]
-
-    def weights_moved(self) -> bool:
-        """Whether a weight tensor now has other storage than the packed pointer (its data replaced)."""
-        return any(t.data_ptr() != address for t, address in self._weights)
+        self._storages = [t.untyped_storage() for L in layers for t in L.weights()]  # alive while packed
 
     def step(self, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
              seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int) -> "DecodeStep":

@@ -69,8 +69,8 @@ def _plan(stage, kv_caches: list) -> Optional[DecodeStackPlan]:
         return None
     first = stage.layers[0]
     attn, norm = first.self_attn, first.input_layernorm
-    if any(L.post_norm is None or layer.input_layernorm.eps != norm.eps or layer.post_attention_layernorm.eps != norm.eps
-           for L, layer in zip(layers, stage.layers)):
+    if any(layer.input_layernorm.eps != norm.eps or layer.post_attention_layernorm.eps != norm.eps
+           for layer in stage.layers):
         return None
     return DecodeStackPlan(layers, attn.q_heads, attn.kv_heads, attn.head_dim, stage.cfg.hidden_size,
                            layers[0].down.k, norm.eps, attn.scale)
@@ -107,7 +107,7 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
         return None
     key = (kernels, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)]))
     cached = stage.decode_stack_cache
-    if cached is None or cached.key != key or (cached.plan is not None and cached.plan.weights_moved()):
+    if cached is None or cached.key != key:
         plan = _plan(stage, kv_caches)  # first: it checks the layers' types, which _kernels then walks
         cached = DecodeStackCache(key, plan if plan is not None and _kernels(stage) is kernels else None)
         stage.decode_stack_cache = cached
@@ -117,31 +117,16 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
     cos, sin = stage.rotary.cos_sin(meta.positions)
     step = kernels.decode_step(plan, x.shape[0], cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t,
                                meta.window, kv_caches[0][0].shape[1])
-    if stage.ladder.active:
-        return _ladder_parts(stage, kernels, plan, step, x)
-    if stage.tp.size == 1:
+    if stage.tp.size == 1 and not stage.ladder.active:
         return kernels.decode_stack(plan, step, x)
-    return _layer_parts(stage, kernels, plan, step, x)
+    return _layer_halves(stage, kernels, plan, step, x)
 
 
-def _layer_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: torch.Tensor) -> torch.Tensor:
-    """Under tp: each layer's two halves in C, the all-reduce of each half's partial sum between
-    them (as o_proj's and down_proj's `finish` would do it)."""
-    x = x.contiguous().clone()
-    pending = None
-    for i in range(len(plan.layers)):
-        for part in (0, 1):
-            out = torch.empty_like(x)
-            kernels.decode_layer_part(plan, step, i, part, x, pending, out)
-            reduce_from_tp(out, stage.tp)
-            pending = out
-    return x.add_(pending)
-
-
-def _ladder_parts(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: torch.Tensor) -> torch.Tensor:
-    """run_ladder_stage's wiring (models/ladder.py) over the layers' halves in C: a ladder layer's
-    attention half adds the previous attention's output (its all-reduce waited only now) and posts
-    its own; its MLP half the same with the previous MLP's. Layers outside the range are standard."""
+def _layer_halves(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: torch.Tensor) -> torch.Tensor:
+    """Each layer's two halves in C, the all-reduce of each half's partial sum between them (as
+    o_proj's and down_proj's `finish` would do it), with run_ladder_stage's wiring (models/ladder.py)
+    in a ladder range: there a layer's attention half adds the previous attention's output (its
+    all-reduce waited only now) and posts its own, its MLP half the same with the previous MLP's."""
     lp, hidden, tp = stage.ladder, stage.cfg.hidden_size, stage.tp
     attn = mlp = None  # the pending outputs of the range's last attention and MLP (InFlight or Ready)
     if lp.carries_in:
