@@ -3,7 +3,9 @@
 # spare, which this project's 2-core VM cannot show (docs/benchmarks.md, issues 34 and 35). A random
 # checkpoint in the default model's shape (SmolLM2-135M: hidden 576, 30 layers, 9 / 3 heads), int4
 # weights quantized at load (groups of 32 with zeros, as its Q4_1 blocks). Results in $OUT.
-#     [ROUNDS=2] bash benchmarks/cpu_on_device.sh
+# PARTS picks what runs: bench (the decode figures), mixed (prompt chunks beside decodes,
+# benchmarks/mixed_steps.py at 2 and 16 threads); both by default.
+#     [ROUNDS=2] [PARTS="bench mixed"] bash benchmarks/cpu_on_device.sh
 set -u
 OUT=${OUT:-cpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -35,6 +37,15 @@ bench() {  # name, OMP threads per rank, then bench's flags
         --batch 1 --prompt-len 128 --gen-len 32 --repeat 3 --json "$@" 2>"$OUT/$name.err" | tail -1 > "$OUT/$name.json"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'decode', round(d['decode_tok_s'],1), 'prefill', round(d['prefill_tok_s'],1))" "$OUT/$name.json" "$name" || tail -3 "$OUT/$name.err"
 }
+PARTS=${PARTS:-bench mixed}
+case " $PARTS " in *" mixed "*)
+    for t in 2 16; do
+        step "mixed steps, $t threads"
+        timeout 200 python3 benchmarks/mixed_steps.py --model "$CK" --quantization int4 --rounds 1 --threads $t \
+            --json "$OUT/mixed_steps_t$t.json" 2>"$OUT/mixed_steps_t$t.err" | grep "^|" || tail -3 "$OUT/mixed_steps_t$t.err"
+    done;;
+esac
+case " $PARTS " in *" bench "*) ;; *) ROUNDS=0;; esac
 for r in $(seq 1 "${ROUNDS:-2}"); do
     step "round $r"
     bench tp1_r$r 2

@@ -8,9 +8,10 @@ runs, so it fits any model, layout (pp included) and machine without a calibrati
 
 P prompt tokens in the step, s the context they start from (their attention pairs grow with it),
 D decoding sequences, L the decodes' context tokens (a decode reads its whole KV). f is what a step
-with prompt tokens pays on top, whatever its size: on the CPU a decode-only step runs its layers in
-one native call (models/fused_decode.py), a step with a prompt one layer and one kernel at a time,
-milliseconds more per step on the default model (docs/benchmarks.md). The fit is a
+with prompt tokens pays on top, whatever its size: on the CPU a step of up to 8 rows runs the
+skinny kernels and one with a prompt chunk BLAS products and the chunk's attention in GEMMs
+(models/fused_decode.py), or one layer and one kernel at a time where the native stack does not
+serve the model (docs/benchmarks.md, "Mixed steps in one native call"). The fit is a
 least squares over recent steps with exponential forgetting (recursive least squares as a sum of
 outer products), so it follows a machine whose speed drifts. Pure numpy: tested without processes.
 """

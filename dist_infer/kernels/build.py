@@ -99,6 +99,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, threaded: bool):
         self.threaded = threaded
+        self.sgemm = blas_sgemm()  # the stack's GEMM past MAX_ROWS rows (None: it takes up to MAX_ROWS)
         self._declare(lib)
 
     def _declare(self, lib: ctypes.CDLL) -> None:
@@ -170,15 +171,21 @@ class CpuKernels:
 
     def decode_step(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor,
                     slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int],
-                    block_size: int) -> DecodeStep:
-        """A decode step's arguments for decode_stack / decode_layer_part: cos/sin [B, head_dim] of the
-        new positions, the cache `slots` [B], block tables [B, width] and seq_lens [B] (int64)."""
+                    block_size: int, runs: Optional[torch.Tensor] = None) -> DecodeStep:
+        """A step's arguments for decode_stack / decode_layer_part, a row each (a sequence's new token,
+        or one token of a prompt chunk): cos/sin [B, head_dim] of the rows' positions, their cache
+        `slots` [B], block tables [B, width] and the keys each sees, seq_lens [B] (int64); `runs`
+        (None: a sequence a row) the row offsets of each sequence (DecodeStep). More than MAX_ROWS
+        rows need BLAS (`self.sgemm`)."""
+        if batch > MAX_ROWS and self.sgemm is None:
+            raise ValueError(f"decode_step: {batch} rows need a BLAS sgemm, and none was found in torch's libraries")
         threads = torch.get_num_threads() if self.threaded else 1
-        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads)
+        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, self.sgemm, runs)
 
     def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [B, hidden] (B <= MAX_ROWS) through every layer `plan` packs (decode_stack.c): the
-        hidden states after the last layer, each new key and value in its cache slot."""
+        """Rows x [B, hidden] (more than MAX_ROWS with BLAS: decode_step) through every layer `plan`
+        packs (decode_stack.c): the hidden states after the last layer, each new key and value in its
+        cache slot."""
         x = self._rows(x, step)
         self._check(self._stack(ctypes.addressof(plan.packed), len(plan.layers), step.address, x.data_ptr()), x)
         return x
@@ -208,7 +215,7 @@ class CpuKernels:
         if rc == -1:
             raise ValueError(f"decode_stack: a {list(x.shape)} step or a layer's shapes are outside what it takes")
         if rc != 0:
-            raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} sequences")
+            raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} rows")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -255,6 +262,21 @@ class CpuKernels:
                       out.data_ptr(), lse.data_ptr() if lse is not None else None, threads) != 0:
             raise MemoryError(f"decode_attention: no memory for the partials of {B} sequences")
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def blas_sgemm() -> Optional[int]:
+    """The address of the Fortran `sgemm_` of the BLAS torch was built with (MKL on x86 wheels,
+    OpenBLAS on others), or None: what torch's own CPU GEMMs call, so the stack's products are
+    the same library's, not a second one."""
+    lib_dir = Path(torch.__file__).with_name("lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            fn = getattr(ctypes.CDLL(str(lib_dir / name)), "sgemm_")
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -580,6 +580,53 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
     }
 }
 
+/* silu_mul_rows: act[m, i] = silu(gate[m, i]) * up[m, i] for rows [gate (I) | up (I)] of gate_up,
+ * the MLP's activation in the native stack (decode_stack.c), with the exp above: e = e^-|g| never
+ * overflows, silu(g) = g / (1 + e) for g >= 0 and g e / (1 + e) below. libm's expf one value at a
+ * time was a prompt chunk's largest single-threaded cost at 16 threads (docs/benchmarks.md). */
+void silu_mul_rows(const float *gate_up, float *act, long M, long I, int threads) {
+    int workers = threads > 1 && M * I >= 65536 ? threads : 1;
+#pragma omp parallel for num_threads(workers) schedule(static) if (workers > 1)
+    for (long m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        float *a = act + m * I;
+        long i = 0;
+        for (; i + VW <= I; i += VW) {
+            vf x = load(g + i);
+            vi below = x < 0;                                     /* lanes of all ones where x < 0 */
+            vf e = exp_nonpositive((vf)((vi)x | (int)0x80000000u));  /* e^-|x|: the sign bit set */
+            vf num = (vf)(((vi)(x * e) & below) | ((vi)x & ~below)), y = num / (1.0f + e) * load(u + i);
+            memcpy(a + i, &y, sizeof y);
+        }
+        for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* causal_softmax_rows: each row r of scores s [rows, n] (row stride n) as probabilities over the
+ * keys it sees, [lo, hi) with hi = seq_lens[r] - k0 and lo = hi - window (window > 0, else 0),
+ * clamped at 0; the others 0. The prompt-chunk attention's softmax (decode_stack.c), vectorised
+ * with the exp the decode attention uses: libm's expf was most of that attention's time. */
+void causal_softmax_rows(float *s, long rows, long n, const long *seq_lens, long k0, long window) {
+    for (long r = 0; r < rows; r++) {
+        float *sr = s + r * n, m = -INFINITY, total = 0.f;
+        long hi = seq_lens[r] - k0, lo = window > 0 && hi > window ? hi - window : 0, t;
+        hi = hi < n ? hi : n;
+        for (t = lo; t < hi; t++) m = sr[t] > m ? sr[t] : m;
+        vf sum = (vf){0};
+        for (t = lo; t + VW <= hi; t += VW) {
+            vf e = exp_nonpositive(load(sr + t) - m);
+            memcpy(sr + t, &e, sizeof e);
+            sum += e;
+        }
+        total = hsum(sum);
+        for (; t < hi; t++) total += (sr[t] = expf(sr[t] - m));
+        float inv = total > 0.f ? 1.0f / total : 0.f;
+        for (t = lo; t < hi; t++) sr[t] *= inv;
+        if (lo > 0) memset(sr, 0, (size_t)lo * sizeof(float));
+        if (hi < n) memset(sr + hi, 0, (size_t)(n - hi) * sizeof(float));
+    }
+}
+
 int decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
                      long width, const long *seq_lens, long window, long B, long q_heads, long kv_heads,
                      long d, long block_size, float scale, float *out, float *lse, int threads) {

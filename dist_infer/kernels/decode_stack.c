@@ -1,5 +1,6 @@
-/* decode_stack: a decode step (one new token for each of 1..8 sequences) through every decoder
- * layer of a Llama stage in one call.
+/* decode_stack: a step through every decoder layer of a Llama stage in one call: a decode step (one
+ * new token for each of 1..8 sequences), or any rows at all (a mixed step: prompt chunks beside
+ * decodes) where the caller hands over a BLAS sgemm.
  *
  * Each kernel a layer needs is already native (cpu_kernels.c), but called one by one from Python a
  * layer costs ~15 calls, and at batch 1 on the default model the interpreter and torch's dispatch
@@ -7,7 +8,16 @@
  * quantized"). Here the same kernels run back to back in C, in the order and with the arithmetic of
  * the layer-by-layer path: input norm, QKV, rotary and the cache write, attention over the paged
  * cache, o_proj, the residual add with the next norm, gate/up, silu(gate) * up, down, the residual
- * add. Only the activation differs: libm's expf where torch uses its own vectorised exp.
+ * add. Only the activation differs: silu_mul_rows's vectorised exp where torch uses its own.
+ *
+ * Rows are independent but for attention, where each row is a query of its own: row r attends the
+ * first seq_lens[r] keys of its block table (its position + 1: causal within a prompt chunk, whose
+ * keys and values are all written before any row attends). A sequence's run of rows (a prompt
+ * chunk) attends in two GEMMs per head (chunk_attention), other rows one by one (decode_attention).
+ * Up to 8 rows the linears are the skinny / quant_linear kernels; past that the weights go to
+ * sgemm, dequantized a panel of rows at a time into a buffer that stays in the core's cache (a whole
+ * matrix written to memory and read back, the torch path's way, bounds the product by that traffic
+ * at a few dozen rows), and from WHOLE_GEMM_ROWS rows whole, into one product.
  *
  * x [batch, hidden] is the residual stream, updated in place. Returns 0, -1 when a shape is outside
  * what the kernels take (nothing is half-done: checked before the first layer), -2 without memory.
@@ -17,8 +27,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_kernels.h"
+
+#define MAX_SKINNY_ROWS 8  /* the rows skinny_linear and quant_linear take (build.py's MAX_ROWS) */
 
 typedef struct {
     const void *w;        /* fp32 [n, k] (bits 32), else quant_linear's integers */
@@ -41,7 +56,18 @@ typedef struct {
     const long *seq_lens;                 /* [batch], counting the new token */
     long table_width, window, block_size, threads;
     double eps, scale;
+    void *sgemm;                          /* BLAS's Fortran sgemm_ (LP64), or NULL: then 1..8 rows only */
+    long n_runs;                          /* the rows' sequences: rows [runs[i], runs[i + 1]) are one's */
+    const long *runs;                     /* [n_runs + 1], or NULL: every row a sequence of its own */
 } StackStep;
+
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *,
+                         const int *);
+
+#define CHUNK_ATTENTION_ROWS 8  /* a sequence's run of at least this many rows attends through sgemm */
+#define WHOLE_GEMM_ROWS 128  /* from this many rows a whole matrix is dequantized into one product */
+#define PANEL_BYTES (512L * 1024)  /* a dequantized panel of weight rows: well inside a core's L2 */
 
 static int linear_fits(const StackLinear *w, long n, long k) {
     if (w->n != n || w->k != k || !w->w) return 0;
@@ -50,23 +76,63 @@ static int linear_fits(const StackLinear *w, long n, long k) {
     return (w->bits == 8 || w->bits == 4) && w->scales && w->group > 0 && w->group % 32 == 0 && k % w->group == 0;
 }
 
-static int linear(const StackLinear *w, const float *x, float *y, long M, int threads) {
+/* y[:, n0:n0+np] = x W[n0:n0+np]^T through sgemm (column-major: Y^T = W x^T), y's rows n apart. */
+static void gemm_rows(sgemm_fn sgemm, const float *w, const float *x, float *y, long M, long np, long n, long K) {
+    const int m = (int)np, cols = (int)M, k = (int)K, ld = (int)n;
+    const float one = 1.0f, zero = 0.0f;
+    sgemm("T", "N", &m, &cols, &k, &one, w, &k, x, &k, &zero, y, &ld);
+}
+
+/* Many rows against a quantized W: panels of W's rows dequantized into each thread's buffer (the
+ * values QuantizedWeight.dequantize gives, bit for bit) and multiplied there, BLAS single-threaded
+ * inside the parallel region. From WHOLE_GEMM_ROWS rows the product is long enough that writing W
+ * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins,
+ * by a quarter at 16 threads (docs/benchmarks.md, "Mixed steps in one native call"). */
+static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, sgemm_fn sgemm) {
+    long K = w->k, N = w->n, groups = K / w->group, row_bytes = w->bits == 8 ? K : K / 2;
+    if (M >= WHOLE_GEMM_ROWS) {  /* enough rows to pay for the round trip: one product, BLAS's own threads */
+        float *all = malloc((size_t)N * K * sizeof(float));
+        if (!all) return -2;
+        int rc = dequantize_rows(w->w, w->scales, w->zeros, all, N, K, w->group, (int)w->bits, threads);
+        if (rc == 0) gemm_rows(sgemm, all, x, y, M, N, N, K);
+        free(all);
+        return rc == 0 ? 0 : -1;
+    }
+    long P = PANEL_BYTES / (K * (long)sizeof(float)), share = (N + 2L * threads - 1) / (2L * threads);
+    P = share < P ? (share + 15) / 16 * 16 : P / 16 * 16;  /* two panels a thread at least, where N allows */
+    P = P < 16 ? 16 : P;
+    long panels = (N + P - 1) / P, workers = threads > 1 ? (panels < threads ? panels : threads) : 1;
+    float *buffers = malloc((size_t)workers * P * K * sizeof(float));
+    if (!buffers) return -2;
+#pragma omp parallel for num_threads(workers) schedule(dynamic, 1) if (workers > 1)
+    for (long p = 0; p < panels; p++) {
+#ifdef _OPENMP
+        float *buf = buffers + (long)omp_get_thread_num() * P * K;
+#else
+        float *buf = buffers;
+#endif
+        long n0 = p * P, np = N - n0 < P ? N - n0 : P;
+        dequantize_rows((const unsigned char *)w->w + n0 * row_bytes, w->scales + n0 * groups,
+                        w->zeros ? w->zeros + n0 * groups : NULL, buf, np, K, w->group, (int)w->bits, 1);
+        gemm_rows(sgemm, buf, x, y + n0, M, np, N, K);
+    }
+    free(buffers);
+    return 0;
+}
+
+static int linear(const StackLinear *w, const float *x, float *y, long M, int threads, void *sgemm) {
+    if (M > MAX_SKINNY_ROWS) {
+        if (w->bits != 32) return quant_gemm(w, x, y, M, threads, (sgemm_fn)sgemm);
+        gemm_rows((sgemm_fn)sgemm, (const float *)w->w, x, y, M, w->n, w->n, w->k);
+        return 0;
+    }
     if (w->bits == 32) return skinny_linear(x, (const float *)w->w, y, M, w->n, w->k, threads);
     return quant_linear(x, w->w, w->scales, w->zeros, y, M, w->n, w->k, w->group, (int)w->bits, w->n, threads);
 }
 
-/* act[m, i] = silu(gate[m, i]) * up[m, i] for gate_up rows [gate (I) | up (I)]. */
-static void silu_mul(const float *gate_up, float *act, long M, long I) {
-    for (long m = 0; m < M; m++) {
-        const float *g = gate_up + m * 2 * I, *u = g + I;
-        float *a = act + m * I;
-        for (long i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
-}
-
 static int step_fits(const StackLayer *layers, long n_layers, const StackStep *st) {
     long H = st->hidden, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, I = st->intermediate;
-    if (st->batch < 1 || st->batch > 8 || st->q_heads < 1 || st->kv_heads < 1 || st->q_heads % st->kv_heads ||
+    if (st->batch < 1 || (st->batch > MAX_SKINNY_ROWS && !st->sgemm) || st->q_heads < 1 || st->kv_heads < 1 || st->q_heads % st->kv_heads ||
         d < 2 || d % 2 || st->block_size < 1)
         return 0;
     for (long l = 0; l < n_layers; l++) {
@@ -99,6 +165,76 @@ static float *work_alloc(const StackStep *st, Work *w) {
     return p;
 }
 
+/* A prompt chunk's rows q [R, q_heads * d] (one sequence: table, each row's seq_len, ascending)
+ * attending in two products per query head, as SDPA does: the sequence's keys and values gathered
+ * from their blocks once, scores = Q K^T through sgemm, each row's softmax over the keys it sees,
+ * out = P V through sgemm. One row at a time (decode_attention) would cost a dot product and a
+ * horizontal sum per key, head and row: 2-3x slower than SDPA at a few thousand keys of context. */
+static int chunk_attention(const float *q, const float *k_cache, const float *v_cache, const long *table,
+                           const long *seq_lens, long R, const StackStep *st, float *out) {
+    long d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, group = st->q_heads / st->kv_heads;
+    long bs = st->block_size, window = st->window, end = seq_lens[R - 1];
+    long k0 = window > 0 && seq_lens[0] > window ? seq_lens[0] - window : 0, n = end - k0;
+    int threads = st->threads > 1 ? (int)st->threads : 1;
+    if (n <= 0) return -1;
+    /* tasks: a query head and a block of rows each, about two a thread */
+    long blocks = (2L * threads + st->q_heads - 1) / st->q_heads, most = (R + 15) / 16;
+    blocks = blocks < most ? blocks : most;
+    long rb = (R + blocks - 1) / blocks, tasks = st->q_heads * blocks;
+    float *kv = malloc(((size_t)2 * n * kvd + (size_t)threads * rb * n) * sizeof(float));
+    if (!kv) return -2;
+    float *keys = kv, *values = kv + n * kvd, *scores = values + n * kvd;
+    for (long p = k0; p < end;) {  /* a block's positions at a time: contiguous in the cache */
+        long off = p % bs, take = bs - off < end - p ? bs - off : end - p, src = (table[p / bs] * bs + off) * kvd;
+        memcpy(keys + (p - k0) * kvd, k_cache + src, (size_t)take * kvd * sizeof(float));
+        memcpy(values + (p - k0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
+        p += take;
+    }
+    sgemm_fn sgemm = (sgemm_fn)st->sgemm;
+    const int di = (int)d, ldq = (int)qd, ldkv = (int)kvd;
+    const float scale = (float)st->scale, one = 1.0f, zero = 0.0f;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
+    for (long task = 0; task < tasks; task++) {
+#ifdef _OPENMP
+        float *s = scores + (long)omp_get_thread_num() * rb * n;
+#else
+        float *s = scores;
+#endif
+        long h = task / blocks, r0 = task % blocks * rb, rows = R - r0 < rb ? R - r0 : rb, kvh = h / group;
+        if (rows <= 0) continue;
+        const int ri = (int)rows, ni = (int)(seq_lens[r0 + rows - 1] - k0);  /* the keys the block's rows see */
+        sgemm("T", "N", &ni, &ri, &di, &scale, keys + kvh * d, &ldkv, q + r0 * qd + h * d, &ldq, &zero, s, &ni);
+        causal_softmax_rows(s, rows, ni, seq_lens + r0, k0, window);
+        sgemm("N", "N", &di, &ri, &ni, &one, values + kvh * d, &ldkv, s, &ni, &zero, out + r0 * qd + h * d, &ldq);
+    }
+    free(kv);
+    return 0;
+}
+
+/* Attention of every row: a sequence's run of CHUNK_ATTENTION_ROWS or more through chunk_attention,
+ * the others (decodes, short chunks) row by row through decode_attention, consecutive ones together. */
+static int attend_rows(const StackLayer *L, const StackStep *st, const float *q, float *out) {
+    long qd = st->q_heads * st->head_dim, w = st->table_width, n_runs = st->runs ? st->n_runs : 1;
+    long pending = 0;  /* first row of the stretch of short runs not yet attended */
+    int rc = 0;
+    for (long i = 0; i <= n_runs && rc == 0; i++) {
+        long r0 = i < n_runs ? (st->runs ? st->runs[i] : 0) : st->batch;
+        long r1 = i < n_runs ? (st->runs ? st->runs[i + 1] : st->batch) : st->batch;
+        int chunked = st->runs && i < n_runs && st->sgemm && r1 - r0 >= CHUNK_ATTENTION_ROWS;
+        if ((chunked || i == n_runs) && r0 > pending)
+            rc = decode_attention(q + pending * qd, L->k_cache, L->v_cache, st->tables + pending * w, w,
+                                  st->seq_lens + pending, st->window, r0 - pending, st->q_heads, st->kv_heads,
+                                  st->head_dim, st->block_size, (float)st->scale, out + pending * qd, NULL,
+                                  (int)st->threads);
+        if (chunked && rc == 0) {
+            rc = chunk_attention(q + r0 * qd, L->k_cache, L->v_cache, st->tables + r0 * w, st->seq_lens + r0, r1 - r0,
+                                 st, out + r0 * qd);
+            pending = r1;
+        }
+    }
+    return rc;
+}
+
 /* The attention half: x += pending (the previous layer's MLP output, if any), the input norm, QKV,
  * rotary and the cache write, attention, o_proj into out (this rank's partial sum under tp). */
 static int attention_part(const StackLayer *L, const StackStep *st, float *x, const float *pending, float *out,
@@ -107,15 +243,12 @@ static int attention_part(const StackLayer *L, const StackStep *st, float *x, co
     long width = qd + 2 * kvd;
     int threads = (int)st->threads, rc;
     rms_norm(x, pending, L->input_norm, w->normed, M, H, (float)st->eps);
-    if ((rc = linear(&L->qkv, w->normed, w->qkv, M, threads)) != 0) return rc;
+    if ((rc = linear(&L->qkv, w->normed, w->qkv, M, threads, st->sgemm)) != 0) return rc;
     rope_cache_write(w->qkv, w->qkv + qd, w->qkv + qd + kvd, width, width, width, st->cos, st->sin, L->k_cache,
                      L->v_cache, st->slots, M, st->q_heads, st->kv_heads, d);
     for (long m = 0; m < M; m++) memcpy(w->q + m * qd, w->qkv + m * width, qd * sizeof(float));
-    if ((rc = decode_attention(w->q, L->k_cache, L->v_cache, st->tables, st->table_width, st->seq_lens, st->window,
-                               M, st->q_heads, st->kv_heads, d, st->block_size, (float)st->scale, w->attn, NULL,
-                               threads)) != 0)
-        return rc;
-    return linear(&L->o, w->attn, out, M, threads);
+    if ((rc = attend_rows(L, st, w->q, w->attn)) != 0) return rc;
+    return linear(&L->o, w->attn, out, M, threads, st->sgemm);
 }
 
 /* The MLP half: x += attention's output, the post-attention norm, gate/up, silu(gate) * up, down
@@ -124,9 +257,9 @@ static int mlp_part(const StackLayer *L, const StackStep *st, float *x, const fl
     long M = st->batch, I = st->intermediate;
     int rc;
     rms_norm(x, attention, L->post_norm, w->normed, M, st->hidden, (float)st->eps);
-    if ((rc = linear(&L->gate_up, w->normed, w->gate_up, M, (int)st->threads)) != 0) return rc;
-    silu_mul(w->gate_up, w->act, M, I);
-    return linear(&L->down, w->act, out, M, (int)st->threads);
+    if ((rc = linear(&L->gate_up, w->normed, w->gate_up, M, (int)st->threads, st->sgemm)) != 0) return rc;
+    silu_mul_rows(w->gate_up, w->act, M, I, (int)st->threads);
+    return linear(&L->down, w->act, out, M, (int)st->threads, st->sgemm);
 }
 
 int decode_stack(const StackLayer *layers, long n_layers, const StackStep *st, float *x) {

@@ -32,7 +32,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("batch", _long), ("hidden", _long), ("q_heads", _long), ("kv_heads", _long),
                 ("head_dim", _long), ("intermediate", _long), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
                 ("tables", _ptr), ("seq_lens", _ptr), ("table_width", _long), ("window", _long),
-                ("block_size", _long), ("threads", _long), ("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+                ("block_size", _long), ("threads", _long), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("sgemm", _ptr), ("n_runs", _long), ("runs", _ptr)]
 
 
 @dataclass
@@ -89,15 +90,21 @@ class DecodeStackPlan:
         self._storages = [t.untyped_storage() for L in layers for t in L.weights()]  # alive while packed
 
     def step(self, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-             seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int) -> "DecodeStep":
-        return DecodeStep(self, batch, cos, sin, slots, tables, seq_lens, window, block_size, threads)
+             seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int,
+             sgemm: Optional[int] = None, runs: Optional[torch.Tensor] = None) -> "DecodeStep":
+        return DecodeStep(self, batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, sgemm, runs)
 
 
 class DecodeStep:
-    """One step's arguments as the C structure, holding the (contiguous) tensors it points into."""
+    """One step's arguments as the C structure, holding the (contiguous) tensors it points into. A
+    row is a query of its own: its rotary angles, cache slot, block table and the keys it sees (its
+    position + 1). `sgemm`: BLAS's sgemm_ address, for steps of more than MAX_ROWS rows. `runs`
+    (int64 [sequences + 1], None: a sequence a row): rows runs[i]..runs[i + 1] are one sequence's,
+    and a long run (a prompt chunk) attends in two GEMMs instead of row by row."""
 
     def __init__(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int):
+                 tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int,
+                 sgemm: Optional[int] = None, runs: Optional[torch.Tensor] = None):
         self.batch, self.hidden = batch, plan.hidden
         self.tensors = [t.contiguous() for t in (cos, sin, slots, tables, seq_lens)]
         cos, sin, slots, tables, seq_lens = self.tensors
@@ -107,7 +114,14 @@ class DecodeStep:
         if cos.shape != (batch, plan.head_dim) or sin.shape != cos.shape or slots.shape != (batch,) \
                 or seq_lens.shape != (batch,) or tables.dim() != 2 or tables.shape[0] != batch:
             raise ValueError(f"decode step: arguments do not describe {batch} sequences of head_dim {plan.head_dim}")
+        if runs is not None:
+            runs = runs.contiguous()
+            if runs.dtype != torch.int64 or runs.dim() != 1 or runs.numel() < 2 or int(runs[0]) != 0 \
+                    or int(runs[-1]) != batch or bool((runs[1:] < runs[:-1]).any()):
+                raise ValueError(f"decode step: runs must be int64 row offsets from 0 to {batch}, ascending")
+            self.tensors.append(runs)
         self.struct = _Step(batch, plan.hidden, plan.q_heads, plan.kv_heads, plan.head_dim, plan.intermediate,
                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-                            tables.shape[1], window or 0, block_size, threads, plan.eps, plan.scale)
+                            tables.shape[1], window or 0, block_size, threads, plan.eps, plan.scale, sgemm,
+                            0 if runs is None else runs.numel() - 1, None if runs is None else runs.data_ptr())
         self.address = ctypes.addressof(self.struct)

@@ -94,8 +94,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size in tokens (default %(default)s)")
     p.add_argument("--native-kernels", choices=("on", "layers", "off"), default="on",
                    help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
-                        "step's GEMMs, norms and attention where they serve, a plain Llama stage's decode step through "
-                        "all its layers in one call (kernels/decode_stack.c); layers: the same kernels called layer by "
+                        "step's GEMMs, norms and attention where they serve, and a plain Llama stage's steps (decodes, "
+                        "prompt chunks beside them, prefills) through all its layers in one call, with torch's BLAS past "
+                        "8 rows (kernels/decode_stack.c); layers: the same kernels called layer by "
                         "layer; off: torch's ops only. layers and off are for comparisons (default %(default)s)"),
     p.add_argument("--ladder-residual", type=ladder_residual_arg, default=None, metavar="all|FIRST:LAST|off",
                    help="Ladder Residual (arXiv 2501.06589): decoder layers add their attention and MLP outputs to "

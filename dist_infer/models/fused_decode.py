@@ -1,14 +1,19 @@
-"""A decode step through all of a stage's layers in one native call (kernels/decode_stack.c).
+"""A step through all of a stage's layers in one native call (kernels/decode_stack.c).
 
 At batch 1 on the CPU the layer-by-layer path spends about as long between its native kernels
 (the interpreter, torch's dispatch, ~15 calls a layer) as in them; the fused call runs the same
-kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). It serves the
-plain case only, and anything else goes the layer-by-layer way: a decode-only step of up to
-MAX_ROWS sequences, fp32 on the CPU with the native kernels, no context parallelism or token
-split, Llama layers with a dense MLP and no biases, every linear fp32 or the native quantized
-form. Under tp each layer's two halves are a call each, with the all-reduces between them, and a
-ladder stage (models/ladder.py) runs its halves with the ladder's wiring at any tp. The results are
-the layer-by-layer path's but for the activation's exp (libm's against torch's):
+kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). A step with prompt
+chunks (beside decodes or not) runs there too, its products through torch's BLAS on weights
+dequantized a cache-sized panel at a time, a chunk's attention as two GEMMs per head: layer by
+layer, every step paid the interpreter's dispatch and a write-out of every dequantized weight, so
+a prompt cut into small chunks to keep decodes flowing cost far more than whole (docs/benchmarks.md,
+"Mixed steps in one native call"). It serves the plain case only, and anything else goes the
+layer-by-layer way: up to MAX_ROWS rows (MAX_STACK_ROWS with BLAS), fp32 on the CPU with the native
+kernels, no context parallelism or token split, Llama layers with a dense MLP and no biases, every
+linear fp32 or the native quantized form. Under tp each layer's two halves are a call each, with
+the all-reduces between them, and a ladder stage (models/ladder.py) runs its halves with the ladder's wiring at any tp. The results are
+the layer-by-layer path's within fp32 rounding (the activation's exp is libm's, the products'
+summation order BLAS's at each size):
 tests/unit/models/test_fused_decode.py holds them together and to transformers.
 """
 
@@ -97,13 +102,20 @@ class DecodeStackCache:
     plan: Optional[DecodeStackPlan]
 
 
+MAX_STACK_ROWS = 1024  # a step of more rows (a long prompt's whole chunk) goes layer by layer: its work
+# buffers would be ~34 KB a row on the default model, and its attention is quadratic in the chunk
+
+
 def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> Optional[torch.Tensor]:
-    """The hidden states after every layer of `stage` for a decode step, or None where the fused
-    call does not serve it (the caller then runs the layers one by one)."""
+    """The hidden states after every layer of `stage`, every row of the step ([T, H]), or None where
+    the fused call does not serve it (the caller then runs the layers one by one). A decode step of
+    up to MAX_ROWS sequences runs on the skinny kernels; any other step (prompt chunks, beside
+    decodes or not) of up to MAX_STACK_ROWS rows where BLAS was found (`kernels.sgemm`)."""
     kernels = stage.layers[0].self_attn.kernels if stage.native_decode_stack and len(stage.layers) else None
-    if (kernels is None or not meta.decode or meta.cp is not None or meta.parts is not None or meta.seq_lens_t is None
-            or x.dim() != 2 or x.shape[1] != stage.input_width or not 1 <= x.shape[0] <= MAX_ROWS
-            or x.shape[0] != meta.batch or x.dtype != torch.float32 or x.device.type != "cpu"):
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if (kernels is None or meta.cp is not None or meta.seq_lens_t is None or x.shape[-1] != stage.input_width
+            or not 1 <= rows <= (MAX_ROWS if kernels.sgemm is None else MAX_STACK_ROWS)
+            or (meta.decode and rows != meta.batch) or x.dtype != torch.float32 or x.device.type != "cpu"):
         return None
     key = (kernels, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)]))
     cached = stage.decode_stack_cache
@@ -115,11 +127,25 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
     if plan is None:
         return None
     cos, sin = stage.rotary.cos_sin(meta.positions)
-    step = kernels.decode_step(plan, x.shape[0], cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t,
-                               meta.window, kv_caches[0][0].shape[1])
+    tables, seq_lens, runs = _row_queries(meta)
+    step = kernels.decode_step(plan, rows, cos, sin, meta.slot_mapping, tables, seq_lens, meta.window,
+                               kv_caches[0][0].shape[1], runs)
     if stage.tp.size == 1 and not stage.ladder.active:
         return kernels.decode_stack(plan, step, x)
     return _layer_halves(stage, kernels, plan, step, x)
+
+
+def _row_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Each row's block table, the keys it sees (its position + 1) and each sequence's rows (None: a
+    row each), the kernels' view of a step: in a decode step the sequences' own; in a prompt chunk
+    every row sees the chunk's keys up to its own (causal), all written before any row attends."""
+    if meta.decode:
+        return meta.block_tables, meta.seq_lens_t, None
+    lens = torch.tensor(meta.query_lens, dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(meta.query_lens)), lens)
+    runs = torch.zeros(len(meta.query_lens) + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=runs[1:])
+    return meta.block_tables.index_select(0, owner), meta.positions + 1, runs
 
 
 def _layer_halves(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: torch.Tensor) -> torch.Tensor:

@@ -273,7 +273,7 @@ class LlamaStage(nn.Module):
         layout = self.layers[0].self_attn if len(self.layers) else None
         self.kv_heads_local = layout.kv_heads if layout else 0
         self.ladder = LadderPlan(cfg, layers, cp.size if cp is not None else 1)
-        self.native_decode_stack = True  # a decode step's layers in one native call where it serves (--native-kernels)
+        self.native_decode_stack = True  # a step's layers in one native call where it serves (--native-kernels)
         self.decode_stack_cache = None  # fused_decode's plan for this stage (models/fused_decode.py)
         self.input_width = self.ladder.input_width  # a later stage's hidden states in (2H inside a ladder range)
 
@@ -295,9 +295,10 @@ class LlamaStage(nn.Module):
         trim = self.last and len(self.layers) > 0 and (
             (cp_meta is None and x.shape[0] > meta.batch) or (cp_meta is not None and cp_meta.phase == "prefill"
                                                               and split is None))
-        fused = None if split or trim or meta.sequence_parallel else fused_decode(self, x, meta, kv_caches)
-        if fused is not None:  # a decode step in native calls (models/fused_decode.py)
-            x = fused
+        fused = None if split or cp_meta is not None or meta.sequence_parallel else fused_decode(self, x, meta,
+                                                                                                  kv_caches)
+        if fused is not None:  # the step in native calls (models/fused_decode.py): every row, untrimmed
+            x, trim = fused, False
         elif self.ladder.active:  # the step's full metadata: no token split, no sequence parallelism
             x = run_ladder_stage(self, x, meta, kv_caches, trim)
         else:

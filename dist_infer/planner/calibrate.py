@@ -175,7 +175,7 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         # --quick (tests, bench --sweep's default): shorter timings and fewer rounds, for the shape of the
         # curves more than their last percent
         decode_attention[str(t)] = measure_decode_attention(t, DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
-                                                            80 if quick else 160, min_s=0.08 if quick else 0.2,
+                                                            80 if quick else 160, min_s=0.04 if quick else 0.2,
                                                             reps=2 if quick else 3, placements=2 if quick else 3)
         size_factor[str(t)] = measure_size_factor(t, 64 if quick else 256, rounds=2 if quick else 3)
     reference = measure_reference(cores)

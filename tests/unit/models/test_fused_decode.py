@@ -1,7 +1,8 @@
-"""The decode step in one native call (models/fused_decode.py, kernels/decode_stack.c): against
-the layer-by-layer path on the same stage (the same kernels: within a few ulps, the same ids) and
-against transformers (greedy ids identical, logits within fp32 tolerance), fp32 and quantized;
-the cases it leaves to the layer-by-layer path; and the kernel's refusal of shapes it cannot take."""
+"""A step in one native call (models/fused_decode.py, kernels/decode_stack.c): decode steps, and
+prefills and mixed steps (prompt chunks beside decodes, through BLAS) against the layer-by-layer
+path on the same stage (within fp32 rounding, the same ids) and against transformers (greedy ids
+identical, logits within fp32 tolerance), fp32 and quantized; the cases it leaves to the
+layer-by-layer path; and the kernel's refusal of shapes it cannot take."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ PROMPTS = [[5, 9, 17, 3, 44], [7, 11] * 6, [2] * 19]  # three lengths: a decode 
 NEW = 6
 
 
-def _generate(stage, group, prompts, fused: bool):
+def _generate(stage, group, prompts, fused: bool, **engine):
     stage.native_decode_stack = fused
     stage.decode_stack_cache = None
-    outs = Engine(stage, group).generate(prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False),
-                                         return_logits=True)
+    outs = Engine(stage, group, **engine).generate(prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False),
+                                                   return_logits=True)
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
 
 
@@ -104,8 +105,40 @@ def test_tensor_parallel_stages_run_each_layer_in_two_halves(shape, scheme, tmp_
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
-    """Nine rows (the kernels take 1..8): a ValueError naming the step, and nothing written."""
+LONG_PROMPTS = [[(3 * i + 1) % 97 + 2 for i in range(30)], [(5 * i + 2) % 89 + 2 for i in range(21)], [4, 8, 15, 16]]
+
+
+@pytest.mark.parametrize("arch,scheme,extra", [("llama-gqa", "none", {}), ("llama-mqa", "int4", {}),
+                                               ("mistral", "none", {"sliding_window": 8})])
+def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch, scheme, extra, tmp_path,
+                                                                           monkeypatch):
+    """A budget of 12 tokens a step: prompts cut into chunks that attend to their own earlier
+    chunks, beside decodes (a window shorter than the context under Mistral). Steps of more than
+    MAX_ROWS rows run in the native stack (BLAS products, the chunk's attention in two GEMMs)."""
+    if KERNELS.sgemm is None:
+        pytest.skip("no BLAS sgemm in torch's libraries: steps past MAX_ROWS rows go layer by layer")
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, arch, **extra))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, quantization=scheme, native_kernels=True)
+    off = _generate(stage, group, LONG_PROMPTS, fused=False, max_batched_tokens=12)
+    rows = []
+    step = KERNELS.decode_step
+    monkeypatch.setattr(KERNELS, "decode_step", lambda plan, batch, *a, **k: rows.append(batch) or step(plan, batch, *a, **k))
+    on = _generate(stage, group, LONG_PROMPTS, fused=True, max_batched_tokens=12)
+    assert max(rows) == 12 and 3 in rows  # chunks (12 rows a step, decodes among them), then 3 decodes
+    assert on[0] == off[0]
+    for a, b in zip(on[1], off[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 1)
+    ref_ids, ref_logits = hf_reference(None, LONG_PROMPTS, NEW, model=model)
+    assert on[0] == ref_ids
+    for got, want in zip(on[1], ref_logits):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path, monkeypatch):
+    """Nine rows without BLAS (the skinny kernels take 1..8): a ValueError naming the step, and
+    nothing written; with BLAS the same nine decodes equal the layer-by-layer path's."""
     from dist_infer.engine.kv_cache import PagedKVCache
     from dist_infer.models.attention_metadata import build_attention_metadata
     from dist_infer.models.fused_decode import fused_decode
@@ -123,15 +156,28 @@ def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path):
         x = torch.randn(9, hidden)
         cos, sin = stage.rotary.cos_sin(meta.positions)
         k_before = caches[0][0].clone()
-        step = kernels.decode_step(plan, 9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
+        if kernels.sgemm is not None:
+            fused = fused_decode(stage, x, meta, caches)
+            stage.native_decode_stack = False
+            by_layer = stage._forward_layers(x, None, meta, caches, trim=False)
+            torch.testing.assert_close(fused, by_layer, atol=1e-5, rtol=1e-5)
+            stage.native_decode_stack = True
+            caches[0][0].copy_(k_before)
+        monkeypatch.setattr(kernels, "sgemm", None)
+        with pytest.raises(ValueError, match="decode_step: 9 rows need a BLAS sgemm"):
+            kernels.decode_step(plan, 9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16)
+        step = plan.step(9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16, 1)
         with pytest.raises(ValueError, match="decode_stack"):
             kernels.decode_stack(plan, step, x)
         assert torch.equal(caches[0][0], k_before)
-        assert fused_decode(stage, x, meta, caches) is None  # over MAX_ROWS: layer by layer
+        assert fused_decode(stage, x, meta, caches) is None  # over MAX_ROWS without BLAS: layer by layer
         with pytest.raises(ValueError, match="decode_layer_part"):  # a layer the plan has not got
             kernels.decode_layer_part(plan, kernels.decode_step(plan, 1, cos[:1], sin[:1], meta.slot_mapping[:1],
                                                                 meta.block_tables[:1], meta.seq_lens_t[:1], None, 16),
                                       len(plan.layers), 0, x[:1].clone(), None, torch.empty(1, hidden))
+        with pytest.raises(ValueError, match="runs must be"):
+            plan.step(9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16, 1, None,
+                      torch.tensor([0, 5, 4, 9]))
 
 
 @pytest.mark.parametrize("tp,ladder,span", [(1, "all", (0, 3)), (2, "all", (0, 3)), (2, "1:2", (1, 2))])

@@ -145,7 +145,7 @@ def _gguf_like() -> dict[str, QuantizedWeight]:
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 70])  # one native call, tiles of 8, dequantized blocks
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 20, 70])  # one native call, tiles of 8, dequantized blocks
 def test_group_quant_linear_equals_dequantized_product(native, rows):
     """The native quant_linear (any group of a multiple of 32, zeros or not, 4-bit packed) and its
     torch path (blocks of rows dequantized)."""
