@@ -75,7 +75,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds, each running both modes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--long-prompt", type=int, default=0,
-                   help="also a prompt of this many tokens alone in 256-token chunks (its attention over a long context)")
+                   help="also a prompt of this many tokens alone in 256-token chunks (attention over long context)")
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args()
     if args.threads:

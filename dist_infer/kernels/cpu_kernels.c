@@ -583,7 +583,7 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
 /* silu_mul_rows: act[m, i] = silu(gate[m, i]) * up[m, i] for rows [gate (I) | up (I)] of gate_up,
  * the MLP's activation in the native stack (decode_stack.c), with the exp above: e = e^-|g| never
  * overflows, silu(g) = g / (1 + e) for g >= 0 and g e / (1 + e) below. libm's expf one value at a
- * time was a prompt chunk's largest single-threaded cost at 16 threads (docs/benchmarks.md). */
+ * time was a prompt chunk's largest single-threaded cost on many cores (docs/benchmarks.md). */
 void silu_mul_rows(const float *gate_up, float *act, long M, long I, int threads) {
     int workers = threads > 1 && M * I >= 65536 ? threads : 1;
 #pragma omp parallel for num_threads(workers) schedule(static) if (workers > 1)

@@ -76,6 +76,15 @@ static int linear_fits(const StackLinear *w, long n, long k) {
     return (w->bits == 8 || w->bits == 4) && w->scales && w->group > 0 && w->group % 32 == 0 && k % w->group == 0;
 }
 
+/* This thread's slice of `size` floats of a scratch shared by a parallel region's threads. */
+static inline float *thread_slice(float *scratch, long size) {
+#ifdef _OPENMP
+    return scratch + (long)omp_get_thread_num() * size;
+#else
+    return scratch + 0 * size;
+#endif
+}
+
 /* y[:, n0:n0+np] = x W[n0:n0+np]^T through sgemm (column-major: Y^T = W x^T), y's rows n apart. */
 static void gemm_rows(sgemm_fn sgemm, const float *w, const float *x, float *y, long M, long np, long n, long K) {
     const int m = (int)np, cols = (int)M, k = (int)K, ld = (int)n;
@@ -86,8 +95,8 @@ static void gemm_rows(sgemm_fn sgemm, const float *w, const float *x, float *y, 
 /* Many rows against a quantized W: panels of W's rows dequantized into each thread's buffer (the
  * values QuantizedWeight.dequantize gives, bit for bit) and multiplied there, BLAS single-threaded
  * inside the parallel region. From WHOLE_GEMM_ROWS rows the product is long enough that writing W
- * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins,
- * by a quarter at 16 threads (docs/benchmarks.md, "Mixed steps in one native call"). */
+ * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins on
+ * many cores (docs/benchmarks.md, "Mixed steps in one native call"). */
 static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, sgemm_fn sgemm) {
     long K = w->k, N = w->n, groups = K / w->group, row_bytes = w->bits == 8 ? K : K / 2;
     if (M >= WHOLE_GEMM_ROWS) {  /* enough rows to pay for the round trip: one product, BLAS's own threads */
@@ -106,11 +115,7 @@ static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, in
     if (!buffers) return -2;
 #pragma omp parallel for num_threads(workers) schedule(dynamic, 1) if (workers > 1)
     for (long p = 0; p < panels; p++) {
-#ifdef _OPENMP
-        float *buf = buffers + (long)omp_get_thread_num() * P * K;
-#else
-        float *buf = buffers;
-#endif
+        float *buf = thread_slice(buffers, P * K);
         long n0 = p * P, np = N - n0 < P ? N - n0 : P;
         dequantize_rows((const unsigned char *)w->w + n0 * row_bytes, w->scales + n0 * groups,
                         w->zeros ? w->zeros + n0 * groups : NULL, buf, np, K, w->group, (int)w->bits, 1);
@@ -132,8 +137,8 @@ static int linear(const StackLinear *w, const float *x, float *y, long M, int th
 
 static int step_fits(const StackLayer *layers, long n_layers, const StackStep *st) {
     long H = st->hidden, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, I = st->intermediate;
-    if (st->batch < 1 || (st->batch > MAX_SKINNY_ROWS && !st->sgemm) || st->q_heads < 1 || st->kv_heads < 1 || st->q_heads % st->kv_heads ||
-        d < 2 || d % 2 || st->block_size < 1)
+    if (st->batch < 1 || (st->batch > MAX_SKINNY_ROWS && !st->sgemm) || st->q_heads < 1 || st->kv_heads < 1 ||
+        st->q_heads % st->kv_heads || d < 2 || d % 2 || st->block_size < 1)
         return 0;
     for (long l = 0; l < n_layers; l++) {
         const StackLayer *L = layers + l;
@@ -169,7 +174,8 @@ static float *work_alloc(const StackStep *st, Work *w) {
  * attending in two products per query head, as SDPA does: the sequence's keys and values gathered
  * from their blocks once, scores = Q K^T through sgemm, each row's softmax over the keys it sees,
  * out = P V through sgemm. One row at a time (decode_attention) would cost a dot product and a
- * horizontal sum per key, head and row: 2-3x slower than SDPA at a few thousand keys of context. */
+ * horizontal sum per key, head and row: far slower than SDPA over long contexts (docs/benchmarks.md,
+ * "Mixed steps in one native call"). */
 static int chunk_attention(const float *q, const float *k_cache, const float *v_cache, const long *table,
                            const long *seq_lens, long R, const StackStep *st, float *out) {
     long d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, group = st->q_heads / st->kv_heads;
@@ -195,11 +201,7 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
     const float scale = (float)st->scale, one = 1.0f, zero = 0.0f;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (long task = 0; task < tasks; task++) {
-#ifdef _OPENMP
-        float *s = scores + (long)omp_get_thread_num() * rb * n;
-#else
-        float *s = scores;
-#endif
+        float *s = thread_slice(scores, rb * n);
         long h = task / blocks, r0 = task % blocks * rb, rows = R - r0 < rb ? R - r0 : rb, kvh = h / group;
         if (rows <= 0) continue;
         const int ri = (int)rows, ni = (int)(seq_lens[r0 + rows - 1] - k0);  /* the keys the block's rows see */

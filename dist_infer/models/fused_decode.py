@@ -11,9 +11,9 @@ a prompt cut into small chunks to keep decodes flowing cost far more than whole 
 layer-by-layer way: up to MAX_ROWS rows (MAX_STACK_ROWS with BLAS), fp32 on the CPU with the native
 kernels, no context parallelism or token split, Llama layers with a dense MLP and no biases, every
 linear fp32 or the native quantized form. Under tp each layer's two halves are a call each, with
-the all-reduces between them, and a ladder stage (models/ladder.py) runs its halves with the ladder's wiring at any tp. The results are
-the layer-by-layer path's within fp32 rounding (the activation's exp is libm's, the products'
-summation order BLAS's at each size):
+the all-reduces between them, and a ladder stage (models/ladder.py) runs its halves with the
+ladder's wiring at any tp. The results are the layer-by-layer path's within fp32 rounding (the
+activation's exp is the kernels' own, the products' summation order BLAS's at each size):
 tests/unit/models/test_fused_decode.py holds them together and to transformers.
 """
 

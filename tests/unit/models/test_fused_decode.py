@@ -123,7 +123,8 @@ def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch
     off = _generate(stage, group, LONG_PROMPTS, fused=False, max_batched_tokens=12)
     rows = []
     step = KERNELS.decode_step
-    monkeypatch.setattr(KERNELS, "decode_step", lambda plan, batch, *a, **k: rows.append(batch) or step(plan, batch, *a, **k))
+    monkeypatch.setattr(KERNELS, "decode_step",
+                        lambda plan, batch, *a, **k: rows.append(batch) or step(plan, batch, *a, **k))
     on = _generate(stage, group, LONG_PROMPTS, fused=True, max_batched_tokens=12)
     assert max(rows) == 12 and 3 in rows  # chunks (12 rows a step, decodes among them), then 3 decodes
     assert on[0] == off[0]
