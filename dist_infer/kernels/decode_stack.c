@@ -187,6 +187,7 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
     long blocks = (2L * threads + st->q_heads - 1) / st->q_heads, most = (R + 15) / 16;
     blocks = blocks < most ? blocks : most;
     long rb = (R + blocks - 1) / blocks, tasks = st->q_heads * blocks;
+    threads = tasks < threads ? (int)tasks : threads;  /* the scratch is one block of scores a worker */
     float *kv = malloc(((size_t)2 * n * kvd + (size_t)threads * rb * n) * sizeof(float));
     if (!kv) return -2;
     float *keys = kv, *values = kv + n * kvd, *scores = values + n * kvd;

@@ -295,8 +295,7 @@ class LlamaStage(nn.Module):
         trim = self.last and len(self.layers) > 0 and (
             (cp_meta is None and x.shape[0] > meta.batch) or (cp_meta is not None and cp_meta.phase == "prefill"
                                                               and split is None))
-        fused = None if split or cp_meta is not None or meta.sequence_parallel else fused_decode(self, x, meta,
-                                                                                                  kv_caches)
+        fused = None if split or meta.sequence_parallel else fused_decode(self, x, meta, kv_caches)
         if fused is not None:  # the step in native calls (models/fused_decode.py): every row, untrimmed
             x, trim = fused, False
         elif self.ladder.active:  # the step's full metadata: no token split, no sequence parallelism
