@@ -128,7 +128,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
                        help="the gap between a streaming request's tokens that a step beside running decodes keeps: "
                             "each step's prompt chunk is sized from step costs the engine learns while serving (per "
                             "prompt token, per decode, fixed), so long prompts never stall running streams. auto: "
-                            "twice the decode-only step but at least 100 ms, a gap a reader does not see (the default); MS: milliseconds; Nx: N times the decode-only "
+                            "twice the decode-only step but at least 200 ms, a gap a reader does not see (the default); MS: milliseconds; Nx: N times the decode-only "
                             "step; off: only --max-batched-tokens cuts prompts. A step without decodes always takes "
                             "the full budget; a prompt advances at least 16 tokens a step (docs/benchmarks.md)")
         p.add_argument("--decode-stall-limit", type=stall_limit_arg, default=None,
