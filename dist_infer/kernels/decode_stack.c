@@ -17,7 +17,7 @@
  * Up to 8 rows the linears are the skinny / quant_linear kernels; past that the weights go to
  * sgemm, dequantized a panel of rows at a time into a buffer that stays in the core's cache (a whole
  * matrix written to memory and read back, the torch path's way, bounds the product by that traffic
- * at a few dozen rows), and from WHOLE_GEMM_ROWS rows whole, into one product.
+ * at a few dozen rows), and from WHOLE_GEMM_ROWS rows on many cores whole, into one product.
  *
  * x [batch, hidden] is the residual stream, updated in place. Returns 0, -1 when a shape is outside
  * what the kernels take (nothing is half-done: checked before the first layer), -2 without memory.
@@ -66,7 +66,8 @@ typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, c
                          const int *);
 
 #define CHUNK_ATTENTION_ROWS 8  /* a sequence's run of at least this many rows attends through sgemm */
-#define WHOLE_GEMM_ROWS 128  /* from this many rows a whole matrix is dequantized into one product */
+#define WHOLE_GEMM_ROWS 128  /* from this many rows a whole matrix is dequantized into one product, */
+#define WHOLE_GEMM_THREADS 8  /* on this many threads: on two, panels were faster at 128-256 rows */
 #define PANEL_BYTES (512L * 1024)  /* a dequantized panel of weight rows: well inside a core's L2 */
 
 static int linear_fits(const StackLinear *w, long n, long k) {
@@ -94,12 +95,13 @@ static void gemm_rows(sgemm_fn sgemm, const float *w, const float *x, float *y, 
 
 /* Many rows against a quantized W: panels of W's rows dequantized into each thread's buffer (the
  * values QuantizedWeight.dequantize gives, bit for bit) and multiplied there, BLAS single-threaded
- * inside the parallel region. From WHOLE_GEMM_ROWS rows the product is long enough that writing W
- * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins on
- * many cores (docs/benchmarks.md, "Mixed steps in one native call"). */
+ * inside the parallel region. From WHOLE_GEMM_ROWS rows on WHOLE_GEMM_THREADS or more, writing W
+ * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins; on
+ * a few cores the panels, which stay in L2, win (docs/benchmarks.md, "Mixed steps in one native
+ * call" and "Panels on two cores"). */
 static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, sgemm_fn sgemm) {
     long K = w->k, N = w->n, groups = K / w->group, row_bytes = w->bits == 8 ? K : K / 2;
-    if (M >= WHOLE_GEMM_ROWS) {  /* enough rows to pay for the round trip: one product, BLAS's own threads */
+    if (M >= WHOLE_GEMM_ROWS && threads >= WHOLE_GEMM_THREADS) {  /* one product, BLAS's own threads */
         float *all = malloc((size_t)N * K * sizeof(float));
         if (!all) return -2;
         int rc = dequantize_rows(w->w, w->scales, w->zeros, all, N, K, w->group, (int)w->bits, threads);

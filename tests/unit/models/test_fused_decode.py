@@ -137,6 +137,31 @@ def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [2, 8])
+def test_a_long_prefill_takes_panels_on_few_threads_and_one_product_on_many(threads, tmp_path):
+    """A 140-token prompt beside a short one: 145 rows, past WHOLE_GEMM_ROWS. On 2 threads the
+    int4 weights are dequantized in panels, on 8 whole into one product; both equal the layer path
+    and transformers."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama31-rope"))  # 256 positions
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, quantization="int4", native_kernels=True)
+    prompts = [[(7 * i) % 120 + 3 for i in range(140)], [5, 9, 17, 3, 44]]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ids_off, logits_off = _generate(stage, group, prompts, fused=False)
+        ids_on, logits_on = _generate(stage, group, prompts, fused=True)
+    finally:
+        torch.set_num_threads(before)
+    assert _fused_ran(stage) and ids_on == ids_off
+    for a, b in zip(logits_on, logits_off):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    ref_ids, ref_logits = hf_reference(None, prompts, NEW, model=dequantize_hf_model(hf, "int4", 1))
+    assert ids_on == ref_ids
+    for got, want in zip(logits_on, ref_logits):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
 def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path, monkeypatch):
     """Nine rows without BLAS (the skinny kernels take 1..8): a ValueError naming the step, and
     nothing written; with BLAS the same nine decodes equal the layer-by-layer path's."""
