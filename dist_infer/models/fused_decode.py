@@ -4,10 +4,10 @@ At batch 1 on the CPU the layer-by-layer path spends about as long between its n
 (the interpreter, torch's dispatch, ~15 calls a layer) as in them; the fused call runs the same
 kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). A step with prompt
 chunks (beside decodes or not) runs there too, its products through torch's BLAS on weights
-dequantized a cache-sized panel at a time, a chunk's attention as two GEMMs per head: layer by
-layer, every step paid the interpreter's dispatch and a write-out of every dequantized weight, so
-a prompt cut into small chunks to keep decodes flowing cost far more than whole (docs/benchmarks.md,
-"Mixed steps in one native call"). It serves the plain case only, and anything else goes the
+dequantized a cache-sized panel at a time (kernels/decode_stack.c says when whole), a chunk's
+attention as two GEMMs per head: layer by layer, every step paid the interpreter's dispatch and a
+write-out of every dequantized weight, so a prompt cut into small chunks to keep decodes flowing
+cost far more than whole (docs/benchmarks.md, "Mixed steps in one native call"). It serves the plain case only, and anything else goes the
 layer-by-layer way: up to MAX_ROWS rows (MAX_STACK_ROWS with BLAS), fp32 on the CPU with the native
 kernels, no context parallelism or token split, Llama layers with a dense MLP and no biases, every
 linear fp32 or the native quantized form. Under tp each layer's two halves are a call each, with

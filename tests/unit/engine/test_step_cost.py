@@ -32,12 +32,18 @@ def _random_shape(rng: random.Random) -> StepShape:
                      decode_context=decodes * rng.randint(10, 1500))
 
 
-def test_the_fit_recovers_the_costs_of_a_step():
-    rng = random.Random(0)
+def _fitted(truth=TRUE, seed=5) -> StepCostModel:
+    """A model taught 200 random steps timed exactly by `truth`."""
     model = StepCostModel()
+    rng = random.Random(seed)
     for _ in range(200):
         shape = _random_shape(rng)
-        model.observe(shape, true_seconds(shape))
+        model.observe(shape, float(truth @ shape.features()))
+    return model
+
+
+def test_the_fit_recovers_the_costs_of_a_step():
+    model = _fitted(seed=0)
     np.testing.assert_allclose(model.coefficients(), TRUE, rtol=0.02, atol=1e-7)
     shape = StepShape(prompt_tokens=100, prompt_pairs=chunk_pairs(300, 100), decodes=8, decode_context=4000)
     assert model.predict(shape) == pytest.approx(true_seconds(shape), rel=0.01)
@@ -54,11 +60,7 @@ def test_noisy_steps_still_give_a_usable_fit():
 
 
 def test_the_chunk_it_picks_fills_the_target_and_no_more():
-    model = StepCostModel()
-    rng = random.Random(2)
-    for _ in range(200):
-        shape = _random_shape(rng)
-        model.observe(shape, true_seconds(shape))
+    model = _fitted(seed=2)
     for decodes, context, start, target in [(8, 3000, 0, 0.03), (32, 40000, 1500, 0.05), (1, 10, 4000, 0.2)]:
         n = model.prompt_tokens_within(target, decodes, context, start)
         at = StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(start, n), decodes=decodes, decode_context=context)
@@ -197,15 +199,6 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     assert long.first_token_step - 3 <= 2000 // MIN_CHUNK + 8, long.first_token_step
 
 
-def _fitted(truth=TRUE, seed=5) -> StepCostModel:
-    model = StepCostModel()
-    rng = random.Random(seed)
-    for _ in range(200):
-        shape = _random_shape(rng)
-        model.observe(shape, float(truth @ shape.features()))
-    return model
-
-
 def test_auto_is_twice_the_decode_step_but_never_below_the_floor():
     from types import SimpleNamespace
 
@@ -252,8 +245,9 @@ def _serve(scheduler: Scheduler, model: StepCostModel, truth: np.ndarray, cap, a
             c.request.__dict__.setdefault("admitted_s", clock)
         shape = StepShape(sum(c.num_tokens for c in prompts), sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
                           len(out.chunks) - len(prompts), sum(c.start + 1 for c in out.chunks if c.num_tokens == 1))
-        clock += float(truth @ shape.features())
-        model.observe(shape, float(truth @ shape.features()))
+        seconds_taken = float(truth @ shape.features())
+        clock += seconds_taken
+        model.observe(shape, seconds_taken)
         for c in out.chunks:
             if c.sample:
                 r = c.request
