@@ -28,6 +28,7 @@ import torch
 from loguru import logger
 
 from dist_infer.kernels.decode_stack import DecodeStackPlan, DecodeStep
+from dist_infer.kernels.gemm import stack_gemm
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "decode_stack.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
@@ -99,7 +100,8 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, threaded: bool):
         self.threaded = threaded
-        self.sgemm = blas_sgemm()  # the stack's GEMM past MAX_ROWS rows (None: it takes up to MAX_ROWS)
+        self.gemm = stack_gemm()  # products past MAX_ROWS rows, in the stack and out (None: none found)
+        self.sgemm, self.sgemm_row_major = (self.gemm.address, self.gemm.row_major) if self.gemm else (None, False)
         self._declare(lib)
 
     def _declare(self, lib: ctypes.CDLL) -> None:
@@ -180,7 +182,8 @@ class CpuKernels:
         if batch > MAX_ROWS and self.sgemm is None:
             raise ValueError(f"decode_step: {batch} rows need a BLAS sgemm, and none was found in torch's libraries")
         threads = torch.get_num_threads() if self.threaded else 1
-        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, self.sgemm, runs)
+        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, self.sgemm, runs,
+                         self.sgemm_row_major)
 
     def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
         """Rows x [B, hidden] (more than MAX_ROWS with BLAS: decode_step) through every layer `plan`
@@ -262,21 +265,6 @@ class CpuKernels:
                       out.data_ptr(), lse.data_ptr() if lse is not None else None, threads) != 0:
             raise MemoryError(f"decode_attention: no memory for the partials of {B} sequences")
         return out
-
-
-@functools.lru_cache(maxsize=None)
-def blas_sgemm() -> Optional[int]:
-    """The address of the Fortran `sgemm_` of the BLAS torch was built with (MKL on x86 wheels,
-    OpenBLAS on others), or None: what torch's own CPU GEMMs call, so the stack's products are
-    the same library's, not a second one."""
-    lib_dir = Path(torch.__file__).with_name("lib")
-    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
-        try:
-            fn = getattr(ctypes.CDLL(str(lib_dir / name)), "sgemm_")
-        except (OSError, AttributeError):
-            continue
-        return ctypes.cast(fn, ctypes.c_void_p).value
-    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 /* decode_stack: a step through every decoder layer of a Llama stage in one call: a decode step (one
  * new token for each of 1..8 sequences), or any rows at all (a mixed step: prompt chunks beside
- * decodes) where the caller hands over a BLAS sgemm.
+ * decodes) where the caller hands over a GEMM: BLAS's sgemm_, or oneDNN's dnnl_sgemm.
  *
  * Each kernel a layer needs is already native (cpu_kernels.c), but called one by one from Python a
  * layer costs ~15 calls, and at batch 1 on the default model the interpreter and torch's dispatch
@@ -56,14 +56,31 @@ typedef struct {
     const long *seq_lens;                 /* [batch], counting the new token */
     long table_width, window, block_size, threads;
     double eps, scale;
-    void *sgemm;                          /* BLAS's Fortran sgemm_ (LP64), or NULL: then 1..8 rows only */
+    void *sgemm;                          /* the GEMM (sgemm_row_major says which), or NULL: 1..8 rows only */
     long n_runs;                          /* the rows' sequences: rows [runs[i], runs[i + 1]) are one's */
     const long *runs;                     /* [n_runs + 1], or NULL: every row a sequence of its own */
+    long sgemm_row_major;                 /* 0: a Fortran sgemm_ (LP64); 1: oneDNN's dnnl_sgemm */
 } StackStep;
 
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
                          const float *, const int *, const float *, const int *, const float *, float *,
                          const int *);
+typedef int (*dnnl_sgemm_fn)(char, char, long, long, long, float, const float *, long, const float *, long, float,
+                             float *, long);
+
+/* C [m, n] = alpha op(A) op(B), column-major as BLAS has it, through the step's GEMM. oneDNN's is
+ * row-major, so it computes the same product transposed (C^T = op(B)^T op(A)^T): on AMD cores it
+ * runs AVX-512 where MKL's sgemm takes a slower path (docs/benchmarks.md, "oneDNN's GEMM"). */
+static void gemm(const StackStep *st, char ta, char tb, long m, long n, long k, float alpha, const float *a, long lda,
+                 const float *b, long ldb, float *c, long ldc) {
+    if (st->sgemm_row_major) {
+        ((dnnl_sgemm_fn)st->sgemm)(tb, ta, n, m, k, alpha, b, ldb, a, lda, 0.0f, c, ldc);
+        return;
+    }
+    const int mi = (int)m, ni = (int)n, ki = (int)k, la = (int)lda, lb = (int)ldb, lc = (int)ldc;
+    const float zero = 0.0f;
+    ((sgemm_fn)st->sgemm)(&ta, &tb, &mi, &ni, &ki, &alpha, a, &la, b, &lb, &zero, c, &lc);
+}
 
 #define CHUNK_ATTENTION_ROWS 8  /* a sequence's run of at least this many rows attends through sgemm */
 #define WHOLE_GEMM_ROWS 128  /* from this many rows a whole matrix is dequantized into one product, */
@@ -86,11 +103,9 @@ static inline float *thread_slice(float *scratch, long size) {
 #endif
 }
 
-/* y[:, n0:n0+np] = x W[n0:n0+np]^T through sgemm (column-major: Y^T = W x^T), y's rows n apart. */
-static void gemm_rows(sgemm_fn sgemm, const float *w, const float *x, float *y, long M, long np, long n, long K) {
-    const int m = (int)np, cols = (int)M, k = (int)K, ld = (int)n;
-    const float one = 1.0f, zero = 0.0f;
-    sgemm("T", "N", &m, &cols, &k, &one, w, &k, x, &k, &zero, y, &ld);
+/* y[:, n0:n0+np] = x W[n0:n0+np]^T (column-major: Y^T = W x^T), y's rows n apart. */
+static void gemm_rows(const StackStep *st, const float *w, const float *x, float *y, long M, long np, long n, long K) {
+    gemm(st, 'T', 'N', np, M, K, 1.0f, w, K, x, K, y, n);
 }
 
 /* Many rows against a quantized W: panels of W's rows dequantized into each thread's buffer (the
@@ -99,13 +114,13 @@ static void gemm_rows(sgemm_fn sgemm, const float *w, const float *x, float *y, 
  * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins; on
  * a few cores the panels, which stay in L2, win (docs/benchmarks.md, "Mixed steps in one native
  * call" and "Panels on two cores"). */
-static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, sgemm_fn sgemm) {
+static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
     long K = w->k, N = w->n, groups = K / w->group, row_bytes = w->bits == 8 ? K : K / 2;
     if (M >= WHOLE_GEMM_ROWS && threads >= WHOLE_GEMM_THREADS) {  /* one product, BLAS's own threads */
         float *all = malloc((size_t)N * K * sizeof(float));
         if (!all) return -2;
         int rc = dequantize_rows(w->w, w->scales, w->zeros, all, N, K, w->group, (int)w->bits, threads);
-        if (rc == 0) gemm_rows(sgemm, all, x, y, M, N, N, K);
+        if (rc == 0) gemm_rows(st, all, x, y, M, N, N, K);
         free(all);
         return rc == 0 ? 0 : -1;
     }
@@ -121,16 +136,16 @@ static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, in
         long n0 = p * P, np = N - n0 < P ? N - n0 : P;
         dequantize_rows((const unsigned char *)w->w + n0 * row_bytes, w->scales + n0 * groups,
                         w->zeros ? w->zeros + n0 * groups : NULL, buf, np, K, w->group, (int)w->bits, 1);
-        gemm_rows(sgemm, buf, x, y + n0, M, np, N, K);
+        gemm_rows(st, buf, x, y + n0, M, np, N, K);
     }
     free(buffers);
     return 0;
 }
 
-static int linear(const StackLinear *w, const float *x, float *y, long M, int threads, void *sgemm) {
+static int linear(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
     if (M > MAX_SKINNY_ROWS) {
-        if (w->bits != 32) return quant_gemm(w, x, y, M, threads, (sgemm_fn)sgemm);
-        gemm_rows((sgemm_fn)sgemm, (const float *)w->w, x, y, M, w->n, w->n, w->k);
+        if (w->bits != 32) return quant_gemm(w, x, y, M, threads, st);
+        gemm_rows(st, (const float *)w->w, x, y, M, w->n, w->n, w->k);
         return 0;
     }
     if (w->bits == 32) return skinny_linear(x, (const float *)w->w, y, M, w->n, w->k, threads);
@@ -199,18 +214,16 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
         memcpy(values + (p - k0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
         p += take;
     }
-    sgemm_fn sgemm = (sgemm_fn)st->sgemm;
-    const int di = (int)d, ldq = (int)qd, ldkv = (int)kvd;
-    const float scale = (float)st->scale, one = 1.0f, zero = 0.0f;
+    const float scale = (float)st->scale;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (long task = 0; task < tasks; task++) {
         float *s = thread_slice(scores, rb * n);
         long h = task / blocks, r0 = task % blocks * rb, rows = R - r0 < rb ? R - r0 : rb, kvh = h / group;
         if (rows <= 0) continue;
-        const int ri = (int)rows, ni = (int)(seq_lens[r0 + rows - 1] - k0);  /* the keys the block's rows see */
-        sgemm("T", "N", &ni, &ri, &di, &scale, keys + kvh * d, &ldkv, q + r0 * qd + h * d, &ldq, &zero, s, &ni);
+        long ni = seq_lens[r0 + rows - 1] - k0;  /* the keys the block's rows see */
+        gemm(st, 'T', 'N', ni, rows, d, scale, keys + kvh * d, kvd, q + r0 * qd + h * d, qd, s, ni);
         causal_softmax_rows(s, rows, ni, seq_lens + r0, k0, window);
-        sgemm("N", "N", &di, &ri, &ni, &one, values + kvh * d, &ldkv, s, &ni, &zero, out + r0 * qd + h * d, &ldq);
+        gemm(st, 'N', 'N', d, rows, ni, 1.0f, values + kvh * d, kvd, s, ni, out + r0 * qd + h * d, qd);
     }
     free(kv);
     return 0;
@@ -248,12 +261,12 @@ static int attention_part(const StackLayer *L, const StackStep *st, float *x, co
     long width = qd + 2 * kvd;
     int threads = (int)st->threads, rc;
     rms_norm(x, pending, L->input_norm, w->normed, M, H, (float)st->eps);
-    if ((rc = linear(&L->qkv, w->normed, w->qkv, M, threads, st->sgemm)) != 0) return rc;
+    if ((rc = linear(&L->qkv, w->normed, w->qkv, M, threads, st)) != 0) return rc;
     rope_cache_write(w->qkv, w->qkv + qd, w->qkv + qd + kvd, width, width, width, st->cos, st->sin, L->k_cache,
                      L->v_cache, st->slots, M, st->q_heads, st->kv_heads, d);
     for (long m = 0; m < M; m++) memcpy(w->q + m * qd, w->qkv + m * width, qd * sizeof(float));
     if ((rc = attend_rows(L, st, w->q, w->attn)) != 0) return rc;
-    return linear(&L->o, w->attn, out, M, threads, st->sgemm);
+    return linear(&L->o, w->attn, out, M, threads, st);
 }
 
 /* The MLP half: x += attention's output, the post-attention norm, gate/up, silu(gate) * up, down
@@ -262,9 +275,9 @@ static int mlp_part(const StackLayer *L, const StackStep *st, float *x, const fl
     long M = st->batch, I = st->intermediate;
     int rc;
     rms_norm(x, attention, L->post_norm, w->normed, M, st->hidden, (float)st->eps);
-    if ((rc = linear(&L->gate_up, w->normed, w->gate_up, M, (int)st->threads, st->sgemm)) != 0) return rc;
+    if ((rc = linear(&L->gate_up, w->normed, w->gate_up, M, (int)st->threads, st)) != 0) return rc;
     silu_mul_rows(w->gate_up, w->act, M, I, (int)st->threads);
-    return linear(&L->down, w->act, out, M, (int)st->threads, st->sgemm);
+    return linear(&L->down, w->act, out, M, (int)st->threads, st);
 }
 
 int decode_stack(const StackLayer *layers, long n_layers, const StackStep *st, float *x) {

@@ -33,7 +33,7 @@ class _Step(ctypes.Structure):
                 ("head_dim", _long), ("intermediate", _long), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
                 ("tables", _ptr), ("seq_lens", _ptr), ("table_width", _long), ("window", _long),
                 ("block_size", _long), ("threads", _long), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
-                ("sgemm", _ptr), ("n_runs", _long), ("runs", _ptr)]
+                ("sgemm", _ptr), ("n_runs", _long), ("runs", _ptr), ("sgemm_row_major", _long)]
 
 
 @dataclass
@@ -91,20 +91,23 @@ class DecodeStackPlan:
 
     def step(self, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
              seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int,
-             sgemm: Optional[int] = None, runs: Optional[torch.Tensor] = None) -> "DecodeStep":
-        return DecodeStep(self, batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, sgemm, runs)
+             sgemm: Optional[int] = None, runs: Optional[torch.Tensor] = None,
+             sgemm_row_major: bool = False) -> "DecodeStep":
+        return DecodeStep(self, batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, sgemm, runs,
+                          sgemm_row_major)
 
 
 class DecodeStep:
     """One step's arguments as the C structure, holding the (contiguous) tensors it points into. A
     row is a query of its own: its rotary angles, cache slot, block table and the keys it sees (its
-    position + 1). `sgemm`: BLAS's sgemm_ address, for steps of more than MAX_ROWS rows. `runs`
+    position + 1). `sgemm`: a GEMM's address, for steps of more than MAX_ROWS rows: BLAS's sgemm_, or
+    oneDNN's dnnl_sgemm where `sgemm_row_major` (kernels/gemm.py). `runs`
     (int64 [sequences + 1], None: a sequence a row): rows runs[i]..runs[i + 1] are one sequence's,
     and a long run (a prompt chunk) attends in two GEMMs instead of row by row."""
 
     def __init__(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int], block_size: int, threads: int,
-                 sgemm: Optional[int] = None, runs: Optional[torch.Tensor] = None):
+                 sgemm: Optional[int] = None, runs: Optional[torch.Tensor] = None, sgemm_row_major: bool = False):
         self.batch, self.hidden = batch, plan.hidden
         self.tensors = [t.contiguous() for t in (cos, sin, slots, tables, seq_lens)]
         cos, sin, slots, tables, seq_lens = self.tensors
@@ -123,5 +126,6 @@ class DecodeStep:
         self.struct = _Step(batch, plan.hidden, plan.q_heads, plan.kv_heads, plan.head_dim, plan.intermediate,
                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
                             tables.shape[1], window or 0, block_size, threads, plan.eps, plan.scale, sgemm,
-                            0 if runs is None else runs.numel() - 1, None if runs is None else runs.data_ptr())
+                            0 if runs is None else runs.numel() - 1, None if runs is None else runs.data_ptr(),
+                            int(sgemm_row_major))
         self.address = ctypes.addressof(self.struct)

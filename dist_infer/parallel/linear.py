@@ -24,7 +24,8 @@ from dist_infer.parallel.weights import check_shape, copy_into, narrow
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   kernels: Optional[CpuKernels] = None) -> torch.Tensor:
-    """x W^T for the few rows of a decode step, by the kernel that streams W fastest.
+    """x W^T on the CPU: for the few rows of a decode step, by the kernel that streams W fastest;
+    for more, through the native kernels' GEMM (kernels/gemm.py: oneDNN's where it loads).
 
     Decode reads every weight once per step, so its GEMMs are bound by how fast W streams.
     On the CPU the native kernel (kernels/cpu_kernels.c) walks W as one sequential stream:
@@ -32,10 +33,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     MKL's weight-major product (W x^T)^T streams 1.2-3.3x faster than F.linear.
     """
     rows = x.numel() // x.shape[-1] if x.dim() else 0
-    if x.dim() != 2 or x.device.type != "cpu" or not 1 <= rows <= MAX_ROWS:
+    if x.dim() != 2 or x.device.type != "cpu" or rows < 1:
         return F.linear(x, weight, bias)
     kernels = serving(kernels, x, weight)
-    if kernels is not None and x.is_contiguous() and weight.is_contiguous():
+    native = kernels is not None and x.is_contiguous() and weight.is_contiguous()
+    if rows > MAX_ROWS:
+        if not native or kernels.gemm is None:
+            return F.linear(x, weight, bias)
+        y = kernels.gemm.linear(x, weight)
+        return y if bias is None else y.add_(bias)
+    if native:
         y = kernels.skinny_linear(x, weight)
         return y if bias is None else y.add_(bias)
     if not 2 <= rows <= 4:

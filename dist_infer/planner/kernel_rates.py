@@ -5,6 +5,7 @@ jobs because these are the memory-timing subtleties (a VM's after-idle bursts, p
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable, Optional
@@ -50,7 +51,8 @@ STREAM_PLACEMENTS = 3  # fresh allocations per look at the streaming rate (calib
 
 def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[float]]:
     """[[rows, FLOP/s]] of fp32 x[rows, 1024] @ W[4096, 1024]^T, through what the engine would
-    use: the native skinny kernel for the few rows it takes, torch's GEMM otherwise. Each point is
+    use: the native skinny kernel for the few rows it takes, the native kernels' GEMM (oneDNN's where
+    it loads) or torch's otherwise. Each point is
     the best of `passes` passes over the row counts a second or two apart: a slow stretch of this
     VM can cover one point's whole timing (one calibrate read 65 GFLOP/s at 256 rows, the others
     90-94), and a prefill is timed at its best of `--repeat` runs."""
@@ -67,8 +69,10 @@ def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[flo
     for _ in range(passes):
         for m in rows:
             x = torch.randn(m, k)
-            native = kernels is not None and m <= MAX_ROWS
-            fn = (lambda: kernels.skinny_linear(x, w)) if native else (lambda: F.linear(x, w))
+            product = F.linear  # what the engine runs: skinny rows native, many through the kernels' GEMM
+            if kernels is not None and (m <= MAX_ROWS or kernels.gemm is not None):
+                product = kernels.skinny_linear if m <= MAX_ROWS else kernels.gemm.linear
+            fn = functools.partial(product, x, w)
             best[m] = max(best[m], 2.0 * m * k * n / _best_time(fn))
     return [[m, best[m]] for m in rows]
 

@@ -51,6 +51,25 @@ def test_skinny_linear_layer_entry_point_adds_bias_and_falls_back_beyond_max_row
         torch.testing.assert_close(skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_many_rows_go_through_the_kernels_gemm_with_the_kernels_and_torch_without(monkeypatch):
+    w, b = torch.randn(24, 40), torch.randn(24)
+    x = torch.randn(MAX_ROWS + 5, 40)
+    calls = []
+    if kernels.gemm is not None:
+        real = kernels.gemm
+
+        class Spy:
+            def linear(self, *a):
+                calls.append(a[0].shape[0])
+                return real.linear(*a)
+
+        monkeypatch.setattr(kernels, "gemm", Spy())
+    torch.testing.assert_close(skinny_linear(x, w, b, kernels), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert calls == ([MAX_ROWS + 5] if kernels.gemm is not None else [])
+    torch.testing.assert_close(skinny_linear(x, w, b, None), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert len(calls) <= 1  # without the kernels: torch's
+
+
 def test_rms_norm_matches_hf_formula_and_fuses_the_residual():
     x, r, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
 

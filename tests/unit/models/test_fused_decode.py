@@ -15,6 +15,7 @@ from threads import run_ranks, thread_groups
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.step_loop import Engine
 from dist_infer.kernels import load_cpu_kernels
+from dist_infer.kernels.gemm import blas_sgemm, onednn_sgemm
 from dist_infer.models.loader import stage_from_hf_model
 
 KERNELS = load_cpu_kernels()
@@ -108,15 +109,25 @@ def test_tensor_parallel_stages_run_each_layer_in_two_halves(shape, scheme, tmp_
 LONG_PROMPTS = [[(3 * i + 1) % 97 + 2 for i in range(30)], [(5 * i + 2) % 89 + 2 for i in range(21)], [4, 8, 15, 16]]
 
 
+def _use_gemm(monkeypatch, choice: str) -> None:
+    """The stack's products through `choice` (kernels/gemm.py), or a skip where it is not here."""
+    gemm = {"onednn": onednn_sgemm, "blas": blas_sgemm}[choice]()
+    if gemm is None:
+        pytest.skip(f"no {choice} GEMM loads here: steps past MAX_ROWS rows take the other one")
+    monkeypatch.setattr(KERNELS, "sgemm", gemm.address)
+    monkeypatch.setattr(KERNELS, "sgemm_row_major", gemm.row_major)
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "blas"])
 @pytest.mark.parametrize("arch,scheme,extra", [("llama-gqa", "none", {}), ("llama-mqa", "int4", {}),
                                                ("mistral", "none", {"sliding_window": 8})])
-def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch, scheme, extra, tmp_path,
+def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch, scheme, extra, gemm, tmp_path,
                                                                            monkeypatch):
     """A budget of 12 tokens a step: prompts cut into chunks that attend to their own earlier
     chunks, beside decodes (a window shorter than the context under Mistral). Steps of more than
-    MAX_ROWS rows run in the native stack (BLAS products, the chunk's attention in two GEMMs)."""
-    if KERNELS.sgemm is None:
-        pytest.skip("no BLAS sgemm in torch's libraries: steps past MAX_ROWS rows go layer by layer")
+    MAX_ROWS rows run in the native stack (the products through oneDNN's GEMM or BLAS's, the
+    chunk's attention in two GEMMs)."""
+    _use_gemm(monkeypatch, gemm)
     hf = load_hf_model(write_hf_checkpoint(tmp_path, arch, **extra))
     group = thread_groups(1, 1)[0]
     stage = stage_from_hf_model(hf, group, quantization=scheme, native_kernels=True)
@@ -137,11 +148,13 @@ def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("gemm", ["onednn", "blas"])
 @pytest.mark.parametrize("threads", [2, 8])
-def test_a_long_prefill_takes_panels_on_few_threads_and_one_product_on_many(threads, tmp_path):
+def test_a_long_prefill_takes_panels_on_few_threads_and_one_product_on_many(threads, gemm, tmp_path, monkeypatch):
     """A 140-token prompt beside a short one: 145 rows, past WHOLE_GEMM_ROWS. On 2 threads the
     int4 weights are dequantized in panels, on 8 whole into one product; both equal the layer path
-    and transformers."""
+    and transformers, through either GEMM."""
+    _use_gemm(monkeypatch, gemm)
     hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama31-rope"))  # 256 positions
     group = thread_groups(1, 1)[0]
     stage = stage_from_hf_model(hf, group, quantization="int4", native_kernels=True)

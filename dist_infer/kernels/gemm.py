@@ -1,0 +1,107 @@
+"""Which GEMM the decode stack's products go through past a few rows (prompt chunks, long steps).
+
+oneDNN's `dnnl_sgemm` (the `onednn-cpu-gomp` wheel on x86-64 Linux) where it loads, else the
+Fortran `sgemm_` of the BLAS torch was built with (MKL on x86 wheels, OpenBLAS on others). oneDNN
+picks its kernels by the CPU's instruction sets; MKL picks by vendor, and on AMD's AVX-512 cores its
+sgemm ran at about half of oneDNN's rate (docs/benchmarks.md, "oneDNN's GEMM"). Both libraries use
+the OpenMP runtime torch loaded, so neither brings a second thread pool.
+
+`DIST_INFER_STACK_GEMM=blas` (or `onednn`) picks one, for side-by-side runs; unset, the faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from loguru import logger
+
+CHOICES = ("onednn", "blas")
+
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_ONEDNN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char, ctypes.c_char, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64,
+                           _f32, _ptr, _i64)
+_FORTRAN = ctypes.CFUNCTYPE(None, *[_ptr] * 13)
+
+
+@dataclass(frozen=True)
+class StackGemm:
+    """A GEMM's address and calling convention: `row_major` for oneDNN's (arguments by value,
+    row-major), else BLAS's Fortran one (by reference, column-major)."""
+
+    address: int
+    row_major: bool
+    name: str
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ w [N, K]^T, both fp32, contiguous, on the CPU: what the stack's products
+        compute, for callers outside it (many-row linears, calibrate's GEMM rate)."""
+        (M, K), N = x.shape, w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        if self.row_major:
+            if _ONEDNN(self.address)(b"N", b"T", M, N, K, 1.0, x.data_ptr(), K, w.data_ptr(), K, 0.0, y.data_ptr(),
+                                     N) != 0:
+                raise ValueError(f"dnnl_sgemm refused a [{M}, {K}] x [{N}, {K}]^T product")
+            return y
+        c_int = ctypes.c_int  # column-major, by reference: Y^T [N, M] = W x^T
+        args = [ctypes.c_char(b"T"), ctypes.c_char(b"N"), c_int(N), c_int(M), c_int(K), _f32(1.0), c_int(K),
+                c_int(K), _f32(0.0), c_int(N)]
+        ta, tb, n, m, k, one, ldw, ldx, zero, ldy = (ctypes.addressof(a) for a in args)
+        _FORTRAN(self.address)(ta, tb, n, m, k, one, w.data_ptr(), ldw, x.data_ptr(), ldx, zero, y.data_ptr(), ldy)
+        return y
+
+
+def blas_sgemm() -> Optional[StackGemm]:
+    """The `sgemm_` of the BLAS torch was built with, or None: what torch's own CPU GEMMs call."""
+    lib_dir = Path(torch.__file__).with_name("lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            fn = getattr(ctypes.CDLL(str(lib_dir / name)), "sgemm_")
+        except (OSError, AttributeError):
+            continue
+        return StackGemm(ctypes.cast(fn, ctypes.c_void_p).value, False, "blas")
+    return None
+
+
+def _onednn_candidates() -> list[str]:
+    """Where the wheel puts libdnnl (its data files go to the environment's lib/), then the system's."""
+    found = ctypes.util.find_library("dnnl")
+    return [str(Path(sys.prefix) / "lib" / "libdnnl.so.3"), *([found] if found else [])]
+
+
+def onednn_sgemm() -> Optional[StackGemm]:
+    """oneDNN's `dnnl_sgemm`, or None where no libdnnl loads (another platform, not installed)."""
+    for path in _onednn_candidates():
+        try:
+            fn = getattr(ctypes.CDLL(path), "dnnl_sgemm")
+        except (OSError, AttributeError):
+            continue
+        return StackGemm(ctypes.cast(fn, ctypes.c_void_p).value, True, "onednn")
+    return None
+
+
+def stack_gemm(choice: Optional[str] = None) -> Optional[StackGemm]:
+    """The GEMM for the stack: `choice` (None: $DIST_INFER_STACK_GEMM, unset: oneDNN where it loads,
+    else BLAS). None where neither is found: then the stack takes only up to MAX_ROWS rows."""
+    return _stack_gemm(choice or os.environ.get("DIST_INFER_STACK_GEMM") or None)
+
+
+@functools.lru_cache(maxsize=None)
+def _stack_gemm(choice: Optional[str]) -> Optional[StackGemm]:
+    if choice is not None and choice not in CHOICES:
+        raise ValueError(f"DIST_INFER_STACK_GEMM={choice!r}: expected one of {', '.join(CHOICES)}")
+    if choice in (None, "onednn"):
+        gemm = onednn_sgemm()
+        if gemm is not None or choice == "onednn":
+            if gemm is None:
+                logger.warning("DIST_INFER_STACK_GEMM=onednn, but no libdnnl loads here: using BLAS's sgemm")
+            return gemm or blas_sgemm()
+    return blas_sgemm()
