@@ -178,15 +178,16 @@ class CpuKernels:
         or one token of a prompt chunk): cos/sin [B, head_dim] of the rows' positions, their cache
         `slots` [B], block tables [B, width] and the keys each sees, seq_lens [B] (int64); `runs`
         (None: a sequence a row) the row offsets of each sequence (DecodeStep). More than MAX_ROWS
-        rows need BLAS (`self.sgemm`)."""
+        rows need a GEMM (`self.sgemm`: oneDNN's or BLAS's, kernels/gemm.py)."""
         if batch > MAX_ROWS and self.sgemm is None:
-            raise ValueError(f"decode_step: {batch} rows need a BLAS sgemm, and none was found in torch's libraries")
+            raise ValueError(f"decode_step: {batch} rows need a BLAS sgemm, and neither oneDNN's nor torch's BLAS "
+                             "was found")
         threads = torch.get_num_threads() if self.threaded else 1
         return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, self.sgemm, runs,
                          self.sgemm_row_major)
 
     def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [B, hidden] (more than MAX_ROWS with BLAS: decode_step) through every layer `plan`
+        """Rows x [B, hidden] (more than MAX_ROWS with a GEMM: decode_step) through every layer `plan`
         packs (decode_stack.c): the hidden states after the last layer, each new key and value in its
         cache slot."""
         x = self._rows(x, step)
@@ -217,6 +218,8 @@ class CpuKernels:
     def _check(rc: int, x: torch.Tensor) -> None:
         if rc == -1:
             raise ValueError(f"decode_stack: a {list(x.shape)} step or a layer's shapes are outside what it takes")
+        if rc == -3:
+            raise RuntimeError(f"decode_stack: oneDNN's GEMM refused a product of a {list(x.shape)} step")
         if rc != 0:
             raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} rows")
 

@@ -15,16 +15,18 @@
  * keys and values are all written before any row attends). A sequence's run of rows (a prompt
  * chunk) attends in two GEMMs per head (chunk_attention), other rows one by one (decode_attention).
  * Up to 8 rows the linears are the skinny / quant_linear kernels; past that the weights go to
- * sgemm, dequantized a panel of rows at a time into a buffer that stays in the core's cache (a whole
+ * the GEMM, dequantized a panel of rows at a time into a buffer that stays in the core's cache (a whole
  * matrix written to memory and read back, the torch path's way, bounds the product by that traffic
  * at a few dozen rows), and from WHOLE_GEMM_ROWS rows on many cores whole, into one product.
  *
  * x [batch, hidden] is the residual stream, updated in place. Returns 0, -1 when a shape is outside
- * what the kernels take (nothing is half-done: checked before the first layer), -2 without memory.
+ * what the kernels take (nothing is half-done: checked before the first layer), -2 without memory,
+ * -3 where oneDNN's GEMM refused a product (the step is then half-done: its caller fails the step).
  * Under tensor parallelism the caller runs each layer's two halves (decode_layer_part) with its
  * all-reduces between them.
  */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -65,21 +67,21 @@ typedef struct {
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
                          const float *, const int *, const float *, const int *, const float *, float *,
                          const int *);
-typedef int (*dnnl_sgemm_fn)(char, char, long, long, long, float, const float *, long, const float *, long, float,
-                             float *, long);
+typedef int (*dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float, const float *, int64_t, const float *,
+                             int64_t, float, float *, int64_t);
 
-/* C [m, n] = alpha op(A) op(B), column-major as BLAS has it, through the step's GEMM. oneDNN's is
- * row-major, so it computes the same product transposed (C^T = op(B)^T op(A)^T): on AMD cores it
- * runs AVX-512 where MKL's sgemm takes a slower path (docs/benchmarks.md, "oneDNN's GEMM"). */
-static void gemm(const StackStep *st, char ta, char tb, long m, long n, long k, float alpha, const float *a, long lda,
-                 const float *b, long ldb, float *c, long ldc) {
-    if (st->sgemm_row_major) {
-        ((dnnl_sgemm_fn)st->sgemm)(tb, ta, n, m, k, alpha, b, ldb, a, lda, 0.0f, c, ldc);
-        return;
-    }
+/* C [m, n] = alpha op(A) op(B), column-major as BLAS has it, through the step's GEMM; 0, or -3
+ * where oneDNN refused the arguments (C unwritten). oneDNN's is row-major, so it computes the same
+ * product transposed (C^T = op(B)^T op(A)^T): on AMD cores it runs AVX-512 where MKL's sgemm takes
+ * a slower path (docs/benchmarks.md, "oneDNN's GEMM"). */
+static int gemm(const StackStep *st, char ta, char tb, long m, long n, long k, float alpha, const float *a, long lda,
+                const float *b, long ldb, float *c, long ldc) {
+    if (st->sgemm_row_major)
+        return ((dnnl_sgemm_fn)st->sgemm)(tb, ta, n, m, k, alpha, b, ldb, a, lda, 0.0f, c, ldc) == 0 ? 0 : -3;
     const int mi = (int)m, ni = (int)n, ki = (int)k, la = (int)lda, lb = (int)ldb, lc = (int)ldc;
     const float zero = 0.0f;
     ((sgemm_fn)st->sgemm)(&ta, &tb, &mi, &ni, &ki, &alpha, a, &la, b, &lb, &zero, c, &lc);
+    return 0;
 }
 
 #define CHUNK_ATTENTION_ROWS 8  /* a sequence's run of at least this many rows attends through sgemm */
@@ -104,25 +106,25 @@ static inline float *thread_slice(float *scratch, long size) {
 }
 
 /* y[:, n0:n0+np] = x W[n0:n0+np]^T (column-major: Y^T = W x^T), y's rows n apart. */
-static void gemm_rows(const StackStep *st, const float *w, const float *x, float *y, long M, long np, long n, long K) {
-    gemm(st, 'T', 'N', np, M, K, 1.0f, w, K, x, K, y, n);
+static int gemm_rows(const StackStep *st, const float *w, const float *x, float *y, long M, long np, long n, long K) {
+    return gemm(st, 'T', 'N', np, M, K, 1.0f, w, K, x, K, y, n);
 }
 
 /* Many rows against a quantized W: panels of W's rows dequantized into each thread's buffer (the
- * values QuantizedWeight.dequantize gives, bit for bit) and multiplied there, BLAS single-threaded
+ * values QuantizedWeight.dequantize gives, bit for bit) and multiplied there, the GEMM single-threaded
  * inside the parallel region. From WHOLE_GEMM_ROWS rows on WHOLE_GEMM_THREADS or more, writing W
- * out whole and handing BLAS one GEMM (its own blocking and threads: the torch path's way) wins; on
+ * out whole and handing the GEMM one product (its own blocking and threads: the torch path's way) wins; on
  * a few cores the panels, which stay in L2, win (docs/benchmarks.md, "Mixed steps in one native
  * call" and "Panels on two cores"). */
 static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
     long K = w->k, N = w->n, groups = K / w->group, row_bytes = w->bits == 8 ? K : K / 2;
-    if (M >= WHOLE_GEMM_ROWS && threads >= WHOLE_GEMM_THREADS) {  /* one product, BLAS's own threads */
+    if (M >= WHOLE_GEMM_ROWS && threads >= WHOLE_GEMM_THREADS) {  /* one product, the GEMM's own threads */
         float *all = malloc((size_t)N * K * sizeof(float));
         if (!all) return -2;
-        int rc = dequantize_rows(w->w, w->scales, w->zeros, all, N, K, w->group, (int)w->bits, threads);
-        if (rc == 0) gemm_rows(st, all, x, y, M, N, N, K);
+        int rc = dequantize_rows(w->w, w->scales, w->zeros, all, N, K, w->group, (int)w->bits, threads) == 0
+                     ? gemm_rows(st, all, x, y, M, N, N, K) : -1;
         free(all);
-        return rc == 0 ? 0 : -1;
+        return rc;
     }
     long P = PANEL_BYTES / (K * (long)sizeof(float)), share = (N + 2L * threads - 1) / (2L * threads);
     P = share < P ? (share + 15) / 16 * 16 : P / 16 * 16;  /* two panels a thread at least, where N allows */
@@ -130,23 +132,23 @@ static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, in
     long panels = (N + P - 1) / P, workers = threads > 1 ? (panels < threads ? panels : threads) : 1;
     float *buffers = malloc((size_t)workers * P * K * sizeof(float));
     if (!buffers) return -2;
+    int failed = 0;
 #pragma omp parallel for num_threads(workers) schedule(dynamic, 1) if (workers > 1)
     for (long p = 0; p < panels; p++) {
         float *buf = thread_slice(buffers, P * K);
         long n0 = p * P, np = N - n0 < P ? N - n0 : P;
         dequantize_rows((const unsigned char *)w->w + n0 * row_bytes, w->scales + n0 * groups,
                         w->zeros ? w->zeros + n0 * groups : NULL, buf, np, K, w->group, (int)w->bits, 1);
-        gemm_rows(st, buf, x, y + n0, M, np, N, K);
+        if (gemm_rows(st, buf, x, y + n0, M, np, N, K) != 0) failed = 1;  /* (any thread: the same value) */
     }
     free(buffers);
-    return 0;
+    return failed ? -3 : 0;
 }
 
 static int linear(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
     if (M > MAX_SKINNY_ROWS) {
         if (w->bits != 32) return quant_gemm(w, x, y, M, threads, st);
-        gemm_rows(st, (const float *)w->w, x, y, M, w->n, w->n, w->k);
-        return 0;
+        return gemm_rows(st, (const float *)w->w, x, y, M, w->n, w->n, w->k);
     }
     if (w->bits == 32) return skinny_linear(x, (const float *)w->w, y, M, w->n, w->k, threads);
     return quant_linear(x, w->w, w->scales, w->zeros, y, M, w->n, w->k, w->group, (int)w->bits, w->n, threads);
@@ -189,8 +191,8 @@ static float *work_alloc(const StackStep *st, Work *w) {
 
 /* A prompt chunk's rows q [R, q_heads * d] (one sequence: table, each row's seq_len, ascending)
  * attending in two products per query head, as SDPA does: the sequence's keys and values gathered
- * from their blocks once, scores = Q K^T through sgemm, each row's softmax over the keys it sees,
- * out = P V through sgemm. One row at a time (decode_attention) would cost a dot product and a
+ * from their blocks once, scores = Q K^T through the GEMM, each row's softmax over the keys it sees,
+ * out = P V through the GEMM. One row at a time (decode_attention) would cost a dot product and a
  * horizontal sum per key, head and row: far slower than SDPA over long contexts (docs/benchmarks.md,
  * "Mixed steps in one native call"). */
 static int chunk_attention(const float *q, const float *k_cache, const float *v_cache, const long *table,
@@ -215,18 +217,23 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
         p += take;
     }
     const float scale = (float)st->scale;
+    int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (long task = 0; task < tasks; task++) {
         float *s = thread_slice(scores, rb * n);
         long h = task / blocks, r0 = task % blocks * rb, rows = R - r0 < rb ? R - r0 : rb, kvh = h / group;
         if (rows <= 0) continue;
         long ni = seq_lens[r0 + rows - 1] - k0;  /* the keys the block's rows see */
-        gemm(st, 'T', 'N', ni, rows, d, scale, keys + kvh * d, kvd, q + r0 * qd + h * d, qd, s, ni);
+        if (gemm(st, 'T', 'N', ni, rows, d, scale, keys + kvh * d, kvd, q + r0 * qd + h * d, qd, s, ni) != 0) {
+            failed = 1;
+            continue;
+        }
         causal_softmax_rows(s, rows, ni, seq_lens + r0, k0, window);
-        gemm(st, 'N', 'N', d, rows, ni, 1.0f, values + kvh * d, kvd, s, ni, out + r0 * qd + h * d, qd);
+        if (gemm(st, 'N', 'N', d, rows, ni, 1.0f, values + kvh * d, kvd, s, ni, out + r0 * qd + h * d, qd) != 0)
+            failed = 1;
     }
     free(kv);
-    return 0;
+    return failed ? -3 : 0;
 }
 
 /* Attention of every row: a sequence's run of CHUNK_ATTENTION_ROWS or more through chunk_attention,

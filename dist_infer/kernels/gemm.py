@@ -12,8 +12,8 @@ the OpenMP runtime torch loaded, so neither brings a second thread pool.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass
@@ -44,7 +44,13 @@ class StackGemm:
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w [N, K]^T, both fp32, contiguous, on the CPU: what the stack's products
         compute, for callers outside it (many-row linears, calibrate's GEMM rate)."""
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or any(
+                t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, w)):
+            raise ValueError(f"{self.name} GEMM: x {list(x.shape)} and w {list(w.shape)} must be contiguous fp32 "
+                             "[M, K] and [N, K] on the CPU")
         (M, K), N = x.shape, w.shape[0]
+        if min(M, N, K) == 0:  # the libraries' argument checks refuse empty products
+            return torch.zeros(M, N, dtype=torch.float32)
         y = torch.empty(M, N, dtype=torch.float32)
         if self.row_major:
             if _ONEDNN(self.address)(b"N", b"T", M, N, K, 1.0, x.data_ptr(), K, w.data_ptr(), K, 0.0, y.data_ptr(),
@@ -72,9 +78,16 @@ def blas_sgemm() -> Optional[StackGemm]:
 
 
 def _onednn_candidates() -> list[str]:
-    """Where the wheel puts libdnnl (its data files go to the environment's lib/), then the system's."""
-    found = ctypes.util.find_library("dnnl")
-    return [str(Path(sys.prefix) / "lib" / "libdnnl.so.3"), *([found] if found else [])]
+    """Where the onednn-cpu-gomp wheel put libdnnl.so.3 (its data files: the environment's lib/,
+    ~/.local/lib for a --user install; its record says which), then the environment's lib/. Only
+    that wheel's: another oneDNN may be built on TBB or Intel's OpenMP, whose threads would stack
+    on top of the stack's own OpenMP workers."""
+    try:
+        files = importlib.metadata.files("onednn-cpu-gomp") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    found = [str(f.locate()) for f in files if f.name == "libdnnl.so.3"]
+    return [*found, str(Path(sys.prefix) / "lib" / "libdnnl.so.3")]
 
 
 def onednn_sgemm() -> Optional[StackGemm]:
@@ -84,6 +97,7 @@ def onednn_sgemm() -> Optional[StackGemm]:
             fn = getattr(ctypes.CDLL(path), "dnnl_sgemm")
         except (OSError, AttributeError):
             continue
+        logger.debug(f"the decode stack's GEMM: oneDNN's, from {path}")
         return StackGemm(ctypes.cast(fn, ctypes.c_void_p).value, True, "onednn")
     return None
 

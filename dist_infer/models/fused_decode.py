@@ -3,17 +3,17 @@
 At batch 1 on the CPU the layer-by-layer path spends about as long between its native kernels
 (the interpreter, torch's dispatch, ~15 calls a layer) as in them; the fused call runs the same
 kernels back to back in C (docs/benchmarks.md, "Weights that stay quantized"). A step with prompt
-chunks (beside decodes or not) runs there too, its products through torch's BLAS on weights
+chunks (beside decodes or not) runs there too, its products through a GEMM library (kernels/gemm.py) on weights
 dequantized a cache-sized panel at a time (kernels/decode_stack.c says when whole), a chunk's
 attention as two GEMMs per head: layer by layer, every step paid the interpreter's dispatch and a
 write-out of every dequantized weight, so a prompt cut into small chunks to keep decodes flowing
 cost far more than whole (docs/benchmarks.md, "Mixed steps in one native call"). It serves the plain case only, and anything else goes the
-layer-by-layer way: up to MAX_ROWS rows (MAX_STACK_ROWS with BLAS), fp32 on the CPU with the native
+layer-by-layer way: up to MAX_ROWS rows (MAX_STACK_ROWS with a GEMM), fp32 on the CPU with the native
 kernels, no context parallelism or token split, Llama layers with a dense MLP and no biases, every
 linear fp32 or the native quantized form. Under tp each layer's two halves are a call each, with
 the all-reduces between them, and a ladder stage (models/ladder.py) runs its halves with the
 ladder's wiring at any tp. The results are the layer-by-layer path's within fp32 rounding (the
-activation's exp is the kernels' own, the products' summation order BLAS's at each size):
+activation's exp is the kernels' own, the products' summation order the GEMM's at each size):
 tests/unit/models/test_fused_decode.py holds them together and to transformers.
 """
 
@@ -110,7 +110,7 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
     """The hidden states after every layer of `stage`, every row of the step ([T, H]), or None where
     the fused call does not serve it (the caller then runs the layers one by one). A decode step of
     up to MAX_ROWS sequences runs on the skinny kernels; any other step (prompt chunks, beside
-    decodes or not) of up to MAX_STACK_ROWS rows where BLAS was found (`kernels.sgemm`)."""
+    decodes or not) of up to MAX_STACK_ROWS rows where a GEMM was found (`kernels.sgemm`)."""
     kernels = stage.layers[0].self_attn.kernels if stage.native_decode_stack and len(stage.layers) else None
     rows = x.shape[0] if x.dim() == 2 else 0
     if (kernels is None or meta.cp is not None or meta.seq_lens_t is None or x.shape[-1] != stage.input_width

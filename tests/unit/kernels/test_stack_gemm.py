@@ -30,3 +30,15 @@ def test_the_choice_follows_the_environment_and_a_bad_one_is_named(monkeypatch):
         stack_gemm()
     monkeypatch.delenv("DIST_INFER_STACK_GEMM")
     assert stack_gemm() == (onednn_sgemm() or blas_sgemm())  # unset: oneDNN's where it loads
+
+
+def test_a_product_it_cannot_take_is_named_and_an_empty_one_is_zeros():
+    gemm = stack_gemm()
+    if gemm is None:
+        pytest.skip("no GEMM loads here")
+    with pytest.raises(ValueError, match=r"x \[4, 8\] and w \[3, 7\]"):
+        gemm.linear(torch.randn(4, 8), torch.randn(3, 7))  # K differs: it would read past w
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        gemm.linear(torch.randn(8, 4).T, torch.randn(3, 8))
+    assert torch.equal(gemm.linear(torch.randn(5, 0), torch.randn(3, 0)), torch.zeros(5, 3))
+    assert gemm.linear(torch.randn(0, 8), torch.randn(3, 8)).shape == (0, 3)
