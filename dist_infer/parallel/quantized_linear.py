@@ -180,7 +180,7 @@ def _pack_nibbles(q: torch.Tensor, group_size: int) -> torch.Tensor:
 class GroupQuantLinear(nn.Module):
     """x W^T for an fp32 model with W int8 or packed 4-bit in groups (a multiple of 32 values)
     with scales and optional zeros: the native `quant_linear` for up to NATIVE_MAX_ROWS rows,
-    else blocks of rows dequantized into F.linear (also the path without native kernels)."""
+    else blocks of rows dequantized into the kernels' GEMM (F.linear without native kernels)."""
 
     def __init__(self, qw: QuantizedWeight):
         super().__init__()
@@ -229,9 +229,11 @@ class GroupQuantLinear(nn.Module):
             buffer = None
             if kernels is not None and x2.dtype == torch.float32:  # one pass in C into a reused block
                 buffer = x2.new_empty(min(DEQUANTIZE_ROWS, self.out_features), self.in_features)
+            gemm = kernels.gemm if buffer is not None and x2.is_contiguous() else None  # kernels/gemm.py
             for start in range(0, self.out_features, DEQUANTIZE_ROWS):
                 stop = min(start + DEQUANTIZE_ROWS, self.out_features)
-                y[:, start:stop] = F.linear(x2, self._rows_for_gemm(start, stop, buffer, kernels).to(x2.dtype))
+                w = self._rows_for_gemm(start, stop, buffer, kernels).to(x2.dtype)
+                y[:, start:stop] = gemm.linear(x2, w) if gemm is not None and w.is_contiguous() else F.linear(x2, w)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _rows_for_gemm(self, start: int, stop: int, buffer: Optional[torch.Tensor], kernels) -> torch.Tensor:

@@ -125,3 +125,25 @@ def test_refuses_what_it_does_not_take():
     _refused(torch.zeros(4, 33, dtype=torch.uint8), torch.ones(4, 6), None, torch.zeros(4, 66), 11, 4)  # odd group
     _refused(q8, s, z, out.view(-1), 32, 8)
     _refused(q8.to("meta"), s, z, out, 32, 8)
+
+
+def test_many_rows_multiply_dequantized_blocks_through_the_kernels_gemm(monkeypatch):
+    """Past the native quant_linear's rows: blocks of W dequantized in C, multiplied by the kernels'
+    GEMM (oneDNN's where it loads), equal to the torch path's F.linear on the dequantized weight."""
+    qw = _weight(300, 96, 32, 4, True, seed=3)
+    layer = GroupQuantLinear(qw)
+    x = torch.randn(70, 96)
+    calls = []
+    if kernels.gemm is not None:
+        real = kernels.gemm
+
+        class Spy:
+            def linear(self, a, w):
+                calls.append(tuple(w.shape))
+                return real.linear(a, w)
+
+        monkeypatch.setattr(kernels, "gemm", Spy())
+    want = torch.nn.functional.linear(x, qw.unsigned_int4().dequantize())
+    torch.testing.assert_close(layer(x, kernels), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(layer(x, None), want, atol=1e-4, rtol=1e-5)
+    assert len(calls) == (1 if kernels.gemm is not None else 0)  # one block (rows up to DEQUANTIZE_ROWS)
