@@ -5,14 +5,16 @@ wider one), each round runs `dist-infer bench --tp 2` with `--ladder-residual of
 alternating order (the machine's speed drifts over minutes), and the medians over the rounds give
 the ratios; then one `--overlap-report` run of each gives the decode step with the collectives
 skipped (the lower bound), so the all-reduce time left exposed (step - no-comm step) is measured
-before and after. `--shm off` runs the same over gloo's TCP path (the slower link).
+before and after. `--shm off` runs the same over gloo's TCP path (the slower link), `--shm socket`
+over the group's own TCP links (comm/socket_links.py, what a group across hosts uses).
 
 `--two-hosts` runs the same comparison with the two tp ranks on two "hosts": two network namespaces
 joined by a veth pair (benchmarks/netns_hosts.py), one `dist-infer launch --hostfile HF --node-rank K`
-in each, gloo over TCP between 10.231.X.1 and 10.231.X.2 (`--shm off` implied: nothing is shared
-across the namespaces). The plain veth has no wire and no rate limit, the kernel passing each packet
-to the other namespace's stack: about loopback's speed, but an MTU of 1500 and two TCP stacks, as
-between hosts. `--link-rate 10gbit` (tc's units) caps both ends with a token-bucket filter, for a
+in each, over TCP between 10.231.X.1 and 10.231.X.2: the group's own links (`--shm socket`, the
+default here: what `auto` picks for a group across hosts; the namespaces share a host name, so
+`auto` itself would find one node) or gloo's (`--shm off`). The plain veth has no wire and no rate
+limit, the kernel passing each packet to the other namespace's stack: about loopback's speed, but
+an MTU of 1500 and two TCP stacks, as between hosts. `--link-rate 10gbit` (tc's units) caps both ends with a token-bucket filter, for a
 slower interconnect's bandwidth (no added latency). Needs root. The two "hosts" share this machine's
 cores: each rank gets half of them, as in the one-host runs.
 
@@ -21,8 +23,8 @@ as every table in docs/benchmarks.md's ladder section was measured: the standard
 step can also run each layer's halves in one call each (kernels/decode_stack.c, `on`), which the
 ladder's wiring has not got.
 
-    python benchmarks/ladder.py --rounds 3 [--shm off] [--native-kernels layers|on] [--out FILE.json]
-    python benchmarks/ladder.py --rounds 3 --two-hosts [--link-rate 10gbit] [--out FILE.json]
+    python benchmarks/ladder.py --rounds 3 [--shm auto|off|socket] [--native-kernels layers|on] [--out FILE.json]
+    python benchmarks/ladder.py --rounds 3 --two-hosts [--shm socket|off] [--link-rate 10gbit] [--out FILE.json]
 
 Only 127.0.0.1 (and with --two-hosts the namespaces' 10.231.* addresses) is ever contacted. Check
 `uptime` before and after: figures count on a quiet machine.
@@ -104,12 +106,15 @@ def run_shape(model: str, args) -> dict:
     return out
 
 
+LINKS = {"off": "gloo TCP", "socket": "the group's own TCP links"}
+
+
 def mode(args) -> dict:
     """How the two ranks were placed and what joins them, recorded with each shape's results."""
     if args.hosts is None:
-        return {"hosts": "one", "link": "shared memory where supported" if args.shm == "auto" else "gloo TCP over loopback",
-                "shm": args.shm}
-    return {"hosts": "two", "link": "gloo TCP over a veth pair between two network namespaces",
+        return {"hosts": "one", "link": LINKS[args.shm] + " over loopback" if args.shm != "auto"
+                else "shared memory where supported", "shm": args.shm}
+    return {"hosts": "two", "link": LINKS[args.shm] + " over a veth pair between two network namespaces",
             "link_rate": args.link_rate or "unlimited (plain veth)", "shm": args.shm}
 
 
@@ -120,13 +125,15 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--shm", choices=("auto", "off"), default="auto", help="off: the all-reduces over gloo's TCP path")
+    p.add_argument("--shm", choices=("auto", "off", "socket"), default=None,
+                   help="off: the all-reduces over gloo's TCP path; socket: over the group's own TCP links (default: "
+                        "auto on one host, socket with --two-hosts)")
     p.add_argument("--native-kernels", choices=("layers", "on"), default="layers",
                    help="layers: both wirings call the native kernels layer by layer (the tables' setting); on: the "
                         "standard residual's decode steps through decode_stack.c, which the ladder has not got")
     p.add_argument("--two-hosts", action="store_true",
-                   help="the two ranks in two network namespaces joined by a veth pair, gloo over TCP (implies "
-                        "--shm off; needs root)")
+                   help="the two ranks in two network namespaces joined by a veth pair, over TCP (--shm socket "
+                        "or off; needs root)")
     p.add_argument("--link-rate", default=None,
                    help="with --two-hosts: cap the veth at this rate (tc's units, e.g. 10gbit; default: no cap)")
     p.add_argument("--overlap-report", choices=("on", "off"), default="on",
@@ -145,8 +152,10 @@ def main() -> int:
             rate_bits_per_s(args.link_rate)
         except ValueError as exc:
             p.error(str(exc))
-    if args.two_hosts:
-        args.shm = "off"
+    if args.two_hosts and args.shm == "auto":
+        p.error("--two-hosts: the namespaces share a host name, so auto would share memory between them; "
+                "use --shm socket (what auto picks across real hosts) or off")
+    args.shm = args.shm or ("socket" if args.two_hosts else "auto")
     root = Path(args.checkpoints or tempfile.mkdtemp(prefix="ladder-bench-"))
     print(f"uptime before: {os.getloadavg()}", flush=True)
     results = {}

@@ -23,9 +23,11 @@ def add_rank_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds any distributed wait may take before the job is ended (default %(default)s)")
     p.add_argument("--iface", default=None,
                    help="network interface for gloo/NCCL sockets on multi-host jobs (default: the one that reaches the master address)")
-    p.add_argument("--shm", choices=("auto", "off"), default="auto",
-                   help="all-reduce CPU tensors of a node-local tensor-parallel group through shared memory "
-                        "(auto, default) or always through the backend (off)")
+    p.add_argument("--shm", choices=("auto", "off", "socket"), default="auto",
+                   help="how a tensor- or context-parallel group's small CPU collectives (two all-reduces a layer) "
+                        "travel: auto (default) through shared memory when the group is on one node, over the "
+                        "group's own TCP links when it spans nodes; socket: those TCP links in every case; off: "
+                        "always the backend's own collectives (gloo)")
     p.add_argument("--log-level", default="INFO", help="loguru level: DEBUG, INFO, WARNING (default %(default)s)")
 
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from dist_infer.comm.base import Communicator
+from dist_infer.comm.partials import PartialsCommunicator
 from dist_infer.comm.shm import ShmAllReduceCommunicator, shm_supported
+from dist_infer.comm.socket_links import SocketLinksCommunicator
 from dist_infer.topology.mesh import RANK_ORDER, Mesh
 
 
@@ -37,7 +39,7 @@ class ParallelGroups:
         for comm in self.by_axis().values():
             if comm is self.world:
                 continue
-            if isinstance(comm, ShmAllReduceCommunicator) and comm.inner is self.world:
+            if isinstance(comm, PartialsCommunicator) and comm.inner is self.world:
                 comm.close()
             else:
                 comm.destroy()
@@ -54,16 +56,20 @@ def node_ids(world: Communicator) -> list[int]:
 SHM_AXES = ("tp", "cp")  # the groups with a small collective per layer of every decode step
 
 
+SMALL_COLLECTIVES = ("auto", "off", "socket")  # --shm's choices
+
+
 def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> ParallelGroups:
     """Collective over `world`: create every axis's groups, in RANK_ORDER on every rank.
 
-    With shm 'auto', a tensor-parallel or context-parallel group whose ranks share a node
-    all-reduces and all-gathers CPU tensors through shared memory (see comm/shm.py): the tp
-    all-reduces and the cp decode's merge of partials, each once or twice per layer; 'off' keeps
-    the backend's own collectives.
+    How the tp and cp groups' small CPU collectives travel (the tp all-reduces and the cp
+    decode's merge of partials, each once or twice per layer). 'auto': a group whose ranks share
+    a node through shared memory (comm/shm.py), one that spans nodes over its own TCP links
+    (comm/socket_links.py; not under MPI, whose own transports serve small messages); 'socket':
+    those links for every such group; 'off': the backend's own collectives.
     """
-    if shm not in ("auto", "off"):
-        raise ValueError(f"shm must be 'auto' or 'off', got {shm!r}")
+    if shm not in SMALL_COLLECTIVES:
+        raise ValueError(f"shm must be one of {SMALL_COLLECTIVES}, got {shm!r}")
     if mesh.world_size != world.size:
         raise ValueError(f"mesh {mesh.describe()} has {mesh.world_size} ranks, the world has {world.size}")
     comms = {}
@@ -74,9 +80,15 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
             continue
         comms[axis] = world.split(groups, axis)
     shared = [axis for axis in SHM_AXES if comms[axis].size > 1]
-    if shm == "auto" and shared and shm_supported():
+    if shm == "socket":
+        for axis in shared:
+            comms[axis] = SocketLinksCommunicator(comms[axis])
+    elif shm == "auto" and shared:
         nodes = dict(zip(world.ranks, node_ids(world)))  # by global rank: `world` may itself be a subgroup
         for axis in shared:
-            if len({nodes[r] for r in comms[axis].ranks}) == 1:
+            one_node = len({nodes[r] for r in comms[axis].ranks}) == 1
+            if one_node and shm_supported():
                 comms[axis] = ShmAllReduceCommunicator(comms[axis])
+            elif not one_node and world.backend != "mpi":
+                comms[axis] = SocketLinksCommunicator(comms[axis])
     return ParallelGroups(world=world, mesh=mesh, **comms)

@@ -9,8 +9,7 @@ Protocol, per op with sequence number s, using buffer b = s % NBUF:
          copy the tensor into this rank's slot of b, then publish write_flag[b][me] = s;
   wait:  spin until write_flag[b][r] == s for every r, sum the slots in rank order (so every
          rank gets bitwise the same result), then publish read_flag[b][me] = s.
-Posting is cheap and the reduction happens at wait(), so an async all-reduce really overlaps
-with whatever the caller computes in between, without a helper thread competing for cores.
+Posting is cheap and the reduction happens at wait() (comm/partials.py).
 Ordering relies on x86-64's total store order (stores are seen in program order), so the
 segment is used only there; elsewhere, and for tensors that do not fit a slot, the inner
 communicator does the work.
@@ -29,45 +28,23 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dist_infer.comm.base import CommTimeoutError, Communicator, Handle
-from dist_infer.comm.delegating import DelegatingCommunicator
+from dist_infer.comm.base import CommTimeoutError, Communicator
+from dist_infer.comm.partials import PartialsCommunicator, PartialsHandle, combine_partials
 from dist_infer.comm.shm_sizes import DEFAULT_SLOT_BYTES, NBUF
 
 SPIN_S = 2e-3  # how long a wait spins before it starts sleeping
-_SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-
-
-def _on_host(*tensors: torch.Tensor) -> bool:
-    """The segment is host memory: device tensors (CUDA or any other) go to the inner backend."""
-    return all(t.device.type == "cpu" for t in tensors)
 
 
 def shm_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
 
-class _ShmHandle(Handle):
-    def __init__(self, comm: "ShmAllReduceCommunicator", seq: int, tensor: torch.Tensor,
-                 gather_into: Optional[torch.Tensor], scatter_into: Optional[torch.Tensor] = None):
-        self.comm, self.seq, self.tensor, self.gather_into, self.done = comm, seq, tensor, gather_into, False
-        self.scatter_into = scatter_into
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        if not self.done:
-            self.comm._finish(self.seq, self.tensor, self.gather_into, self.comm.timeout if timeout is None else timeout,
-                              self.scatter_into)
-            self.done = True
-
-
-class ShmAllReduceCommunicator(DelegatingCommunicator):
-    """`inner` with all_reduce(sum) of small CPU tensors done in a shared segment."""
+class ShmAllReduceCommunicator(PartialsCommunicator):
+    """`inner` with all_reduce(sum), all_gather and reduce_scatter of small CPU tensors done in a shared segment."""
 
     def __init__(self, inner: Communicator, slot_bytes: int = DEFAULT_SLOT_BYTES):
         super().__init__(inner)
-        self.slot_bytes = slot_bytes
+        self.slot_bytes = self.max_bytes = slot_bytes
         n = self.size
         flag_bytes = 2 * NBUF * n * 8
         self._data_offset = -(-flag_bytes // 64) * 64
@@ -78,7 +55,7 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self._data_offset,
                                       count=NBUF * n * slot_bytes).view(NBUF, n, slot_bytes)
         self._seq = 0
-        self._unfinished: dict[int, _ShmHandle] = {}  # my posted ops not yet reduced, by sequence number
+        self._unfinished: dict[int, PartialsHandle] = {}  # my posted ops not yet reduced, by sequence number
         self._fence = threading.Lock()
 
     def _map_segment(self, total: int) -> mmap.mmap:
@@ -105,44 +82,6 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
             os.unlink(path)
         return mm
 
-    def all_gather(self, output, input, async_op=False):
-        """Every rank's `input` into `output`, through the segment (the LM head's logits)."""
-        nbytes = input.numel() * input.element_size()
-        if (self.size == 1 or not _on_host(input, output) or not input.is_contiguous() or not output.is_contiguous()
-                or nbytes > self.slot_bytes or output.numel() != input.numel() * self.size):
-            return self.inner.all_gather(output, input, async_op)
-        handle = self._post(input, output)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reduce_scatter(self, output, input, op="sum", async_op=False):
-        """Sum over the group of `input`, of which this rank keeps its chunk in `output` (the
-        sequence-parallel layers): every rank publishes its input, and adds up only its chunk."""
-        if (self.size == 1 or input.numel() == 0 or not self._fits(input, op) or not _on_host(output)
-                or not output.is_contiguous()
-                or output.numel() * self.size != input.numel()):
-            return self.inner.reduce_scatter(output, input, op, async_op)
-        handle = self._post(input, None, output)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def _fits(self, tensor: torch.Tensor, op: str) -> bool:
-        return (op == "sum" and _on_host(tensor) and tensor.is_contiguous() and tensor.dtype in _SUMMABLE
-                and tensor.numel() * tensor.element_size() <= self.slot_bytes)
-
-    def all_reduce(self, tensor, op="sum", async_op=False):
-        if self.size == 1 or tensor.numel() == 0 or not self._fits(tensor, op):
-            return self.inner.all_reduce(tensor, op, async_op)
-        handle = self._post(tensor, None)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
     def _spin(self, ready, what: str, timeout: float) -> None:
         """Spin, yielding the core on every turn, for up to SPIN_S (the peer is usually that
         close); then sleep with backoff so an oversubscribed node still runs the peer we wait for."""
@@ -162,7 +101,7 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
             pause = min(pause * 2, 5e-4)
 
     def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
-              scatter_into: Optional[torch.Tensor] = None) -> _ShmHandle:
+              scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
         """Publish `tensor` in this rank's slot; the handle sums the slots into it, concatenates
         them into `gather_into`, or sums this rank's chunk of them into `scatter_into`."""
         self._seq += 1
@@ -178,7 +117,7 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         with self._fence:  # a locked instruction: large copies may use streaming stores, TSO does not order those
             pass
         self._write_flags[b, me] = seq
-        handle = _ShmHandle(self, seq, tensor, gather_into, scatter_into)
+        handle = PartialsHandle(self, seq, tensor, gather_into, scatter_into)
         self._unfinished[seq] = handle
         return handle
 
@@ -189,20 +128,7 @@ class ShmAllReduceCommunicator(DelegatingCommunicator):
         self._spin(lambda: bool((writes == seq).all()), "all_reduce (shm)", timeout)
         nbytes = tensor.numel() * tensor.element_size()
         slots = [self._data[b, r, :nbytes].view(tensor.dtype) for r in range(self.size)]
-        if gather_into is not None:
-            torch.cat(slots, out=gather_into.view(-1))
-        elif scatter_into is not None:
-            n = scatter_into.numel()
-            chunks = [slot[me * n:(me + 1) * n] for slot in slots]
-            flat = scatter_into.view(-1)
-            torch.add(chunks[0], chunks[1], out=flat)
-            for r in range(2, self.size):
-                flat.add_(chunks[r])
-        else:
-            flat = tensor.view(-1)
-            torch.add(slots[0], slots[1], out=flat)
-            for r in range(2, self.size):
-                flat.add_(slots[r])
+        combine_partials(slots, me, tensor, gather_into, scatter_into)
         self._read_flags[b, me] = seq
         self._unfinished.pop(seq, None)
 

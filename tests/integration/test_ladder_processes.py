@@ -109,6 +109,15 @@ def test_tp2_generate_over_mpirun_matches_the_reference(model, hf, tmp_path):
     _check(out, dump, hf, "all", "mpirun tp=2 --ladder-residual all", 2, 1)
 
 
+def test_tp2_over_the_groups_own_links_matches_the_reference(model, hf, tmp_path):
+    """--shm socket (what a tp group across hosts uses): each module's all-reduce is posted over the
+    TCP links and read a module later, where its output joins the residual."""
+    dump = tmp_path / "logits.pt"
+    out = _generate([venv_exe("dist-infer")], model, dump,
+                    ["--tp", "2", "--nproc", "2", "--shm", "socket", "--ladder-residual", "all"])
+    _check(out, dump, hf, "all", "tp=2 --shm socket --ladder-residual all", 2, 1)
+
+
 async def _burst(url: str, prompts) -> list[list[int]]:
     """Every prompt at once (they compete for the blocks), half streamed; greedy, NEW tokens each."""
     async with httpx.AsyncClient() as client:

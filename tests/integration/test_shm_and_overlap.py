@@ -13,12 +13,14 @@ from paths import JOBS
 from processes import last_json, run
 
 
+@pytest.mark.parametrize("path", ["shm", "socket"])
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_shm_allreduce_job(nproc):
+def test_small_collectives_job(nproc, path):
+    """The shared segment and the group's own TCP links (comm/socket_links.py), each checked exactly."""
     result = run(["dist-infer", "launch", "--nproc-per-node", str(nproc), "--", "python",
-                  str(JOBS / "shm_allreduce_job.py")], timeout=120)
+                  str(JOBS / "shm_allreduce_job.py"), path], timeout=120)
     assert result.returncode == 0
-    assert result.stdout.count("shm all-reduce ok") == nproc
+    assert result.stdout.count(f"{path} all-reduce ok") == nproc
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def _assert_matches(out, logits, ref_ids, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tp,overlap,shm", [(2, "on", "auto"), (2, "off", "auto"), (4, "on", "auto"), (2, "on", "off")])
+@pytest.mark.parametrize("tp,overlap,shm", [(2, "on", "auto"), (2, "off", "auto"), (4, "on", "auto"), (2, "on", "off"),
+                                            (3, "on", "socket")])
 def test_overlap_exact_vs_hf(gqa, tmp_path, tp, overlap, shm):
     path, prompts, ids, logits, *_ = gqa
     out, got = _generate(path, prompts, 6, ["--tp", str(tp), "--overlap", overlap, "--shm", shm], tmp_path)

@@ -70,12 +70,15 @@ def two_hosts(tmp_path):
         assert not any(name in leftover for name in names), f"namespaces left behind: {leftover}"
 
 
-def test_each_node_started_by_hand(two_hosts):
-    """`dist-infer launch --hostfile HF --node-rank K` run on each "host", concurrently."""
+@pytest.mark.parametrize("layout", [[], ["--tp", "4", "--shm", "socket"]], ids=["tp1", "tp4-own-links"])
+def test_each_node_started_by_hand(two_hosts, layout):
+    """`dist-infer launch --hostfile HF --node-rank K` run on each "host", concurrently; then a tp
+    group across both hosts over its own TCP links (comm/socket_links.py: the namespaces share a
+    host name, so `auto` would find one node), every op checked."""
     dist_infer = str(VENV_BIN / "dist-infer")
     procs = [
         start(["ip", "netns", "exec", ns, dist_infer, "launch", "--hostfile", two_hosts.hostfile,
-               "--node-rank", str(k), "--", "dist-infer", "comm-test", *COMM_TEST_FAST])
+               "--node-rank", str(k), "--", "dist-infer", "comm-test", *COMM_TEST_FAST, *layout])
         for k, ns in enumerate(two_hosts.names)
     ]
     try:

@@ -1,0 +1,167 @@
+"""The group's own TCP links (comm/socket_links.py) between threads of this process, on 127.0.0.1:
+exact sums, the handshake refusing strangers, a peer's end and a missing peer failing the op.
+(Real processes, 3 ranks and two hosts: tests/integration/test_shm_and_overlap.py, test_two_hosts.py.)"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dist_infer.comm.base import CommError, CommTimeoutError
+from dist_infer.comm.socket_links import HELLO, SocketLinksCommunicator, _hello, job_address
+
+
+class _ThreadGroup:
+    """What set-up asks of the inner communicator (all_gather, broadcast), between threads."""
+
+    def __init__(self, size: int):
+        self.size, self.barrier, self.slots = size, threading.Barrier(size, timeout=10), [None] * size
+
+
+class _ThreadInner:
+    backend = "threads"
+
+    def __init__(self, group: _ThreadGroup, rank: int, timeout: float = 10.0):
+        self.group, self.rank, self.ranks, self.name, self.timeout = group, rank, tuple(range(group.size)), "t", timeout
+
+    def all_gather(self, output, input, async_op=False):
+        self.group.slots[self.rank] = input.clone()
+        self.group.barrier.wait()
+        torch.cat(self.group.slots, out=output)
+        self.group.barrier.wait()
+
+    def broadcast(self, tensor, src=0, async_op=False):
+        if self.rank == src:
+            self.group.slots[0] = tensor.clone()
+        self.group.barrier.wait()
+        tensor.copy_(self.group.slots[0])
+        self.group.barrier.wait()
+
+    def destroy(self):
+        pass
+
+
+def _links(size: int, timeout: float = 10.0) -> list[SocketLinksCommunicator]:
+    group = _ThreadGroup(size)
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1"),
+                             range(size)))
+
+
+def _each(comms, body):
+    with ThreadPoolExecutor(len(comms)) as pool:
+        return list(pool.map(body, comms))
+
+
+def test_sums_are_exact_and_the_same_on_every_rank():
+    comms = _links(3)
+    try:
+        parts = [torch.randn(3, 100, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+
+        def body(c):
+            mine = [parts[c.rank][i].clone() for i in range(3)]
+            handles = [c.all_reduce(t, async_op=True) for t in mine]
+            for h in reversed(handles):  # waited in the other order than posted
+                h.wait()
+            return mine
+
+        results = _each(comms, body)
+        want = [parts[0][i] + parts[1][i] + parts[2][i] for i in range(3)]
+        for got in results:
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_a_stranger_during_set_up_is_refused_and_the_group_still_forms(monkeypatch):
+    """A connection that cannot prove the group's key is closed; the expected peer still gets in."""
+    strangers: list[socket.socket] = []
+    exchange = SocketLinksCommunicator._exchange
+
+    def exchange_then_intrude(self, address, port):
+        where = exchange(self, address, port)
+        if self.rank == 1:  # before rank 1 dials rank 0, someone else does
+            assert where[0][0] == "127.0.0.1"  # the listener is on the given address, not the wildcard
+            s = socket.create_connection(where[0], timeout=5)
+            s.sendall(HELLO + b"\0" * 32 + struct.pack("<i", 1))
+            strangers.append(s)
+        return where
+
+    monkeypatch.setattr(SocketLinksCommunicator, "_exchange", exchange_then_intrude)
+    comms = _links(2)
+    try:
+        strangers[0].settimeout(5)
+        assert strangers[0].recv(1) == b""  # closed by rank 0
+        got = _each(comms, lambda c: (lambda t: (c.all_reduce(t), t)[1])(torch.full((4,), float(c.rank + 1))))
+        assert all(torch.equal(t, torch.full((4,), 3.0)) for t in got)
+    finally:
+        for c in comms:
+            c.close()
+        for s in strangers:
+            s.close()
+
+
+def test_the_handshake():
+    key = b"k" * 32
+    cases = {HELLO + key + struct.pack("<i", 2): 2, HELLO + b"x" * 32 + struct.pack("<i", 2): -1,
+             b"GET / HTTP/1.1\r\n" + b"\0" * 40: -1, HELLO[:5]: -1}
+    for sent, want in cases.items():
+        a, b = socket.socketpair()
+        try:
+            a.sendall(sent)
+            if len(sent) < len(HELLO) + 36:
+                a.shutdown(socket.SHUT_WR)
+            assert _hello(b, key, len(HELLO) + 36, 2.0) == want, sent
+        finally:
+            a.close()
+            b.close()
+    a, b = socket.socketpair()  # says nothing: given up on after the limit
+    try:
+        assert _hello(b, key, len(HELLO) + 36, 0.1) == -1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_ended_fails_the_op_naming_it():
+    comms = _links(2)
+    try:
+        comms[1].close()
+        with pytest.raises(CommError, match="group rank 1 closed its link"):
+            comms[0].all_reduce(torch.ones(8))
+    finally:
+        comms[0].close()
+
+
+def test_a_peer_that_never_posts_times_out():
+    comms = _links(2, timeout=0.3)
+    try:
+        with pytest.raises(CommTimeoutError, match="group rank 1's part of op 1 did not come within"):
+            comms[0].all_reduce(torch.ones(8))
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_large_and_non_sum_ops_go_to_the_inner_communicator():
+    comms = _links(2)
+    try:
+        c = comms[0]
+        assert not c._fits(torch.ones(c.max_bytes // 4 + 1), "sum")
+        assert not c._fits(torch.ones(8), "max")
+        assert not c._fits(torch.ones(8, 2).t(), "sum")
+        assert c._fits(torch.ones(c.max_bytes // 4), "sum")
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_job_address_is_the_one_towards_the_master(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert job_address() == "127.0.0.1"
