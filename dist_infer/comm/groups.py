@@ -7,11 +7,13 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from loguru import logger
 
 from dist_infer.comm.base import Communicator
 from dist_infer.comm.partials import PartialsCommunicator
 from dist_infer.comm.shm import ShmAllReduceCommunicator, shm_supported
 from dist_infer.comm.socket_links import SocketLinksCommunicator
+from dist_infer.comm.socket_setup import LinksUnavailable
 from dist_infer.topology.mesh import RANK_ORDER, Mesh
 
 
@@ -65,8 +67,9 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
     How the tp and cp groups' small CPU collectives travel (the tp all-reduces and the cp
     decode's merge of partials, each once or twice per layer). 'auto': a group whose ranks share
     a node through shared memory (comm/shm.py), one that spans nodes over its own TCP links
-    (comm/socket_links.py; not under MPI, whose own transports serve small messages); 'socket':
-    those links for every such group; 'off': the backend's own collectives.
+    (comm/socket_links.py, on gloo: MPI and NCCL have their own small-message paths; where the
+    links cannot be connected, the backend's); 'socket': those links for every such group;
+    'off': the backend's own collectives.
     """
     if shm not in SMALL_COLLECTIVES:
         raise ValueError(f"shm must be one of {SMALL_COLLECTIVES}, got {shm!r}")
@@ -89,6 +92,16 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
             one_node = len({nodes[r] for r in comms[axis].ranks}) == 1
             if one_node and shm_supported():
                 comms[axis] = ShmAllReduceCommunicator(comms[axis])
-            elif not one_node and world.backend != "mpi":
-                comms[axis] = SocketLinksCommunicator(comms[axis])
+            elif not one_node and world.backend == "gloo":  # MPI and NCCL have their own small-message paths
+                comms[axis] = _links_or_backend(comms[axis])
     return ParallelGroups(world=world, mesh=mesh, **comms)
+
+
+def _links_or_backend(comm: Communicator) -> Communicator:
+    """The group across hosts on its own TCP links, or, where they cannot be connected (every rank
+    of it learns so together), on the backend's collectives as before."""
+    try:
+        return SocketLinksCommunicator(comm, across_hosts=True)
+    except LinksUnavailable as exc:
+        logger.warning(f"{exc}; the group's small collectives stay on {comm.backend}")
+        return comm

@@ -69,7 +69,7 @@ class PartialsCommunicator(DelegatingCommunicator):
     def all_gather(self, output, input, async_op=False):
         """Every rank's `input` into `output` (the LM head's logits, a cp decode's partials)."""
         nbytes = input.numel() * input.element_size()
-        if (self.size == 1 or not on_host(input, output) or not input.is_contiguous() or not output.is_contiguous()
+        if (self.size == 1 or input.numel() == 0 or not on_host(input, output) or not input.is_contiguous() or not output.is_contiguous()
                 or nbytes > self.max_bytes or output.numel() != input.numel() * self.size
                 or output.dtype != input.dtype):
             return self.inner.all_gather(output, input, async_op)

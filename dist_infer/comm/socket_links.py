@@ -13,50 +13,33 @@ segment's (comm/partials.py) it needs no thread at all:
 A send that does not fit the buffer reads what the peers sent meanwhile, so two ranks sending
 to each other can never both block.
 
-Set-up is collective over the inner communicator: each rank but the last listens on its address
-on the job's network (the one that routes to MASTER_ADDR, never the wildcard), the group's
-addresses and a random key from its first rank go round, and every rank dials the ranks before
-it and proves the key. A listener takes only its expected peers, gives each connection seconds
-to prove itself, and is closed as soon as they are in. Every wait has the group's timeout; a
-peer's link closing fails the op with its rank named.
+The links are connected by comm/socket_setup.py (a random key, the job's address, closed to
+newcomers once the group is in). A rank never has more bytes posted and not yet waited for than
+half of what the kernel buffers between two ranks: beyond that, it first finishes its oldest op,
+so a post cannot block on a peer that is busy in another collective. Every wait has the group's
+timeout; a peer's link closing fails the op with its rank named.
 """
 
 from __future__ import annotations
 
-import hmac
 import os
-import secrets
 import select
 import socket
 import struct
 import time
+from collections import OrderedDict
 from typing import Optional
 
 import torch
 
 from dist_infer.comm.base import CommError, CommTimeoutError, Communicator
 from dist_infer.comm.partials import PartialsCommunicator, PartialsHandle, combine_partials
-from dist_infer.topology.network import local_address_towards
+from dist_infer.comm.socket_setup import connect_group, job_address
 
-MAX_BYTES = 256 * 1024  # larger tensors go to the inner communicator (bandwidth, not latency, bound)
-MAX_UNFINISHED = 16  # posted ops not yet waited; the oldest is finished before one more is posted
-HELLO = b"dist-infer/links1"  # + the group's key + the dialer's group rank
+MAX_BYTES = 1 << 20  # the most a rank sends per op (over all its links); larger tensors go to the inner communicator
+SPIN_S = 2e-4  # how long a wait polls its socket before it sleeps in poll()
 _HEADER = struct.Struct("<qq")  # sequence number, payload bytes
-_KEY_BYTES = 32
-SPIN_S = 2e-4  # how long a wait polls its socket before it sleeps in select
-_SOCKET_BUFFER = 1 << 18  # asked of the kernel for each direction of a link
-_HELLO_S = 5.0  # how long a connection has to prove the key
-_MAX_STRANGERS = 64  # connections that fail the handshake before set-up gives up
-
-
-def job_address() -> str:
-    """This rank's address on the job's network: the one that routes to MASTER_ADDR (loopback
-    for a one-host job without one)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        return local_address_towards(socket.gethostbyname(master))
-    except OSError:
-        return "127.0.0.1"
+_SOCKET_BUFFER = 2 << 20  # asked of the kernel for each direction of a link (it may grant less)
 
 
 class _Link:
@@ -64,14 +47,19 @@ class _Link:
 
     def __init__(self, sock: socket.socket, peer: int):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # bounded (the kernel caps it lower still), not autotuned
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):  # bounded (the kernel may cap it lower), not autotuned
             sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
         sock.setblocking(False)
         self.sock, self.peer = sock, peer
+        self._poll = select.poll()  # poll, not select: a serving process may hold descriptors past 1024
+        self._poll.register(sock, select.POLLIN)
         self.buffer = bytearray(_HEADER.size + MAX_BYTES)  # bytes read, not yet a whole message
         self.view = memoryview(self.buffer)
         self.filled = 0
-        self.arrived: dict[int, bytes] = {}  # whole messages by sequence number
+        self.arrived: dict[int, bytearray] = {}  # whole messages by sequence number
+
+    def wait_readable(self, timeout_s: float) -> None:
+        self._poll.poll(max(1, int(timeout_s * 1000)))
 
     def read_available(self) -> bool:
         """Read what the socket holds into whole messages; False when nothing was there."""
@@ -92,7 +80,7 @@ class _Link:
             end = start + _HEADER.size + nbytes
             if end > self.filled:
                 break
-            self.arrived[seq] = bytes(self.view[start + _HEADER.size:end])
+            self.arrived[seq] = self.buffer[start + _HEADER.size:end]  # a copy, writable for frombuffer
             start = end
         if start:  # keep the partial message at the front (at most one message's bytes)
             self.view[:self.filled - start] = self.view[start:self.filled]
@@ -101,99 +89,47 @@ class _Link:
 
 
 class SocketLinksCommunicator(PartialsCommunicator):
-    """`inner`, with small CPU all-reduces, all-gathers and reduce-scatters over a TCP link per pair of ranks."""
+    """`inner`, with small CPU all-reduces, all-gathers and reduce-scatters over a TCP link per
+    pair of ranks. `across_hosts`: the group spans hosts, so a loopback address is no use (the
+    set-up then fails on every rank together: LinksUnavailable)."""
 
-    def __init__(self, inner: Communicator, address: Optional[str] = None, max_bytes: int = MAX_BYTES):
+    def __init__(self, inner: Communicator, address: Optional[str] = None, across_hosts: bool = False):
         super().__init__(inner)
-        self.max_bytes = min(max_bytes, MAX_BYTES)
         self._seq = 0
-        self._unfinished: dict[int, PartialsHandle] = {}
-        self._links: dict[int, _Link] = {}
-        self._connect(address or job_address())
+        self._unfinished: OrderedDict[int, tuple[PartialsHandle, torch.Tensor]] = OrderedDict()  # with my part
+        self._unfinished_bytes = 0
+        socks = connect_group(inner, address or job_address(), across_hosts, self.describe("socket links"))
+        self._links = {peer: _Link(sock, peer) for peer, sock in sorted(socks.items())}
+        self._poll = select.poll()
+        for link in self._links.values():
+            self._poll.register(link.sock, select.POLLIN)
+        self._by_fd = {link.sock.fileno(): link for link in self._links.values()}
+        self.budget = self._agreed_budget()
+        self.max_bytes = min(MAX_BYTES // max(1, self.size - 1), self.budget)
 
-    # -- set-up ------------------------------------------------------------------------
-    def _connect(self, address: str) -> None:
-        listener = None
-        if self.rank < self.size - 1:
-            listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind((address, 0))
-            listener.listen(self.size)
-        try:
-            where = self._exchange(address, listener.getsockname()[1] if listener else 0)
-            key = self._group_key()
-            deadline = time.monotonic() + self.timeout
-            for peer in range(self.rank):
-                self._dial(peer, where[peer], key, deadline)
-            if listener is not None:
-                self._accept(listener, key, deadline)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if listener is not None:
-                listener.close()
-
-    def _exchange(self, address: str, port: int) -> list[tuple[str, int]]:
-        """Every group rank's (address, port), through the inner communicator."""
-        mine = torch.zeros(64, dtype=torch.uint8)
-        text = f"{address} {port}".encode()
-        mine[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        every = torch.empty(self.size * 64, dtype=torch.uint8)
-        self.inner.all_gather(every, mine)
-        out = []
-        for r in range(self.size):
-            host, port_text = bytes(every[r * 64:(r + 1) * 64].tolist()).rstrip(b"\0").decode().split(" ")
-            out.append((host, int(port_text)))
-        return out
-
-    def _group_key(self) -> bytes:
-        key = torch.tensor(list(secrets.token_bytes(_KEY_BYTES)), dtype=torch.uint8)
-        self.inner.broadcast(key, src=0)
-        return bytes(key.tolist())
-
-    def _dial(self, peer: int, where: tuple[str, int], key: bytes, deadline: float) -> None:
-        try:
-            sock = socket.create_connection(where, timeout=max(0.1, deadline - time.monotonic()))
-            sock.sendall(HELLO + key + struct.pack("<i", self.rank))
-        except OSError as exc:
-            raise CommError(f"{self.describe('socket links')}: cannot reach group rank {peer} at "
-                            f"{where[0]}:{where[1]}: {exc}") from None
-        self._links[peer] = _Link(sock, peer)
-
-    def _accept(self, listener: socket.socket, key: bytes, deadline: float) -> None:
-        """Take every later rank's connection; anything that does not prove the key is closed."""
-        expected, strangers = set(range(self.rank + 1, self.size)), 0
-        want = len(HELLO) + _KEY_BYTES + 4
-        while expected:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CommTimeoutError(f"{self.describe('socket links')}: group ranks {sorted(expected)} did not "
-                                       f"connect within {self.timeout:.0f} s")
-            listener.settimeout(left)
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                continue
-            peer = _hello(sock, key, want, min(_HELLO_S, max(0.1, left)))
-            if peer in expected:
-                expected.discard(peer)
-                self._links[peer] = _Link(sock, peer)
-                continue
-            sock.close()
-            strangers += 1
-            if strangers >= _MAX_STRANGERS:
-                raise CommError(f"{self.describe('socket links')}: {strangers} connections failed the handshake")
+    def _agreed_budget(self) -> int:
+        """Half the payload the kernel holds between two ranks (its send and receive buffers, of
+        which it reports twice what it grants data), the same on every rank: what this rank's
+        unfinished ops may hold, so that everything a peer has not yet read fits its buffers
+        (its own unfinished ops and mine that it has not posted yet: twice the budget at most)."""
+        held = min(((link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                     + link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)) // 2
+                    for link in self._links.values()), default=MAX_BYTES)
+        agreed = torch.tensor([held // 2], dtype=torch.int64)
+        self.inner.all_reduce(agreed, op="min")
+        return int(agreed.item())
 
     # -- ops ---------------------------------------------------------------------------
     def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
               scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
+        mine = tensor.detach().reshape(-1).clone()  # this rank's part as posted (the caller may reuse `tensor`)
+        nbytes = mine.numel() * mine.element_size()
+        while self._unfinished and self._unfinished_bytes + nbytes > self.budget:
+            next(iter(self._unfinished.values()))[0].wait()  # the oldest first (its peers posted it before)
         self._seq += 1
         seq = self._seq
-        oldest = seq - MAX_UNFINISHED
-        if oldest in self._unfinished:  # bound what sits unread in the peers' buffers
-            self._unfinished[oldest].wait()
-        payload = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-        header = _HEADER.pack(seq, len(payload))
+        payload = memoryview(mine.view(torch.uint8).numpy())
+        header = _HEADER.pack(seq, nbytes)
         deadline = time.monotonic() + self.timeout
         for link in self._links.values():
             try:
@@ -202,54 +138,58 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 sent = 0
             except OSError as exc:
                 raise CommError(f"{self.describe('send')}: the link to group rank {link.peer} failed: {exc}") from None
-            if sent < len(header) + len(payload):
+            if sent < len(header) + nbytes:
                 self._send(link, memoryview(header + payload.tobytes())[sent:], deadline)
         handle = PartialsHandle(self, seq, tensor, gather_into, scatter_into)
-        self._unfinished[seq] = handle
+        self._unfinished[seq] = (handle, mine)
+        self._unfinished_bytes += nbytes
         return handle
 
     def _send(self, link: _Link, data: memoryview, deadline: float) -> None:
+        """The rest of a message that did not fit the buffer: meanwhile read what the peers send
+        (they may be blocked sending to this rank)."""
         while data:
             try:
-                sent = link.sock.send(data)
-                data = data[sent:]
+                data = data[link.sock.send(data):]
                 continue
             except (BlockingIOError, InterruptedError):
                 pass
             except OSError as exc:
                 raise CommError(f"{self.describe('send')}: the link to group rank {link.peer} failed: {exc}") from None
-            # the buffer is full: read what the peers sent meanwhile (they may be blocked sending to us)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CommTimeoutError(f"{self.describe('send')} to group rank {link.peer} did not complete "
                                        f"within {self.timeout:.0f} s")
-            readable, _, _ = select.select([x.sock for x in self._links.values()], [link.sock], [], min(left, 1.0))
-            for other in self._links.values():
-                if other.sock in readable:
-                    other.read_available()
+            self._poll.modify(link.sock, select.POLLIN | select.POLLOUT)
+            try:
+                ready = self._poll.poll(min(left, 1.0) * 1000)
+            finally:
+                self._poll.modify(link.sock, select.POLLIN)
+            for fd, events in ready:
+                if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    self._by_fd[fd].read_available()
 
     def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
                 scatter_into: Optional[torch.Tensor] = None) -> None:
         deadline = time.monotonic() + timeout
-        nbytes = tensor.numel() * tensor.element_size()
+        mine = self._unfinished[seq][1]
         parts: list[torch.Tensor] = []
         for r in range(self.size):
             if r == self.rank:
-                parts.append(tensor.view(-1) if gather_into is None else tensor.reshape(-1))
+                parts.append(mine)
                 continue
             data = self._message(self._links[r], seq, deadline, timeout)
-            if len(data) != nbytes:
-                raise CommError(f"{self.describe('all_reduce')}: group rank {r} sent {len(data)} bytes for op {seq}, "
-                                f"this rank posted {nbytes} (the ranks' ops differ)")
-            parts.append(torch.frombuffer(bytearray(data), dtype=tensor.dtype))
-        if gather_into is None and scatter_into is None:
-            parts[self.rank] = parts[self.rank].clone()  # the sum is written over this rank's tensor
+            if len(data) != mine.numel() * mine.element_size():
+                raise CommError(f"{self.describe('collective')}: group rank {r} sent {len(data)} bytes for op {seq}, "
+                                f"this rank posted {mine.numel() * mine.element_size()} (the ranks' ops differ)")
+            parts.append(torch.frombuffer(data, dtype=mine.dtype))
         combine_partials(parts, self.rank, tensor, gather_into, scatter_into)
-        self._unfinished.pop(seq, None)
+        self._unfinished.pop(seq)
+        self._unfinished_bytes -= mine.numel() * mine.element_size()
 
-    def _message(self, link: _Link, seq: int, deadline: float, timeout: float) -> bytes:
+    def _message(self, link: _Link, seq: int, deadline: float, timeout: float) -> bytearray:
         """Peer's part of op `seq`: polled for up to SPIN_S (the peer is usually that close, and a
-        sleeping reader's wake-up costs more than the exchange), then slept for in select."""
+        sleeping reader's wake-up costs more than the exchange), then slept for in poll()."""
         spin_until = time.monotonic() + SPIN_S
         while seq not in link.arrived:
             if link.read_available():
@@ -260,9 +200,9 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 continue
             left = deadline - now
             if left <= 0:
-                raise CommTimeoutError(f"{self.describe('all_reduce')}: group rank {link.peer}'s part of op {seq} "
+                raise CommTimeoutError(f"{self.describe('collective')}: group rank {link.peer}'s part of op {seq} "
                                        f"did not come within {timeout:.0f} s")
-            select.select([link.sock], [], [], left)
+            link.wait_readable(left)
         return link.arrived.pop(seq)
 
     def close(self) -> None:
@@ -272,24 +212,8 @@ class SocketLinksCommunicator(PartialsCommunicator):
             except OSError:
                 pass
         self._links.clear()
+        self._by_fd.clear()
 
     def destroy(self) -> None:
         self.close()
         super().destroy()
-
-
-def _hello(sock: socket.socket, key: bytes, want: int, limit: float) -> int:
-    """The group rank a new connection proves it is, or -1 (wrong key, too slow, garbage)."""
-    sock.settimeout(limit)
-    got = b""
-    try:
-        while len(got) < want:
-            chunk = sock.recv(want - len(got))
-            if not chunk:
-                return -1
-            got += chunk
-    except OSError:
-        return -1
-    if got[:len(HELLO)] != HELLO or not hmac.compare_digest(got[len(HELLO):len(HELLO) + _KEY_BYTES], key):
-        return -1
-    return struct.unpack("<i", got[-4:])[0]

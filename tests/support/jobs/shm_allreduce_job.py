@@ -14,13 +14,13 @@ import torch
 
 from dist_infer.comm import build_groups, init_world
 from dist_infer.comm.shm import NBUF, ShmAllReduceCommunicator
-from dist_infer.comm.socket_links import MAX_UNFINISHED, SocketLinksCommunicator
+from dist_infer.comm.socket_links import SocketLinksCommunicator
 from dist_infer.parallel.ring.lse import merge_across_ranks, merge_many
 from dist_infer.topology import Mesh, ParallelConfig
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "shm"
 KIND, FLAG, IN_FLIGHT = {"shm": (ShmAllReduceCommunicator, "auto", NBUF),
-                         "socket": (SocketLinksCommunicator, "socket", MAX_UNFINISHED)}[MODE]
+                         "socket": (SocketLinksCommunicator, "socket", 16)}[MODE]
 world = init_world("gloo", timeout=60)
 n = world.size
 groups = build_groups(world, Mesh.build(ParallelConfig(tp=n), n), FLAG)
@@ -57,9 +57,9 @@ for dtype in (torch.float64, torch.bfloat16, torch.int64):
     bf16 = dtype == torch.bfloat16  # 8 mantissa bits, rounded after each add
     assert torch.allclose(t.double(), want, rtol=2e-2 if bf16 else 1e-12, atol=2.0 if bf16 else 0.0), dtype
 
-# the largest tensors the path takes, more of them in flight than the sockets' buffers hold: a
-# rank whose send is blocked reads what its peers sent meanwhile (else both would wait forever)
-largest = [value(me, tp.max_bytes // 4, 30 + i, torch.float32) for i in range(6)]
+# the largest tensors the path takes, more of them in flight than the sockets' buffers hold (the
+# links finish their oldest op first, and a rank whose send is blocked reads what its peers sent)
+largest = [value(me, tp.max_bytes // 4, 30 + i, torch.float32) for i in range(12)]
 handles = [tp.all_reduce(t, async_op=True) for t in largest]
 for h in handles:
     h.wait()

@@ -7,13 +7,16 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from dist_infer.comm import socket_setup
 from dist_infer.comm.base import CommError, CommTimeoutError
-from dist_infer.comm.socket_links import HELLO, SocketLinksCommunicator, _hello, job_address
+from dist_infer.comm.socket_links import SocketLinksCommunicator
+from dist_infer.comm.socket_setup import HELLO, HELLO_BYTES, LinksUnavailable, hello, job_address
 
 
 class _ThreadGroup:
@@ -28,11 +31,19 @@ class _ThreadInner:
 
     def __init__(self, group: _ThreadGroup, rank: int, timeout: float = 10.0):
         self.group, self.rank, self.ranks, self.name, self.timeout = group, rank, tuple(range(group.size)), "t", timeout
+        self.size = group.size
 
     def all_gather(self, output, input, async_op=False):
         self.group.slots[self.rank] = input.clone()
         self.group.barrier.wait()
         torch.cat(self.group.slots, out=output)
+        self.group.barrier.wait()
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        self.group.slots[self.rank] = tensor.clone()
+        self.group.barrier.wait()
+        stacked = torch.stack(self.group.slots)
+        tensor.copy_({"sum": stacked.sum(0), "min": stacked.min(0).values}[op])
         self.group.barrier.wait()
 
     def broadcast(self, tensor, src=0, async_op=False):
@@ -46,11 +57,11 @@ class _ThreadInner:
         pass
 
 
-def _links(size: int, timeout: float = 10.0) -> list[SocketLinksCommunicator]:
+def _links(size: int, timeout: float = 10.0, across_hosts: bool = False) -> list[SocketLinksCommunicator]:
     group = _ThreadGroup(size)
     with ThreadPoolExecutor(size) as pool:
-        return list(pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1"),
-                             range(size)))
+        return list(pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1",
+                                                               across_hosts), range(size)))
 
 
 def _each(comms, body):
@@ -82,18 +93,18 @@ def test_sums_are_exact_and_the_same_on_every_rank():
 def test_a_stranger_during_set_up_is_refused_and_the_group_still_forms(monkeypatch):
     """A connection that cannot prove the group's key is closed; the expected peer still gets in."""
     strangers: list[socket.socket] = []
-    exchange = SocketLinksCommunicator._exchange
+    exchange = socket_setup._exchange
 
-    def exchange_then_intrude(self, address, port):
-        where = exchange(self, address, port)
-        if self.rank == 1:  # before rank 1 dials rank 0, someone else does
+    def exchange_then_intrude(inner, address, port):
+        where = exchange(inner, address, port)
+        if inner.rank == 1:  # before rank 1 dials rank 0, someone else does
             assert where[0][0] == "127.0.0.1"  # the listener is on the given address, not the wildcard
             s = socket.create_connection(where[0], timeout=5)
             s.sendall(HELLO + b"\0" * 32 + struct.pack("<i", 1))
             strangers.append(s)
         return where
 
-    monkeypatch.setattr(SocketLinksCommunicator, "_exchange", exchange_then_intrude)
+    monkeypatch.setattr(socket_setup, "_exchange", exchange_then_intrude)
     comms = _links(2)
     try:
         strangers[0].settimeout(5)
@@ -115,18 +126,56 @@ def test_the_handshake():
         a, b = socket.socketpair()
         try:
             a.sendall(sent)
-            if len(sent) < len(HELLO) + 36:
+            if len(sent) < HELLO_BYTES:
                 a.shutdown(socket.SHUT_WR)
-            assert _hello(b, key, len(HELLO) + 36, 2.0) == want, sent
+            assert hello(b, key, time.monotonic() + 2.0) == want, sent
         finally:
             a.close()
             b.close()
-    a, b = socket.socketpair()  # says nothing: given up on after the limit
+    a, b = socket.socketpair()  # says a little, then nothing: given up on at the deadline, not per byte
     try:
-        assert _hello(b, key, len(HELLO) + 36, 0.1) == -1
+        a.sendall(HELLO[:3])
+        started = time.monotonic()
+        assert hello(b, key, started + 0.2) == -1
+        assert time.monotonic() - started < 2.0
     finally:
         a.close()
         b.close()
+
+
+def test_a_group_across_hosts_without_an_address_on_the_network_is_refused_on_every_rank():
+    """Loopback is no use to a peer on another host: every rank raises together (build_groups then
+    keeps the backend's collectives), none is left waiting on a link."""
+    group = _ThreadGroup(2)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(SocketLinksCommunicator, _ThreadInner(group, r), "127.0.0.1", True) for r in range(2)]
+        for f in futures:
+            with pytest.raises(LinksUnavailable, match="no address on the job's network"):
+                f.result(timeout=20)
+
+
+def test_a_part_is_taken_when_posted():
+    """The caller may overwrite its tensor after an async post, or reduce-scatter into its own
+    chunk of the input: the sum uses what was posted."""
+    comms = _links(3)
+    try:
+        def body(c):
+            full = torch.arange(6, dtype=torch.float32) + 10 * c.rank
+            handle = c.reduce_scatter(full[2 * c.rank:2 * c.rank + 2], full, async_op=True)
+            other = torch.full((4,), float(c.rank))
+            h2 = c.all_reduce(other, async_op=True)
+            other.fill_(100.0)  # after the post: not what the others get
+            handle.wait()
+            h2.wait()
+            return full[2 * c.rank:2 * c.rank + 2].clone(), other
+
+        want = sum(torch.arange(6, dtype=torch.float32) + 10 * r for r in range(3))
+        for rank, (chunk, other) in enumerate(_each(comms, body)):
+            assert torch.equal(chunk, want[2 * rank:2 * rank + 2])
+            assert torch.equal(other, torch.full((4,), 3.0))
+    finally:
+        for c in comms:
+            c.close()
 
 
 def test_a_peer_that_ended_fails_the_op_naming_it():
@@ -165,3 +214,28 @@ def test_large_and_non_sum_ops_go_to_the_inner_communicator():
 def test_job_address_is_the_one_towards_the_master(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert job_address() == "127.0.0.1"
+
+
+def test_sends_past_the_buffers_read_the_peer_meanwhile(monkeypatch):
+    """With the budget lifted, both ranks post more than the kernel buffers hold before either
+    waits: each blocked send reads what the other sent, so neither waits forever."""
+    comms = _links(2)
+    sent_the_slow_way = []
+    send = SocketLinksCommunicator._send
+    monkeypatch.setattr(SocketLinksCommunicator, "_send",
+                        lambda self, *a: (sent_the_slow_way.append(self.rank), send(self, *a))[1])
+    try:
+        def body(c):
+            c.budget = 1 << 40
+            parts = [torch.full((c.max_bytes // 4,), float(c.rank + i)) for i in range(12)]
+            handles = [c.all_reduce(t, async_op=True) for t in parts]
+            for h in handles:
+                h.wait()
+            return parts
+
+        for parts in _each(comms, body):
+            assert all(torch.equal(t, torch.full_like(t, 2.0 * i + 1)) for i, t in enumerate(parts))
+        assert sent_the_slow_way, "the buffers held everything: the case was not reached"
+    finally:
+        for c in comms:
+            c.close()
