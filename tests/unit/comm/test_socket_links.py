@@ -9,6 +9,8 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -57,11 +59,18 @@ class _ThreadInner:
         pass
 
 
-def _links(size: int, timeout: float = 10.0, across_hosts: bool = False) -> list[SocketLinksCommunicator]:
+@contextmanager
+def _links(size: int, timeout: float = 10.0) -> Iterator[list[SocketLinksCommunicator]]:
+    """A connected group of `size` threads' communicators, closed after the block."""
     group = _ThreadGroup(size)
     with ThreadPoolExecutor(size) as pool:
-        return list(pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1",
-                                                               across_hosts), range(size)))
+        comms = list(pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1"),
+                              range(size)))
+    try:
+        yield comms
+    finally:
+        for c in comms:
+            c.close()
 
 
 def _each(comms, body):
@@ -70,8 +79,7 @@ def _each(comms, body):
 
 
 def test_sums_are_exact_and_the_same_on_every_rank():
-    comms = _links(3)
-    try:
+    with _links(3) as comms:
         parts = [torch.randn(3, 100, generator=torch.Generator().manual_seed(r)) for r in range(3)]
 
         def body(c):
@@ -85,9 +93,6 @@ def test_sums_are_exact_and_the_same_on_every_rank():
         want = [parts[0][i] + parts[1][i] + parts[2][i] for i in range(3)]
         for got in results:
             assert all(torch.equal(g, w) for g, w in zip(got, want))
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_a_stranger_during_set_up_is_refused_and_the_group_still_forms(monkeypatch):
@@ -105,15 +110,13 @@ def test_a_stranger_during_set_up_is_refused_and_the_group_still_forms(monkeypat
         return where
 
     monkeypatch.setattr(socket_setup, "_exchange", exchange_then_intrude)
-    comms = _links(2)
     try:
-        strangers[0].settimeout(5)
-        assert strangers[0].recv(1) == b""  # closed by rank 0
-        got = _each(comms, lambda c: (lambda t: (c.all_reduce(t), t)[1])(torch.full((4,), float(c.rank + 1))))
-        assert all(torch.equal(t, torch.full((4,), 3.0)) for t in got)
+        with _links(2) as comms:
+            strangers[0].settimeout(5)
+            assert strangers[0].recv(1) == b""  # closed by rank 0
+            got = _each(comms, lambda c: (lambda t: (c.all_reduce(t), t)[1])(torch.full((4,), float(c.rank + 1))))
+            assert all(torch.equal(t, torch.full((4,), 3.0)) for t in got)
     finally:
-        for c in comms:
-            c.close()
         for s in strangers:
             s.close()
 
@@ -157,8 +160,7 @@ def test_a_group_across_hosts_without_an_address_on_the_network_is_refused_on_ev
 def test_a_part_is_taken_when_posted():
     """The caller may overwrite its tensor after an async post, or reduce-scatter into its own
     chunk of the input: the sum uses what was posted."""
-    comms = _links(3)
-    try:
+    with _links(3) as comms:
         def body(c):
             full = torch.arange(6, dtype=torch.float32) + 10 * c.rank
             handle = c.reduce_scatter(full[2 * c.rank:2 * c.rank + 2], full, async_op=True)
@@ -173,42 +175,28 @@ def test_a_part_is_taken_when_posted():
         for rank, (chunk, other) in enumerate(_each(comms, body)):
             assert torch.equal(chunk, want[2 * rank:2 * rank + 2])
             assert torch.equal(other, torch.full((4,), 3.0))
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_a_peer_that_ended_fails_the_op_naming_it():
-    comms = _links(2)
-    try:
+    with _links(2) as comms:
         comms[1].close()
         with pytest.raises(CommError, match="group rank 1 closed its link"):
             comms[0].all_reduce(torch.ones(8))
-    finally:
-        comms[0].close()
 
 
 def test_a_peer_that_never_posts_times_out():
-    comms = _links(2, timeout=0.3)
-    try:
+    with _links(2, timeout=0.3) as comms:
         with pytest.raises(CommTimeoutError, match="group rank 1's part of op 1 did not come within"):
             comms[0].all_reduce(torch.ones(8))
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_large_and_non_sum_ops_go_to_the_inner_communicator():
-    comms = _links(2)
-    try:
+    with _links(2) as comms:
         c = comms[0]
         assert not c._fits(torch.ones(c.max_bytes // 4 + 1), "sum")
         assert not c._fits(torch.ones(8), "max")
         assert not c._fits(torch.ones(8, 2).t(), "sum")
         assert c._fits(torch.ones(c.max_bytes // 4), "sum")
-    finally:
-        for c in comms:
-            c.close()
 
 
 def test_job_address_is_the_one_towards_the_master(monkeypatch):
@@ -219,23 +207,20 @@ def test_job_address_is_the_one_towards_the_master(monkeypatch):
 def test_sends_past_the_buffers_read_the_peer_meanwhile(monkeypatch):
     """With the budget lifted, both ranks post more than the kernel buffers hold before either
     waits: each blocked send reads what the other sent, so neither waits forever."""
-    comms = _links(2)
     sent_the_slow_way = []
     send = SocketLinksCommunicator._send
     monkeypatch.setattr(SocketLinksCommunicator, "_send",
                         lambda self, *a: (sent_the_slow_way.append(self.rank), send(self, *a))[1])
-    try:
-        def body(c):
-            c.budget = 1 << 40
-            parts = [torch.full((c.max_bytes // 4,), float(c.rank + i)) for i in range(12)]
-            handles = [c.all_reduce(t, async_op=True) for t in parts]
-            for h in handles:
-                h.wait()
-            return parts
 
+    def body(c):
+        c.budget = 1 << 40
+        parts = [torch.full((c.max_bytes // 4,), float(c.rank + i)) for i in range(12)]
+        handles = [c.all_reduce(t, async_op=True) for t in parts]
+        for h in handles:
+            h.wait()
+        return parts
+
+    with _links(2) as comms:
         for parts in _each(comms, body):
             assert all(torch.equal(t, torch.full_like(t, 2.0 * i + 1)) for i, t in enumerate(parts))
-        assert sent_the_slow_way, "the buffers held everything: the case was not reached"
-    finally:
-        for c in comms:
-            c.close()
+    assert sent_the_slow_way, "the buffers held everything: the case was not reached"
