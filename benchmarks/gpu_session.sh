@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# One lent GPU machine's checks, in one go (docs/benchmarks.md, "The CUDA paths"): the CUDA tests,
-# the planner's two GPU figures, and bench on a 1B-parameter Llama shape (random weights, bf16)
-# beside transformers on the same GPU. The machine has torch but not every dependency: pure-Python
-# wheels (loguru, gguf) travel in .whl/. Results land in $OUT (or ./gpu-out).
-#     bash benchmarks/gpu_session.sh
+# A lent GPU machine's checks in one go, under 10 minutes (`make gpu-check`; docs/benchmarks.md, "The
+# GPU decode step"): tests/gpu, then on a 1.1B Llama shape (random weights, bf16) the decode step with
+# and without CUDA graphs beside its HBM floor (benchmarks/gpu_decode.py), and `dist-infer bench` beside
+# transformers eager (and compiled with a static cache at batch 1) at batch 1 / 8 / 32. The machine has
+# torch, Triton and transformers but no package index: pure-Python wheels (loguru, gguf) travel in .whl/.
+# Results land in $OUT (or ./gpu-out), at most 8 files (what the device tool brings back). PY: the Python
+# with torch (default python3). PROFILE=--profile: each graph's kernels by device time. DET=1: graphs
+# against eager steps on the 1.1B shape under deterministic cuBLAS. FIGURES=1: the planner's GEMM and
+# ring-step figures (dist_infer.bench.gpu_figures).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+PROFILE=${PROFILE:-}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -16,19 +22,15 @@ step() { echo "=== $* ($(date -u +%T), $(uptime | sed 's/.*load/load/'))"; }
 
 step machine
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), torch.cuda.device_count())"
-nproc; uptime
+$PY -c "import torch, triton, transformers, sys; print(sys.version.split()[0], torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+nproc
 
 step "tests/gpu"
-timeout 240 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-
-step "gpu_figures"
-timeout 120 python3 -m dist_infer.bench.gpu_figures --json 2>"$OUT/gpu_figures.err" | tee "$OUT/gpu_figures.json"
-tail -3 "$OUT/gpu_figures.err"
+timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 
 step "1B checkpoint"
 CK=/tmp/llama-1b
-timeout 120 python3 - "$CK" <<'EOF'
+timeout 120 $PY - "$CK" <<'PYEOF'
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
@@ -39,17 +41,29 @@ with torch.device("cuda"):
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
 model.save_pretrained(sys.argv[1])
 print("params", sum(p.numel() for p in model.parameters()))
-EOF
+PYEOF
+
+step "decode with and without CUDA graphs"
+timeout 240 $PY benchmarks/gpu_decode.py --model "$CK" --batches 1,8,32 $PROFILE 2>/tmp/gpu_decode.err | tee "$OUT/gpu_decode.json"
+tail -5 /tmp/gpu_decode.err
+if [ "${DET:-0}" = 1 ]; then
+    step "graphs against eager steps, deterministic cuBLAS"
+    timeout 120 $PY benchmarks/gpu_decode.py --model "$CK" --batches 8,32 --gen-len 64 --deterministic 2>/tmp/gpu_decode_det.err \
+        | tail -1 | tee "$OUT/gpu_decode_det.json" | tail -c 600
+    tail -3 /tmp/gpu_decode_det.err
+fi
 
 for batch in 1 8 32; do
-    step "bench batch $batch"
-    timeout 150 python3 -m dist_infer bench --model "$CK" --device cuda --dtype bfloat16 --batch $batch \
-        --prompt-len 512 --gen-len 128 --repeat 3 --compare hf --json 2>"$OUT/bench_b$batch.err" \
-        | tee "$OUT/bench_b$batch.json" | tail -c 1500
-    tail -4 "$OUT/bench_b$batch.err"
+    peers=hf
+    [ "$batch" = 1 ] && peers=hf,hf-compiled
+    step "bench batch $batch (--compare $peers)"
+    timeout 200 $PY -m dist_infer bench --model "$CK" --device cuda --dtype bfloat16 --batch $batch \
+        --prompt-len 512 --gen-len 128 --repeat 2 --compare $peers --json 2>/tmp/bench_b$batch.err \
+        | tee "$OUT/bench_b$batch.json" | tail -c 1200
+    tail -4 /tmp/bench_b$batch.err
 done
-step "bench batch 1, int8 weight-only (no peer)"
-timeout 60 python3 -m dist_infer bench --model "$CK" --device cuda --dtype bfloat16 --quantization int8 --batch 1 \
-    --prompt-len 512 --gen-len 64 --repeat 2 --json 2>"$OUT/bench_int8.err" | tail -c 600
-tail -4 "$OUT/bench_int8.err"
+if [ "${FIGURES:-0}" = 1 ]; then
+    step "gpu_figures"
+    timeout 120 $PY -m dist_infer.bench.gpu_figures --json 2>/tmp/gpu_figures.err | tee "$OUT/gpu_figures.json"
+fi
 step done

@@ -16,11 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parent
 INTEGRATION = TESTS / "integration"
 GPU = TESTS / "gpu"  # the CUDA paths on a real device (make gpu-check); skipped where torch sees none
 sys.path.insert(0, str(TESTS / "support"))
+
+# Triton kernels (dist_infer/kernels/gpu) run in Triton's interpreter on CPU tensors where no GPU is
+# seen; it must be set before their module is imported (each `triton.jit` decides then).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A command without --model runs the `tiny` random model in the tests (and every process they start):
 # it loads in a blink. Tests of the trained default model pass `--model default` explicitly.

@@ -6,7 +6,7 @@ import argparse
 
 from dist_infer.arg_types import positive_int
 
-COMPARABLE = ("deepspeed", "hf", "hf-tp", "ladder", "layered", "llama.cpp", "ours-1proc")
+COMPARABLE = ("deepspeed", "hf", "hf-compiled", "hf-tp", "ladder", "layered", "llama.cpp", "ours-1proc")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:

@@ -136,7 +136,7 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
             metrics = run_ours_variant(args, peer)
         else:
             threads = ours["threads_total"] if peer == "llama.cpp" else None  # one process: all our ranks' cores
-            where = _hf_placement(args) if peer == "hf" else {}
+            where = _hf_placement(args) if peer in ("hf", "hf-compiled") else {}
             metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
                                threads=threads, repeats=args.repeat, **where)
         metrics.pop("token_ids", None)

@@ -44,9 +44,12 @@ class PagedKVCache:
     """Per-layer K and V tensors [num_blocks, block_size, kv_heads, head_dim] plus block tables."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, scratch: bool = False):
+        """`scratch`: one more block than `num_blocks`, never allocated: where a bucketed decode
+        step's padding rows write (engine/decode_graphs.py); `scratch_block` is its id."""
         self.block_size = block_size
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.scratch_block = num_blocks if scratch else None
+        shape = (num_blocks + int(scratch), block_size, kv_heads, head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)

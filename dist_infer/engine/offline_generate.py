@@ -68,7 +68,7 @@ class OfflineGenerate:
             need = self.blocks_for_batch(prompts, params.max_new_tokens)
             if self.scheduler is None or self.num_blocks < need:
                 self.worker = self.scheduler = None  # the old cache goes before the new one is made
-                self._allocate(need)
+                self._allocate(need, max_rows=len(prompts))
         self.timing = Timing(prefill_tokens=sum(len(p) for p in prompts), sequences=len(prompts))
         if not self.is_driver:
             # its own prefill time, wall and CPU: up to its first sampled step (a profile splits at it)

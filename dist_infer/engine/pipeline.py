@@ -30,9 +30,11 @@ class PipelineTransport:
     def _send_plan(self, plan: StepPlan, meta: Optional[object] = None) -> Optional[SampledTokens]:
         """Driver: the plan to every rank of stage 0 (one broadcast of its sizes, two of its
         payload), then this rank's own share of it."""
-        ints, floats = encode(plan)
-        wire = [sizes(ints, floats), ints, floats]
         comm = self.stage_comm
+        wire = None  # a rank alone (no stage group, no later stage) needs no encoded plan
+        if comm.size > 1 or self.pp.size > 1:
+            ints, floats = encode(plan)
+            wire = [sizes(ints, floats), ints, floats]
         if comm.size > 1:
             for t in wire:
                 if t.numel():
@@ -40,7 +42,7 @@ class PipelineTransport:
         self._last_plan = time.monotonic()
         return self._run_stage(plan, wire, meta=meta)
 
-    def _run_stage(self, plan: StepPlan, wire: list[torch.Tensor], hidden: Optional[torch.Tensor] = None,
+    def _run_stage(self, plan: StepPlan, wire: Optional[list[torch.Tensor]], hidden: Optional[torch.Tensor] = None,
                    meta: Optional[object] = None) -> Optional[SampledTokens]:
         """This rank's share of a plan as it arrived (`wire`: its encoded tensors, passed on
         unchanged): forget freed sequences, run the stage on a work step, pass it on, or sample
@@ -55,7 +57,9 @@ class PipelineTransport:
             if not last_stage:
                 self._post(wire, self.pp.rank + 1, TAG_FORWARD)
             return None
-        inputs = hidden if hidden is not None else host_index(plan.input_ids, self.worker.device)
+        if meta is None and self.cp.size == 1:
+            meta = self.worker.prepare(plan)
+        inputs = hidden if hidden is not None else self.worker.token_inputs(plan, meta)
         out = self.worker.execute(plan, inputs, meta)
         if self._follower_start is not None and any(plan.sample):  # this rank's own prefill ends here
             wall, cpu = self._follower_start
@@ -66,7 +70,9 @@ class PipelineTransport:
             return None
         if not self.is_sampler:
             return None
-        logits = out[host_index(plan.sample_index, out.device)]
+        rows = plan.sample_index
+        every = bool(rows) and len(rows) == out.shape[0] and rows[-1] == len(rows) - 1  # sorted, distinct: all of out's rows
+        logits = out if every else out[host_index(rows, out.device)]
         sample = self.sampler or sample_rows  # looked up here: a test may replace the module's sampler
         sampled = self.guard.sample(sample, logits, plan, tuple(self.cfg.eos_token_ids))
         sampled = sampled_to_host(sampled)  # the driver reads them, and a pipeline sends them, from the host

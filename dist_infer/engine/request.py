@@ -48,10 +48,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One prompt being served. `all_token_ids` = prompt + generated; `num_computed` of them
-    have their keys and values in the cache (and, during a step, have been scheduled)."""
+    have their keys and values in the cache (and, during a step, have been scheduled). Equal only
+    to itself: the scheduler's list look-ups then cost an identity test, not a field-by-field compare."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -35,6 +35,7 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.comm.peer_link import PeerLink
 from dist_infer.engine.allocator import tune_malloc
+from dist_infer.engine.decode_graphs import GRAPH_MODES, graphs_wanted
 from dist_infer.engine.device_io import module_device
 from dist_infer.engine.driver_step import DriverStep, InFlightStep
 from dist_infer.engine.intake import RequestIntake
@@ -85,7 +86,8 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
                  max_num_seqs: int = 256, chunked_prefill: bool = True, watermark: float = 0.01,
                  static_batching: bool = False, itl_target: Optional[str] = None, prefix_caching: bool = False,
                  prefill_schedule: str = "chunked", layer_groups: Optional[int] = None,
-                 heartbeat_s: float = HEARTBEAT_S, sampler: Optional[Callable[..., SampledTokens]] = None):
+                 heartbeat_s: float = HEARTBEAT_S, sampler: Optional[Callable[..., SampledTokens]] = None,
+                 cuda_graphs: str = "auto"):
         """num_blocks None: sized for each `generate` batch (offline). max_batched_tokens None: no budget.
         itl_target: the inter-token latency a step beside running decodes keeps, its prompt chunk
         sized from step costs learned online (step_cost.py): 'auto' (twice the decode-only step),
@@ -98,7 +100,9 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         time repeated runs of the same prompts (bench) measure computed prefills, not cache hits.
         prefill_schedule: 'chunked' cuts a prompt over the token budget into token chunks; 'layered'
         runs it whole, one group of `layer_groups` layer groups per step (None: as many as the
-        budget needs; engine/layered_prefill.py). Layered needs pp=1, cp=1 and no ladder layers."""
+        budget needs; engine/layered_prefill.py). Layered needs pp=1, cp=1 and no ladder layers.
+        cuda_graphs: decode steps replayed from captured CUDA graphs, per batch-size bucket
+        (engine/decode_graphs.py: auto, on, off; padded runs the buckets eagerly)."""
         self.itl_target = parse_itl_target(itl_target)
         if cp_variant not in CP_VARIANTS:
             raise ContextParallelError(f"cp variant {cp_variant!r} is not one of {CP_VARIANTS}")
@@ -117,6 +121,9 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         coords = groups.mesh.coords(groups.world.rank)
         self.is_sampler = self.pp.rank == self.pp.size - 1 and all(coords[a] == 0 for a in ("tp", "cp", "ep", "dp"))
         self.stage_comm = self._stage_group(groups)
+        if cuda_graphs not in GRAPH_MODES:
+            raise ValueError(f"cuda_graphs {cuda_graphs!r}: one of {', '.join(GRAPH_MODES)}")
+        self.cuda_graphs = cuda_graphs
         self.worker_options = dict(overlap=overlap, overlap_threshold=overlap_threshold,
                                    sequence_parallel=sequence_parallel,
                                    sequence_parallel_threshold=sequence_parallel_threshold, cp_variant=cp_variant)
@@ -166,15 +173,20 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         stages = [[r for r in range(mesh.world_size) if mesh.coords(r)["pp"] == s] for s in range(groups.pp.size)]
         return groups.world.split(stages, "stage")
 
-    def _allocate(self, num_blocks: int) -> None:
+    def _allocate(self, num_blocks: int, max_rows: Optional[int] = None) -> None:
+        """The KV cache, worker and scheduler for `num_blocks` blocks; `max_rows`: the most sequences
+        a step will hold (offline: the batch; default max_num_seqs), the largest decode bucket."""
         budget = self.max_batched_tokens
         if not self.chunked_prefill and budget is not None and budget < self.cfg.max_positions:
             budget = self.cfg.max_positions  # unchunked, any prompt must fit in one step (vLLM's rule too)
         kv_heads = max(1, self.stage.kv_heads_local)
         device = module_device(self.stage)
+        graphs = graphs_wanted(self.cuda_graphs, device)
         cache = PagedKVCache(len(self.stage.layers), num_blocks, self.block_size, kv_heads, self.cfg.head_dim,
-                             self.stage.dtype, device)
-        self.worker = StageWorker(self.stage, self.groups, cache, self.block_size, **self.worker_options)
+                             self.stage.dtype, device, scratch=graphs)
+        rows = min(self.max_num_seqs, max_rows or self.max_num_seqs)
+        self.worker = StageWorker(self.stage, self.groups, cache, self.block_size, **self.worker_options,
+                                  cuda_graphs=self.cuda_graphs, max_rows=rows)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs, watermark=self.watermark,

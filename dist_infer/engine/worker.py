@@ -16,7 +16,10 @@ from typing import Optional
 
 import torch
 
+from loguru import logger
+
 from dist_infer.comm.groups import ParallelGroups
+from dist_infer.engine.decode_graphs import DecodeGraphs, GraphCaptureError, StaticDecodeStep, graphs_wanted
 from dist_infer.engine.device_io import host_index, module_device, to_device
 from dist_infer.engine.kv_cache import PagedKVCache
 from dist_infer.engine.step_plan import StepPlan
@@ -36,7 +39,10 @@ from dist_infer.parallel.token_split import should_split
 class StageWorker:
     def __init__(self, stage, groups: ParallelGroups, cache: PagedKVCache, block_size: int,
                  overlap: str, overlap_threshold: int, sequence_parallel: str,
-                 sequence_parallel_threshold: Optional[int], cp_variant: str):
+                 sequence_parallel_threshold: Optional[int], cp_variant: str, cuda_graphs: str = "off",
+                 max_rows: int = 256):
+        """`cuda_graphs`: engine/decode_graphs.py's modes; `max_rows`: the most sequences a step holds
+        (the largest bucket). The cache needs a scratch block where graphs are wanted."""
         self.stage, self.groups, self.cache, self.block_size = stage, groups, cache, block_size
         self.cfg = stage.cfg
         self.device = module_device(stage)  # every tensor of a step goes here (engine/device_io.py)
@@ -46,7 +52,33 @@ class StageWorker:
         self._cp_prompt_len: dict[int, int] = {}  # sequence -> prompt length it was prefilled with
         self._cp_len: dict[int, int] = {}  # sequence -> tokens so far, all cp ranks together
         self._layered_hidden: dict[int, torch.Tensor] = {}  # layered prefill: sequence -> hidden states between groups
+        self.graphs: Optional[DecodeGraphs] = self._decode_graphs(cuda_graphs, max_rows)
 
+    def _decode_graphs(self, mode: str, max_rows: int) -> Optional[DecodeGraphs]:
+        """The bucketed decode steps, captured where `mode` and the stage allow (else None: eager)."""
+        if not graphs_wanted(mode, self.device) or self.cp.size > 1:
+            return None
+        if mode == "auto" and (self.groups.tp.size > 1 or self.groups.pp.size > 1):
+            logger.info("CUDA graphs off under tp or pp > 1 with --cuda-graphs auto (unverified on several GPUs: "
+                        "the tp all-reduces inside the graph, the stages' hidden states into it): --cuda-graphs on "
+                        "captures them")
+            return None
+        if self.cache.scratch_block is None:
+            raise GraphCaptureError("bucketed decode steps need a KV cache with a scratch block")
+        stage, cache, cfg = self.stage, self.cache, self.cfg
+        width = -(-cfg.max_positions // self.block_size)
+        graphs = DecodeGraphs(lambda inputs, meta: stage(inputs, meta, cache.layers), stage.first, stage.input_width,
+                              stage.dtype, max_rows, width, self.block_size, cache.scratch_block * self.block_size,
+                              cfg.sliding_window, self.device, capture=mode != "padded")
+        try:
+            graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - auto falls back, by name
+            graphs.drop()
+            if mode == "on":
+                raise GraphCaptureError(f"capturing the decode step failed: {exc!r}") from exc
+            logger.warning(f"CUDA graphs off: capturing the decode step failed ({exc!r}); decode steps run eagerly")
+            return None
+        return graphs
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences that finished or were preempted: drop this rank's own bookkeeping of them."""
         for s in seq_ids:
@@ -68,13 +100,24 @@ class StageWorker:
         q_lens, seq_lens = plan.num_tokens, plan.seq_lens
         if plan.layered:
             return self._on_device(self._layered_step(plan))
-        if should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold):
+        split = should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold)
+        if self.graphs is not None and not split and all(q == 1 for q in q_lens) and not should_sequence_parallel(
+                self.sequence_parallel, plan.total_tokens, self.groups.tp.size, self.sequence_parallel_threshold):
+            static = self.graphs.prepare(plan.input_ids, plan.starts, plan.block_tables)
+            if static is not None:
+                return static
+        if split:
             split = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
             return self._on_device(split)
         meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
         meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
                                                           self.groups.tp.size, self.sequence_parallel_threshold)
         return self._on_device(meta)
+
+    def token_inputs(self, plan: StepPlan, meta: Optional[object]) -> Optional[torch.Tensor]:
+        """The first stage's token ids on the device: already in a bucketed step's buffers (None),
+        else copied from the plan."""
+        return None if isinstance(meta, StaticDecodeStep) else host_index(plan.input_ids, self.device)
 
     def _layered_step(self, plan: StepPlan) -> LayeredStep:
         """The metadata of a step with a prompt in the middle of its layers (models/layered.py):
@@ -111,6 +154,8 @@ class StageWorker:
             return self._execute_cp(plan, inputs)
         if meta is None:
             meta = self.prepare(plan)
+        if isinstance(meta, StaticDecodeStep):
+            return self.graphs.run(meta, None if self.stage.first else inputs)
         with torch.inference_mode():
             return self.stage(inputs, meta, self.cache.layers)
 

@@ -98,6 +98,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "prompt chunks beside them, prefills) through all its layers in one call, with torch's BLAS past "
                         "8 rows (kernels/decode_stack.c); layers: the same kernels called layer by "
                         "layer; off: torch's ops only. layers and off are for comparisons (default %(default)s)"),
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="decode steps on a GPU replayed from CUDA graphs captured at start-up, one per batch-size "
+                        "bucket (1, 2, 4, ... up to --max-num-seqs; the rows past a step's own are padding): auto "
+                        "captures on CUDA with tp=1 and pp=1 and falls back to eager steps, with a warning, where "
+                        "capture fails; on also captures under tp or pp > 1 (NCCL all-reduces inside the graph; "
+                        "not yet run on several GPUs) and fails where capture does; off: every step eager. Prompt and mixed steps always run eagerly "
+                        "(default %(default)s)")
     p.add_argument("--ladder-residual", type=ladder_residual_arg, default=None, metavar="all|FIRST:LAST|off",
                    help="Ladder Residual (arXiv 2501.06589): decoder layers add their attention and MLP outputs to "
                         "the residual one module later, so each tensor-parallel all-reduce overlaps the next "
@@ -195,7 +202,8 @@ def build_engine(args, stage, groups, **options):
     """The engine over `stage` with the overlap and cp flags of `args`, plus `options` (scheduler, tokenizer)."""
     from dist_infer.engine.step_loop import Engine
 
-    return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant, **options)
+    return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant,
+                  cuda_graphs=getattr(args, "cuda_graphs", "auto"), **options)
 
 
 def build_bench_engine(args, stage, groups):

@@ -77,6 +77,27 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                            written=True)
 
 
+def attention_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  q_heads: int, kernels) -> Optional[torch.Tensor]:
+    """A decode step's rotary, cache write and attention on the GPU kernels (kernels/gpu) ->
+    [B, heads * d], or None where they do not serve (not a plain decode step, not on their device).
+
+    Two kernels a layer instead of the torch path's ~20: rotary with the cache write, then
+    attention read from the cache blocks in place (no gathered copy). Nothing in them depends on
+    the values of the step (its lengths are read on the device), so a CUDA graph can hold them."""
+    if (kernels is None or not meta.decode or meta.cp is not None or meta.parts is not None
+            or meta.seq_lens_t is None or not kernels.serves(q, k_cache)):
+        return None
+    if q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, q_heads)
+    rows, d = q.shape[0], k_cache.shape[-1]
+    out = kernels.decode_attention(q.view(rows, q_heads, d), k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
+                                   scale, meta.window)
+    return out.view(rows, q_heads * d)
+
+
 def last_token_attention_native(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 meta: AttentionMetadata, scale: float,

@@ -15,6 +15,7 @@ from torch import nn
 from dist_infer.comm.base import Communicator
 from dist_infer.kernels import serving
 from dist_infer.models.attention import (
+    attention_gpu,
     attention_native,
     last_token_attention_native,
     native_kernels_for,
@@ -55,8 +56,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.kernels = None  # the native CPU kernels, given by use_native_kernels
+        self.gpu_kernels = None  # the Triton kernels, given by use_gpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gpu = self._gpu(x)
+        if gpu is not None:
+            return gpu.rms_norm(x, self.weight, self.eps)[1]
         kernels = self._native(x)
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
@@ -65,9 +70,17 @@ class RMSNorm(nn.Module):
     def _native(self, x: torch.Tensor):
         return serving(self.kernels, x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
 
+    def _gpu(self, x: torch.Tensor):
+        gpu = self.gpu_kernels
+        return gpu if gpu is not None and x.dim() == 2 and x.stride(-1) == 1 and gpu.serves(x) else None
+
     def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + branch, norm(x + branch)): the residual add and the next norm in one pass where
-        the native kernel serves (x is then updated in place: it is the layer's own residual)."""
+        the native kernel serves (x is then updated in place: it is the layer's own residual), or
+        in one Triton kernel on the GPU."""
+        gpu = self._gpu(x)
+        if gpu is not None and branch.shape == x.shape and branch.stride(-1) == 1:
+            return gpu.rms_norm(x, self.weight, self.eps, residual=branch)
         kernels = self._native(x)
         if kernels is not None and branch.shape == x.shape and branch.is_contiguous() and serving(kernels, branch):
             return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
@@ -90,6 +103,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.kernels = None  # the native CPU kernels, given by use_native_kernels
+        self.gpu_kernels = None  # the Triton kernels, given by use_gpu_kernels
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(x, cos, sin, kv, meta))
@@ -109,6 +123,9 @@ class LlamaAttention(nn.Module):
     def attend(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
         q, k, v = self.qkv_proj(x)
+        out = attention_gpu(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale, self.q_heads, self.gpu_kernels)
+        if out is not None:
+            return out
         out = attention_native(q, k, v, cos, sin, kv[0], kv[1], meta, self.scale, self.kernels)  # None: not native
         if out is not None:
             return out
@@ -155,6 +172,7 @@ class LlamaMLP(nn.Module):
                                                        bias=cfg.mlp_bias, dtype=dtype, name=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias,
                                            dtype=dtype, name=f"{prefix}.down_proj")
+        self.gpu_kernels = None  # the Triton kernels, given by use_gpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """A long prefill runs in slices of `ROW_CHUNK` rows: its gate/up output and activation are
@@ -185,6 +203,9 @@ class LlamaMLP(nn.Module):
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: down_proj's input."""
         gate, up = self.gate_up_proj(x)
+        gpu = self.gpu_kernels
+        if gpu is not None and gate.dim() == 2 and gate.stride(-1) == 1 and gpu.serves(gate):
+            return gpu.silu_mul(gate, up)
         return F.silu(gate) * up
 
 
@@ -302,11 +323,13 @@ class LlamaStage(nn.Module):
             x = run_ladder_stage(self, x, meta, kv_caches, trim)
         else:
             x = self._forward_layers(x, split, meta, kv_caches, trim)
-        last_index = torch.arange(meta.batch, device=x.device) if trim else meta.last_token_index
+        last_index = meta.last_token_index
         if not self.last:
             return x
         if cp_meta is not None and not trim:
             return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
+        if trim or (meta.decode and x.shape[0] == meta.batch):  # every row is a sequence's last: no gather
+            return self.lm_head(self.norm(x))
         return self.lm_head(self.norm(x[last_index]))
 
     def _forward_layers(self, x: torch.Tensor, split: Optional[TokenSplit], meta: AttentionMetadata,

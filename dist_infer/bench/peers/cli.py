@@ -10,7 +10,14 @@ import traceback
 from typing import Any, Optional, Sequence
 
 from dist_infer.bench.peers.metrics import failed, versions
-from dist_infer.bench.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS, RUNNERS, dist_env
+from dist_infer.bench.peers.runners import (
+    DEFAULT_TIMEOUT_S,
+    DISTRIBUTED_PEERS,
+    PEERS,
+    RUNNERS,
+    SINGLE_DEVICE_PEERS,
+    dist_env,
+)
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -44,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     rank, world = dist_env()
-    if args.peer != "hf" and (args.device, args.dtype) != ("cpu", "float32"):
-        err = f"--peer {args.peer} runs fp32 on the CPU only; --device and --dtype apply to the hf peer"
+    if args.peer not in SINGLE_DEVICE_PEERS and (args.device, args.dtype) != ("cpu", "float32"):
+        err = f"--peer {args.peer} runs fp32 on the CPU only; --device and --dtype apply to the hf peers"
         if rank == 0:
             _write_json(args.json_out, failed(args.peer, err, tp=world))
         print(err, file=sys.stderr)
@@ -55,14 +62,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _write_json(args.json_out, failed(args.peer, err, tp=world))
         print(err, file=sys.stderr)
         return 2
-    if args.peer == "hf" and world > 1:
+    if args.peer in SINGLE_DEVICE_PEERS and world > 1:
         err = "--peer hf runs as one process; start it without torchrun (or with --nproc-per-node 1)"
         if rank == 0:
             _write_json(args.json_out, failed(args.peer, err, tp=1))
         print(err, file=sys.stderr)
         return 2
     kwargs: dict[str, Any] = {"threads": args.threads, "repeats": args.repeats}
-    if args.peer == "hf":
+    if args.peer in SINGLE_DEVICE_PEERS:
         kwargs.update(device=args.device, dtype=args.dtype)
     if args.peer in DISTRIBUTED_PEERS:
         kwargs["timeout_s"] = args.timeout

@@ -12,7 +12,8 @@ from dist_infer.bench.peers.metrics import finished
 from dist_infer.bench.peers.workload import time_greedy
 from dist_infer.topology.cores import threads_per_rank
 
-PEERS = ("hf", "hf-tp", "deepspeed")
+PEERS = ("hf", "hf-compiled", "hf-tp", "deepspeed")
+SINGLE_DEVICE_PEERS = ("hf", "hf-compiled")  # one process, where and in the dtype our run was
 DISTRIBUTED_PEERS = ("hf-tp", "deepspeed")
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -49,9 +50,13 @@ def hf_from_pretrained(model_path: str, **kwargs):
 
 
 def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-           repeats: int = 1, device: str = "cpu", dtype: str = "float32") -> dict:
-    """HF transformers in this one process, on the CPU or one GPU, in the dtype our run used."""
+           repeats: int = 1, device: str = "cpu", dtype: str = "float32", compiled: bool = False) -> dict:
+    """HF transformers in this one process, on the CPU or one GPU, in the dtype our run used.
+    `compiled` (the hf-compiled peer): a static cache and the decode step under torch.compile (mode
+    reduce-overhead: CUDA graphs on a GPU), compiled in the untimed warm-up (`warmup_and_runs_s`)."""
     import torch
+
+    from dist_infer.bench.peers.workload import StaticDecode
 
     threads = threads or threads_per_rank(1)
     torch.set_num_threads(threads)
@@ -59,10 +64,18 @@ def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: 
     model = hf_from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     load_s = time.perf_counter() - t0
-    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats, device=device)
-    metrics = finished("hf", 1, threads, load_s, timing, batch, prompt_len, gen_len, 1)
-    metrics.update(device=device, dtype=dtype)
+    static = StaticDecode(model, prompt_len + gen_len) if compiled else None
+    t0 = time.perf_counter()
+    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats, device=device,
+                         static=static)
+    metrics = finished("hf-compiled" if compiled else "hf", 1, threads, load_s, timing, batch, prompt_len, gen_len, 1)
+    metrics.update(device=device, dtype=dtype, warmup_and_runs_s=time.perf_counter() - t0)
     return metrics
+
+
+def run_hf_compiled(*args, **kwargs) -> dict:
+    """The hf-compiled peer: `run_hf(..., compiled=True)`."""
+    return run_hf(*args, compiled=True, **kwargs)
 
 
 def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
@@ -132,6 +145,7 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
 
 RUNNERS: dict[str, Callable[..., dict]] = {
     "hf": run_hf,
+    "hf-compiled": run_hf_compiled,
     "hf-tp": run_hf_tp,
     "deepspeed": run_deepspeed_autotp,
 }

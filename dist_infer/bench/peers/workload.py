@@ -21,10 +21,27 @@ def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int = PROMP
     return torch.randint(MIN_TOKEN_ID, vocab_size, (batch, prompt_len), generator=gen, dtype=torch.long)
 
 
-def _greedy(forward: Callable, config, input_ids, decode_steps: int, on_step=None):
+class StaticDecode:
+    """transformers at its fastest: a static KV cache and the decode step under torch.compile with
+    CUDA graphs (mode reduce-overhead), as its docs and gpt-fast recommend. One cache for every run
+    (reset between them): a new one would be new inputs to the compiled graph."""
+
+    def __init__(self, model, max_cache_len: int):
+        import torch
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        self.decode = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+
+def _greedy(forward: Callable, config, input_ids, decode_steps: int, on_step=None,
+            static: Optional[StaticDecode] = None):
     """Prefill `input_ids`, then `decode_steps` greedy steps; returns (tokens B x (1+steps), times)."""
     import torch
     from transformers import DynamicCache
+
+    if static is not None:
+        return _greedy_static(forward, static, input_ids, decode_steps)
 
     def synced(t):  # a CUDA step is timed to its end, not to its launch
         if t.is_cuda:
@@ -49,9 +66,33 @@ def _greedy(forward: Callable, config, input_ids, decode_steps: int, on_step=Non
     return torch.stack(tokens, dim=1), times
 
 
+def _greedy_static(forward: Callable, static: StaticDecode, input_ids, decode_steps: int):
+    """`_greedy` through the static cache: the prefill eager, each decode step the compiled one."""
+    import torch
+
+    static.cache.reset()
+    length = input_ids.shape[1]
+    device = input_ids.device
+    t0 = time.perf_counter()
+    out = forward(input_ids=input_ids, past_key_values=static.cache, use_cache=True,
+                  cache_position=torch.arange(length, device=device), logits_to_keep=1)
+    nxt = out.logits[:, -1, :].argmax(dim=-1)
+    torch.cuda.synchronize() if nxt.is_cuda else None
+    times, tokens = [time.perf_counter() - t0], [nxt]
+    for step in range(decode_steps):
+        t0 = time.perf_counter()
+        out = static.decode(input_ids=nxt[:, None], past_key_values=static.cache, use_cache=True,
+                            cache_position=torch.tensor([length + step], device=device), logits_to_keep=1)
+        nxt = out.logits[:, -1, :].argmax(dim=-1)
+        torch.cuda.synchronize() if nxt.is_cuda else None
+        times.append(time.perf_counter() - t0)
+        tokens.append(nxt)
+    return torch.stack(tokens, dim=1), times
+
+
 def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len: int,
                 barrier: Optional[Callable[[], None]] = None, repeats: int = 1,
-                device: Optional[str] = None) -> dict[str, Any]:
+                device: Optional[str] = None, static: Optional[StaticDecode] = None) -> dict[str, Any]:
     """The timed workload, identical for every peer. `forward` is the model (or engine) call.
 
     With `repeats` > 1 the timed run is repeated and the best (smallest) ttft and mean step time are
@@ -71,11 +112,13 @@ def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len:
     changed = 0
     with torch.inference_mode():
         # Untimed warm-up: allocator, thread pool, first-call paths, the process group's first collectives.
-        _greedy(forward, config, prompts[:, : min(prompt_len, WARMUP_PROMPT_LEN)], WARMUP_DECODE_STEPS)
+        # A compiled peer compiles and records its graphs here: a few more steps.
+        _greedy(forward, config, prompts[:, : min(prompt_len, WARMUP_PROMPT_LEN)],
+                WARMUP_DECODE_STEPS + (3 if static is not None else 0), static=static)
         for _ in range(repeats):
             if barrier is not None:
                 barrier()
-            run_tokens, times = _greedy(forward, config, prompts, gen_len - 1)
+            run_tokens, times = _greedy(forward, config, prompts, gen_len - 1, static=static)
             if tokens is None:
                 tokens = run_tokens
             elif not torch.equal(tokens, run_tokens):

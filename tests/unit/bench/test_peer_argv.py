@@ -19,7 +19,7 @@ def test_argv_and_prompts():
     assert "torchrun" not in " ".join(hf) and hf[1:3] == ["-m", "dist_infer.bench.peers"]
     ds = peer_argv("deepspeed", "/m", 2, 4, 256, 32, "/o.json", 12345, threads=1)
     assert "--nproc-per-node=2" in ds and "--master-port=12345" in ds and ds[-2:] == ["--threads", "1"]
-    assert set(PEERS) == {"hf", "hf-tp", "deepspeed"}
+    assert set(PEERS) == {"hf", "hf-compiled", "hf-tp", "deepspeed"}
     p = make_prompts(3, 7, 50)
     assert p.shape == (3, 7) and int(p.min()) >= 3 and int(p.max()) < 50
     assert (p == make_prompts(3, 7, 50)).all()
