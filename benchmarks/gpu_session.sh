@@ -3,7 +3,9 @@
 # GPU decode step"): tests/gpu, then on a 1.1B Llama shape (random weights, bf16) the decode step with
 # and without CUDA graphs beside its HBM floor (benchmarks/gpu_decode.py), and `dist-infer bench` beside
 # transformers eager (and compiled with a static cache at batch 1) at batch 1 / 8 / 32. The machine has
-# torch, Triton and transformers but no package index: pure-Python wheels (loguru, gguf) travel in .whl/.
+# torch, Triton and transformers but no package index: the wheels it lacks (loguru, gguf; fastapi, uvicorn
+# and pydantic for the serving step) travel in .whl/: `bash benchmarks/gpu_wheels.sh` here, then name .whl
+# in the device call's carry.
 # Results land in $OUT (or ./gpu-out), at most 8 files (what the device tool brings back). PY: the Python
 # with torch (default python3). PROFILE=--profile: each graph's kernels by device time. DET=1: graphs
 # against eager steps on the 1.1B shape under deterministic cuBLAS. FIGURES=1: the planner's GEMM and
@@ -62,6 +64,24 @@ for batch in 1 8 32; do
         | tee "$OUT/bench_b$batch.json" | tail -c 1200
     tail -4 /tmp/bench_b$batch.err
 done
+if $PY -c "import fastapi, uvicorn" 2>/dev/null; then  # the wheels of benchmarks/gpu_wheels.sh
+    step "serve --device cuda under bench-serve (concurrency 1 and 16)"
+    PORT=8321
+    $PY -m dist_infer serve --model "$CK" --device cuda --dtype bfloat16 --port $PORT --max-num-seqs 32 \
+        >/tmp/serve.log 2>&1 &
+    SERVER=$!
+    for _ in $(seq 120); do curl -sf http://127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
+    for c in 1 16; do
+        timeout 120 $PY -m dist_infer bench-serve --url http://127.0.0.1:$PORT --num-prompts $((c * 4 + 12)) \
+            --max-concurrency $c --prompt-ids --input-len 512 --output-len 128 --seed $c --json 2>/tmp/bench_serve_c$c.err \
+            | tail -1 | tee "$OUT/serve_c$c.json" | tail -c 700
+        tail -2 /tmp/bench_serve_c$c.err
+    done
+    kill $SERVER; wait $SERVER 2>/dev/null
+    grep -E "CUDA graphs|ERROR" /tmp/serve.log | tail -4
+else
+    echo "serving step skipped: no fastapi/uvicorn here (bash benchmarks/gpu_wheels.sh, then carry .whl)"
+fi
 if [ "${FIGURES:-0}" = 1 ]; then
     step "gpu_figures"
     timeout 120 $PY -m dist_infer.bench.gpu_figures --json 2>/tmp/gpu_figures.err | tee "$OUT/gpu_figures.json"
