@@ -29,6 +29,13 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
                    help="enable CORS for these browser origins (comma list or repeat; * for any). Default: no "
                         "CORS headers, so browsers refuse cross-origin reads")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
+                   help="names a request's Host header may carry (comma list or repeat; * for any), besides the "
+                        "ones always allowed: the --host address, localhost, 127.0.0.1, ::1 and the TLS "
+                        "certificate's names. Any other gets 421, so a page whose own name was made to resolve "
+                        "to this server (DNS rebinding) cannot reach it. Bound to every interface (0.0.0.0, ::), "
+                        "only these names and the loopback ones are allowed; give none there and the Host header "
+                        "is not checked")
     g.add_argument("--max-body-bytes", type=positive_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
                    help="largest request body accepted (e.g. 1048576, 512K, 16M); larger ones get 413 without "
                         "being read (default 16M)")
@@ -47,6 +54,36 @@ def _split(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(item.strip() for value in values for item in value.split(",") if item.strip())
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def certificate_names(certfile: Optional[str]) -> tuple[str, ...]:
+    """The DNS names and addresses a PEM certificate is for (its subjectAltName); none if unreadable."""
+    if not certfile:
+        return ()
+    import ssl
+
+    try:
+        decoded = ssl._ssl._test_decode_cert(certfile)  # CPython's own reader (no third-party parser needed)
+    except Exception:  # noqa: BLE001 - a certificate uvicorn will refuse anyway: no names from it
+        return ()
+    return tuple(value for kind, value in decoded.get("subjectAltName", ()) if kind in ("DNS", "IP Address"))
+
+
+def allowed_hosts_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The Host header's allowed names: --allowed-hosts, the bound address, loopback and the TLS
+    certificate's names; () (not checked) when bound to every interface with none given."""
+    given = _split(getattr(args, "allowed_hosts", []))
+    bound = str(getattr(args, "host", "") or "").strip("[]")
+    if "*" in given:
+        return ("*",)
+    if bound in WILDCARDS and not given:
+        return ()
+    names = given + LOOPBACK_NAMES + certificate_names(getattr(args, "ssl_certfile", None))
+    return tuple(dict.fromkeys(names + (() if bound in WILDCARDS else (bound,))))
+
+
 def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) -> HttpGuard:
     """The HttpGuard the flags (and $DIST_INFER_API_KEY) ask for. A ValueError says what is
     inconsistent (e.g. a key file without a certificate)."""
@@ -54,5 +91,6 @@ def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) ->
     api_keys = tuple(args.api_key) + _split([environ.get(API_KEY_ENV, "")])
     return HttpGuard(api_keys=tuple(dict.fromkeys(api_keys)), admin_keys=tuple(args.admin_key),
                      protect_metrics=args.protect_metrics, allowed_origins=_split(args.allowed_origins),
+                     allowed_hosts=allowed_hosts_of(args),
                      max_body_bytes=args.max_body_bytes, ssl_keyfile=args.ssl_keyfile,
                      ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

@@ -1,5 +1,7 @@
 """What stands between the network and the API's routes: API keys, admin access, request bodies
-of bounded size and of JSON only, CORS, and the errors all of them answer in OpenAI's shape.
+of bounded size and of JSON only, CORS, browsers kept from changing state cross-site (Origin,
+Sec-Fetch-Site, the Host header against DNS rebinding), and the errors all of them answer in
+OpenAI's shape.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware) so that it can refuse a body by its
 Content-Length before a byte of it is read, and stop reading a chunked body as soon as it passes
@@ -21,9 +23,11 @@ if TYPE_CHECKING:  # starlette (the serve extra) is imported where a response is
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 ERROR_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 403: "PermissionDeniedError",
+               421: "MisdirectedRequestError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                415: "UnsupportedMediaTypeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 BODY_METHODS = ("POST", "PUT", "PATCH")
+STATE_METHODS = BODY_METHODS + ("DELETE",)  # what a cross-site browser request may not do
 OPEN_PATHS = ("/health", "/metrics")  # open (as in vLLM) unless protect_metrics
 
 
@@ -72,13 +76,17 @@ class HttpGuard:
     api_keys: any of them as `Authorization: Bearer KEY` opens /v1/*, /tokenize, /detokenize (none: open).
     admin_keys: any of them opens /admin/* (none: /admin/* answers loopback clients only).
     protect_metrics: /health and /metrics need an api key too.
-    allowed_origins: CORS origins ("*" for any); none: no CORS headers at all.
+    allowed_origins: CORS origins ("*" for any); none: no CORS headers at all. They are also the
+      only other origins from which a browser may change state (POST, PUT, PATCH, DELETE).
+    allowed_hosts: the names the Host header may carry (lower case, no port; "*" any); none: not
+      checked (the library's default; `dist-infer serve` gives its bound address and loopback names).
     ssl_*: uvicorn's TLS settings (ssl_cert_reqs: 0 none, 1 optional, 2 required client certificates)."""
 
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()
     protect_metrics: bool = False
     allowed_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     ssl_keyfile: Optional[str] = None
     ssl_certfile: Optional[str] = None
@@ -88,6 +96,8 @@ class HttpGuard:
     def __post_init__(self):
         for name in ("api_keys", "admin_keys", "allowed_origins"):
             object.__setattr__(self, name, tuple(v for v in getattr(self, name) if v))
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts
+                                                        if h.strip()))
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.ssl_cert_reqs not in (0, 1, 2):
@@ -165,7 +175,9 @@ class GuardMiddleware:
 
     def refusal(self, scope, headers: dict[str, str]) -> Optional[ApiError]:
         """Why this request is refused before its body is read; None if it is not."""
-        refusal = self.access_refusal(scope["path"], scope.get("client"), headers)
+        refusal = (host_refusal(headers, self.guard.allowed_hosts)
+                   or browser_refusal(scope["method"], headers, self.guard.allowed_origins)
+                   or self.access_refusal(scope["path"], scope.get("client"), headers))
         if refusal is not None or scope["method"] not in BODY_METHODS:
             return refusal
         length = headers.get("content-length")
@@ -174,7 +186,10 @@ class GuardMiddleware:
                 return ApiError(400, f"Content-Length {length[:40]!r} is not a byte count")
             if int(length) > self.guard.max_body_bytes:
                 return BodyTooLarge(self.guard.max_body_bytes)
-        has_body = "transfer-encoding" in headers or (length is not None and int(length) > 0)
+        # a browser's request must say JSON even without a body: a form's cannot, and a page's fetch
+        # that says so is preflighted by CORS (clients that are not browsers may post nothing, plainly)
+        from_browser = "origin" in headers or "sec-fetch-site" in headers
+        has_body = "transfer-encoding" in headers or (length is not None and int(length) > 0) or from_browser
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if has_body and media_type != "application/json":
             shown = headers.get("content-type") or "none"
@@ -224,6 +239,50 @@ class GuardMiddleware:
             if started:
                 raise
             await error_response(exc)(scope, receive, send)
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, lower case, without its port ("[::1]:8000" -> "::1")."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_refusal(headers: dict[str, str], allowed_hosts: tuple[str, ...]) -> Optional[ApiError]:
+    """A Host header that names none of the server's names: a DNS-rebound page's request (its own
+    name resolved to this address) or a misdirected one. None where allowed or not checked."""
+    if not allowed_hosts or "*" in allowed_hosts:
+        return None
+    name = host_name(headers.get("host", ""))
+    if name in allowed_hosts:
+        return None
+    return ApiError(421, f"the Host header {headers.get('host', '')[:80]!r} is not one of this server's names "
+                         f"({', '.join(allowed_hosts)}); start it with --allowed-hosts to add one", None, None,
+                    "invalid_host")
+
+
+def same_origin(origin: str, host_header: str) -> bool:
+    """Whether a browser's Origin ("http://host:port") is the server's own (its Host header)."""
+    _, sep, rest = origin.partition("://")
+    return bool(sep) and rest.rstrip("/").lower() == host_header.strip().lower()
+
+
+def browser_refusal(method: str, headers: dict[str, str], allowed_origins: tuple[str, ...]) -> Optional[ApiError]:
+    """A browser asked to change state from another site: a page's form or fetch aimed at this
+    server (its admin routes on loopback included). Browsers send Origin and Sec-Fetch-Site on such
+    requests; clients that are not browsers send neither and are not concerned."""
+    if method not in STATE_METHODS:
+        return None
+    origin = headers.get("origin")
+    if origin is not None and ("*" in allowed_origins or origin in allowed_origins):
+        return None
+    cross = headers.get("sec-fetch-site", "").strip().lower() == "cross-site"
+    if (origin is None and not cross) or (origin is not None and not cross and same_origin(origin, headers.get("host", ""))):
+        return None
+    shown = origin if origin is not None else "a cross-site page"
+    return ApiError(403, f"a browser request from {shown[:80]!r} may not change this server's state; allow "
+                         f"its origin with --allowed-origins", None, None, "cross_origin_refused")
 
 
 def _invalid_key(which: str) -> ApiError:

@@ -157,7 +157,7 @@ def test_non_json_posts_get_415():
     body = json.dumps({"prompt": [1, 2], "max_tokens": 2})
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
                          "application/jsonp", None):
-        headers = {"Origin": "https://evil.example"}
+        headers = {}
         if content_type:
             headers["Content-Type"] = content_type
         r = call(app, "POST", "/v1/completions", content=body.encode(), headers=headers)
@@ -168,6 +168,57 @@ def test_non_json_posts_get_415():
     ok = call(app, "POST", "/v1/completions", content=body.encode(),
               headers={"Content-Type": "Application/JSON; charset=utf-8"})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_cross_site_browser_cannot_change_state():
+    """A page's form or fetch aimed at the server (the admin routes on loopback included): refused by
+    its Origin or Sec-Fetch-Site; a browser's same-origin request must still say JSON; clients that
+    are not browsers (no Origin, no Sec-Fetch-Site) are not concerned; reads stay CORS's business."""
+    app = build_app(AdminEngine(), MODEL, HttpGuard(allowed_origins=("https://ok.example",)))
+    drain = "/admin/instances/0/drain"
+    for headers in ({"Origin": "https://evil.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Origin": "http://testserver:81"},  # another port is another origin
+                    {"Origin": "https://evil.example", "Content-Type": "application/json"}):
+        assert_error(call(app, "POST", drain, headers=headers), 403, "cross_origin_refused")
+        assert_error(call(app, "DELETE", "/admin/instances/0", headers=headers), 403, "cross_origin_refused")
+    form = {"Origin": "http://testserver", "Content-Type": "application/x-www-form-urlencoded"}
+    assert_error(call(app, "POST", drain, headers=form), 415, "unsupported_media_type")
+    assert_error(call(app, "POST", drain, headers={"Sec-Fetch-Site": "same-origin"}), 415, "unsupported_media_type")
+    for headers in ({"Origin": "http://testserver", "Content-Type": "application/json"}, {},
+                    {"Origin": "https://ok.example", "Content-Type": "application/json"}):
+        assert call(app, "POST", drain, headers=headers).status_code not in (403, 415), headers
+    assert call(app, "GET", "/admin/instances", headers={"Origin": "https://evil.example"}).status_code == 200
+
+
+def test_the_host_header_must_name_the_server():
+    """DNS rebinding: a page whose own name resolves to this address sends that name as Host."""
+    app = build_app(FakeEngine(), MODEL, HttpGuard(allowed_hosts=("127.0.0.1", "localhost", "::1", "API.example")))
+    for host in ("127.0.0.1:8000", "localhost", "[::1]:8000", "api.example:443", "LOCALHOST:1"):
+        assert call(app, "GET", "/v1/models", headers={"Host": host}).status_code == 200, host
+    for host in ("evil.example", "evil.example:8000", "127.0.0.2", "", "localhost.evil.example"):
+        assert_error(call(app, "GET", "/health", headers={"Host": host}), 421, "invalid_host")
+    assert call(build_app(FakeEngine(), MODEL, HttpGuard(allowed_hosts=("*",))), "GET", "/health").status_code == 200
+
+
+def test_allowed_hosts_from_the_flags(tmp_path):
+    from dist_infer.cli.http_flags import allowed_hosts_of
+
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=api.example", "-addext", "subjectAltName=DNS:api.example,IP:10.9.8.7"],
+                   check=True, capture_output=True, timeout=60)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    add_http_flags(parser)
+    assert allowed_hosts_of(parser.parse_args([])) == ("localhost", "127.0.0.1", "::1")
+    assert allowed_hosts_of(parser.parse_args(["--host", "10.0.0.5", "--allowed-hosts", "a.example,b.example"])) == (
+        "a.example", "b.example", "localhost", "127.0.0.1", "::1", "10.0.0.5")
+    assert allowed_hosts_of(parser.parse_args(["--host", "0.0.0.0"])) == ()  # every interface, none given: unchecked
+    assert "c.example" in allowed_hosts_of(parser.parse_args(["--host", "::", "--allowed-hosts", "c.example"]))
+    assert allowed_hosts_of(parser.parse_args(["--allowed-hosts", "*"])) == ("*",)
+    with_tls = allowed_hosts_of(parser.parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]))
+    assert {"api.example", "10.9.8.7", "127.0.0.1"} <= set(with_tls)
+    assert http_options_of(parser.parse_args([]), {}).allowed_hosts == ("localhost", "127.0.0.1", "::1")
 
 
 def test_cors_only_for_allowed_origins():
