@@ -1,21 +1,27 @@
 """The OpenAI request bodies we accept, and their translation into the engine's SamplingParams.
 
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_tokens, ignore_eos, stop_token_ids,
-return_token_ids), so clients written for either work unchanged. Fields we do not know are
-ignored, as OpenAI-compatible servers do; fields we know but cannot honour (n > 1, echo,
-penalties, ...) are refused with a 400 naming them rather than silently ignored, since the
-client would otherwise get something other than what it asked for.
+return_token_ids), so clients written for either work unchanged. A field of either schema that we
+do not serve (n > 1, echo, penalties, response_format, guided decoding, ...: the table in
+serving/unserved_fields.py) is refused with a 400 naming it unless its value asks for nothing,
+rather than silently ignored, since the client would otherwise get something other than what it
+asked for. Fields in neither schema are ignored, as OpenAI-compatible servers (vLLM) do: a newer
+client's extra must not break it. JSON types are checked, as OpenAI checks them: a boolean or a
+string where a number belongs is a 400 (`true` would otherwise be 1), and so is anything but a
+boolean where one belongs; an integer may be written as an integral float (4.0), as before.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic_core import PydanticCustomError
 
 from dist_infer.engine.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from dist_infer.serving.unserved_fields import CHAT_UNSERVED, COMPLETIONS_UNSERVED, Unserved, first_unserved
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS_CAP = 4096  # chat's default max_tokens is "what fits", at most this many
@@ -24,9 +30,19 @@ MAX_STOP_STRINGS = 16  # stop strings per request, each of at most MAX_STOP_CHAR
 MAX_STOP_CHARS = 512
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this are refused (no request needs more)
 
+
+def _json_number(value: Any) -> Any:
+    """A number must be a JSON number: pydantic's lax mode reads `true` as 1 and `"4"` as 4."""
+    if type(value) is bool or isinstance(value, (str, bytes)):
+        kind = "a boolean" if type(value) is bool else "a string"
+        raise PydanticCustomError("json_number", "must be a JSON number, not {kind}", {"kind": kind})
+    return value
+
+
 # integers as the engine can hold them (a 400-digit seed is a 400, not an overflow deep inside)
-Int64 = Annotated[int, Field(ge=-2 ** 63, le=2 ** 63 - 1)]
-Float = Annotated[float, Field(allow_inf_nan=False)]
+Int64 = Annotated[int, BeforeValidator(_json_number), Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+Float = Annotated[float, BeforeValidator(_json_number), Field(allow_inf_nan=False)]
+Bool = Annotated[bool, Strict()]  # `true` or `false` only, not "yes" or 1
 
 # SamplingParams' names for what the API calls otherwise
 _API_NAME = {"max_new_tokens": "max_tokens", "stop_at_eos": "ignore_eos"}
@@ -43,14 +59,17 @@ class ProtocolError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: Optional[bool] = False  # a last chunk with empty choices and the usage
-    continuous_usage_stats: Optional[bool] = False  # vLLM: the usage so far in every chunk
+    include_usage: Optional[Bool] = False  # a last chunk with empty choices and the usage
+    continuous_usage_stats: Optional[Bool] = False  # vLLM: the usage so far in every chunk
 
 
 class _GenerationRequest(BaseModel):
-    """What completions and chat share: the model, sampling and streaming fields."""
+    """What completions and chat share: the model, sampling and streaming fields. Fields in
+    `unserved` are declared here (n, penalties, ...) for their types; their values are checked
+    against that table by parse_body."""
 
     model_config = ConfigDict(extra="ignore")
+    unserved: ClassVar[Mapping[str, Unserved]] = COMPLETIONS_UNSERVED
 
     model: Optional[str] = None
     max_tokens: Optional[Int64] = None
@@ -60,30 +79,17 @@ class _GenerationRequest(BaseModel):
     seed: Optional[Int64] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[Int64]] = Field(None, max_length=256)  # vLLM; engine.sampling.MAX_STOP_TOKEN_IDS
-    ignore_eos: Optional[bool] = False  # vLLM
+    ignore_eos: Optional[Bool] = False  # vLLM
     min_tokens: Optional[Int64] = 0  # vLLM
     n: Optional[Int64] = 1
-    stream: Optional[bool] = False
+    stream: Optional[Bool] = False
     stream_options: Optional[StreamOptions] = None
-    return_token_ids: Optional[bool] = None  # vLLM; accepted, token ids are always returned
+    return_token_ids: Optional[Bool] = None  # vLLM; accepted, token ids are always returned
     presence_penalty: Optional[Float] = None
     frequency_penalty: Optional[Float] = None
     repetition_penalty: Optional[Float] = None  # vLLM
     logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
-
-    def refuse_unsupported(self) -> None:
-        """Known fields whose values we cannot honour."""
-        if self.n not in (None, 1):
-            raise ProtocolError("n", f"n must be 1 (one choice per request is supported), got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ProtocolError(name, f"{name} is not supported (only 0), got {getattr(self, name)}")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ProtocolError("repetition_penalty", f"repetition_penalty is not supported (only 1), "
-                                                      f"got {self.repetition_penalty}")
-        if self.logit_bias:
-            raise ProtocolError("logit_bias", "logit_bias is not supported")
 
     @property
     def include_usage(self) -> bool:
@@ -99,18 +105,9 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Any = None  # a string, token ids, or a list of exactly one of those (see prompt_of)
     logprobs: Optional[Int64] = None  # top alternatives per token, 0..MAX_LOGPROBS
-    echo: Optional[bool] = False
+    echo: Optional[Bool] = False
     best_of: Optional[Int64] = None
     suffix: Optional[str] = None
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo:
-            raise ProtocolError("echo", "echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ProtocolError("best_of", f"best_of must be 1, got {self.best_of}")
-        if self.suffix:
-            raise ProtocolError("suffix", "suffix is not supported")
 
     @property
     def num_logprobs(self) -> Optional[int]:
@@ -120,11 +117,13 @@ class CompletionRequest(_GenerationRequest):
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
+    unserved: ClassVar[Mapping[str, Unserved]] = CHAT_UNSERVED
+
     messages: Any = None  # validated by chat.normalize_messages
-    logprobs: Optional[bool] = False
+    logprobs: Optional[Bool] = False
     top_logprobs: Optional[Int64] = None
     max_completion_tokens: Optional[Int64] = None  # OpenAI's newer name for max_tokens; wins over it
-    add_generation_prompt: Optional[bool] = True  # vLLM
+    add_generation_prompt: Optional[Bool] = True  # vLLM
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: more variables for the template
 
     @property
@@ -146,8 +145,8 @@ class TokenizeRequest(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Any = None
-    add_special_tokens: Optional[bool] = True
-    add_generation_prompt: Optional[bool] = True
+    add_special_tokens: Optional[Bool] = True
+    add_generation_prompt: Optional[Bool] = True
 
 
 class DetokenizeRequest(BaseModel):
@@ -160,13 +159,18 @@ class DetokenizeRequest(BaseModel):
 
 
 def parse_body(model_cls: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; a ProtocolError naming the first bad field otherwise."""
+    """Validate a decoded JSON body: its types, then the fields we do not serve (the model's
+    `unserved` table); a ProtocolError naming the first bad field otherwise."""
     if not isinstance(body, dict):
         raise ProtocolError(None, f"the request body must be a JSON object, got {type(body).__name__}")
     try:
-        return model_cls.model_validate(body)
+        parsed = model_cls.model_validate(body)
     except ValidationError as exc:
         raise protocol_error_of(exc) from None
+    unserved = first_unserved(body, getattr(model_cls, "unserved", {}))
+    if unserved is not None:
+        raise ProtocolError(*unserved)
+    return parsed
 
 
 def protocol_error_of(exc: ValidationError) -> ProtocolError:
@@ -222,7 +226,6 @@ def default_chat_max_tokens(prompt_len: int, max_model_len: int) -> int:
 def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: bool) -> SamplingParams:
     """The engine's SamplingParams for a validated body; a ProtocolError naming the API field
     (not SamplingParams' own names) when a value is out of range."""
-    req.refuse_unsupported()
     num_logprobs = req.num_logprobs
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
