@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -20,6 +21,9 @@ if TYPE_CHECKING:  # starlette (the serve extra) is imported where a response is
     from starlette.responses import JSONResponse
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 1024  # open at once; more are answered 503 (serving/http_connections.py)
+DEFAULT_HEADER_TIMEOUT_S = 30.0  # a request's whole head must arrive within this
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle connection is closed after this (uvicorn's default)
 ERROR_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                415: "UnsupportedMediaTypeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -73,6 +77,8 @@ class HttpGuard:
     admin_keys: any of them opens /admin/* (none: /admin/* answers loopback clients only).
     protect_metrics: /health and /metrics need an api key too.
     allowed_origins: CORS origins ("*" for any); none: no CORS headers at all.
+    max_connections, header_timeout_s, keep_alive_timeout_s: the connections' bounds
+    (serving/http_connections.py).
     ssl_*: uvicorn's TLS settings (ssl_cert_reqs: 0 none, 1 optional, 2 required client certificates)."""
 
     api_keys: tuple[str, ...] = ()
@@ -80,6 +86,9 @@ class HttpGuard:
     protect_metrics: bool = False
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     ssl_keyfile: Optional[str] = None
     ssl_certfile: Optional[str] = None
     ssl_ca_certs: Optional[str] = None
@@ -90,6 +99,11 @@ class HttpGuard:
             object.__setattr__(self, name, tuple(v for v in getattr(self, name) if v))
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("header_timeout_s", "keep_alive_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:  # (nan fails too)
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
