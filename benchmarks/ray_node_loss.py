@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -51,8 +50,7 @@ def start_server(model: str, address: str, workdir: Path) -> tuple[subprocess.Po
     cmd = [str(BIN / "dist-infer"), "serve", "--model", model, "--instances", "tp1,tp1", "--dispatch", "rr",
            "--migrate-interval", "0", "--kv-blocks", "120", "--placement", "ray", "--ray-address", address,
            "--port", "0", "--ready-file", str(ready)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while not (ready.exists() and ready.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -128,7 +126,6 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray.cluster_utils import Cluster
 
     workdir = Path(tempfile.mkdtemp(prefix="dist-infer-node-loss-"))

@@ -49,6 +49,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0 (--header-timeout): unlike positive_float, inf is refused,
+    since a timeout of inf is no bound at all."""
+    value = positive_float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds")
+    return value
+
+
 def parse_size(text: str) -> int:
     """A byte count like 4096, 4K, 256KB, 1.5M or 2GiB (binary units: K, M, G, T)."""
     part = text.strip().lower()

@@ -1,4 +1,4 @@
-"""The command-line flags of the HTTP front end's protection (keys, TLS, CORS, body limit),
+"""The command-line flags of the HTTP front end's protection (keys, TLS, CORS, body limit, connection bounds),
 turned into the HttpGuard that serving/api_server.py's build_app and serve_http take."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import argparse
 import os
 from typing import Iterable, Optional
 
-from dist_infer.arg_types import existing_file, positive_size
-from dist_infer.serving.http_guard import DEFAULT_MAX_BODY_BYTES, HttpGuard
+from dist_infer.arg_types import existing_file, positive_int, positive_seconds, positive_size
+from dist_infer.serving.http_guard import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                                           DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HttpGuard)
 
 API_KEY_ENV = "DIST_INFER_API_KEY"  # comma-separated keys, added to --api-key
 
@@ -39,6 +40,16 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=positive_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
                    help="largest request body accepted (e.g. 1048576, 512K, 16M); larger ones get 413 without "
                         "being read (default 16M)")
+    g.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="HTTP connections open at once; a connection past N is answered 503 and closed at once, "
+                        "and running requests are bounded likewise (default %(default)s)")
+    g.add_argument("--header-timeout", type=positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                   help="a client must send a request's whole head (request line and headers) within this many "
+                        "seconds of connecting, or of the previous response's end, or its connection is closed: "
+                        "slow clients cannot hold connections (default %(default)g)")
+    g.add_argument("--keep-alive-timeout", type=positive_seconds, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                   metavar="SECONDS", help="an idle keep-alive connection is closed when no new request starts "
+                                           "within this many seconds (default %(default)g, uvicorn's)")
     g.add_argument("--ssl-keyfile", type=existing_file, default=None, metavar="FILE",
                    help="serve HTTPS with this PEM private key (needs --ssl-certfile)")
     g.add_argument("--ssl-certfile", type=existing_file, default=None, metavar="FILE",
@@ -92,5 +103,7 @@ def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) ->
     return HttpGuard(api_keys=tuple(dict.fromkeys(api_keys)), admin_keys=tuple(args.admin_key),
                      protect_metrics=args.protect_metrics, allowed_origins=_split(args.allowed_origins),
                      allowed_hosts=allowed_hosts_of(args),
-                     max_body_bytes=args.max_body_bytes, ssl_keyfile=args.ssl_keyfile,
+                     max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+                     header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                     ssl_keyfile=args.ssl_keyfile,
                      ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

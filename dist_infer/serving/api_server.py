@@ -32,6 +32,7 @@ This module puts the app together; the parts live by job:
     serving/api_routes.py     the generation, token and info routes
     serving/admin_routes.py   the admin routes over a cluster's instances
     serving/http_server.py    DrainingServer and serve_http (uvicorn, graceful shutdown)
+    serving/http_connections.py  the connections' bounds (header deadline, connection cap, keep-alive)
 """
 
 from __future__ import annotations

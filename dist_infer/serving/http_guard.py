@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -22,6 +23,9 @@ if TYPE_CHECKING:  # starlette (the serve extra) is imported where a response is
     from starlette.responses import JSONResponse
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 1024  # open at once; more are answered 503 (serving/http_connections.py)
+DEFAULT_HEADER_TIMEOUT_S = 30.0  # a request's whole head must arrive within this
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle connection is closed after this (uvicorn's default)
 ERROR_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 403: "PermissionDeniedError",
                421: "MisdirectedRequestError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
@@ -80,6 +84,8 @@ class HttpGuard:
       only other origins from which a browser may change state (POST, PUT, PATCH, DELETE).
     allowed_hosts: the names the Host header may carry (lower case, no port; "*" any); none: not
       checked (the library's default; `dist-infer serve` gives its bound address and loopback names).
+    max_connections, header_timeout_s, keep_alive_timeout_s: the connections' bounds
+    (serving/http_connections.py).
     ssl_*: uvicorn's TLS settings (ssl_cert_reqs: 0 none, 1 optional, 2 required client certificates)."""
 
     api_keys: tuple[str, ...] = ()
@@ -88,6 +94,9 @@ class HttpGuard:
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     ssl_keyfile: Optional[str] = None
     ssl_certfile: Optional[str] = None
     ssl_ca_certs: Optional[str] = None
@@ -100,6 +109,11 @@ class HttpGuard:
                                                         if h.strip()))
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("header_timeout_s", "keep_alive_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:  # (nan fails too)
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.ssl_cert_reqs not in (0, 1, 2):
             raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

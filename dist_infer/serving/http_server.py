@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 from loguru import logger
 
+from dist_infer.serving.http_connections import uvicorn_connection_options
 from dist_infer.serving.http_guard import HttpGuard
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ class DrainingServer(uvicorn.Server):
                  on_shutdown: Optional[Callable[[], None]] = None, guard: Optional[HttpGuard] = None):
         guard = guard or getattr(getattr(app, "state", None), "http_guard", None) or HttpGuard()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S, **guard.uvicorn_ssl())
+                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S, **guard.uvicorn_ssl(),
+                                **uvicorn_connection_options(guard))
         super().__init__(config)
         self.asgi_app = app
         self.grace_s = grace_s
@@ -96,5 +98,5 @@ def serve_http(app: FastAPI, host: str, port: int, on_shutdown: Optional[Callabl
 
     on_ready(host, port) runs once the socket listens (port 0 picks a free one: this says which);
     on_shutdown() runs when the shutdown begins, before the running requests are drained.
-    guard: its TLS settings (default: the one build_app was given)."""
+    guard: its TLS settings and connection bounds (default: the one build_app was given)."""
     DrainingServer(app, host, port, grace_s, on_ready, on_shutdown, guard).run()

@@ -27,22 +27,42 @@ from dist_infer.topology.discovery import without_launcher_env
 
 NAMESPACE = "dist-infer"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps a loopback address (ray_constants)
 
 
 class PlacementError(RuntimeError):
     """Ray could not place an instance (no node with room within the timeout, Ray not installed)."""
 
 
+def _host_of(address: str) -> str:
+    """The host of a Ray address: HOST:PORT, [V6]:PORT, ray://HOST:PORT, or a bare host."""
+    rest = address.split("://", 1)[-1]
+    if rest.startswith("["):
+        return rest[1:].split("]", 1)[0]
+    return rest if rest.count(":") > 1 else rest.split(":", 1)[0]
+
+
+def keep_ray_on_loopback(address: str) -> None:
+    """For a cluster at a loopback address, tell Ray to stay on the loopback: it would otherwise
+    swap 127.0.0.1 for the host's outward address, which the nodes do not listen on, and the driver
+    hangs. Ray reads the variable once, when it is imported, so this must run before the first
+    `import ray` of the process; a value the user set is kept."""
+    if _host_of(address) not in LOOPBACK:
+        return
+    if "ray" in sys.modules and RAY_CLUSTER_ENV not in os.environ:
+        logger.warning(f"Ray was imported before --ray-address {address} was seen: if the driver hangs, "
+                       f"export {RAY_CLUSTER_ENV}=0")
+    os.environ.setdefault(RAY_CLUSTER_ENV, "0")
+
+
 def connect(address: str) -> None:
     """Join the Ray cluster at `address` ('auto': the one this host runs) as a driver. A cluster
-    whose nodes all listen on the loopback stays there: Ray would otherwise swap 127.0.0.1 for the
-    host's outward address, which its nodes do not listen on."""
+    whose nodes all listen on the loopback stays there (keep_ray_on_loopback)."""
+    keep_ray_on_loopback(address)
     try:
         import ray
     except ImportError:
         raise PlacementError("--placement ray needs Ray: pip install 'dist_infer[ray]'") from None
-    if address.split(":")[0] in LOOPBACK:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
     logger.info(f"placing instances with Ray ({address}): {len(ray.nodes())} node(s)")

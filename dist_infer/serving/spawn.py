@@ -35,6 +35,7 @@ API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", 
                   "--migration-timeout", "--max-queue", "--served-model-name", "--join", "--instance-index",
                   "--hub-key-file", "--backend", "--hostfile", "--hub-host", "--max-request-failovers",
                   "--max-instances", "--api-key", "--admin-key", "--allowed-origins", "--max-body-bytes",
+                  "--max-connections", "--header-timeout", "--keep-alive-timeout", "--allowed-hosts",
                   "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--placement", "--ray-address",
                   "--auto-restart", "--ray-cpus-per-rank", "--autoscale", "--slo", "--autoscale-cooldown",
                   "--autoscale-down-after", "--autoscale-window")

@@ -7,17 +7,21 @@ and the jobs they own die with it): every request ends exactly as it does alone 
 dead instance is placed again on the free node (--auto-restart, on by default under Ray), and every
 live instance's KV blocks are free at the end. Then a node is added and the admin API scales up onto
 it, and stops (drains) an instance.
+
+Neither the cluster nor the serve job has RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER in its environment: the
+serve job sets it itself (serving/placement_ray.py) before it first imports Ray, as a user runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import sys
 
 import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
+from processes import checkout_env, run, venv_env
 from serving_helpers import (ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_state,
                              where)
 
@@ -26,6 +30,11 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install '
 LONG = 100
 HF_CHECKED = 30
 LOCAL = "127.0.0.1"
+RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # what keeps Ray on the loopback; never set by the tests
+
+
+def without_ray_cluster_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k != RAY_CLUSTER_ENV}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,7 @@ def checkpoint(tmp_path_factory):
 def cluster(monkeypatch):
     from ray.cluster_utils import Cluster
 
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on the loopback (placement_ray.connect)
+    monkeypatch.delenv(RAY_CLUSTER_ENV, raising=False)  # the nodes' processes must not have it either
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": LOCAL,
                                                        "include_dashboard": False})
     for _ in range(3):
@@ -54,9 +63,21 @@ def _node(cluster, node_id: str):
     return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
 
 
+def test_ray_stays_on_the_loopback_without_the_variable_in_the_environment():
+    """Ray reads the variable when it is imported: placement_ray sets it before, and Ray's driver
+    then keeps 127.0.0.1 instead of swapping in the host's outward address."""
+    probe = ("from dist_infer.serving.placement_ray import keep_ray_on_loopback\n"
+             "keep_ray_on_loopback('127.0.0.1:6379')\n"
+             "import ray\n"
+             "from ray._private import ray_constants, services\n"
+             "print(ray_constants.ENABLE_RAY_CLUSTER, services.resolve_ip_for_localhost('127.0.0.1'))\n")
+    result = run([sys.executable, "-c", probe], timeout=120, env=without_ray_cluster_env(checkout_env()))
+    assert result.returncode == 0 and result.stdout.split() == ["False", LOCAL], result.stdout
+
+
 def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, cluster, tmp_path):
     prompts = prompts_for([12, 19, 7], seed=71)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = without_ray_cluster_env(venv_env())
     args = ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "120", "--migrate-interval", "0",
             "--dispatch", "rr", "--timeout", "60", "--placement", "ray", "--ray-address", cluster.address]
     with ServerJob(tmp_path, args, env=env) as job:

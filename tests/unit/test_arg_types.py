@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from dist_infer.arg_types import parse_size, port_number, positive_int, positive_size, size_list
+from dist_infer.arg_types import parse_size, port_number, positive_int, positive_seconds, positive_size, size_list
 
 
 @pytest.mark.parametrize("text, value", [("4096", 4096), ("4K", 4096), ("256KB", 256 << 10), ("1.5M", 3 << 19),
@@ -26,6 +26,13 @@ def test_size_lists_take_positive_sizes_only():
     for bad in ("-4K,0", "4K,,1M", "4K,inf"):
         with pytest.raises(argparse.ArgumentTypeError):
             size_list(bad)
+
+
+def test_seconds_are_finite_and_positive():
+    assert positive_seconds("30") == 30.0 and positive_seconds("0.25") == 0.25
+    for bad in ("inf", "1e400", "nan", "0", "-1", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_seconds(bad)
 
 
 def test_ports_and_counts():
