@@ -46,10 +46,14 @@ def graph_buckets(max_rows: int) -> list[int]:
         b *= 2
 
 
-def graphs_wanted(mode: str, device: torch.device) -> bool:
-    """Whether `mode` asks for bucketed decode steps on `device`; 'on' without CUDA is an error."""
+def check_graph_mode(mode: str) -> None:
     if mode not in GRAPH_MODES:
         raise ValueError(f"--cuda-graphs {mode!r}: one of {', '.join(GRAPH_MODES[:3])}")
+
+
+def graphs_wanted(mode: str, device: torch.device) -> bool:
+    """Whether `mode` asks for bucketed decode steps on `device`; 'on' without CUDA is an error."""
+    check_graph_mode(mode)
     if mode == "on" and device.type != "cuda":
         raise GraphCaptureError(f"--cuda-graphs on needs a CUDA stage; this one is on {device.type}")
     # auto: a real device (the placement tests' fake CUDA stages run eagerly)

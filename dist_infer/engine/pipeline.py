@@ -71,8 +71,8 @@ class PipelineTransport:
         if not self.is_sampler:
             return None
         rows = plan.sample_index
-        every = bool(rows) and len(rows) == out.shape[0] and rows[-1] == len(rows) - 1  # sorted, distinct: all of out's rows
-        logits = out if every else out[host_index(rows, out.device)]
+        # sample_index is sorted and distinct: as many rows as out has is every row (a decode step), no gather
+        logits = out if len(rows) == out.shape[0] else out[host_index(rows, out.device)]
         sample = self.sampler or sample_rows  # looked up here: a test may replace the module's sampler
         sampled = self.guard.sample(sample, logits, plan, tuple(self.cfg.eos_token_ids))
         sampled = sampled_to_host(sampled)  # the driver reads them, and a pipeline sends them, from the host

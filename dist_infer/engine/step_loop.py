@@ -35,7 +35,7 @@ from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.comm.peer_link import PeerLink
 from dist_infer.engine.allocator import tune_malloc
-from dist_infer.engine.decode_graphs import GRAPH_MODES, graphs_wanted
+from dist_infer.engine.decode_graphs import check_graph_mode, graphs_wanted
 from dist_infer.engine.device_io import module_device
 from dist_infer.engine.driver_step import DriverStep, InFlightStep
 from dist_infer.engine.intake import RequestIntake
@@ -121,8 +121,7 @@ class Engine(RequestIntake, DriverStep, RequestProgress, PipelineTransport, Offl
         coords = groups.mesh.coords(groups.world.rank)
         self.is_sampler = self.pp.rank == self.pp.size - 1 and all(coords[a] == 0 for a in ("tp", "cp", "ep", "dp"))
         self.stage_comm = self._stage_group(groups)
-        if cuda_graphs not in GRAPH_MODES:
-            raise ValueError(f"cuda_graphs {cuda_graphs!r}: one of {', '.join(GRAPH_MODES)}")
+        check_graph_mode(cuda_graphs)
         self.cuda_graphs = cuda_graphs
         self.worker_options = dict(overlap=overlap, overlap_threshold=overlap_threshold,
                                    sequence_parallel=sequence_parallel,

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from loguru import logger
 
 from dist_infer.comm.groups import ParallelGroups
@@ -79,6 +78,7 @@ class StageWorker:
             logger.warning(f"CUDA graphs off: capturing the decode step failed ({exc!r}); decode steps run eagerly")
             return None
         return graphs
+
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences that finished or were preempted: drop this rank's own bookkeeping of them."""
         for s in seq_ids:

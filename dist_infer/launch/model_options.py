@@ -103,8 +103,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "bucket (1, 2, 4, ... up to --max-num-seqs; the rows past a step's own are padding): auto "
                         "captures on CUDA with tp=1 and pp=1 and falls back to eager steps, with a warning, where "
                         "capture fails; on also captures under tp or pp > 1 (NCCL all-reduces inside the graph; "
-                        "not yet run on several GPUs) and fails where capture does; off: every step eager. Prompt and mixed steps always run eagerly "
-                        "(default %(default)s)")
+                        "not yet run on several GPUs) and fails where capture does; off: every step eager. Prompt "
+                        "and mixed steps always run eagerly (default %(default)s)")
     p.add_argument("--ladder-residual", type=ladder_residual_arg, default=None, metavar="all|FIRST:LAST|off",
                    help="Ladder Residual (arXiv 2501.06589): decoder layers add their attention and MLP outputs to "
                         "the residual one module later, so each tensor-parallel all-reduce overlaps the next "

@@ -8,7 +8,6 @@ checkpoint.
 from __future__ import annotations
 
 import contextlib
-
 import time
 from dataclasses import dataclass
 from pathlib import Path

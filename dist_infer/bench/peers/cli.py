@@ -63,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(err, file=sys.stderr)
         return 2
     if args.peer in SINGLE_DEVICE_PEERS and world > 1:
-        err = "--peer hf runs as one process; start it without torchrun (or with --nproc-per-node 1)"
+        err = f"--peer {args.peer} runs as one process; start it without torchrun (or with --nproc-per-node 1)"
         if rank == 0:
             _write_json(args.json_out, failed(args.peer, err, tp=1))
         print(err, file=sys.stderr)
