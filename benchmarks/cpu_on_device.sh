@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU side of a lent machine (16 cores): the decode stack and tp=2 / the ladder with cores to
-# spare, which this project's 2-core VM cannot show (docs/benchmarks.md, issues 34 and 35). A random
+# spare, which this project's 2-core VM cannot show (docs/benchmarks.md, "Weights that stay quantized" and "Ladder Residual"). A random
 # checkpoint in the default model's shape (SmolLM2-135M: hidden 576, 30 layers, 9 / 3 heads), int4
 # weights quantized at load (groups of 32 with zeros, as its Q4_1 blocks). Results in $OUT.
 # PARTS picks what runs: bench (the decode figures), mixed (prompt chunks beside decodes,

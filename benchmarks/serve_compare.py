@@ -1,6 +1,6 @@
 """Serving benchmarks, side by side in one run: the same request stream against each server
 configuration in turn (start it, wait until ready, `dist-infer bench-serve --json`, stop it),
-then the ratios. Every figure in docs/benchmarks.md's serving section comes from here.
+then the ratios. Every figure in docs/benchmarks.md's serving sections comes from here.
 
     python benchmarks/serve_compare.py batching   # continuous vs static batching, same stream
     python benchmarks/serve_compare.py chunking   # chunked prefill on vs off: long prompts amid decodes

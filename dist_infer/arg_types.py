@@ -124,7 +124,7 @@ def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
 # AUTO_FLOOR_S, a gap a streaming reader does not see: 200 ms is 5 tokens a second, about 4 words,
 # which is reading speed. On a CPU a decode step is short next to a prompt chunk; a lower floor cut
 # prompts into slivers, each paying the step's decodes and fixed cost again, and TTFT paid for all
-# of them (docs/benchmarks.md, issue 37, "The floor")
+# of them (docs/benchmarks.md, "The floor: 200 ms")
 AUTO_FACTOR = 2.0
 AUTO_FLOOR_S = 0.2
 

@@ -60,7 +60,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="--sweep: on: before each layout, time the machine's GEMM and weight-streaming speed (about "
                         "2 s), predict for the machine as fast as it is then (against the profile's own reference "
                         "timing) and print that speed; off: predict with the profile as it is. Off by default: one "
-                        "2 s sample is noisier than the drift it corrects (docs/benchmarks.md, issue 15). Needs a "
+                        "2 s sample is noisier than the drift it corrects (docs/benchmarks.md, 'Choosing the layout'). Needs a "
                         "profile from calibrate, which records the reference (default: %(default)s)")
     p.add_argument("--save-routing", default=None, metavar="FILE",
                    help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "

@@ -62,7 +62,7 @@ __all__ = ["DEFAULT_OVERLAP_THRESHOLD", "DEFAULT_SEQUENCE_PARALLEL_THRESHOLD", "
 
 # Tokens per step from which `--overlap auto` splits, per device kind (None: never). On the 2-core
 # CPU machine splitting gained nothing at 1024 tokens and 2.5% at 2048, and lost 44% of an
-# 8192-token prefill (1.48 s against 1.03 s at tp=2; docs/benchmarks.md, issue 15): a CPU rank has
+# 8192-token prefill (1.48 s against 1.03 s at tp=2; docs/benchmarks.md, "Token-splitting overlap"): a CPU rank has
 # no spare core for the transfer to hide on. TokenWeave finds about 1024 on H100s.
 OVERLAP_THRESHOLDS = {"cpu": None, "cuda": 1024}
 DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
