@@ -19,11 +19,8 @@ import ipaddress
 import secrets
 import socket
 import struct
-import threading
 import time
 from typing import Callable, Optional
-
-from loguru import logger
 
 Address = tuple[str, int]
 MAGIC = b"DIPLINK1"
@@ -143,25 +140,3 @@ def server_handshake(conn: socket.socket, key: bytes, own: Address, timeout: flo
         admit(claimed)
     _send(conn, _ACCEPTED, deadline)
     return claimed
-
-
-class RateLimitedWarning:
-    """At most one warning per reason every `interval` seconds, so a flood of hostile
-    connections cannot flood the log; the count of the ones held back comes with the next."""
-
-    def __init__(self, interval: float = 10.0):
-        self.interval = interval
-        self._lock = threading.Lock()
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def __call__(self, reason: str, message: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last, held = self._last.get(reason, (-self.interval, 0))
-            if now - last < self.interval:
-                self._last[reason] = (last, held + 1)
-                return
-            if len(self._last) > 1024:  # reasons carry addresses: keep the table bounded
-                self._last.clear()
-            self._last[reason] = (now, 0)
-        logger.warning(message + (f" ({held} more like it held back)" if held else ""))

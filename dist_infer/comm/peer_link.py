@@ -40,10 +40,10 @@ import torch
 from loguru import logger
 
 from dist_infer.comm.base import CommTimeoutError, Handle
-from dist_infer.comm.peer_auth import (Address, HandshakeError, RateLimitedWarning, read_exactly, server_handshake,
-                                      skip_exactly)
+from dist_infer.comm.peer_auth import Address, HandshakeError, read_exactly, server_handshake, skip_exactly
 from dist_infer.comm.peer_out import HEADER as _HEADER
 from dist_infer.comm.peer_out import Key, Outbounds, PeerLinkError, as_bytes as _as_bytes, fmt as _fmt
+from dist_infer.comm.rate_limited_log import RateLimitedLog
 
 __all__ = ["Address", "Key", "PeerLink", "PeerLinkError", "RecvHandle"]
 _SKIP, _BUFFER = "skip", "buffer"  # what the reader does with a message that has no receive to fill
@@ -147,7 +147,7 @@ class PeerLink:
         self._handshaking = 0
         self._outbound = Outbounds(self.key, self.address, timeout, handshake_timeout, idle_timeout)
         self._closed = False
-        self._warn = RateLimitedWarning()
+        self._warn = RateLimitedLog()  # refusals: a line a second per source and reason, with a count
         threading.Thread(target=self._accept, name="peer-link-accept", daemon=True).start()
 
     # -- sending (comm/peer_out.py) ----------------------------------------------------------
@@ -216,13 +216,17 @@ class PeerLink:
     def _accept(self) -> None:
         """Take connections until the link closes; an accept that fails (out of descriptors, a
         connection reset before it was taken) ends only that connection, never the listener."""
+        self._server.settimeout(1.0)  # wakes each second to write the counts of refusals held back
         while not self._closed:
             try:
                 conn, source = self._server.accept()
+            except socket.timeout:
+                self._warn.flush()
+                continue
             except OSError as exc:
                 if self._closed:
                     return
-                self._warn("accept", f"peer link {_fmt(self.address)}: accept failed ({exc}); still listening")
+                self._refused("accept failed", "", f"accept failed ({exc}); still listening")
                 if exc.errno in _OUT_OF_RESOURCES:
                     time.sleep(0.1)  # it will fail again until a descriptor is freed: do not spin
                 continue
@@ -232,13 +236,17 @@ class PeerLink:
                 if not full:
                     self._inbound.add(conn)
                     self._handshaking += 1
-                count = len(self._inbound)
+                count, h = len(self._inbound), self._handshaking
             if full:
                 conn.close()
-                self._warn("full", f"peer link {_fmt(self.address)}: refused a connection from {source[0]} "
-                                   f"({count} open, {self._handshaking} still authenticating)")
+                self._refused("too many open", source[0], f"refused a connection from {source[0]} ({count} open, {h} authenticating)")
                 continue
             threading.Thread(target=self._serve, args=(conn, source), name="peer-link-reader", daemon=True).start()
+
+    def _refused(self, reason: str, source: str, message: str) -> None:
+        """A refused or failed connection: logged at most once a second per reason and source, with a count."""
+        self._warn((reason, source), f"peer link {_fmt(self.address)}: {message}", f"peer link {_fmt(self.address)}: "
+                   f"{{count}} more {'from ' + source + ' ' if source else ''}in the last {{seconds:.1f}} s ({reason})")
 
     def _admit(self, entry: _In, peer: Address) -> None:
         """Count a sender's authenticated connection in. At `max_inbound`, the least recently used
@@ -291,8 +299,8 @@ class PeerLink:
                              admit=lambda peer: self._admit(entry, peer))
             admitted = True
         except Exception as exc:  # noqa: BLE001 - whatever a stranger sends ends only its connection
-            self._warn(f"auth {source[0]}", f"peer link {_fmt(self.address)}: dropped a connection from "
-                                            f"{source[0]}:{source[1]}: {type(exc).__name__}: {exc}")
+            self._refused("failed handshake", source[0],
+                          f"dropped a connection from {source[0]}:{source[1]}: {type(exc).__name__}: {exc}")
         finally:
             with self._lock:
                 self._handshaking -= 1
@@ -306,7 +314,7 @@ class PeerLink:
                          f"{self.idle_timeout:g} s idle")
         except PeerLinkError as exc:
             dropped = True
-            self._warn(f"protocol {_fmt(entry.peer)}", f"{exc}; closed the connection")
+            self._refused("a bad message", _fmt(entry.peer), f"{exc}; closed the connection")
         except (OSError, EOFError):
             pass
         finally:

@@ -13,13 +13,85 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from loguru import logger
+
+from dist_infer.serving.hub import set_io_timeout
 from dist_infer.serving.spawn import HUB_KEY_ENV
 
-HUB_CONNECT_TRIES = 6
+
+@dataclass(frozen=True)
+class JoinRetry:
+    """How a driver keeps trying to join the hub: a hub under a flood of strangers' connections
+    (or with every handshake slot taken) makes a join wait or closes it, so the driver retries
+    with exponential back-off and jitter (pauses of first_s, doubling, at most max_s, each
+    drawn in its upper half) for up to budget_s in all. One try may wait attempt_s: a hub
+    that parks a connection (serving/hub_admission.py) lets it in, in arrival order."""
+
+    budget_s: float = 60.0
+    first_s: float = 0.1
+    max_s: float = 5.0
+    attempt_s: float = 40.0
+
+
+def retry_pause(tries: int, retry: JoinRetry, rng: random.Random) -> float:
+    """The pause after `tries` failed tries (1, 2, ...): "equal jitter", in [cap/2, cap] with cap
+    = first_s * 2**(tries-1) up to max_s, so drivers restarted together do not retry in step."""
+    cap = min(retry.max_s, retry.first_s * 2 ** min(tries - 1, 30))
+    return cap / 2 + rng.uniform(0, cap / 2)
+
+
+def dial_hub(address: tuple, key: bytes, timeout: float) -> Connection:
+    """One try: connect and run multiprocessing's key challenge both ways (as its Client does),
+    each connect, read and write bounded by `timeout` (Client's own would wait for ever)."""
+    sock = socket.create_connection(address, timeout=timeout)
+    sock.setblocking(True)
+    conn = Connection(sock.detach())
+    try:
+        set_io_timeout(conn, timeout)
+        answer_challenge(conn, key)
+        deliver_challenge(conn, key)
+        set_io_timeout(conn, 0)
+    except BlockingIOError:  # what a read or write past SO_RCVTIMEO / SO_SNDTIMEO raises
+        conn.close()
+        raise TimeoutError(f"the hub did not finish the key challenge within {timeout:g} s") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def join_hub(address: tuple, key: bytes, index: int, retry: JoinRetry = JoinRetry(),
+             dial: Callable[[tuple, bytes, float], Connection] = dial_hub, clock: Callable[[], float] = time.monotonic,
+             sleep: Callable[[float], None] = time.sleep, rng: Optional[random.Random] = None) -> Connection:
+    """The driver's authenticated connection to the hub, retried (JoinRetry) while the hub is
+    unreachable, busy or closes the try; ConnectionError saying how long it tried and why the
+    last try failed. A hub that does not hold the key (AuthenticationError) is not retried."""
+    rng = rng or random.Random()
+    where = f"{address[0]}:{address[1]}"
+    began = clock()
+    tries = 0
+    while True:
+        left = retry.budget_s - (clock() - began)
+        try:
+            return dial(address, key, max(1.0, min(retry.attempt_s, left)))
+        except (OSError, EOFError) as exc:
+            tries += 1
+            last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        pause = retry_pause(tries, retry, rng)
+        spent = clock() - began
+        if spent + pause >= retry.budget_s:
+            raise ConnectionError(f"instance {index}: could not join the API's hub at {where} in {spent:.1f} s "
+                                  f"({tries} tries, up to {retry.budget_s:g} s); the last failed with {last}") from None
+        logger.info(f"instance {index}: joining the hub at {where} failed ({last}); trying again in {pause:.2f} s")
+        sleep(pause)
 
 
 def hub_to_join(join: Optional[str], key_file: Optional[str]) -> tuple[tuple, bytes]:
@@ -92,20 +164,9 @@ def block_bytes(stage, block_size: int) -> int:
 
 
 def run_instance(engine, index: int, address: tuple, key: bytes, hello) -> None:
-    """The driver: connect to the hub (retrying while its handshake slots are taken), say hello, and
-    serve the front end's calls until it stops the instance."""
-    from multiprocessing.connection import Client
-
+    """The driver: join the hub (retried, join_hub), say hello, and serve the front end's calls
+    until it stops the instance."""
     from dist_infer.serving.hub import no_delay
     from dist_infer.serving.instance_server import InstanceServer
 
-    for attempt in range(HUB_CONNECT_TRIES):  # a hub whose handshake slots are all taken closes at accept
-        try:
-            conn = Client(address, authkey=key)
-            break
-        except (OSError, EOFError) as exc:
-            if attempt == HUB_CONNECT_TRIES - 1:
-                raise ConnectionError(f"instance {index}: could not join the API's hub at {address[0]}:{address[1]} "
-                                      f"in {HUB_CONNECT_TRIES} tries ({type(exc).__name__}: {exc})") from None
-            time.sleep(0.5 * (attempt + 1))
-    InstanceServer(engine, index, no_delay(conn)).run(hello)
+    InstanceServer(engine, index, no_delay(join_hub(address, key, index))).run(hello)

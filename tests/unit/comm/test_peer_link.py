@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from loguru import logger
 from polling import wait_until
 
 from dist_infer.comm.base import CommTimeoutError
@@ -386,3 +387,35 @@ def test_a_full_link_refuses_only_while_every_connection_is_busy():
             sock.close()
         a.close()
         b.close()
+
+
+@pytest.fixture
+def warnings_logged():
+    lines: list[str] = []
+    logger.enable("dist_infer")  # the library is quiet unless enabled
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    yield lines
+    logger.remove(sink)
+    logger.disable("dist_infer")
+
+
+def test_a_flood_of_bad_connections_writes_a_few_lines_with_counts(links, warnings_logged):
+    """200 connections that fail the handshake: the first is logged in full, the rest in one
+    line a second with their count (each was logged, 773k lines in 100 s at the hub, before)."""
+    a, b, _ = links
+    for _ in range(200):
+        sock = _raw(b)
+        sock.sendall(b"not a peer-link hello" + bytes(64))
+        assert _closed_by_peer(sock)
+        sock.close()
+    _transfer(a, b)
+
+    def dropped() -> list[str]:
+        return [line for line in warnings_logged if "failed handshake" in line or "dropped a connection" in line]
+
+    def told() -> int:  # the first in full, the rest counted in summaries (the accept loop flushes each second)
+        return len(dropped()) and 1 + sum(int(line.split(": ")[1].split(" more")[0]) for line in dropped()
+                                          if " more from " in line)
+
+    wait_until(lambda: told() == 200, 10.0, lambda: f"200 refusals told in {dropped()}")
+    assert len(dropped()) <= 6, dropped()

@@ -1,5 +1,6 @@
 """The front end's hub survives any one connection: garbage, silence, a reset, a wrong key, a
-2^30 length prefix, more connections than it checks at once; an honest driver joins afterwards."""
+2^30 length prefix, more connections than it checks at once; an honest driver joins afterwards,
+or while they are still there, waiting its turn (floods: tests/integration/test_hub_flood.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import psutil
 import pytest
 from polling import wait_until
 
+from dist_infer.comm.rate_limited_log import RateLimitedLog
 from dist_infer.serving.hub import Hub, StartupWaiter
+from dist_infer.serving.hub_admission import AdmissionLimits
+from dist_infer.serving.join import dial_hub
 from dist_infer.serving.wire import Hello, StepOutputs
 
 KEY = b"k" * 32
@@ -144,3 +148,30 @@ def test_a_slow_drip_handshake_is_cut_at_the_deadline(hub):
     conn.close()
     for s in drippers:
         s.close()
+
+
+def test_connections_past_the_per_source_cap_wait_their_turn():
+    """Four silent strangers hold every slot 127.0.0.1 gets; a driver from the same address is not
+    closed at accept (as before) but waits, and starts once a stranger's deadline frees a slot.
+    A waiting stranger that speaks before the challenge is dropped without a handshake."""
+    lines: list[str] = []
+    h = Hub("127.0.0.1", KEY, handshake_timeout_s=1.0, limits=AdmissionLimits(per_source=4),
+            log=RateLimitedLog(emit=lines.append))
+    joined = []
+    h.start(lambda conn, hello: joined.append(hello.index))
+    silent = [socket.create_connection(h.address) for _ in range(4)]
+    try:
+        wait_until(lambda: h._admission.running == 4, 10.0, "4 handshakes running")
+        eager = socket.create_connection(h.address)
+        eager.sendall(b"\x00\x00\x00\x05hello")  # a client of multiprocessing waits for the challenge
+        wait_until(lambda: any("spoke first" in line for line in lines), 10.0, lambda: f"the eager one dropped: {lines}")
+        conn = dial_hub(h.address, KEY, 10.0)  # waits for a slot, then the key challenge
+        conn.send(_hello(5))
+        wait_until(lambda: joined == [5], 10.0, "the driver joined")
+        assert h.refused >= 5  # the four silent ones timed out, and the eager one
+        conn.close()
+        eager.close()
+    finally:
+        for s in silent:
+            s.close()
+        h.close()
