@@ -108,8 +108,8 @@ def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) ->
     environ = os.environ if environ is None else environ
     api_keys = tuple(args.api_key) + _split([environ.get(API_KEY_ENV, "")])
     return HttpGuard(api_keys=tuple(dict.fromkeys(api_keys)), admin_keys=tuple(args.admin_key),
-                     protect_metrics=args.protect_metrics,
-                     prefix_cache_isolation=getattr(args, "prefix_cache_isolation", None), allowed_origins=_split(args.allowed_origins),
+                     protect_metrics=args.protect_metrics, allowed_origins=_split(args.allowed_origins),
+                     prefix_cache_isolation=getattr(args, "prefix_cache_isolation", None),
                      allowed_hosts=allowed_hosts_of(args),
                      max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
                      header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,

@@ -12,9 +12,9 @@ from loguru import logger
 
 from dist_infer.engine.request import RequestError
 from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
+from dist_infer.serving.cache_isolation import CacheIsolation
 from dist_infer.serving.chat import ChatRenderer
 from dist_infer.serving.engine_stream import EngineStream
-from dist_infer.serving.cache_isolation import CacheIsolation
 from dist_infer.serving.http_guard import ApiError, HttpGuard, bearer_token
 from dist_infer.serving.metrics import ServingMetrics
 from dist_infer.serving.protocol import json_of

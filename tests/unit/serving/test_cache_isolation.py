@@ -147,7 +147,7 @@ def test_with_isolation_none_keys_share_unless_their_salts_differ(served):
                                          (HttpGuard(api_keys=KEYS, protect_metrics=True), True)],
                          ids=["no-keys", "keys-open-metrics", "keys-isolation-none", "protected-metrics"])
 def test_metrics_show_the_hit_counters_only_where_no_key_can_read_another_keys(guard, shown):
-    engine, url, (server, thread) = serve(guard)
+    _, url, (server, thread) = serve(guard)
     try:
         with httpx.Client(trust_env=False, timeout=30) as h:
             text = h.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
