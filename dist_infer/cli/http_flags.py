@@ -8,6 +8,7 @@ import os
 from typing import Iterable, Optional
 
 from dist_infer.arg_types import existing_file, positive_int, positive_seconds, positive_size
+from dist_infer.serving.cache_isolation import ISOLATION_MODES
 from dist_infer.serving.http_guard import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                                            DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HttpGuard)
 
@@ -27,6 +28,12 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--protect-metrics", action="store_true",
                    help="/health and /metrics need an --api-key too (default: open, as in vLLM, for probes and "
                         "Prometheus)")
+    g.add_argument("--prefix-cache-isolation", choices=ISOLATION_MODES, default=None,
+                   help="whose requests may share cached prompt prefixes. A cached prefix answers much sooner, so "
+                        "sharing lets one client time whether another sent a prompt. key: each --api-key's requests "
+                        "share only with the same key's (the key's HMAC, under a secret drawn per serve job, salts "
+                        "them); none: all requests share, unless they send different cache_salt values. Default: "
+                        "key when --api-key is set, else none")
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
                    help="enable CORS for these browser origins (comma list or repeat; * for any). Default: no "
                         "CORS headers, so browsers refuse cross-origin reads")
@@ -102,6 +109,7 @@ def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) ->
     api_keys = tuple(args.api_key) + _split([environ.get(API_KEY_ENV, "")])
     return HttpGuard(api_keys=tuple(dict.fromkeys(api_keys)), admin_keys=tuple(args.admin_key),
                      protect_metrics=args.protect_metrics, allowed_origins=_split(args.allowed_origins),
+                     prefix_cache_isolation=getattr(args, "prefix_cache_isolation", None),
                      allowed_hosts=allowed_hosts_of(args),
                      max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
                      header_timeout_s=args.header_timeout, keep_alive_timeout_s=args.keep_alive_timeout,

@@ -23,6 +23,7 @@ MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM's _SAMPLING_EPS
 TOP_K_LIMIT = 2 ** 31 - 1  # top_k is kept clamped to this: above any vocabulary, exact in the float64 step plan
 MAX_STOP_TOKEN_IDS = 256  # a 16 MiB body could carry millions, checked per token and pickled with every move
+MAX_CACHE_SALT_CHARS = 256  # a cache salt names a group of requests: a key's worth, hashed with each prompt
 
 
 def is_greedy(temperature: float) -> bool:
@@ -83,6 +84,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # strings that end the request; the text is cut before them
     logprobs: Optional[int] = None  # also return this many top alternatives per token (0: the chosen one only)
     min_tokens: int = 0  # no stop (EOS, stop ids, stop strings) before this many tokens
+    # not a sampling choice, but it travels wherever the request does (add, resume, migration): requests
+    # share cached prefix blocks only when their salts are equal (engine/prefix_cache.py; vLLM's cache_salt)
+    cache_salt: Optional[str] = field(default=None, repr=False)
     # stop_token_ids as a set, made once here: the step loop checks every decoded token against it
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, compare=False, repr=False)
 
@@ -108,6 +112,9 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             bad("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))

@@ -366,9 +366,11 @@ class Scheduler:
 
     # -- prefix caching (prefix_cache.py) ---------------------------------------------------------
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The hashes of the request's first `num_blocks` full blocks (computed once, kept on it)."""
+        """The hashes of the request's first `num_blocks` full blocks, its cache salt in them
+        (computed once, kept on it)."""
         if len(request.block_hashes) < num_blocks:
-            extend_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, num_blocks)
+            extend_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, num_blocks,
+                          request.params.cache_salt)
         return request.block_hashes[:num_blocks]
 
     def computed_block_hashes(self, request: Request) -> list[int]:

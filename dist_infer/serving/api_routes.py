@@ -74,7 +74,7 @@ async def complete(state: ServingState, request: Request) -> Response:
     else:
         prompt_ids = prompt
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params_of(body, max_tokens, state.tokenizer is not None)
+    params = state.isolated(sampling_params_of(body, max_tokens, state.tokenizer is not None), request)
     state.engine.check_request(prompt_ids, params)
     stream = state.open_stream("cmpl", prompt_ids, params, arrival)
     return await respond(request, stream, CompletionShaper(state, stream.request_id, prompt_ids, params.logprobs), body)
@@ -104,7 +104,7 @@ async def chat_complete(state: ServingState, request: Request) -> Response:
     text = await off_loop(state.renderer.render, body.messages, bool(body.add_generation_prompt),
                           body.chat_template_kwargs)
     prompt_ids = await off_loop(tokenizer.encode, text, add_bos=True)
-    params = chat_params(state, body, prompt_ids)
+    params = state.isolated(chat_params(state, body, prompt_ids), request)
     stream = state.open_stream("chatcmpl", prompt_ids, params, arrival)
     return await respond(request, stream, ChatShaper(state, stream.request_id, prompt_ids, params.logprobs), body)
 

@@ -62,7 +62,7 @@ __all__ = [
 def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard()) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
     behind `guard` (keys, body limits, CORS: serving/http_guard.py)."""
-    state = ServingState(engine, served_model_name)
+    state = ServingState(engine, served_model_name, guard)
     app = FastAPI(title="dist_infer OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.serving = state
     install_guard(app, guard)

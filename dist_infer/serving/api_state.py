@@ -12,9 +12,10 @@ from loguru import logger
 
 from dist_infer.engine.request import RequestError
 from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
+from dist_infer.serving.cache_isolation import CacheIsolation
 from dist_infer.serving.chat import ChatRenderer
 from dist_infer.serving.engine_stream import EngineStream
-from dist_infer.serving.http_guard import ApiError
+from dist_infer.serving.http_guard import ApiError, HttpGuard, bearer_token
 from dist_infer.serving.metrics import ServingMetrics
 from dist_infer.serving.protocol import json_of
 
@@ -23,13 +24,16 @@ DRAINING_RETRY_AFTER_S = 5.0
 
 class ServingState:
     """What the endpoints share: the engine, the names the model answers to, the chat renderer,
-    the metrics, the requests in flight, and whether the server is draining for shutdown."""
+    the metrics, the prefix cache's isolation, the requests in flight, and whether the server is
+    draining for shutdown."""
 
-    def __init__(self, engine, served_model_name: Optional[str]):
+    def __init__(self, engine, served_model_name: Optional[str], guard: HttpGuard = HttpGuard()):
         self.engine = engine
         self.served_name = served_model_name or engine.model_name
         self.model_names = {self.served_name, engine.model_name}
-        self.metrics = ServingMetrics(self.served_name, engine.stats, engine.max_model_len)
+        self.metrics = ServingMetrics(self.served_name, engine.stats, engine.max_model_len,
+                                      prefix_cache_counters=guard.open_prefix_cache_metrics)
+        self.cache_isolation = CacheIsolation(guard.prefix_cache_isolation)  # its secret: this serve job's
         self.renderer = ChatRenderer.for_tokenizer(engine.chat_template, engine.tokenizer)
         self.active: dict[str, EngineStream] = {}
         self.draining = False
@@ -62,6 +66,12 @@ class ServingState:
             piece = getattr(tok, "token", None)
             text = (piece(token_id) if piece is not None else None) or ""
         return text
+
+    def isolated(self, params: SamplingParams, request: Request) -> SamplingParams:
+        """`params` with the cache salt the engine hashes the prompt with: the request's own
+        cache_salt, mixed with its API key's salt under --prefix-cache-isolation key."""
+        salt = self.cache_isolation.cache_salt(bearer_token(request.headers), params.cache_salt)
+        return params if salt == params.cache_salt else dataclasses.replace(params, cache_salt=salt)
 
     def open_stream(self, prefix: str, prompt_ids: list[int], params: SamplingParams, arrival: float) -> EngineStream:
         request_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -224,13 +224,16 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
             client.prefix.expect(hashes)
         return index
 
-    def prompt_hashes(self, tokens: list[int]) -> tuple[int, ...]:
-        """The block hashes the `prefix` dispatch looks up (none for the other policies); computed
-        before the lock is taken (a long prompt hashes for a while)."""
-        return tuple(prompt_block_hashes(tokens, self.block_size)) if self.dispatcher.policy == "prefix" else ()
+    def prompt_hashes(self, tokens: list[int], params: SamplingParams) -> tuple[int, ...]:
+        """The block hashes the `prefix` dispatch looks up, salted with the request's cache salt as
+        the instance salts them (none for the other policies); computed before the lock is taken (a
+        long prompt hashes for a while)."""
+        if self.dispatcher.policy != "prefix":
+            return ()
+        return tuple(prompt_block_hashes(tokens, self.block_size, params.cache_salt))
 
     def _dispatch(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> InstanceClient:
-        hashes = self.prompt_hashes(prompt_token_ids)
+        hashes = self.prompt_hashes(prompt_token_ids, params)
         with self._lock:
             index = self._choose(len(prompt_token_ids), params, (Role.PREFILL, Role.MIXED), hashes=hashes)
             if index is None:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from loguru import logger
 
+from dist_infer.serving.cache_isolation import isolation_mode
+
 if TYPE_CHECKING:  # starlette (the serve extra) is imported where a response is made: the CLI's flags need none
     from starlette.responses import JSONResponse
 
@@ -80,6 +82,8 @@ class HttpGuard:
     api_keys: any of them as `Authorization: Bearer KEY` opens /v1/*, /tokenize, /detokenize (none: open).
     admin_keys: any of them opens /admin/* (none: /admin/* answers loopback clients only).
     protect_metrics: /health and /metrics need an api key too.
+    prefix_cache_isolation: whose requests share the prefix cache, `none` or `key` (serving/cache_isolation.py);
+      None: `key` with api keys, else `none`.
     allowed_origins: CORS origins ("*" for any); none: no CORS headers at all. They are also the
       only other origins from which a browser may change state (POST, PUT, PATCH, DELETE).
     allowed_hosts: the names the Host header may carry (lower case, no port; "*" any); none: not
@@ -91,6 +95,7 @@ class HttpGuard:
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()
     protect_metrics: bool = False
+    prefix_cache_isolation: Optional[str] = None
     allowed_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -107,6 +112,8 @@ class HttpGuard:
             object.__setattr__(self, name, tuple(v for v in getattr(self, name) if v))
         object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts
                                                         if h.strip()))
+        object.__setattr__(self, "prefix_cache_isolation",
+                           isolation_mode(self.prefix_cache_isolation, bool(self.api_keys)))
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_connections < 1:
@@ -118,6 +125,12 @@ class HttpGuard:
             raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("TLS needs both a key file and a certificate file")
+
+    @property
+    def open_prefix_cache_metrics(self) -> bool:
+        """Whether /metrics may show the prefix cache's hit counters: only where it is no side channel
+        between keys (no keys, so no one to keep apart) or it needs a key itself (--protect-metrics)."""
+        return not self.api_keys or self.protect_metrics
 
     @property
     def tls(self) -> bool:

@@ -229,7 +229,8 @@ class InstanceLifecycle:
             else:
                 roles = (Role.DECODE, Role.MIXED) if progress.token_ids else (Role.PREFILL, Role.MIXED)
                 index = self._choose(len(progress.prompt_token_ids), progress.params, roles, force=True,
-                                     hashes=self.prompt_hashes(progress.prompt_token_ids + progress.token_ids))
+                                     hashes=self.prompt_hashes(progress.prompt_token_ids + progress.token_ids,
+                                                               progress.params))
                 if index is None and any(c.state == InstanceState.STARTING for c in self.instances):
                     rec.parked, rec.owner = True, None  # goes on once an instance has joined
                     logger.warning(f"request {request_id}: no instance takes requests now; it waits for the one starting")

@@ -82,9 +82,10 @@ class EngineStatsCollector:
         "kv_cache_usage_perc": "Fraction of KV cache blocks in use, 0..1.",
     }
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str, prefix_cache_counters: bool = True):
         self.stats = stats
         self.model_name = model_name
+        self.prefix_cache_counters = prefix_cache_counters  # False: left out (a side channel; HttpGuard says when)
 
     def _families(self, stats: Optional[dict]):
         """The gauges per instance (vLLM's `engine` label, the instance index) when the server
@@ -101,12 +102,13 @@ class EngineStatsCollector:
         for s in per:
             c.add_metric([self.model_name, s["engine"]], float(s.get("num_preemptions_total", 0)))
         families.append(c)
-        for key, doc in (("prefix_cache_queries", "Prefix cache queries: tokens of admitted requests looked up."),
-                         ("prefix_cache_hits", "Prefix cache hits: queried tokens found cached, not computed.")):
-            c = CounterMetricFamily(PREFIX + key, doc, labels=["model_name", "engine"])
-            for s in per:
-                c.add_metric([self.model_name, s["engine"]], float(s.get(key, 0)))
-            families.append(c)
+        if self.prefix_cache_counters:
+            for key, doc in (("prefix_cache_queries", "Prefix cache queries: tokens of admitted requests looked up."),
+                             ("prefix_cache_hits", "Prefix cache hits: queried tokens found cached, not computed.")):
+                c = CounterMetricFamily(PREFIX + key, doc, labels=["model_name", "engine"])
+                for s in per:
+                    c.add_metric([self.model_name, s["engine"]], float(s.get(key, 0)))
+                families.append(c)
         m = CounterMetricFamily(PREFIX + "migrations", "Live request migrations between instances, by outcome "
                                 "(ok, or why not: no_room, source_ended, source_preempted, dest_failed, ...).",
                                 labels=["model_name", "outcome"])
@@ -180,10 +182,11 @@ class EngineStatsCollector:
 class ServingMetrics:
     """The app's registry and the request-level series; `request()` gives one request's clock."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict], max_model_len: int):
+    def __init__(self, model_name: str, stats: Callable[[], dict], max_model_len: int,
+                 prefix_cache_counters: bool = True):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(EngineStatsCollector(stats, model_name, prefix_cache_counters))
         labels = ["model_name"]
         reg = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels, registry=reg)

@@ -1,8 +1,9 @@
 """The front end's view of each instance's prefix cache: which full KV blocks it holds, by hash.
 
 An instance names every full block it caches by the hash of its parent block's hash and its
-token ids (engine/prefix_cache.py) and reports the hashes it stores and evicts, batched per step
-(wire.PrefixEvents). The front end hashes a prompt with the same function, so the blocks of it an
+token ids, the first block's with the request's cache salt (engine/prefix_cache.py), and reports
+the hashes it stores and evicts, batched per step (wire.PrefixEvents). The front end hashes a
+prompt with the same function and the same salt, so the blocks of it an
 instance holds are the leading run of the prompt's hashes found in that instance's index: what
 llm-d's precise prefix scorer and Dynamo's KV router read from their engines' KV events.
 
@@ -16,16 +17,17 @@ it without bound. Pure bookkeeping, tested without processes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from dist_infer.engine.prefix_cache import extend_hashes
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hashes of the full blocks an instance could reuse for these tokens: all but the last
-    token's (the engine always computes a prompt's last token, so it never matches that block)."""
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None) -> list[int]:
+    """The hashes of the full blocks an instance could reuse for these tokens, salted as the
+    instance salts them (the request's cache salt): all but the last token's (the engine always
+    computes a prompt's last token, so it never matches that block)."""
     usable = max(0, (len(token_ids) - 1) // block_size)
-    return extend_hashes([], token_ids, block_size, usable)
+    return extend_hashes([], token_ids, block_size, usable, cache_salt)
 
 
 class PrefixIndex:

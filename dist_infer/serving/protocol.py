@@ -1,7 +1,7 @@
 """The OpenAI request bodies we accept, and their translation into the engine's SamplingParams.
 
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_tokens, ignore_eos, stop_token_ids,
-return_token_ids), so clients written for either work unchanged. A field of either schema that we
+return_token_ids, cache_salt), so clients written for either work unchanged. A field of either schema that we
 do not serve (n > 1, echo, penalties, response_format, guided decoding, ...: the table in
 serving/unserved_fields.py) is refused with a 400 naming it unless its value asks for nothing,
 rather than silently ignored, since the client would otherwise get something other than what it
@@ -90,6 +90,7 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: Optional[Float] = None  # vLLM
     logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
+    cache_salt: Optional[str] = None  # vLLM: requests share cached prefixes only with equal salts (sampling checks it)
 
     @property
     def include_usage(self) -> bool:
@@ -252,7 +253,7 @@ def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: 
         return SamplingParams(
             max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
             stop_at_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()), stop=tuple(stop),
-            logprobs=num_logprobs, min_tokens=req.min_tokens or 0)
+            logprobs=num_logprobs, min_tokens=req.min_tokens or 0, cache_salt=req.cache_salt)
     except SamplingParamsError as exc:
         field = _API_NAME.get(exc.field, exc.field)
         message = str(exc)

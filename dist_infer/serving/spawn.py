@@ -38,7 +38,7 @@ API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", 
                   "--max-connections", "--header-timeout", "--keep-alive-timeout", "--allowed-hosts",
                   "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--placement", "--ray-address",
                   "--auto-restart", "--ray-cpus-per-rank", "--autoscale", "--slo", "--autoscale-cooldown",
-                  "--autoscale-down-after", "--autoscale-window")
+                  "--autoscale-down-after", "--autoscale-window", "--prefix-cache-isolation")
 API_ONLY_SWITCHES = ("--frontend-only", "--protect-metrics")  # the same, for flags that take no value
 
 

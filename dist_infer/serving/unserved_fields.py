@@ -111,7 +111,6 @@ UNSERVED: dict[str, Unserved] = {
     # vLLM's serving extras
     "priority": Unserved("requests are served in arrival order", (0,)),
     "request_id": Unserved("the server names each request (X-Request-Id)"),
-    "cache_salt": Unserved("the prefix cache is not salted per request"),
     "kv_transfer_params": Unserved("KV transfer is the cluster's own"),
     "vllm_xargs": Unserved("no custom extensions", ({},)),
 }

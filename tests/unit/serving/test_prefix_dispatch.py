@@ -93,3 +93,24 @@ def test_prefix_dispatch_spreads_distinct_prefixes_and_groups_equal_ones():
     assert hits == 48 - first == 40
     assert all(len(h) == 1 for h in homes.values()), homes
     assert {next(iter(h)) for h in homes.values()} == {0, 1}
+
+
+def test_dispatch_looks_a_prompt_up_under_its_requests_salt():
+    """The front end hashes as the instance does, salt included (engine/prefix_cache.py): a request
+    goes where its own salt's blocks are, and another salt's copy of the same tokens counts for nothing."""
+    from types import SimpleNamespace
+
+    from dist_infer.engine.sampling import SamplingParams
+    from dist_infer.serving.cluster import Cluster
+
+    front = SimpleNamespace(dispatcher=Dispatcher("prefix"), block_size=BS)  # what prompt_hashes reads
+    tokens = _tokens(1, 200)
+    salted = Cluster.prompt_hashes(front, tokens, SamplingParams(cache_salt="A"))
+    assert list(salted) == extend_hashes([], tokens, BS, 12, "A"), "(200 - 1) // 16 blocks, salted as the engine salts"
+    index = PrefixIndex(100)
+    index.expect(salted)
+    assert index.matched_blocks(salted) == 12
+    assert index.matched_blocks(Cluster.prompt_hashes(front, tokens, SamplingParams(cache_salt="B"))) == 0
+    assert index.matched_blocks(Cluster.prompt_hashes(front, tokens, SamplingParams())) == 0
+    assert Cluster.prompt_hashes(SimpleNamespace(dispatcher=Dispatcher("load"), block_size=BS), tokens,
+                                 SamplingParams(cache_salt="A")) == ()

@@ -36,7 +36,7 @@ ASKING = {
     "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"json": {}},
     "prompt_embeds": "AAAA", "continue_final_message": True, "documents": [{"title": "t", "text": "x"}],
     "chat_template": "{{ messages }}", "include_reasoning": False, "mm_processor_kwargs": {"x": 1},
-    "media_io_kwargs": {"x": 1}, "priority": 1, "request_id": "mine", "cache_salt": "salt",
+    "media_io_kwargs": {"x": 1}, "priority": 1, "request_id": "mine",
     "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1},
 }
 ADD_SPECIAL_TOKENS_ASKING = {"completions": False, "chat/completions": True}
@@ -104,6 +104,18 @@ def test_unserved_defaults_compare_as_json_types(api, endpoint):
     assert_400(post(api, endpoint, n=True)[0], "n")
     response, want = post(api, endpoint, n=1.0, presence_penalty=0, repetition_penalty=1.0, logit_bias={})
     assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == want, response.text
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_cache_salt_is_served_and_must_be_a_short_non_empty_string(api, endpoint):
+    """vLLM's cache_salt: a salt changes which cached prefixes a request may use, never its tokens;
+    anything but a non-empty string of at most 256 characters is a 400 naming it."""
+    for salt in ("tenant-7", "s" * 256, None):
+        response, want = post(api, endpoint, cache_salt=salt)
+        assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == want, response.text
+    for bad in ("", "s" * 257, 5, True, ["a"], {"a": 1}):
+        message = assert_400(post(api, endpoint, cache_salt=bad)[0], "cache_salt")
+        assert "cache_salt" in message, message
 
 
 NOT_NUMBERS = [True, False, "4", "", "0.5", [4], {"v": 4}]
