@@ -24,7 +24,7 @@ from typing import Sequence
 
 from loguru import logger
 
-from dist_infer.arg_types import port_number, positive_size
+from dist_infer.arg_types import port_number, positive_int, positive_size
 from dist_infer.cli.extras import need
 from dist_infer.serving.spawn import HUB_KEY_ENV
 
@@ -82,9 +82,30 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "instances died more often is failed with an error, not dispatched again, so a request "
                         "that crashes instances cannot walk through the fleet (counted in "
                         "dist_infer:requests_quarantined_total; default %(default)s)")
+    add_fleet_flags(p)
+    p.add_argument("--frontend-only", action="store_true",
+                   help="internal: run only the API and wait for the job's instances to join (world rank 0 of a "
+                        "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")
+    p.add_argument("--hub-host", default=None,
+                   help="the address the API's hub listens on for instance drivers (default 127.0.0.1; world rank 0 "
+                        "of a launched job passes the address facing its rendezvous host; --placement slurm: the one facing "
+                        "the allocation's other nodes). Instances on other hosts "
+                        "need an address they reach")
+    add_http_flags(p)
+
+
+def add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """How big the fleet may grow and where its instances run: bounds, placement, restarts, autoscaling."""
     p.add_argument("--max-instances", type=int, default=16,
                    help="the most instances the server may have, dead and stopped ones included: POST "
                         "/admin/instances beyond it gets HTTP 409 (default %(default)s)")
+    p.add_argument("--max-ranks", type=positive_int, default=None, metavar="N",
+                   help="the most ranks the server's instances may run at once, those starting included: instances "
+                        "at start-up, POST /admin/instances, a restart (an operator's or --auto-restart's) or an "
+                        "--autoscale scale-up whose layout would pass it is refused before any process starts "
+                        "(HTTP 400, or 409 when it would fit once other instances stop). Default: what the placement "
+                        "has: this host's usable cores (local), the Ray cluster's CPUs over --ray-cpus-per-rank (its "
+                        "GPUs with --device cuda), the Slurm allocation's CPUs over --cpus-per-task")
     p.add_argument("--placement", choices=("local", "ray", "slurm"), default="local",
                    help="where the front end starts its instances (at start, restart, scale-up): local (jobs of "
                         "their own on this host), ray (each instance a Ray placement group of one bundle per "
@@ -118,15 +139,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autoscale-down-after", type=float, default=15.0,
                    help="seconds the fleet must stay under half the SLO before one instance is removed "
                         "(default %(default)s)")
-    p.add_argument("--frontend-only", action="store_true",
-                   help="internal: run only the API and wait for the job's instances to join (world rank 0 of a "
-                        "torchrun/mpirun/srun job starts it so; the key comes from $" + HUB_KEY_ENV + ")")
-    p.add_argument("--hub-host", default=None,
-                   help="the address the API's hub listens on for instance drivers (default 127.0.0.1; world rank 0 "
-                        "of a launched job passes the address facing its rendezvous host; --placement slurm: the one facing "
-                        "the allocation's other nodes). Instances on other hosts "
-                        "need an address they reach")
-    add_http_flags(p)
 
 
 def cmd_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

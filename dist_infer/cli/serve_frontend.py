@@ -24,11 +24,14 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from loguru import logger
 
-from dist_infer.serving.spawn import HUB_KEY_ENV, spawner, write_hub_file
+from dist_infer.serving.spawn import HUB_KEY_ENV, LocalSpawner, write_hub_file
+
+if TYPE_CHECKING:
+    from dist_infer.serving.rank_budget import RankBudget
 
 
 def served_name(flag: Optional[str], model: str) -> str:
@@ -78,7 +81,8 @@ def run_frontend(args, argv: list[str]) -> int:
 
     configure_logging("api", args.log_level)
     scale = autoscale_bounds(args)
-    specs = parse_instances(args.instances or str(scale[0] if scale else 1), args.tp, args.pp)
+    specs = parse_instances(args.instances or str(scale[0] if scale else 1), args.tp, args.pp,
+                            max_ranks=getattr(args, "max_ranks", None))
     check_roles(specs)
     if len(specs) > 1 and (args.ep > 1 or args.cp > 1):
         raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
@@ -87,14 +91,19 @@ def run_frontend(args, argv: list[str]) -> int:
     key = os.environ.get(HUB_KEY_ENV, "").encode() if args.frontend_only else secrets.token_hex(16).encode()
     if not key:
         raise ValueError(f"--frontend-only: no key in ${HUB_KEY_ENV}")
-    stopping = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     hub = Hub(args.hub_host or _default_hub_host(args), key)
     waiter = StartupWaiter(len(specs))
     hub.start(waiter.on_hello)
+    try:
+        spawn = _spawner_for(args, argv, hub.address, key, specs)
+        rank_capacity = rank_capacity_for(args, spawn, specs)  # a fleet past --max-ranks: nothing has started
+    except BaseException:
+        hub.close()
+        raise
     if args.frontend_only:
         write_hub_file(hub.address)
-    spawn = _spawner_for(args, argv, hub.address, key, specs)
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     processes: dict = {}
     try:
         if not args.frontend_only:
@@ -109,8 +118,8 @@ def run_frontend(args, argv: list[str]) -> int:
             return 1
         raise
     try:
-        return _serve(args, guard, joined, processes, hub, waiter, spawn, served_name_for(args, model), tokenizer,
-                      template, stopping)
+        return _serve(args, guard, joined, processes, hub, waiter, spawn, rank_capacity,
+                      served_name_for(args, model), tokenizer, template, stopping)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -120,20 +129,39 @@ def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
     """What starts instance i: a local job of its own, a Ray placement group (serving/placement_ray.py)
     or a Slurm job step (serving/placement_slurm.py)."""
     if getattr(args, "placement", "local") == "slurm":
-        from dist_infer.serving.placement_slurm import slurm_spawner
+        from dist_infer.serving.placement_slurm import SlurmSpawner
 
-        return slurm_spawner(argv, hub, key)
+        return SlurmSpawner(argv, hub, key)
     if getattr(args, "placement", "local") == "ray":
-        from dist_infer.serving.placement_ray import connect, ray_spawner
+        from dist_infer.serving.placement_ray import RaySpawner, connect
 
         connect(args.ray_address)
-        return ray_spawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
-                           gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0)
+        return RaySpawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
+                          gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0)
     ranks = sum(spec.size for spec in specs)
     bounds = autoscale_bounds(args)
     if bounds is not None:  # each instance gets the cores of its slot in the largest fleet, not of the first one
         ranks = max(ranks, bounds[1] * max(spec.size for spec in specs))
-    return spawner(argv, hub, key, local_ranks=ranks)
+    return LocalSpawner(argv, hub, key, local_ranks=ranks)
+
+
+def rank_capacity_for(args, spawn, specs) -> Callable[[], "RankBudget"]:
+    """What the cluster asks for the rank budget at each start: --max-ranks, else the placement's
+    capacity (asked anew: a Ray cluster grows). The start-up instances must fit it before any starts
+    (a launched job's, --frontend-only, run already)."""
+    from dist_infer.serving.rank_budget import RankBudget
+
+    fixed = RankBudget(args.max_ranks) if getattr(args, "max_ranks", None) else None
+    capacity = (lambda: fixed) if fixed is not None else spawn.rank_capacity
+    budget = capacity()
+    if not args.frontend_only:
+        budget.check(f"--instances {'; '.join(s.describe() for s in specs)!r}", sum(s.size for s in specs))
+    bounds = autoscale_bounds(args)
+    if bounds is not None and bounds[1] * specs[0].size > budget.limit:
+        logger.warning(f"--autoscale up to {bounds[1]} instances of {specs[0].describe()} would take "
+                       f"{bounds[1] * specs[0].size} ranks; {budget.describe()}: the fleet stops growing there")
+    logger.info(f"rank budget: {budget.describe()}")
+    return capacity
 
 
 def autoscale_bounds(args) -> Optional[tuple[int, int]]:
@@ -208,8 +236,8 @@ def write_private(path: str, text: str) -> None:
         f.write(text)
 
 
-def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, tokenizer, template,
-           stopping: threading.Event) -> int:
+def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capacity, name: str, tokenizer,
+           template, stopping: threading.Event) -> int:
     from dist_infer.serving.api_server import build_app, serve_http
     from dist_infer.serving.cluster import Cluster, InstanceClient
 
@@ -225,7 +253,7 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, name: str, 
     cluster = Cluster(clients, name, tokenizer, template, args.max_queue, args.dispatch, args.migrate_interval,
                       migration_timeout=args.migration_timeout, on_dead=on_dead, spawner=spawn,
                       join_timeout_s=max(60.0, args.timeout), max_request_failovers=args.max_request_failovers,
-                      max_instances=args.max_instances,
+                      max_instances=args.max_instances, rank_capacity=rank_capacity,
                       auto_restart=args.auto_restart == "on" or (args.auto_restart == "auto" and args.placement == "ray"))
     if args.autoscale:
         cluster.autoscaler = _autoscaler(args, cluster)

@@ -27,7 +27,8 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     @app.get("/admin/instances")
     async def instances():
         scaler = getattr(cluster, "autoscaler", None)
-        return {"instances": cluster.describe_instances(), **({"autoscale": scaler.describe()} if scaler else {})}
+        return {"instances": cluster.describe_instances(), "ranks": cluster.describe_ranks(),
+                **({"autoscale": scaler.describe()} if scaler else {})}
 
     @app.post("/admin/migrate", openapi_extra=openapi_body(MigrateBody))
     async def migrate(request: Request):

@@ -9,7 +9,8 @@ The policy is pure (`AutoscalePolicy.decide` on a `FleetSample`), tested without
   waited longer than the TTFT SLO for its first token (the queue's wait, seen before it ends), or
   the queue's predicted wait passes it (the prompts queued at the least backlogged instance, times
   the per-token prefill cost its engine learned: seen as a burst arrives, before anyone waited),
-  and no instance is starting yet, below MAX;
+  and no instance is starting yet, below MAX, and the next instance's ranks fit --max-ranks
+  (serving/rank_budget.py; at the bound nothing is tried until ranks free up);
 - down, when for `low_for_s` every sample's p90s (over its last `low_for_s` seconds, so a burst's
   slow first tokens still in the up window do not hold it back) were under `low_water` x the SLO, nothing was
   queued, and the requests running would leave at most `low_running` per instance on one instance
@@ -90,6 +91,7 @@ class FleetSample:
     recent_ttft_p90: Optional[float] = None  # the p90s over the last low_for_s seconds only (None: no sample)
     recent_tpot_p90: Optional[float] = None
     predicted_wait_s: float = 0.0  # the prompt compute queued ahead of a request arriving now
+    can_grow: bool = True  # the next instance's ranks fit --max-ranks beside those running
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class AutoscalePolicy:
     low_running: float = 2.0
     _last_action: float = field(default=-math.inf, repr=False)
     _low_since: Optional[float] = field(default=None, repr=False)
+    held_back: Optional[str] = field(default=None, repr=False)  # the last sample's up reason, not acted on: no ranks
 
     @property
     def last_action_at(self) -> float:
@@ -123,14 +126,20 @@ class AutoscalePolicy:
         over = self._over_slo(s)
         low = self._under_low_water(s) and s.running <= self.low_running * max(1, fleet - 1)
         self._low_since = (self._low_since if self._low_since is not None else s.now) if low else None
+        self.held_back = None
         if s.now - self._last_action < self.cooldown_s:
             return None
-        decision = None
+        up = None
         if fleet < self.min_instances:
-            decision = Decision(s.now, "up", f"{fleet} instance(s), fewer than --autoscale's minimum {self.min_instances}",
-                                fleet)
+            up = f"{fleet} instance(s), fewer than --autoscale's minimum {self.min_instances}"
         elif over is not None and fleet < self.max_instances and s.starting == 0:
-            decision = Decision(s.now, "up", over, fleet)
+            up = over
+        if up is not None and not s.can_grow:
+            self.held_back = up  # nothing is tried, and no cool-down begins
+            return None
+        decision = None
+        if up is not None:
+            decision = Decision(s.now, "up", up, fleet)
         elif (low and fleet > self.min_instances and s.starting == 0
               and s.now - self._low_since >= self.low_for_s):
             decision = Decision(s.now, "down", f"p90 latency under {self.low_water:g} x the SLO, nothing queued and "

@@ -46,6 +46,7 @@ from dist_infer.serving.instance_rpc import InstanceCalls
 from dist_infer.serving.instances import InstanceSpec
 from dist_infer.serving.metrics import BucketCounts
 from dist_infer.serving.migration import MigrationResult
+from dist_infer.serving.rank_budget import RankBudget
 from dist_infer.serving.wire import AbortRequest, AddRequest, Role, StopInstance
 
 Spawner = Callable[[int, InstanceSpec], object]  # starts instance i as a job of its own; returns its process
@@ -62,7 +63,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
                  migrate_interval: float = 1.0, migration_timeout: float = 30.0, cooldown_s: Optional[float] = None,
                  on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None,
                  join_timeout_s: float = 300.0, max_request_failovers: int = 1, max_instances: int = 16,
-                 auto_restart: bool = False):
+                 auto_restart: bool = False, rank_capacity: Optional[Callable[[], RankBudget]] = None):
         first = clients[0].hello
         self.instances = clients
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
@@ -80,6 +81,7 @@ class Cluster(InstanceCalls, InstanceLifecycle, InstanceAdmin, MigrationControl)
         self.join_timeout_s = join_timeout_s
         self.max_request_failovers, self.max_instances = max_request_failovers, max_instances
         self.auto_restart = auto_restart  # a dead instance is started again (placed anew by the spawner)
+        self._rank_capacity = rank_capacity  # -> the rank budget every start must fit (None: unbounded)
         self.latency = LatencyWindow()  # recent TTFTs and token gaps (the autoscaler's)
         self.autoscaler = None  # serving/autoscaler.py, when --autoscale is given
         self._lock = threading.RLock()

@@ -1,19 +1,25 @@
 """What operators do through /admin: describe the instances, force a migration, drain, stop,
 restart and add instances (each started as a job of its own by the spawner, bounded by
---max-instances). Thread-safe: called from the HTTP server's loop."""
+--max-instances, and by --max-ranks before anything starts: serving/rank_budget.py). Thread-safe:
+called from the HTTP server's loop."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
+from typing import Optional
 
 from loguru import logger
 
 from dist_infer.serving.instance_client import AdminError, InstanceClient
-from dist_infer.serving.instances import InstancesError, InstanceSpec, parse_instances
+from dist_infer.serving.instance_lifecycle import LIVING
+from dist_infer.serving.instances import InstancesError, InstanceSpec, TooManyRanks, parse_instances
 from dist_infer.serving.migration import MODES
+from dist_infer.serving.rank_budget import RankBudget, RankBudgetError
 from dist_infer.serving.wire import InstanceState
+
+STOPPED_OR_DEAD = (InstanceState.DEAD, InstanceState.STOPPED)  # what an operator may start again
 
 
 class InstanceAdmin:
@@ -89,14 +95,28 @@ class InstanceAdmin:
         """Start a dead or stopped instance again (a job of its own, on this host); it rejoins dispatch
         once its driver connects."""
         client = self._instance(index)
-        if client.state not in (InstanceState.DEAD, InstanceState.STOPPED):
+        if client.state not in STOPPED_OR_DEAD:
             raise AdminError(409, f"instance {index} is {client.state}; only a dead or stopped one can be restarted")
+        self._can_spawn()
+        budget = self.rank_budget()
+        with self._lock:
+            if client.state not in STOPPED_OR_DEAD:
+                raise AdminError(409, f"instance {index} is {client.state}; it is being restarted already")
+            self._claim_ranks(budget, f"layout {client.spec.describe()}", client.spec.size, client)
+            client.state = InstanceState.STARTING
         return self._spawn(client, client.spec, "restart")
 
     def add_instance(self, layout: str) -> dict:
-        """Scale up: start one more instance of `layout` (like one --instances item, e.g. tp=1 or decode:tp=2)."""
+        """Scale up: start one more instance of `layout` (like one --instances item, e.g. tp=1 or
+        decode:tp=2), if its ranks fit the rank budget beside those running."""
+        self._can_spawn()
+        budget = self.rank_budget()
         try:
-            specs = parse_instances(layout)
+            specs = parse_instances(layout, max_ranks=budget.limit if budget else None)
+        except TooManyRanks as exc:  # never fits: refused before the rest of a long layout is read
+            with self._lock:
+                self._claim_ranks(budget, f"layout {layout[:80]}", exc.ranks)  # the message with the ranks running
+            raise AdminError(400, str(exc)) from None
         except InstancesError as exc:
             raise AdminError(400, str(exc)) from None
         if len(specs) != 1:
@@ -105,15 +125,50 @@ class InstanceAdmin:
             if len(self.instances) >= self.max_instances:
                 raise AdminError(409, f"the server has {len(self.instances)} instances, --max-instances "
                                       f"{self.max_instances}; restart a dead or stopped one instead")
-            client = InstanceClient(len(self.instances), spec=specs[0])
-            client.state = InstanceState.STOPPED
+            self._claim_ranks(budget, f"layout {specs[0].describe()}", specs[0].size)
+            client = InstanceClient(len(self.instances), spec=specs[0])  # STARTING: its ranks are counted
             self.instances.append(client)
         return self._spawn(client, specs[0], "scale-up")
 
-    def _spawn(self, client: InstanceClient, spec: InstanceSpec, why: str) -> dict:
+    def rank_budget(self) -> Optional[RankBudget]:
+        """The rank budget now (asked anew each time: a Ray cluster grows and shrinks); None: unbounded."""
+        return self._rank_capacity() if self._rank_capacity is not None else None
+
+    def ranks_held(self, excluding: Optional[InstanceClient] = None) -> int:
+        """The ranks of the instances running or starting (a stopping one still runs; a dead or
+        stopped one holds none)."""
+        with self._lock:
+            return sum(c.spec.size if c.spec else 1 for c in self.instances if c.state in LIVING and c is not excluding)
+
+    def ranks_free(self) -> Optional[int]:
+        """Ranks a start may still take; None: no budget."""
+        budget = self.rank_budget()
+        return None if budget is None else budget.room(self.ranks_held())
+
+    def describe_ranks(self) -> dict:
+        budget = self.rank_budget()
+        return {"running": self.ranks_held(), "max": budget.limit if budget else None,
+                "origin": (budget.origin or "--max-ranks") if budget else None}
+
+    def _claim_ranks(self, budget: Optional[RankBudget], what: str, need: int,
+                     client: Optional[InstanceClient] = None) -> None:
+        """(lock held, so two starts cannot both take the last ranks) AdminError unless `need` more
+        ranks fit the budget beside those running or starting, `client`'s own left out: 400 when
+        they never fit, 409 when they would once others stop."""
+        if budget is None:
+            return
+        try:
+            budget.check(what, need, self.ranks_held(excluding=client))
+        except RankBudgetError as exc:
+            logger.warning(f"refused to start an instance: {exc}")
+            raise AdminError(409 if exc.ever_fits else 400, str(exc)) from None
+
+    def _can_spawn(self) -> None:
         if self._spawner is None:
             raise AdminError(501, "this server cannot start instances (start one with `dist-infer serve --join`)")
-        client.state = InstanceState.STARTING
+
+    def _spawn(self, client: InstanceClient, spec: InstanceSpec, why: str) -> dict:
+        """Start `client`'s job; the caller made it STARTING under the lock once its ranks fit."""
         if why == "restart":
             client.restarts += 1
         logger.info(f"starting instance {client.index} ({spec.describe()}, {why})")

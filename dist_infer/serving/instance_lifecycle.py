@@ -199,6 +199,13 @@ class InstanceLifecycle:
         logger.warning(f"instance {client.index} died ({reason}); --auto-restart starts it again "
                        f"(attempt {client.auto_restarts} of {MAX_AUTO_RESTARTS})")
         try:
+            budget = self.rank_budget()
+            with self._lock:  # STARTING since it died: its own ranks are left out, the others' counted
+                self._claim_ranks(budget, f"layout {client.spec.describe()}", client.spec.size, client)
+        except Exception as exc:  # noqa: BLE001 - AdminError: past --max-ranks (the others grew meanwhile)
+            self._start_failed(client, client.process, f"--auto-restart did not start it again: {exc}")
+            return
+        try:
             self._spawn(client, client.spec, "restart")
         except Exception as exc:  # noqa: BLE001 - _spawn marked it dead, logged why and released what waited for it
             logger.error(f"instance {client.index}: the automatic restart failed: {exc}")

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
-from dist_infer.topology import Layout, LayoutError, Mesh, parse_layout
+from dist_infer.topology import DISPLAY_ORDER, Layout, LayoutError, Mesh, parse_layout
 
 from dist_infer.serving.wire import Role
 
@@ -76,53 +76,99 @@ class InstanceSpec:
 
 
 MAX_INSTANCE_COUNT = 1024  # a count past any job's ranks (check_world refuses it anyway); bounds the list made
+CHARS_PER_RANK = 64  # with a rank bound, a longer text is refused unread: every item has a rank or more
+MAX_ITEM_PARTS = len(DISPLAY_ORDER)  # an item's 'axis=n' parts: one per axis; one more repeats an axis
 
 
-def parse_instances(text: str, tp: int = 1, pp: int = 1) -> list[InstanceSpec]:
+class TooManyRanks(InstancesError):
+    """--instances whose ranks pass the bound the parser was given; `ranks`: what it had counted
+    when it stopped (a lower bound of the whole, the whole for one item)."""
+
+    def __init__(self, message: str, ranks: int):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def parse_instances(text: str, tp: int = 1, pp: int = 1, max_ranks: Optional[int] = None) -> list[InstanceSpec]:
     """'prefill:tp=2,pp=2; decode:tp=1' (items separated by ';' or spaces) -> one instance per item;
-    'tp2,tp1,tp2pp2' (the older comma list of compact layouts) too; '3' -> three of tp x pp."""
+    'tp2,tp1,tp2pp2' (the older comma list of compact layouts) too; '3' -> three of tp x pp.
+    `max_ranks`: refuse (TooManyRanks) as soon as the ranks counted so far pass it, before
+    reading further (a request body's layout may be long)."""
     text = (text or "").strip()
+    if max_ranks is not None and len(text) > CHARS_PER_RANK * max_ranks:
+        raise InstancesError(f"--instances {_short(text)!r}: {len(text)} characters, longer than any layout of at "
+                             f"most {max_ranks} ranks (--max-ranks) is written ({CHARS_PER_RANK} per rank)")
     if text.isascii() and text.isdigit():
-        if not 1 <= int(text) <= MAX_INSTANCE_COUNT:
-            raise InstancesError(f"--instances {text}: from 1 to {MAX_INSTANCE_COUNT} instances")
-        return [InstanceSpec(Layout(tp=tp, pp=pp))] * int(text)
-    return [_spec(parts, text) for parts in _items(text)]
+        if len(text) > len(str(MAX_INSTANCE_COUNT)) or not 1 <= int(text) <= MAX_INSTANCE_COUNT:
+            raise InstancesError(f"--instances {_short(text)}: from 1 to {MAX_INSTANCE_COUNT} instances")
+        spec = InstanceSpec(Layout(tp=tp, pp=pp))
+        _check_ranks(text, int(text) * spec.size, max_ranks, more=False)
+        return [spec] * int(text)
+    specs, ranks, items = [], 0, _items(text)
+    for parts in items:
+        specs.append(_spec(parts, text))
+        ranks += specs[-1].size
+        if max_ranks is not None and ranks > max_ranks:
+            _check_ranks(text, ranks, max_ranks, more=next(items, None) is not None)
+    return specs
 
 
-def _items(text: str) -> list[list[str]]:
+def _check_ranks(text: str, ranks: int, max_ranks: Optional[int], more: bool) -> None:
+    """TooManyRanks past `max_ranks`; `more`: items not read yet, which would only add ranks."""
+    if max_ranks is not None and ranks > max_ranks:
+        raise TooManyRanks(f"--instances {_short(text)!r} needs {ranks}{' or more' if more else ''} ranks; "
+                           f"--max-ranks is {max_ranks}", ranks)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """`text` as an error message quotes it: a long one cut (a request body's layout may be megabytes)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _pieces(text: str, separator: str) -> Iterator[str]:
+    """re.split(separator, text), one piece at a time (no list of every piece of a long text)."""
+    start = 0
+    for m in re.finditer(separator, text):
+        yield text[start:m.start()]
+        start = m.end()
+    yield text[start:]
+
+
+def _items(text: str) -> Iterator[list[str]]:
     """The items of `text`, each a list of comma-separated parts. ';' and spaces end an item; in a
     comma list a part with a role or in the compact form (tp2) starts a new one, and an 'axis=n'
     part joins the 'axis=n' item before it: 'tp2,tp1' is two items, 'tp=2,pp=2' one."""
     tight = re.sub(r"\s*([,:=])\s*", r"\1", text)
-    items: list[list[str]] = []
-    for chunk in re.split(r"\s*;\s*|\s+", tight):
-        joinable: Optional[list[str]] = None
-        for part in chunk.split(","):
-            if joinable is not None and ":" not in part and "=" in part:
-                joinable.append(part)
+    for chunk in _pieces(tight, r"\s*;\s*|\s+"):
+        item: Optional[list[str]] = None
+        for part in _pieces(chunk, ","):
+            if item is not None and "=" in item[0] and ":" not in part and "=" in part \
+                    and len(item) <= MAX_ITEM_PARTS:  # past it, _spec names the axis given twice
+                item.append(part)
                 continue
-            items.append([part])
-            joinable = items[-1] if "=" in part else None
-    return items
+            if item is not None:
+                yield item
+            item = [part]
+        yield item
 
 
 def _spec(parts: list[str], text: str) -> InstanceSpec:
     """One item's spec; InstancesError naming the item and its bad part."""
     item = ",".join(parts)
     if not item:
-        raise InstancesError(f"--instances {text!r}: an empty item (two separators in a row?); write {FORMS}")
+        raise InstancesError(f"--instances {_short(text)!r}: an empty item (two separators in a row?); write {FORMS}")
     role, colon, first = parts[0].rpartition(":")
     if colon and role not in ROLES:
-        raise InstancesError(f"--instances {text!r}: item {item!r} has the unknown role {role!r} "
+        raise InstancesError(f"--instances {_short(text)!r}: item {_short(item)!r} has the unknown role {role!r} "
                              f"(roles: {', '.join(ROLES)})")
     try:
         layout = parse_layout(",".join([first, *parts[1:]]))
     except LayoutError as exc:
-        raise InstancesError(f"--instances {text!r}: item {item!r}: {exc}") from None
+        raise InstancesError(f"--instances {_short(text)!r}: item {_short(item)!r}: {exc}") from None
     unserved = [f"{a}={v}" for a, v in layout.as_dict().items() if a not in SERVED_AXES and (v != 1 or a == "dp")]
     if unserved:
         hint = "; more replicas are more items" if layout.dp is not None else ""
-        raise InstancesError(f"--instances {text!r}: item {item!r} asks for {', '.join(unserved)}: an instance "
+        raise InstancesError(f"--instances {_short(text)!r}: item {_short(item)!r} asks for {', '.join(unserved)}: an instance "
                              f"runs {' and '.join(SERVED_AXES)} only{hint}")
     return InstanceSpec(layout, role or Role.MIXED)
 

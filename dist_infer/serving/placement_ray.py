@@ -22,6 +22,7 @@ from typing import Optional
 
 from loguru import logger
 
+from dist_infer.serving.rank_budget import RankBudget, ray_capacity
 from dist_infer.serving.spawn import HUB_FILE_ENV, HUB_KEY_ENV, instance_argv
 from dist_infer.topology.discovery import without_launcher_env
 
@@ -148,35 +149,60 @@ class RayInstanceJob:
             return None
 
 
-def ray_spawner(argv: list[str], hub: tuple, key: bytes, cpus_per_rank: int = 1, gpus_per_rank: int = 0,
-                place_timeout_s: float = 60.0):
+class RaySpawner:
     """spawn(index, spec) -> RayInstanceJob: instance `index` placed as a packed placement group of
     spec.size bundles ({CPU: cpus_per_rank, GPU: gpus_per_rank} each), its job started on that node."""
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    runner_class = _runner_class()
+    CAPACITY_TTL_S = 1.0  # the cluster's resources are asked at most this often (describe and the autoscaler ask too)
 
-    def spawn(index: int, spec) -> RayInstanceJob:
-        bundle = {"CPU": float(cpus_per_rank), **({"GPU": float(gpus_per_rank)} if gpus_per_rank else {})}
+    def __init__(self, argv: list[str], hub: tuple, key: bytes, cpus_per_rank: int = 1, gpus_per_rank: int = 0,
+                 place_timeout_s: float = 60.0):
+        self.argv, self.hub, self.key = argv, hub, key
+        self.cpus_per_rank, self.gpus_per_rank, self.place_timeout_s = cpus_per_rank, gpus_per_rank, place_timeout_s
+        self.runner_class = _runner_class()
+        self._capacity: Optional[tuple[float, RankBudget]] = None
+
+    def __call__(self, index: int, spec) -> RayInstanceJob:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": float(self.cpus_per_rank)}
+        if self.gpus_per_rank:
+            bundle["GPU"] = float(self.gpus_per_rank)
         group = placement_group([dict(bundle) for _ in range(spec.size)], strategy="STRICT_PACK",
                                 name=f"dist-infer-instance-{index}-{os.getpid()}-{time.monotonic_ns()}")
         try:
-            ray.get(group.ready(), timeout=place_timeout_s)
+            ray.get(group.ready(), timeout=self.place_timeout_s)
         except Exception as exc:  # noqa: BLE001 - GetTimeoutError, or the group was removed
             ray.util.remove_placement_group(group)
             raise PlacementError(f"instance {index} ({spec.describe()}): no Ray node had {spec.size} x {bundle} "
-                                 f"free within {place_timeout_s:g} s ({exc.__class__.__name__})") from None
-        runner = runner_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                 f"free within {self.place_timeout_s:g} s ({exc.__class__.__name__})") from None
+        runner = self.runner_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=0)).remote()
-        command = [sys.executable, "-m", "dist_infer", *instance_argv(argv, index, spec, hub)]
+        command = [sys.executable, "-m", "dist_infer", *instance_argv(self.argv, index, spec, self.hub)]
         env = without_launcher_env(os.environ)
-        env[HUB_KEY_ENV] = key.decode()
+        env[HUB_KEY_ENV] = self.key.decode()
         env.pop(HUB_FILE_ENV, None)
-        env["OMP_NUM_THREADS"] = str(max(1, cpus_per_rank))  # the cores Ray reserved for each rank
-        node = ray.get(runner.start.remote(command, env), timeout=place_timeout_s)
+        env["OMP_NUM_THREADS"] = str(max(1, self.cpus_per_rank))  # the cores Ray reserved for each rank
+        node = ray.get(runner.start.remote(command, env), timeout=self.place_timeout_s)
         logger.info(f"instance {index} ({spec.describe()}) placed on Ray node {node[:12]}: {' '.join(command)}")
         return RayInstanceJob(runner, group, node, index)
 
-    return spawn
+    def rank_capacity(self) -> RankBudget:
+        """The ranks the Ray cluster holds now (its CPUs, or GPUs, over what a rank reserves): asked
+        anew every CAPACITY_TTL_S, since nodes join and leave."""
+        import ray
+
+        now = time.monotonic()
+        if self._capacity is None or now - self._capacity[0] > self.CAPACITY_TTL_S:
+            try:
+                resources = ray.cluster_resources()
+            except Exception as exc:  # noqa: BLE001 - the GCS did not answer: the last answer stands
+                if self._capacity is None:
+                    raise
+                logger.warning(f"Ray's cluster resources: {exc!r}; the rank budget stays {self._capacity[1].limit}")
+                self._capacity = (now, self._capacity[1])  # asked again after the TTL, not at every start
+            else:
+                self._capacity = (now, ray_capacity(resources, self.cpus_per_rank, self.gpus_per_rank))
+        return self._capacity[1]

@@ -21,7 +21,9 @@ from typing import Mapping, Optional
 
 from loguru import logger
 
+from dist_infer.serving.rank_budget import RankBudget, local_capacity, slurm_capacity
 from dist_infer.serving.spawn import HUB_FILE_ENV, HUB_KEY_ENV, instance_argv
+from dist_infer.topology.cores import usable_cores
 from dist_infer.topology.discovery import LAUNCHER_VARIABLES, discover, expand_slurm_nodelist
 from dist_infer.topology.network import local_address_towards
 
@@ -116,17 +118,23 @@ def step_node(job_id: str, name: str, env: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-def slurm_spawner(argv: list[str], hub: tuple, key: bytes, env: Optional[Mapping] = None):
+class SlurmSpawner:
     """spawn(index, spec) -> SlurmStep: instance `index` started as a job step of this allocation."""
-    env = dict(os.environ if env is None else env)
-    job_id = check_allocation(env)
-    nodes = allocation_nodes(env)
-    base = step_env(env, key)
 
-    def spawn(index: int, spec) -> SlurmStep:
+    def __init__(self, argv: list[str], hub: tuple, key: bytes, env: Optional[Mapping] = None):
+        self.argv, self.hub = argv, hub
+        self.env = dict(os.environ if env is None else env)
+        self.job_id = check_allocation(self.env)
+        self.nodes = allocation_nodes(self.env)
+        self.base = step_env(self.env, key)
+
+    def __call__(self, index: int, spec) -> SlurmStep:
         name = f"dist-infer-instance-{index}-{time.monotonic_ns() % 10**9}"  # a restart's step is told apart
-        command = srun_command(spec, name, instance_argv(argv, index, spec, hub))
-        logger.info(f"instance {index} ({spec.describe()}): job step {name} of Slurm job {job_id}: {' '.join(command)}")
-        return SlurmStep(command, base, name, job_id, nodes)
+        command = srun_command(spec, name, instance_argv(self.argv, index, spec, self.hub))
+        logger.info(f"instance {index} ({spec.describe()}): job step {name} of Slurm job {self.job_id}: "
+                    f"{' '.join(command)}")
+        return SlurmStep(command, self.base, name, self.job_id, self.nodes)
 
-    return spawn
+    def rank_capacity(self) -> RankBudget:
+        """The ranks the allocation holds: its CPUs over each task's; this host's cores if it does not say."""
+        return slurm_capacity(self.env) or local_capacity(usable_cores())

@@ -2,7 +2,7 @@
 child of a launched job's world rank 0.
 
 - `dist-infer serve` outside any launcher: the front end starts each instance as a job of its own
-  (`serve --join`, our launcher for its ranks; `spawner`), the same way it restarts a dead
+  (`serve --join`, our launcher for its ranks; `LocalSpawner`), the same way it restarts a dead
   instance or adds one. The job runs the serve command's own model and engine flags, without the
   API's (`instance_argv`), and joins the front end's hub with the key in $DIST_INFER_HUB_KEY.
 - under torchrun, mpirun, srun or our `launch`: the job's ranks are the instances, and world rank 0
@@ -25,7 +25,8 @@ from pathlib import Path
 from loguru import logger
 
 from dist_infer.arg_types import strip_flag
-from dist_infer.topology.cores import threads_per_rank
+from dist_infer.serving.rank_budget import RankBudget, local_capacity
+from dist_infer.topology.cores import threads_per_rank, usable_cores
 from dist_infer.topology.discovery import without_launcher_env
 
 HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
@@ -34,8 +35,8 @@ HUB_FILE_ENV = "DIST_INFER_HUB_FILE"  # --frontend-only writes its hub's address
 API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", "--dispatch", "--migrate-interval",
                   "--migration-timeout", "--max-queue", "--served-model-name", "--join", "--instance-index",
                   "--hub-key-file", "--backend", "--hostfile", "--hub-host", "--max-request-failovers",
-                  "--max-instances", "--api-key", "--admin-key", "--allowed-origins", "--max-body-bytes",
-                  "--max-connections", "--header-timeout", "--keep-alive-timeout", "--allowed-hosts",
+                  "--max-instances", "--max-ranks", "--api-key", "--admin-key", "--allowed-origins",
+                  "--max-body-bytes", "--max-connections", "--header-timeout", "--keep-alive-timeout", "--allowed-hosts",
                   "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--placement", "--ray-address",
                   "--auto-restart", "--ray-cpus-per-rank", "--autoscale", "--slo", "--autoscale-cooldown",
                   "--autoscale-down-after", "--autoscale-window", "--prefix-cache-isolation")
@@ -53,25 +54,30 @@ def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_F
             "--instance-index", str(index)]
 
 
-def spawner(argv: list[str], hub: tuple, key: bytes, local_ranks: int = 1):
+class LocalSpawner:
     """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub.
     Each job's launcher would give its ranks every core of the host, so instances side by side
     would oversubscribe it (two 2-thread instances on 2 cores ran several times slower than one):
     each rank gets the host's cores shared over the fleet's `local_ranks`, unless OMP_NUM_THREADS
     is set. A restarted instance takes the same share; one added later does too."""
-    threads = str(threads_per_rank(local_ranks))
 
-    def spawn(index: int, spec):
-        command = [sys.executable, "-m", "dist_infer", *instance_argv(argv, index, spec, hub)]
+    def __init__(self, argv: list[str], hub: tuple, key: bytes, local_ranks: int = 1):
+        self.argv, self.hub, self.key = argv, hub, key
+        self.threads = str(threads_per_rank(local_ranks))
+
+    def __call__(self, index: int, spec) -> subprocess.Popen:
+        command = [sys.executable, "-m", "dist_infer", *instance_argv(self.argv, index, spec, self.hub)]
         env = without_launcher_env(os.environ)
-        env[HUB_KEY_ENV] = key.decode()
+        env[HUB_KEY_ENV] = self.key.decode()
         env.pop(HUB_FILE_ENV, None)
-        env.setdefault("OMP_NUM_THREADS", threads)
+        env.setdefault("OMP_NUM_THREADS", self.threads)
         logger.info(f"instance {index}: {' '.join(command)}")
         # its own session: a Ctrl-C at the terminal reaches the API, which stops the instances in order
         return subprocess.Popen(command, env=env, start_new_session=True)
 
-    return spawn
+    def rank_capacity(self) -> RankBudget:
+        """The ranks this host holds: its usable cores (--max-ranks' default for local jobs)."""
+        return local_capacity(usable_cores())
 
 
 def start_frontend_child(argv: list[str], hub_host: str, key: bytes, timeout: float) -> tuple[subprocess.Popen, tuple]:

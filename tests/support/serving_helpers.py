@@ -18,6 +18,7 @@ from polling import wait_until
 from processes import end_tree, venv_env
 
 DIST = [str(VENV_BIN / "dist-infer")]
+LOCAL_TEST_MAX_RANKS = 8  # --max-ranks of a local-placement test server that names none
 
 
 class ServerJob:
@@ -29,7 +30,12 @@ class ServerJob:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ready_file = self.dir / f"ready-{time.monotonic_ns()}.json"
         self.log_path = self.dir / f"serve-{time.monotonic_ns()}.log"
-        cmd = list(prefix or DIST) + ["serve", *map(str, args), "--port", "0", "--ready-file", str(self.ready_file)]
+        args = [*map(str, args)]
+        if "--max-ranks" not in args and "--placement" not in args:
+            # the tests run a few tiny instances side by side, more ranks than a 2-core machine's
+            # cores (local placement's default --max-ranks); Ray and Slurm tests keep their default
+            args += ["--max-ranks", str(LOCAL_TEST_MAX_RANKS)]
+        cmd = list(prefix or DIST) + ["serve", *args, "--port", "0", "--ready-file", str(self.ready_file)]
         self.cmd = cmd
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env or venv_env(), cwd=str(REPO), stdout=self._log,

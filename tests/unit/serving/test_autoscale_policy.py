@@ -1,7 +1,10 @@
 """The SLO autoscaler's policy (serving/autoscale.py), pure: flags, the windowed p90s, when it
-scales up and down, and the flap guard (cool-down and hysteresis)."""
+scales up and down, and the flap guard (cool-down and hysteresis); and its hands (autoscaler.py)
+stopping at --max-ranks."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -98,7 +101,7 @@ def test_an_up_looks_only_at_first_tokens_since_the_last_decision():
 
     window = LatencyWindow(window_s=10.0)
     cluster = SimpleNamespace(instances=[instance(0.4), instance(None)], latency=window, num_open=lambda: 1,
-                              first_token_waits=lambda now: [])
+                              first_token_waits=lambda now: [], ranks_free=lambda: None)
     policy = AutoscalePolicy(1, 2, SLO(ttft_s=0.3), cooldown_s=1.5, low_for_s=1.5)
     scaler = Autoscaler(cluster, policy, "tp1")
     for t in (100.0, 100.5, 101.0):
@@ -110,3 +113,54 @@ def test_an_up_looks_only_at_first_tokens_since_the_last_decision():
     assert got.ttft_p90 == 0.1 and got.predicted_wait_s == 0.0 and got.serving == 2
     assert policy.decide(got) is None, "the burst's first tokens do not bring the instance back"
     assert scaler.sample(115.0).ttft_p90 is None, "and once the window has passed, it is the window's again"
+
+
+def test_no_up_while_the_next_instance_would_pass_max_ranks_and_no_cool_down_for_it():
+    p = AutoscalePolicy(1, 4, SLO(ttft_s=2.0), cooldown_s=5.0)
+    blocked = FleetSample(0.0, 2, 0, 3.0, None, 0.0, 0, can_grow=False)
+    assert p.decide(blocked) is None and "p90 TTFT" in p.held_back
+    assert p.decide(_sample(1.0, serving=2, ttft=3.0)).action == "up", "room again: up at once, no cool-down ran"
+    assert p.held_back is None
+    q = AutoscalePolicy(2, 4, SLO(ttft_s=2.0))
+    assert q.decide(FleetSample(0.0, 1, 0, None, None, 0.0, 0, can_grow=False)) is None, "not even to reach MIN"
+    assert "fewer than --autoscale's minimum" in q.held_back
+
+
+def test_the_autoscaler_stops_at_max_ranks_and_says_so_once():
+    """Over the SLO at every tick, with no rank free: it never calls add_instance, and logs and lists
+    the held-back up once; once ranks free up it scales up again."""
+    from types import SimpleNamespace
+
+    from loguru import logger
+
+    from dist_infer.serving.autoscaler import Autoscaler
+    from dist_infer.serving.wire import InstanceState
+
+    added, free = [], {"ranks": 1}
+    serving = SimpleNamespace(state=InstanceState.SERVING, accepting=True, spec=None,
+                              stats=SimpleNamespace(prefill_backlog_s=0.0))
+    cluster = SimpleNamespace(instances=[serving], latency=LatencyWindow(), num_open=lambda: 3,
+                              first_token_waits=lambda now: [9.0, 9.0, 9.0],  # waited past the 1 s SLO
+                              ranks_free=lambda: free["ranks"],
+                              add_instance=lambda layout: added.append(layout) or {"index": 1})
+    scaler = Autoscaler(cluster, AutoscalePolicy(1, 8, SLO(ttft_s=1.0), cooldown_s=0.0), "tp=2")
+    lines = []
+    logger.enable("dist_infer")  # the library is quiet unless enabled
+    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING")
+    try:
+        assert [scaler.tick(100.0 + t) for t in range(5)] == [None] * 5, "one rank free; tp=2 needs two"
+    finally:
+        logger.remove(sink)
+        logger.disable("dist_infer")
+    assert added == [] and scaler.at_rank_bound and scaler.describe()["at_rank_bound"]
+    assert len([x for x in lines if "autoscale up" in x]) == 1, lines
+    assert "needs 2 ranks and 1 are free under --max-ranks" in lines[0]
+    assert len(scaler.decisions) == 1 and scaler.counts == {"up_at_rank_bound": 1}
+    free["ranks"] = 2
+    decision = scaler.tick(200.0)
+    assert decision is not None and decision.action == "up" and not scaler.at_rank_bound
+    deadline = time.monotonic() + 10
+    while not added:  # tick acts on a thread of its own
+        assert time.monotonic() < deadline, scaler.decisions
+        time.sleep(0.01)
+    assert added == ["tp=2"]

@@ -1,6 +1,7 @@
 """The front end's failover policy against fake instance drivers over pipes (no processes): a
 request whose instances keep dying is quarantined after --max-request-failovers, the others go
-on, --max-instances bounds scale-up, and nothing per request is held once requests end."""
+on, --max-instances bounds scale-up, --max-ranks bounds every start (admin, restart, auto-restart)
+before anything starts, and nothing per request is held once requests end."""
 
 from __future__ import annotations
 
@@ -204,5 +205,117 @@ def test_a_failed_automatic_restart_ends_the_requests_that_waited_for_it():
         out = asyncio.run(asyncio.wait_for(_run(cluster, "lost-3", VANISH), timeout=10))
         assert isinstance(out, EngineDeadError), out
         assert cluster.instances[0].state == InstanceState.DEAD and "no Ray node had room" in cluster.instances[0].dead
+    finally:
+        cluster.stop(timeout=5)
+
+
+def _admin(cluster, method: str, path: str, **kw):
+    """One admin request to the cluster's routes in-process, from 127.0.0.1 (admin without a key)."""
+    import httpx
+    from fastapi import FastAPI
+
+    from dist_infer.serving.admin_routes import add_admin_routes
+
+    app = FastAPI()
+    add_admin_routes(app, cluster)
+
+    async def go():
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as h:
+            return await h.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def _recording_spawner(started: list):
+    """A spawner that lists what it started, as (index, layout, job); its jobs run until killed."""
+    def spawn(index, spec):
+        started.append((index, spec.describe(), FakeJob()))
+        return started[-1][2]
+
+    return spawn
+
+
+def _stop(cluster, started: list) -> None:
+    for _, _, job in started:
+        job.kill()  # jobs that never join: their start fails at once, the stop does not wait for them
+    cluster.stop(timeout=5)
+
+
+def test_admin_scale_up_past_max_ranks_gets_400_naming_it_and_starts_nothing():
+    import psutil
+
+    from dist_infer.serving.rank_budget import RankBudget
+
+    started = []
+    cluster, _ = _cluster(2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(8))
+    children = len(psutil.Process().children(recursive=True))
+    try:
+        r = _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=99999"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "layout tp=99999 needs 99999 ranks; --max-ranks is 8 (2 running)"
+        long = _admin(cluster, "POST", "/admin/instances", json={"layout": "tp1," * 100_000})
+        assert long.status_code == 400 and "--max-ranks" in long.json()["error"]["message"], long.text[:300]
+        assert started == [] and len(cluster.instances) == 2, "refused before any instance was made or started"
+        assert len(psutil.Process().children(recursive=True)) == children, "no process was spawned"
+        assert _admin(cluster, "GET", "/admin/instances").json()["ranks"] == \
+            {"running": 2, "max": 8, "origin": "--max-ranks"}
+    finally:
+        cluster.stop(timeout=5)
+
+
+def test_ranks_starting_count_and_a_start_that_fits_later_gets_409():
+    from dist_infer.serving.rank_budget import RankBudget
+
+    started = []
+    cluster, _ = _cluster(2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(5),
+                          join_timeout_s=30)
+    try:
+        assert _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=2"}).status_code == 202
+        assert cluster.instances[2].state == InstanceState.STARTING and cluster.ranks_held() == 4
+        r = _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=2"})  # 2 + 2 starting + 2 > 5
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["message"] == "layout tp=2 needs 2 ranks; --max-ranks is 5 (4 running)"
+        assert _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=1"}).status_code == 202
+        assert [s[:2] for s in started] == [(2, "tp=2"), (3, "tp=1")] and len(cluster.instances) == 4
+    finally:
+        _stop(cluster, started)
+
+
+def test_a_restart_past_max_ranks_is_refused_by_the_operator_and_by_auto_restart():
+    """A dead instance's ranks are free: another instance may take them, and then neither an operator's
+    restart nor --auto-restart starts the dead one (the budget is asked at each start: a Ray cluster
+    that lost a node has fewer ranks)."""
+    import time
+
+    from dist_infer.serving.rank_budget import RankBudget
+
+    started, limit = [], {"now": 2}
+    cluster, _ = _cluster(2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(limit["now"]),
+                          join_timeout_s=30)
+    try:
+        asyncio.run(_run(cluster, "r0", [1, 2]))  # rr: the next goes to instance 1, which vanishes
+        assert asyncio.run(_run(cluster, "lost-budget", VANISH)) == [9, 10, 11, 12]
+        deadline = time.monotonic() + 10
+        while cluster.instances[1].state != InstanceState.DEAD:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=1"}).status_code == 202
+        r = _admin(cluster, "POST", "/admin/instances/1/restart")
+        assert r.status_code == 409 and "--max-ranks is 2 (2 running)" in r.json()["error"]["message"], r.text
+        assert cluster.instances[1].state == InstanceState.DEAD and [s[:2] for s in started] == [(2, "tp=1")]
+    finally:
+        _stop(cluster, started)
+
+    started = []
+    cluster, _ = _cluster(1, spawner=_recording_spawner(started), auto_restart=True,
+                          rank_capacity=lambda: RankBudget(limit["now"]))
+    limit["now"] = 0  # the node went with the instance: no rank left anywhere
+    try:
+        out = asyncio.run(asyncio.wait_for(_run(cluster, "lost-budget-2", VANISH), timeout=10))
+        assert isinstance(out, EngineDeadError), "the request parked for the restart ends, it does not wait"
+        dead = cluster.instances[0]
+        assert dead.state == InstanceState.DEAD and "needs 1 rank; --max-ranks is 0" in dead.dead, dead.dead
+        assert started == [], "nothing was started"
     finally:
         cluster.stop(timeout=5)

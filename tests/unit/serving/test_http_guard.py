@@ -38,6 +38,9 @@ class AdminEngine(FakeEngine):
     def describe_instances(self):
         return [{"index": 0, "requests": []}]
 
+    def describe_ranks(self):
+        return {"running": 1, "max": 2, "origin": "--max-ranks"}
+
 
 def call(app, method: str, path: str, client=("127.0.0.1", 5000), **kw) -> httpx.Response:
     """One request to `app` in-process, from `client` (an address no packet ever comes from)."""

@@ -165,7 +165,8 @@ def test_spawned_instances_share_the_host_s_cores(monkeypatch):
     monkeypatch.setattr(spawn_module, "threads_per_rank", lambda ranks: max(1, 8 // ranks))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     spec = parse_instances("tp2,tp1,tp1")
-    spawn = spawn_module.spawner(["serve", "--model", "m"], ("127.0.0.1", 1), b"k", local_ranks=sum(x.size for x in spec))
+    spawn = spawn_module.LocalSpawner(["serve", "--model", "m"], ("127.0.0.1", 1), b"k",
+                                      local_ranks=sum(x.size for x in spec))
     spawn(0, spec[0])
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     spawn(1, spec[1])
