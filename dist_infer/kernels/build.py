@@ -1,46 +1,131 @@
-"""Build `cpu_kernels.c` once per machine and load it.
+"""Build the native CPU kernels (cpu_kernels.c, decode_stack.c) once per node, and load them.
 
-The shared library is compiled for this CPU (-march=native) into a cache directory keyed by
-the source, the flags and the CPU's feature flags, so a cluster with mixed nodes or an edited
-kernel never loads a stale build. Ranks that start together race benignly: each compiles to
-a private temporary name and renames it into place atomically.
+The shared library is compiled for this CPU (-march=native) into a cache directory keyed by the
+source, the flags and the CPU's feature flags, so a cluster with mixed nodes or an edited kernel
+never loads a stale build. Every rank of a node starts at once: one takes the build's lock (flock
+on a file beside the library) and compiles, the others wait for it (bounded) and load its result.
+The library is compiled under a temporary name and renamed into place, so no one loads half a
+file, and the compiler runs under a timeout, killed with everything it started when it passes.
 
-Whether a model uses them is the caller's explicit choice: `use_native_kernels(module, kernels)`
-hands the loaded kernels (or None: torch's ops) to every layer of a model, at build time or later in
-the same process (`dist-infer ... --native-kernels off` for comparisons). They stay plain ctypes calls,
-not torch.library custom ops: the dispatcher adds ~7.5 us to a ~3.6 us call (measured on the 2-core
-machine), hundreds of calls per decode step; each call is a named profiler range instead.
+What a failed build means is the build mode, `DIST_INFER_KERNELS=auto|require|off` (the
+--native-kernels flag, where given, wins): auto falls back to torch's ops with one warning naming
+the cause, require raises with the compiler's error, off never builds. A cache directory that
+cannot be used (a file, read-only, full, another user's) is not a failure: the next one is tried, a
+private directory under the system's temp dir. A library is only loaded from a directory that this
+user alone can write to (and whose parent is this user's or root's): anyone else who could would
+choose the code every rank runs.
+
+Nothing is built at install time: -march=native must match the CPU that runs the library, and a
+wheel or a shared install is built on one machine and run on others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import fcntl
 import functools
 import hashlib
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Mapping, Optional, Union
 
-import torch
 from loguru import logger
 
-from dist_infer.kernels.decode_stack import DecodeStackPlan, DecodeStep
-from dist_infer.kernels.gemm import stack_gemm
+from dist_infer.kernels.cpu_kernels import CpuKernels
 
+MODES = ("auto", "require", "off")
+MODE_ENV = "DIST_INFER_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "decode_stack.c"))
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
-MAX_ROWS = 8  # skinny_linear handles 1..MAX_ROWS rows of x
-_f32 = ctypes.c_float
-_ptr, _long = ctypes.c_void_p, ctypes.c_long
+VARIANTS = ((FLAGS + ("-fopenmp",), True), (FLAGS, False))  # (flags, threaded): with OpenMP where it builds
+COMPILE_TIMEOUT_S = 300.0  # a compile takes ~3 s on the 2-core machine
+LOCK_TIMEOUT_S = COMPILE_TIMEOUT_S + 60.0  # a waiter outlasts the compile it waits for
+MIN_FREE_BYTES = 16 << 20  # the library is ~0.2 MB; less free than this and the next directory is tried
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("DIST_INFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dist_infer")
-    return Path(root) / "kernels"
+class KernelBuildError(RuntimeError):
+    """The native kernels could not be built or loaded (an error under DIST_INFER_KERNELS=require)."""
+
+
+class _CompilerFailed(Exception):
+    """The compiler exited non-zero, with this complaint (other flags may still build)."""
+
+
+def kernel_mode(requested: Union[str, bool, None] = None, environ: Optional[Mapping[str, str]] = None) -> str:
+    """auto, require or off: `requested` where it says (--native-kernels's; True defers, False is
+    off), else $DIST_INFER_KERNELS, else auto. Any other value is a ValueError naming its source."""
+    if requested is False:
+        return "off"
+    if requested is not None and requested is not True:
+        if requested not in MODES:
+            raise ValueError(f"native kernels mode {requested!r}: one of {', '.join(MODES)}")
+        return requested
+    value = (os.environ if environ is None else environ).get(MODE_ENV, "").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r}: one of {', '.join(MODES)}")
+    return value
+
+
+def compiler_command(environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+    """$CC split as a shell would (it may be `ccache gcc`), else cc, else gcc."""
+    cc = (os.environ if environ is None else environ).get("CC", "").strip()
+    if cc:
+        return tuple(shlex.split(cc))
+    return ("cc",) if shutil.which("cc") or not shutil.which("gcc") else ("gcc",)
+
+
+def cache_dirs(environ: Optional[Mapping[str, str]] = None) -> tuple[Path, ...]:
+    """Where a build may go, in order: $DIST_INFER_CACHE/kernels (else ~/.cache/dist_infer/kernels,
+    where there is a home), then a directory of this user's under the system's temp dir."""
+    env = os.environ if environ is None else environ
+    home = os.path.expanduser("~")
+    root = env.get("DIST_INFER_CACHE") or (os.path.join(home, ".cache", "dist_infer") if home != "~" else "")
+    private_tmp = Path(tempfile.gettempdir()) / f"dist_infer-{os.geteuid()}" / "kernels"
+    return ((Path(root) / "kernels",) if root else ()) + (private_tmp,)
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """How and where this process builds the kernels; `from_environment` gives the defaults."""
+
+    mode: str
+    compiler: tuple[str, ...]
+    cache_dirs: tuple[Path, ...]  # tried in order
+    compile_timeout_s: float = COMPILE_TIMEOUT_S
+    lock_timeout_s: float = LOCK_TIMEOUT_S
+
+    @classmethod
+    def from_environment(cls, mode: Union[str, bool, None] = None) -> "KernelBuild":
+        return cls(kernel_mode(mode), compiler_command(), cache_dirs())
+
+
+def prepare_cache_dir(path: Path, uid: int) -> None:
+    """Make `path` (and its parents, private to this user) and check that no other user can put a
+    library into it: it must be `uid`'s, its parent `uid`'s or root's; group and others lose write
+    permission on it. OSError where it cannot be used (a file on the way, read-only, another's)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another rank made it first
+            p.mkdir(mode=0o700)
+    st, parent = path.stat(), path.parent.stat()
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    if st.st_uid != uid or parent.st_uid not in (uid, 0):
+        owner = st.st_uid if st.st_uid != uid else parent.st_uid
+        raise PermissionError(errno.EPERM, f"owned by uid {owner}, not by this user ({uid}): another user "
+                                           "could replace the library", str(path if st.st_uid != uid else path.parent))
+    if st.st_mode & 0o022:
+        os.chmod(path, st.st_mode & 0o755)
 
 
 def _cpu_signature() -> str:
@@ -51,259 +136,155 @@ def _cpu_signature() -> str:
         return ""
 
 
-def _compile(cc: str, flags: tuple[str, ...], target: Path) -> Optional[str]:
-    """Compile to `target`; None on success, else the compiler's complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    proc = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        return proc.stderr.strip()[-500:]
-    os.replace(tmp, target)
-    return None
-
-
-class _Named:
-    """A C function that shows up under its name in a torch profile (ctypes calls otherwise don't)."""
-
-    __slots__ = ("fn", "label")
-
-    def __init__(self, fn, label: str):
-        self.fn, self.label = fn, label
-
-    def __call__(self, *args):
-        if not torch._C._autograd._profiler_enabled():
-            return self.fn(*args)
-        with torch.autograd.profiler.record_function(self.label):
-            return self.fn(*args)
-
-
-def _dequantize_fits(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor,
-                     group_size: int, bits: int) -> bool:
-    """Whether dequantize_rows' tensors are what the C function reads and writes: on the CPU,
-    contiguous, of its dtypes and of one another's shapes (a wrong one would read past a buffer)."""
-    if bits not in (4, 8) or not isinstance(group_size, int) or group_size <= 0 or out.dim() != 2:
-        return False
-    N, K = out.shape
-    if K == 0 or K % group_size or (bits == 4 and group_size % 2):
-        return False
-    q_dtype, q_cols = (torch.int8, K) if bits == 8 else (torch.uint8, K // 2)
-    want = [(q, q_dtype, (N, q_cols)), (scales, torch.float32, (N, K // group_size)),
-            (out, torch.float32, (N, K))] + ([(zeros, torch.float32, (N, K // group_size))] if zeros is not None else [])
-    return all(t.device.type == "cpu" and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
-               for t, dtype, shape in want)
-
-
-class CpuKernels:
-    """The loaded library, with torch-tensor entry points."""
-
-    def __init__(self, lib: ctypes.CDLL, threaded: bool):
-        self.threaded = threaded
-        self.gemm = stack_gemm()  # products past MAX_ROWS rows, in the stack and out (None: none found)
-        self.sgemm, self.sgemm_row_major = (self.gemm.address, self.gemm.row_major) if self.gemm else (None, False)
-        self._declare(lib)
-
-    def _declare(self, lib: ctypes.CDLL) -> None:
-        self._skinny = lib.skinny_linear
-        self._skinny.restype = ctypes.c_int
-        self._skinny.argtypes = [_ptr] * 3 + [_long] * 3 + [ctypes.c_int]
-        self._rms = lib.rms_norm
-        self._rms.restype = None
-        self._rms.argtypes = [_ptr] * 4 + [_long] * 2 + [_f32]
-        self._rope = lib.rope_cache_write
-        self._rope.restype = None
-        self._rope.argtypes = [_ptr] * 3 + [_long] * 3 + [_ptr] * 5 + [_long] * 4
-        self._attn = lib.decode_attention
-        self._attn.restype = ctypes.c_int
-        self._attn.argtypes = [_ptr] * 4 + [_long, _ptr] + [_long] * 6 + [_f32, _ptr, _ptr, ctypes.c_int]
-        self._quant = lib.quant_linear
-        self._quant.restype = ctypes.c_int
-        self._quant.argtypes = [_ptr] * 5 + [_long] * 4 + [ctypes.c_int, _long, ctypes.c_int]
-        self._dequant = lib.dequantize_rows
-        self._dequant.restype = ctypes.c_int
-        self._dequant.argtypes = [_ptr] * 4 + [_long] * 3 + [ctypes.c_int] * 2
-        self._stack = lib.decode_stack
-        self._stack.restype = ctypes.c_int
-        self._stack.argtypes = [_ptr, _long, _ptr, _ptr]
-        self._part = lib.decode_layer_part
-        self._part.restype = ctypes.c_int
-        self._part.argtypes = [_ptr, _long, ctypes.c_int] + [_ptr] * 4
-        for attr in ("_skinny", "_rms", "_rope", "_attn", "_quant", "_dequant", "_stack", "_part"):
-            fn = getattr(self, attr)
-            setattr(self, attr, _Named(fn, f"dist_infer::{fn.__name__}"))
-
-    def skinny_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight[N, K]^T for 1 <= M <= MAX_ROWS, fp32, contiguous, on the CPU."""
-        M, K = x.shape
-        N = weight.shape[0]
-        y = torch.empty(M, N, dtype=x.dtype)
-        threads = torch.get_num_threads() if self.threaded else 1
-        if self._skinny(x.data_ptr(), weight.data_ptr(), y.data_ptr(), M, N, K, threads) != 0:
-            raise ValueError(f"skinny_linear: {M} rows is outside 1..{MAX_ROWS}")
-        return y
-
-    def quant_linear(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                     group_size: int, bits: int) -> Optional[torch.Tensor]:
-        """x [M, K] @ W^T for W weight-only quantized (cpu_kernels.c's quant_linear: q int8 [N, K], or
-        [N, K / 2] bytes of two 4-bit values; fp32 scales / zeros [N, K / group_size]), 1 <= M <= MAX_ROWS,
-        all contiguous on the CPU. None where the kernel does not take the shape (the caller uses torch)."""
-        M, K = x.shape
-        N = q.shape[0]
-        y = torch.empty(M, N, dtype=x.dtype)
-        threads = torch.get_num_threads() if self.threaded else 1
-        if self._quant(x.data_ptr(), q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
-                       y.data_ptr(), M, N, K, group_size, bits, N, threads) != 0:
-            return None
-        return y
-
-    def dequantize_rows(self, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor,
-                        group_size: int, bits: int) -> bool:
-        """Rows of a weight-only quantized W as fp32 into `out` [N, K] (cpu_kernels.c's dequantize_rows;
-        quant_linear's layouts: q int8 [N, K] for bits 8, uint8 [N, K / 2] of two 4-bit values for bits 4;
-        fp32 scales / zeros [N, K / group_size]), bit for bit QuantizedWeight.dequantize's values. Row
-        slices of a layer's buffers are fine (contiguous from their first row). False, `out` untouched,
-        where the kernel does not take the tensors (the caller uses torch)."""
-        if not _dequantize_fits(q, scales, zeros, out, group_size, bits):
-            return False
-        threads = torch.get_num_threads() if self.threaded else 1
-        N, K = out.shape
-        return self._dequant(q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
-                             out.data_ptr(), N, K, group_size, bits, threads) == 0
-
-    def decode_step(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor,
-                    slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int],
-                    block_size: int, runs: Optional[torch.Tensor] = None) -> DecodeStep:
-        """A step's arguments for decode_stack / decode_layer_part, a row each (a sequence's new token,
-        or one token of a prompt chunk): cos/sin [B, head_dim] of the rows' positions, their cache
-        `slots` [B], block tables [B, width] and the keys each sees, seq_lens [B] (int64); `runs`
-        (None: a sequence a row) the row offsets of each sequence (DecodeStep). More than MAX_ROWS
-        rows need a GEMM (`self.sgemm`: oneDNN's or BLAS's, kernels/gemm.py)."""
-        if batch > MAX_ROWS and self.sgemm is None:
-            raise ValueError(f"decode_step: {batch} rows need a BLAS sgemm, and neither oneDNN's nor torch's BLAS "
-                             "was found")
-        threads = torch.get_num_threads() if self.threaded else 1
-        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, self.sgemm, runs,
-                         self.sgemm_row_major)
-
-    def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [B, hidden] (more than MAX_ROWS with a GEMM: decode_step) through every layer `plan`
-        packs (decode_stack.c): the hidden states after the last layer, each new key and value in its
-        cache slot."""
-        x = self._rows(x, step)
-        self._check(self._stack(ctypes.addressof(plan.packed), len(plan.layers), step.address, x.data_ptr()), x)
-        return x
-
-    def decode_layer_part(self, plan: DecodeStackPlan, step: DecodeStep, layer: int, part: int, x: torch.Tensor,
-                          pending: Optional[torch.Tensor], out: torch.Tensor) -> None:
-        """Half of layer `layer` (0: attention, 1: the MLP) for a tensor-parallel stage: x += pending
-        (in place), then the half's partial sum into `out` [B, hidden], for the caller to all-reduce."""
-        if not 0 <= layer < len(plan.layers) or part not in (0, 1):
-            raise ValueError(f"decode_layer_part: layer {layer} part {part} of a plan of {len(plan.layers)} layers")
-        for t in (x, pending, out):
-            if t is not None and (not t.is_contiguous() or t.dtype != torch.float32
-                                  or tuple(t.shape) != (step.batch, plan.hidden)):
-                raise ValueError(f"decode_layer_part: rows must be contiguous fp32 [{step.batch}, {plan.hidden}]")
-        rc = self._part(ctypes.addressof(plan.packed), layer, part, step.address, x.data_ptr(),
-                        pending.data_ptr() if pending is not None else None, out.data_ptr())
-        self._check(rc, x)
-
-    @staticmethod
-    def _rows(x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
-        if x.dim() != 2 or tuple(x.shape) != (step.batch, step.hidden) or x.dtype != torch.float32:
-            raise ValueError(f"decode_stack: rows {list(x.shape)} {x.dtype}, expected [{step.batch}, {step.hidden}] fp32")
-        return x.contiguous().clone()
-
-    @staticmethod
-    def _check(rc: int, x: torch.Tensor) -> None:
-        if rc == -1:
-            raise ValueError(f"decode_stack: a {list(x.shape)} step or a layer's shapes are outside what it takes")
-        if rc == -3:
-            raise RuntimeError(f"decode_stack: oneDNN's GEMM refused a product of a {list(x.shape)} step")
-        if rc != 0:
-            raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} rows")
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """HF's RMSNorm of x [T, H] (fp32, contiguous). With `residual`: x += residual in place
-        first, and the sum is what is normalised."""
-        out = torch.empty_like(x)
-        T, H = x.shape
-        self._rms(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                  out.data_ptr(), T, H, eps)
-        return out
-
-    def rope_cache_write(self, q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: Optional[torch.Tensor]) -> None:
-        """Rotary on q [T, heads * d] and k [T, kv_heads * d] in place; then k and v into cache `slots`.
-        q=None: keys and values only; k=None: queries only.
-
-        q, k, v may be column slices of one fused QKV output (row-strided, unit column stride)."""
-        _, _, kv_heads, d = k_cache.shape
-        rows = q if q is not None else k
-        for t in (q, k, v):
-            if t is not None and t.stride(-1) != 1:
-                raise ValueError("rope_cache_write: rows must have unit column stride")
-        self._rope(q.data_ptr() if q is not None else None, k.data_ptr() if k is not None else None,
-                   v.data_ptr() if v is not None else None, q.stride(0) if q is not None else 0,
-                   k.stride(0) if k is not None else 0, v.stride(0) if v is not None else 0,
-                   cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                   slots.data_ptr() if slots is not None else None, rows.shape[0],
-                   q.shape[1] // d if q is not None else 0, kv_heads if k is not None else 0, d)
-
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                         seq_lens: torch.Tensor, window: Optional[int], scale: float,
-                         lse: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One query per sequence, q [B, heads * d], against the paged cache -> [B, heads * d];
-        `lse` ([B, heads] fp32, given): filled with each row's log-sum-exp (-inf: no key). The
-        keys split in chunks over torch's threads (one sequence's long context too)."""
-        q = q.contiguous()  # a column slice of the QKV output: rows are strided
-        B = q.shape[0]
-        _, block_size, kv_heads, d = k_cache.shape
-        out = torch.empty_like(q)
-        threads = torch.get_num_threads() if self.threaded else 1
-        if self._attn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-                      seq_lens.data_ptr(), window or 0, B, q.shape[1] // d, kv_heads, d, block_size, scale,
-                      out.data_ptr(), lse.data_ptr() if lse is not None else None, threads) != 0:
-            raise MemoryError(f"decode_attention: no memory for the partials of {B} sequences")
-        return out
-
-
-@functools.lru_cache(maxsize=None)
-def load_cpu_kernels() -> Optional[CpuKernels]:
-    """The kernels for this machine, built on the first call (the build is cached on disk and the
-    loaded library in this process); None where they cannot be (no compiler, a failed build)."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        logger.debug("no C compiler found: native CPU kernels off, torch ops used instead")
-        return None
+def library_name(flags: tuple[str, ...]) -> str:
+    """The cached library's file name: a digest of the sources, `flags` and this CPU's features."""
     source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
-    for flags, threaded in ((FLAGS + ("-fopenmp",), True), (FLAGS, False)):
-        key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-        target = cache_dir() / f"cpu_kernels-{key}.so"
-        error = None if target.exists() else _compile(cc, flags, target)
-        if error is None:
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    return f"cpu_kernels-{key}.so"
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, timeout_s: float) -> Iterator[bool]:
+    """An exclusive flock on `path`, waited for up to `timeout_s` (KernelBuildError past it); yields
+    whether another process held it first."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline, told = time.monotonic() + timeout_s, False
+        while True:
             try:
-                return CpuKernels(ctypes.CDLL(str(target)), threaded)
-            except OSError as exc:
-                error = str(exc)
-        logger.debug(f"building native CPU kernels with {' '.join(flags)} failed: {error}")
-    logger.warning("native CPU kernels could not be built (see --log-level DEBUG); torch ops used instead")
-    return None
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise KernelBuildError(f"another process held the build lock {path} for over {timeout_s:g} s "
+                                           "(a build that hangs, or a stopped process)") from None
+                if not told:
+                    logger.info(f"waiting for another process to build the native CPU kernels ({path})")
+                    told = True
+                time.sleep(0.05)
+        yield told
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def serving(kernels: Optional[CpuKernels], *tensors: torch.Tensor) -> Optional[CpuKernels]:
-    """`kernels` if every tensor is what they are written for (fp32 on the CPU), else None. Any
-    device but the CPU is refused (CUDA, and whatever else a tensor may live on): they read host memory."""
-    if kernels is None or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+def _compile(compiler: tuple[str, ...], flags: tuple[str, ...], target: Path, timeout_s: float) -> None:
+    """Compile the sources into a temporary file beside `target`, then rename it into place.
+    _CompilerFailed with the compiler's complaint; KernelBuildError where it runs past `timeout_s`
+    (it is killed, with the cc1/as/ld it started: they share its new process group)."""
+    fs = os.statvfs(target.parent)
+    if fs.f_bavail * fs.f_frsize < MIN_FREE_BYTES:  # else the compiler's own complaint would end the build
+        raise OSError(errno.ENOSPC, f"under {MIN_FREE_BYTES >> 20} MiB free", str(target.parent))
+    fd, tmp = tempfile.mkstemp(prefix=f"{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.Popen([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+        except OSError as exc:
+            raise _CompilerFailed(f"cannot run {compiler[0]}: {exc}") from None
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise KernelBuildError(f"the compiler ({shlex.join(compiler)}) ran past {timeout_s:g} s and was "
+                                   "killed") from None
+        if proc.returncode != 0:
+            raise _CompilerFailed(err.strip()[-2000:] or f"{compiler[0]} exited with status {proc.returncode}")
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def build_library(compiler: tuple[str, ...], flags: tuple[str, ...], target: Path,
+                  compile_timeout_s: float = COMPILE_TIMEOUT_S, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
+    """Make sure `target` exists: compiled here under its lock, or by whoever held the lock first.
+    Raises _CompilerFailed, KernelBuildError (a timeout) and OSError (the directory's)."""
+    if target.exists():
+        return
+    failed, asked = target.with_name(target.name + ".failed"), time.time()
+    with _build_lock(target.with_name(target.name + ".lock"), lock_timeout_s) as waited:
+        if target.exists():  # built while this process waited
+            return
+        if waited and failed.exists() and failed.stat().st_mtime >= asked - 1:
+            _raise_failure(failed.read_text())  # failed while this process waited: not N compiles, N timeouts
+        try:
+            _compile(compiler, flags, target, compile_timeout_s)
+        except (_CompilerFailed, KernelBuildError) as exc:
+            with contextlib.suppress(OSError):  # the failure itself is what to report
+                failed.write_text(f"{type(exc).__name__}\n{exc}")
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            failed.unlink()
+
+
+def _raise_failure(record: str) -> None:
+    """Raise the failure another process recorded (`type name\nmessage`) as it was raised there."""
+    kind, _, message = record.partition("\n")
+    raise (KernelBuildError if kind == KernelBuildError.__name__ else _CompilerFailed)(message)
+
+
+def _load_from(directory: Path, compiler: tuple[str, ...], build: KernelBuild) -> CpuKernels:
+    """The kernels built in `directory`, OpenMP's variant first. KernelBuildError where the compiler
+    fails every variant (another directory would not help); OSError where the directory fails."""
+    failures = []
+    for flags, threaded in VARIANTS:
+        target = directory / library_name(flags)
+        try:
+            build_library(compiler, flags, target, build.compile_timeout_s, build.lock_timeout_s)
+        except _CompilerFailed as exc:
+            failures.append(f"`{shlex.join(compiler)} {' '.join(flags)}` failed: {exc}")
+            logger.debug(failures[-1])
+            continue
+        return CpuKernels(ctypes.CDLL(str(target)), threaded)  # OSError (a noexec mount): the next directory
+    raise KernelBuildError("\n".join(failures))
+
+
+def _build_and_load(build: KernelBuild) -> tuple[CpuKernels, list[str]]:
+    """The kernels, and each cache directory passed over with why."""
+    if not build.compiler or shutil.which(build.compiler[0]) is None:
+        raise KernelBuildError(f"no C compiler: {build.compiler[0] if build.compiler else '$CC'!r} is not on "
+                               "PATH (set CC)")
+    passed_over = []
+    for directory in build.cache_dirs:
+        try:
+            prepare_cache_dir(directory, os.geteuid())
+            return _load_from(directory, build.compiler, build), passed_over
+        except OSError as exc:
+            passed_over.append(f"{directory} is unusable ({exc})")
+    raise KernelBuildError("no usable cache directory: " + "; ".join(passed_over))
+
+
+def load_native_kernels(build: KernelBuild) -> Optional[CpuKernels]:
+    """The kernels as `build` says: None under off; under auto None where they cannot be built,
+    with one warning naming why; under require KernelBuildError, with the compiler's message."""
+    if build.mode == "off":
+        logger.debug(f"native CPU kernels off ({MODE_ENV}=off or --native-kernels off): torch ops used")
         return None
+    try:
+        kernels, passed_over = _build_and_load(build)
+    except KernelBuildError as exc:
+        if build.mode == "require":
+            raise KernelBuildError(f"native CPU kernels required ({MODE_ENV}=require or --native-kernels "
+                                   f"require) but not built: {exc}") from None
+        logger.warning(f"native CPU kernels not built, torch ops used instead ({MODE_ENV}=require makes this an "
+                       f"error): {exc}")
+        return None
+    if passed_over:
+        logger.warning(f"native CPU kernels built in {Path(kernels.library_path).parent}, as "
+                       + "; ".join(passed_over))
     return kernels
 
 
-def use_native_kernels(module: torch.nn.Module, kernels: Optional[CpuKernels]) -> None:
-    """Give `kernels` (None: torch's ops) to every submodule that can use them (those with a
-    `kernels` attribute: the linear layers, RMSNorm, attention). The explicit switch."""
-    for m in module.modules():
-        if hasattr(m, "kernels"):
-            m.kernels = kernels
+def load_cpu_kernels(mode: Union[str, bool, None] = None) -> Optional[CpuKernels]:
+    """The kernels for this machine, built on the first call (on disk once per node, loaded once per
+    process and mode). `mode`: auto, require or off; None: $DIST_INFER_KERNELS's, else auto."""
+    return _loaded(kernel_mode(mode))
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(mode: str) -> Optional[CpuKernels]:
+    return load_native_kernels(KernelBuild.from_environment(mode))

@@ -23,6 +23,8 @@
 #include <omp.h>
 #endif
 
+#include "cpu_kernels.h"  /* the compiler checks each definition against its prototype */
+
 #if defined(__AVX512F__)
 #define VW 16
 #include <immintrin.h>

@@ -92,12 +92,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="where each rank's shard and KV cache live: cuda (the rank's local GPU, NCCL between "
                         "ranks), cpu (gloo), or auto: cuda where torch sees a GPU, else cpu (default %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size in tokens (default %(default)s)")
-    p.add_argument("--native-kernels", choices=("on", "layers", "off"), default="on",
-                   help="on: the native CPU kernels (kernels/cpu_kernels.c, compiled on first use) run the fp32 decode "
-                        "step's GEMMs, norms and attention where they serve, and a plain Llama stage's steps (decodes, "
-                        "prompt chunks beside them, prefills) through all its layers in one call, with torch's BLAS past "
-                        "8 rows (kernels/decode_stack.c); layers: the same kernels called layer by "
-                        "layer; off: torch's ops only. layers and off are for comparisons (default %(default)s)"),
+    p.add_argument("--native-kernels", choices=("auto", "require", "layers", "off", "on"), default=None,
+                   help="auto: the native CPU kernels (kernels/cpu_kernels.c, compiled once per node on first use with "
+                        "$CC, cached under $DIST_INFER_CACHE or ~/.cache/dist_infer) run the fp32 decode step's GEMMs, "
+                        "norms and attention where they serve, and a plain Llama stage's steps (decodes, prompt chunks "
+                        "beside them, prefills) through all its layers in one call, with torch's BLAS past 8 rows "
+                        "(kernels/decode_stack.c); where they cannot be built, torch's ops, with one warning naming "
+                        "why. require: the same, but a failed build is an error with the compiler's message. layers: "
+                        "auto's kernels called layer by layer. off: torch's ops only (no Triton kernels on CUDA "
+                        "either). on: auto's older name. layers and off are for comparisons. Default: "
+                        "$DIST_INFER_KERNELS (auto, require or off; the same setting, for library use too), else "
+                        "auto; the flag, where given, wins over it")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="decode steps on a GPU replayed from CUDA graphs captured at start-up, one per batch-size "
                         "bucket (1, 2, 4, ... up to --max-num-seqs; the rows past a step's own are padding): auto "
@@ -181,6 +186,12 @@ def overlap_options(args) -> dict:
             "sequence_parallel_threshold": args.sequence_parallel_threshold or DEFAULT_SEQUENCE_PARALLEL_THRESHOLD}
 
 
+def native_kernel_mode(flag: str | None) -> str | bool:
+    """--native-kernels as the loader's build mode: True where not given ($DIST_INFER_KERNELS
+    decides, else auto), else auto, require or off (layers and on build as auto)."""
+    return True if flag is None else {"layers": "auto", "on": "auto"}.get(flag, flag)
+
+
 def load_model(args, groups):
     """This rank's stage of --model (its shard only) -> (stage, load report, model path)."""
     import torch
@@ -192,9 +203,10 @@ def load_model(args, groups):
     device = resolve_device(getattr(args, "device", "auto"))
     stage, report = load_stage(model, groups, getattr(torch, args.dtype), split, device=device,
                                quantization=getattr(args, "quantization", "auto"),
-                               expert_placement=args.expert_placement, native_kernels=args.native_kernels != "off",
+                               expert_placement=args.expert_placement,
+                               native_kernels=native_kernel_mode(args.native_kernels),
                                ladder=getattr(args, "ladder_residual", None))
-    stage.native_decode_stack = args.native_kernels == "on"  # models/fused_decode.py
+    stage.native_decode_stack = args.native_kernels != "layers"  # models/fused_decode.py
     return stage, report, model
 
 

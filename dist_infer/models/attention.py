@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dist_infer.kernels import CpuKernels, serving
+from dist_infer.kernels import CpuKernels, kernels_if_cpu_fp32
 from dist_infer.models.attention_metadata import AttentionMetadata
 
 
@@ -46,7 +46,7 @@ def native_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMe
     """`kernels` if they serve this step (CPU, fp32, not context parallel), else None."""
     if meta.seq_lens_t is None or meta.cp is not None:
         return None
-    return serving(kernels, q, k_cache)
+    return kernels_if_cpu_fp32(kernels, q, k_cache)
 
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

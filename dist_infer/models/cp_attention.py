@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import CpuKernels, serving
+from dist_infer.kernels import CpuKernels, kernels_if_cpu_fp32
 from dist_infer.models.attention_metadata import AttentionMetadata, ContextParallelMetadata
 from dist_infer.parallel.ring.layout import RingLayout
 from dist_infer.parallel.ring.local_attention import attention_with_lse
@@ -147,7 +147,7 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return (torch.zeros(B, heads, d, dtype=acc, device=q.device),
                 torch.full((B, heads), float("-inf"), dtype=acc, device=q.device))
     lens = local_lens_t if local_lens_t is not None else torch.tensor(list(local_lens), dtype=torch.long, device=q.device)
-    kernels = serving(kernels, q, k_cache)
+    kernels = kernels_if_cpu_fp32(kernels, q, k_cache)
     if kernels is not None:  # a CPU model: `lens` is a host int64 tensor
         lse = torch.empty(B, heads, dtype=torch.float32)
         out = kernels.decode_attention(q.reshape(B, heads * d), k_cache, v_cache, block_tables.contiguous(),

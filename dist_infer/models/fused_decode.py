@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from dist_infer.kernels.build import MAX_ROWS, CpuKernels, serving
+from dist_infer.kernels import MAX_ROWS, CpuKernels, kernels_if_cpu_fp32
 from dist_infer.kernels.decode_stack import DecodeStackPlan, StackLayer, StackLinear
 from dist_infer.models.attention_metadata import AttentionMetadata
 from dist_infer.models.ladder import Ready
@@ -63,7 +63,8 @@ def _stack_layer(layer, kv) -> Optional[StackLayer]:
     if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
         return None
     k_cache, v_cache = kv
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or serving(attn.kernels, k_cache, v_cache) is None:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or kernels_if_cpu_fp32(attn.kernels, k_cache, v_cache) is None:
         return None
     return StackLayer(norms[0], norms[1], *parts, k_cache.data_ptr(), v_cache.data_ptr())
 

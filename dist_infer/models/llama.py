@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import serving
+from dist_infer.kernels import kernels_if_cpu_fp32
 from dist_infer.models.attention import (
     attention_gpu,
     attention_native,
@@ -68,7 +68,7 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def _native(self, x: torch.Tensor):
-        return serving(self.kernels, x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
+        return kernels_if_cpu_fp32(self.kernels, x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
 
     def _gpu(self, x: torch.Tensor):
         gpu = self.gpu_kernels
@@ -82,7 +82,8 @@ class RMSNorm(nn.Module):
         if gpu is not None and branch.shape == x.shape and branch.stride(-1) == 1:
             return gpu.rms_norm(x, self.weight, self.eps, residual=branch)
         kernels = self._native(x)
-        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() and serving(kernels, branch):
+        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() \
+                and kernels_if_cpu_fp32(kernels, branch):
             return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
         x = x + branch
         return x, self(x)

@@ -11,12 +11,12 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from dist_infer.comm.groups import ParallelGroups
-from dist_infer.kernels import load_cpu_kernels, use_native_kernels
+from dist_infer.kernels import kernel_mode, load_cpu_kernels, use_native_kernels
 from dist_infer.kernels.gpu import load_gpu_kernels, use_gpu_kernels
 from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb, return_freed_memory
 from dist_infer.models.config import ModelConfig, with_ladder
@@ -57,7 +57,7 @@ def place_stage(stage: LlamaStage, device: Optional[torch.device], gpu_kernels: 
     """Move a loaded stage to `device` (None or the CPU: it stays where it was built). The engine
     puts its KV cache and every step's tensors where the stage's parameters are. On CUDA the
     layers get the Triton kernels (kernels/gpu) where Triton is installed, unless `gpu_kernels`
-    is False (--native-kernels off: torch's ops everywhere)."""
+    is False (--native-kernels off or DIST_INFER_KERNELS=off: torch's ops everywhere)."""
     if device is not None and torch.device(device).type != "cpu":
         stage.to(device)
         if torch.device(device).type == "cuda":
@@ -112,10 +112,11 @@ def quantize_layers(stage: LlamaStage, scheme: str, exact_embedding: bool = Fals
 
 
 def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                pp_split: Optional[Sequence[int]] = None, native_kernels: bool = True, quantization: str = "none",
+                pp_split: Optional[Sequence[int]] = None, native_kernels: Union[bool, str] = True, quantization: str = "none",
                 exact_embedding: bool = False, ladder=None, **options) -> LlamaStage:
     """`options` go to the family's builder (e.g. expert_placement for MoE models). `native_kernels`:
-    hand the native CPU kernels to the layers (they use them where they serve: fp32 on the CPU);
+    hand the native CPU kernels to the layers (they use them where they serve: fp32 on the CPU), built
+    as the mode says (auto, require, off; True: $DIST_INFER_KERNELS's, else auto; False: off);
     `use_native_kernels(stage, None)` switches them off again in the same process. `quantization`:
     a resolved scheme (see resolve_quantization) the layers are set to before loading;
     `exact_embedding`: see quantize_layers. `ladder`: --ladder-residual's override of config.json's
@@ -125,7 +126,7 @@ def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = t
     layers = stage_layers(cfg.num_layers, pp.size, pp.rank, pp_split)
     stage = builder_for(cfg.model_type)(cfg, groups, layers, pp.rank == 0, pp.rank == pp.size - 1, dtype, **options)
     quantize_layers(stage, quantization, exact_embedding)
-    use_native_kernels(stage, load_cpu_kernels() if native_kernels else None)
+    use_native_kernels(stage, load_cpu_kernels(native_kernels))
     return stage
 
 
@@ -152,7 +153,7 @@ def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
         with built_on(device, gguf, scheme, cfg):
             stage = build_stage(cfg, groups, dtype, pp_split, quantization=scheme, exact_embedding=exact, **options)
         stage.load_weights(ckpt.tensor)
-    place_stage(stage, device, options.get("native_kernels", True))
+    place_stage(stage, device, kernel_mode(options.get("native_kernels", True)) != "off")
     return_freed_memory()
     report = LoadReport(time.perf_counter() - start, rss0, peak_rss_mb(), (stage.layer_ids.start, stage.layer_ids.stop))
     return stage, report
@@ -175,4 +176,4 @@ def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.
         return state[name]
 
     stage.load_weights(get)
-    return place_stage(stage, device, options.get("native_kernels", True))
+    return place_stage(stage, device, kernel_mode(options.get("native_kernels", True)) != "off")

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import CpuKernels, serving
-from dist_infer.kernels.build import MAX_ROWS
+from dist_infer.kernels import MAX_ROWS, CpuKernels, kernels_if_cpu_fp32
 from dist_infer.parallel.quantized_linear import FloatLinear, QuantizedShard
 from dist_infer.parallel.sharding import HeadLayout, shard_range
 from dist_infer.parallel.tp_comm import reduce_from_tp
@@ -35,7 +34,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.dim() != 2 or x.device.type != "cpu" or rows < 1:
         return F.linear(x, weight, bias)
-    kernels = serving(kernels, x, weight)
+    kernels = kernels_if_cpu_fp32(kernels, x, weight)
     native = kernels is not None and x.is_contiguous() and weight.is_contiguous()
     if rows > MAX_ROWS:
         if not native or kernels.gemm is None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from dist_infer.kernels.build import MAX_ROWS
+from dist_infer.kernels import MAX_ROWS
 from dist_infer.parallel.quantized import QuantizedWeight, quantize_int4, quantize_int8, stack_rows
 
 SCHEMES = ("auto", "int8", "int4", "none")

@@ -59,7 +59,7 @@ def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[flo
     import torch
     import torch.nn.functional as F
 
-    from dist_infer.kernels.build import MAX_ROWS, load_cpu_kernels
+    from dist_infer.kernels import MAX_ROWS, load_cpu_kernels
 
     torch.set_num_threads(threads)
     kernels = load_cpu_kernels()

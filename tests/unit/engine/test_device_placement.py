@@ -32,7 +32,7 @@ from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.pipeline import TAG_FORWARD
 from dist_infer.engine.sampling import SampledTokens, SamplingParams, sample_rows, usable_logits
 from dist_infer.engine.step_loop import Engine
-from dist_infer.kernels import load_cpu_kernels, serving
+from dist_infer.kernels import kernels_if_cpu_fp32, load_cpu_kernels
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.loader import build_stage
 from dist_infer.parallel.moe.routing import token_chunk
@@ -284,5 +284,6 @@ def test_the_native_cpu_kernels_serve_host_tensors_only():
     host = torch.zeros(2, 4)
     with mode:
         on_cuda = torch.zeros(2, 4, device="cuda")
-        assert serving(kernels, on_cuda) is None and serving(kernels, host, on_cuda) is None
-    assert serving(kernels, torch.zeros(2, 4, device="meta")) is None and serving(kernels, host) is kernels
+        assert kernels_if_cpu_fp32(kernels, on_cuda) is None and kernels_if_cpu_fp32(kernels, host, on_cuda) is None
+    assert kernels_if_cpu_fp32(kernels, torch.zeros(2, 4, device="meta")) is None
+    assert kernels_if_cpu_fp32(kernels, host) is kernels

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_infer.kernels import load_cpu_kernels, serving, use_native_kernels
-from dist_infer.kernels.build import MAX_ROWS
+from dist_infer.kernels import MAX_ROWS, kernels_if_cpu_fp32, load_cpu_kernels, use_native_kernels
 from dist_infer.models.attention import attention_native, last_token_attention_native, paged_attention
 from dist_infer.models.attention_metadata import build_attention_metadata
 from dist_infer.models.rope import Rotary, apply_rotary
@@ -220,8 +219,8 @@ def test_kernels_are_an_explicit_switch():
     use_native_kernels(holder, kernels)
     assert norm.kernels is kernels
     x = torch.randn(3, 8)
-    assert serving(kernels, x) is kernels
-    assert serving(kernels, x.bfloat16()) is None and serving(None, x) is None
+    assert kernels_if_cpu_fp32(kernels, x) is kernels
+    assert kernels_if_cpu_fp32(kernels, x.bfloat16()) is None and kernels_if_cpu_fp32(None, x) is None
     on = norm(x)
     use_native_kernels(holder, None)
     assert norm.kernels is None
