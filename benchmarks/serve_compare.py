@@ -194,7 +194,7 @@ def failover(model: str, log_dir: Path, common: list[str], args, extra: list[str
 def vocab_size(model: str) -> int:
     if Path(model).is_dir():
         return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    from dist_infer.models.gguf_checkpoint import GGUFCheckpoint
+    from dist_infer.models.gguf.checkpoint import GGUFCheckpoint
 
     with GGUFCheckpoint(model) as ckpt:
         return int(ckpt.config["vocab_size"])

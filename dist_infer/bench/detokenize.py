@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from dist_infer.serving.detokenizer import IncrementalDetokenizer
+from dist_infer.serving.http.detokenizer import IncrementalDetokenizer
 
 SAMPLE = ("The quick brown fox jumps over the lazy dog; Grüße aus Köln, 世界 🙂. "
           "Serving systems stream tokens to many users at once, and each one needs its text. ")

@@ -100,7 +100,7 @@ def run_generate(args) -> int:
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.rank import join_job
     from dist_infer.models.checkpoint import peak_rss_mb
-    from dist_infer.models.gguf_checkpoint import shared_parses
+    from dist_infer.models.gguf.checkpoint import shared_parses
     from dist_infer.models.moe import moe_report
     from dist_infer.topology import ParallelConfig
 

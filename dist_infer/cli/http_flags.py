@@ -1,5 +1,5 @@
 """The command-line flags of the HTTP front end's protection (keys, TLS, CORS, body limit, connection bounds),
-turned into the HttpGuard that serving/api_server.py's build_app and serve_http take."""
+turned into the HttpGuard that serving/http/api_server.py's build_app and serve_http take."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 from typing import Iterable, Optional
 
 from dist_infer.arg_types import existing_file, positive_int, positive_seconds, positive_size
-from dist_infer.serving.cache_isolation import ISOLATION_MODES
-from dist_infer.serving.http_guard import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+from dist_infer.serving.http.cache_isolation import ISOLATION_MODES
+from dist_infer.serving.http.guard import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                                            DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HttpGuard)
 
 API_KEY_ENV = "DIST_INFER_API_KEY"  # comma-separated keys, added to --api-key

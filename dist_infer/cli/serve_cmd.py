@@ -3,8 +3,8 @@
 The API (HTTP, dispatch, migration, failover) is a process of its own that hosts no rank
 (cli/serve_frontend.py). Each instance's ranks load their shard and build the engine; the
 instance's first rank (its driver) connects to the front end's hub and runs the step loop as it
-is told (serving/join.py, serving/instance_server.py); the other ranks follow the step plans.
-Every rank listens on its own KV link (comm/peer_link.py), authenticated with the cluster key, so
+is told (serving/instance/join.py, serving/instance/driver_loop.py); the other ranks follow the step plans.
+Every rank listens on its own KV link (comm/peer/link.py), authenticated with the cluster key, so
 after start-up no instance waits on another's ranks: an instance can die, be stopped, or be
 started again as a job of its own (`serve --join HOST:PORT --instance-index I`) while the others
 serve on.
@@ -26,7 +26,7 @@ from loguru import logger
 
 from dist_infer.arg_types import port_number, positive_int, positive_size
 from dist_infer.cli.extras import need
-from dist_infer.serving.spawn import HUB_KEY_ENV
+from dist_infer.serving.placement.spawn import HUB_KEY_ENV
 
 KV_CACHE_MEMORY_DEFAULT = "1G"
 SWITCH_INTERVAL_S = 5e-4
@@ -178,7 +178,7 @@ def default_kv_blocks(stage, block_size: int, memory_bytes: int, max_num_seqs: i
 def _join(args):
     """-> (world, this rank's instance index, the instance specs, the instance's groups)."""
     from dist_infer.launch.rank import join_job, join_world
-    from dist_infer.serving.instances import InstanceSpec, check_roles, check_world, join_instance, parse_instances
+    from dist_infer.serving.fleet.instance_specs import InstanceSpec, check_roles, check_world, join_instance, parse_instances
     from dist_infer.topology import ParallelConfig
 
     if args.join:
@@ -231,8 +231,8 @@ def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: 
     import torch
 
     from dist_infer.launch.model_options import build_engine, load_model, scheduler_options
-    from dist_infer.serving.join import block_bytes, open_kv_link, run_instance
-    from dist_infer.serving.wire import Hello
+    from dist_infer.serving.instance.join import block_bytes, open_kv_link, run_instance
+    from dist_infer.serving.fleet.wire import Hello
 
     driver = groups.world.rank == 0
     stage, report, _ = load_model(args, groups)  # token ids only: the front end holds the tokenizer
@@ -276,8 +276,8 @@ def _reach_frontend(args, world):
     and tells every rank where it listens (a collective)."""
     import secrets
 
-    from dist_infer.serving.join import hub_host, hub_to_join, share_hub_address
-    from dist_infer.serving.spawn import start_frontend_child
+    from dist_infer.serving.instance.join import hub_host, hub_to_join, share_hub_address
+    from dist_infer.serving.placement.spawn import start_frontend_child
 
     if args.join:
         address, key = hub_to_join(args.join, args.hub_key_file)

@@ -2,11 +2,11 @@
 
 It is a process of its own that hosts no engine rank (as vLLM v1 keeps its API server apart from
 EngineCore): every instance, a single one included, is its own processes whose driver connects
-to this process's hub (serving/hub.py, serving/join.py). Killing any rank of any instance
+to this process's hub (serving/fleet/hub.py, serving/instance/join.py). Killing any rank of any instance
 therefore ends at most that instance; its requests go on on the others, and the API answers
 throughout.
 
-Two ways it starts (serving/spawn.py starts the processes):
+Two ways it starts (serving/placement/spawn.py starts the processes):
 - `dist-infer serve` outside any launcher: this process is the front end and starts each
   instance as a job of its own (`serve --join`, our launcher for its ranks), the same way it
   restarts a dead instance or adds one.
@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from loguru import logger
 
-from dist_infer.serving.spawn import HUB_KEY_ENV, LocalSpawner, write_hub_file
+from dist_infer.serving.placement.spawn import HUB_KEY_ENV, LocalSpawner, write_hub_file
 
 if TYPE_CHECKING:
-    from dist_infer.serving.rank_budget import RankBudget
+    from dist_infer.serving.placement.rank_budget import RankBudget
 
 
 def served_name(flag: Optional[str], model: str) -> str:
@@ -76,8 +76,8 @@ def run_frontend(args, argv: list[str]) -> int:
     from dist_infer.cli.http_flags import http_options_of
     from dist_infer.launch.logs import configure_logging
     from dist_infer.launch.model_options import model_path
-    from dist_infer.serving.hub import Hub, StartupWaiter
-    from dist_infer.serving.instances import check_roles, parse_instances
+    from dist_infer.serving.fleet.hub import Hub, StartupWaiter
+    from dist_infer.serving.fleet.instance_specs import check_roles, parse_instances
 
     configure_logging("api", args.log_level)
     scale = autoscale_bounds(args)
@@ -126,14 +126,14 @@ def run_frontend(args, argv: list[str]) -> int:
 
 
 def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
-    """What starts instance i: a local job of its own, a Ray placement group (serving/placement_ray.py)
-    or a Slurm job step (serving/placement_slurm.py)."""
+    """What starts instance i: a local job of its own, a Ray placement group (serving/placement/ray_placement.py)
+    or a Slurm job step (serving/placement/slurm_placement.py)."""
     if getattr(args, "placement", "local") == "slurm":
-        from dist_infer.serving.placement_slurm import SlurmSpawner
+        from dist_infer.serving.placement.slurm_placement import SlurmSpawner
 
         return SlurmSpawner(argv, hub, key)
     if getattr(args, "placement", "local") == "ray":
-        from dist_infer.serving.placement_ray import RaySpawner, connect
+        from dist_infer.serving.placement.ray_placement import RaySpawner, connect
 
         connect(args.ray_address)
         return RaySpawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
@@ -149,7 +149,7 @@ def rank_capacity_for(args, spawn, specs) -> Callable[[], "RankBudget"]:
     """What the cluster asks for the rank budget at each start: --max-ranks, else the placement's
     capacity (asked anew: a Ray cluster grows). The start-up instances must fit it before any starts
     (a launched job's, --frontend-only, run already)."""
-    from dist_infer.serving.rank_budget import RankBudget
+    from dist_infer.serving.placement.rank_budget import RankBudget
 
     fixed = RankBudget(args.max_ranks) if getattr(args, "max_ranks", None) else None
     capacity = (lambda: fixed) if fixed is not None else spawn.rank_capacity
@@ -166,7 +166,7 @@ def rank_capacity_for(args, spawn, specs) -> Callable[[], "RankBudget"]:
 
 def autoscale_bounds(args) -> Optional[tuple[int, int]]:
     """--autoscale's (MIN, MAX), checked with --slo and --max-instances before anything starts."""
-    from dist_infer.serving.autoscale import parse_autoscale, parse_slo
+    from dist_infer.serving.placement.autoscale_policy import parse_autoscale, parse_slo
 
     if not getattr(args, "autoscale", None):
         if getattr(args, "slo", None):
@@ -182,8 +182,8 @@ def autoscale_bounds(args) -> Optional[tuple[int, int]]:
 
 
 def _autoscaler(args, cluster):
-    from dist_infer.serving.autoscale import AutoscalePolicy, parse_autoscale, parse_slo
-    from dist_infer.serving.autoscaler import Autoscaler
+    from dist_infer.serving.placement.autoscale_policy import AutoscalePolicy, parse_autoscale, parse_slo
+    from dist_infer.serving.placement.autoscaler import Autoscaler
 
     lo, hi = parse_autoscale(args.autoscale)
     policy = AutoscalePolicy(lo, hi, parse_slo(args.slo), cooldown_s=args.autoscale_cooldown,
@@ -196,7 +196,7 @@ def _autoscaler(args, cluster):
 def _default_hub_host(args) -> str:
     """127.0.0.1, or under --placement slurm the address the allocation's other nodes reach."""
     if getattr(args, "placement", "local") == "slurm":
-        from dist_infer.serving.placement_slurm import hub_host
+        from dist_infer.serving.placement.slurm_placement import hub_host
 
         return hub_host(os.environ)
     return "127.0.0.1"
@@ -238,8 +238,8 @@ def write_private(path: str, text: str) -> None:
 
 def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capacity, name: str, tokenizer,
            template, stopping: threading.Event) -> int:
-    from dist_infer.serving.api_server import build_app, serve_http
-    from dist_infer.serving.cluster import Cluster, InstanceClient
+    from dist_infer.serving.http.api_server import build_app, serve_http
+    from dist_infer.serving.fleet.cluster import Cluster, InstanceClient
 
     clients = [InstanceClient(i, conn, hello) for i, (conn, hello) in enumerate(joined)]
     for index, process in processes.items():

@@ -17,7 +17,6 @@ from dist_infer.comm.base import Communicator
 from dist_infer.topology.discovery import RankInfo, discover, free_port, needs_mpi, resolve_with_mpi
 from dist_infer.topology.network import set_socket_interface
 
-
 _LISTENERS: list[socket.socket] = []  # rendezvous sockets of this process (a job's rank 0 has one)
 
 

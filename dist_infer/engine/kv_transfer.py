@@ -10,7 +10,7 @@ their shared layers and heads, so a stage is a handful of large messages, not on
 `BlockMover` is one rank's side of it: the step plan says "send these blocks of migration M"
 or "receive into these", the mover copies the blocks into a contiguous buffer and sends it, or
 posts the receive and scatters the buffer into the cache blocks the moment it has arrived, both
-copies on a helper thread. The bytes travel over each rank's PeerLink (comm/peer_link.py), not a
+copies on a helper thread. The bytes travel over each rank's PeerLink (comm/peer/link.py), not a
 shared communicator: instances are separate jobs that die and restart on their own. A follower
 rank tells its driver when its share of a stage is in, so the driver's "stage done" means the
 whole instance has it, and the commit never waits for (or trusts) data that is not there.
@@ -28,7 +28,7 @@ import torch
 from loguru import logger
 
 from dist_infer.comm.base import Handle
-from dist_infer.comm.peer_link import Address, PeerLink, RecvHandle
+from dist_infer.comm.peer.link import Address, PeerLink, RecvHandle
 from dist_infer.engine.device_io import host_index
 from dist_infer.parallel.sharding import HeadLayout, stage_layers
 

@@ -1,6 +1,6 @@
 """One instance's side of a live request migration, on its driver (the step loop's thread).
 
-The serving layer's orchestrator (serving/migration.py) calls these between steps, in this
+The serving layer's orchestrator (serving/migration/live_migration.py) calls these between steps, in this
 order, and every call answers through `reply(result)` or `reply(exception)`:
 
     source                                  destination

@@ -15,7 +15,7 @@ The hash is blake2b, not Python's `hash()` (salted per process): instances compa
 128 bits (HASH_BYTES): a block is served to whoever presents its hash, so finding two prompts whose
 blocks collide must cost ~2**64 work, not the ~2**32 of a 64-bit hash.
 
-A request's cache salt (vLLM's `cache_salt`; the front end's per-API-key salt, serving/cache_isolation.py)
+A request's cache salt (vLLM's `cache_salt`; the front end's per-API-key salt, serving/http/cache_isolation.py)
 is mixed into its first block's hash, and every later block chains from that one: requests share
 cached blocks only when their salts are equal (no salt is a salt of its own).
 Only the scheduler registers blocks, and only full blocks whose keys and values a launched step

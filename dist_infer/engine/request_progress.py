@@ -1,7 +1,7 @@
 """What a sampled token does to its request: append it, check the stops, report.
 
 The engine deals in token ids only: EOS, stop token ids and the length end a request here; the
-text and the stop strings are the front end's (serving/detokenizer.py), which aborts a request
+text and the stop strings are the front end's (serving/http/detokenizer.py), which aborts a request
 whose stop string it sees, so a request moved to another instance carries no text state.
 """
 

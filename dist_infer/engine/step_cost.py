@@ -126,7 +126,7 @@ class StepCostModel:
 def prefill_backlog_s(model: StepCostModel, prompts) -> Optional[float]:
     """Seconds of prompt compute still ahead of this engine: `prompts` gives (tokens computed,
     tokens left) per prompt not yet through its prefill. The autoscaler's predicted wait for a
-    first token (serving/autoscale.py), from the learned per-token costs; the steps' fixed cost and
+    first token (serving/placement/autoscale_policy.py), from the learned per-token costs; the steps' fixed cost and
     the decodes beside them are left out, so it errs short. None until a prompt's cost is learned."""
     if not model.ready:
         return None

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from dist_infer.models.checkpoint import CheckpointError
-from dist_infer.models.gguf_checkpoint import is_gguf
-from dist_infer.models.gguf_tokenizer import tokenizer_from_gguf
+from dist_infer.models.gguf.checkpoint import is_gguf
+from dist_infer.models.gguf.tokenizer import tokenizer_from_gguf
 
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "<|im_start|>")
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>", "<|endoftext|>", "<|im_end|>")

@@ -68,7 +68,7 @@ def run_rank_command(body: Callable[[], int]) -> int:
 
 def world_needed(args) -> int:
     if getattr(args, "instances", None):
-        from dist_infer.serving.instances import parse_instances
+        from dist_infer.serving.fleet.instance_specs import parse_instances
 
         # a serving instance's job (--join) is one instance: its ep and cp multiply its tp x pp
         return sum(s.size for s in parse_instances(args.instances, args.tp, args.pp)) * args.ep * args.cp

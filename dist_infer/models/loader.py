@@ -18,10 +18,16 @@ import torch
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.kernels import kernel_mode, load_cpu_kernels, use_native_kernels
 from dist_infer.kernels.gpu import load_gpu_kernels, use_gpu_kernels
-from dist_infer.models.checkpoint import CheckpointError, current_rss_mb, open_checkpoint, peak_rss_mb, return_freed_memory
+from dist_infer.models.checkpoint import (
+    CheckpointError,
+    current_rss_mb,
+    open_checkpoint,
+    peak_rss_mb,
+    return_freed_memory,
+)
 from dist_infer.models.config import ModelConfig, with_ladder
-from dist_infer.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
-from dist_infer.models.gguf_quant import EXACT_BITS
+from dist_infer.models.gguf.checkpoint import GGUFCheckpoint, is_gguf
+from dist_infer.models.gguf.quant import EXACT_BITS
 from dist_infer.models.llama import LlamaStage
 from dist_infer.models.registry import builder_for
 from dist_infer.parallel.quantized_linear import QuantizationError, check_scheme

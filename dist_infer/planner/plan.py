@@ -11,7 +11,7 @@ from typing import Optional
 
 from dist_infer.models.builtin import NAMES, resolve_model
 from dist_infer.models.config import ModelConfig, ModelConfigError
-from dist_infer.models.gguf_magic import is_gguf
+from dist_infer.models.gguf.magic import is_gguf
 from dist_infer.planner.engine_facts import OVERLAP_THRESHOLDS
 from dist_infer.planner.hardware import HardwareProfile, ProfileError, load_profile
 from dist_infer.planner.layout import LayoutError, candidate_layouts, parse_layout, why_not
@@ -49,7 +49,7 @@ def model_config_dict(model: Optional[str]) -> tuple[dict, str]:
         raise PlanError(f"--model {model}: no such file or directory (give a config.json, a checkpoint directory, "
                         f"a .gguf file, or one of {', '.join(builtin_configs() + list(NAMES))})")
     if is_gguf(path):
-        from dist_infer.models.gguf_checkpoint import GGUFCheckpoint  # (the GGUF reader loads torch)
+        from dist_infer.models.gguf.checkpoint import GGUFCheckpoint  # (the GGUF reader loads torch)
 
         with GGUFCheckpoint(path) as ckpt:
             return dict(ckpt.config), path

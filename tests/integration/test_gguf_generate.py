@@ -1,6 +1,6 @@
 """GGUF checkpoints through the real CLI: generation against transformers on the same files
 (uneven tp head splits, every quantization type, our launcher, torchrun and mpirun), the trained
-default model, and the CLI's errors for bad files. (The loader in process: tests/unit/models/test_gguf.py.)
+default model, and the CLI's errors for bad files. (The loader in process: tests/unit/models/gguf/test_gguf.py.)
 
 The random files come from `gguf_files.write_llama_gguf` (6 query / 3 KV heads like SmolLM2's
 9 / 3: tp=2 splits them 4 + 2 / 2 + 1, tp=4 replicates KV heads on runs of 2, 1, 1 ranks; an
@@ -24,7 +24,7 @@ from processes import run
 
 from dist_infer.models.builtin import smollm2_path
 from dist_infer.models.checkpoint import CheckpointError
-from dist_infer.models.gguf_checkpoint import GGUFCheckpoint
+from dist_infer.models.gguf.checkpoint import GGUFCheckpoint
 
 NEW_TOKENS = 6
 TIMEOUT_S = 240

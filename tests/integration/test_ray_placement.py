@@ -9,7 +9,7 @@ live instance's KV blocks are free at the end. Then a node is added and the admi
 it, and stops (drains) an instance.
 
 Neither the cluster nor the serve job has RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER in its environment: the
-serve job sets it itself (serving/placement_ray.py) before it first imports Ray, as a user runs it.
+serve job sets it itself (serving/placement/ray_placement.py) before it first imports Ray, as a user runs it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _node(cluster, node_id: str):
 def test_ray_stays_on_the_loopback_without_the_variable_in_the_environment():
     """Ray reads the variable when it is imported: placement_ray sets it before, and Ray's driver
     then keeps 127.0.0.1 instead of swapping in the host's outward address."""
-    probe = ("from dist_infer.serving.placement_ray import keep_ray_on_loopback\n"
+    probe = ("from dist_infer.serving.placement.ray_placement import keep_ray_on_loopback\n"
              "keep_ray_on_loopback('127.0.0.1:6379')\n"
              "import ray\n"
              "from ray._private import ray_constants, services\n"

@@ -1,5 +1,5 @@
 """A fake engine for the HTTP API's tests: the engine interface the server codes against
-(serving/api_server.py's docstring) with deterministic tokens. It "generates" token
+(serving/http/api_server.py's docstring) with deterministic tokens. It "generates" token
 i = 32 + (sum(prompt) + i) % 90 (printable characters for the one-character-per-token fake
 tokenizer), a short sleep per token, honours max_tokens, stop_token_ids and abort, and counts KV
 blocks, so the tests can check exact tokens, that a client that leaves aborts its request, and
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from dist_infer.engine.request import RequestError, RequestOutput
-from dist_infer.serving.api_server import build_app, serve_http
-from dist_infer.serving.errors import EngineDeadError, QueueFullError
+from dist_infer.serving.http.api_server import build_app, serve_http
+from dist_infer.serving.fleet.interface import EngineDeadError, QueueFullError
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 128

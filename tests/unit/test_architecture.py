@@ -87,3 +87,47 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
                 big.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not big, "over 450 lines a module or 100 a function:\n" + "\n".join(big)
+
+
+# The serving layer's processes and roles: what each part of it may import from the others.
+SERVING = "dist_infer.serving"
+SERVING_PARTS = ("http", "fleet", "instance", "migration", "placement")
+FLEET_INTERFACE = f"{SERVING}.fleet.interface"
+
+
+def serving_import_violations(importer: str, target: str) -> list[str]:
+    """Why `importer` may not import `target` (empty: it may): the HTTP side reaches the fleet only
+    through its interface module, and the instance side never imports the HTTP front end; every
+    module of serving/ lives in one of its parts."""
+    if not importer.startswith(SERVING + "."):
+        return []
+    part = importer.split(".")[2]
+    if part not in SERVING_PARTS:
+        return [f"{importer} is outside serving's parts {SERVING_PARTS}"]
+    if not target.startswith(SERVING + "."):
+        return []
+    there = target.split(".")[2]
+    if part == "http" and there == "fleet" and not (target == FLEET_INTERFACE or target.startswith(FLEET_INTERFACE + ".")):
+        return [f"{importer} imports {target}: the HTTP side knows the fleet only through {FLEET_INTERFACE}"]
+    if part in ("instance", "fleet", "migration", "placement") and there == "http":
+        return [f"{importer} imports {target}: only the HTTP side imports serving/http"]
+    return []
+
+
+def test_serving_parts_keep_to_their_interfaces():
+    found = []
+    for name, path in _modules().items():
+        if name == SERVING:
+            continue
+        found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {why}" for target, line in _imports(path, False)
+                  for why in serving_import_violations(name, target)]
+        found += serving_import_violations(name, f"{SERVING}.{name.split('.')[2]}") if name.startswith(SERVING) else []
+    assert not found, "\n".join(sorted(set(found)))
+
+
+def test_the_serving_rule_can_fail():
+    assert serving_import_violations("dist_infer.serving.http.routes", "dist_infer.serving.fleet.cluster")
+    assert not serving_import_violations("dist_infer.serving.http.routes", "dist_infer.serving.fleet.interface")
+    assert serving_import_violations("dist_infer.serving.instance.join", "dist_infer.serving.http.metrics")
+    assert serving_import_violations("dist_infer.serving.hub", "dist_infer.serving.fleet.wire")
+    assert not serving_import_violations("dist_infer.serving.instance.join", "dist_infer.serving.fleet.wire")

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 from dist_infer.bench.peers.metrics import empty_metrics, failed
-from dist_infer.models.gguf_magic import is_gguf
+from dist_infer.models.gguf.magic import is_gguf
 from dist_infer.topology.processes import stop_process_groups
 
 PEER = "llama.cpp"

@@ -35,7 +35,7 @@ def hf_from_pretrained(model_path: str, **kwargs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dist_infer.models.gguf_checkpoint import is_gguf
+    from dist_infer.models.gguf.checkpoint import is_gguf
 
     path = Path(model_path)
     if not is_gguf(path):

@@ -2,11 +2,11 @@
 
     python tests/support/jobs/hub_flood.py --seconds 20 --clients 20 --mode wrongkey
 
-runs a Hub (serving/hub.py) on 127.0.0.1 in this process, with its log in a file; a second
+runs a Hub (serving/fleet/hub.py) on 127.0.0.1 in this process, with its log in a file; a second
 process reconnects `--clients` threads to it as fast as they can for `--seconds` (a wrong key,
 connect-and-close, garbage, silence until the hub hangs up, or half wrong key and half close:
 `mixed`); `--join-at` seconds in,
-a driver joins with the right key (serving/join.py's join_hub) and says hello. Prints one JSON
+a driver joins with the right key (serving/instance/join.py's join_hub) and says hello. Prints one JSON
 line: log lines and bytes written during the flood, connections made, whether and how fast the
 driver joined. tests/integration/test_hub_flood.py runs it; docs/security.md quotes its figures.
 """
@@ -61,9 +61,9 @@ def flood(address: tuple, clients: int, seconds: float, mode: str) -> int:
 def measure(args) -> dict:
     from loguru import logger
 
-    from dist_infer.serving.hub import Hub
-    from dist_infer.serving.join import join_hub
-    from dist_infer.serving.wire import Hello
+    from dist_infer.serving.fleet.hub import Hub
+    from dist_infer.serving.instance.join import join_hub
+    from dist_infer.serving.fleet.wire import Hello
 
     log_path = args.log or tempfile.mktemp(suffix=".log")
     open(log_path, "w").close()  # loguru appends

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from processes import checkout_env
 
-from dist_infer.serving.rank_budget import RankBudget, RankBudgetError, local_capacity
+from dist_infer.serving.placement.rank_budget import RankBudget, RankBudgetError, local_capacity
 
 
 def test_the_hub_key_file_is_private_even_over_an_open_file(tmp_path):
@@ -28,7 +28,7 @@ def test_the_hub_key_file_is_private_even_over_an_open_file(tmp_path):
 
 def test_serve_refuses_a_start_up_fleet_past_the_budget_before_anything_starts():
     from dist_infer.cli.serve_frontend import rank_capacity_for
-    from dist_infer.serving.instances import InstanceSpec
+    from dist_infer.serving.fleet.instance_specs import InstanceSpec
 
     args = SimpleNamespace(max_ranks=None, frontend_only=False, autoscale=None, slo=None)
     spawn = SimpleNamespace(rank_capacity=lambda: local_capacity(2))  # a placement that only says what it holds

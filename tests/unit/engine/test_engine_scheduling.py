@@ -359,7 +359,7 @@ def test_a_batch_with_one_seed_gives_each_request_its_own_stream(llama):
 
 
 def test_min_tokens_holds_back_eos(llama):
-    """EOS cannot be sampled below min_tokens (stop strings are the front end's: tests/unit/serving/test_detokenizer.py)."""
+    """EOS cannot be sampled below min_tokens (stop strings are the front end's: tests/unit/serving/http/test_detokenizer.py)."""
     _, model = llama
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, num_blocks=64)

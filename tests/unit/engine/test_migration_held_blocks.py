@@ -82,7 +82,7 @@ def sent_blocks(instance, kind):
 
 
 def migrate(src, dst, request, mid=1):
-    """The orchestrator's calls (serving/migration.py): one stage while the request decodes on,
+    """The orchestrator's calls (serving/migration/live_migration.py): one stage while the request decodes on,
     then the pause and the rest; returns what the destination held already and the request's state."""
     info = src.call("start_out", mid, request.request_id, peer(1))
     held = dst.call("reserve_in", mid, peer(0), info["blocks"] + 2, info["hashes"])

@@ -376,8 +376,8 @@ def test_metrics_export_the_cache_counters_per_instance():
     """vLLM's names: dist_infer:prefix_cache_{queries,hits}_total (tokens), labelled by instance."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from dist_infer.serving.metrics import EngineStatsCollector
-    from dist_infer.serving.wire import InstanceStats
+    from dist_infer.serving.http.metrics import EngineStatsCollector
+    from dist_infer.serving.fleet.wire import InstanceStats
 
     engine_stats = {"prefix_cache_queries": 40, "prefix_cache_hits": 16, "cached_blocks": 3}
     assert InstanceStats.from_dict(engine_stats).as_dict()["prefix_cache_hits"] == 16, "the keys cross the wire"

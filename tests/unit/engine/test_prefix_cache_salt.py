@@ -16,7 +16,7 @@ from dist_infer.engine.prefix_cache import HASH_BYTES, ROOT_HASH, extend_hashes,
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
-from dist_infer.serving.prefix_index import prompt_block_hashes
+from dist_infer.serving.fleet.prefix_index import prompt_block_hashes
 
 BS = 4
 

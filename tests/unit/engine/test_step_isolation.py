@@ -22,7 +22,7 @@ from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
 from dist_infer.engine.step_guard import (MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, failed_error_id,
                                           failed_token, sample_guarded)
-from dist_infer.serving.wire import ResumeProgress
+from dist_infer.serving.fleet.wire import ResumeProgress
 
 NEW = 6
 BLOCKS = 32

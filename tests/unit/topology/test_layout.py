@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dist_infer.serving.instances import InstancesError, InstanceSpec, check_world, parse_instances
-from dist_infer.serving.wire import Role
+from dist_infer.serving.fleet.instance_specs import InstancesError, InstanceSpec, check_world, parse_instances
+from dist_infer.serving.fleet.wire import Role
 from dist_infer.topology import Layout, LayoutError, parse_layout
 from dist_infer.topology.layout import DISPLAY_ORDER
 from dist_infer.topology.mesh import RANK_ORDER

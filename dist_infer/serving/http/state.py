@@ -1,0 +1,121 @@
+"""What the HTTP API's routes share (ServingState), and their small helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any, Callable, Optional
+
+from fastapi import Request
+from loguru import logger
+
+from dist_infer.engine.request import RequestError
+from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
+from dist_infer.serving.http.cache_isolation import CacheIsolation
+from dist_infer.serving.http.chat import ChatRenderer
+from dist_infer.serving.http.guard import ApiError, HttpGuard, bearer_token
+from dist_infer.serving.http.metrics import ServingMetrics
+from dist_infer.serving.http.protocol import json_of
+from dist_infer.serving.http.streams import EngineStream
+
+DRAINING_RETRY_AFTER_S = 5.0
+
+
+class ServingState:
+    """What the endpoints share: the engine, the names the model answers to, the chat renderer,
+    the metrics, the prefix cache's isolation, the requests in flight, and whether the server is
+    draining for shutdown."""
+
+    def __init__(self, engine, served_model_name: Optional[str], guard: HttpGuard = HttpGuard()):
+        self.engine = engine
+        self.served_name = served_model_name or engine.model_name
+        self.model_names = {self.served_name, engine.model_name}
+        self.metrics = ServingMetrics(self.served_name, engine.stats, engine.max_model_len,
+                                      prefix_cache_counters=guard.open_prefix_cache_metrics)
+        self.cache_isolation = CacheIsolation(guard.prefix_cache_isolation)  # its secret: this serve job's
+        self.renderer = ChatRenderer.for_tokenizer(engine.chat_template, engine.tokenizer)
+        self.active: dict[str, EngineStream] = {}
+        self.draining = False
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(400, f"model {model!r} is not served here; this server serves {self.served_name!r}", "model")
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down and takes no new requests", None,
+                           {"Retry-After": str(int(DRAINING_RETRY_AFTER_S))})
+
+    def need_tokenizer(self, field: str, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ApiError(400, f"{what} needs a tokenizer and this model has none; send token ids", field)
+        return self.tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs (str(id) without a tokenizer; special tokens by name)."""
+        tok = self.tokenizer
+        if tok is None:
+            return str(token_id)
+        text = tok.decode([token_id])
+        if not text:
+            piece = getattr(tok, "token", None)
+            text = (piece(token_id) if piece is not None else None) or ""
+        return text
+
+    def isolated(self, params: SamplingParams, request: Request) -> SamplingParams:
+        """`params` with the cache salt the engine hashes the prompt with: the request's own
+        cache_salt, mixed with its API key's salt under --prefix-cache-isolation key."""
+        salt = self.cache_isolation.cache_salt(bearer_token(request.headers), params.cache_salt)
+        return params if salt == params.cache_salt else dataclasses.replace(params, cache_salt=salt)
+
+    def open_stream(self, prefix: str, prompt_ids: list[int], params: SamplingParams, arrival: float) -> EngineStream:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        clock = self.metrics.request(arrival, len(prompt_ids))
+        stream = EngineStream(self, request_id, prompt_ids, params, clock)
+        self.active[request_id] = stream
+        return stream
+
+    def fit_default_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """check_request, shrinking a defaulted max_tokens until it fits (the KV cache may hold fewer
+        tokens than the model has positions)."""
+        while True:
+            try:
+                self.engine.check_request(prompt_ids, params)
+                return params
+            except RequestError as exc:
+                if exc.field != "max_tokens" or params.max_new_tokens <= 1:
+                    raise
+                try:
+                    params = dataclasses.replace(params, max_new_tokens=params.max_new_tokens // 2)
+                except SamplingParamsError:
+                    raise exc from None
+
+    def begin_drain(self) -> None:
+        """Stop taking requests (503 from now on); those running may finish."""
+        if not self.draining:
+            self.draining = True
+            logger.info(f"draining: {len(self.active)} running request(s) may finish, new ones get 503")
+            try:
+                self.engine.begin_shutdown()
+            except Exception as exc:  # noqa: BLE001 - a dead engine cannot refuse anything anyway
+                logger.debug(f"engine.begin_shutdown(): {exc}")
+
+    def abort_all(self, why: str) -> None:
+        if self.active:
+            logger.warning(f"{why}: aborting {len(self.active)} running request(s)")
+        for request_id in list(self.active):
+            self.engine.abort(request_id)
+
+
+async def read_json(request: Request) -> Any:
+    return json_of(await request.body())
+
+
+async def off_loop(fn: Callable, *args, **kwargs) -> Any:
+    """Tokenizing or templating a long prompt, in a thread: the event loop keeps answering meanwhile."""
+    return await asyncio.to_thread(fn, *args, **kwargs)

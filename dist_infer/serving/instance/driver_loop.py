@@ -1,0 +1,157 @@
+"""An instance's driver: its step loop, fed over one connection by the API process.
+
+The API process (serving/fleet/cluster.py) owns the clients' streams and decides which instance runs
+each request; every instance's driver (its first rank) connects to it and then only does what
+it is told: add and abort requests, and the calls of a migration (engine/migration.py). After
+every step it sends the step's outputs and its load back. The messages are serving/fleet/wire.py's
+dataclasses over multiprocessing's authenticated connection (pickled over TCP), so instances on
+other hosts work the same.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Optional
+
+from loguru import logger
+
+from dist_infer.engine.migration import MigrationAborted, MigrationOutcome
+from dist_infer.engine.request import RequestError, RequestOutput
+from dist_infer.serving.fleet.wire import (
+    AbortRequest,
+    AddRequest,
+    CallReply,
+    Hello,
+    InstanceDead,
+    InstanceStats,
+    MigrationCall,
+    MigrationEvent,
+    PrefixEvents,
+    ResumeRequest,
+    StepOutputs,
+    StopInstance,
+)
+
+STATS_EVERY_S = 0.1  # an instance's load reaches the API at least this often while it changes
+MIGRATION_CALLS = {"start_out", "send_out", "pause_out", "release_out", "resume_out",
+                   "reserve_in", "recv_in", "commit_in", "cancel_in"}
+
+
+class InstanceServer:
+    def __init__(self, engine, index: int, conn: Connection):
+        self.engine, self.index, self.conn = engine, index, conn
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last_stats: Optional[InstanceStats] = None
+        self._last_stats_at = 0.0
+
+    def send(self, message: object) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError, BrokenPipeError) as exc:
+                if not self._stop.is_set():
+                    logger.error(f"instance {self.index}: the API process is gone ({exc}); stopping")
+                self._stop.set()
+                self.engine.wake()
+
+    # -- the API's messages (a reader thread) ----------------------------------------------------
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                message = self.conn.recv()
+            except (OSError, EOFError):
+                if not self._stop.is_set():
+                    logger.error(f"instance {self.index}: lost the connection to the API process; stopping")
+                break
+            match message:
+                case AddRequest() | ResumeRequest():
+                    self._add(message)
+                case AbortRequest(request_id=request_id):
+                    self.engine.abort(request_id)
+                case MigrationCall(call_id=call_id, method=method, args=args):
+                    self._call(call_id, method, args)
+                case StopInstance():
+                    break
+                case _:
+                    logger.warning(f"instance {self.index}: ignored an unknown message {type(message).__name__}")
+        self._stop.set()
+        self.engine.wake()
+
+    def _add(self, message: AddRequest | ResumeRequest) -> None:
+        request_id = message.request_id
+        try:
+            if isinstance(message, ResumeRequest):
+                self.engine.resume_request(request_id, message.prompt_token_ids, message.params, message.progress)
+            else:
+                self.engine.add_request(request_id, message.prompt_token_ids, message.params)
+        except RequestError as exc:
+            self.engine.call_soon(self.engine.count_rejected)  # the API counts it as seen, not as queued here
+            self.send(StepOutputs([RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc),
+                                                 error_status=400)]))
+
+    def _call(self, call_id: int, method: str, args: tuple) -> None:
+        def reply(value: object) -> None:
+            if isinstance(value, MigrationAborted):
+                self.send(CallReply(call_id, False, (value.outcome, str(value))))
+            elif isinstance(value, BaseException):
+                self.send(CallReply(call_id, False, (MigrationOutcome.ERROR, f"{type(value).__name__}: {value}")))
+            else:
+                self.send(CallReply(call_id, True, value))
+
+        if method not in MIGRATION_CALLS or self.engine.migration is None:
+            return reply(ValueError(f"instance {self.index} takes no call {method!r} (a context-parallel instance does not migrate)"))
+        target = getattr(self.engine.migration, method)
+
+        def run() -> None:
+            try:
+                target(*args, reply=reply)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it, the step loop goes on
+                reply(exc)
+
+        self.engine.call_soon(run)
+
+    # -- the step loop (this thread) ---------------------------------------------------------------
+    def _notify(self, event: str, *args) -> None:
+        self.send(MigrationEvent(event, args))
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self.send(StepOutputs(outputs))
+
+    def _after_step(self) -> None:
+        """Send the load when it changed: at once if the batch or the queue did (or the instance is
+        idle), else at most every STATS_EVERY_S (the API's dispatcher and migration controller read it)."""
+        stored, removed = self.engine.prefix_events()
+        if stored or removed:  # every step that changed the cache: the front end's index must not miss one
+            self.send(PrefixEvents(tuple(stored), tuple(removed)))
+        stats = InstanceStats.from_dict(self.engine.stats())
+        if stats == self._last_stats:
+            return
+        key = lambda s: (s.num_requests_running, s.num_requests_waiting, s.requests_added)  # noqa: E731
+        now = time.monotonic()
+        idle = not stats.num_requests_running and not stats.num_requests_waiting
+        if self._last_stats is None or key(stats) != key(self._last_stats) or idle \
+                or now - self._last_stats_at >= STATS_EVERY_S:
+            self.send(stats)
+            self._last_stats, self._last_stats_at = stats, now
+
+    def run(self, hello: Hello) -> None:
+        """Serve until the API says stop or goes away; raises (after telling the API) if the engine fails."""
+        if self.engine.migration is not None:
+            self.engine.migration.notify = self._notify
+        self.send(hello)
+        reader = threading.Thread(target=self._read, name=f"instance-{self.index}-commands", daemon=True)
+        reader.start()
+        try:
+            self.engine.run_driver(self._publish, self._stop.is_set, self._after_step)
+        except BaseException as exc:
+            self.send(InstanceDead(f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            self._stop.set()
+            try:
+                self.conn.close()
+            except OSError:
+                pass

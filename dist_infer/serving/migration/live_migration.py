@@ -1,0 +1,150 @@
+"""One live migration, driven from the API process: reserve, copy in stages, pause, commit.
+
+As in Llumnix, the request keeps decoding on the source while its KV blocks are copied to the
+destination in stages, each stage carrying the blocks completed since the last; when few are
+left (or after MAX_STAGES) the source pauses the request, sends the rest, and the destination
+takes it over. Downtime is the last stage alone, so it stays flat as the context grows. The
+destination claims the leading blocks its prefix cache already holds when it reserves, and the
+source sends only the blocks after them.
+
+Every step is a call on one instance's driver (engine/migration.py) that answers or raises
+MigrationAborted; every failure undoes what was done: the destination's reserved blocks are
+freed, the source resumes (or keeps, or has ended) the request. Nothing is left half-moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from loguru import logger
+
+from dist_infer.engine.migration import MigrationAborted, MigrationOutcome
+
+MAX_STAGES = 4  # copy stages while the request runs; then it pauses for the last one
+FEW_BLOCKS = 2  # when at most this many new blocks are left, pause now
+SOURCE_FAILED, DEST_FAILED = MigrationOutcome.SOURCE_FAILED, MigrationOutcome.DEST_FAILED  # whose side failed
+CALL_TIMEOUT_S = 30.0  # an instance that does not answer a migration call in this long has failed it
+
+
+@dataclass
+class MigrationResult:
+    request_id: str
+    src: int
+    dst: int
+    reason: str
+    outcome: MigrationOutcome  # ok, or why it did not happen: no_room, source_ended, source_preempted, ...
+    message: str = ""
+    downtime_s: float = 0.0
+    total_s: float = 0.0
+    stages: int = 0
+    blocks: int = 0  # blocks sent
+    held_blocks: int = 0  # leading blocks the destination's prefix cache had already: not sent
+    bytes: int = 0
+    phases_ms: Optional[dict] = None  # pause (waits for the source's current step), transfer of the rest, commit
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+MODES = ("live", "recompute")
+
+
+async def migrate(cluster, mid: int, request_id: str, src: int, dst: int, reason: str,
+                  timeout: float = CALL_TIMEOUT_S, mode: str = "live", max_stages: int = MAX_STAGES) -> MigrationResult:
+    """Move `request_id` from instance `src` to `dst` (`cluster` routes the calls and streams).
+    mode 'recompute': no KV moves; the destination prefills the request's tokens again.
+    `max_stages` 0: pause at once and send everything in one stage (prefill -> decode hand-over)."""
+    result = MigrationResult(request_id, src, dst, reason, MigrationOutcome.OK)
+    started = time.perf_counter()
+
+    def stage_done(inst: int, stage: int):
+        return cluster.wait_event(inst, ("stage_done", mid, stage), timeout,
+                                  SOURCE_FAILED if inst == src else DEST_FAILED, watch=(src, dst))
+
+    reserved = committing = False
+    pause_at = paused_at = posted_at = 0.0
+    stage = sent = held = 0
+    try:
+        info = await cluster.call(src, "start_out", mid, request_id, cluster.peer(dst), timeout=timeout)
+        reserved = True  # from here on a failure cancels on the destination (a no-op if it reserved nothing;
+        # a reserve that answers too late is undone by the cancel queued behind it)
+        live = mode == "live"
+        held = await cluster.call(dst, "reserve_in", mid, cluster.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
+                                  info.get("hashes", []), timeout=timeout, failure=DEST_FAILED)
+        while live and stage < max_stages:
+            first, count = await cluster.call(src, "send_out", mid, stage, held, timeout=timeout)
+            if count == 0 and stage > 0:
+                break
+            await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure=DEST_FAILED)
+            await asyncio.gather(stage_done(src, stage), stage_done(dst, stage))
+            sent += count
+            stage += 1
+            if count <= FEW_BLOCKS:
+                break
+        pause_at = time.perf_counter()
+        state, first, count = await cluster.call(src, "pause_out", mid, stage, live, held, timeout=timeout)
+        paused_at = time.perf_counter()
+        await cluster.call(dst, "recv_in", mid, stage, first, count, timeout=timeout, failure=DEST_FAILED)
+        sent += count
+        await stage_done(dst, stage)  # every destination rank has its share: nothing is committed half-moved
+        posted_at = time.perf_counter()
+        committing = True
+        await cluster.call(dst, "commit_in", mid, state, timeout=timeout, failure=DEST_FAILED)
+        reserved = False
+    except MigrationAborted as exc:
+        if committing and await _committed_anyway(cluster, mid, dst, timeout):
+            logger.warning(f"migration {mid}: the destination's commit answered late ({exc}); it has the request")
+            reserved = False
+        else:
+            result.outcome, result.message = exc.outcome, str(exc)
+            if committing:  # it may still commit later: whatever it then runs is aborted, not streamed
+                cluster.abort_on(dst, request_id)
+            await _undo(cluster, mid, src, dst, reserved, timeout)
+    if result.outcome == MigrationOutcome.OK:
+        # downtime: from the source's answer that the request is paused (its last step there is done)
+        # to the destination's that it has taken it over; the wait for the source's current step
+        # before that is not downtime (the request is computing its next token in it)
+        result.downtime_s = time.perf_counter() - paused_at
+        result.phases_ms = {"pause": 1e3 * (paused_at - pause_at), "transfer": 1e3 * (posted_at - paused_at),
+                            "commit": 1e3 * (time.perf_counter() - posted_at)}
+        result.stages, result.blocks, result.held_blocks = stage + 1, sent, held
+        result.bytes = sent * cluster.block_bytes
+        cluster.moved(request_id, src, dst)
+    if result.outcome == MigrationOutcome.OK:  # committed: the source lets go (never resumes: the destination runs it)
+        try:
+            await cluster.call(src, "release_out", mid, timeout=timeout)
+        except MigrationAborted as exc:
+            logger.warning(f"migration {mid}: the source did not release {request_id}'s blocks: {exc}")
+    result.total_s = time.perf_counter() - started
+    if result.outcome == MigrationOutcome.OK:
+        logger.info(f"migrated {request_id} instance {src} -> {dst} ({reason}): {result.blocks} blocks "
+                    f"({result.held_blocks} held there already) in "
+                    f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
+                    f"{result.phases_ms['transfer']:.1f}, commit {result.phases_ms['commit']:.1f}), total "
+                    f"{result.total_s * 1e3:.0f} ms")
+    else:
+        logger.info(f"migration of {request_id} instance {src} -> {dst} ({reason}) did not happen: "
+                    f"{result.outcome}: {result.message}")
+    return result
+
+
+async def _committed_anyway(cluster, mid: int, dst: int, timeout: float) -> bool:
+    """After a commit that failed or answered too late: did the destination take the request over?"""
+    try:
+        return await cluster.call(dst, "cancel_in", mid, timeout=timeout, failure=DEST_FAILED) == "committed"
+    except MigrationAborted:
+        return False  # gone or silent: the source keeps it (a late copy there is aborted)
+
+
+async def _undo(cluster, mid: int, src: int, dst: int, reserved: bool, timeout: float) -> None:
+    """The request stays (or has ended) on the source; the destination lets go of its blocks."""
+    calls = [cluster.call(src, "resume_out", mid, timeout=timeout)]
+    if reserved:
+        calls.append(cluster.call(dst, "cancel_in", mid, timeout=timeout))
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            logger.warning(f"undoing migration {mid}: {outcome}")
+
