@@ -26,7 +26,7 @@ from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.step_loop import Engine
 from dist_infer.models.builtin import resolve_model
 from dist_infer.models.loader import load_stage
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 
 def timed_steps(engine: Engine, until) -> list[float]:
@@ -81,7 +81,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     world = init_world("gloo")
-    groups = build_groups(world, Mesh.build(ParallelConfig(), world.size))
+    groups = build_groups(world, Mesh.build(Layout(), world.size))
     stage, _ = load_stage(resolve_model(args.model), groups, torch.float32, None, quantization=args.quantization)
     gen = torch.Generator().manual_seed(0)
     vocab = stage.cfg.vocab_size

@@ -4,18 +4,22 @@ C tokens, for several C. The source of the budget table in docs/benchmarks.md.
 
     python benchmarks/step_budget.py [MODEL_DIR] [THREADS]
 """
-import sys, time, torch
+import sys
+import time
+
+import torch
 
 from dist_infer.comm import build_groups, init_world
-from dist_infer.topology import Mesh, ParallelConfig
-from dist_infer.engine.step_loop import Engine
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.models.loader import load_stage
+from dist_infer.engine.step_loop import Engine
 from dist_infer.models.default_model import ensure_default_model
+from dist_infer.models.loader import load_stage
+from dist_infer.topology import Layout, Mesh
+
 path = sys.argv[1] if len(sys.argv) > 1 else str(ensure_default_model())
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
 world = init_world("gloo")
-g = build_groups(world, Mesh.build(ParallelConfig(), world.size))
+g = build_groups(world, Mesh.build(Layout(), world.size))
 stage, _ = load_stage(path, g, torch.float32, None)
 V = stage.cfg.vocab_size
 for C in [64, 128, 256, 512, 1024, 2048, 4096]:

@@ -68,9 +68,9 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     from dist_infer.planner.calibrate import calibrate
     from dist_infer.planner.hardware import ProfileError, load_profile
     from dist_infer.planner.layout import LayoutError, parse_sweep, why_not
+    from dist_infer.planner.plan import PlanError, model_shape
     from dist_infer.planner.predict import predict
     from dist_infer.planner.workload import Schedule, Workload
-    from dist_infer.planner.plan import PlanError, model_shape
 
     if args.sweep_rounds < 1:
         print(f"dist-infer bench: --sweep-rounds {args.sweep_rounds}: run the layouts at least once (1 or more)")

@@ -238,8 +238,8 @@ def write_private(path: str, text: str) -> None:
 
 def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capacity, name: str, tokenizer,
            template, stopping: threading.Event) -> int:
-    from dist_infer.serving.http.api_server import build_app, serve_http
     from dist_infer.serving.fleet.cluster import Cluster, InstanceClient
+    from dist_infer.serving.http.api_server import build_app, serve_http
 
     clients = [InstanceClient(i, conn, hello) for i, (conn, hello) in enumerate(joined)]
     for index, process in processes.items():

@@ -24,10 +24,19 @@ from typing import Callable
 from loguru import logger
 
 from dist_infer.planner.hardware import HardwareProfile, Link, save_profile
-from dist_infer.planner.kernel_rates import (ATTENTION_LENGTHS, DECODE_CONTEXTS, GEMM_ROWS, STREAM_PLACEMENTS,
-                                             STREAM_ROW_LENGTHS, measure_attention, measure_bandwidth,
-                                             measure_decode_attention, measure_gemm, measure_reference,
-                                             measure_size_factor)
+from dist_infer.planner.kernel_rates import (
+    ATTENTION_LENGTHS,
+    DECODE_CONTEXTS,
+    GEMM_ROWS,
+    STREAM_PLACEMENTS,
+    STREAM_ROW_LENGTHS,
+    measure_attention,
+    measure_bandwidth,
+    measure_decode_attention,
+    measure_gemm,
+    measure_reference,
+    measure_size_factor,
+)
 from dist_infer.topology.cores import usable_cores
 from dist_infer.topology.subcommand import SubcommandError, run_json
 

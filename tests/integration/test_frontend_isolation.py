@@ -18,8 +18,16 @@ import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import prompts_for
 from polling import wait_until
-from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
-                             wait_state, where)
+from serving_helpers import (
+    ServerJob,
+    assert_all_blocks_free,
+    force_migrate,
+    instances,
+    run_async,
+    stream_tokens,
+    wait_state,
+    where,
+)
 
 LONG = 200
 

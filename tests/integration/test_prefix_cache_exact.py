@@ -32,11 +32,11 @@ JOB = textwrap.dedent('''
     from dist_infer.engine.step_loop import Engine
     from dist_infer.launch.rank import join_job
     from dist_infer.models.loader import load_stage
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.topology import Layout
 
     model, layout, prompts_file, out_file, new, roomy, tight = sys.argv[1:8]
     prompts = json.loads(open(prompts_file).read())
-    groups = join_job("gloo", ParallelConfig(**json.loads(layout)), 60, log_level="WARNING")
+    groups = join_job("gloo", Layout(**json.loads(layout)), 60, log_level="WARNING")
     stage, _ = load_stage(model, groups, torch.float32)
     results = {}
     for caching in (True, False):

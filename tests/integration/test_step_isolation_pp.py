@@ -27,7 +27,7 @@ PP_JOB = textwrap.dedent("""
     from dist_infer.comm import build_groups, init_world
     from dist_infer.engine.sampling import SamplingParams, sample_rows
     from dist_infer.models.loader import load_stage
-    from dist_infer.topology import Mesh, ParallelConfig
+    from dist_infer.topology import Mesh, Layout
     from hf_compare import prompts_for
 
     def exploding(logits, rows, eos_ids=()):  # on the sampler rank: the last stage, not the driver
@@ -38,7 +38,7 @@ PP_JOB = textwrap.dedent("""
     pipeline.sample_rows = exploding  # the sampler rank samples in the pipeline's stage step
     logger.enable("dist_infer")  # a library is quiet unless asked
     world = init_world("auto")
-    groups = build_groups(world, Mesh.build(ParallelConfig(pp=2), world.size))
+    groups = build_groups(world, Mesh.build(Layout(pp=2), world.size))
     engine = step_loop.Engine(load_stage(sys.argv[1], groups)[0], groups, block_size=4, num_blocks={blocks})
     if not engine.is_driver:
         engine.follow()

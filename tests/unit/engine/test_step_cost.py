@@ -11,8 +11,16 @@ import pytest
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
-from dist_infer.engine.step_cost import (AUTO_FACTOR, MIN_CHUNK, StepCostModel, StepShape, StepTimes, chunk_pairs,
-                                         parse_itl_target, prefill_backlog_s)
+from dist_infer.engine.step_cost import (
+    AUTO_FACTOR,
+    MIN_CHUNK,
+    StepCostModel,
+    StepShape,
+    StepTimes,
+    chunk_pairs,
+    parse_itl_target,
+    prefill_backlog_s,
+)
 
 # a CPU-like truth: 4 ms fixed, 3 ms more for a step with a prompt, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
 # 0.05 ms per 1000 decode context tokens

@@ -20,8 +20,14 @@ import dist_infer.engine.pipeline as pipeline
 import dist_infer.engine.step_loop as step_loop
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
-from dist_infer.engine.step_guard import (MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, failed_error_id,
-                                          failed_token, sample_guarded)
+from dist_infer.engine.step_guard import (
+    MAX_FORWARD_FAILURES,
+    ForwardFailures,
+    StepGuard,
+    failed_error_id,
+    failed_token,
+    sample_guarded,
+)
 from dist_infer.serving.fleet.wire import ResumeProgress
 
 NEW = 6
