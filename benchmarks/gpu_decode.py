@@ -88,7 +88,7 @@ def main() -> None:
     import dist_infer
     from dist_infer.bench.peers import make_prompts
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)

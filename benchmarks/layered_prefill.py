@@ -60,7 +60,7 @@ def write_checkpoint(root: Path, name: str) -> str:
 
 def build(path: str, schedule: str, args):
     from dist_infer.comm import build_groups, init_world
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.models.loader import load_stage
     from dist_infer.topology import Mesh, ParallelConfig
 

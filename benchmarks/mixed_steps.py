@@ -23,7 +23,7 @@ import torch
 
 from dist_infer.comm import build_groups, init_world
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine
+from dist_infer.engine.engine_core import Engine
 from dist_infer.models.builtin import resolve_model
 from dist_infer.models.loader import load_stage
 from dist_infer.topology import Mesh, ParallelConfig

@@ -8,7 +8,7 @@ import sys, time, torch
 
 from dist_infer.comm import build_groups, init_world
 from dist_infer.topology import Mesh, ParallelConfig
-from dist_infer.engine.step_loop import Engine
+from dist_infer.engine.engine_core import Engine
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.loader import load_stage
 from dist_infer.models.default_model import ensure_default_model

@@ -1,6 +1,6 @@
 """The engine: paged KV cache, the iteration-level scheduler, sampling, the step loop.
 
-`Engine` (step_loop.py) composes the loop's jobs, one module each: intake.py (requests in),
+`Engine` (engine_core.py) composes the loop's jobs, one module each: intake.py (requests in),
 driver_step.py (plan, launch, complete a step), request_progress.py (stops, text, deltas),
 pipeline.py (transport between stages, the follower loop), offline_generate.py (`generate`).
 """
@@ -8,7 +8,7 @@ pipeline.py (transport between stages, the follower loop), offline_generate.py (
 from dist_infer.engine.api import ShardedModel, load, shard
 from dist_infer.engine.request import Request, RequestError, RequestOutput
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine, GenerationOutput, PromptError
+from dist_infer.engine.engine_core import Engine, GenerationOutput, PromptError
 
 __all__ = ["Engine", "GenerationOutput", "PromptError", "Request", "RequestError", "RequestOutput", "SamplingParams",
            "ShardedModel", "load", "shard"]

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from dist_infer.comm import ParallelGroups, build_groups, init_world
-from dist_infer.engine.step_loop import Engine, GenerationOutput
+from dist_infer.engine.engine_core import Engine, GenerationOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.loader import load_stage, resolve_device, stage_from_hf_model
 from dist_infer.topology import Mesh, ParallelConfig

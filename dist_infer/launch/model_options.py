@@ -174,7 +174,7 @@ def add_cp_variant_flag(p: argparse.ArgumentParser) -> None:
 
 
 def overlap_options(args) -> dict:
-    from dist_infer.engine.step_loop import DEFAULT_OVERLAP_THRESHOLD, DEFAULT_SEQUENCE_PARALLEL_THRESHOLD
+    from dist_infer.engine.engine_core import DEFAULT_OVERLAP_THRESHOLD, DEFAULT_SEQUENCE_PARALLEL_THRESHOLD
 
     return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD,
             "sequence_parallel": args.sequence_parallel,
@@ -200,7 +200,7 @@ def load_model(args, groups):
 
 def build_engine(args, stage, groups, **options):
     """The engine over `stage` with the overlap and cp flags of `args`, plus `options` (scheduler, tokenizer)."""
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
 
     return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant,
                   cuda_graphs=getattr(args, "cuda_graphs", "auto"), **options)

@@ -29,7 +29,7 @@ JOB = textwrap.dedent('''
     import json, sys
     import torch
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.launch.rank import join_job
     from dist_infer.models.loader import load_stage
     from dist_infer.topology import ParallelConfig

@@ -23,7 +23,7 @@ PP_JOB = textwrap.dedent("""
     sys.path.insert(0, {support!r})
     from loguru import logger
     import dist_infer.engine.pipeline as pipeline
-    import dist_infer.engine.step_loop as step_loop
+    import dist_infer.engine.engine_core as engine_core
     from dist_infer.comm import build_groups, init_world
     from dist_infer.engine.sampling import SamplingParams, sample_rows
     from dist_infer.models.loader import load_stage
@@ -39,7 +39,7 @@ PP_JOB = textwrap.dedent("""
     logger.enable("dist_infer")  # a library is quiet unless asked
     world = init_world("auto")
     groups = build_groups(world, Mesh.build(ParallelConfig(pp=2), world.size))
-    engine = step_loop.Engine(load_stage(sys.argv[1], groups)[0], groups, block_size=4, num_blocks={blocks})
+    engine = engine_core.Engine(load_stage(sys.argv[1], groups)[0], groups, block_size=4, num_blocks={blocks})
     if not engine.is_driver:
         engine.follow()
         sys.exit(0)

@@ -21,7 +21,7 @@ import dist_infer
 from dist_infer.engine.decode_graphs import GraphCaptureError, graph_buckets, graphs_wanted
 from dist_infer.engine.device_io import DecodeInputs
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine
+from dist_infer.engine.engine_core import Engine
 from dist_infer.kernels import use_native_kernels
 from dist_infer.kernels.gpu import triton_interpreting
 

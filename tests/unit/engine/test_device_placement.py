@@ -31,7 +31,7 @@ from dist_infer.engine.device_io import to_device, to_host
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.pipeline import TAG_FORWARD
 from dist_infer.engine.sampling import SampledTokens, SamplingParams, sample_rows, usable_logits
-from dist_infer.engine.step_loop import Engine
+from dist_infer.engine.engine_core import Engine
 from dist_infer.kernels import load_cpu_kernels, serving
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.loader import build_stage

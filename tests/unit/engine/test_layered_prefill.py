@@ -158,7 +158,7 @@ def _serve(model, groups, prompts, arrivals, groups_flag=None, abort=None, **kw)
     """The engine over `model` with the layered schedule: prompt i arrives at step arrivals[i]; the
     request named `abort` is aborted the first step it is in its layers. Rank 0 returns the
     requests, the layer groups [first, end) its steps ran, and the free blocks at the end."""
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.models.loader import stage_from_hf_model
 
     engine = Engine(stage_from_hf_model(model, groups), groups, block_size=4, prefill_schedule="layered",
@@ -236,7 +236,7 @@ def test_fixed_groups_preemption_and_abort_mid_layers(models):
 
 
 def test_layered_refuses_what_it_cannot_run(models):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.models.loader import stage_from_hf_model
 
     (groups,) = thread_groups(1, 1)
@@ -250,7 +250,7 @@ def test_layered_refuses_what_it_cannot_run(models):
 def test_layered_reads_each_experts_weights_once_per_prompt_where_chunks_read_them_per_chunk(models):
     """The point of the schedule on MoE models, counted (not timed): the routing statistics count an
     expert's weights read once per step that routes it any token."""
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.models.loader import stage_from_hf_model
 
     model = models["qwen2-moe"]

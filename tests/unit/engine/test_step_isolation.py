@@ -17,7 +17,7 @@ from loguru import logger
 from threads import run_ranks, thread_groups
 
 import dist_infer.engine.pipeline as pipeline
-import dist_infer.engine.step_loop as step_loop
+import dist_infer.engine.engine_core as engine_core
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
 from dist_infer.engine.step_guard import (MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, failed_error_id,
@@ -38,7 +38,7 @@ def model(tmp_path_factory):
 def _engine(model, groups, **kw):
     from dist_infer.models.loader import stage_from_hf_model
 
-    return step_loop.Engine(stage_from_hf_model(model, groups), groups, block_size=4, num_blocks=BLOCKS, **kw)
+    return engine_core.Engine(stage_from_hf_model(model, groups), groups, block_size=4, num_blocks=BLOCKS, **kw)
 
 
 def _params(seed: int = 0) -> SamplingParams:

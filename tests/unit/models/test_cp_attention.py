@@ -111,7 +111,7 @@ def test_decode_metadata_stores_only_this_ranks_tokens():
 
 
 def test_unsupported_cp_setups_are_refused_with_the_numbers():
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
 
     groups = SimpleNamespace(cp=SimpleNamespace(size=2, rank=0), pp=SimpleNamespace(size=2), tp=SimpleNamespace(size=1))
     with pytest.raises(ContextParallelError, match=r"cp with pp is not supported yet \(cp=2, pp=2\)"):

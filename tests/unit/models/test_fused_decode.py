@@ -13,7 +13,7 @@ from quantized_reference import dequantize_hf_model
 from threads import run_ranks, thread_groups
 
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine
+from dist_infer.engine.engine_core import Engine
 from dist_infer.kernels import load_cpu_kernels
 from dist_infer.kernels.gemm import blas_sgemm, onednn_sgemm
 from dist_infer.models.loader import stage_from_hf_model

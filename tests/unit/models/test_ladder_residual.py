@@ -27,7 +27,7 @@ PROMPTS = prompts_for([5, 9, 3], seed=21)
 # -- ours, in the engine ------------------------------------------------------------------------
 
 def _serve(hf, groups, ladder, **engine_kw):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.models.loader import stage_from_hf_model
 
     engine = Engine(stage_from_hf_model(hf, groups, ladder=ladder), groups, block_size=BS, num_blocks=24,

@@ -34,7 +34,7 @@ from loguru import logger
 from dist_infer.comm.base import Communicator, Handle
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.comm.peer_link import PeerLink
-from dist_infer.engine.allocator import tune_malloc
+from dist_infer.engine.malloc_tuning import tune_malloc
 from dist_infer.engine.decode_graphs import check_graph_mode, graphs_wanted
 from dist_infer.engine.device_io import module_device
 from dist_infer.engine.driver_step import DriverStep, InFlightStep
