@@ -64,7 +64,7 @@ def machine_speed(reference: dict, now: dict) -> dict:
 def run_sweep(args, argv: Sequence[str]) -> int:
     from tqdm import tqdm
 
-    from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
+    from dist_infer.engine.engine_config import OVERLAP_THRESHOLDS
     from dist_infer.planner.calibrate import calibrate
     from dist_infer.planner.hardware import ProfileError, load_profile
     from dist_infer.planner.layout import LayoutError, parse_sweep, why_not

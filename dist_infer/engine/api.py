@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 import torch
 
 from dist_infer.comm import ParallelGroups, build_groups, init_world
+from dist_infer.engine.engine_core import Engine, EngineConfig, GenerationOutput
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine, GenerationOutput
 from dist_infer.models.loader import load_stage, resolve_device, stage_from_hf_model
 from dist_infer.topology import Layout, Mesh
 
@@ -43,7 +43,7 @@ def shard(hf_model, parallel: Layout = Layout(), groups: Optional[ParallelGroups
     groups = join(parallel, backend, groups)
     stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split, device=resolve_device(device),
                                 quantization=quantization, ladder=ladder)
-    return ShardedModel(Engine(stage, groups, block_size), groups)
+    return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)
 
 
 def load(path, parallel: Layout = Layout(), groups: Optional[ParallelGroups] = None,
@@ -57,4 +57,4 @@ def load(path, parallel: Layout = Layout(), groups: Optional[ParallelGroups] = N
     groups = join(parallel, backend, groups)
     stage, _ = load_stage(path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization,
                           ladder=ladder)
-    return ShardedModel(Engine(stage, groups, block_size), groups)
+    return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)

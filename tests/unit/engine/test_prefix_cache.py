@@ -253,10 +253,10 @@ def llama(tmp_path_factory):
 
 
 def _engine(model, groups, **kw):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
-    return Engine(stage_from_hf_model(model, groups), groups, block_size=BS, **kw)
+    return Engine(stage_from_hf_model(model, groups), groups, EngineConfig(block_size=BS, **kw))
 
 
 def _shared_prompts() -> list[list[int]]:
