@@ -15,8 +15,8 @@ from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
 from dist_infer.serving.chat import ChatRenderer
 from dist_infer.serving.engine_stream import EngineStream
 from dist_infer.serving.http_guard import ApiError
-from dist_infer.serving.metrics import ServingMetrics
 from dist_infer.serving.json_body import json_of
+from dist_infer.serving.metrics import ServingMetrics
 from dist_infer.serving.prompt_size import PromptLimits
 from dist_infer.serving.worker_pool import POOL_MIN_BODY_BYTES, POOL_MIN_CHARS, WorkerPool, WorkersUnavailable
 

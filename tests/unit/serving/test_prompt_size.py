@@ -49,7 +49,8 @@ def test_completion_prompts_are_checked_in_every_form(prompt, refused):
 
 
 def test_message_chars_sums_text_contents_and_ignores_the_rest():
-    messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": [{"type": "text", "text": "de"}, "f"]},
+    messages = [{"role": "system", "content": "abc"},
+                {"role": "user", "content": [{"type": "text", "text": "de"}, "f"]},
                 {"role": "assistant", "content": None}, "junk", {"role": "user", "content": [{"type": "image"}, 7]}]
     assert message_chars(messages) == 6
     assert message_chars("not a list") == 0 and message_chars(None) == 0
