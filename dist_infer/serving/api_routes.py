@@ -14,20 +14,12 @@ from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.serving.api_errors import api_error_of
 from dist_infer.serving.api_state import ServingState, off_loop
-from dist_infer.serving.engine_stream import SSE_DONE, EngineStream, EventStream, close_shielded, sse, until_disconnect
+from dist_infer.serving.engine_stream import (SSE_DONE, EngineStream, EventStream, close_shielded, sse,
+                                              until_disconnect)
 from dist_infer.serving.http_guard import ApiError, error_body, error_response
-from dist_infer.serving.protocol import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    default_chat_max_tokens,
-    openapi_body,
-    parse_body,
-    prompt_of,
-    sampling_params_of,
-)
+from dist_infer.serving.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest,
+                                         DetokenizeRequest, TokenizeRequest, default_chat_max_tokens, openapi_body,
+                                         parse_body, prompt_of, sampling_params_of)
 from dist_infer.serving.shapers import ChatShaper, CompletionShaper, ResponseShaper
 
 # -- generation ---------------------------------------------------------------------------------------
