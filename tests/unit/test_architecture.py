@@ -131,7 +131,7 @@ def test_the_serving_rule_can_fail():
     assert serving_import_violations("dist_infer.serving.http.routes", "dist_infer.serving.fleet.cluster")
     assert not serving_import_violations("dist_infer.serving.http.routes", "dist_infer.serving.fleet.interface")
     assert serving_import_violations("dist_infer.serving.instance.join", "dist_infer.serving.http.metrics")
-    assert serving_import_violations("dist_infer.serving.fleet.hub", "dist_infer.serving.fleet.wire")
+    assert serving_import_violations("dist_infer.serving.stray_module", "dist_infer.serving.fleet.wire")
     assert not serving_import_violations("dist_infer.serving.instance.join", "dist_infer.serving.fleet.wire")
 
 
