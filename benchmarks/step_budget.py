@@ -30,12 +30,15 @@ for C in [64, 128, 256, 512, 1024, 2048, 4096]:
     while any(not r.output_token_ids for r in eng.scheduler.running) or eng.scheduler.waiting or not eng.scheduler.running or not len(eng.registry):
         eng.step()
     eng.add_request("long", list(torch.randint(3, V, (min(8192, stage.cfg.max_positions - 8),)).tolist()), SamplingParams(max_new_tokens=1, stop_at_eos=False))
-    times = []
-    t = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t)
+
+    def timed_step() -> float:
+        start = time.perf_counter()
+        eng.step()
+        return time.perf_counter() - start
+
+    times = [timed_step()]
     while "long" in eng.registry:
-        t = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t)
-    pure = []
-    for _ in range(5):
-        t = time.perf_counter(); eng.step(); pure.append(time.perf_counter() - t)
+        times.append(timed_step())
+    pure = [timed_step() for _ in range(5)]
     n = min(8192, stage.cfg.max_positions - 8)
     print(f"chunk {C:5d}: mixed step median {sorted(times)[len(times)//2]*1e3:7.1f} ms, prefill {n/sum(times):7.0f} tok/s, decode-only step {sorted(pure)[2]*1e3:6.1f} ms", flush=True)

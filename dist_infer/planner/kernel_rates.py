@@ -128,7 +128,7 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
             ws = [torch.empty(max(1, mib * (1 << 20) // (4 * k * 16)), k).fill_(0.5) for _ in range(16)]
             x = torch.randn(4, k)
 
-            def run():
+            def run(ws=ws, x=x):
                 for w in ws:
                     product(x, w)
 

@@ -100,19 +100,19 @@ def _axis_values(part: str, text: str) -> list[tuple[str, int]]:
     def bad(why: str) -> LayoutError:
         return LayoutError(f"bad layout part {part!r} in {text!r}: {why}")
 
-    axis, sep, number = part.partition("=")
+    axis, sep, size = part.partition("=")
     if sep:
         if axis not in DISPLAY_ORDER:
             raise bad(f"unknown axis {axis!r} (axes: {', '.join(DISPLAY_ORDER)})")
         try:
-            pairs = [(axis, int(number))]
+            pairs = [(axis, int(size))]
         except ValueError:
-            raise bad(f"{number!r} is not an integer") from None
+            raise bad(f"{size!r} is not an integer") from None
     elif _COMPACT.fullmatch(part):
         pairs = [(a, int(n)) for a, n in _COMPACT_PAIR.findall(part)]
     else:
         raise bad(f"write e.g. {EXAMPLE} (axes: {', '.join(DISPLAY_ORDER)})")
-    for axis, number in pairs:
-        if number < 1:
-            raise bad(f"{axis}={number}: sizes are positive")
+    for name, value in pairs:
+        if value < 1:
+            raise bad(f"{name}={value}: sizes are positive")
     return pairs
