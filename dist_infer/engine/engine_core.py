@@ -204,7 +204,7 @@ class Engine:
     def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        progress) -> Request:
         """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
-        already has (intake.resume; `progress` a serving/wire.ResumeProgress)."""
+        already has (intake.resume; `progress` a serving/fleet/wire.ResumeProgress)."""
         self.check_request(prompt_token_ids, params)
         r = new_request(request_id, prompt_token_ids, params)
         return self.registry.submit(resume(r, progress, time.monotonic()))

@@ -110,7 +110,7 @@ def new_request(request_id: str, prompt_token_ids: list[int], params: SamplingPa
 def resume(r: Request, progress, now: float) -> Request:
     """`r` going on from the tokens its client already has (its instance died): they are prefilled
     again with the prompt, and only what is new is reported. `progress` is a
-    serving/wire.ResumeProgress (token_ids, logprobs, top_logprobs reported so far; age_s,
+    serving/fleet/wire.ResumeProgress (token_ids, logprobs, top_logprobs reported so far; age_s,
     first_token_age_s); `now`: time.monotonic(). With the same seed (sampling draws from (seed,
     position)) it continues exactly as it would have."""
     tokens = list(progress.token_ids)

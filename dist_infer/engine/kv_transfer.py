@@ -116,7 +116,7 @@ class PeerInstance:
 
     @staticmethod
     def from_hello(hello) -> "PeerInstance":
-        """From an instance's hello (serving/wire.Hello; read by its fields, this layer imports no serving)."""
+        """From an instance's hello (serving/fleet/wire.Hello; read by its fields, this layer imports no serving)."""
         return PeerInstance(hello.index, hello.tp, hello.pp, tuple(tuple(a) for a in hello.addresses))
 
 
