@@ -70,7 +70,7 @@ def serve(args) -> None:
     from dist_infer.serving.http.api_server import build_app, serve_http
 
     engine = StubEngine(TextTokenizer(resolve_model(args.model)), args.max_model_len)
-    serve_http(build_app(engine, "stub"), "127.0.0.1", 0,
+    serve_http(build_app(engine, "stub", warm_workers=True), "127.0.0.1", 0,
                on_ready=lambda host, port: Path(args.ready).write_text(str(port)))
 
 

@@ -72,13 +72,16 @@ __all__ = [
 ]
 
 
-def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard()) -> FastAPI:
+def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard(),
+              warm_workers: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
     behind `guard` (keys, body limits, CORS: serving/http/guard.py)."""
     state = ServingState(engine, served_model_name, guard)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        if warm_workers:
+            state.workers.warm()  # a server: its workers ready before the first large request
         yield
         state.close()
 

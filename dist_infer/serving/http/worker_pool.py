@@ -57,6 +57,11 @@ def _encode(text: str, limit: Optional[int]) -> Union[list[int], int]:
     return len(ids) if limit is not None and len(ids) > limit else ids
 
 
+def _ready() -> bool:
+    """A task that only makes its worker start (WorkerPool.warm)."""
+    return True
+
+
 class WorkersUnavailable(RuntimeError):
     """No worker process can be started in this program: the caller does the work in a thread."""
 
@@ -101,6 +106,20 @@ class WorkerPool:
             logger.error("a worker process died; the next large request starts new ones")
             raise ApiError(503, "the worker process handling this request died; try again", None,
                            {"Retry-After": "1"}) from None
+
+    def warm(self) -> None:
+        """Start the workers now, in the background (a server at start-up): a worker's start (its
+        interpreter, the tokenizer unpickled) otherwise falls on the first large request, beside it."""
+        if self.unavailable:
+            return
+        try:
+            executor = self._running()
+            for _ in range(self.processes):
+                executor.submit(_ready)
+        except RuntimeError as exc:
+            self.unavailable = f"worker processes cannot start here ({str(exc).strip().splitlines()[0]})"
+            logger.error(f"{self.unavailable}; large bodies and long prompts are handled in threads")
+            self.close()
 
     async def parse_json(self, raw: bytes) -> Any:
         """json_body.json_of(raw), in a worker."""
