@@ -1,4 +1,4 @@
-"""/health latency while big prompts arrive (issue 51, row 4): does the API keep answering while
+"""/health latency while big prompts arrive: does the API keep answering while
 it reads, parses and tokenizes them?
 
 Three processes, so that no client's own GIL shows up in the figures: the server (the real app from

@@ -1,4 +1,4 @@
-"""Layered against chunked prefill (issue 35) on an MoE model, side by side in one run.
+"""Layered against chunked prefill on an MoE model, side by side in one run.
 
 One engine in this process (tp=1, every core) serves D streams that decode throughout while K long
 prompts arrive, one every --interval seconds; the same model and trace under

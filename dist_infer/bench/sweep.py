@@ -169,8 +169,9 @@ def run_layout(row: dict, base_cmd: list, args, check_speed: bool, hw, plans: di
     rounds = row.setdefault("rounds", [])
     rounds.append(now)
     # each metric's median over the launches: the typical launch, as calibrate's rates are the typical
-    # ones (on this VM two threads stream weights at about 30 GB/s in some spells and 45-55 in others:
-    # the best of several launches is the lucky spell, not the machine)
+    # ones (on a shared VM weights stream faster in some spells than in others: the best of several
+    # launches is the lucky spell, not the machine; docs/benchmarks.md, "Choosing the layout: the
+    # cost model against measurements")
     measured = row["measured"] = {k: statistics.median(r[k] for r in rounds) for k in now}
     measured["peak_rss_gib_per_rank"] = max(r["peak_rss_gib_per_rank"] for r in rounds)
     p = row["predicted"]

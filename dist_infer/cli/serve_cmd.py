@@ -217,7 +217,7 @@ def run_serve(args) -> int:
     world, index, specs, groups = _join(args)
     # A serving process runs its step loop beside threads that relay requests, outputs and migration
     # calls; hand the GIL over more often than every 5 ms so a relayed message does not wait out a
-    # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
+    # compute thread's time slice (it cut a live migration's downtime markedly where cores are few).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     frontend, address, key = _reach_frontend(args, world)
     if frontend is not None:

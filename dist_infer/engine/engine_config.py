@@ -22,15 +22,15 @@ from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
 from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split
 
-# Tokens per step from which `--overlap auto` splits, per device kind (None: never). On the 2-core
-# CPU machine splitting gained nothing at 1024 tokens and 2.5% at 2048, and lost 44% of an
-# 8192-token prefill (1.48 s against 1.03 s at tp=2; docs/benchmarks.md, issue 15): a CPU rank has
-# no spare core for the transfer to hide on. TokenWeave finds about 1024 on H100s.
+# Tokens per step from which `--overlap auto` splits, per device kind (None: never). On a CPU
+# splitting gained next to nothing at 1-2K tokens and lost much of an 8192-token prefill: a CPU rank
+# has no spare core for the transfer to hide on (docs/benchmarks.md, "Token-splitting overlap: how
+# much communication is hidden"). TokenWeave finds about 1024 on H100s.
 OVERLAP_THRESHOLDS = {"cpu": None, "cuda": 1024}
 DEFAULT_OVERLAP_THRESHOLD = OVERLAP_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
-# Tokens per step from which `--sequence-parallel auto` applies; None: auto never does. On the
-# 2-core CPU machine it was within noise of plain tp at 1024 and 2048 tokens and slower in
-# decode (docs/benchmarks.md); on CUDA it is unmeasured (no GPU yet), so auto leaves it off.
+# Tokens per step from which `--sequence-parallel auto` applies; None: auto never does. On a CPU
+# it was within noise of plain tp in prefill and slower in decode (docs/benchmarks.md, the same
+# section); on CUDA it is not measured yet, so auto leaves it off.
 SEQUENCE_PARALLEL_THRESHOLDS = {"cpu": None, "cuda": None}
 DEFAULT_SEQUENCE_PARALLEL_THRESHOLD = SEQUENCE_PARALLEL_THRESHOLDS["cuda" if torch.cuda.is_available() else "cpu"]
 HEARTBEAT_S = 2.0  # an idle driver sends an empty plan this often, so the followers' waits never time out

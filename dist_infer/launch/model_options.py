@@ -7,10 +7,10 @@ import argparse
 
 from dist_infer.arg_types import parse_itl_target, parse_ladder_residual, positive_int
 
-# The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
-# chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
-# model, 27 ms steps) and 83% (125M Llama, 315 ms steps) of the best prefill throughput; larger
-# chunks buy little throughput for much longer decode stalls (docs/benchmarks.md).
+# The serving step's token budget: a 2040-token prompt computed in chunks beside 8 running decodes
+# (benchmarks/step_budget.py) gets most of the best prefill throughput at 256 tokens a step; larger
+# chunks buy little throughput for much longer decode stalls (docs/benchmarks.md, "The token budget
+# (`--max-batched-tokens`, default 256)").
 DEFAULT_MAX_BATCHED_TOKENS = 256
 DEFAULT_ITL_TARGET = "auto"
 
@@ -125,8 +125,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
     p.add_argument("--max-batched-tokens", type=positive_int, default=None if offline else DEFAULT_MAX_BATCHED_TOKENS,
                    help="token budget of one forward step: running decodes first, then chunks of prompts up to it "
                         + ("(default: none, every prompt in one step)" if offline else
-                           f"(default {DEFAULT_MAX_BATCHED_TOKENS}, measured on the 2-core CPU machine: "
-                           "see docs/benchmarks.md)"))
+                           f"(default {DEFAULT_MAX_BATCHED_TOKENS}, chosen by measurement: docs/benchmarks.md, "
+                           "'The token budget')"))
     p.add_argument("--max-num-seqs", type=positive_int, default=256 if offline else 64,
                    help="most requests running (holding KV blocks) at once (default %(default)s)")
     p.add_argument("--kv-blocks", type=positive_int, default=None,

@@ -1,4 +1,4 @@
-"""The API process runs no model, so no rank's death can end it (issue 30): real `dist-infer
+"""The API process runs no model, so no rank's death can end it: real `dist-infer
 serve` jobs on 127.0.0.1. Instance 0's one rank is SIGKILLed mid-stream with three instances up:
 every request ends exactly as it does alone and the API serves on; hostile connections to the
 hub leave it taking a restarted instance; and a thousand requests with live migrations leave
@@ -118,7 +118,7 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
         assert again["move"] == "ok" and again["token_ids"] == alone[0]["token_ids"], again
         for extreme in ({"top_p": 1e-50, "temperature": 1.0}, {"temperature": 1e-300}, {"temperature": 1e-40},
                         {"temperature": 5e-324, "top_p": 5e-324}, {"top_k": int("9" * 400), "temperature": 1.0}):
-            # issue 30 row 1: each of these once ended the instance running it, then the next, then the API
+            # each of these once ended the instance running it, then the next, then the API
             r = httpx.post(job.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 4, **extreme},
                            timeout=60)
             assert r.status_code in (200, 400), (extreme, r.status_code, r.text)

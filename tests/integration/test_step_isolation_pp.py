@@ -1,4 +1,4 @@
-"""A request can fail only itself (issue 30), with pp=2 in real processes under the launcher: the
+"""A request can fail only itself, with pp=2 in real processes under the launcher: the
 sampler rank (the last stage) is not the driver, and the failed row's error id travels back to it.
 (One rank and tp=2 on threads: tests/unit/engine/test_step_isolation.py.)"""
 

@@ -1,9 +1,10 @@
 """Refusing a prompt that cannot fit the model's context before any work is spent on it.
 
-Tokenizing a 14 MB prompt takes seconds of a core, only for the engine to refuse its millions of
-tokens afterwards. A prompt of more characters than max_model_len tokens can cover (each covers
-at most the tokenizer's max_chars_per_token characters: engine/token_chars.py) makes more tokens
-than the model has positions whatever the text, so it gets its 400 from its length alone; so does
+Tokenizing a prompt of megabytes takes seconds of a core, only for the engine to refuse its millions
+of tokens afterwards (docs/security.md, "Bounded input"). A prompt of more characters than
+max_model_len tokens can cover (each covers at most the tokenizer's max_chars_per_token characters:
+engine/token_chars.py) makes more tokens than the model has positions whatever the text, so it gets
+its 400 from its length alone; so does
 a prompt of more token ids than positions. For chat the message contents are summed: the template
 only adds text. The errors are OpenAI's `context_length_exceeded`, worded as vLLM words them.
 """

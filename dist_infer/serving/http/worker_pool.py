@@ -1,10 +1,10 @@
 """A request's CPU-heavy steps in worker processes, so the API's event loop keeps answering:
 parsing a large body and tokenizing a long prompt.
 
-A thread does not do it: `tokenizers`' encode holds the GIL for the whole call (measured: a 14 MB
-prompt, 18 s, with not one tick of another thread), and so do freeing the Encoding of millions of
-tokens (0.4 s), turning its ids into a list (0.2 s) and json.loads of a 14 MB prompt (0.2-0.5 s
-on a busy machine). So a body of at least POOL_MIN_BODY_BYTES and a prompt of at least
+A thread does not do it: `tokenizers`' encode holds the GIL for the whole call (another thread
+gets not one tick meanwhile), and so do freeing the Encoding of millions of tokens, turning its ids
+into a list and json.loads of a large prompt (docs/security.md, "Bounded input", "Prompt size before
+work", has the figures). So a body of at least POOL_MIN_BODY_BYTES and a prompt of at least
 POOL_MIN_CHARS characters go to one of a few spawned processes. The tokenizer is pickled once,
 before serving, and loaded once per process. An encoding sends back the ids only when there are at
 most `limit` of them, and their count otherwise (the caller refuses the prompt by its count: a
@@ -43,7 +43,7 @@ _backend: Any = None  # in a worker process: the tokenizer it encodes with (set 
 
 def _load(pickled_backend: Optional[bytes]) -> None:
     """A worker's start: yield the CPU to the server's event loop (a core busy tokenizing must not
-    delay /health: measured, up to 0.7 s at equal priority on 2 busy cores), leave Ctrl-C to the
+    delay /health, as it did at equal priority on busy cores), leave Ctrl-C to the
     server, which ends the workers, and load the tokenizer."""
     global _backend
     os.nice(WORKER_NICENESS)
@@ -72,7 +72,7 @@ class WorkerPool:
     encoding: a `tokenizers.Tokenizer`)."""
 
     def __init__(self, backend: Any = None, processes: int = DEFAULT_PROCESSES):
-        # pickled here, before serving: pickling a tokenizer holds the GIL (0.5 s for a 49k vocabulary)
+        # pickled here, before serving: pickling a tokenizer holds the GIL (long, for a large vocabulary)
         self._pickled_backend = pickle.dumps(backend) if backend is not None else None
         self.can_encode = backend is not None
         self.processes = processes

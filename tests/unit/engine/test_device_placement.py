@@ -1,4 +1,4 @@
-"""Issue 36: every tensor of a step on the model's device, checked here with fake CUDA tensors.
+"""Every tensor of a step on the model's device, checked here with fake CUDA tensors.
 
 No GPU runs these tests: the model's weights and KV cache are fake CUDA tensors (support/
 fake_devices.py), the ranks of a layout take turns on one fake world (support/fake_world.py), and

@@ -1,5 +1,5 @@
 """Sampling that cannot overflow: every parameter either is refused by name when the request is
-made, or gives a valid token with a finite logprob, whatever the logits (issue 30 item 3).
+made, or gives a valid token with a finite logprob, whatever the logits.
 
 A temperature of 1e-300 used to divide logits to inf, a top_p of 1e-50 rounded to 0 in fp32 and
 dropped every token, and a 400-digit top_k overflowed the float64 step plan; each killed the

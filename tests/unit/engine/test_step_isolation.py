@@ -1,4 +1,4 @@
-"""A request can fail only itself (issue 30): an exception while running a step ends the
+"""A request can fail only itself: an exception while running a step ends the
 requests it belongs to with an error naming them (and an error id: the exception's text and
 traceback go only to the log, under that id), the rest of the batch gets exactly the tokens
 it gets alone, KV blocks are all returned, and the engine serves on. Failures are injected by
