@@ -222,7 +222,7 @@ def foreign_field_reads(sources: dict[str, str], scope: tuple[str, ...]) -> list
 
 
 def test_no_class_reads_fields_it_does_not_own():
-    """Composition, not mixins: each class's state is its own (issue 52)."""
+    """Composition, not mixins: each class's state is its own."""
     sources = {name: path.read_text(encoding="utf-8") for name, path in _modules().items()}
     found = foreign_field_reads(sources, OWN_FIELDS_SCOPE)
     assert not found, "classes that read fields defined elsewhere:\n" + "\n".join(found)
