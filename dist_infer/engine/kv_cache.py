@@ -11,29 +11,7 @@ from typing import Optional
 
 import torch
 
-
-class CacheFullError(RuntimeError):
-    """No free block left for a sequence's next tokens."""
-
-
-class BlockAllocator:
-    """A free list of block ids."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise CacheFullError(f"KV cache full: all {self.num_blocks} blocks in use")
-        return self._free.pop()
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+from dist_infer.engine.block_pool import BlockPool
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -54,7 +32,7 @@ class PagedKVCache:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockPool(num_blocks)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 

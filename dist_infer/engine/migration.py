@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Callable, Optional, Sequence
 
-from dist_infer.engine.kv_cache import CacheFullError, blocks_for
+from dist_infer.engine.block_pool import CacheFullError
+from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.sampling import SamplingParams

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from dist_infer.engine.block_demand import blocks_at_full_length, check_fits, cp_rows_needed  # noqa: F401
+from dist_infer.engine.block_pool import BlockPool
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.layered_prefill import LayeredPrefill, LayerProgress, group_charge
-from dist_infer.engine.prefix_cache import BlockPool, extend_hashes
+from dist_infer.engine.prefix_cache import extend_hashes
 from dist_infer.engine.request import Request, RequestStatus
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dist_infer.engine.kv_cache import BlockAllocator, CacheFullError, PagedKVCache, blocks_for
+from dist_infer.engine.block_pool import BlockPool, CacheFullError
+from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
 
 
 def test_paged_kv_cache_block_accounting():
@@ -37,7 +38,7 @@ def test_paged_kv_cache_block_accounting():
 
 def test_block_allocator_and_blocks_for():
     assert [blocks_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-    alloc = BlockAllocator(3)
+    alloc = BlockPool(3)
     got = [alloc.allocate() for _ in range(3)]
     assert sorted(got) == [0, 1, 2]
     with pytest.raises(CacheFullError):

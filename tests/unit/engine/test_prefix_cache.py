@@ -20,8 +20,8 @@ from hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
 from hypothesis import HealthCheck, given, settings, strategies as st
 from threads import run_ranks, thread_groups
 
-from dist_infer.engine.kv_cache import CacheFullError
-from dist_infer.engine.prefix_cache import ROOT_HASH, BlockPool, extend_hashes, hash_block
+from dist_infer.engine.block_pool import BlockPool, CacheFullError
+from dist_infer.engine.prefix_cache import ROOT_HASH, extend_hashes, hash_block
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
@@ -404,7 +404,7 @@ def test_the_flag_is_on_by_default_and_reaches_the_engine_options(offline):
 
 
 def test_the_pool_reports_what_it_cached_and_evicted_in_order():
-    from dist_infer.engine.prefix_cache import BlockPool
+    from dist_infer.engine.block_pool import BlockPool
 
     pool = BlockPool(3)
     a, b = pool.allocate(), pool.allocate()
