@@ -1,11 +1,13 @@
 """The layers of the README's table: each package imports only the ones below it (the packages of
 one layer, `cli` and `launch`, `bench` and `planner`, may import each other), and no module imports
-one that imports it back (only imports under `if TYPE_CHECKING:` are exempt)."""
+one that imports it back (only imports under `if TYPE_CHECKING:` are exempt). Modules and functions
+stay small, and in the packages of OWN_FIELDS_SCOPE no class reads a field it does not own."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Optional
 
 import dist_infer
 
@@ -131,3 +133,160 @@ def test_the_serving_rule_can_fail():
     assert serving_import_violations("dist_infer.serving.instance.join", "dist_infer.serving.http.metrics")
     assert serving_import_violations("dist_infer.serving.hub", "dist_infer.serving.fleet.wire")
     assert not serving_import_violations("dist_infer.serving.instance.join", "dist_infer.serving.fleet.wire")
+
+
+# Packages whose classes may read only the fields they define or inherit from a base defined in
+# dist_infer (no mixin reaching into another class's fields); engine/ joins when its composition lands.
+OWN_FIELDS_SCOPE = ("serving",)
+
+
+def _defined_names(cls: ast.ClassDef) -> tuple[set[str], list[tuple[str, int]]]:
+    """(what `cls` defines: its methods, class attributes, dataclass fields and every `self.x` it
+    assigns; the `self.x` it reads, with their lines). Nested classes are theirs, not its."""
+    defined: set[str] = set()
+    reads: list[tuple[str, int]] = []
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+    for method in cls.body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or not method.args.args:
+            continue
+        if any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in method.decorator_list):
+            continue
+        me = method.args.args[0].arg
+        stack = list(method.body)
+        while stack:
+            node = stack.pop()
+            if isinstance(node, ast.ClassDef):
+                continue
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
+                if isinstance(node.ctx, (ast.Store, ast.Del)):
+                    defined.add(node.attr)
+                else:
+                    reads.append((node.attr, node.lineno))
+            stack.extend(ast.iter_child_nodes(node))
+    return defined, sorted(reads, key=lambda read: read[1])
+
+
+def _class_index(sources: dict[str, str]) -> dict[str, tuple[ast.ClassDef, dict[str, str]]]:
+    """Every class of `sources` (module -> text) by 'module.Name', with the class names its module
+    can use as bases: its own module-level classes and those it imports from `sources`."""
+    index = {}
+    for module, text in sources.items():
+        tree = ast.parse(text)
+        names = {a.asname or a.name: f"{node.module}.{a.name}" for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module in sources for a in node.names}
+        names |= {n.name: f"{module}.{n.name}" for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                index[f"{module}.{node.name}"] = (node, names)
+    return index
+
+
+def foreign_field_reads(sources: dict[str, str], scope: tuple[str, ...]) -> list[str]:
+    """'module.Class.attr (line N)' for each `self.attr` a class of a module under `scope` reads but
+    neither defines nor inherits from a base class of `sources`. A class with a base from outside
+    `sources` (an exception, an Enum, nn.Module) cannot be judged and is left out."""
+    index = _class_index(sources)
+
+    def everything(name: str, seen: frozenset) -> Optional[set[str]]:
+        cls, names = index[name]
+        defined = set(_defined_names(cls)[0])
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id == "object":
+                continue
+            target = names.get(base.id) if isinstance(base, ast.Name) else None
+            if target not in index or target in seen:
+                return None  # a base this check cannot see into
+            inherited = everything(target, seen | {target})
+            if inherited is None:
+                return None
+            defined |= inherited
+        return defined
+
+    found = []
+    for name, (cls, _) in sorted(index.items()):
+        if not name.removeprefix("dist_infer.").startswith(tuple(f"{p}." for p in scope)):
+            continue
+        defined = everything(name, frozenset({name}))
+        if defined is None:
+            continue
+        for attr, line in _defined_names(cls)[1]:
+            if attr not in defined and not (attr.startswith("__") and attr.endswith("__")):
+                found.append(f"{name}.{attr} (line {line})")
+    return found
+
+
+def test_no_class_reads_fields_it_does_not_own():
+    """Composition, not mixins: each class's state is its own (issue 52)."""
+    sources = {name: path.read_text(encoding="utf-8") for name, path in _modules().items()}
+    found = foreign_field_reads(sources, OWN_FIELDS_SCOPE)
+    assert not found, "classes that read fields defined elsewhere:\n" + "\n".join(found)
+
+
+def test_the_field_check_catches_a_mixin():
+    """The check fails on what it is meant to: a mixin reading the host's fields, while a subclass
+    of a class of the package, a dataclass's fields and a class with an outside base pass."""
+    mixin = '''
+class Intake:
+    def add(self, r):
+        self._requests[r.id] = r  # an item stored into a field read: the field is not defined here
+        self.count = len(self._requests)
+        return self.count
+'''
+    fine = '''
+from dataclasses import dataclass
+from dist_infer.engine.base import Base
+
+@dataclass
+class Point:
+    x: int
+    def norm(self):
+        return self.x
+
+
+class Child(Base):
+    def run(self):
+        self.own = 1
+        return self.own + self.helper() + self.limit
+
+
+class Err(RuntimeError):
+    def text(self):
+        return self.args
+'''
+    base = '''
+class Base:
+    limit = 3
+    def helper(self):
+        return self.limit
+'''
+    sources = {"dist_infer.engine.mixin": mixin, "dist_infer.engine.fine": fine, "dist_infer.engine.base": base}
+    found = foreign_field_reads(sources, ("engine",))
+    assert found == ["dist_infer.engine.mixin.Intake._requests (line 4)",
+                     "dist_infer.engine.mixin.Intake._requests (line 5)"], found
+    assert foreign_field_reads(sources, ("serving",)) == [], "outside the scope: not checked"
+
+
+def test_the_field_check_catches_a_mixin_its_host_completes():
+    """Serving's old shape: Cluster(InstanceCalls, ...) where the mixin reads the fields the host
+    defines. The host passes (it inherits the mixin's methods); the mixin does not."""
+    old = '''
+class InstanceCalls:
+    def peer(self, index):
+        return self.instances[index].peer()
+
+
+class Cluster(InstanceCalls):
+    def __init__(self, clients):
+        self.instances = clients
+
+    def first(self):
+        return self.peer(0)
+'''
+    found = foreign_field_reads({"dist_infer.serving.fleet.old": old}, ("serving",))
+    assert found == ["dist_infer.serving.fleet.old.InstanceCalls.instances (line 4)"], found
