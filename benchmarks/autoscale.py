@@ -1,4 +1,4 @@
-"""The SLO autoscaler against a fixed fleet on the same bursty trace (issue 33).
+"""The SLO autoscaler against a fixed fleet on the same bursty trace (docs/benchmarks.md, "The SLO autoscaler").
 
 Two servers of the same model, one after the other (alternating over rounds): `--autoscale 1:2
 --slo ttft=T,tpot=P` (starts with one instance) and a fixed `--instances tp1,tp1`. Each instance

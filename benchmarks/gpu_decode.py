@@ -87,8 +87,8 @@ def replay_kernels(graph, top: int = 12) -> list:
 def main() -> None:
     import dist_infer
     from dist_infer.bench.peers import make_prompts
+    from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -112,7 +112,7 @@ def main() -> None:
         ids = {}
         for mode in ("off", "on"):
             start = time.perf_counter()
-            engine = Engine(stage, groups, 16, cuda_graphs=mode)
+            engine = Engine(stage, groups, EngineConfig(block_size=16, worker=WorkerOptions(cuda_graphs=mode)))
             engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up: kernels compiled
             first = engine.generate(prompts, params)  # the cache sized for the batch (graphs captured for it)
             setup_s = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""Ladder Residual against the standard residual on the same shapes (issue 35), side by side in one run.
+"""Ladder Residual against the standard residual on the same shapes, side by side in one run.
 
 For each shape (random fp32 weights written with transformers: the default model's shape, and a
 wider one), each round runs `dist-infer bench --tp 2` with `--ladder-residual off` and `all`, in

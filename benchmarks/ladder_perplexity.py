@@ -1,4 +1,4 @@
-"""What running a standard checkpoint as a Ladder Residual model costs without retraining (issue 35):
+"""What running a standard checkpoint as a Ladder Residual model costs without retraining:
 perplexity on a fixed text, the standard wiring against the ladder from a layer on.
 
 The text is fixed and offline: the Zen of Python and the json module's docstring (Python 3.11).

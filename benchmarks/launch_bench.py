@@ -1,6 +1,7 @@
 """Wall time of a whole small `dist-infer generate --nproc N` job (start, load, 4 tokens, exit),
 two checkouts side by side, alternating, 5 runs each: what every local job pays before and after
-its work (issue 17: the launcher without torch, the ranks without the interpreter's teardown).
+its work (the launcher without torch, the ranks without the interpreter's teardown; docs/benchmarks.md,
+"What a local job pays to start and end").
 
     python benchmarks/launch_bench.py OLD_CHECKOUT NEW_CHECKOUT MODEL_DIR
 (MODEL_DIR: any small HF Llama checkpoint, e.g. tests/support/checkpoints.py's llama-gqa.)"""

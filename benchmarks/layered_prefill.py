@@ -1,4 +1,4 @@
-"""Layered against chunked prefill (issue 35) on an MoE model, side by side in one run.
+"""Layered against chunked prefill on an MoE model, side by side in one run.
 
 One engine in this process (tp=1, every core) serves D streams that decode throughout while K long
 prompts arrive, one every --interval seconds; the same model and trace under
@@ -60,15 +60,15 @@ def write_checkpoint(root: Path, name: str) -> str:
 
 def build(path: str, schedule: str, args):
     from dist_infer.comm import build_groups, init_world
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import load_stage
-    from dist_infer.topology import Mesh, ParallelConfig
+    from dist_infer.topology import Layout, Mesh
 
     world = init_world("gloo")
-    groups = build_groups(world, Mesh.build(ParallelConfig(), world.size))
+    groups = build_groups(world, Mesh.build(Layout(), world.size))
     stage, _ = load_stage(path, groups, torch.float32, None)
-    engine = Engine(stage, groups, 16, num_blocks=args.kv_blocks, max_batched_tokens=args.budget,
-                    max_num_seqs=64, prefill_schedule=schedule)
+    engine = Engine(stage, groups, EngineConfig(block_size=16, num_blocks=args.kv_blocks, max_batched_tokens=args.budget,
+                                                max_num_seqs=64, prefill_schedule=schedule))
     return engine, stage
 
 

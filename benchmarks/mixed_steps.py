@@ -22,11 +22,11 @@ import time
 import torch
 
 from dist_infer.comm import build_groups, init_world
+from dist_infer.engine.engine_core import Engine, EngineConfig
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine
 from dist_infer.models.builtin import resolve_model
 from dist_infer.models.loader import load_stage
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 
 def timed_steps(engine: Engine, until) -> list[float]:
@@ -39,7 +39,8 @@ def timed_steps(engine: Engine, until) -> list[float]:
 
 
 def one_chunk_size(stage, groups, ids, chunk: int, decodes: int, prompt_len: int) -> dict:
-    engine = Engine(stage, groups, 16, num_blocks=64 * (decodes + 2), max_batched_tokens=chunk + decodes)
+    engine = Engine(stage, groups, EngineConfig(block_size=16, num_blocks=64 * (decodes + 2),
+                                                max_batched_tokens=chunk + decodes))
     for i in range(decodes):
         engine.add_request(f"d{i}", ids(256), SamplingParams(max_new_tokens=256, stop_at_eos=False))
     timed_steps(engine, lambda: sum(bool(r.output_token_ids) for r in engine.scheduler.running) >= decodes)
@@ -56,7 +57,7 @@ def one_chunk_size(stage, groups, ids, chunk: int, decodes: int, prompt_len: int
 
 def prompt_alone(stage, groups, ids, prompt_len: int, budget: int = 4096, repeat: int = 3) -> list[float]:
     """ms of each step of a prompt computed alone, `budget` tokens a step (the fastest of `repeat`)."""
-    engine = Engine(stage, groups, 16, num_blocks=prompt_len // 16 + 8, max_batched_tokens=budget)
+    engine = Engine(stage, groups, EngineConfig(block_size=16, num_blocks=prompt_len // 16 + 8, max_batched_tokens=budget))
     best = None
     for i in range(repeat):
         r = engine.add_request(f"q{i}", ids(prompt_len), SamplingParams(max_new_tokens=1, stop_at_eos=False))
@@ -81,7 +82,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     world = init_world("gloo")
-    groups = build_groups(world, Mesh.build(ParallelConfig(), world.size))
+    groups = build_groups(world, Mesh.build(Layout(), world.size))
     stage, _ = load_stage(resolve_model(args.model), groups, torch.float32, None, quantization=args.quantization)
     gen = torch.Generator().manual_seed(0)
     vocab = stage.cfg.vocab_size

@@ -1,4 +1,4 @@
-"""Prefix caching's goals (issue 32), side by side in one run each; every figure in docs/benchmarks.md's
+"""Prefix caching's goals, side by side in one run each; every figure in docs/benchmarks.md's
 prefix caching section comes from here.
 
     python benchmarks/prefix_cache.py shared     # one instance, a 1,024-token shared prompt: caching on vs off

@@ -1,4 +1,4 @@
-"""A Ray node lost under a served request (issue 33): how long until the moved request's next token,
+"""A Ray node lost under a served request: how long until the moved request's next token,
 and until the replacement instance serves.
 
 Each trial starts a Ray cluster on this host (a head with no CPUs, three worker nodes of one CPU,

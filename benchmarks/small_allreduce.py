@@ -18,7 +18,7 @@ import time
 import torch
 
 from dist_infer.comm import build_groups, init_world
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 PATHS = ("off", "socket", "auto")
 
@@ -47,7 +47,7 @@ def main() -> int:
     w = torch.randn(576, 1536)
     out = {}
     for path in PATHS:
-        groups = build_groups(world, Mesh.build(ParallelConfig(tp=world.size), world.size), path)
+        groups = build_groups(world, Mesh.build(Layout(tp=world.size), world.size), path)
         for n in map(int, args.sizes.split(",")):
             x = torch.randn(n)
             out[f"{path} {n * 4} B"] = {"alone_us": round(median_us(groups.tp, x, None, args.iters), 1),

@@ -14,11 +14,11 @@ _logger.disable("dist_infer")  # a library stays quiet unless its user enables i
 
 def __getattr__(name):
     """`dist_infer.shard` and `dist_infer.load` without importing torch at `import dist_infer`."""
-    if name in ("shard", "load", "ParallelConfig"):
-        if name == "ParallelConfig":
-            from dist_infer.topology import ParallelConfig
+    if name in ("shard", "load", "Layout"):
+        if name == "Layout":
+            from dist_infer.topology import Layout
 
-            return ParallelConfig
+            return Layout
         from dist_infer import engine
 
         return getattr(engine, name)

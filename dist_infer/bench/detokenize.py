@@ -1,5 +1,5 @@
 """The front end's text cost per token: incremental detokenizing against decoding the whole
-output again on every token (what the engine's driver did before issue 31), side by side.
+output again on every token (what the engine's driver did before the front end detokenized), side by side.
 
     python -m dist_infer.bench.detokenize [--lengths 256,2048,8192] [--requests 256] [--json]
 

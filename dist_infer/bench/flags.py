@@ -54,8 +54,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="--sweep: run the whole list of layouts this many times, one launch of each layout per round, "
                         "and compare each layout's median TTFT and median decode step over the rounds. On a shared "
                         "machine whose speed drifts over minutes, rounds spread every layout over the same stretch of "
-                        "time, and each launch draws its own placement of ranks on cores and its own spell of the machine (a "
-                        "2-rank decode step measured 7.3 and 9.4 ms in two launches a minute apart) (default %(default)s)")
+                        "time, and each launch draws its own placement of ranks on cores and its own spell of the machine "
+                        "(docs/benchmarks.md, 'Choosing the layout') (default %(default)s)")
     p.add_argument("--sweep-speed-check", choices=("on", "off"), default="off",
                    help="--sweep: on: before each layout, time the machine's GEMM and weight-streaming speed (about "
                         "2 s), predict for the machine as fast as it is then (against the profile's own reference "

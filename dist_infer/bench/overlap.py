@@ -72,8 +72,8 @@ def overlap_runs(engine, groups, prompts, args, progress) -> dict:
 
 
 def overlap_report(engine, groups, prompts, args, progress) -> dict:
-    """`{"overlap": ...}` of the JSON: the tp numbers at the top level (the issue's keys), the
-    pipeline and ring transfers under "pp" and "cp"."""
+    """`{"overlap": ...}` of the JSON: the tp numbers at the top level (where they were before the
+    pipeline's and the ring's joined), the pipeline and ring transfers under "pp" and "cp"."""
     runs = overlap_runs(engine, groups, prompts, args, progress)
     tp = runs.pop("tp", None)
     return {**(tp or {}), **runs, "tokens_per_prefill": sum(len(p) for p in prompts)}

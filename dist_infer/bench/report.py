@@ -21,7 +21,8 @@ def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
 
 
 def run_ours_single_process(args) -> dict:
-    """This engine at tp=1 in one process using every core, for the 'same 2 cores' comparison."""
+    """This engine at tp=1 in one process using every core, for the 'same cores' comparison (the
+    ranks against one process on the cores they share)."""
     cmd = ["bench", "--nproc", "1", "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
            "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
     if args.model:

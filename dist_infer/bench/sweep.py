@@ -64,13 +64,13 @@ def machine_speed(reference: dict, now: dict) -> dict:
 def run_sweep(args, argv: Sequence[str]) -> int:
     from tqdm import tqdm
 
-    from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
+    from dist_infer.engine.engine_config import OVERLAP_THRESHOLDS
     from dist_infer.planner.calibrate import calibrate
     from dist_infer.planner.hardware import ProfileError, load_profile
     from dist_infer.planner.layout import LayoutError, parse_sweep, why_not
+    from dist_infer.planner.plan import PlanError, model_shape
     from dist_infer.planner.predict import predict
     from dist_infer.planner.workload import Schedule, Workload
-    from dist_infer.planner.plan import PlanError, model_shape
 
     if args.sweep_rounds < 1:
         print(f"dist-infer bench: --sweep-rounds {args.sweep_rounds}: run the layouts at least once (1 or more)")
@@ -169,8 +169,9 @@ def run_layout(row: dict, base_cmd: list, args, check_speed: bool, hw, plans: di
     rounds = row.setdefault("rounds", [])
     rounds.append(now)
     # each metric's median over the launches: the typical launch, as calibrate's rates are the typical
-    # ones (on this VM two threads stream weights at about 30 GB/s in some spells and 45-55 in others:
-    # the best of several launches is the lucky spell, not the machine)
+    # ones (on a shared VM weights stream faster in some spells than in others: the best of several
+    # launches is the lucky spell, not the machine; docs/benchmarks.md, "Choosing the layout: the
+    # cost model against measurements")
     measured = row["measured"] = {k: statistics.median(r[k] for r in rounds) for k in now}
     measured["peak_rss_gib_per_rank"] = max(r["peak_rss_gib_per_rank"] for r in rounds)
     p = row["predicted"]

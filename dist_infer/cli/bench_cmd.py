@@ -34,9 +34,9 @@ def rank_start(args: argparse.Namespace):
     from dist_infer.bench import RankStart
     from dist_infer.launch.model_options import build_bench_engine, load_model
     from dist_infer.launch.rank import join_job
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.topology import Layout
 
-    config = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
+    config = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     return RankStart(join=lambda: join_job(args.backend, config, args.timeout, args.iface, args.log_level, args.shm),
                      load=lambda groups: load_model(args, groups),
                      build_engine=lambda stage, groups: build_bench_engine(args, stage, groups))

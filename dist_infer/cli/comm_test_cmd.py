@@ -11,14 +11,14 @@ from typing import Sequence
 
 def cmd_comm_test(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.launch.rank import join_job, run_rank_command
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.topology import Layout
 
     def body() -> int:
         from tqdm import tqdm
 
         from dist_infer.comm.selftest import DEFAULT_SIZES, format_table, results_json, run_comm_test
 
-        groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+        groups = join_job(args.backend, Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                           args.timeout, args.iface, args.log_level, args.shm)
         world = groups.world
         bar = tqdm(desc="comm-test", unit="case", disable=None if world.rank == 0 else True, file=sys.stderr)

@@ -9,8 +9,13 @@ from typing import Sequence
 
 from loguru import logger
 
-from dist_infer.launch.model_options import (add_model_flags, add_scheduler_flags, build_engine, load_model,
-                                             scheduler_options)
+from dist_infer.launch.model_options import (
+    add_model_flags,
+    add_scheduler_flags,
+    build_engine,
+    load_model,
+    scheduler_options,
+)
 
 DEFAULT_PROMPT = "The quick brown fox"
 
@@ -102,11 +107,11 @@ def run_generate(args) -> int:
     from dist_infer.models.checkpoint import peak_rss_mb
     from dist_infer.models.gguf.checkpoint import shared_parses
     from dist_infer.models.moe import moe_report
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.topology import Layout
 
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                             stop_at_eos=not args.no_eos_stop)
-    groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+    groups = join_job(args.backend, Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                       args.timeout, args.iface, args.log_level, args.shm)
     world = groups.world
     with shared_parses():  # a GGUF's weights and tokenizer share one parse of the file

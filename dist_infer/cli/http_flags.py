@@ -9,8 +9,13 @@ from typing import Iterable, Optional
 
 from dist_infer.arg_types import existing_file, positive_int, positive_seconds, positive_size
 from dist_infer.serving.http.cache_isolation import ISOLATION_MODES
-from dist_infer.serving.http.guard import (DEFAULT_HEADER_TIMEOUT_S, DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-                                           DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HttpGuard)
+from dist_infer.serving.http.guard import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    HttpGuard,
+)
 
 API_KEY_ENV = "DIST_INFER_API_KEY"  # comma-separated keys, added to --api-key
 

@@ -50,16 +50,17 @@ def add_overlap_flags(p: argparse.ArgumentParser) -> None:
                    help="token-splitting compute/communication overlap in tensor-parallel layers: split every step "
                         "(on), never (off), or steps of at least --overlap-threshold tokens (auto, default)")
     p.add_argument("--overlap-threshold", type=int, default=None,
-                   help="tokens per step from which --overlap auto splits (default: measured per machine kind: "
-                        "1024 on CUDA, never on CPU, where it was measured slower; see docs/benchmarks.md)")
+                   help="tokens per step from which --overlap auto splits (default per device kind: 1024 on CUDA, "
+                        "TokenWeave's figure; never on CPU, where splitting was measured slower; see "
+                        "docs/benchmarks.md, 'Token-splitting overlap')")
     p.add_argument("--sequence-parallel", choices=("on", "off", "auto"), default="auto",
                    help="tensor-parallel layers with the all-reduce split into reduce-scatter and all-gather, the "
                         "residual and RMSNorm on 1/tp of the tokens each: on every step that is not token-split (on), "
                         "never (off), or steps of at least --sequence-parallel-threshold tokens (auto, default)")
     p.add_argument("--sequence-parallel-threshold", type=int, default=None,
                    help="tokens per step from which --sequence-parallel auto applies (default: none, so auto leaves it "
-                        "off: on the CPU machine it was measured slower than plain tp, on CUDA it is not measured yet; "
-                        "see docs/benchmarks.md)")
+                        "off: on CPU it was measured slower than plain tp, on CUDA it is not measured yet; "
+                        "see docs/benchmarks.md, 'Token-splitting overlap')")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,8 +185,8 @@ def _add_calibrate(sub) -> None:
                         "rate, about a second; what bench --sweep compares with the profile's before each layout), "
                         "and write no profile")
     p.add_argument("--quick", action="store_true",
-                   help="fewer sizes, only 2-rank collectives and only the 2-rank layouts' fixed costs (about 45 s "
-                        "instead of about 4 min)")
+                   help="fewer sizes, only 2-rank collectives and only the 2-rank layouts' fixed costs (several "
+                        "times shorter than the full run)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds each measuring job may take")
     p.add_argument("--json", action="store_true", help="also print the profile as one JSON line")
 

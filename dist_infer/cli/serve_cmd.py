@@ -178,8 +178,14 @@ def default_kv_blocks(stage, block_size: int, memory_bytes: int, max_num_seqs: i
 def _join(args):
     """-> (world, this rank's instance index, the instance specs, the instance's groups)."""
     from dist_infer.launch.rank import join_job, join_world
-    from dist_infer.serving.fleet.instance_specs import InstanceSpec, check_roles, check_world, join_instance, parse_instances
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.serving.fleet.instance_specs import (
+        InstanceSpec,
+        check_roles,
+        check_world,
+        join_instance,
+        parse_instances,
+    )
+    from dist_infer.topology import Layout
 
     if args.join:
         if args.instance_index is None or args.instance_index < 0:
@@ -188,11 +194,11 @@ def _join(args):
         if len(specs) != 1:
             raise ValueError(f"--join: --instances {args.instances!r} names {len(specs)} instances; a joining job is one")
         spec = specs[0]
-        groups = join_job(args.backend, ParallelConfig(tp=spec.tp, pp=spec.pp, ep=args.ep, cp=args.cp),
+        groups = join_job(args.backend, Layout(tp=spec.tp, pp=spec.pp, ep=args.ep, cp=args.cp),
                           args.timeout, args.iface, args.log_level, args.shm)
         return groups.world, args.instance_index, specs, groups
     if not args.instances:
-        groups = join_job(args.backend, ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+        groups = join_job(args.backend, Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
                           args.timeout, args.iface, args.log_level, args.shm)
         return groups.world, 0, [InstanceSpec(args.tp, args.pp)], groups
     if args.ep > 1 or args.cp > 1:
@@ -211,7 +217,7 @@ def run_serve(args) -> int:
     world, index, specs, groups = _join(args)
     # A serving process runs its step loop beside threads that relay requests, outputs and migration
     # calls; hand the GIL over more often than every 5 ms so a relayed message does not wait out a
-    # compute thread's time slice (halved a live migration's downtime on the 2-core CPU machine).
+    # compute thread's time slice (it cut a live migration's downtime markedly where cores are few).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     frontend, address, key = _reach_frontend(args, world)
     if frontend is not None:
@@ -231,8 +237,8 @@ def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: 
     import torch
 
     from dist_infer.launch.model_options import build_engine, load_model, scheduler_options
-    from dist_infer.serving.instance.join import block_bytes, open_kv_link, run_instance
     from dist_infer.serving.fleet.wire import Hello
+    from dist_infer.serving.instance.join import block_bytes, open_kv_link, run_instance
 
     driver = groups.world.rank == 0
     stage, report, _ = load_model(args, groups)  # token ids only: the front end holds the tokenizer

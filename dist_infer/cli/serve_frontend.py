@@ -262,7 +262,7 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capaci
     cluster.start()
     try:
         waiter.hand_over(cluster.attach)
-        app = build_app(cluster, name, guard)
+        app = build_app(cluster, name, guard, warm_workers=True)
 
         def ready(host: str, port: int) -> None:
             layouts = ", ".join(c.spec.describe() for c in clients)

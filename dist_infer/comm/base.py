@@ -52,7 +52,7 @@ class PollingHandle(Handle):
     """Wait on a `test()` predicate with a deadline, spinning briefly then backing off to sleep.
 
     Spinning first keeps small-message latency low; sleeping later leaves the cores to the
-    compute that the caller overlaps with communication (this machine may have only two).
+    compute that the caller overlaps with communication (a CPU node may have only two).
     """
 
     def __init__(self, test: Callable[[], bool], describe: str, timeout: float,

@@ -1,8 +1,9 @@
 """A log that a flood of hostile connections cannot flood.
 
-A listener that logs every refused connection writes as fast as a stranger can reconnect: 20
-clients reconnecting to the hub wrote 773k warning lines (70 MB) in 100 s, and the writing itself
-slowed the hub for everyone else. Here each kind of event (a key: the reason and the source) gets
+A listener that logs every refused connection writes as fast as a stranger can reconnect: a flood
+of clients reconnecting to the hub wrote a warning line per connection, megabytes of them, and the
+writing itself slowed the hub for everyone else (docs/security.md, "What the tests throw at it",
+the hub flood row). Here each kind of event (a key: the reason and the source) gets
 its first line in full, then at most one line per `interval` that counts what was held back:
 "hub: refused 1234 connections from 127.0.0.1 in the last 1.0 s (bad handshake)".
 """

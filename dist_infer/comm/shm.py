@@ -1,8 +1,9 @@
 """All-reduce (and all-gather) through shared memory for groups whose ranks share a node (CPU tensors).
 
-gloo moves even a 12 KB decode all-reduce through sockets and its own threads: tens to
-hundreds of microseconds, twice per layer. Ranks on one node can instead write their partial
-sums into a shared segment and each add up everyone's: a memcpy, a flag and a sum.
+gloo moves even a 12 KB decode all-reduce through sockets and its own threads, twice per layer
+(docs/benchmarks.md, "Collectives: `dist-infer comm-test` (gloo and MPI, 2 and 4 ranks)"). Ranks on
+one node can instead write their partial sums into a shared segment and each add up everyone's: a
+memcpy, a flag and a sum.
 
 Protocol, per op with sequence number s, using buffer b = s % NBUF:
   post:  wait until every rank has finished reading buffer b's previous use (read flags),

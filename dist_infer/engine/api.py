@@ -7,10 +7,10 @@ from typing import Optional, Sequence
 import torch
 
 from dist_infer.comm import ParallelGroups, build_groups, init_world
-from dist_infer.engine.step_loop import Engine, GenerationOutput
+from dist_infer.engine.engine_core import Engine, EngineConfig, GenerationOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.loader import load_stage, resolve_device, stage_from_hf_model
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 
 class ShardedModel:
@@ -26,14 +26,14 @@ class ShardedModel:
         return self.engine.generate([list(p) for p in prompts], params, return_logits)
 
 
-def join(parallel: ParallelConfig, backend: str = "auto", groups: Optional[ParallelGroups] = None) -> ParallelGroups:
+def join(parallel: Layout, backend: str = "auto", groups: Optional[ParallelGroups] = None) -> ParallelGroups:
     if groups is not None:
         return groups
     world = init_world(backend)
     return build_groups(world, Mesh.build(parallel, world.size))
 
 
-def shard(hf_model, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
+def shard(hf_model, parallel: Layout = Layout(), groups: Optional[ParallelGroups] = None,
           backend: str = "auto", pp_split: Optional[Sequence[int]] = None, block_size: int = 16,
           device: str = "cpu", quantization: str = "auto", ladder: Optional[str] = None) -> ShardedModel:
     """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference);
@@ -43,10 +43,10 @@ def shard(hf_model, parallel: ParallelConfig = ParallelConfig(), groups: Optiona
     groups = join(parallel, backend, groups)
     stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split, device=resolve_device(device),
                                 quantization=quantization, ladder=ladder)
-    return ShardedModel(Engine(stage, groups, block_size), groups)
+    return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)
 
 
-def load(path, parallel: ParallelConfig = ParallelConfig(), groups: Optional[ParallelGroups] = None,
+def load(path, parallel: Layout = Layout(), groups: Optional[ParallelGroups] = None,
          backend: str = "auto", dtype: torch.dtype = torch.float32, pp_split: Optional[Sequence[int]] = None,
          block_size: int = 16, device: str = "cpu", quantization: str = "auto",
          ladder: Optional[str] = None) -> ShardedModel:
@@ -57,4 +57,4 @@ def load(path, parallel: ParallelConfig = ParallelConfig(), groups: Optional[Par
     groups = join(parallel, backend, groups)
     stage, _ = load_stage(path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization,
                           ladder=ladder)
-    return ShardedModel(Engine(stage, groups, block_size), groups)
+    return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)

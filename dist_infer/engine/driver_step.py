@@ -1,4 +1,4 @@
-"""The driver's step: plan a step, launch it, complete the oldest in flight; the serving loop.
+"""The driver's step: plan a step, launch it, complete the oldest in flight.
 
 With pipeline parallelism up to pp steps are in flight at once, each on about 1/pp of the live
 requests, so every stage stays busy. Completing a step hands each sampled row to its request
@@ -8,16 +8,22 @@ requests, so every stage stays busy. Completing a step hands each sampled row to
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
+from dist_infer.engine.intake import RequestRegistry
 from dist_infer.engine.kv_transfer import TransferOp
+from dist_infer.engine.pipeline import PipelineTransport
 from dist_infer.engine.request import RequestOutput
+from dist_infer.engine.request_progress import RequestProgress
 from dist_infer.engine.sampling import SampledTokens
-from dist_infer.engine.scheduler import SchedulerOutput
-from dist_infer.engine.step_cost import AUTO_FLOOR_S, StepShape, chunk_pairs
-from dist_infer.engine.step_guard import failed_error_id
-from dist_infer.engine.step_plan import KIND_IDLE, KIND_WORK, StepPlan
+from dist_infer.engine.scheduler import Scheduler, SchedulerOutput
+from dist_infer.engine.stage_runner import StageRunner
+from dist_infer.engine.step_guard import StepGuard, failed_error_id
+from dist_infer.engine.step_pacing import StepPacer
+from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan
+from dist_infer.engine.worker import StageWorker
 
 
 @dataclass
@@ -30,28 +36,42 @@ class InFlightStep:
     result: Optional[SampledTokens] = None  # pp=1: sampled at launch; pp>1: comes back from the last stage
 
 
-def step_shape(chunks) -> StepShape:
-    """A step's shape for the cost model: its prompt chunks, and its decodes (one token each: a
-    prompt's last token costs what a decode does)."""
-    prompts = [c for c in chunks if c.num_tokens > 1]
-    decodes = [c for c in chunks if c.num_tokens == 1]
-    # a layered prompt's group runs a fraction of the layers: it costs that fraction of its tokens
-    share = [1.0 if c.work_tokens is None else c.work_tokens / c.num_tokens for c in prompts]
-    return StepShape(prompt_tokens=round(sum(c.num_tokens * f for c, f in zip(prompts, share))),
-                     prompt_pairs=round(sum(chunk_pairs(c.start, c.num_tokens) * f for c, f in zip(prompts, share))),
-                     decodes=len(decodes), decode_context=sum(c.start + 1 for c in decodes))
+class StepDriver:
+    """Driver only: the steps. Takes the queued commands (`registry`), schedules (`scheduler`,
+    paced by `pacer`), checks each plan with `worker` before it leaves, sends it (`transport`)
+    and runs the driver's own share (`runner`), and hands the sampled rows to their requests
+    (`progress`); `guard` fails what fails. `model_cfg`: the model's limits a plan is checked
+    against; `world_size`: the instance's ranks (one alone may survive a failed forward);
+    `heartbeat_s`: the idle plan's period; `first_step`: the number of the next plan."""
 
+    def __init__(self, scheduler: Scheduler, worker: StageWorker, runner: StageRunner, transport: PipelineTransport,
+                 registry: RequestRegistry, progress: RequestProgress, pacer: StepPacer, guard: StepGuard, *,
+                 model_cfg, world_size: int, heartbeat_s: float, first_step: int = 0):
+        self.scheduler, self.worker, self.runner, self.transport = scheduler, worker, runner, transport
+        self.registry, self.progress, self.pacer, self.guard = registry, progress, pacer, guard
+        self.model_cfg, self.world_size, self.heartbeat_s = model_cfg, world_size, heartbeat_s
+        self.next_step = first_step
+        self.completed_steps = 0
+        self.return_logits = False  # the work plans ask for the logits too (offline generate, tests)
+        self.last_plan = time.monotonic()
+        self._inflight: deque[InFlightStep] = deque()
+        self._freed: list[int] = []
+        self._transfers: list[TransferOp] = []  # KV block moves for the next plan (live migration)
 
-class DriverStep:
-    """Engine mixin, driver only: the step and the loop that repeats it. Uses the engine's
-    scheduler, worker, guard, `_inflight`, `_freed`, `_transfers` and the pipeline transport."""
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def queue_transfer(self, op: TransferOp) -> None:
+        """A KV block move every rank makes with the next plan (sent at once if idle)."""
+        self._transfers.append(op)
 
     def step(self) -> list[RequestOutput]:
         """Launch steps until pp are in flight (or nothing is schedulable), then complete the
         oldest. Returns what the completed step added to each request."""
         outputs = self._apply_commands()
-        while len(self._inflight) < self.pp.size:
-            scheduled = self.scheduler.schedule(self._seqs_per_step(), self._prefill_cap())
+        while len(self._inflight) < self.transport.stages:
+            scheduled = self.scheduler.schedule(self._seqs_per_step(), self.pacer.prefill_cap())
             self._freed += [r.seq_id for r in scheduled.freed]
             if not scheduled.chunks:
                 break
@@ -60,58 +80,39 @@ class DriverStep:
             if len(self._inflight) == before:
                 break  # the step failed before it ran (its requests with it): the next one goes on
         if self._transfers:  # nothing to run this step, but blocks to move: an idle plan carries them
-            self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed(),
+            self._send_plan(StepPlan(kind=KIND_IDLE, step=self.next_step, freed=self._take_freed(),
                                      transfers=self._take_transfers()))
         if self._inflight:
             outputs += self._complete(self._inflight.popleft())
-        elif time.monotonic() - self._last_plan > self.heartbeat_s:
-            self._send_plan(StepPlan(kind=KIND_IDLE, step=self._step, freed=self._take_freed()))
+        elif time.monotonic() - self.last_plan > self.heartbeat_s:
+            self._send_plan(StepPlan(kind=KIND_IDLE, step=self.next_step, freed=self._take_freed()))
+        return outputs
+
+    def _apply_commands(self) -> list[RequestOutput]:
+        """The commands other threads queued: new requests join the scheduler, aborts end theirs."""
+        outputs = []
+        for command, arg in self.registry.take_commands():
+            if command == "add":
+                self.registry.count_added()
+                self.registry.register(arg)
+                self.scheduler.add(arg)
+            elif command == "call":
+                arg()
+            elif command == "abort":
+                request = self.registry.find(arg)
+                if request is not None:
+                    request.finish_reason = "abort"
+                    outputs.append(self.progress.finish(request, "abort"))
         return outputs
 
     def _seqs_per_step(self) -> Optional[int]:
         """With pp stages, each step takes about 1/pp of the live requests, so pp steps on
         different requests chase each other through the stages (prefill and decode alike)."""
-        if self.pp.size == 1:
+        stages = self.transport.stages
+        if stages == 1:
             return None
         live = len(self.scheduler.running) + len(self.scheduler.waiting)
-        return max(1, -(-live // self.pp.size))
-
-    def _prefill_cap(self):
-        """The step's prompt tokens beside its decodes, sized so the step ends within the
-        inter-token latency target (Sarathi-Serve's stall-free budget, from the step costs learned
-        online: step_cost.py). None: only the token budget cuts prompts."""
-        if self.itl_target is None:
-            return None
-        return self._prompt_tokens_within
-
-    def _prompt_tokens_within(self, decodes: int, decode_context: int, start: int):
-        """Prompt tokens a step of these decodes can add and still meet the target (None: not learned yet)."""
-        return self.step_costs.prompt_tokens_within(self.step_target_s(decodes, decode_context), decodes,
-                                                    decode_context, start)
-
-    def step_target_s(self, decodes: int, decode_context: int) -> float:
-        """One step's share of the inter-token latency target: a fixed time (milliseconds, split
-        over the pp steps a request's token waits for), a multiple of the decode-only step, or
-        (auto) that multiple but at least AUTO_FLOOR_S over the pp steps."""
-        kind, value = self.itl_target
-        if kind == "ms":
-            return value / 1000.0 / self.pp.size
-        target = value * self.step_costs.decode_step_s(decodes, decode_context)
-        return max(target, AUTO_FLOOR_S / self.pp.size) if kind == "auto" else target
-
-    def _learn_step_time(self, flight: InFlightStep, now: float) -> None:
-        """Feed the step's duration to the cost model and the step-time histogram. With pp steps
-        in flight a step's own time is the gap since the previous completion (its slot in the
-        pipeline) or, when it ran alone, its latency over the pp stages."""
-        shape = step_shape(flight.chunks)
-        if flight.launched >= self._last_complete or self.pp.size == 1:
-            seconds = (now - flight.launched) / self.pp.size
-        else:
-            seconds = now - self._last_complete
-        self._last_complete = now
-        if shape.prompt_tokens or shape.decodes:
-            self.step_costs.observe(shape, seconds)
-            self.step_times.observe(shape.kind, seconds)
+        return max(1, -(-live // stages))
 
     def _take_freed(self) -> list[int]:
         freed, self._freed = self._freed, []
@@ -121,13 +122,20 @@ class DriverStep:
         transfers, self._transfers = self._transfers, []
         return transfers
 
+    def _send_plan(self, plan: StepPlan, meta: Optional[object] = None) -> Optional[SampledTokens]:
+        """The plan to every rank of stage 0, then the driver's own share of it."""
+        wire = self.transport.broadcast_plan(plan)
+        self.last_plan = time.monotonic()
+        return self.runner.run(plan, wire, meta=meta)
+
     def _launch(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         """Plan the step and send it. A request whose chunk cannot be planned fails alone; a plan
         the metadata check rejects, or (one rank) a forward that raises, fails the step's
         requests. Returns the failed requests' outputs."""
-        plan = StepPlan(kind=KIND_WORK, step=self._step, return_logits=self.return_logits)
-        chunks, failed = self.guard.plan_chunks(plan, scheduled.chunks, self.cfg, self.num_blocks, self.block_size,
-                                                self.cp.size)
+        plan = StepPlan(kind=KIND_WORK, step=self.next_step, return_logits=self.return_logits)
+        config = self.scheduler.config
+        chunks, failed = self.guard.plan_chunks(plan, scheduled.chunks, self.model_cfg, config.num_blocks,
+                                                config.block_size, self.scheduler.cp)
         if not chunks:
             return failed
         requests = [c.request for c in chunks]
@@ -136,21 +144,21 @@ class DriverStep:
         except Exception as exc:  # noqa: BLE001
             return failed + self.guard.fail_all(requests, "checking its step", exc)
         plan.freed, plan.transfers = self._take_freed(), self._take_transfers()
-        self._step += 1
+        self.next_step += 1
         launched = time.perf_counter()
         try:
             result = self._send_plan(plan, meta)
         except Exception as exc:  # noqa: BLE001
-            self.guard.forward_failed(exc, self.groups.world.size)  # re-raises unless this is the only rank
+            self.guard.forward_failed(exc, self.world_size)  # re-raises unless this is the only rank
             return failed + self.guard.fail_all(requests, "its step's forward", exc)
         self.guard.forward_ok()
         self._inflight.append(InFlightStep(plan, chunks, launched, result))
         return failed
 
-
     def _complete(self, flight: InFlightStep) -> list[RequestOutput]:
-        sampled = flight.result if flight.result is not None else self._receive_sampled(flight.plan)
-        self._learn_step_time(flight, time.perf_counter())
+        """The oldest step's tokens to their requests (a failed row fails its request alone)."""
+        sampled = flight.result if flight.result is not None else self.transport.receive_sampled(flight.plan)
+        self.pacer.learn(flight.chunks, flight.launched, time.perf_counter())
         now = time.monotonic()
         outputs = []
         rows = [c for c in flight.chunks if c.sample]
@@ -163,29 +171,16 @@ class DriverStep:
                 outputs.append(self.guard.fail(r, "sampling", error_id))
                 continue
             try:
-                outputs.append(self._take_token(r, sampled, i, flight.plan.return_logits, now))
+                outputs.append(self.progress.take_token(r, sampled, i, flight.plan.return_logits, now))
             except Exception as exc:  # noqa: BLE001 - stop checks, detokenizing: this request's own
                 outputs += self.guard.fail_all([r], "taking its token", exc)
-        self.timing.steps += 1
+        self.completed_steps += 1
         return outputs
 
-
-    def run_driver(self, publish: Callable[[list[RequestOutput]], None], should_stop: Callable[[], bool],
-                   after_step: Optional[Callable[[], None]] = None) -> None:
-        """Step until `should_stop()`; hand each step's outputs to `publish`, then call
-        `after_step`. Sleeps while idle (briefly, while migrating blocks are on the way)."""
-        while not should_stop():
-            if not self._requests and not self._inflight and self._commands.empty():
-                moving = self.migration is not None and self.migration.busy
-                self._wakeup.wait(0.002 if moving else self.heartbeat_s / 2)
-                self._wakeup.clear()
-            outputs = self.step()
-            if outputs:
-                publish(outputs)
-            if self.migration is not None:
-                # after the publish: a paused request's last token is on its way to the client before
-                # the pause is answered, so the destination's first token can never overtake it
-                self.migration.poll()
-            if after_step is not None:
-                after_step()
-        self.stop_followers()
+    def stop_followers(self) -> None:
+        """Complete what is in flight, then tell every other rank the loop is over."""
+        while self._inflight:
+            self._complete(self._inflight.popleft())
+        self._send_plan(StepPlan(kind=KIND_STOP, step=self.next_step, freed=self._take_freed(),
+                                 transfers=self._take_transfers()))
+        self.transport.drain()

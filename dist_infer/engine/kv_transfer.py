@@ -35,9 +35,9 @@ from dist_infer.parallel.sharding import HeadLayout, stage_layers
 ACK = 1 << 20  # a follower's "my share of this stage is in" message: key (migration, stage, ACK + rank)
 # Up to this many bytes a stage's copies run where they are asked for (the step thread sends, the
 # link's reader thread scatters) instead of on the helper thread: a paused request's last blocks
-# must not wait for a thread that competes with a long prefill forward for the cores (measured:
-# 25-78 ms per prefill -> decode hand-over on the 2-core machine through the helper, see
-# docs/benchmarks.md).
+# must not wait for a thread that competes with a long prefill forward for the cores (through the
+# helper that wait was most of a prefill -> decode hand-over's downtime: docs/benchmarks.md,
+# "Prefill/decode disaggregation against the same ranks serving mixed").
 # Small enough to fit a socket's send buffer, so an inline send to a hung peer does not block the step.
 INLINE_BYTES = 1 << 20
 
@@ -116,7 +116,7 @@ class PeerInstance:
 
     @staticmethod
     def from_hello(hello) -> "PeerInstance":
-        """From an instance's hello (serving/wire.Hello; read by its fields, this layer imports no serving)."""
+        """From an instance's hello (serving/fleet/wire.Hello; read by its fields, this layer imports no serving)."""
         return PeerInstance(hello.index, hello.tp, hello.pp, tuple(tuple(a) for a in hello.addresses))
 
 

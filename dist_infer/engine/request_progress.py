@@ -9,16 +9,35 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dist_infer.engine.intake import RequestRegistry
 from dist_infer.engine.request import Request, RequestOutput
 from dist_infer.engine.sampling import SampledTokens
+from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.step_guard import failed_output
 
 
-class RequestProgress:
-    """Engine mixin, driver only: a step's rows to their requests, and ending requests.
-    Uses the engine's scheduler, cfg and `_requests`."""
+def delta_output(r: Request) -> RequestOutput:
+    """`r`'s new tokens since its last report (which this one becomes)."""
+    k = r.emitted_tokens
+    out = RequestOutput(
+        request_id=r.request_id, new_token_ids=r.output_token_ids[k:], new_logprobs=r.output_logprobs[k:],
+        new_top_logprobs=r.output_top_logprobs[k:] if r.params.logprobs else [],
+        text_delta="", finished=r.finished, finish_reason=r.finish_reason,
+        stop_reason=r.stop_reason, num_prompt_tokens=len(r.prompt_token_ids),
+        num_generated_tokens=len(r.output_token_ids))
+    r.emitted_tokens = len(r.output_token_ids)
+    return out
 
-    def _take_token(self, r: Request, sampled: SampledTokens, i: int, return_logits: bool, now: float) -> RequestOutput:
+
+class RequestProgress:
+    """Driver: a step's rows to their requests, and ending requests: the scheduler frees their
+    blocks, the registry forgets them. `eos_token_ids` and `max_positions` are the model's."""
+
+    def __init__(self, scheduler: Scheduler, registry: RequestRegistry, eos_token_ids, max_positions: int):
+        self.scheduler, self.registry = scheduler, registry
+        self.eos_token_ids, self.max_positions = eos_token_ids, max_positions
+
+    def take_token(self, r: Request, sampled: SampledTokens, i: int, return_logits: bool, now: float) -> RequestOutput:
         """Row `i` of a step's tokens to its request: append it, check the stops, report."""
         self.scheduler.on_sampled(r)
         token = int(sampled.tokens[i])
@@ -31,44 +50,33 @@ class RequestProgress:
             r.logits.append(sampled.logits[i].clone())
         if r.first_token_time is None:
             r.first_token_time = now
-        reason = self._stop_reason(r)
-        return self._finish(r, reason) if reason is not None else self._delta(r)
+        reason = self.stop_reason(r)
+        return self.finish(r, reason) if reason is not None else delta_output(r)
 
-    def _stop_reason(self, r: Request) -> Optional[str]:
+    def stop_reason(self, r: Request) -> Optional[str]:
         """Why `r` ends after its newest token, or None. EOS cannot come before min_tokens (the
         sampler bans it); a stop token id does not count before it either."""
         p, token, n = r.params, r.output_token_ids[-1], len(r.output_token_ids)
         if n >= p.min_tokens:
-            if p.stop_at_eos and token in self.cfg.eos_token_ids:
+            if p.stop_at_eos and token in self.eos_token_ids:
                 return "stop"
             if token in p.stop_token_set:
                 r.stop_reason = token
                 return "stop"
-        if n >= p.max_new_tokens or r.num_tokens >= self.cfg.max_positions:
+        if n >= p.max_new_tokens or r.num_tokens >= self.max_positions:
             return "length"
         return None
 
-    def _delta(self, r: Request) -> RequestOutput:
-        """New tokens since the last report."""
-        k = r.emitted_tokens
-        out = RequestOutput(
-            request_id=r.request_id, new_token_ids=r.output_token_ids[k:], new_logprobs=r.output_logprobs[k:],
-            new_top_logprobs=r.output_top_logprobs[k:] if r.params.logprobs else [],
-            text_delta="", finished=r.finished, finish_reason=r.finish_reason,
-            stop_reason=r.stop_reason, num_prompt_tokens=len(r.prompt_token_ids),
-            num_generated_tokens=len(r.output_token_ids))
-        r.emitted_tokens = len(r.output_token_ids)
-        return out
-
-    def _finish(self, r: Request, reason: str) -> RequestOutput:
+    def finish(self, r: Request, reason: str) -> RequestOutput:
+        """End `r` (its blocks freed, forgotten here) and report what it has not yet."""
         self.scheduler.finish(r, reason)
-        self._requests.pop(r.request_id, None)
-        return self._delta(r)
+        self.registry.forget(r.request_id)
+        return delta_output(r)
 
-    def _fail(self, r: Request, message: str) -> RequestOutput:
+    def fail(self, r: Request, message: str) -> RequestOutput:
         """End a request with an error (an abort): its blocks are freed, and the next plan tells
         the followers, as for a client's abort."""
         r.finish_reason = "abort"
         self.scheduler.finish(r, "abort")
-        self._requests.pop(r.request_id, None)
+        self.registry.forget(r.request_id)
         return failed_output(r, message)

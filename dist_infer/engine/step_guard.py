@@ -17,7 +17,7 @@ Which parts of a step can fail a request and serve on depends on who runs them:
 
 A failed request's error tells the client only its request id, the stage and an error id: the
 exception's text may hold anything (tensor contents, paths), so it goes, with its traceback and
-that id, to the log of the rank where it happened (issue 30). A pipeline's sampler rank sends the
+that id, to the log of the rank where it happened. A pipeline's sampler rank sends the
 id back in the failed row's token slot (`failed_token`), so the driver's client sees the same id.
 """
 

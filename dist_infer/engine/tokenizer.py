@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
+from loguru import logger
+
+from dist_infer.engine.token_chars import chars_per_token
 from dist_infer.models.checkpoint import CheckpointError
 from dist_infer.models.gguf.checkpoint import is_gguf
 from dist_infer.models.gguf.tokenizer import tokenizer_from_gguf
@@ -100,10 +104,30 @@ class TextTokenizer:
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, BOS first when the model wants one (a GGUF may say it does not)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return self.with_bos(self._tok.encode(text, add_special_tokens=False).ids, add_bos)
+
+    def with_bos(self, ids: list[int], add_bos: bool = True) -> list[int]:
+        """`ids` (the backend's encoding) with BOS first when asked and the model wants one."""
         if add_bos and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` (picklable: what a process that encodes for us loads);
+        `backend.encode(text, add_special_tokens=False).ids` and with_bos are `encode`."""
+        return self._tok
+
+    @cached_property
+    def max_chars_per_token(self) -> Optional[int]:
+        """The most characters of a prompt one token covers (engine/token_chars.py), or None where
+        this tokenizer may drop or merge characters. Decodes the whole vocabulary once."""
+        count = self._tok.get_vocab_size(with_added_tokens=True)
+        texts = self._tok.decode_batch([[i] for i in range(count)], skip_special_tokens=False)
+        bound, why = chars_per_token(json.loads(self._tok.to_str()), texts)
+        if bound is None:
+            logger.info(f"{self.file}: no bound on the characters per token ({why})")
+        return bound
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -48,7 +48,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "de
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared")
 VARIANTS = ((FLAGS + ("-fopenmp",), True), (FLAGS, False))  # (flags, threaded): with OpenMP where it builds
-COMPILE_TIMEOUT_S = 300.0  # a compile takes ~3 s on the 2-core machine
+COMPILE_TIMEOUT_S = 300.0  # a compile takes seconds; the margin is for a slow or loaded machine
 LOCK_TIMEOUT_S = COMPILE_TIMEOUT_S + 60.0  # a waiter outlasts the compile it waits for
 MIN_FREE_BYTES = 16 << 20  # the library is ~0.2 MB; less free than this and the next directory is tried
 

@@ -3,7 +3,7 @@
 oneDNN's `dnnl_sgemm` (the `onednn-cpu-gomp` wheel on x86-64 Linux) where it loads, else the
 Fortran `sgemm_` of the BLAS torch was built with (MKL on x86 wheels, OpenBLAS on others). oneDNN
 picks its kernels by the CPU's instruction sets; MKL picks by vendor, and on AMD's AVX-512 cores its
-sgemm ran at about half of oneDNN's rate (docs/benchmarks.md, "oneDNN's GEMM"). Both libraries use
+sgemm ran well below oneDNN's rate (docs/benchmarks.md, "oneDNN's GEMM"). Both libraries use
 the OpenMP runtime torch loaded, so neither brings a second thread pool.
 
 `DIST_INFER_STACK_GEMM=blas` (or `onednn`) picks one, for side-by-side runs; unset, the faster.

@@ -7,10 +7,10 @@ import argparse
 
 from dist_infer.arg_types import parse_itl_target, parse_ladder_residual, positive_int
 
-# The serving step's token budget. On the 2-core CPU machine, a 2040-token prompt computed in
-# chunks beside 8 running decodes (benchmarks/step_budget.py): at 256 tokens a step, 70% (default
-# model, 27 ms steps) and 83% (125M Llama, 315 ms steps) of the best prefill throughput; larger
-# chunks buy little throughput for much longer decode stalls (docs/benchmarks.md).
+# The serving step's token budget: a 2040-token prompt computed in chunks beside 8 running decodes
+# (benchmarks/step_budget.py) gets most of the best prefill throughput at 256 tokens a step; larger
+# chunks buy little throughput for much longer decode stalls (docs/benchmarks.md, "The token budget
+# (`--max-batched-tokens`, default 256)").
 DEFAULT_MAX_BATCHED_TOKENS = 256
 DEFAULT_ITL_TARGET = "auto"
 
@@ -125,8 +125,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
     p.add_argument("--max-batched-tokens", type=positive_int, default=None if offline else DEFAULT_MAX_BATCHED_TOKENS,
                    help="token budget of one forward step: running decodes first, then chunks of prompts up to it "
                         + ("(default: none, every prompt in one step)" if offline else
-                           f"(default {DEFAULT_MAX_BATCHED_TOKENS}, measured on the 2-core CPU machine: "
-                           "see docs/benchmarks.md)"))
+                           f"(default {DEFAULT_MAX_BATCHED_TOKENS}, chosen by measurement: docs/benchmarks.md, "
+                           "'The token budget')"))
     p.add_argument("--max-num-seqs", type=positive_int, default=256 if offline else 64,
                    help="most requests running (holding KV blocks) at once (default %(default)s)")
     p.add_argument("--kv-blocks", type=positive_int, default=None,
@@ -178,12 +178,28 @@ def add_cp_variant_flag(p: argparse.ArgumentParser) -> None:
                         "travel (pass-q), or chosen per prefill from the new and cached token counts (auto, default)")
 
 
-def overlap_options(args) -> dict:
-    from dist_infer.engine.step_loop import DEFAULT_OVERLAP_THRESHOLD, DEFAULT_SEQUENCE_PARALLEL_THRESHOLD
+def worker_options(args):
+    """The worker's options from the parallel flags (--overlap, --sequence-parallel and their
+    thresholds, --cp-variant, --cuda-graphs): an engine_config.WorkerOptions."""
+    from dist_infer.engine.engine_config import (
+        DEFAULT_OVERLAP_THRESHOLD,
+        DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
+        WorkerOptions,
+    )
 
-    return {"overlap": args.overlap, "overlap_threshold": args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD,
-            "sequence_parallel": args.sequence_parallel,
-            "sequence_parallel_threshold": args.sequence_parallel_threshold or DEFAULT_SEQUENCE_PARALLEL_THRESHOLD}
+    return WorkerOptions(overlap=args.overlap, overlap_threshold=args.overlap_threshold or DEFAULT_OVERLAP_THRESHOLD,
+                         sequence_parallel=args.sequence_parallel,
+                         sequence_parallel_threshold=args.sequence_parallel_threshold
+                         or DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
+                         cp_variant=args.cp_variant, cuda_graphs=getattr(args, "cuda_graphs", "auto"))
+
+
+def engine_config(args, **fields):
+    """The engine's config from the flags of `args` (--block-size, the parallel flags), plus
+    `fields` (the scheduler's: scheduler_options, or the bench's): an engine_config.EngineConfig."""
+    from dist_infer.engine.engine_config import EngineConfig
+
+    return EngineConfig(block_size=args.block_size, worker=worker_options(args), **fields)
 
 
 def native_kernel_mode(flag: str | None) -> str | bool:
@@ -210,12 +226,11 @@ def load_model(args, groups):
     return stage, report, model
 
 
-def build_engine(args, stage, groups, **options):
-    """The engine over `stage` with the overlap and cp flags of `args`, plus `options` (scheduler, tokenizer)."""
-    from dist_infer.engine.step_loop import Engine
+def build_engine(args, stage, groups, **fields):
+    """The engine over `stage` with the config of `args` plus `fields` (engine_config)."""
+    from dist_infer.engine.engine_core import Engine
 
-    return Engine(stage, groups, args.block_size, **overlap_options(args), cp_variant=args.cp_variant,
-                  cuda_graphs=getattr(args, "cuda_graphs", "auto"), **options)
+    return Engine(stage, groups, engine_config(args, **fields))
 
 
 def build_bench_engine(args, stage, groups):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 from loguru import logger
 
 from dist_infer.launch.logs import configure_logging
-from dist_infer.topology import Mesh, ParallelConfig, ParallelConfigError, discover
+from dist_infer.topology import Layout, LayoutError, Mesh, discover
 
 if TYPE_CHECKING:
     from dist_infer.comm import ParallelGroups
@@ -30,7 +30,7 @@ def join_world(backend: str, timeout: float, iface, log_level: str, check: Calla
     return init_world(backend, timeout=timeout, iface=iface, info=info), info, checked
 
 
-def join_job(backend: str, config: ParallelConfig, timeout: float, iface=None, log_level: str = "INFO",
+def join_job(backend: str, config: Layout, timeout: float, iface=None, log_level: str = "INFO",
              shm: str = "auto") -> ParallelGroups:
     from dist_infer.comm import build_groups
 
@@ -88,8 +88,8 @@ def spawn_local(args, argv: list[str]) -> Optional[int]:
     configure_logging("launch")
     if not getattr(args, "instances", None):
         try:  # the ranks would each find this out after starting (and importing torch): say it once, now
-            Mesh.build(ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp), n)
-        except ParallelConfigError as exc:
+            Mesh.build(Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp), n)
+        except LayoutError as exc:
             logger.error(f"{exc}; no rank was started (--nproc {n})")
             return 2
     if hasattr(args, "model"):

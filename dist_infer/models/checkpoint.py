@@ -324,7 +324,7 @@ def return_freed_memory() -> None:
     """Collect garbage and hand the C heap's free pages back to the OS (glibc's malloc_trim).
 
     Loading reads, dequantizes and copies through many temporaries; freed, they stay in the
-    process's resident memory until trimmed (~150 MiB after loading SmolLM2's GGUF), and the KV
+    process's resident memory until trimmed (a sizeable share of a small model's), and the KV
     cache sizing and the memory figures would count them. A no-op beyond the collection where the C
     library has no malloc_trim."""
     import ctypes

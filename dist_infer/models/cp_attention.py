@@ -134,10 +134,9 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     A sequence with no key on this rank gives O = 0, LSE = -inf: the identity of the merge.
     With the native kernels (CPU, fp32) one call reads the shard through the block table; the
-    torch path gathers the blocks into a padded batch first (SmolLM2's cp=2 decode step, batch 4:
-    80-82 ms that way, 69 ms through the kernel, 42 ms once the merge's all-gather also went
-    through shared memory). `local_lens_t`: the same lengths as a tensor on q's device, if the caller
-    has them there (the step's metadata does), so no layer copies them from the host again.
+    torch path gathers the blocks into a padded batch first, which made a cp=2 decode step slower.
+    `local_lens_t`: the same lengths as a tensor on q's device, if the caller has them there (the
+    step's metadata does), so no layer copies them from the host again.
     """
     B, heads, d = q.shape
     kv_heads = k_cache.shape[2]

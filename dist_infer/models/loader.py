@@ -138,8 +138,8 @@ def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = t
 
 def built_on(device: Optional[torch.device], gguf: bool, scheme: str, cfg: ModelConfig):
     """Where a stage is built: a dense float HF checkpoint for a GPU straight on the GPU, each weight
-    copied there from the file, so the host never holds the whole model (its peak RSS was 1.6x
-    transformers' on a 1.1B model built on the host first); anything else on the host, then moved."""
+    copied there from the file, so the host never holds the whole model (built on the host first,
+    its peak RSS was well above transformers'); anything else on the host, then moved."""
     if device is None or torch.device(device).type != "cuda" or gguf or scheme != "none" or cfg.num_experts:
         return contextlib.nullcontext()
     return torch.device(device)

@@ -27,9 +27,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     for more, through the native kernels' GEMM (kernels/gemm.py: oneDNN's where it loads).
 
     Decode reads every weight once per step, so its GEMMs are bound by how fast W streams.
-    On the CPU the native kernel (kernels/cpu_kernels.c) walks W as one sequential stream:
-    1.7x MKL's speed for 1 row, 1.1x for 4 (docs/benchmarks.md). Without it, for 2-4 rows
-    MKL's weight-major product (W x^T)^T streams 1.2-3.3x faster than F.linear.
+    On the CPU the native kernel (kernels/cpu_kernels.c) walks W as one sequential stream, faster
+    than MKL's products for few rows; without it, for 2-4 rows MKL's weight-major product (W x^T)^T
+    streams faster than F.linear (docs/benchmarks.md, "Tensor parallel Llama inference against
+    DeepSpeed AutoTP and transformers", the native skinny product's rows).
     """
     rows = x.numel() // x.shape[-1] if x.dim() else 0
     if x.dim() != 2 or x.device.type != "cpu" or rows < 1:

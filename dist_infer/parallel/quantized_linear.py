@@ -12,7 +12,8 @@ shard quantized here), stacks its parts, and packs the result for one kernel:
 With the native CPU kernels and fp32, any int8 or 4-bit shard in groups of a multiple of 32 that
 tile its columns (GGUF Q8_0 and Q4_x too) goes to `GroupQuantLinear` instead: the decode step's
 few rows through cpu_kernels.c's `quant_linear`, which streams the integers and widens them in
-registers; torch's kernels stream them slower than fp32 on the CPUs measured. Larger batches
+registers; torch's kernels stream them slower than fp32 on the CPUs measured (docs/benchmarks.md,
+"Weights that stay quantized"). Larger batches
 dequantize a block of rows at a time into F.linear.
 
 Anything else (a group no kernel takes, a row-parallel shard that cuts a group) is dequantized once

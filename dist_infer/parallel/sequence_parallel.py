@@ -66,7 +66,7 @@ def reduce_scatter_to_sequence_parallel(partial: torch.Tensor, tp: Communicator)
 
 def should_sequence_parallel(mode: str, tokens: int, tp_size: int, threshold: Optional[int]) -> bool:
     """Whether a step of `tokens` tokens runs sequence parallel: 'on' whenever tp > 1, 'auto' from
-    `threshold` up (never where the threshold is None: no machine kind where it was measured to pay)."""
+    `threshold` up (never where the threshold is None: no device kind where it was measured to pay)."""
     if mode not in ("on", "off", "auto"):
         raise ValueError(f"sequence-parallel mode must be on, off or auto, got {mode!r}")
     if mode == "off" or tp_size == 1:

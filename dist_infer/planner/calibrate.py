@@ -7,8 +7,8 @@ Then, in real multi-process jobs: every collective's latency and bus bandwidth f
 `comm-test` (gloo and the shared-memory all-reduce, per group size), and the engine's fixed
 costs per decoder layer and per step, timed on two random models that differ only in depth, in
 one process and in every layout of 2 ranks (and of twice the cores): what a decode step's
-collectives, hand-overs and merges cost inside the step loop, where per-op figures from comm-test
-came out 2-4x too low on this machine.
+collectives, hand-overs and merges cost inside the step loop, where the sum of per-op figures from
+comm-test came out several times too low.
 """
 
 from __future__ import annotations
@@ -24,10 +24,19 @@ from typing import Callable
 from loguru import logger
 
 from dist_infer.planner.hardware import HardwareProfile, Link, save_profile
-from dist_infer.planner.kernel_rates import (ATTENTION_LENGTHS, DECODE_CONTEXTS, GEMM_ROWS, STREAM_PLACEMENTS,
-                                             STREAM_ROW_LENGTHS, measure_attention, measure_bandwidth,
-                                             measure_decode_attention, measure_gemm, measure_reference,
-                                             measure_size_factor)
+from dist_infer.planner.kernel_rates import (
+    ATTENTION_LENGTHS,
+    DECODE_CONTEXTS,
+    GEMM_ROWS,
+    STREAM_PLACEMENTS,
+    STREAM_ROW_LENGTHS,
+    measure_attention,
+    measure_bandwidth,
+    measure_decode_attention,
+    measure_gemm,
+    measure_reference,
+    measure_size_factor,
+)
 from dist_infer.topology.cores import usable_cores
 from dist_infer.topology.subcommand import SubcommandError, run_json
 
@@ -137,8 +146,8 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS,
         out["base_memory_bytes"] = max(peaks) * (1 << 20)
     for lay in layouts[1:]:
         out["decode_fixed"][lay.describe()] = fixed(lay)
-        # the prefill's too: the narrow model's 128-token prompt is ~0.1 ms of arithmetic per layer,
-        # against the 0.5-5 ms a layer's ring steps, all-reduces and waits cost in a layout of ranks
+        # the prefill's too: the narrow model's 128-token prompt is little arithmetic per layer next
+        # to what a layer's ring steps, all-reduces and waits cost in a layout of ranks
         out["prefill_fixed"][lay.describe()] = fixed(lay, "ttft_s")
     if "cp=2" in out["decode_fixed"]:
         out["cp_decode_layer_s"] = max(0.0, slope(decode_step, "cp=2") - per_layer)

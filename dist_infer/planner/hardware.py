@@ -51,8 +51,8 @@ class HardwareProfile:
     # KV bytes/s a decode's attention reads, by head_dim, the rank's KV heads and the context (0: memory_bandwidth)
     decode_attention_bandwidth: Rate = 0.0
     # {threads: [[matrix bytes, factor]]}: a matrix of that size streams at `factor` times the rate of
-    # the large ones memory_bandwidth has (on the 2-core machine 0.8 at 1 MiB with 2 threads: the
-    # call, waking a thread and the prefetchers' start are paid per matrix); {}: 1 at every size
+    # the large ones memory_bandwidth has (below 1 for small matrices: the call, waking a thread and
+    # the prefetchers' start are paid per matrix; e.g. docs/profiles/cpu2-vm.json); {}: 1 at every size
     stream_size_factor: dict = field(default_factory=dict)
     per_layer_s: float = 0.0  # fixed time per decoder layer per step (kernel launches, Python)
     per_step_s: float = 0.0  # fixed time per engine step (scheduling, sampling, the plan)
@@ -70,8 +70,8 @@ class HardwareProfile:
     # layout -> {"per_layer_s", "per_step_s"}: the same for a prefill (the narrow model's time to
     # first token against its depth): the ring's steps, the all-reduces and hand-overs as they wait
     prefill_fixed: dict = field(default_factory=dict)
-    # dtype -> Rate of attention without a mask (a cp ring's blocks off the diagonal: on the 2-core
-    # machine 1.1-2x the causal rate at the same length); {}: the causal rate
+    # dtype -> Rate of attention without a mask (a cp ring's blocks off the diagonal: faster than the
+    # causal rate at the same length on a CPU, e.g. docs/profiles/cpu2-vm.json); {}: the causal rate
     attention_flops_full: dict = field(default_factory=dict)
     # calibrate's `measure_reference` when the profile was measured: {"threads", "gemm_flops", "stream_bandwidth"}
     reference: dict = field(default_factory=dict)
@@ -85,25 +85,25 @@ class HardwareProfile:
     def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf, head_dim: int = 128,
                        causal: bool = True) -> float:
         """FLOP/s of a causal prefill's attention over `rows` tokens (`causal=False`: a block with no
-        mask, where the profile has it). A calibrated profile has it by head size too (on the
-        2-core machine 121 GFLOP/s at 8192 tokens for heads of 32, 147 for 64)."""
+        mask, where the profile has it). A calibrated profile has it by head size too (larger heads
+        run faster: e.g. docs/profiles/cpu2-vm.json)."""
         if not causal and dtype in self.attention_flops_full:
             return _lookup(self.attention_flops_full, dtype, threads, rows, self.name, "attention_flops_full", head_dim)
         return _lookup(self.attention_flops, dtype, threads, rows, self.name, "attention_flops", head_dim)
 
     def bandwidth(self, threads: int = 1, row_length: float = math.inf) -> float:
         """Bytes/s a decode's few-row product streams weights at. A calibrated profile has it by the
-        matrix's row length (its input features): the kernel's speed depends on it (on the 2-core
-        machine 31 GB/s for rows of 576 to 1536 floats, 24 GB/s for 4096); without one, the widest
-        row's rate (that of memory-bound work other than a GEMM)."""
+        matrix's row length (its input features): the kernel's speed depends on it (long rows
+        stream slower: e.g. docs/profiles/cpu2-vm.json); without one, the widest row's rate (that of
+        memory-bound work other than a GEMM)."""
         return _rate_at(self.memory_bandwidth, threads, row_length)
 
     def kv_bandwidth(self, threads: int = 1, head_dim: int = 128, kv_heads: int = 1, context: float = 4096) -> float:
         """Bytes/s of KV cache a decode step's attention reads. Its kernel's speed depends on the
-        head size, on how many KV heads the rank holds (on the 2-core machine, heads of 32 at a 4K
-        context: 8.5 GB/s for one KV head, read in one run, 3.6-3.8 for 2 to 4, interleaved in the
-        cache's rows) and, with several heads, on the context (3.4 GB/s at 8K, 2.4 at 16K: a
-        sequence's cache outgrows the CPU's caches). A calibrated profile has it as {threads:
+        head size, on how many KV heads the rank holds (one KV head is read in one run, several are
+        interleaved in the cache's rows) and on the context (the kernel's chunks, and a sequence's
+        cache outgrowing the CPU's caches; docs/benchmarks.md, "Decode attention at long contexts:
+        the chunked kernel"). A calibrated profile has it as {threads:
         {head_dim: {kv_heads: [[context, rate]]}}}; profiles from before as {threads: {head_dim:
         [[kv_heads, rate]]}} (any context) or {threads: [[head_dim, rate]]} (any heads)."""
         rate = self.decode_attention_bandwidth

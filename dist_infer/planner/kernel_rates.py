@@ -30,9 +30,10 @@ def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50)
 def _sustained_time(fn: Callable[[], object], min_s: float = 0.3, warm_s: float = 0.0, reps: int = 5,
                     max_reps: int = 30) -> float:
     """The median of at least `reps` timings of `fn` after `warm_s` seconds of running it: the rate
-    memory sustains. On this VM memory streams at about 45 GB/s for a second after an idle spell,
-    and in spells of 2-3 passes now and then, and at about 30 GB/s otherwise; a decode runs for
-    seconds, so the best pass overstates it by half (the snapshot noise of calibrates before)."""
+    memory sustains. On a shared VM memory streams faster for a second after an idle spell, and in
+    spells of a few passes now and then, than otherwise (docs/benchmarks.md, "Choosing the layout:
+    the cost model against measurements"); a decode runs for seconds, so the best pass overstates it
+    (the snapshot noise of earlier calibrates)."""
     start = time.perf_counter()
     fn()
     while time.perf_counter() - start < warm_s:
@@ -53,9 +54,9 @@ def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[flo
     """[[rows, FLOP/s]] of fp32 x[rows, 1024] @ W[4096, 1024]^T, through what the engine would
     use: the native skinny kernel for the few rows it takes, the native kernels' GEMM (oneDNN's where
     it loads) or torch's otherwise. Each point is
-    the best of `passes` passes over the row counts a second or two apart: a slow stretch of this
-    VM can cover one point's whole timing (one calibrate read 65 GFLOP/s at 256 rows, the others
-    90-94), and a prefill is timed at its best of `--repeat` runs."""
+    the best of `passes` passes over the row counts a second or two apart: a slow stretch of a
+    shared VM can cover one point's whole timing (one calibrate once read one point far below the
+    others), and a prefill is timed at its best of `--repeat` runs."""
     import torch
     import torch.nn.functional as F
 
@@ -105,12 +106,13 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
     """([[row length, bytes/s]], what read them): weights far larger than the caches streamed through
     4-row products, as a decode step reads them, with the engine's native skinny kernel when it
     builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
-    each length, as a model's layers are: the rate depends on the row length (on the 2-core machine
-    31 GB/s for 512 to 1536 floats, 24 GB/s for 4096), not on how the bytes are split. Each rate is
-    the median over `placements` fresh allocations timed one after the other: on this VM two threads
-    stream at 45-55 GB/s in some spells and about 30 in others (the vCPUs' placement on the host,
-    likely), and one allocation's timing can fall in a short spell. `samples` ({row length: [rates]},
-    given): this call's rates join those of earlier calls, and the medians are over all of them
+    each length, as a model's layers are: the rate depends on the row length (long rows stream
+    slower; a calibrated profile's table, e.g. docs/profiles/cpu2-vm.json), not on how the bytes are
+    split. Each rate is the median over `placements` fresh allocations timed one after the other: on a
+    shared VM two threads stream faster in some spells than in others (the vCPUs' placement on the
+    host, likely; docs/benchmarks.md, "Choosing the layout: the cost model against measurements"),
+    and one allocation's timing can fall in a short spell. `samples` ({row length: [rates]}, given):
+    this call's rates join those of earlier calls, and the medians are over all of them
     (calibrate looks twice, minutes apart, as a spell can last minutes)."""
     import torch
     import torch.nn.functional as F
@@ -128,7 +130,7 @@ def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGT
             ws = [torch.empty(max(1, mib * (1 << 20) // (4 * k * 16)), k).fill_(0.5) for _ in range(16)]
             x = torch.randn(4, k)
 
-            def run():
+            def run(ws=ws, x=x):
                 for w in ws:
                     product(x, w)
 
@@ -147,16 +149,14 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
                              kv_heads=DECODE_KV_HEADS, placements: int = 3, min_s: float = 0.2, reps: int = 3) -> dict:
     """{head_dim: {kv_heads: [[context, KV bytes/s]]}} the native paged decode attention reads: one
     query, `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so
-    that they come from memory, as a model's layers' do, not from the CPU's caches (8 copies of a
-    4K context at heads of 32 fit in this machine's 32 MiB L3 and read 10% faster). The rate depends
-    on the head size, the KV heads and the context: the kernel splits the keys in chunks shared by
-    the threads, and a short context has few chunks and pays the merge (on the 2-core machine, two
-    threads: 4 heads of 32 at 10.6 GB/s at 1K, 13.6 at 16K; 3 heads of 64 at 15.4 and 17.3; an
-    older kernel that read one KV head at a time slowed with more heads and longer contexts, 4
-    heads of 32: 3.6 GB/s at 4K, 2.3 at 16K). The caches lie in `placements` separate buffers of
-    `mib` MiB, each pass reading all of them (with that older kernel the same read measured 2.3 and
-    3.2 GB/s at 4 heads of 32 and 8K in two processes minutes apart, one buffer each). Each point is
-    the best of `reps` timings of at least `min_s` seconds.
+    that they come from memory, as a model's layers' do, not from the CPU's caches (a few copies of
+    a short context fit in an L3 and read faster). The rate depends on the head size, the KV heads
+    and the context: the kernel splits the keys in chunks shared by the threads, and a short context
+    has few chunks and pays the merge (docs/benchmarks.md, "Decode attention at long contexts: the
+    chunked kernel"; an older kernel that read one KV head at a time slowed with more heads and
+    longer contexts). The caches lie in `placements` separate buffers of `mib` MiB, each pass reading
+    all of them (with one buffer each, the same read moved widely between two processes minutes
+    apart). Each point is the best of `reps` timings of at least `min_s` seconds.
     {} without the native kernels (the model then uses the memory bandwidth)."""
     import torch
 
@@ -204,10 +204,10 @@ def measure_size_factor(threads: int, mib: int = 256, sizes=STREAM_SIZES_MIB, ro
     """[[matrix bytes, factor]]: how fast 4-row products stream matrices of each size (rows of 1024
     floats, cycled through `mib` MiB so that every one comes from memory) against the largest. A
     model's matrices are small (SmolLM2's 1-7 MiB) and each pays its call, the wake of the other
-    threads and the prefetchers' start: on the 2-core machine 0.82 of the large matrices' rate at
-    1.3 MiB with two threads, 0.94 at 9 MiB. Each factor is the median over `rounds` rounds of every
-    size, each against its own round's largest: a ratio of two timings seconds apart moves with this
-    VM's memory spells (one calibrate read 0.76 at 4 MiB, the others 0.95-0.97)."""
+    threads and the prefetchers' start, so the smaller a matrix the slower it streams (a calibrated
+    profile's factors, e.g. docs/profiles/cpu2-vm.json). Each factor is the median over `rounds`
+    rounds of every size, each against its own round's largest: a ratio of two timings seconds apart
+    moves with a shared VM's memory spells (one calibrate once read one size far below the others)."""
     import torch
 
     from dist_infer.kernels import load_cpu_kernels
@@ -245,8 +245,9 @@ REFERENCE_ROWS, REFERENCE_ROW_LENGTH = 256, 1024  # a prefill's GEMM, a decode's
 def measure_reference(threads: int) -> dict:
     """The machine's speed right now in about a second: the GEMM rate for a prefill's rows and the
     rate weights stream at, with `threads` threads. calibrate stores it in the profile; `bench
-    --sweep` takes it again before each layout: on a shared VM the same microbenchmarks move by a
-    third within minutes (a noisy neighbour), and a prediction is for the machine as it is."""
+    --sweep` takes it again before each layout: on a shared VM the same microbenchmarks move widely
+    within minutes (a noisy neighbour; docs/benchmarks.md, "Choosing the layout: the cost model
+    against measurements"), and a prediction is for the machine as it is."""
     gemm = measure_gemm(threads, (REFERENCE_ROWS,))[0][1]
     stream = measure_bandwidth(threads, 256, (REFERENCE_ROW_LENGTH,))[0][0][1]
     return {"threads": threads, "gemm_flops": gemm, "stream_bandwidth": stream}

@@ -57,7 +57,7 @@ def memory_per_rank(shape: ModelShape, layout: Layout, work: Workload, hw: Hardw
 def shm_segment_bytes(group_size: int, messages) -> float:
     """Bytes of a node-local group's shared segment (comm/shm.py) in each rank's resident memory:
     an op writes its tensor into this rank's slot of one of NBUF buffers in turn and reads every
-    rank's slot, so the largest tensor that fits a slot is resident NBUF x group_size times (the long
-    prompt's tp=2 prefill, 8 MiB per all-reduce: 55-58 MiB more peak RSS per rank than with --shm off)."""
+    rank's slot, so the largest tensor that fits a slot is resident NBUF x group_size times (as a long
+    prompt's tp=2 prefill's peak RSS per rank against --shm off bore out)."""
     fitting = [m for m in messages if 0 < m <= DEFAULT_SLOT_BYTES]
     return NBUF * group_size * max(fitting) if group_size > 1 and fitting else 0.0

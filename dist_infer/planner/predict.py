@@ -48,8 +48,7 @@ from dist_infer.planner.memory import memory_per_rank
 from dist_infer.planner.rank_rates import RankRates
 from dist_infer.planner.shapes import ModelShape, linear_flops
 from dist_infer.planner.stage_terms import StagePass, add_terms, scale_terms, stage_terms
-from dist_infer.planner.workload import DTYPE_BYTES as B
-from dist_infer.planner.workload import GIB, Schedule, Setup, Workload, micro_batches
+from dist_infer.planner.workload import DTYPE_BYTES as B, GIB, Schedule, Setup, Workload, micro_batches
 
 
 @dataclass

@@ -10,8 +10,7 @@ from typing import Optional
 from dist_infer.parallel.overlap_policy import should_split
 from dist_infer.planner.rank_rates import RankRates
 from dist_infer.planner.shapes import causal_attention_flops, linear_flops, max_shard
-from dist_infer.planner.workload import DTYPE_BYTES as B
-from dist_infer.planner.workload import Setup
+from dist_infer.planner.workload import DTYPE_BYTES as B, Setup
 
 
 @dataclass(frozen=True)

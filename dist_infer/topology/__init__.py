@@ -14,13 +14,13 @@ from dist_infer.topology.discovery import (
     single_process,
 )
 from dist_infer.topology.hostfile import Host, HostfileError, node_rank_offsets, parse_hostfile, parse_hostfile_text
-from dist_infer.topology.layout import DISPLAY_ORDER, Layout, LayoutError, ParallelConfigError, parse_layout
-from dist_infer.topology.mesh import AXES, RANK_ORDER, Mesh, ParallelConfig
+from dist_infer.topology.layout import DISPLAY_ORDER, Layout, LayoutError, parse_layout
+from dist_infer.topology.mesh import RANK_ORDER, Mesh
 from dist_infer.topology.network import interface_towards, set_socket_interface
 
 __all__ = [
-    "AXES", "DISPLAY_ORDER", "DiscoveryError", "Host", "HostfileError", "Layout", "LayoutError", "Mesh",
-    "ParallelConfig", "ParallelConfigError", "RANK_ORDER", "RankInfo", "discover", "expand_slurm_nodelist",
+    "DISPLAY_ORDER", "DiscoveryError", "Host", "HostfileError", "Layout", "LayoutError", "Mesh",
+    "RANK_ORDER", "RankInfo", "discover", "expand_slurm_nodelist",
     "free_port", "interface_towards", "needs_mpi", "node_rank_offsets", "parse_hostfile", "parse_hostfile_text",
     "parse_layout", "resolve_with_mpi", "set_socket_interface", "single_process",
 ]

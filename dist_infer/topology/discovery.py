@@ -77,6 +77,12 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
+def _int_or(env: Mapping[str, str], default: int, *names: str) -> int:
+    """The first of `names` set to an integer, else `default` (set but empty counts as unset)."""
+    value = _int(env, *names)
+    return default if value is None else value
+
+
 def parse_slurm_tasks_per_node(value: str) -> list[int]:
     """Slurm's per-node task counts, e.g. '2(x3),1' -> [2, 2, 2, 1] (SLURM_TASKS_PER_NODE format)."""
     counts = []
@@ -104,9 +110,9 @@ def _slurm_local_world(env: Mapping[str, str], world: int, nodes: int) -> int:
 def _rank_and_size(env: Mapping[str, str], rank_var: str, size_var: str) -> tuple[int, int]:
     """Both variables of a launcher, or a DiscoveryError naming the one that is missing."""
     rank, size = _int(env, rank_var), _int(env, size_var)
-    for name, value in ((rank_var, rank), (size_var, size)):
-        if value is None:
-            raise DiscoveryError(f"{name} is missing or empty while {rank_var if name == size_var else size_var} is set")
+    if rank is None or size is None:
+        name, other = (rank_var, size_var) if rank is None else (size_var, rank_var)
+        raise DiscoveryError(f"{name} is missing or empty while {other} is set")
     return rank, size
 
 
@@ -191,9 +197,9 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
         info = RankInfo(
             rank=rank,
             world_size=world,
-            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank % local_world,
+            local_rank=_int_or(env, rank % local_world, "LOCAL_RANK"),
             local_world_size=local_world,
-            node_rank=_int(env, "GROUP_RANK", "NODE_RANK") if ("GROUP_RANK" in env or "NODE_RANK" in env) else rank // local_world,
+            node_rank=_int_or(env, rank // local_world, "GROUP_RANK", "NODE_RANK"),
             master_addr=addr,
             master_port=port,
             launcher="torchrun",
@@ -206,7 +212,7 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[RankInfo]:
             world_size=world,
             local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
             local_world_size=local_world,
-            node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK") if "OMPI_COMM_WORLD_NODE_RANK" in env else rank // local_world,
+            node_rank=_int_or(env, rank // local_world, "OMPI_COMM_WORLD_NODE_RANK"),
             master_addr=addr,
             master_port=port,
             launcher="openmpi",

@@ -26,10 +26,6 @@ class LayoutError(ValueError):
     """A layout that cannot be parsed or run; the message names the bad part."""
 
 
-class ParallelConfigError(LayoutError):
-    """Parallel sizes that do not fit the world; the message shows the arithmetic."""
-
-
 @dataclass(frozen=True)
 class Layout:
     """Sizes of the parallel axes; dp None means whatever the world has left after tp x pp x cp x ep."""
@@ -51,22 +47,22 @@ class Layout:
         for axis in MODEL_AXES:
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
-                raise ParallelConfigError(f"{axis}={value!r} must be a positive integer")
+                raise LayoutError(f"{axis}={value!r} must be a positive integer")
         model = self.ranks
         arithmetic = f"tp={self.tp} x pp={self.pp} x ep={self.ep} x cp={self.cp} = {model}"
         if self.dp is None:
             if world_size % model:
-                raise ParallelConfigError(
+                raise LayoutError(
                     f"{arithmetic} does not divide the world size {world_size} "
                     f"({world_size} % {model} = {world_size % model})"
                 )
             dp = world_size // model
         else:
             if not isinstance(self.dp, int) or self.dp < 1:
-                raise ParallelConfigError(f"dp={self.dp!r} must be a positive integer")
+                raise LayoutError(f"dp={self.dp!r} must be a positive integer")
             dp = self.dp
             if model * dp != world_size:
-                raise ParallelConfigError(f"{arithmetic} x dp={dp} = {model * dp}, but the world size is {world_size}")
+                raise LayoutError(f"{arithmetic} x dp={dp} = {model * dp}, but the world size is {world_size}")
         return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": dp, "pp": self.pp}
 
     def describe(self) -> str:
@@ -104,19 +100,19 @@ def _axis_values(part: str, text: str) -> list[tuple[str, int]]:
     def bad(why: str) -> LayoutError:
         return LayoutError(f"bad layout part {part!r} in {text!r}: {why}")
 
-    axis, sep, number = part.partition("=")
+    axis, sep, size = part.partition("=")
     if sep:
         if axis not in DISPLAY_ORDER:
             raise bad(f"unknown axis {axis!r} (axes: {', '.join(DISPLAY_ORDER)})")
         try:
-            pairs = [(axis, int(number))]
+            pairs = [(axis, int(size))]
         except ValueError:
-            raise bad(f"{number!r} is not an integer") from None
+            raise bad(f"{size!r} is not an integer") from None
     elif _COMPACT.fullmatch(part):
         pairs = [(a, int(n)) for a, n in _COMPACT_PAIR.findall(part)]
     else:
         raise bad(f"write e.g. {EXAMPLE} (axes: {', '.join(DISPLAY_ORDER)})")
-    for axis, number in pairs:
-        if number < 1:
-            raise bad(f"{axis}={number}: sizes are positive")
+    for name, value in pairs:
+        if value < 1:
+            raise bad(f"{name}={value}: sizes are positive")
     return pairs

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from dist_infer.topology.layout import Layout, ParallelConfigError  # noqa: F401 - the error is re-exported here
+from dist_infer.topology.layout import Layout
 
 RANK_ORDER = ("tp", "cp", "ep", "dp", "pp")  # fastest varying first along the ranks; not how a layout is written
-AXES = RANK_ORDER  # the older name, kept for imports elsewhere
-ParallelConfig = Layout  # the older name of the one layout type, kept for imports elsewhere
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ import socket
 from typing import Mapping, MutableMapping, Optional
 
 
-
 def local_address_towards(host: str) -> str:
     """The address of this machine on the interface that routes to `host` (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

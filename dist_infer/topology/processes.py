@@ -33,11 +33,11 @@ def stop_process_groups(procs: Sequence[subprocess.Popen], grace: float = 3.0) -
 
 
 def exit_now(code: int) -> NoReturn:
-    """End a finished program without the interpreter's teardown, which takes ~0.5 s once torch is
-    loaded (clearing its modules) and can abort in C++ destructors (DeepSpeed's CPU ranks) after
-    the work succeeded. What teardown does that matters still happens: the streams are flushed,
-    the atexit handlers run (the process group's), and MPI is finalized (mpirun counts a rank that
-    skips it as failed)."""
+    """End a finished program without the interpreter's teardown, which is slow once torch is
+    loaded (clearing its modules; docs/benchmarks.md, "What a local job pays to start and end") and
+    can abort in C++ destructors (DeepSpeed's CPU ranks) after the work succeeded. What teardown
+    does that matters still happens: the streams are flushed, the atexit handlers run (the process
+    group's), and MPI is finalized (mpirun counts a rank that skips it as failed)."""
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()

@@ -84,10 +84,11 @@ def _load(path, **options):
 
 
 def _generate(model, prompts, graphs: str, new_tokens: int):
+    from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
 
-    engine = Engine(model.engine.stage, model.engine.groups, 16, cuda_graphs=graphs)
+    engine = Engine(model.engine.stage, model.engine.groups,
+                    EngineConfig(block_size=16, worker=WorkerOptions(cuda_graphs=graphs)))
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
     return engine, [o.token_ids for o in outs]
 

@@ -1,4 +1,4 @@
-"""A restart joins while the hub is flooded (issue 51, row 5): 20 strangers on 127.0.0.1, the
+"""A restart joins while the hub is flooded: 20 strangers on 127.0.0.1, the
 same address as the driver, reconnect to the hub as fast as they can, failing the handshake each
 time, while a driver with the key joins. Before, 20 silent strangers held every handshake slot
 and the driver gave up after 6 tries ("could not join the API's hub ... in 6 tries"), and each

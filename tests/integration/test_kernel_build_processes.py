@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from fake_compilers import counting_compiler, runs
 from paths import JOBS
 from processes import checkout_env, finish, start

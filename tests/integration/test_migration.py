@@ -23,8 +23,7 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
-from serving_helpers import (ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens,
-                             where)
+from serving_helpers import ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens, where
 
 LONG = 400  # tokens per request: long enough that a forced migration lands mid-decode
 HF_CHECKED = 40  # tokens compared with HF (the migration points are within them)

@@ -27,7 +27,6 @@ from processes import last_json, run
 
 from dist_infer.topology import free_port
 
-
 JOB_TIMEOUT = 180  # a case takes 5-20 s here; this only bounds a hang
 NEW_TOKENS = 6
 SHORT = (5, 17, 40)

@@ -29,20 +29,20 @@ JOB = textwrap.dedent('''
     import json, sys
     import torch
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.launch.rank import join_job
     from dist_infer.models.loader import load_stage
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.topology import Layout
 
     model, layout, prompts_file, out_file, new, roomy, tight = sys.argv[1:8]
     prompts = json.loads(open(prompts_file).read())
-    groups = join_job("gloo", ParallelConfig(**json.loads(layout)), 60, log_level="WARNING")
+    groups = join_job("gloo", Layout(**json.loads(layout)), 60, log_level="WARNING")
     stage, _ = load_stage(model, groups, torch.float32)
     results = {}
     for caching in (True, False):
         for blocks in (int(roomy), int(tight)):
-            engine = Engine(stage, groups, block_size=4, num_blocks=blocks, max_batched_tokens=6, max_num_seqs=3,
-                            prefix_caching=caching)
+            engine = Engine(stage, groups, EngineConfig(block_size=4, num_blocks=blocks, max_batched_tokens=6,
+                                                        max_num_seqs=3, prefix_caching=caching))
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=int(new), stop_at_eos=False),
                                    return_logits=True)
             if groups.world.rank == 0:

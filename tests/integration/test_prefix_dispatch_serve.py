@@ -17,8 +17,17 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf
-from serving_helpers import (ServerJob, assert_all_blocks_free, assert_live_blocks_free, force_migrate, instances,
-                             run_async, stream_tokens, wait_state, where)
+from serving_helpers import (
+    ServerJob,
+    assert_all_blocks_free,
+    assert_live_blocks_free,
+    force_migrate,
+    instances,
+    run_async,
+    stream_tokens,
+    wait_state,
+    where,
+)
 
 PREFIX = 64  # 4 blocks of 16
 

@@ -1,4 +1,4 @@
-"""A request can fail only itself (issue 30), with pp=2 in real processes under the launcher: the
+"""A request can fail only itself, with pp=2 in real processes under the launcher: the
 sampler rank (the last stage) is not the driver, and the failed row's error id travels back to it.
 (One rank and tp=2 on threads: tests/unit/engine/test_step_isolation.py.)"""
 
@@ -22,12 +22,12 @@ PP_JOB = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {support!r})
     from loguru import logger
-    import dist_infer.engine.pipeline as pipeline
-    import dist_infer.engine.step_loop as step_loop
+    import dist_infer.engine.stage_runner as stage_runner
+    import dist_infer.engine.engine_core as engine_core
     from dist_infer.comm import build_groups, init_world
     from dist_infer.engine.sampling import SamplingParams, sample_rows
     from dist_infer.models.loader import load_stage
-    from dist_infer.topology import Mesh, ParallelConfig
+    from dist_infer.topology import Mesh, Layout
     from hf_compare import prompts_for
 
     def exploding(logits, rows, eos_ids=()):  # on the sampler rank: the last stage, not the driver
@@ -35,11 +35,12 @@ PP_JOB = textwrap.dedent("""
             raise RuntimeError({boom!r})
         return sample_rows(logits, rows, eos_ids)
 
-    pipeline.sample_rows = exploding  # the sampler rank samples in the pipeline's stage step
+    stage_runner.sample_rows = exploding  # the sampler rank samples in its share of the step
     logger.enable("dist_infer")  # a library is quiet unless asked
     world = init_world("auto")
-    groups = build_groups(world, Mesh.build(ParallelConfig(pp=2), world.size))
-    engine = step_loop.Engine(load_stage(sys.argv[1], groups)[0], groups, block_size=4, num_blocks={blocks})
+    groups = build_groups(world, Mesh.build(Layout(pp=2), world.size))
+    engine = engine_core.Engine(load_stage(sys.argv[1], groups)[0], groups,
+                                engine_core.EngineConfig(block_size=4, num_blocks={blocks}))
     if not engine.is_driver:
         engine.follow()
         sys.exit(0)

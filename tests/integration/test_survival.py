@@ -19,8 +19,17 @@ import httpx
 import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
-from serving_helpers import (ServerJob, assert_all_blocks_free, assert_live_blocks_free, force_migrate, instances,
-                             run_async, stream_tokens, wait_state, where)
+from serving_helpers import (
+    ServerJob,
+    assert_all_blocks_free,
+    assert_live_blocks_free,
+    force_migrate,
+    instances,
+    run_async,
+    stream_tokens,
+    wait_state,
+    where,
+)
 
 LONG = 300  # tokens per request: long enough that a kill lands mid-decode
 HF_CHECKED = 40

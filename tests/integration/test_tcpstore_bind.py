@@ -1,4 +1,4 @@
-"""The job's rendezvous store listens on MASTER_ADDR's address, not on every interface (issue 30):
+"""The job's rendezvous store listens on MASTER_ADDR's address, not on every interface:
 a real 2-process gloo job is held open while its listening sockets are inspected. (The address
 resolution and the loopback-master refusal, in process: tests/unit/comm/test_rendezvous_address.py.)"""
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from dist_infer.engine.request import RequestError, RequestOutput
-from dist_infer.serving.http.api_server import build_app, serve_http
 from dist_infer.serving.fleet.interface import EngineDeadError, QueueFullError
+from dist_infer.serving.http.api_server import build_app, serve_http
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 128

@@ -10,7 +10,7 @@ import torch
 
 from dist_infer.comm.base import Communicator, DoneHandle
 from dist_infer.comm.groups import ParallelGroups
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 
 class _Meeting:
@@ -69,7 +69,7 @@ class ThreadComm(Communicator):
 
 def thread_groups(tp: int, ep: int) -> list[ParallelGroups]:
     """ParallelGroups for the ranks of a tp x ep mesh, index = mesh rank (tp fastest)."""
-    mesh = Mesh.build(ParallelConfig(tp=tp, ep=ep), tp * ep)
+    mesh = Mesh.build(Layout(tp=tp, ep=ep), tp * ep)
     single = [_Meeting(1) for _ in range(tp * ep)]
     tp_meet = {e: _Meeting(tp) for e in range(ep)}
     ep_meet = {t: _Meeting(ep) for t in range(tp)}

@@ -53,7 +53,7 @@ What the CPU setup needs (found by reading the installed sources):
   in /dev/shm (``deepspeed_allreduce_buffer_*_<port>_<rank>``) are removed by `run_peer`. With ranks
   on several hosts the op cannot map them at all, so there we force DeepSpeed's gloo fallback
   (``cdb.shm_vector_kernel_level = 0``, the flag `inference_all_reduce` checks). The first run on a
-  machine JIT-compiles the op (about 1-2 minutes on 2 cores; cached in ~/.cache/torch_extensions).
+  machine JIT-compiles the op (minutes on a small machine; cached in ~/.cache/torch_extensions).
 - transformers 5 deprecates ``from_pretrained(tp_plan=...)`` in favour of
   ``distributed_config=DistributedConfig(tp_plan="auto")``; we use the latter where it exists. HF TP
   picks its device from ``torch._C._get_accelerator()`` and the gloo backend for CPU, so it runs on

@@ -15,8 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from dist_infer.bench.peers.llama_cpp import PEER as LLAMA_CPP
-from dist_infer.bench.peers.llama_cpp import llama_repeats, run_llama_cpp
+from dist_infer.bench.peers.llama_cpp import PEER as LLAMA_CPP, llama_repeats, run_llama_cpp
 from dist_infer.bench.peers.metrics import failed
 from dist_infer.bench.peers.runners import DEFAULT_TIMEOUT_S, DISTRIBUTED_PEERS, PEERS
 from dist_infer.topology.discovery import free_port, without_launcher_env

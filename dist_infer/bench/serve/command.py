@@ -21,8 +21,14 @@ import numpy as np
 from loguru import logger
 
 from dist_infer.bench.serve.cache_metrics import cache_report_line, cache_summary, scrape_cache_counters
-from dist_infer.bench.serve.client import RequestRecord, api_key_of, normalized_base_url, open_session, run_requests
-from dist_infer.bench.serve.client import tls_verify_of
+from dist_infer.bench.serve.client import (
+    RequestRecord,
+    api_key_of,
+    normalized_base_url,
+    open_session,
+    run_requests,
+    tls_verify_of,
+)
 from dist_infer.bench.serve.conversations import Conversation, build_conversations, is_multiturn
 from dist_infer.bench.serve.datasets import BenchRequest, build_requests, load_tokenizer_counter
 from dist_infer.bench.serve.flags import ENDPOINT_PATHS, InputError, add_bench_serve_flags, parse_slo

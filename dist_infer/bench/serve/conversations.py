@@ -19,8 +19,15 @@ from loguru import logger
 
 from dist_infer.bench.serve.arrivals import schedule
 from dist_infer.bench.serve.datasets import (
-    approx_token_count, check_prompt_flags, dataset_kind, load_tokenizer_counter, random_id_prompt, random_text_prompt,
-    read_sharegpt, shared_prefixes)
+    approx_token_count,
+    check_prompt_flags,
+    dataset_kind,
+    load_tokenizer_counter,
+    random_id_prompt,
+    random_text_prompt,
+    read_sharegpt,
+    shared_prefixes,
+)
 from dist_infer.bench.serve.flags import InputError
 
 USER_SPEAKERS = ("human", "user")

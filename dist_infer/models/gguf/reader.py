@@ -79,7 +79,7 @@ def _scalar_dtype(value_type):
 @functools.cache
 def lean_reader_class():
     """gguf's reader class, with tensor extents checked before a tensor is mapped and arrays left as ArrayFields."""
-    import gguf  # a core dependency, imported on use: it takes ~0.2 s
+    import gguf  # a core dependency, imported on use: importing it is slow
     from gguf import GGUFValueType
 
     class LeanReader(gguf.GGUFReader):

@@ -58,7 +58,7 @@ def _cuda_attention_with_lse(q, k, v, causal, scale):
 
     The flash kernels align a causal mask to the bottom right when there are fewer queries than
     keys; ours is top-left (query i sees keys 0..i), so such a block goes to the efficient op,
-    whose causal mask is top-left (found on an H200: docs/benchmarks.md, "The CUDA paths").
+    whose causal mask is top-left (found on the first GPU run: docs/benchmarks.md, "The CUDA paths").
     """
     top_left_differs = causal and q.shape[0] != k.shape[0]
     if q.dtype in (torch.float16, torch.bfloat16) and not top_left_differs:

@@ -1,10 +1,10 @@
 """How many ranks a prompt's ring should span: the choice behind `--cp auto`.
 
 A ring step has fixed costs (its send/recv calls, the LSE merge, each extra process's Python)
-that only a long enough shard hides. On the 2-core CPU machine cp=2 stays within 10% of one
-process from 8K tokens and is ahead at 16K, and loses 1.1-2.2x below 2K (docs/benchmarks.md,
-"Where cp=2 stops losing"): about 4096 tokens per rank. No GPU figure is measured yet, so the
-same per-rank floor is used there. Pure: unit tested without processes.
+that only a long enough shard hides. On a CPU cp=2 loses clearly below 2K tokens, is close to one
+process from 8K and ahead at 16K (docs/benchmarks.md, "Where cp=2 stops losing"): hence about 4096
+tokens per rank. No GPU figure is measured yet, so the same per-rank floor is used there. Pure:
+unit tested without processes.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from dist_infer.parallel.ring.errors import RingAttentionError
 
 VARIANTS = ("pass-kv", "pass-q")
 # (attention FLOP/s per rank, ring link bytes/s) for `choose_ring_variant` when the caller has no
-# better numbers. cpu: measured on the 2-core CPU machine (torch's flash kernel on one thread,
-# gloo point-to-point over loopback; docs/benchmarks.md). cuda: an H100 (989 TFLOP/s dense
+# better numbers. cpu: measured on a CPU (torch's flash kernel on one thread, gloo point-to-point
+# over loopback; docs/benchmarks.md, "Context parallelism: long-prompt prefill, cp=2 against cp=1 on
+# the same 2 cores"). cuda: an H100 (989 TFLOP/s dense
 # bf16) with 400 Gb/s InfiniBand per GPU, the Meta paper's setting.
 HARDWARE_ESTIMATES = {"cpu": (6.5e10, 6e8), "cuda": (989e12, 50e9)}
 

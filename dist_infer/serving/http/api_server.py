@@ -9,7 +9,8 @@ token ids (vLLM's `return_token_ids` shape, always on): `prompt_token_ids`, and 
 The engine is anything with the EngineClient interface (serving/fleet/cluster.py implements it):
 
     model_name: str; max_model_len: int; vocab_size: int
-    tokenizer: Optional[TextTokenizer]   # None: token-id prompts only
+    tokenizer: Optional[TextTokenizer]   # None: token-id prompts only; its optional `backend`,
+        # `with_bos` and `max_chars_per_token` let long prompts be refused early and encoded in processes
     chat_template: Optional[str]
     check_request(prompt_token_ids, params) -> None   # raises RequestError(field, message)
     generate(request_id, prompt_token_ids, params) -> AsyncIterator[RequestOutput]
@@ -33,10 +34,14 @@ This module puts the app together; the parts live by job:
     serving/http/admin_routes.py        the admin routes over a cluster's instances
     serving/http/server.py              DrainingServer and serve_http (uvicorn, graceful shutdown)
     serving/http/connections.py         the connections' bounds (header deadline, connection cap, keep-alive)
+    serving/http/prompt_size.py         a prompt refused by its length before tokenizing (PromptLimits)
+    serving/http/json_body.py           a body's JSON, checked (json_of)
+    serving/http/worker_pool.py         large bodies parsed and long prompts tokenized in worker processes
 """
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import FastAPI
@@ -67,11 +72,20 @@ __all__ = [
 ]
 
 
-def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard()) -> FastAPI:
+def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard(),
+              warm_workers: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
     behind `guard` (keys, body limits, CORS: serving/http/guard.py)."""
     state = ServingState(engine, served_model_name, guard)
-    app = FastAPI(title="dist_infer OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if warm_workers:
+            state.workers.warm()  # a server: its workers ready before the first large request
+        yield
+        state.close()
+
+    app = FastAPI(title="dist_infer OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.serving = state
     install_guard(app, guard)
     add_error_handlers(app)

@@ -1,8 +1,8 @@
 """Whose requests may share the prefix cache (`--prefix-cache-isolation`), as the salt each request carries.
 
-A prompt whose prefix is cached answers its first token far sooner (~36x on a 1,000-token prefix),
-so a client that shares the cache with others can tell whether any of them sent a prompt: it
-sends a guess and times it. Requests share cached blocks only when their cache salts are equal
+A prompt whose prefix is cached answers its first token far sooner (docs/security.md, "The prefix
+cache as a side channel"), so a client that shares the cache with others can tell whether any of
+them sent a prompt: it sends a guess and times it. Requests share cached blocks only when their cache salts are equal
 (engine/prefix_cache.py mixes the salt into a prompt's first block hash, and so into every block's).
 
 - `none`: the salt is the request's own `cache_salt` (vLLM's field), or none. Clients that agree on

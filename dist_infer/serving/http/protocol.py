@@ -13,7 +13,6 @@ boolean where one belongs; an integer may be written as an integral float (4.0),
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Annotated, Any, ClassVar, Mapping, Optional, Union
 
@@ -21,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from pydantic_core import PydanticCustomError
 
 from dist_infer.engine.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from dist_infer.serving.http.json_body import ProtocolError
 from dist_infer.serving.http.unserved_fields import CHAT_UNSERVED, COMPLETIONS_UNSERVED, Unserved, first_unserved
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -28,7 +28,6 @@ CHAT_MAX_TOKENS_CAP = 4096  # chat's default max_tokens is "what fits", at most 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default (the engine's own default is greedy)
 MAX_STOP_STRINGS = 16  # stop strings per request, each of at most MAX_STOP_CHARS (each is searched per token)
 MAX_STOP_CHARS = 512
-MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than this are refused (no request needs more)
 
 
 def _json_number(value: Any) -> Any:
@@ -46,14 +45,6 @@ Bool = Annotated[bool, Strict()]  # `true` or `false` only, not "yes" or 1
 
 # SamplingParams' names for what the API calls otherwise
 _API_NAME = {"max_new_tokens": "max_tokens", "stop_at_eos": "ignore_eos"}
-
-
-class ProtocolError(ValueError):
-    """A request body we cannot serve; `field` names the offending input (the `param` of the 400)."""
-
-    def __init__(self, field: Optional[str], message: str):
-        super().__init__(message)
-        self.field = field
 
 
 class StreamOptions(BaseModel):
@@ -260,68 +251,6 @@ def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: 
         for ours, theirs in _API_NAME.items():
             message = message.replace(ours, theirs)
         raise ProtocolError(field, message) from None
-
-
-# -- the body's JSON ------------------------------------------------------------------------------
-
-def _no_constant(name: str) -> Any:
-    raise ProtocolError(None, f"the request body is not valid JSON: {name} is not a JSON number")
-
-
-def json_of(raw: bytes) -> Any:
-    """A request body's JSON, refused with a ProtocolError (a 400) for everything that is not
-    plain JSON the server can work with: bad UTF-8, NaN/Infinity, numbers too large for Python
-    or a double, nesting deeper than MAX_JSON_DEPTH, strings with lone surrogates."""
-    if not raw.strip():
-        raise ProtocolError(None, "the request body is empty; send a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(None, f"the request body is not valid UTF-8 (at byte {exc.start})") from None
-    try:
-        value = json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError(None, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ProtocolError(None, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep") from None
-    except ValueError as exc:  # Python's limit on the digits of an integer
-        if isinstance(exc, ProtocolError):
-            raise
-        raise ProtocolError(None, "the request body holds an integer with more than 4300 digits") from None
-    check_json_values(value)
-    return value
-
-
-def check_json_values(value: Any) -> None:
-    """Walk decoded JSON (without recursion): nesting depth, strings that are valid Unicode, finite
-    numbers (JSON's 1e400 decodes to inf). The error names the top-level field it is under."""
-    stack: list[tuple[Any, int, Optional[str]]] = [(value, 0, None)]
-    while stack:
-        item, depth, field = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth >= MAX_JSON_DEPTH:
-                raise ProtocolError(field, f"the request body nests arrays or objects more than {MAX_JSON_DEPTH} deep")
-            pairs = item.items() if isinstance(item, dict) else ((None, v) for v in item)
-            for key, child in pairs:
-                where = field if depth else key
-                if key is not None:
-                    _check_text(key, where)
-                stack.append((child, depth + 1, where))
-        elif isinstance(item, str):
-            _check_text(item, field)
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise ProtocolError(field, f"{field or 'the request body'} holds a number too large for a double")
-
-
-def _check_text(text: str, field: Optional[str]) -> None:
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        code = ord(text[exc.start])
-        raise ProtocolError(field, f"{field or 'the request body'} holds a lone UTF-16 surrogate (\\u{code:04x}), "
-                                   f"which is not a Unicode character") from None
 
 
 # -- the bodies in /openapi.json ---------------------------------------------------------------------

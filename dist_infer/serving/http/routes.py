@@ -27,7 +27,7 @@ from dist_infer.serving.http.protocol import (
     sampling_params_of,
 )
 from dist_infer.serving.http.shapers import ChatShaper, CompletionShaper, ResponseShaper
-from dist_infer.serving.http.state import ServingState, off_loop, read_json
+from dist_infer.serving.http.state import ServingState, off_loop
 from dist_infer.serving.http.streams import SSE_DONE, EngineStream, EventStream, close_shielded, sse, until_disconnect
 
 # -- generation ---------------------------------------------------------------------------------------
@@ -74,11 +74,13 @@ async def respond(request: Request, stream: EngineStream, shaper: ResponseShaper
 async def complete(state: ServingState, request: Request) -> Response:
     arrival = time.monotonic()
     state.check_accepting()
-    body: CompletionRequest = parse_body(CompletionRequest, await read_json(request))
+    body: CompletionRequest = parse_body(CompletionRequest, await state.read_json(request))
     state.check_model(body.model)
+    state.limits.check_completion_prompt(body.prompt)
     prompt = prompt_of(body.prompt)
     if isinstance(prompt, str):
-        prompt_ids = await off_loop(state.need_tokenizer("prompt", "a text prompt").encode, prompt, add_bos=True)
+        state.need_tokenizer("prompt", "a text prompt")
+        prompt_ids = await state.encode(prompt, True, "prompt", state.engine.max_model_len)
     else:
         prompt_ids = prompt
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -106,12 +108,11 @@ def chat_params(state: ServingState, body: ChatCompletionRequest, prompt_ids: li
 async def chat_complete(state: ServingState, request: Request) -> Response:
     arrival = time.monotonic()
     state.check_accepting()
-    body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request))
+    body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await state.read_json(request))
     state.check_model(body.model)
-    tokenizer = state.need_tokenizer("messages", "chat")
-    text = await off_loop(state.renderer.render, body.messages, bool(body.add_generation_prompt),
-                          body.chat_template_kwargs)
-    prompt_ids = await off_loop(tokenizer.encode, text, add_bos=True)
+    state.need_tokenizer("messages", "chat")
+    text = await state.render_chat(body.messages, bool(body.add_generation_prompt), body.chat_template_kwargs)
+    prompt_ids = await state.encode(text, True, "messages", state.engine.max_model_len)
     params = state.isolated(chat_params(state, body, prompt_ids), request)
     stream = state.open_stream("chatcmpl", prompt_ids, params, arrival)
     return await respond(request, stream, ChatShaper(state, stream.request_id, prompt_ids, params.logprobs), body)
@@ -158,22 +159,22 @@ def add_token_routes(app: FastAPI, state: ServingState) -> None:
 
     @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request):
-        body: TokenizeRequest = parse_body(TokenizeRequest, await read_json(request))
+        body: TokenizeRequest = parse_body(TokenizeRequest, await state.read_json(request))
         state.check_model(body.model)
-        if body.messages is not None:
-            tok = state.need_tokenizer("messages", "tokenize")
-            text = await off_loop(state.renderer.render, body.messages, bool(body.add_generation_prompt))
-            ids = await off_loop(tok.encode, text, add_bos=True)
+        if body.messages is not None:  # any length, as vLLM's /tokenize answers: the count may exceed the model's
+            state.need_tokenizer("messages", "tokenize")
+            text = await state.render_chat(body.messages, bool(body.add_generation_prompt), check_size=False)
+            ids = await state.encode(text, True, "messages", None)
         elif body.prompt is not None:
-            tok = state.need_tokenizer("prompt", "tokenize")
-            ids = await off_loop(tok.encode, body.prompt, add_bos=bool(body.add_special_tokens))
+            state.need_tokenizer("prompt", "tokenize")
+            ids = await state.encode(body.prompt, bool(body.add_special_tokens), "prompt", None)
         else:
             raise ApiError(400, "send prompt or messages", "prompt")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        body: DetokenizeRequest = parse_body(DetokenizeRequest, await read_json(request))
+        body: DetokenizeRequest = parse_body(DetokenizeRequest, await state.read_json(request))
         state.check_model(body.model)
         tok = state.need_tokenizer("tokens", "detokenize")
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]

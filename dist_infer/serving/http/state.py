@@ -15,11 +15,14 @@ from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
 from dist_infer.serving.http.cache_isolation import CacheIsolation
 from dist_infer.serving.http.chat import ChatRenderer
 from dist_infer.serving.http.guard import ApiError, HttpGuard, bearer_token
+from dist_infer.serving.http.json_body import json_of
 from dist_infer.serving.http.metrics import ServingMetrics
-from dist_infer.serving.http.protocol import json_of
+from dist_infer.serving.http.prompt_size import PromptLimits
 from dist_infer.serving.http.streams import EngineStream
+from dist_infer.serving.http.worker_pool import POOL_MIN_BODY_BYTES, POOL_MIN_CHARS, WorkerPool, WorkersUnavailable
 
 DRAINING_RETRY_AFTER_S = 5.0
+OFF_LOOP_JSON_BYTES = 1 << 16  # a body from this size is parsed off the loop (a thread; a worker from 2 MiB)
 
 
 class ServingState:
@@ -35,8 +38,13 @@ class ServingState:
                                       prefix_cache_counters=guard.open_prefix_cache_metrics)
         self.cache_isolation = CacheIsolation(guard.prefix_cache_isolation)  # its secret: this serve job's
         self.renderer = ChatRenderer.for_tokenizer(engine.chat_template, engine.tokenizer)
+        self.limits = PromptLimits.of(engine.max_model_len, engine.tokenizer)
+        self.workers = WorkerPool(getattr(engine.tokenizer, "backend", None))
         self.active: dict[str, EngineStream] = {}
         self.draining = False
+        if self.limits.max_chars is not None:
+            logger.info(f"prompts over {self.limits.max_chars:,} characters ({engine.max_model_len} tokens of at most "
+                        f"{self.limits.chars_per_token} characters) are refused before tokenizing")
 
     @property
     def tokenizer(self):
@@ -55,6 +63,51 @@ class ServingState:
         if self.tokenizer is None:
             raise ApiError(400, f"{what} needs a tokenizer and this model has none; send token ids", field)
         return self.tokenizer
+
+    async def encode(self, text: str, add_bos: bool, field: str, limit: Optional[int]) -> list[int]:
+        """The ids of a prompt's text, encoded where the event loop does not wait on it: in a worker
+        process when it is long (the caller has checked its characters), else in a thread. Over
+        `limit` tokens it is refused by its count (None: any count, as /tokenize answers)."""
+        tokenizer, ids = self.tokenizer, None
+        if self.workers.can_encode and len(text) >= POOL_MIN_CHARS:
+            try:
+                ids = await self.workers.encode(text, limit)
+            except WorkersUnavailable:
+                pass
+            if isinstance(ids, int):
+                self.limits.check_tokens(ids, field)
+            if ids is not None:
+                ids = tokenizer.with_bos(ids, add_bos)
+        if ids is None:
+            ids = await off_loop(tokenizer.encode, text, add_bos=add_bos)
+        if limit is not None:
+            self.limits.check_tokens(len(ids), field)
+        return ids
+
+    async def render_chat(self, messages: Any, add_generation_prompt: bool,
+                          extra: Optional[dict[str, Any]] = None, check_size: bool = True) -> str:
+        """The chat prompt's text, rendered in a thread; refused first if its contents alone cannot fit."""
+        def render() -> str:
+            if check_size:
+                self.limits.check_messages(messages)
+            return self.renderer.render(messages, add_generation_prompt, extra)
+
+        return await off_loop(render)
+
+    async def read_json(self, request: Request) -> Any:
+        """The body's JSON, parsed where the event loop does not wait on it when it is large: in a
+        thread (checking its values walks all of them), in a worker from POOL_MIN_BODY_BYTES."""
+        raw = await request.body()
+        if len(raw) >= POOL_MIN_BODY_BYTES:
+            try:
+                return await self.workers.parse_json(raw)
+            except WorkersUnavailable:
+                pass
+        return json_of(raw) if len(raw) < OFF_LOOP_JSON_BYTES else await off_loop(json_of, raw)
+
+    def close(self) -> None:
+        """What the app holds beyond its requests: the worker processes."""
+        self.workers.close()
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs (str(id) without a tokenizer; special tokens by name)."""
@@ -113,7 +166,13 @@ class ServingState:
 
 
 async def read_json(request: Request) -> Any:
-    return json_of(await request.body())
+    """The body's JSON, as the app's ServingState reads it (off the loop when large); an app
+    without one (the admin routes on their own) parses it in a thread when large."""
+    serving = getattr(request.app.state, "serving", None)
+    if serving is not None:
+        return await serving.read_json(request)
+    raw = await request.body()
+    return json_of(raw) if len(raw) < OFF_LOOP_JSON_BYTES else await off_loop(json_of, raw)
 
 
 async def off_loop(fn: Callable, *args, **kwargs) -> Any:

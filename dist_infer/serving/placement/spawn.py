@@ -57,7 +57,8 @@ def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_F
 class LocalSpawner:
     """Start instance i as a job of its own on this host (our launcher, its own world), joining the hub.
     Each job's launcher would give its ranks every core of the host, so instances side by side
-    would oversubscribe it (two 2-thread instances on 2 cores ran several times slower than one):
+    would oversubscribe it, each running far slower than alone (docs/benchmarks.md, "Automatic prefix
+    caching, cache-aware dispatch, and migrations that send only what is missing"):
     each rank gets the host's cores shared over the fleet's `local_ranks`, unless OMP_NUM_THREADS
     is set. A restarted instance takes the same share; one added later does too."""
 

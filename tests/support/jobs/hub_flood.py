@@ -62,8 +62,8 @@ def measure(args) -> dict:
     from loguru import logger
 
     from dist_infer.serving.fleet.hub import Hub
-    from dist_infer.serving.instance.join import join_hub
     from dist_infer.serving.fleet.wire import Hello
+    from dist_infer.serving.instance.join import join_hub
 
     log_path = args.log or tempfile.mktemp(suffix=".log")
     open(log_path, "w").close()  # loguru appends

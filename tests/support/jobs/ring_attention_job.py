@@ -30,7 +30,7 @@ from dist_infer.parallel.ring.blocks import ring_step_flops
 from dist_infer.parallel.ring.layout import RingLayout
 from dist_infer.parallel.ring.ring_loops import ring_attention, ring_attention_pass_kv, ring_attention_pass_q
 from dist_infer.parallel.ring.shards import zigzag_chunks
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -172,7 +172,7 @@ def main() -> int:
 
     def body() -> int:
         world = init_world(args.backend if args.device == "cpu" else "auto", timeout=300)
-        groups = build_groups(world, Mesh.build(ParallelConfig(cp=world.size), world.size))
+        groups = build_groups(world, Mesh.build(Layout(cp=world.size), world.size))
         cp = groups.cp
         if args.time:
             device = args.device

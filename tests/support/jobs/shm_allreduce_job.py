@@ -16,14 +16,14 @@ from dist_infer.comm import build_groups, init_world
 from dist_infer.comm.shm import NBUF, ShmAllReduceCommunicator
 from dist_infer.comm.socket_links import SocketLinksCommunicator
 from dist_infer.parallel.ring.lse import merge_across_ranks, merge_many
-from dist_infer.topology import Mesh, ParallelConfig
+from dist_infer.topology import Layout, Mesh
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "shm"
 KIND, FLAG, IN_FLIGHT = {"shm": (ShmAllReduceCommunicator, "auto", NBUF),
                          "socket": (SocketLinksCommunicator, "socket", 16)}[MODE]
 world = init_world("gloo", timeout=60)
 n = world.size
-groups = build_groups(world, Mesh.build(ParallelConfig(tp=n), n), FLAG)
+groups = build_groups(world, Mesh.build(Layout(tp=n), n), FLAG)
 tp = groups.tp
 assert isinstance(tp, KIND), f"tp group should be a {KIND.__name__}, got {tp!r}"
 me = world.rank
@@ -101,7 +101,7 @@ assert torch.equal(ahead, expected(40, 17, torch.float32))
 # a cp group too: a cp decode's merge of partials (all-gather of O and LSE) through it
 groups.destroy()
 
-groups = build_groups(world, Mesh.build(ParallelConfig(cp=n), n), FLAG)
+groups = build_groups(world, Mesh.build(Layout(cp=n), n), FLAG)
 assert isinstance(groups.cp, KIND), f"cp group should be a {KIND.__name__}, got {groups.cp!r}"
 o = [value(r, 3 * 4 * 8, 15, torch.float32).view(3, 4, 8) for r in range(n)]
 lse = [value(r, 3 * 4, 16, torch.float32).view(3, 4) for r in range(n)]

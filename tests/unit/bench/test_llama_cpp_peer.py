@@ -15,8 +15,18 @@ import pytest
 
 from dist_infer.bench.flags import COMPARABLE, parse_compare
 from dist_infer.bench.peers import run_peer
-from dist_infer.bench.peers.llama_cpp import (BATCHED, BENCH, batched_argv, bench_argv, check, llama_repeats,
-                                              parse_batched, parse_bench, parse_version, run_llama_cpp)
+from dist_infer.bench.peers.llama_cpp import (
+    BATCHED,
+    BENCH,
+    batched_argv,
+    bench_argv,
+    check,
+    llama_repeats,
+    parse_batched,
+    parse_bench,
+    parse_version,
+    run_llama_cpp,
+)
 
 LLAMA_BENCH_JSON = """[
  {"build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC", "backends": "CPU",

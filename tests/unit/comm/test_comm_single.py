@@ -10,7 +10,7 @@ import torch.distributed as dist
 from dist_infer.comm import CommError, CommTimeoutError, P2POp, build_groups, init_world
 from dist_infer.comm.base import PollingHandle
 from dist_infer.comm.init import BackendError, torch_backend_string
-from dist_infer.topology import Mesh, ParallelConfig, RankInfo, free_port
+from dist_infer.topology import Layout, Mesh, RankInfo, free_port
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +102,12 @@ def test_batch_p2p_with_itself_unmatched(world):
 
 
 def test_split_and_build_groups(world):
-    groups = build_groups(world, Mesh.build(ParallelConfig(), 1))
+    groups = build_groups(world, Mesh.build(Layout(), 1))
     for axis, comm in groups.by_axis().items():
         assert comm is world, axis  # every axis of a world of one is the world itself
     assert groups.coords == {"tp": 0, "cp": 0, "ep": 0, "dp": 0, "pp": 0}
     with pytest.raises(ValueError, match="has 2 ranks, the world has 1"):
-        build_groups(world, Mesh.build(ParallelConfig(tp=2), 2))
+        build_groups(world, Mesh.build(Layout(tp=2), 2))
 
 
 # -- misuse raises CommError naming the op ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""Where the job's rendezvous store listens (issue 30), in this process: MASTER_ADDR resolved to
+"""Where the job's rendezvous store listens, in this process: MASTER_ADDR resolved to
 the address the store binds, and a several-host job with a loopback master refused instead of
 listening on every interface. (A real 2-process job's sockets: tests/integration/test_tcpstore_bind.py.)"""
 

@@ -20,8 +20,8 @@ from hf_compare import assert_ids_match_hf, prompts_for
 import dist_infer
 from dist_infer.engine.decode_graphs import GraphCaptureError, graph_buckets, graphs_wanted
 from dist_infer.engine.device_io import DecodeInputs
+from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine
 from dist_infer.kernels import use_native_kernels
 from dist_infer.kernels.gpu import triton_interpreting
 
@@ -67,7 +67,7 @@ def world(checkpoints):
 
 
 def _ids(stage, groups, prompts, mode: str, params: SamplingParams):
-    engine = Engine(stage, groups, 16, cuda_graphs=mode)
+    engine = Engine(stage, groups, EngineConfig(block_size=16, worker=WorkerOptions(cuda_graphs=mode)))
     outs = engine.generate(prompts, params)
     assert (engine.worker.graphs is not None) == (mode == "padded")
     return [o.token_ids for o in outs]
@@ -139,7 +139,8 @@ def test_a_bucketed_step_reads_nothing_back(checkpoints, world, kernels):
         if not triton_interpreting():
             pytest.skip("the Triton kernels take CPU tensors in Triton's interpreter only (tests/conftest.py)")
         use_gpu_kernels(stage, load_gpu_kernels())
-    engine = Engine(stage, world, 16, cuda_graphs="padded", num_blocks=16, max_num_seqs=4)
+    engine = Engine(stage, world, EngineConfig(block_size=16, num_blocks=16, max_num_seqs=4,
+                                        worker=WorkerOptions(cuda_graphs="padded")))
     graphs = engine.worker.graphs
     step = graphs.prepare([5, 6, 7], [40, 9, 70], [[0, 1, 2], [3], [4, 5, 6, 7, 8]])
     assert step.bucket == 4 and step.rows == 3

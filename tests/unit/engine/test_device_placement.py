@@ -1,4 +1,4 @@
-"""Issue 36: every tensor of a step on the model's device, checked here with fake CUDA tensors.
+"""Every tensor of a step on the model's device, checked here with fake CUDA tensors.
 
 No GPU runs these tests: the model's weights and KV cache are fake CUDA tensors (support/
 fake_devices.py), the ranks of a layout take turns on one fake world (support/fake_world.py), and
@@ -28,10 +28,10 @@ from loguru import logger
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 from dist_infer.engine.device_io import to_device, to_host
+from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.pipeline import TAG_FORWARD
 from dist_infer.engine.sampling import SampledTokens, SamplingParams, sample_rows, usable_logits
-from dist_infer.engine.step_loop import Engine
 from dist_infer.kernels import kernels_if_cpu_fp32, load_cpu_kernels
 from dist_infer.models.config import ModelConfig
 from dist_infer.models.loader import build_stage
@@ -53,7 +53,7 @@ FAMILIES = {
     "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
 }
-# name -> (layout, engine options)
+# name -> (layout, worker options)
 LAYOUTS = {
     "tp1": (Layout(), {}),
     "tp2": (Layout(tp=2), {}),
@@ -138,8 +138,9 @@ def fake_instance(family: str, layout_name: str, mode: FakeCudaMode, num_blocks:
     for g in groups:
         stage = on_fake_device(build_stage(config(family), g, torch.float32), mode)  # native CPU kernels on: unused
         with mode:
-            engines.append(Engine(stage, g, block_size=4, num_blocks=num_blocks, max_batched_tokens=budget,
-                                  sampler=FixedTokenSampler(mode), **options))
+            settings = EngineConfig(block_size=4, num_blocks=num_blocks, max_batched_tokens=budget,
+                                    worker=WorkerOptions(**options))
+            engines.append(Engine(stage, g, settings, sampler=FixedTokenSampler(mode)))
     for rank, engine in enumerate(engines[1:], 1):
         channel = ("bcast", engine.stage_comm.name) if engine.pp.rank == 0 else ("p2p", "pp", TAG_FORWARD)
         world.pumps[rank] = lambda e=engine, r=rank, c=channel: world.waiting(r, c) and (e.follow_one() or True)
@@ -211,9 +212,9 @@ def test_dense_steps_keep_every_tensor_on_the_device(family, layout, problems):
     problems.raise_first()
     assert all(r.finish_reason == "length" and r.output_token_ids == [FIXED_TOKEN] * 6 for r in requests)
     assert driver.scheduler.num_preemptions >= 1
-    assert driver.timing.steps > 3
+    assert driver.step_driver.completed_steps > 3
     samplers = [e.sampler for e in engines if e.is_sampler]
-    assert len(samplers) == 1 and samplers[0].calls >= driver.timing.steps  # the real sampler ran every step
+    assert len(samplers) == 1 and samplers[0].calls >= driver.step_driver.completed_steps  # the real sampler ran every step
 
 
 @pytest.mark.parametrize("family,layout", MOE_CASES)

@@ -214,10 +214,10 @@ def llama(tmp_path_factory):
 
 
 def _engine(model, groups, **kw):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
-    return Engine(stage_from_hf_model(model, groups), groups, block_size=4, **kw)
+    return Engine(stage_from_hf_model(model, groups), groups, EngineConfig(block_size=4, **kw))
 
 
 def _serve_stream(engine, prompts, arrivals, params):
@@ -441,7 +441,7 @@ def test_an_itl_target_cuts_prompt_chunks_beside_decodes_and_keeps_hfs_tokens(ll
     for i, r in enumerate(reqs):
         (want,), (want_logits,) = refs[i]
         steps_agreeing_with_hf(r.output_token_ids, want, want_logits, f"itl target prompt {i}")
-    assert engine.step_costs.ready
+    assert engine.pacer.step_costs.ready
     mixed = [s for s in shapes if 1 in s and any(n > 1 for n in s)]
     assert mixed and all(sum(n for n in s if n > 1) <= MIN_CHUNK for s in mixed[1:]), shapes
     kinds = {k: sum(counts) for k, (_, counts, _) in engine.stats()["step_seconds"].items()}

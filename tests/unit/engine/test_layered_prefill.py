@@ -158,11 +158,11 @@ def _serve(model, groups, prompts, arrivals, groups_flag=None, abort=None, **kw)
     """The engine over `model` with the layered schedule: prompt i arrives at step arrivals[i]; the
     request named `abort` is aborted the first step it is in its layers. Rank 0 returns the
     requests, the layer groups [first, end) its steps ran, and the free blocks at the end."""
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
-    engine = Engine(stage_from_hf_model(model, groups), groups, block_size=4, prefill_schedule="layered",
-                    layer_groups=groups_flag, **kw)
+    engine = Engine(stage_from_hf_model(model, groups), groups,
+                    EngineConfig(block_size=4, prefill_schedule="layered", layer_groups=groups_flag, **kw))
     if groups.world.rank != 0:
         engine.follow()
         return None
@@ -236,21 +236,21 @@ def test_fixed_groups_preemption_and_abort_mid_layers(models):
 
 
 def test_layered_refuses_what_it_cannot_run(models):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
     (groups,) = thread_groups(1, 1)
     stage = stage_from_hf_model(models["llama-gqa"], groups, ladder="all")
     with pytest.raises(ValueError, match="Ladder Residual"):
-        Engine(stage, groups, prefill_schedule="layered")
+        Engine(stage, groups, EngineConfig(prefill_schedule="layered"))
     with pytest.raises(ValueError, match="not one of"):
-        Engine(stage_from_hf_model(models["llama-gqa"], groups), groups, prefill_schedule="sideways")
+        Engine(stage_from_hf_model(models["llama-gqa"], groups), groups, EngineConfig(prefill_schedule="sideways"))
 
 
 def test_layered_reads_each_experts_weights_once_per_prompt_where_chunks_read_them_per_chunk(models):
     """The point of the schedule on MoE models, counted (not timed): the routing statistics count an
     expert's weights read once per step that routes it any token."""
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
     model = models["qwen2-moe"]
@@ -259,7 +259,8 @@ def test_layered_reads_each_experts_weights_once_per_prompt_where_chunks_read_th
     for schedule in ("chunked", "layered"):
         (groups,) = thread_groups(1, 1)
         stage = stage_from_hf_model(model, groups)
-        engine = Engine(stage, groups, block_size=4, num_blocks=64, max_batched_tokens=12, prefill_schedule=schedule)
+        engine = Engine(stage, groups, EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=12,
+                                                   prefill_schedule=schedule))
         reqs = [engine.add_request(f"m{i}", p, SamplingParams(max_new_tokens=3, stop_at_eos=False))
                 for i, p in enumerate(prompts)]
         while engine.has_unfinished():

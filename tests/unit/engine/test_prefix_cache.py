@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
 from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
 from hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from threads import run_ranks, thread_groups
 
 from dist_infer.engine.kv_cache import CacheFullError
@@ -254,10 +253,10 @@ def llama(tmp_path_factory):
 
 
 def _engine(model, groups, **kw):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
-    return Engine(stage_from_hf_model(model, groups), groups, block_size=BS, **kw)
+    return Engine(stage_from_hf_model(model, groups), groups, EngineConfig(block_size=BS, **kw))
 
 
 def _shared_prompts() -> list[list[int]]:
@@ -376,8 +375,8 @@ def test_metrics_export_the_cache_counters_per_instance():
     """vLLM's names: dist_infer:prefix_cache_{queries,hits}_total (tokens), labelled by instance."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from dist_infer.serving.http.metrics import EngineStatsCollector
     from dist_infer.serving.fleet.wire import InstanceStats
+    from dist_infer.serving.http.metrics import EngineStatsCollector
 
     engine_stats = {"prefix_cache_queries": 40, "prefix_cache_hits": 16, "cached_blocks": 3}
     assert InstanceStats.from_dict(engine_stats).as_dict()["prefix_cache_hits"] == 16, "the keys cross the wire"

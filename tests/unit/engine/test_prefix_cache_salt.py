@@ -80,11 +80,12 @@ def llama(tmp_path_factory):
 
 
 def test_the_engine_shares_blocks_only_within_a_salt_and_the_tokens_are_the_same(llama):
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
     (groups,) = thread_groups(1, 1)
-    engine = Engine(stage_from_hf_model(llama, groups), groups, block_size=BS, num_blocks=64, prefix_caching=True)
+    engine = Engine(stage_from_hf_model(llama, groups), groups,
+                    EngineConfig(block_size=BS, num_blocks=64, prefix_caching=True))
     prompt = prompts_for([5 * BS + 2], seed=11)[0]
     outputs, hits = {}, {}
     for name, salt in (("a", "A"), ("b", "B"), ("a-again", "A"), ("plain", None)):

@@ -1,5 +1,5 @@
 """Sampling that cannot overflow: every parameter either is refused by name when the request is
-made, or gives a valid token with a finite logprob, whatever the logits (issue 30 item 3).
+made, or gives a valid token with a finite logprob, whatever the logits.
 
 A temperature of 1e-300 used to divide logits to inf, a top_p of 1e-50 rounded to 0 in fp32 and
 dropped every token, and a 400-digit top_k overflowed the float64 step plan; each killed the
@@ -13,11 +13,18 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from dist_infer.engine.sampling import (GREEDY_BELOW, MAX_STOP_TOKEN_IDS, TOP_K_LIMIT, RowSampling, SamplingParams,
-                                        SamplingParamsError, filter_logits, sample_rows)
+from dist_infer.engine.sampling import (
+    GREEDY_BELOW,
+    MAX_STOP_TOKEN_IDS,
+    TOP_K_LIMIT,
+    RowSampling,
+    SamplingParams,
+    SamplingParamsError,
+    filter_logits,
+    sample_rows,
+)
 
 EOS = 2
 SPECIAL_FLOATS = [0.0, -0.0, 5e-324, 2.2e-308, 1e-300, 1e-50, 1e-40, 1e-6, 9.99e-6, GREEDY_BELOW, 1.0000001e-5, 0.5,

@@ -11,8 +11,16 @@ import pytest
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
-from dist_infer.engine.step_cost import (AUTO_FACTOR, MIN_CHUNK, StepCostModel, StepShape, StepTimes, chunk_pairs,
-                                         parse_itl_target, prefill_backlog_s)
+from dist_infer.engine.step_cost import (
+    AUTO_FACTOR,
+    MIN_CHUNK,
+    StepCostModel,
+    StepShape,
+    StepTimes,
+    chunk_pairs,
+    parse_itl_target,
+    prefill_backlog_s,
+)
 
 # a CPU-like truth: 4 ms fixed, 3 ms more for a step with a prompt, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
 # 0.05 ms per 1000 decode context tokens
@@ -200,10 +208,8 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
 
 
 def test_auto_is_twice_the_decode_step_but_never_below_the_floor():
-    from types import SimpleNamespace
-
-    from dist_infer.engine.driver_step import DriverStep
     from dist_infer.engine.step_cost import AUTO_FLOOR_S
+    from dist_infer.engine.step_pacing import StepPacer
 
     model = _fitted()
     small = true_seconds(StepShape(decodes=4, decode_context=400))  # ~5 ms: under the floor when doubled
@@ -213,20 +219,15 @@ def test_auto_is_twice_the_decode_step_but_never_below_the_floor():
                                             (1, "auto", 400, 400_000, AUTO_FACTOR * big),
                                             (2, "auto", 4, 400, AUTO_FLOOR_S / 2), (1, "2x", 4, 400, 2 * small),
                                             (2, "50", 4, 400, 0.025)]:
-        engine = SimpleNamespace(pp=SimpleNamespace(size=pp), step_costs=model, itl_target=parse_itl_target(itl))
-        got = DriverStep.step_target_s(engine, decodes, context)
+        got = StepPacer(parse_itl_target(itl), pp, model).step_target_s(decodes, context)
         assert got == pytest.approx(want, rel=0.02), (pp, itl, decodes, got)
 
 
 def _driver(model: StepCostModel, itl: tuple):
-    """The driver's cap (DriverStep._prompt_tokens_within), without an engine."""
-    from types import SimpleNamespace
+    """The driver's cap (StepPacer.prompt_tokens_within), without an engine."""
+    from dist_infer.engine.step_pacing import StepPacer
 
-    from dist_infer.engine.driver_step import DriverStep
-
-    engine = SimpleNamespace(pp=SimpleNamespace(size=1), step_costs=model, itl_target=itl)
-    engine.step_target_s = lambda *a: DriverStep.step_target_s(engine, *a)
-    return lambda decodes, context, start: DriverStep._prompt_tokens_within(engine, decodes, context, start)
+    return StepPacer(itl, 1, model).prompt_tokens_within
 
 
 def _serve(scheduler: Scheduler, model: StepCostModel, truth: np.ndarray, cap, arrivals: list, seconds: float):
@@ -285,17 +286,15 @@ def test_pipeline_steps_are_timed_by_their_slot():
     still in flight is timed from that step's completion (the pipeline's slot)."""
     from types import SimpleNamespace
 
-    from dist_infer.engine.driver_step import DriverStep, InFlightStep
+    from dist_infer.engine.step_pacing import StepPacer
 
     chunks = [SimpleNamespace(num_tokens=1, start=10, sample=True)]
-    engine = SimpleNamespace(pp=SimpleNamespace(size=2), step_costs=StepCostModel(), step_times=StepTimes(),
-                             _last_complete=0.0)
-    learn = DriverStep._learn_step_time
-    learn(engine, InFlightStep(plan=None, chunks=chunks, launched=1.0), now=1.2)  # alone: 0.2 s over 2 stages
-    learn(engine, InFlightStep(plan=None, chunks=chunks, launched=1.1), now=1.25)  # behind it: its slot, 0.05 s
-    _, counts, total = engine.step_times.snapshot()["decode"]
+    pacer = StepPacer(None, 2)
+    pacer.learn(chunks, launched=1.0, now=1.2)  # alone: 0.2 s over 2 stages
+    pacer.learn(chunks, launched=1.1, now=1.25)  # behind it: its slot, 0.05 s
+    _, counts, total = pacer.step_times.snapshot()["decode"]
     assert sum(counts) == 2 and total == pytest.approx(0.1 + 0.05)
-    assert engine.step_costs.seen["decode"] == 2
+    assert pacer.step_costs.seen["decode"] == 2
 
 
 @pytest.mark.parametrize("argv,want", [(["--itl-target-ms", "50"], "50"), (["--decode-stall-limit", "2"], "2.0x"),
@@ -341,18 +340,14 @@ def test_the_prefill_backlog_is_the_learned_cost_of_the_prompt_tokens_left():
 
 def test_the_engine_reports_its_prefill_backlog():
     """stats()['prefill_backlog_s'] counts the prompts waiting or part-way through, not the decodes."""
-    from types import SimpleNamespace
-
-    from dist_infer.engine.intake import RequestIntake
+    from dist_infer.engine.step_pacing import StepPacer
 
     model = StepCostModel()
     model.observe(StepShape(decodes=1, decode_context=10), 0.01)
     model.observe(StepShape(prompt_tokens=100), 0.1)  # a prompt token: ~1 ms (one prompt size: no prompt_step yet)
     waiting, part, decoding = _request(0, 400, 4), _request(1, 300, 4), _request(2, 50, 4)
     part.num_computed, decoding.num_computed = 100, 49
-    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[part, decoding]), step_costs=model,
-                             itl_target=None)
-    got = RequestIntake._prefill_backlog_s(engine)
+    got = StepPacer(None, 1, model).prefill_backlog_s([waiting], [part, decoding])
     assert got == pytest.approx(prefill_backlog_s(model, [(0, 400), (100, 200)]))
     assert 0.4 < got < 0.8
 
@@ -378,9 +373,7 @@ def test_a_step_with_a_prompt_pays_a_fixed_cost_of_its_own():
 def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():
     """With decodes running under an ITL target, prompts advance one capped chunk per step of the
     target's length: the backlog is that many steps (when longer than the compute alone)."""
-    from types import SimpleNamespace
-
-    from dist_infer.engine.intake import RequestIntake
+    from dist_infer.engine.step_pacing import StepPacer
 
     model = StepCostModel()
     model.observe(StepShape(decodes=1, decode_context=10), 0.01)
@@ -393,10 +386,10 @@ def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():
         seen.append((decodes, context, start))
         return 64
 
-    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[waiting], running=[decoding]), step_costs=model,
-                             itl_target=("auto", 2.0), _prompt_tokens_within=within,
-                             step_target_s=lambda decodes, context: 0.1)
-    assert RequestIntake._prefill_backlog_s(engine) == pytest.approx(10 * 0.1)  # ceil(600 / 64) steps
+    pacer = StepPacer(("auto", 2.0), 1, model)
+    pacer.prompt_tokens_within = within
+    pacer.step_target_s = lambda decodes, context: 0.1
+    assert pacer.prefill_backlog_s([waiting], [decoding]) == pytest.approx(10 * 0.1)  # ceil(600 / 64) steps
     assert seen == [(1, 50, 0)]
-    engine.itl_target = None  # the target off: the compute alone
-    assert RequestIntake._prefill_backlog_s(engine) == pytest.approx(prefill_backlog_s(model, [(0, 600)]))
+    off = StepPacer(None, 1, model)  # the target off: the compute alone
+    assert off.prefill_backlog_s([waiting], [decoding]) == pytest.approx(prefill_backlog_s(model, [(0, 600)]))

@@ -1,4 +1,4 @@
-"""A request can fail only itself (issue 30): an exception while running a step ends the
+"""A request can fail only itself: an exception while running a step ends the
 requests it belongs to with an error naming them (and an error id: the exception's text and
 traceback go only to the log, under that id), the rest of the batch gets exactly the tokens
 it gets alone, KV blocks are all returned, and the engine serves on. Failures are injected by
@@ -16,12 +16,18 @@ from hf_compare import prompts_for
 from loguru import logger
 from threads import run_ranks, thread_groups
 
-import dist_infer.engine.pipeline as pipeline
-import dist_infer.engine.step_loop as step_loop
+import dist_infer.engine.stage_runner as stage_runner
+from dist_infer.engine.engine_core import Engine, EngineConfig
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import RowSampling, SamplingParams, sample_rows
-from dist_infer.engine.step_guard import (MAX_FORWARD_FAILURES, ForwardFailures, StepGuard, failed_error_id,
-                                          failed_token, sample_guarded)
+from dist_infer.engine.step_guard import (
+    MAX_FORWARD_FAILURES,
+    ForwardFailures,
+    StepGuard,
+    failed_error_id,
+    failed_token,
+    sample_guarded,
+)
 from dist_infer.serving.fleet.wire import ResumeProgress
 
 NEW = 6
@@ -38,7 +44,7 @@ def model(tmp_path_factory):
 def _engine(model, groups, **kw):
     from dist_infer.models.loader import stage_from_hf_model
 
-    return step_loop.Engine(stage_from_hf_model(model, groups), groups, block_size=4, num_blocks=BLOCKS, **kw)
+    return Engine(stage_from_hf_model(model, groups), groups, EngineConfig(block_size=4, num_blocks=BLOCKS, **kw))
 
 
 def _params(seed: int = 0) -> SamplingParams:
@@ -112,7 +118,7 @@ def _assert_failed(outs: list[RequestOutput], rid: str, where: str, logs: list[s
 def _assert_idle_and_conserved(engine) -> None:
     s = engine.scheduler
     assert s.allocator.num_free == s.config.num_blocks == BLOCKS, "KV blocks conserved"
-    assert not s.running and not s.waiting and not engine._requests
+    assert not s.running and not s.waiting and not len(engine.registry)
     assert engine.stats()["free_blocks"] == BLOCKS
 
 
@@ -128,7 +134,7 @@ def _sampler(fail_row):
 
 def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch, logs):
     # the marked request raises from its third token on: it has blocks and tokens when it fails
-    monkeypatch.setattr(pipeline, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
+    monkeypatch.setattr(stage_runner, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, max_batched_tokens=8)  # prompts chunked: the failure meets mixed steps
     got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
@@ -148,7 +154,7 @@ def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch, 
 
 def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alone, monkeypatch, logs):
     armed = {"on": True}
-    monkeypatch.setattr(pipeline, "sample_rows", _sampler(lambda r: armed["on"] and r.index == 1))
+    monkeypatch.setattr(stage_runner, "sample_rows", _sampler(lambda r: armed["on"] and r.index == 1))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     got = _run(engine, {f"r{i}": (PROMPTS[i], _params()) for i in range(3)})
@@ -166,14 +172,14 @@ def test_a_step_whose_sampling_fails_for_every_row_fails_its_requests(model, alo
 def test_a_failing_stop_check_fails_only_its_request(model, alone, monkeypatch, logs):
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
-    real = engine._stop_reason
+    real = engine.progress.stop_reason
 
     def stop_reason(r):
         if r.request_id == "bad" and len(r.output_token_ids) == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         return real(r)
 
-    monkeypatch.setattr(engine, "_stop_reason", stop_reason)
+    monkeypatch.setattr(engine.progress, "stop_reason", stop_reason)
     got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params())})
     _assert_failed(got["bad"], "bad", "taking its token", logs, "UnicodeDecodeError", "invalid start byte")
     assert _tokens(got["bad"]) == alone[1][:2], "the token whose check failed is not reported"
@@ -262,7 +268,7 @@ def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, al
 
 
 def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch, logs):
-    monkeypatch.setattr(pipeline, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 1))
+    monkeypatch.setattr(stage_runner, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 1))
 
     def body(groups):
         engine = _engine(model, groups, max_batched_tokens=8)

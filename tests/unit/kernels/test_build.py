@@ -21,9 +21,18 @@ from fake_compilers import copying_compiler, failing_compiler, hanging_compiler,
 from loguru import logger
 
 from dist_infer.kernels import build, load_cpu_kernels
-from dist_infer.kernels.build import (FLAGS, KernelBuild, KernelBuildError, build_library, cache_dirs,
-                                      compiler_command, kernel_mode, library_name, load_native_kernels,
-                                      prepare_cache_dir)
+from dist_infer.kernels.build import (
+    FLAGS,
+    KernelBuild,
+    KernelBuildError,
+    build_library,
+    cache_dirs,
+    compiler_command,
+    kernel_mode,
+    library_name,
+    load_native_kernels,
+    prepare_cache_dir,
+)
 from dist_infer.launch.model_options import native_kernel_mode
 
 

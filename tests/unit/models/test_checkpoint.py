@@ -323,7 +323,8 @@ def test_text_tokenizer_missing_file(tmp_path):
     ("vocab_size", "lots", "vocab_size must be"),
 ])
 def test_a_hostile_config_json_is_refused_naming_the_field(field, value, says):
-    """Issue 30 row 9's HF twin: a config.json field that would divide by zero or ask for terabytes."""
+    """The HF twin of the hostile GGUF files (models/gguf/test_gguf.py): a config.json field that would
+    divide by zero or ask for terabytes."""
     from dist_infer.models.config import ModelConfig, ModelConfigError
 
     cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -111,12 +111,12 @@ def test_decode_metadata_stores_only_this_ranks_tokens():
 
 
 def test_unsupported_cp_setups_are_refused_with_the_numbers():
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
 
     groups = SimpleNamespace(cp=SimpleNamespace(size=2, rank=0), pp=SimpleNamespace(size=2), tp=SimpleNamespace(size=1))
     with pytest.raises(ContextParallelError, match=r"cp with pp is not supported yet \(cp=2, pp=2\)"):
         Engine(SimpleNamespace(cfg=None, cp=object()), groups)
     with pytest.raises(ContextParallelError, match="cp variant 'ring' is not one of"):
-        Engine(SimpleNamespace(cfg=None, cp=object()), groups, cp_variant="ring")
+        Engine(SimpleNamespace(cfg=None, cp=object()), groups, EngineConfig(worker=WorkerOptions(cp_variant="ring")))
     with pytest.raises(ContextParallelError, match="prompt of 300 tokens exceeds the model's window of 256"):
         cp_prefill_metadata([300], 2, 0, [list(range(20))], 16, sliding_window=256)

@@ -12,8 +12,8 @@ from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
 from quantized_reference import dequantize_hf_model
 from threads import run_ranks, thread_groups
 
+from dist_infer.engine.engine_core import Engine, EngineConfig
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.step_loop import Engine
 from dist_infer.kernels import load_cpu_kernels
 from dist_infer.kernels.gemm import blas_sgemm, onednn_sgemm
 from dist_infer.models.loader import stage_from_hf_model
@@ -25,11 +25,11 @@ PROMPTS = [[5, 9, 17, 3, 44], [7, 11] * 6, [2] * 19]  # three lengths: a decode 
 NEW = 6
 
 
-def _generate(stage, group, prompts, fused: bool, **engine):
+def _generate(stage, group, prompts, fused: bool, **config):
     stage.native_decode_stack = fused
     stage.decode_stack_cache = None
-    outs = Engine(stage, group, **engine).generate(prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False),
-                                                   return_logits=True)
+    outs = Engine(stage, group, EngineConfig(**config)).generate(
+        prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), return_logits=True)
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
 
 

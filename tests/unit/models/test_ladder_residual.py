@@ -26,12 +26,13 @@ PROMPTS = prompts_for([5, 9, 3], seed=21)
 
 # -- ours, in the engine ------------------------------------------------------------------------
 
-def _serve(hf, groups, ladder, **engine_kw):
-    from dist_infer.engine.step_loop import Engine
+def _serve(hf, groups, ladder, **worker_kw):
+    from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
     from dist_infer.models.loader import stage_from_hf_model
 
-    engine = Engine(stage_from_hf_model(hf, groups, ladder=ladder), groups, block_size=BS, num_blocks=24,
-                    max_batched_tokens=6, max_num_seqs=3, **engine_kw)
+    config = EngineConfig(block_size=BS, num_blocks=24, max_batched_tokens=6, max_num_seqs=3,
+                          worker=WorkerOptions(**worker_kw))
+    engine = Engine(stage_from_hf_model(hf, groups, ladder=ladder), groups, config)
     if groups.world.rank != 0:
         engine.follow()
         return None
@@ -69,11 +70,11 @@ class LateReduceComm(ThreadComm):
         return _LateHandle(lambda: super(LateReduceComm, self).all_reduce(tensor, op))
 
 
-def _ours(hf, tp: int, ladder, **engine_kw):
+def _ours(hf, tp: int, ladder, **worker_kw):
     groups = thread_groups(tp, 1)
     for g in groups:
         g.tp = LateReduceComm(g.tp.meeting, g.tp.rank, "tp")
-    return run_ranks(groups, lambda g: _serve(hf, g, ladder, **engine_kw))[0]
+    return run_ranks(groups, lambda g: _serve(hf, g, ladder, **worker_kw))[0]
 
 
 def _assert_matches(got, hf, ladder, what: str) -> None:

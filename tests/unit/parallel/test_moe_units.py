@@ -334,7 +334,7 @@ def test_in_memory_transformers_model_over_two_ep_threads(arch, tmp_path):
     """stage_from_hf_model reads transformers' fused in-memory expert tensors; ep=2 gives HF's logits."""
     from checkpoints import load_hf_model, write_hf_checkpoint
 
-    from dist_infer.engine.step_loop import Engine
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.engine.sampling import SamplingParams
     from dist_infer.models.loader import stage_from_hf_model
 

@@ -573,12 +573,12 @@ def world_groups():
     import torch.distributed as dist
 
     from dist_infer.comm import build_groups, init_world
-    from dist_infer.topology import Mesh, ParallelConfig
+    from dist_infer.topology import Layout, Mesh
 
     if dist.is_initialized():
         pytest.skip("torch.distributed already initialised in this process by another test module")
     world = init_world("gloo")
-    groups = build_groups(world, Mesh.build(ParallelConfig(), world.size))
+    groups = build_groups(world, Mesh.build(Layout(), world.size))
     assert world.size == 1 and groups.tp.size == 1 and groups.pp.size == 1
     yield groups
     groups.destroy()
@@ -612,13 +612,13 @@ def _assert_like_hf(outputs, prompts, ids, logits, what, eos=2):
 ])
 def test_api_shard_in_memory_model_matches_hf(world_groups, tmp_path, arch, overrides):
     from dist_infer.engine.api import ShardedModel, shard
-    from dist_infer.topology import ParallelConfig
+    from dist_infer.topology import Layout
 
     path = write_hf_checkpoint(tmp_path, arch, **overrides)
     hf_model = load_hf_model(path)
     prompts = _lib_prompts()
     ids, logits = hf_reference(path, prompts, 6, model=hf_model)
-    model = shard(hf_model, ParallelConfig(), groups=world_groups)
+    model = shard(hf_model, Layout(), groups=world_groups)
     want_window = {"llama-gqa": None, "mistral": 8, "qwen2": 8 if overrides.get("max_window_layers") == 0 else None}[arch]
     assert isinstance(model, ShardedModel) and model.config.sliding_window == want_window
     outputs = model.generate(prompts, max_new_tokens=6, return_logits=True)

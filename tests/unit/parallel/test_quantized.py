@@ -312,8 +312,8 @@ def test_model_over_threads_equals_hf_on_dequantized_weights(arch, scheme, tp, e
     test_quantized_embedding.py."""
     if native and NATIVE is None:
         pytest.skip("no C compiler: the native CPU kernels are not built")
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
     from dist_infer.models.loader import load_stage, stage_from_hf_model
 
     overrides = {"intermediate_size": 256} if arch == "mixtral" else {}  # 128 per rank: whole int4 groups

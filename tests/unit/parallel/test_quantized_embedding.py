@@ -148,8 +148,8 @@ def test_tied_model_over_threads_equals_hf_on_the_dequantized_tied_table(scheme,
     transformers with the tied table (both ends) and every linear replaced by its dequantized value."""
     if native and NATIVE is None:
         pytest.skip("no C compiler: the native CPU kernels are not built")
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
     from dist_infer.models.loader import stage_from_hf_model
 
     hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-tied"))
@@ -176,8 +176,8 @@ def test_tied_gguf_auto_keeps_the_files_table_and_equals_hf(qtype, native, tmp_p
     the same file (it dequantizes to the same fp32 values)."""
     if native and NATIVE is None:
         pytest.skip("no C compiler: the native CPU kernels are not built")
+    from dist_infer.engine.engine_core import Engine
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.engine.step_loop import Engine
     from dist_infer.models.loader import load_stage
 
     path = write_llama_gguf(tmp_path / "tied.gguf", qtype=qtype, tied=True, seed=5)

@@ -5,7 +5,7 @@ torch is checked in fresh interpreters: tests/integration/test_planner_cli.py.)"
 
 def test_engine_facts_match_the_engine():
     from dist_infer.comm import shm, shm_sizes
-    from dist_infer.engine.step_loop import OVERLAP_THRESHOLDS
+    from dist_infer.engine.engine_config import OVERLAP_THRESHOLDS
     from dist_infer.models.llama import LlamaMLP
     from dist_infer.parallel import overlap_policy, token_split
     from dist_infer.planner import engine_facts

@@ -6,8 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from dist_infer.serving.fleet.instance_specs import InstancesError, InstanceSpec, check_world, parse_instances
 from dist_infer.serving.fleet.wire import Role

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dist_infer.topology.layout import Layout, ParallelConfigError
+from dist_infer.topology.layout import Layout, LayoutError
 from dist_infer.topology.mesh import RANK_ORDER, Mesh
 
 # -- Layout.sizes ------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ def test_explicit_dp_matching():
 
 
 def test_tp_not_dividing_world_shows_arithmetic():
-    with pytest.raises(ParallelConfigError) as info:
+    with pytest.raises(LayoutError) as info:
         Layout(tp=3).sizes(4)
     message = str(info.value)
     assert "tp=3" in message and "world size 4" in message
@@ -32,7 +32,7 @@ def test_tp_not_dividing_world_shows_arithmetic():
 
 
 def test_product_not_dividing_world_shows_arithmetic():
-    with pytest.raises(ParallelConfigError) as info:
+    with pytest.raises(LayoutError) as info:
         Layout(tp=2, pp=2, ep=2).sizes(12)
     message = str(info.value)
     assert "tp=2 x pp=2 x ep=2 x cp=1 = 8" in message
@@ -40,14 +40,14 @@ def test_product_not_dividing_world_shows_arithmetic():
 
 
 def test_explicit_dp_mismatch_shows_arithmetic():
-    with pytest.raises(ParallelConfigError) as info:
+    with pytest.raises(LayoutError) as info:
         Layout(tp=2, dp=3).sizes(4)
     message = str(info.value)
     assert "dp=3 = 6" in message and "world size is 4" in message
 
 
 def test_explicit_dp_too_small():
-    with pytest.raises(ParallelConfigError, match=r"= 2, but the world size is 4"):
+    with pytest.raises(LayoutError, match=r"= 2, but the world size is 4"):
         Layout(tp=2, dp=1).sizes(4)
 
 
@@ -55,12 +55,12 @@ def test_explicit_dp_too_small():
     ({"tp": 0}, "tp=0"), ({"pp": -1}, "pp=-1"), ({"ep": 0}, "ep=0"), ({"cp": 1.5}, "cp=1.5"), ({"dp": 0}, "dp=0"),
 ])
 def test_non_positive_sizes(kwargs, name):
-    with pytest.raises(ParallelConfigError, match=rf"{name}.*positive integer"):
+    with pytest.raises(LayoutError, match=rf"{name}.*positive integer"):
         Layout(**kwargs).sizes(4)
 
 
 def test_mesh_build_validates():
-    with pytest.raises(ParallelConfigError):
+    with pytest.raises(LayoutError):
         Mesh.build(Layout(tp=3), 4)
 
 
@@ -154,12 +154,3 @@ def test_coords_outside_world_and_unknown_axis():
 ])
 def test_tp_crosses_nodes(tp, world, local, crosses):
     assert Mesh.build(Layout(tp=tp), world).tp_crosses_nodes(local) is crosses
-
-
-def test_old_names_still_import():
-    # callers outside topology/ still write ParallelConfig and AXES; they name the one Layout and RANK_ORDER
-    from dist_infer.topology import AXES, ParallelConfig
-    from dist_infer.topology.mesh import ParallelConfigError as MeshError
-
-    assert ParallelConfig is Layout and AXES is RANK_ORDER and MeshError is ParallelConfigError
-    assert ParallelConfig(tp=2, pp=2) == Layout(tp=2, pp=2)

@@ -1,4 +1,4 @@
-"""The peer link against hostile peers (issue 30): whatever reaches a rank's link port, an honest
+"""The peer link against hostile peers: whatever reaches a rank's link port, an honest
 transfer still delivers exact bytes, memory and threads stay bounded, and only the holders of
 the cluster key get a message in."""
 

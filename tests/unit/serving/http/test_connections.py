@@ -1,5 +1,5 @@
 """The HTTP connections' bounds (serving/http/connections.py, cli/http_flags.py): a request head
-that does not arrive within --header-timeout closes its connection (issue 51, item 6: connections
+that does not arrive within --header-timeout closes its connection (before, connections
 sending one header byte every 8 s stayed open for ever), idle keep-alive connections close after
 --keep-alive-timeout, and a connection past --max-connections gets 503 at once.
 

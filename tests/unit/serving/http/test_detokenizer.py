@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from dist_infer.engine.request import RequestOutput
 from dist_infer.serving.http.detokenizer import IncrementalDetokenizer, detokenize_output

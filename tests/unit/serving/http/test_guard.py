@@ -23,8 +23,7 @@ import psutil
 import pytest
 from fake_engine import MODEL, FakeEngine, fake_tokens
 
-from dist_infer.bench.serve import client as bench_serve_client
-from dist_infer.bench.serve import command as bench_serve
+from dist_infer.bench.serve import client as bench_serve_client, command as bench_serve
 from dist_infer.cli.http_flags import add_http_flags, http_options_of
 from dist_infer.serving.http.api_server import DrainingServer, build_app
 from dist_infer.serving.http.guard import HttpGuard
@@ -128,7 +127,7 @@ def test_openai_client_with_api_key_works_unchanged():
         stop(server, thread)
 
 
-# -- admin (row 5) -----------------------------------------------------------------------------------
+# -- admin -------------------------------------------------------------------------------------------
 
 def test_admin_answers_loopback_only_without_an_admin_key():
     app = build_app(AdminEngine(), MODEL, HttpGuard(api_keys=KEYS))
@@ -153,7 +152,7 @@ def test_admin_key_opens_admin_to_remote_clients_and_only_it():
             assert_error(call(app, "GET", "/admin/instances", client=client, headers=headers), 401, "invalid_api_key")
 
 
-# -- JSON only, CORS (row 5) ----------------------------------------------------------------------------
+# -- JSON only, CORS ------------------------------------------------------------------------------------
 
 def test_non_json_posts_get_415():
     app = build_app(FakeEngine(), MODEL)
@@ -252,7 +251,7 @@ def test_openapi_describes_every_post_body():
     assert "max_tokens" in posts["/v1/completions"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
 
 
-# -- bounded bodies (row 6) -----------------------------------------------------------------------------
+# -- bounded bodies -------------------------------------------------------------------------------------
 
 def asgi_post(app, headers: list, chunks):
     """POST straight into the ASGI app; returns (status, body, how many chunks it read)."""
@@ -345,7 +344,7 @@ def test_fifty_megabytes_over_real_http_are_refused_without_being_kept():
         stop(server, thread)
 
 
-# -- hostile JSON (row 8), stop strings (row 10), generic 500s --------------------------------------------
+# -- hostile JSON, stop strings, generic 500s -------------------------------------------------------------
 
 HOSTILE = [
     ("[" * 100_000, None, "nests"),

@@ -1,5 +1,5 @@
 """serve --placement ray's pure part: which addresses keep Ray on the loopback, and that a value the
-user set is kept (tests/integration/test_ray_placement.py runs the placement on a real Ray cluster,
+user set is kept (tests/integration/test_ray_placed_serving.py runs the placement on a real Ray cluster,
 without the variable in its environment)."""
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ not page-fault afresh every time.
 glibc serves large allocations (above a threshold that starts at 128 KB) with mmap and gives
 them back with munmap; every new [tokens, hidden] activation of a prefill then costs a page
 fault per 4 KB touched. Raising the mmap and trim thresholds keeps such buffers in the heap for
-reuse. On the 2-core machine this took a tp=2 prefill of 4 x 256 tokens from 1.00 s to 0.90 s
-(docs/benchmarks.md), and CPU inference stacks recommend the same (tcmalloc, jemalloc).
+reuse. This shortened a tp=2 prefill (docs/benchmarks.md, "Tensor parallel Llama inference against
+DeepSpeed AutoTP and transformers"), and CPU inference stacks recommend the same (tcmalloc, jemalloc).
 Process-wide, so the engine does it once when it is created; DIST_INFER_MALLOC_TUNING=0 leaves
 the allocator alone.
 """

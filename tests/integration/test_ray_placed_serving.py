@@ -22,8 +22,7 @@ import pytest
 from checkpoints import write_hf_checkpoint
 from hf_compare import assert_ids_match_hf, prompts_for
 from processes import checkout_env, run, venv_env
-from serving_helpers import (ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_state,
-                             where)
+from serving_helpers import ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_state, where
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'dist_infer[ray]'); make test installs it")
 

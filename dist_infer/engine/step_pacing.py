@@ -1,0 +1,100 @@
+"""Step pacing, on the driver: how long a step may take, and what the steps run so far cost.
+
+The inter-token latency target (Sarathi-Serve's stall-free budget) caps a step's prompt tokens
+beside its decodes so the step ends within the target; the caps come from step costs learned
+online (step_cost.py), fed here with each completed step's duration. The same costs predict the
+prefill backlog the autoscaler reads from the stats. One object holds the target, the cost model
+and the step-time histogram, so the driver, the stats and the tests share one account of them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from dist_infer.engine.step_cost import (
+    AUTO_FLOOR_S,
+    StepCostModel,
+    StepShape,
+    StepTimes,
+    chunk_pairs,
+    prefill_backlog_s,
+)
+
+
+def step_shape(chunks) -> StepShape:
+    """A step's shape for the cost model: its prompt chunks, and its decodes (one token each: a
+    prompt's last token costs what a decode does)."""
+    prompts = [c for c in chunks if c.num_tokens > 1]
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    # a layered prompt's group runs a fraction of the layers: it costs that fraction of its tokens
+    share = [1.0 if c.work_tokens is None else c.work_tokens / c.num_tokens for c in prompts]
+    return StepShape(prompt_tokens=round(sum(c.num_tokens * f for c, f in zip(prompts, share))),
+                     prompt_pairs=round(sum(chunk_pairs(c.start, c.num_tokens) * f for c, f in zip(prompts, share))),
+                     decodes=len(decodes), decode_context=sum(c.start + 1 for c in decodes))
+
+
+class StepPacer:
+    """The ITL target (arg_types.parse_itl_target's tuple, None: off) of an instance of `pp_size`
+    pipeline stages, the step costs learned from its steps, and their durations by kind (/metrics)."""
+
+    def __init__(self, itl_target: Optional[tuple[str, float]], pp_size: int,
+                 step_costs: Optional[StepCostModel] = None):
+        self.itl_target = itl_target
+        self.pp_size = pp_size
+        self.step_costs = step_costs if step_costs is not None else StepCostModel()
+        self.step_times = StepTimes()
+        self._last_complete = 0.0
+
+    def prefill_cap(self):
+        """The scheduler's cap on a step's prompt tokens beside its decodes, sized so the step ends
+        within the target; None: only the token budget cuts prompts."""
+        if self.itl_target is None:
+            return None
+        return self.prompt_tokens_within
+
+    def prompt_tokens_within(self, decodes: int, decode_context: int, start: int):
+        """Prompt tokens a step of these decodes can add and still meet the target (None: not learned yet)."""
+        return self.step_costs.prompt_tokens_within(self.step_target_s(decodes, decode_context), decodes,
+                                                    decode_context, start)
+
+    def step_target_s(self, decodes: int, decode_context: int) -> float:
+        """One step's share of the inter-token latency target: a fixed time (milliseconds, split
+        over the pp steps a request's token waits for), a multiple of the decode-only step, or
+        (auto) that multiple but at least AUTO_FLOOR_S over the pp steps."""
+        kind, value = self.itl_target
+        if kind == "ms":
+            return value / 1000.0 / self.pp_size
+        target = value * self.step_costs.decode_step_s(decodes, decode_context)
+        return max(target, AUTO_FLOOR_S / self.pp_size) if kind == "auto" else target
+
+    def learn(self, chunks, launched: float, now: float) -> None:
+        """Feed a completed step's duration to the cost model and the step-time histogram. With pp
+        steps in flight a step's own time is the gap since the previous completion (its slot in the
+        pipeline) or, when it ran alone, its latency over the pp stages."""
+        shape = step_shape(chunks)
+        if launched >= self._last_complete or self.pp_size == 1:
+            seconds = (now - launched) / self.pp_size
+        else:
+            seconds = now - self._last_complete
+        self._last_complete = now
+        if shape.prompt_tokens or shape.decodes:
+            self.step_costs.observe(shape, seconds)
+            self.step_times.observe(shape.kind, seconds)
+
+    def prefill_backlog_s(self, waiting, running) -> Optional[float]:
+        """Predicted seconds until the prompts queued here are through (step_cost.prefill_backlog_s:
+        every request with more than its next token still to compute, waiting or running). Beside
+        running decodes, the ITL target paces prompts to a chunk per step of the target's length,
+        which is then the longer figure."""
+        left = [(r.num_computed, r.num_tokens - r.num_computed) for r in (*waiting, *running)
+                if r.num_tokens - r.num_computed > 1]
+        compute = prefill_backlog_s(self.step_costs, left)
+        decodes = [r for r in running if r.num_tokens - r.num_computed <= 1]
+        if compute is None or not left or not decodes or self.itl_target is None:
+            return compute
+        context = sum(r.num_tokens for r in decodes)
+        chunk = self.prompt_tokens_within(len(decodes), context, 0)
+        if not chunk:
+            return compute
+        steps = -(-sum(n for _, n in left) // chunk)
+        return max(compute, steps * self.step_target_s(len(decodes), context))
