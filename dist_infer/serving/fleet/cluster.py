@@ -70,7 +70,6 @@ class Cluster:
         self.control = ControlLoop()
         self.calls = InstanceCalls(self.fleet, self.control)
         self.router = Router(self.fleet, Dispatcher(config.dispatch))
-        # the lifecycle (made last: it uses the others) fails requests over for the starter and the migrations
         self.starter = InstanceStarter(self.fleet, config, spawner, rank_capacity, self._redispatch)
         self.migration = MigrationControl(self.fleet, self.control, self.calls, self.router, config, self._redispatch)
         self.lifecycle = Lifecycle(self.fleet, self.control, self.calls, self.router, self.starter, config, on_dead,
@@ -79,6 +78,9 @@ class Cluster:
         self.autoscaler = None  # serving/placement/autoscaler.py, when --autoscale is given
 
     def _redispatch(self, request_id: str, why: str) -> None:
+        """What the starter and the migrations are given to fail a request over: the lifecycle
+        does it, and the lifecycle is made after them (it starts instances and hands requests to
+        decode through them)."""
         self.lifecycle.redispatch(request_id, why)
 
     # -- what the HTTP side reads (EngineClient) -----------------------------------------------------
