@@ -1,7 +1,7 @@
 """The planner through the real CLI and in real processes: `dist-infer plan` ranks layouts and
 explains them, bad input names the thing, `calibrate --quick` writes a usable profile, `bench
 --sweep` runs two layouts beside their predictions, and neither importing the planner nor running
-`dist-infer plan` loads torch. (The cost model itself, in process: tests/unit/planner/test_cost_model.py.)"""
+`dist-infer plan` loads torch. (The cost model itself, in process: tests/unit/planner/, one test file per module.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Ring attention as real multi-process jobs: tests/support/jobs/ring_attention_job.py under
 `dist-infer launch` for cp 2, 3 and 4 (and mpirun with the MPI backend), each rank checking its
 rows against single-rank fp64 attention; and a rank that raises mid-ring must end the job instead
-of hanging it. (The pure parts in process: tests/unit/parallel/test_ring_attention.py.)
+of hanging it. (The pure parts in process: tests/unit/parallel/ring/, one test file per module.)
 """
 
 from __future__ import annotations

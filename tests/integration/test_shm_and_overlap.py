@@ -1,6 +1,6 @@
 """The shared-memory all-reduce and token-splitting overlap, run for real and checked exactly.
 (The token splits and the report's arithmetic in process: tests/unit/parallel/test_token_split.py,
-tests/unit/bench/test_overlap_report.py.)"""
+tests/unit/models/test_attention_metadata.py, tests/unit/bench/test_overlap_report.py.)"""
 
 from __future__ import annotations
 

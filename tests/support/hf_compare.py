@@ -84,6 +84,22 @@ def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, r
                                    atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} prompt {b}: logprobs differ from HF\n{m}")
 
 
+def assert_outputs_match_hf(outputs, prompts, ids, logits, what: str, eos: int = 2) -> None:
+    """The library's outputs (`generate(..., return_logits=True)`) against hf_reference's `ids` and
+    `logits`, strictly: the library generates with EOS stop on, so a sequence may end early, at HF's
+    EOS token."""
+    for b, (o, want_ids, want) in enumerate(zip(outputs, ids, logits)):
+        assert o.prompt_token_ids == prompts[b]
+        n = len(o.token_ids)
+        if o.finish_reason == "stop":  # OpenAI's name for an EOS stop
+            assert o.token_ids[-1] == eos and eos not in o.token_ids[:-1]
+        else:
+            assert o.finish_reason == "length" and n == len(want_ids)
+        assert o.token_ids == want_ids[:n], f"{what} prompt {b}: {o.token_ids} vs HF {want_ids}"
+        assert eos not in want_ids[:n - 1], f"{what} prompt {b}: HF produced EOS earlier"
+        torch.testing.assert_close(torch.stack(o.logits), want[:n], atol=1e-4, rtol=1e-4)
+
+
 def assert_ids_match_hf(path, prompts, got: list[list[int]], n: int, what: str) -> None:
     """Ids only (a server's answers carry no logits): the first `n` of each prompt's generated ids
     equal HF's greedy ones, up to a near tie in HF's logits, which is printed."""

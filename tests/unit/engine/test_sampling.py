@@ -4,6 +4,9 @@ made, or gives a valid token with a finite logprob, whatever the logits.
 A temperature of 1e-300 used to divide logits to inf, a top_p of 1e-50 rounded to 0 in fp32 and
 dropped every token, and a 400-digit top_k overflowed the float64 step plan; each killed the
 serving instance. Seeded draws for ordinary parameters are pinned to what they were before.
+
+The ordinary filters and draws: top-k, top-p (top-k first), greedy with its log-probs, seeded
+draws that depend only on their own sequence, and parameter validation.
 """
 
 from __future__ import annotations
@@ -227,3 +230,75 @@ def test_seeded_draws_are_the_ones_drawn_before_the_fix():
            .tokens.tolist() for i in range(8)]
     assert got == [[26, 154, 4, 202], [152, 147, 4, 202], [15, 5, 49, 202], [87, 92, 278, 202], [168, 11, 278, 202],
                    [32, 246, 32, 80], [100, 11, 28, 156], [2, 154, 278, 24]]
+
+
+# --- the ordinary filters and draws -----------------------------------------------------------------
+
+def test_filter_logits_top_k():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0], [0.0, -1.0, 2.0, 1.0, 3.0]])
+    out = filter_logits(logits, 2, 1.0)
+    assert torch.isinf(out).sum(-1).tolist() == [3, 3]
+    assert torch.equal(out[0, [1, 3]], logits[0, [1, 3]]) and torch.equal(out[1, [2, 4]], logits[1, [2, 4]])
+    assert torch.equal(filter_logits(logits, 0, 1.0), logits)
+    assert torch.equal(filter_logits(logits, 5, 1.0), logits)
+    assert torch.equal(filter_logits(logits, 99, 1.0), logits)
+
+
+def test_filter_logits_top_p():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5, 0.3, 0.15, 0.05 (not in index order)
+    logits = probs.log()[None]
+
+    def kept(top_p, top_k=0):
+        return sorted(torch.nonzero(torch.isfinite(filter_logits(logits, top_k, top_p)[0])).flatten().tolist())
+
+    assert kept(0.4) == [1]  # the top token alone already covers 0.4
+    assert kept(0.7) == [1, 3]  # 0.5 < 0.7 <= 0.8
+    assert kept(0.9) == [1, 2, 3]  # 0.8 < 0.9 <= 0.95
+    assert kept(0.99) == [0, 1, 2, 3]
+    assert kept(1e-6) == [1], "the most likely token is always kept"
+    assert kept(0.9, top_k=2) == [1, 3], "top-k first, then top-p over what is left"
+    # filtered logits keep their values
+    out = filter_logits(logits, 0, 0.7)[0]
+    assert torch.equal(out[[1, 3]], logits[0, [1, 3]])
+    assert not torch.equal(filter_logits(logits, 0, 0.7), logits), "the input is not modified in place"
+    assert torch.isfinite(logits).all()
+
+
+def test_sample_greedy_and_logprobs():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen)
+    out = sample_rows(logits, [RowSampling() for _ in range(3)])
+    assert out.tokens.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(out.logprobs.float(), torch.log_softmax(logits, -1).gather(-1, out.tokens[:, None])[:, 0])
+
+
+def test_sample_seeded_is_deterministic_and_per_sequence():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 200, generator=gen)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+
+    def draw(rows, seed=7, steps=6):
+        """Tokens 0..steps-1 of each row's request (the row index is its own seed offset)."""
+        return [[int(sample_rows(logits[[b]], [RowSampling.of(params, seed + b, i)]).tokens[0]) for i in range(steps)]
+                for b in rows]
+
+    full = draw([0, 1, 2, 3])
+    assert full == draw([0, 1, 2, 3]), "same seed, same tokens"
+    assert [full[1], full[3]] == draw([1, 3]), "a sequence's draws do not depend on the rest of the batch"
+    assert full != draw([0, 1, 2, 3], seed=8), "another seed, other tokens"
+    batched = [sample_rows(logits, [RowSampling.of(params, 7 + b, i) for b in range(4)]).tokens.tolist()
+               for i in range(6)]
+    assert [list(col) for col in zip(*batched)] == full, "the same draws in one batched call"
+    allowed = torch.isfinite(filter_logits(logits / 0.8, 20, 0.9))
+    for b, row in enumerate(full):
+        assert all(allowed[b, t] for t in row), "samples only from the filtered set"
+    one = SamplingParams(temperature=1.0, top_k=1, seed=3)
+    tokens = sample_rows(logits, [RowSampling.of(one, 3, 0) for _ in range(4)]).tokens
+    assert tokens.tolist() == logits.argmax(-1).tolist(), "top_k=1 is greedy"
+
+
+@pytest.mark.parametrize("kwargs,field", [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1}, "temperature"),
+                                          ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -13,7 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import hf_reference, write_hf_checkpoint
+from hf_compare import assert_outputs_match_hf, prompts_for
+from torch.profiler import ProfilerActivity, profile
 
+from dist_infer.engine.api import load
 from dist_infer.kernels import MAX_ROWS, kernels_if_cpu_fp32, load_cpu_kernels, use_native_kernels
 from dist_infer.models.attention import attention_native, last_token_attention_native, paged_attention
 from dist_infer.models.attention_metadata import build_attention_metadata
@@ -225,3 +229,26 @@ def test_kernels_are_an_explicit_switch():
     use_native_kernels(holder, None)
     assert norm.kernels is None
     torch.testing.assert_close(norm(x), on)
+
+
+def test_native_kernels_switch_in_process(world_groups, tmp_path):
+    """The kernels are handed to the layers (`use_native_kernels`), so the same loaded model runs
+    with them (the profiler names each call) and, switched off in the same process, without them
+    (torch's ops only); both give HF's tokens and logits."""
+    path = write_hf_checkpoint(tmp_path, "llama-gqa")
+    prompts = prompts_for((5, 17), seed=99)
+    ids, logits = hf_reference(path, prompts, 4)
+    model = load(path, groups=world_groups)
+
+    def run_profiled():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = model.generate(prompts, max_new_tokens=4, return_logits=True)
+        return out, {e.key for e in prof.key_averages()}
+
+    on, names_on = run_profiled()
+    use_native_kernels(model.engine.stage, None)
+    off, names_off = run_profiled()
+    assert "dist_infer::decode_stack" in names_on  # every step's layers in one native call (fused_decode.py)
+    assert not any(n.startswith("dist_infer::") and "linear" in n for n in names_off), sorted(names_off)[:20]
+    assert_outputs_match_hf(on, prompts, ids, logits, "kernels on")
+    assert_outputs_match_hf(off, prompts, ids, logits, "kernels off")

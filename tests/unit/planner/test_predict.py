@@ -1,101 +1,20 @@
-"""The cost model behind `dist-infer plan` and `bench --sweep`: counts against hand-computed
-values and a real checkpoint, the schedule arithmetic on a profile with only one cost. (The CLI
-on a small config, calibrate, and a two-layout sweep in real processes:
-tests/integration/test_planner_cli.py.)"""
+"""The predicted schedule on a profile with only the costs a test asks for, against hand-computed
+values: GEMMs and the pipeline fill, tp all-reduces and their overlap, ring transfers, measured
+fixed costs, KV and weight reads at the rates measured for their sizes, attention at the rate for
+its head size; and Meta's published context-parallel prefills of Llama 3 405B (arXiv 2411.01783)
+from hardware figures alone. (The CLI on a small config, calibrate, and a two-layout sweep in real
+processes: tests/integration/test_planner_cli.py.)"""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-from checkpoints import write_hf_checkpoint
-from plan_profiles import BIG, SMALL, gemm_only_profile
+from plan_profiles import BIG, LLAMA3_405B, SMALL, gemm_only_profile
 
-from dist_infer.bench.sweep import child_argv
-from dist_infer.planner.hardware import HardwareProfile, Link, ProfileError, interpolate_log, load_profile
-from dist_infer.planner.layout import Layout, LayoutError, candidate_layouts, parse_layout, parse_sweep, why_not
-from dist_infer.planner.memory import memory_per_rank
+from dist_infer.planner.hardware import HardwareProfile, Link, load_profile
+from dist_infer.planner.layout import Layout
 from dist_infer.planner.predict import predict
-from dist_infer.planner.rank_rates import group_placement
-from dist_infer.planner.shapes import ModelShape, causal_attention_flops
+from dist_infer.planner.shapes import causal_attention_flops
 from dist_infer.planner.workload import Schedule, Workload, micro_batches
-
-LLAMA3_405B = ModelShape(hidden=16384, intermediate=53248, layers=126, heads=128, kv_heads=8, head_dim=128,
-                         vocab=128256)
-
-
-# -- counts ------------------------------------------------------------------------------------
-def test_parameter_counts_by_hand():
-    assert SMALL.attention_params() == 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2  # q, o; k, v
-    assert SMALL.dense_mlp_params() == 3 * 64 * 128
-    assert SMALL.total_params() == 4 * (12288 + 24576) + 2 * 100 * 64
-    # Llama3-405B, the published size
-    assert LLAMA3_405B.total_params() == pytest.approx(405.8e9, rel=1e-3)
-
-
-def test_parameter_count_equals_a_real_checkpoint(tmp_path):
-    """Every weight matrix of a transformers checkpoint (norms aside) is counted exactly once."""
-    from safetensors import safe_open
-
-    from dist_infer.planner.plan import model_shape
-
-    path = write_hf_checkpoint(tmp_path, "llama-gqa")
-    shape, _ = model_shape(str(path))
-    total = 0
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            if "norm" not in name:
-                total += math.prod(f.get_slice(name).get_shape())
-    assert shape.total_params() == total
-
-
-def test_heads_and_shards_per_rank_follow_the_engine_split():
-    smol = ModelShape(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152, tied=True)
-    assert smol.heads_per_rank(1) == (9, 3)
-    assert smol.heads_per_rank(2) == (6, 2)  # 6 + 3 query heads, 2 + 1 KV heads: the busiest rank
-    assert smol.heads_per_rank(4) == (3, 1)  # tp > KV heads: one KV head each, its query heads split
-    assert smol.mlp_params_per_rank(4) == 3 * 576 * 384
-    assert smol.vocab_per_rank(3) == 16384
-    assert smol.kv_bytes_per_token(2, 15, 4.0) == 2 * 2 * 64 * 4 * 15
-
-
-def test_causal_attention_flops():
-    # 3 tokens: 6 (query, key) pairs; QK and PV are 2 FLOPs per multiply-add, 2 heads of dim 8
-    assert causal_attention_flops(2, 8, 3) == 4 * 8 * 2 * 6
-    # 2 new tokens after 5 cached: 2*5 + 3 pairs
-    assert causal_attention_flops(1, 4, 2, 5) == 4 * 4 * 13
-
-
-# -- layouts -----------------------------------------------------------------------------------
-def test_layout_parsing_and_errors():
-    assert parse_layout("tp=8,cp=2") == Layout(tp=8, cp=2)
-    assert parse_layout("tp=2 pp=2") == Layout(tp=2, pp=2)
-    assert parse_layout("tp8cp2") == Layout(tp=8, cp=2)  # the compact alias
-    for bad, said in (("tp=two", "'two' is not an integer"), ("xp=2", "axes: tp, pp, cp, ep"), ("tp=0", "positive")):
-        with pytest.raises(LayoutError, match=said):
-            parse_layout(bad)
-    assert len(parse_sweep("tp=1,2 pp=1,2 cp=1,2")) == 8
-    with pytest.raises(LayoutError, match="bad sweep part"):
-        parse_sweep("tp=1,2 pp")
-
-
-def test_candidate_layouts_are_what_the_engine_runs():
-    lays = candidate_layouts(SMALL, 4)
-    assert all(lay.ranks == 4 for lay in lays)
-    assert Layout(tp=2, pp=2) in lays and Layout(tp=4) in lays and Layout(cp=4) in lays
-    assert Layout(pp=2, cp=2) not in lays  # cp with pp is not supported
-    assert why_not(Layout(tp=8), SMALL) == "tp=8 is more than the 4 query heads"
-    assert "needs 2 ranks" in why_not(Layout(tp=2), SMALL, 4)
-    assert why_not(Layout(ep=2), SMALL).startswith("ep=2 needs a mixture-of-experts")
-    assert why_not(Layout(tp=2, dp=2), SMALL).startswith("dp=2: a plan is for one replica")
-    assert why_not(Layout(tp=2, dp=1), SMALL) is None
-
-
-def test_group_placement_on_nodes():
-    assert group_placement(Layout(tp=8), "tp", 8) == (False, 8)
-    assert group_placement(Layout(tp=16), "tp", 8) == (True, 8)
-    assert group_placement(Layout(tp=8, cp=4), "cp", 8) == (True, 1)  # one GPU per node in each cp ring
-    assert group_placement(Layout(tp=2, cp=2), "cp", 8) == (False, 2)
 
 
 # -- schedule arithmetic ------------------------------------------------------------------------
@@ -327,55 +246,6 @@ def test_a_small_matrix_streams_at_the_rate_measured_for_its_size():
     assert p.decode["gemm"] == pytest.approx(SMALL.layers * per_layer + head)
 
 
-def test_calibrate_times_memory_at_its_sustained_rate(monkeypatch):
-    """The best pass overstates how fast memory streams on this VM (45 GB/s for a second after an
-    idle spell, 30 after): a memory-bound timing is the median after a warm-up, on a fake clock here."""
-    from dist_infer.planner import kernel_rates
-
-    clock = [0.0]
-    monkeypatch.setattr(kernel_rates.time, "perf_counter", lambda: clock[0])
-    calls = []
-
-    def fn():  # 1 ms a call for the first 50 calls (the burst), then 2 ms, with one 0.5 ms outlier
-        calls.append(1)
-        clock[0] += 1e-3 if len(calls) <= 50 else (0.5e-3 if len(calls) == 60 else 2e-3)
-
-    t = kernel_rates._sustained_time(fn, min_s=0.02, warm_s=0.05)
-    assert t == pytest.approx(2e-3)
-    assert kernel_rates._best_time(lambda: None) >= 0.0
-
-
-def test_calibrate_streaming_rate_pools_both_looks(monkeypatch):
-    """A slow spell of this VM can last minutes: the streaming rate is the median over two looks
-    minutes apart, not the last look's (here 3 allocations timed slow, then 3 at twice the speed)."""
-    from dist_infer.planner import kernel_rates
-
-    spell = {"t": 2.0}
-    monkeypatch.setattr(kernel_rates, "_sustained_time", lambda fn, **kw: spell["t"])
-    samples: dict = {}
-    first, _ = kernel_rates.measure_bandwidth(1, 1, (512,), 3, samples)
-    spell["t"] = 1.0
-    second, _ = kernel_rates.measure_bandwidth(1, 1, (512,), 3, samples)
-    rate = first[0][1]  # bytes / 2 s
-    assert len(samples[512]) == 6
-    assert second[0][1] == pytest.approx(1.5 * rate)  # the median of three at r and three at 2r
-    alone, _ = kernel_rates.measure_bandwidth(1, 1, (512,), 3)
-    assert alone[0][1] == pytest.approx(2 * rate)  # no pool: this look only
-
-
-def test_calibrate_size_factor_is_the_median_round(monkeypatch):
-    """Each round times every size and divides by its own largest; one round whose largest fell
-    in a fast spell (0.25 instead of 0.5) does not set the factor."""
-    from dist_infer.planner import kernel_rates
-
-    times = iter([2.0, 1.0, 2.0, 0.5, 2.0, 1.0])  # (small, large) per round
-    monkeypatch.setattr(kernel_rates, "_sustained_time", lambda fn, **kw: next(times))
-    got = kernel_rates.measure_size_factor(1, 1, (0.25, 1), rounds=3)
-    if not got:
-        pytest.skip("no native kernels: no size factor")
-    assert [round(f, 6) for _, f in got] == [0.5, 1.0]
-
-
 def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
     """A decode step's products are bound by how fast the weights stream, and the native kernel's
     speed depends on the row length (31 GB/s for rows of 576 floats, 24 GB/s for 4096 on the 2-core
@@ -411,75 +281,6 @@ def test_prefill_attention_at_the_rate_for_its_head_size():
     assert p.prefill["attention"] == pytest.approx(SMALL.layers * flops / 1e9)
 
 
-def test_a_profile_at_another_speed_scales_rates_and_fixed_costs():
-    """A shared machine's speed moves (the same GEMM timing by a third within minutes here): bench
-    --sweep times calibrate's reference again before each layout and predicts for the machine at
-    that speed: FLOP rates times the compute ratio, fixed costs divided by it, bytes at the memory ratio."""
-    from dist_infer.bench.sweep import machine_speed
-
-    hw = gemm_only_profile(rate=1e9, device="cpu", memory_bandwidth={"2": [[512, 4e9], [4096, 2e9]]},
-                           attention_flops={"fp32": {"2": {"64": [[128, 1e9]]}}}, per_layer_s=1e-3,
-                           decode_fixed={"tp=2": {"per_layer_s": 2e-3, "per_step_s": 4e-3}},
-                           links={"intra": Link(1e-4, 1e9)}, reference={"gemm_flops": 1e11, "stream_bandwidth": 2e10})
-    speed = machine_speed(hw.reference, {"gemm_flops": 5e10, "stream_bandwidth": 3e10})
-    assert speed == {"compute": 0.5, "memory": 1.5}
-    slow = hw.at_speed(**speed)
-    assert slow.gemm_rate("fp32", 2, 10) == 0.5e9 and slow.attention_rate("fp32", 2, 128, 64) == 0.5e9
-    assert slow.bandwidth(2, 512) == 6e9 and slow.bandwidth(2, 4096) == 3e9
-    assert slow.per_layer_s == 2e-3 and slow.decode_fixed["tp=2"] == {"per_layer_s": 4e-3, "per_step_s": 8e-3}
-    assert slow.links["intra"] == Link(2e-4, 1.5e9)
-    work = Workload(batch=1, prompt_len=64, gen_len=2)
-    assert predict(SMALL, Layout(), work, slow).prefill["gemm"] == pytest.approx(
-        2 * predict(SMALL, Layout(), work, hw).prefill["gemm"])
-    assert hw.at_speed(1.0, 1.0) == hw
-
-
-def test_memory_per_rank_by_hand():
-    work = Workload(batch=2, prompt_len=100, gen_len=28)
-    hw = gemm_only_profile()
-    mem = memory_per_rank(SMALL, Layout(tp=2), work, hw)
-    weights = 4 * (64 * 16 * (2 * 2 + 2 * 1) + 3 * 64 * 64) + 2 * 50 * 64
-    assert mem["weights"] * 2**30 == pytest.approx(weights * 4)
-    assert mem["kv_cache"] * 2**30 == pytest.approx(2 * 128 * 2 * 1 * 16 * 4 * 4)  # 2 seqs x 128 tokens, 1 KV head
-    # pp=2: half the layers and one of the two vocabulary matrices per rank
-    mem_pp = memory_per_rank(SMALL, Layout(pp=2), work, hw)
-    assert mem_pp["weights"] * 2**30 == pytest.approx((2 * (12288 + 24576) + 100 * 64) * 4)
-
-
-def test_memory_counts_the_shared_memory_collectives_segments_on_a_cpu_node():
-    """On a CPU node a tp (or cp) group's shared segment holds NBUF buffers of one slot per rank, and
-    every rank reads every slot: the largest tensor that fits a slot is resident NBUF x group times.
-    A GPU node, a group spanning nodes, a tensor too big for a slot: not counted."""
-    from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
-    from dist_infer.planner.memory import shm_segment_bytes
-
-    work = Workload(batch=2, prompt_len=100, gen_len=28)
-    cpu = gemm_only_profile(device="cpu", shared_node=True)
-    prefill_hidden = 2 * 100 * 64 * 4  # 2 sequences x 100 tokens x hidden 64, fp32: the largest tp all-reduce
-    mem = memory_per_rank(SMALL, Layout(tp=2), work, cpu)
-    assert mem["comm_buffers"] * 2**30 == pytest.approx(NBUF * 2 * prefill_hidden)
-    mem_cp = memory_per_rank(SMALL, Layout(cp=2), work, cpu)  # a decode's partials: 2 seqs x 4 heads x (16 + 1)
-    assert mem_cp["comm_buffers"] * 2**30 == pytest.approx(NBUF * 2 * 2 * 4 * 17 * 4)
-    assert memory_per_rank(SMALL, Layout(tp=2), work, cpu, ranks_per_node=1)["comm_buffers"] == 0.0
-    assert "comm_buffers" not in memory_per_rank(SMALL, Layout(tp=2), work, gemm_only_profile())
-    assert memory_per_rank(SMALL, Layout(), work, cpu)["comm_buffers"] == 0.0
-    assert shm_segment_bytes(4, [DEFAULT_SLOT_BYTES + 1, 1000]) == NBUF * 4 * 1000  # the big one goes through gloo
-    assert predict(SMALL, Layout(tp=2), work, cpu).memory_gib_per_rank == pytest.approx(sum(mem.values()))
-
-
-def test_interpolation_and_profile_errors(tmp_path):
-    assert interpolate_log([[1, 10.0], [100, 30.0]], 10) == pytest.approx(20.0)
-    assert interpolate_log([[1, 10.0], [100, 30.0]], 1000) == 30.0
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"name": "x",\n "device": }\n')
-    with pytest.raises(ProfileError, match=r"bad.json:2: not valid JSON"):
-        load_profile(str(bad))
-    with pytest.raises(ProfileError, match="missing field"):
-        HardwareProfile.from_json({"name": "x"}, "p.json")
-    with pytest.raises(ProfileError, match="no hardware profile 'nope'"):
-        load_profile("nope")
-
-
 # -- against Meta's published context-parallel prefill (arXiv 2411.01783) -------------------------
 META_CASES = [  # layout, prompt tokens, measured seconds (the paper's tables and text)
     (Layout(tp=8), 131072, 42.01), (Layout(tp=8, cp=2), 131072, 21.04), (Layout(tp=8, cp=4), 131072, 10.95),
@@ -508,8 +309,3 @@ def test_meta_ranking_context_parallel_before_multi_host_tensor_parallel():
     sched = Schedule(overlap="off", ranks_per_node=8)
     for cp_layout, tp_layout in ((Layout(tp=8, cp=2), Layout(tp=16)), (Layout(tp=8, cp=4), Layout(tp=32))):
         assert predict(LLAMA3_405B, cp_layout, work, hw, sched).ttft_s < predict(LLAMA3_405B, tp_layout, work, hw, sched).ttft_s
-
-
-def test_sweep_child_argv_drops_what_each_run_sets():
-    argv = ["bench", "--model", "tiny", "--sweep", "tp=1,2", "--tp", "2", "--json", "--plot=x.png", "--batch", "2"]
-    assert child_argv(argv) == ["--model", "tiny", "--batch", "2"]
