@@ -238,7 +238,7 @@ def write_private(path: str, text: str) -> None:
 
 def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capacity, name: str, tokenizer,
            template, stopping: threading.Event) -> int:
-    from dist_infer.serving.fleet.cluster import Cluster, InstanceClient
+    from dist_infer.serving.fleet.cluster import Cluster, FleetConfig, InstanceClient
     from dist_infer.serving.http.api_server import build_app, serve_http
 
     clients = [InstanceClient(i, conn, hello) for i, (conn, hello) in enumerate(joined)]
@@ -250,11 +250,13 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capaci
     def on_dead(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why
 
-    cluster = Cluster(clients, name, tokenizer, template, args.max_queue, args.dispatch, args.migrate_interval,
-                      migration_timeout=args.migration_timeout, on_dead=on_dead, spawner=spawn,
-                      join_timeout_s=max(60.0, args.timeout), max_request_failovers=args.max_request_failovers,
-                      max_instances=args.max_instances, rank_capacity=rank_capacity,
-                      auto_restart=args.auto_restart == "on" or (args.auto_restart == "auto" and args.placement == "ray"))
+    config = FleetConfig(max_queue=args.max_queue, dispatch=args.dispatch, migrate_interval=args.migrate_interval,
+                         migration_timeout=args.migration_timeout, join_timeout_s=max(60.0, args.timeout),
+                         max_request_failovers=args.max_request_failovers, max_instances=args.max_instances,
+                         auto_restart=args.auto_restart == "on"
+                         or (args.auto_restart == "auto" and args.placement == "ray"))
+    cluster = Cluster(clients, name, tokenizer, template, config, on_dead=on_dead, spawner=spawn,
+                      rank_capacity=rank_capacity)
     if args.autoscale:
         cluster.autoscaler = _autoscaler(args, cluster)
     cluster.start()

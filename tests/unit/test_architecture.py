@@ -136,8 +136,8 @@ def test_the_serving_rule_can_fail():
 
 
 # Packages whose classes may read only the fields they define or inherit from a base defined in
-# dist_infer (no mixin reaching into another class's fields); the lead extends it (serving next).
-OWN_FIELDS_SCOPE = ("engine",)
+# dist_infer (no mixin reaching into another class's fields).
+OWN_FIELDS_SCOPE = ("engine", "serving")
 
 
 def _defined_names(cls: ast.ClassDef) -> tuple[set[str], list[tuple[str, int]]]:
@@ -270,3 +270,23 @@ class Base:
     assert found == ["dist_infer.engine.mixin.Intake._requests (line 4)",
                      "dist_infer.engine.mixin.Intake._requests (line 5)"], found
     assert foreign_field_reads(sources, ("serving",)) == [], "outside the scope: not checked"
+
+
+def test_the_field_check_catches_a_mixin_its_host_completes():
+    """Serving's old shape: Cluster(InstanceCalls, ...) where the mixin reads the fields the host
+    defines. The host passes (it inherits the mixin's methods); the mixin does not."""
+    old = '''
+class InstanceCalls:
+    def peer(self, index):
+        return self.instances[index].peer()
+
+
+class Cluster(InstanceCalls):
+    def __init__(self, clients):
+        self.instances = clients
+
+    def first(self):
+        return self.peer(0)
+'''
+    found = foreign_field_reads({"dist_infer.serving.fleet.old": old}, ("serving",))
+    assert found == ["dist_infer.serving.fleet.old.InstanceCalls.instances (line 4)"], found

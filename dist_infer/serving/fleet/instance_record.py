@@ -133,6 +133,14 @@ class InstanceClient:
                 raise OSError(f"instance {self.index} is not connected")
             self.conn.send(message)
 
+    def expect_add(self, blocks: int, prompt_hashes: tuple = ()) -> None:
+        """An add is on its way here: its `blocks` (at full length) count in its load, and its
+        prompt's hashes in its prefix index, before it reports the request."""
+        with self._pending_lock:
+            self.sent += 1
+            self.pending.append((self.sent, blocks))
+        self.prefix.expect(prompt_hashes)
+
     def load(self, prompt_hashes: tuple = ()) -> InstanceLoad:
         """Its load as dispatch reads it; with a prompt's block hashes, how many of them it holds."""
         s = self.stats

@@ -10,25 +10,31 @@ same strings as before.
     instance -> front end   Hello (first) | StepOutputs | InstanceStats | PrefixEvents | CallReply
                             | MigrationEvent | InstanceDead
 
+A MigrationCall carries one MigrationOp, a dataclass per call of engine/migration.py's endpoint
+(StartOut ... CancelIn); the instance maps each type to its method (serving/instance/migration_calls.py).
+
 The state a migration carries (MigratingRequest) and its outcomes (MigrationOutcome) are made by
 the engine's migration endpoint, below this layer; they are defined there and named here.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # this module loads no torch: serving/fleet/instance_specs.py (and the CLI's parsing) import its enums
+    from dist_infer.engine.kv_transfer import PeerInstance
     from dist_infer.engine.migration import MigratingRequest, MigrationOutcome
     from dist_infer.engine.request import RequestOutput
     from dist_infer.engine.sampling import SamplingParams
 
-__all__ = ["AbortRequest", "AddRequest", "CallReply", "Hello", "InstanceDead", "InstanceState", "InstanceStats",
-           "MigratingRequest", "MigrationCall", "MigrationEvent", "MigrationOutcome", "PrefixEvents", "ResumeProgress",
-           "ResumeRequest", "Role", "StepOutputs", "StopInstance"]
+__all__ = ["AbortRequest", "AddRequest", "CallReply", "CancelIn", "CommitIn", "Hello", "InstanceDead", "InstanceState",
+           "InstanceStats", "MigratingRequest", "MigrationCall", "MigrationEvent", "MigrationEventKind", "MigrationOp",
+           "MigrationOutcome", "PauseOut", "PrefixEvents", "RecvIn", "ReleaseOut", "ReserveIn", "ResumeOut",
+           "ResumeProgress", "ResumeRequest", "Role", "SendOut", "StartOut", "StepOutputs", "StopInstance"]
 
 
 def __getattr__(name: str):
@@ -91,13 +97,99 @@ class AbortRequest:
     request_id: str
 
 
+class MigrationOp:
+    """One call of a migration on an instance's driver: a frozen dataclass per method of
+    engine/migration.py's MigrationEndpoint, in the order live_migration.py makes them."""
+
+    @property
+    def name(self) -> str:
+        """The endpoint method's name (start_out, ...), for messages only: nothing dispatches on it."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+
+@dataclass(frozen=True)
+class StartOut(MigrationOp):
+    """Source: begin moving the request out to `peer`; answers {"blocks", "hashes"}."""
+
+    migration_id: int
+    request_id: str
+    peer: PeerInstance
+
+
+@dataclass(frozen=True)
+class ReserveIn(MigrationOp):
+    """Destination: reserve `num_blocks` and claim the prefix it holds of `hashes`; answers the blocks held."""
+
+    migration_id: int
+    peer: PeerInstance
+    num_blocks: int
+    hashes: list[int]
+
+
+@dataclass(frozen=True)
+class SendOut(MigrationOp):
+    """Source: send the blocks completed since the last stage; answers (first, count)."""
+
+    migration_id: int
+    stage: int
+    held: int
+
+
+@dataclass(frozen=True)
+class RecvIn(MigrationOp):
+    """Destination: receive a stage's `count` blocks from block `first` on."""
+
+    migration_id: int
+    stage: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PauseOut(MigrationOp):
+    """Source: pause the request and send the rest; answers (MigratingRequest, first, count)."""
+
+    migration_id: int
+    stage: int
+    send_kv: bool
+    held: int
+
+
+@dataclass(frozen=True)
+class CommitIn(MigrationOp):
+    """Destination: take the request over in `state`."""
+
+    migration_id: int
+    state: MigratingRequest
+
+
+@dataclass(frozen=True)
+class ReleaseOut(MigrationOp):
+    """Source: the destination has it; free the request's blocks."""
+
+    migration_id: int
+
+
+@dataclass(frozen=True)
+class ResumeOut(MigrationOp):
+    """Source: the migration failed; run the request on (if it still runs)."""
+
+    migration_id: int
+
+
+@dataclass(frozen=True)
+class CancelIn(MigrationOp):
+    """Destination: the migration failed; free what was reserved (answers "committed" if it was too late)."""
+
+    migration_id: int
+
+
 @dataclass(frozen=True)
 class MigrationCall:
-    """One call of a migration on the driver (engine/migration.py); answered by a CallReply with its id."""
+    """One MigrationOp for the driver; answered by a CallReply with its id."""
 
     call_id: int
-    method: str
-    args: tuple
+    op: MigrationOp
 
 
 @dataclass(frozen=True)
@@ -217,12 +309,20 @@ class CallReply:
     value: Any
 
 
+class MigrationEventKind(StrEnum):
+    """What an instance reports of a migration's stage (engine/migration.py's `notify`)."""
+
+    STAGE_DONE = "stage_done"  # its transfers of the stage are out (sent, or received) on this instance
+    STAGE_FAILED = "stage_failed"  # a transfer of the stage failed
+
+
 @dataclass(frozen=True)
 class MigrationEvent:
-    """A migration's stage is out on this instance (stage_done), or failed (stage_failed)."""
+    """A migration's stage is out on this instance, or failed."""
 
-    name: str
-    args: tuple
+    kind: MigrationEventKind
+    migration_id: int
+    stage: int
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,16 @@ from dist_infer.serving.fleet.wire import (
     InstanceStats,
     MigrationCall,
     MigrationEvent,
+    MigrationEventKind,
+    MigrationOp,
     PrefixEvents,
     ResumeRequest,
     StepOutputs,
     StopInstance,
 )
+from dist_infer.serving.instance.migration_calls import run_migration_op
 
 STATS_EVERY_S = 0.1  # an instance's load reaches the API at least this often while it changes
-MIGRATION_CALLS = {"start_out", "send_out", "pause_out", "release_out", "resume_out",
-                   "reserve_in", "recv_in", "commit_in", "cancel_in"}
 
 
 class InstanceServer:
@@ -71,8 +72,8 @@ class InstanceServer:
                     self._add(message)
                 case AbortRequest(request_id=request_id):
                     self.engine.abort(request_id)
-                case MigrationCall(call_id=call_id, method=method, args=args):
-                    self._call(call_id, method, args)
+                case MigrationCall(call_id=call_id, op=op):
+                    self._call(call_id, op)
                 case StopInstance():
                     break
                 case _:
@@ -92,7 +93,7 @@ class InstanceServer:
             self.send(StepOutputs([RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc),
                                                  error_status=400)]))
 
-    def _call(self, call_id: int, method: str, args: tuple) -> None:
+    def _call(self, call_id: int, op: MigrationOp) -> None:
         def reply(value: object) -> None:
             if isinstance(value, MigrationAborted):
                 self.send(CallReply(call_id, False, (value.outcome, str(value))))
@@ -101,21 +102,24 @@ class InstanceServer:
             else:
                 self.send(CallReply(call_id, True, value))
 
-        if method not in MIGRATION_CALLS or self.engine.migration is None:
-            return reply(ValueError(f"instance {self.index} takes no call {method!r} (a context-parallel instance does not migrate)"))
-        target = getattr(self.engine.migration, method)
+        if not isinstance(op, MigrationOp) or self.engine.migration is None:
+            what = op.name if isinstance(op, MigrationOp) else type(op).__name__
+            return reply(ValueError(f"instance {self.index} takes no call {what!r} "
+                                    f"(a context-parallel instance does not migrate)"))
+        endpoint = self.engine.migration
 
         def run() -> None:
             try:
-                target(*args, reply=reply)
+                run_migration_op(endpoint, op, reply)
             except Exception as exc:  # noqa: BLE001 - the caller gets it, the step loop goes on
                 reply(exc)
 
         self.engine.call_soon(run)
 
     # -- the step loop (this thread) ---------------------------------------------------------------
-    def _notify(self, event: str, *args) -> None:
-        self.send(MigrationEvent(event, args))
+    def _notify(self, event: str, migration_id: int, stage: int) -> None:
+        """engine/migration.py's report of a stage, typed for the wire (ValueError for an event it does not name)."""
+        self.send(MigrationEvent(MigrationEventKind(event), migration_id, stage))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         self.send(StepOutputs(outputs))

@@ -13,7 +13,7 @@ import pytest
 
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.serving.fleet.cluster import AdminError, Cluster, InstanceClient
+from dist_infer.serving.fleet.cluster import AdminError, Cluster, FleetConfig, InstanceClient
 from dist_infer.serving.fleet.interface import EngineDeadError
 from dist_infer.serving.fleet.wire import (
     AddRequest,
@@ -70,10 +70,11 @@ class FakeDriver:
                     return
 
 
-def _cluster(count: int, **kwargs) -> tuple[Cluster, list[FakeDriver]]:
+def _cluster(count: int, spawner=None, rank_capacity=None, **config) -> tuple[Cluster, list[FakeDriver]]:
     drivers = [FakeDriver(i) for i in range(count)]
     clients = [InstanceClient(i, d.api_end, _hello(i)) for i, d in enumerate(drivers)]
-    cluster = Cluster(clients, "fake", migrate_interval=0, dispatch="rr", **kwargs)
+    cluster = Cluster(clients, "fake", config=FleetConfig(migrate_interval=0, dispatch="rr", **config),
+                      spawner=spawner, rank_capacity=rank_capacity)
     cluster.start()
     return cluster, drivers
 

@@ -101,16 +101,16 @@ def test_dispatch_looks_a_prompt_up_under_its_requests_salt():
     from types import SimpleNamespace
 
     from dist_infer.engine.sampling import SamplingParams
-    from dist_infer.serving.fleet.cluster import Cluster
+    from dist_infer.serving.fleet.router import Router
 
-    front = SimpleNamespace(dispatcher=Dispatcher("prefix"), block_size=BS)  # what prompt_hashes reads
+    fleet = SimpleNamespace(block_size=BS)  # what prompt_hashes reads of the fleet
+    router = Router(fleet, Dispatcher("prefix"))
     tokens = _tokens(1, 200)
-    salted = Cluster.prompt_hashes(front, tokens, SamplingParams(cache_salt="A"))
+    salted = router.prompt_hashes(tokens, SamplingParams(cache_salt="A"))
     assert list(salted) == extend_hashes([], tokens, BS, 12, "A"), "(200 - 1) // 16 blocks, salted as the engine salts"
     index = PrefixIndex(100)
     index.expect(salted)
     assert index.matched_blocks(salted) == 12
-    assert index.matched_blocks(Cluster.prompt_hashes(front, tokens, SamplingParams(cache_salt="B"))) == 0
-    assert index.matched_blocks(Cluster.prompt_hashes(front, tokens, SamplingParams())) == 0
-    assert Cluster.prompt_hashes(SimpleNamespace(dispatcher=Dispatcher("load"), block_size=BS), tokens,
-                                 SamplingParams(cache_salt="A")) == ()
+    assert index.matched_blocks(router.prompt_hashes(tokens, SamplingParams(cache_salt="B"))) == 0
+    assert index.matched_blocks(router.prompt_hashes(tokens, SamplingParams())) == 0
+    assert Router(fleet, Dispatcher("load")).prompt_hashes(tokens, SamplingParams(cache_salt="A")) == ()
