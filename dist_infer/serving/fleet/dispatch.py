@@ -11,8 +11,8 @@ load reports does not all land on the instance that looked emptiest. Two things 
 Llumnix: every request's demand is counted at its full length (prompt + max_tokens, which the
 request states), and the request goes where the freeness is highest *after* placing it. Without
 the second, an instance holding one long request looks freer than one holding two short ones
-and takes the next long one too (measured: 843 preemptions instead of 0 on a bursty stream,
-docs/benchmarks.md). `rr` takes turns; `queue` picks the shortest queue (vLLM's data-parallel
+and takes the next long one too (it preempted far more on a bursty stream: docs/benchmarks.md,
+"Live migration between instances"). `rr` takes turns; `queue` picks the shortest queue (vLLM's data-parallel
 load balancing by waiting, then running).
 
 `prefix` (the default) adds the prefix caches (serving/fleet/prefix_index.py): where no instance holds
