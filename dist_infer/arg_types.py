@@ -3,7 +3,7 @@ taking a flag out of a command line.
 
 Standard library only, and outside the layers (dist_infer/__init__.py): every command line of the
 project takes its types from here, the CLI's (`dist_infer.cli`) as well as the ones below it
-(`bench-serve`'s flags in `bench.serve.flags`, the instance command lines `serving.spawn` builds,
+(`bench-serve`'s flags in `bench.serve.flags`, the instance command lines `serving.placement.spawn` builds,
 the launcher's rank command lines).
 """
 
