@@ -103,7 +103,7 @@ class ServingState:
                 return await self.workers.parse_json(raw)
             except WorkersUnavailable:
                 pass
-        return json_of(raw) if len(raw) < OFF_LOOP_JSON_BYTES else await off_loop(json_of, raw)
+        return await parse_json(raw)
 
     def close(self) -> None:
         """What the app holds beyond its requests: the worker processes."""
@@ -171,7 +171,11 @@ async def read_json(request: Request) -> Any:
     serving = getattr(request.app.state, "serving", None)
     if serving is not None:
         return await serving.read_json(request)
-    raw = await request.body()
+    return await parse_json(await request.body())
+
+
+async def parse_json(raw: bytes) -> Any:
+    """json_body.json_of(raw): on the loop when small, in a thread from OFF_LOOP_JSON_BYTES."""
     return json_of(raw) if len(raw) < OFF_LOOP_JSON_BYTES else await off_loop(json_of, raw)
 
 

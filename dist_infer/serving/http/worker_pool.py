@@ -92,10 +92,8 @@ class WorkerPool:
         executor = self._running()
         try:
             future = executor.submit(fn, *args)
-        except RuntimeError as exc:  # spawn refused: a main module that starts serving without a __main__ guard
-            self.unavailable = f"worker processes cannot start here ({str(exc).strip().splitlines()[0]})"
-            logger.error(f"{self.unavailable}; large bodies and long prompts are handled in threads")
-            self.close()
+        except RuntimeError as exc:
+            self._give_up(exc)
             raise WorkersUnavailable(self.unavailable) from None
         try:
             return await asyncio.wrap_future(future)
@@ -117,9 +115,14 @@ class WorkerPool:
             for _ in range(self.processes):
                 executor.submit(_ready)
         except RuntimeError as exc:
-            self.unavailable = f"worker processes cannot start here ({str(exc).strip().splitlines()[0]})"
-            logger.error(f"{self.unavailable}; large bodies and long prompts are handled in threads")
-            self.close()
+            self._give_up(exc)
+
+    def _give_up(self, exc: RuntimeError) -> None:
+        """Spawn was refused (a main module that starts serving without a __main__ guard): from now
+        on the callers work in threads."""
+        self.unavailable = f"worker processes cannot start here ({str(exc).strip().splitlines()[0]})"
+        logger.error(f"{self.unavailable}; large bodies and long prompts are handled in threads")
+        self.close()
 
     async def parse_json(self, raw: bytes) -> Any:
         """json_body.json_of(raw), in a worker."""
