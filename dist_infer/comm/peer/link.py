@@ -132,6 +132,8 @@ class PeerLink:
             raise ValueError("peer link: the cluster key is empty")
         host = socket.gethostbyname(host)  # peers check the claimed host against the source IP
         self._server = socket.create_server((host, 0), backlog=64)
+        # Set here, not in the accept thread: a link closed before that thread runs has no socket left.
+        self._server.settimeout(1.0)  # accept wakes each second to write the counts of refusals held back
         self.address: Address = (host, self._server.getsockname()[1])
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # a reader waiting for a receive to be posted
@@ -215,7 +217,6 @@ class PeerLink:
     def _accept(self) -> None:
         """Take connections until the link closes; an accept that fails (out of descriptors, a
         connection reset before it was taken) ends only that connection, never the listener."""
-        self._server.settimeout(1.0)  # wakes each second to write the counts of refusals held back
         while not self._closed:
             try:
                 conn, source = self._server.accept()
