@@ -21,8 +21,16 @@ API_KEY_ENV = "DIST_INFER_API_KEY"  # comma-separated keys, added to --api-key
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:
-    """The HTTP front end's protection flags (for `dist-infer serve`)."""
+    """The HTTP front end's protection flags (for `dist-infer serve`), one help section."""
     g = p.add_argument_group("HTTP security")
+    _add_key_flags(g)
+    _add_origin_flags(g)
+    _add_bound_flags(g)
+    _add_tls_flags(g)
+
+
+def _add_key_flags(g: argparse._ArgumentGroup) -> None:
+    """Who may call what: the API and admin keys, the open probes, whose cached prefixes are shared."""
     g.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeat for "
                         f"several keys; ${API_KEY_ENV} adds comma-separated ones). Default: no key needed")
@@ -39,6 +47,10 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                         "share only with the same key's (the key's HMAC, under a secret drawn per serve job, salts "
                         "them); none: all requests share, unless they send different cache_salt values. Default: "
                         "key when --api-key is set, else none")
+
+
+def _add_origin_flags(g: argparse._ArgumentGroup) -> None:
+    """Which browsers' pages may read the answers (CORS) and which Host names are served."""
     g.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN...]",
                    help="enable CORS for these browser origins (comma list or repeat; * for any). Default: no "
                         "CORS headers, so browsers refuse cross-origin reads")
@@ -49,6 +61,11 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                         "to this server (DNS rebinding) cannot reach it. Bound to every interface (0.0.0.0, ::), "
                         "only these names and the loopback ones are allowed; give none there and the Host header "
                         "is not checked")
+
+
+def _add_bound_flags(g: argparse._ArgumentGroup) -> None:
+    """How much one client may hold: the body size, the open connections, how long a head or an idle
+    connection may take."""
     g.add_argument("--max-body-bytes", type=positive_size, default=DEFAULT_MAX_BODY_BYTES, metavar="SIZE",
                    help="largest request body accepted (e.g. 1048576, 512K, 16M); larger ones get 413 without "
                         "being read (default 16M)")
@@ -62,6 +79,10 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-alive-timeout", type=positive_seconds, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
                    metavar="SECONDS", help="an idle keep-alive connection is closed when no new request starts "
                                            "within this many seconds (default %(default)g, uvicorn's)")
+
+
+def _add_tls_flags(g: argparse._ArgumentGroup) -> None:
+    """HTTPS: the server's key and certificate, and the client certificates it asks for."""
     g.add_argument("--ssl-keyfile", type=existing_file, default=None, metavar="FILE",
                    help="serve HTTPS with this PEM private key (needs --ssl-certfile)")
     g.add_argument("--ssl-certfile", type=existing_file, default=None, metavar="FILE",

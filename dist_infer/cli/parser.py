@@ -192,7 +192,7 @@ def _add_calibrate(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    from dist_infer.cli.serve_cmd import add_serve_flags
+    from dist_infer.cli.serve_flags import add_serve_flags
 
     p = sub.add_parser(
         "serve",

@@ -55,7 +55,19 @@ def _slo_arg(text: str) -> dict[str, float]:
 
 
 def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of `dist-infer bench-serve`."""
+    """The flags of `dist-infer bench-serve`, in the order --help lists them."""
+    _add_target_flags(p)
+    _add_arrival_flags(p)
+    _add_dataset_flags(p)
+    _add_length_flags(p)
+    _add_prompt_id_flags(p)
+    _add_request_flags(p)
+    _add_connection_flags(p)
+    _add_output_flags(p)
+
+
+def _add_target_flags(p: argparse.ArgumentParser) -> None:
+    """The server, the model and the endpoint the requests go to."""
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="base URL of the server (default %(default)s); /v1/... is appended")
     p.add_argument("--model", default=None,
@@ -63,6 +75,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions",
                    help="completions: POST /v1/completions with a prompt (default); chat: POST /v1/chat/completions "
                         "with one user message (multi-turn: the whole conversation's messages)")
+
+
+def _add_arrival_flags(p: argparse.ArgumentParser) -> None:
+    """How many requests are sent and when: the arrival process and its seed."""
     p.add_argument("--num-prompts", type=positive_int, default=100,
                    help="requests to send (default %(default)s); a dataset with fewer entries sends all it has")
     p.add_argument("--request-rate", type=positive_float, default=None,
@@ -73,6 +89,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
                         "1 is Poisson (default), below 1 burstier, above 1 more regular")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of arrivals, synthetic lengths, random prompts and ShareGPT sampling (default %(default)s)")
+
+
+def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
+    """What is sent: the dataset and the shapes of its shared-prefix, multi-turn and trace forms."""
     p.add_argument("--dataset", default="synthetic",
                    help="synthetic (default): random prompts with lengths around --input-len/--output-len; prefix: "
                         "shared-prefix prompts (--num-prefixes prefixes of --prefix-len tokens, each request one of "
@@ -103,6 +123,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="CSV traces: multiply the gaps between the trace's timestamps by this (0.5 = twice as fast; "
                         "default %(default)s)")
+
+
+def _add_length_flags(p: argparse.ArgumentParser) -> None:
+    """The prompt and output lengths of synthetic requests, and the cap on every prompt's."""
     p.add_argument("--input-len", type=positive_int, default=128,
                    help="synthetic: mean prompt length in tokens (default %(default)s); lengths are lognormal, "
                         "clipped to [1, 4 x mean]")
@@ -113,6 +137,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="synthetic and CSV traces: clip prompt lengths to this many tokens; ShareGPT: skip longer "
                         "prompts; multi-turn: end a conversation before a later turn whose prompt would be longer "
                         "(default: no limit)")
+
+
+def _add_prompt_id_flags(p: argparse.ArgumentParser) -> None:
+    """Prompts as token ids, and the tokenizer that counts and encodes ShareGPT text."""
     p.add_argument("--prompt-ids", action="store_true",
                    help="send prompts as lists of token ids instead of text (completions only): random ids in "
                         "[10, --vocab-size) for synthetic, prefix, multiturn and trace prompts, --tokenizer ids "
@@ -123,6 +151,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a tokenizer.json (or a directory holding one) to count ShareGPT tokens exactly and to encode "
                         "them for --prompt-ids (default: words x 1.3, no ids)")
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
+    """How each request is sent and judged: the concurrency cap, the SLO, ignore_eos, its timeout."""
     p.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="at most this many requests in flight; a request that arrives when the cap is reached waits "
                         "(default: no cap)")
@@ -135,6 +167,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds one request may take, stream included, before it counts as failed "
                         "(default %(default)s)")
+
+
+def _add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """The API key and TLS of the connection to the server."""
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="send 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY, else $DIST_INFER_API_KEY, "
                         "else none)")
@@ -142,6 +178,10 @@ def add_bench_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="for an https:// --url: do not verify the server's certificate (a self-signed test server)")
     p.add_argument("--ca-cert", default=None, metavar="FILE",
                    help="for an https:// --url: verify the server's certificate against this CA bundle (PEM)")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Where the results go besides the report: a JSON line, a PNG of CDFs, a JSON file."""
     p.add_argument("--json", action="store_true", help="print one JSON object with the results as the last stdout line")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="write CDFs of TTFT, TPOT, ITL and E2E (2x2 grid, p50 and p99 marked) to this PNG")
