@@ -105,50 +105,10 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
         argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
                          repeats, device, dtype)
         load_before = os.getloadavg()[0]
-        child_env = without_launcher_env(os.environ)  # we may ourselves be a rank: the peer is a job of its own
-        child_env.update({
-            "DS_ACCELERATOR": "cpu",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-        })
-        if device == "cpu":
-            child_env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU workload: the same fp32 run on every CPU peer
-        # the package must be importable by the child even when it is not installed
-        root = str(Path(__file__).resolve().parents[2])
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
-        if env:
-            child_env.update(env)
-        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        t0 = time.perf_counter()
-        with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-            proc = subprocess.Popen(argv, stdout=out_f, stderr=err_f, env=child_env, start_new_session=True)
-            timed_out = False
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                stop_process_groups([proc], grace=5.0)
-                rc = proc.returncode
-        wall = time.perf_counter() - t0
+        rc, timed_out, wall, stdout, stderr = _run_child(argv, _child_env(port, device, env), tmp, timeout_s)
         if peer == "deepspeed":
             _remove_ds_shm(port)
-        stderr = Path(err_path).read_text(errors="replace")
-        stdout = Path(out_path).read_text(errors="replace")
-        metrics: Optional[dict] = None
-        if os.path.exists(json_out):
-            try:
-                metrics = json.loads(Path(json_out).read_text())
-            except ValueError:
-                metrics = None
-        if metrics is None:
-            why = f"timed out after {timeout_s:.0f}s" if timed_out else f"exited with code {rc} and wrote no metrics"
-            metrics = failed(peer, f"{peer} {why}", tp=tp)
-        elif timed_out or rc != 0:
-            metrics["ok"] = False
-            if not metrics.get("error"):
-                metrics["error"] = f"{peer} exited with code {rc}" + (" (timed out)" if timed_out else "")
+        metrics = _outcome(peer, json_out, rc, timed_out, timeout_s, tp)
         if not metrics.get("ok"):
             metrics["stderr_tail"] = _tail(stderr) or _tail(stdout)
         metrics["command"] = " ".join(argv)
@@ -156,3 +116,62 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
         # 1-minute load average around the run: above the core count, other work shared the cores
         metrics["loadavg_1m"] = [load_before, os.getloadavg()[0]]
         return metrics
+
+
+def _child_env(port: int, device: str, env: Optional[dict[str, str]]) -> dict[str, str]:
+    """The peer's environment: a job of its own on the loopback rendezvous, able to import this
+    package, with `env` over it."""
+    child_env = without_launcher_env(os.environ)  # we may ourselves be a rank: the peer is a job of its own
+    child_env.update({
+        "DS_ACCELERATOR": "cpu",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if device == "cpu":
+        child_env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU workload: the same fp32 run on every CPU peer
+    # the package must be importable by the child even when it is not installed
+    root = str(Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+    if env:
+        child_env.update(env)
+    return child_env
+
+
+def _run_child(argv: list[str], child_env: dict[str, str], tmp: str,
+               timeout_s: float) -> tuple[Optional[int], bool, float, str, str]:
+    """Run the peer in a session of its own, its process group stopped at the timeout: (exit code,
+    timed out, wall seconds, stdout, stderr), its output kept in files under `tmp`, not pipes."""
+    out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    t0 = time.perf_counter()
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen(argv, stdout=out_f, stderr=err_f, env=child_env, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_process_groups([proc], grace=5.0)
+            rc = proc.returncode
+    wall = time.perf_counter() - t0
+    return rc, timed_out, wall, Path(out_path).read_text(errors="replace"), Path(err_path).read_text(errors="replace")
+
+
+def _outcome(peer: str, json_out: str, rc: Optional[int], timed_out: bool, timeout_s: float, tp: int) -> dict:
+    """The metrics the peer wrote, marked failed if it timed out or exited non-zero; a failure's
+    metrics of our own if it wrote none."""
+    metrics: Optional[dict] = None
+    if os.path.exists(json_out):
+        try:
+            metrics = json.loads(Path(json_out).read_text())
+        except ValueError:
+            metrics = None
+    if metrics is None:
+        why = f"timed out after {timeout_s:.0f}s" if timed_out else f"exited with code {rc} and wrote no metrics"
+        return failed(peer, f"{peer} {why}", tp=tp)
+    if timed_out or rc != 0:
+        metrics["ok"] = False
+        if not metrics.get("error"):
+            metrics["error"] = f"{peer} exited with code {rc}" + (" (timed out)" if timed_out else "")
+    return metrics
