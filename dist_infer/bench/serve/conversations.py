@@ -23,12 +23,10 @@ from dist_infer.bench.serve.datasets import (
     check_prompt_flags,
     dataset_kind,
     load_tokenizer_counter,
-    random_id_prompt,
-    random_text_prompt,
     read_sharegpt,
-    shared_prefixes,
 )
 from dist_infer.bench.serve.flags import InputError
+from dist_infer.bench.serve.prompts import random_id_prompt, random_text_prompt, shared_prefixes
 
 USER_SPEAKERS = ("human", "user")
 ASSISTANT_SPEAKERS = ("gpt", "assistant", "chatgpt", "bard", "bing")

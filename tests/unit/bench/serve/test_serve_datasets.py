@@ -18,10 +18,10 @@ from dist_infer.bench.serve.datasets import (
     load_sharegpt,
     load_tokenizer_counter,
     load_trace_csv,
-    sentence_text_prompt,
     synthetic_lengths,
 )
 from dist_infer.bench.serve.flags import InputError
+from dist_infer.bench.serve.prompts import sentence_text_prompt
 
 
 def test_synthetic_lengths_have_a_long_tail_clipped_to_four_times_the_mean():
@@ -176,9 +176,3 @@ def test_text_prefix_tokenizes_the_same_before_any_suffix():
         prefix_ids = tokenizer.encode(prefix, add_special_tokens=False).ids
         for prompt in prompts:
             assert tokenizer.encode(prompt, add_special_tokens=False).ids[:len(prefix_ids)] == prefix_ids
-
-
-def test_sentence_text_prompt_is_about_n_tokens_of_sentences():
-    text = sentence_text_prompt(64, np.random.default_rng(0))
-    assert len(text.split()) == 56 and text.count(".") == 8 and text.endswith(".")
-    assert sentence_text_prompt(1, np.random.default_rng(0)).count(" ") == 0
