@@ -18,7 +18,8 @@ from dist_infer.engine.pipeline import PipelineTransport
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.request_progress import RequestProgress
 from dist_infer.engine.sampling import SampledTokens
-from dist_infer.engine.scheduler import Scheduler, SchedulerOutput
+from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.scheduler_output import SchedulerOutput
 from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard, failed_error_id
 from dist_infer.engine.step_pacing import StepPacer

@@ -17,7 +17,7 @@ import torch
 from dist_infer.arg_types import parse_itl_target
 from dist_infer.engine.decode_graphs import check_graph_mode
 from dist_infer.engine.layered_prefill import SCHEDULES, LayeredPrefill
-from dist_infer.engine.scheduler import SchedulerConfig
+from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
 from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split

@@ -26,63 +26,16 @@ the tests drive it directly.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from dist_infer.engine.block_demand import blocks_at_full_length, check_fits, cp_rows_needed  # noqa: F401
 from dist_infer.engine.block_pool import BlockPool
 from dist_infer.engine.kv_cache import blocks_for
-from dist_infer.engine.layered_prefill import LayeredPrefill, LayerProgress, group_charge
+from dist_infer.engine.layered_prefill import LayerProgress, group_charge
 from dist_infer.engine.prefix_cache import extend_hashes
 from dist_infer.engine.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_batched_tokens: Optional[int] = 2048  # None: no budget (offline, everything in one step if it fits)
-    max_num_seqs: int = 256
-    watermark: float = 0.01  # fraction of blocks kept free when admitting a new request
-    chunked_prefill: bool = True  # False: a prompt is computed in one step, never cut
-    whole_prompt_steps: bool = False  # context parallel: a step is all fresh prompts or all decodes
-    static_batching: bool = False  # the baseline: admit a new batch only when the running one has finished
-    prefix_caching: bool = False  # reuse cached full blocks of matching prefixes (the engine turns it on)
-    layered: Optional[LayeredPrefill] = None  # prompts over the budget run layer group by layer group, not cut
-
-    def __post_init__(self):
-        if self.layered is not None and (self.whole_prompt_steps or not self.chunked_prefill):
-            raise ValueError("layered prefill replaces chunked prefill: it needs chunked prefill on and no context parallel")
-        if self.prefix_caching and self.whole_prompt_steps:
-            raise ValueError("prefix caching does not support context parallel (whole-prompt steps): turn it off")
-        if self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
-        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be at least 1, got {self.max_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    start: int  # tokens of the request already in the cache
-    num_tokens: int  # new tokens computed this step
-    sample: bool  # the chunk reaches the request's last known token: sample the next one
-    layers: Optional[tuple[int, int]] = None  # layered prefill: the group of layers [first, end) it runs; None: all
-    work_tokens: Optional[int] = None  # what it counts against the token budget (None: num_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    freed: list[Request] = field(default_factory=list)  # requests whose blocks were freed since the last step
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
+from dist_infer.engine.scheduler_config import SchedulerConfig
+from dist_infer.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 # prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start) -> tokens
 PrefillCap = Union[None, int, Callable[[int, int, int], Optional[int]]]

@@ -16,7 +16,8 @@ from threads import run_ranks, thread_groups
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.request import Request, RequestError
 from dist_infer.engine.sampling import RowSampling, SamplingParams, SamplingParamsError, sample_rows
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig, cp_rows_needed
+from dist_infer.engine.scheduler import Scheduler, cp_rows_needed
+from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_plan import KIND_WORK, StepPlan, decode, encode
 from dist_infer.parallel.ring.shards import zigzag_chunks
 

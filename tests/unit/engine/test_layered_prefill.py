@@ -15,7 +15,8 @@ from threads import run_ranks, thread_groups
 from dist_infer.engine.layered_prefill import LayeredPrefill, LayerProgress, group_bounds, group_charge
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_plan import StepPlan, decode, encode
 
 # -- the pure parts -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.migration import MigrationEndpoint
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.scheduler_config import SchedulerConfig
 
 BS = 4
 PREFIX = [5 + i for i in range(6 * BS)]  # 6 full blocks

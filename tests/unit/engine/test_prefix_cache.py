@@ -24,7 +24,8 @@ from dist_infer.engine.block_pool import BlockPool, CacheFullError
 from dist_infer.engine.prefix_cache import ROOT_HASH, extend_hashes, hash_block
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.scheduler_config import SchedulerConfig
 
 BS = 4
 

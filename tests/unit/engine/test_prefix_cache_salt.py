@@ -15,7 +15,8 @@ from threads import thread_groups
 from dist_infer.engine.prefix_cache import HASH_BYTES, ROOT_HASH, extend_hashes, hash_block
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.serving.fleet.prefix_index import prompt_block_hashes
 
 BS = 4

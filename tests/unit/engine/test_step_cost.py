@@ -10,7 +10,8 @@ import pytest
 
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
-from dist_infer.engine.scheduler import Scheduler, SchedulerConfig
+from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_cost import (
     AUTO_FACTOR,
     MIN_CHUNK,
