@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_infer.comm.base import Communicator
-from dist_infer.kernels import kernels_if_cpu_fp32
 from dist_infer.models.attention import (
     attention_gpu,
     attention_native,
@@ -27,6 +26,7 @@ from dist_infer.models.cp_attention import cp_attention, cp_last_hidden, cp_last
 from dist_infer.models.fused_decode import fused_decode
 from dist_infer.models.ladder import LadderPlan, run_ladder_stage
 from dist_infer.models.layered import LayeredStep, run_layered_stage
+from dist_infer.models.rms_norm import RMSNorm
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel import (
     MergedColumnParallelLinear,
@@ -45,48 +45,6 @@ from dist_infer.parallel.token_split import run_layers_token_split
 from dist_infer.parallel.weights import load_replicated
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalise in fp32, scale in the input dtype. On the CPU in fp32 one native
-    pass per row (kernels/cpu_kernels.c) instead of six torch ops."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.kernels = None  # the native CPU kernels, given by use_native_kernels
-        self.gpu_kernels = None  # the Triton kernels, given by use_gpu_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gpu = self._gpu(x)
-        if gpu is not None:
-            return gpu.rms_norm(x, self.weight, self.eps)[1]
-        kernels = self._native(x)
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-    def _native(self, x: torch.Tensor):
-        return kernels_if_cpu_fp32(self.kernels, x, self.weight) if x.dim() == 2 and x.is_contiguous() else None
-
-    def _gpu(self, x: torch.Tensor):
-        gpu = self.gpu_kernels
-        return gpu if gpu is not None and x.dim() == 2 and x.stride(-1) == 1 and gpu.serves(x) else None
-
-    def add_and_norm(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + branch, norm(x + branch)): the residual add and the next norm in one pass where
-        the native kernel serves (x is then updated in place: it is the layer's own residual), or
-        in one Triton kernel on the GPU."""
-        gpu = self._gpu(x)
-        if gpu is not None and branch.shape == x.shape and branch.stride(-1) == 1:
-            return gpu.rms_norm(x, self.weight, self.eps, residual=branch)
-        kernels = self._native(x)
-        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() \
-                and kernels_if_cpu_fp32(kernels, branch):
-            return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
-        x = x + branch
-        return x, self(x)
 
 
 class LlamaAttention(nn.Module):

@@ -34,8 +34,8 @@ from dist_infer.models.llama import (
     LlamaDecoderLayer,
     LlamaMLP,
     LlamaStage,
-    RMSNorm,
 )
+from dist_infer.models.rms_norm import RMSNorm
 from dist_infer.parallel.moe.layer import ExpertParallelMoE
 from dist_infer.parallel.moe.placement import ExpertPlacement, imbalance
 from dist_infer.parallel.moe.routing_file import read_placement_file

@@ -215,7 +215,7 @@ def test_non_fp32_and_context_parallel_keep_the_torch_path():
 def test_kernels_are_an_explicit_switch():
     """Nothing reads an environment variable: a layer uses the kernels it was handed, and None
     (or a tensor they are not written for) means torch's ops."""
-    from dist_infer.models.llama import RMSNorm
+    from dist_infer.models.rms_norm import RMSNorm
 
     norm = RMSNorm(8, 1e-6, torch.float32)
     holder = torch.nn.Sequential(norm)
