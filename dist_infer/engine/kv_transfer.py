@@ -28,7 +28,8 @@ import torch
 from loguru import logger
 
 from dist_infer.comm.base import Handle
-from dist_infer.comm.peer.link import Address, PeerLink, RecvHandle
+from dist_infer.comm.peer.link import Address, PeerLink
+from dist_infer.comm.peer.recv_handle import RecvHandle
 from dist_infer.engine.device_io import host_index
 from dist_infer.parallel.sharding import HeadLayout, stage_layers
 

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from dist_infer.comm.base import CommError, Communicator, DoneHandle, P2POp
 from dist_infer.comm.groups import ParallelGroups
-from dist_infer.comm.peer.link import RecvHandle
+from dist_infer.comm.peer.recv_handle import RecvHandle
 from dist_infer.engine.kv_transfer import ACK
 from dist_infer.topology import RANK_ORDER, Layout, Mesh
 
@@ -188,7 +188,7 @@ class FakeLink:
             handle.staging.zero_()
         else:
             handle.staging.copy_(host.reshape(handle.staging.shape))
-        handle._finish()
+        handle.finish()
 
     def drop(self, migration_id: int) -> None:
         pass

@@ -16,7 +16,8 @@ past), a message that comes before its receive is held only within a per-link by
 of senders that went away are freed. Unauthenticated connections are capped and must finish
 the whole handshake in seconds; idle ones are closed; and at the cap on authenticated ones
 the least recently used idle one is evicted (its sender dials anew), so the cap bounds the
-senders talking at once, not the senders a rank ever hears from. Sending is comm/peer/sender.py.
+senders talking at once, not the senders a rank ever hears from. Sending is comm/peer/sender.py;
+a posted receive is comm/peer/recv_handle.py.
 
 Nothing here blocks forever: sends and connects have a timeout, a receive's `wait` has one, and
 a connection that closes fails the receives still expecting data from that sender's address.
@@ -39,12 +40,13 @@ from typing import Callable, Optional
 import torch
 from loguru import logger
 
-from dist_infer.comm.base import CommTimeoutError, Handle
+from dist_infer.comm.base import Handle
 from dist_infer.comm.peer.auth import Address, HandshakeError, read_exactly, server_handshake, skip_exactly
+from dist_infer.comm.peer.recv_handle import RecvHandle
 from dist_infer.comm.peer.sender import HEADER, Key, Outbounds, PeerLinkError, as_bytes, fmt
 from dist_infer.comm.rate_limited_log import RateLimitedLog
 
-__all__ = ["Address", "Key", "PeerLink", "PeerLinkError", "RecvHandle"]
+__all__ = ["Address", "Key", "PeerLink", "PeerLinkError"]
 _SKIP, _BUFFER = "skip", "buffer"  # what the reader does with a message that has no receive to fill
 _DROPPED_KEPT = 4096  # dropped migration ids remembered, so their late messages are read past
 MAX_UNMATCHED_BYTES = 256 << 20
@@ -74,43 +76,6 @@ class _In:
     peer: Optional[Address] = None
     busy: bool = False
     leaving: bool = False
-
-
-class RecvHandle(Handle):
-    """A posted receive: done when its message is in `tensor` (or failed: `wait` raises)."""
-
-    def __init__(self, link: "PeerLink", key: Key, tensor: torch.Tensor, peer: Address,
-                 on_done: Optional[Callable[["RecvHandle"], None]]):
-        self.link, self.key, self.tensor, self.peer, self.on_done = link, key, tensor, peer, on_done
-        # the socket writes host memory: a device destination gets a host buffer, pinned for CUDA, copied on wait
-        self.staging = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else \
-            torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-        self.error: Optional[Exception] = None
-        self._event = threading.Event()
-
-    def _finish(self, error: Optional[Exception] = None) -> None:
-        if self._event.is_set():
-            return
-        self.error = error
-        self._event.set()
-        if self.on_done is not None:
-            try:
-                self.on_done(self)
-            except Exception as exc:  # noqa: BLE001 - a callback must not kill the reader thread
-                logger.warning(f"peer link: receive callback for {self.key} failed: {exc}")
-
-    def is_completed(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        limit = self.link.timeout if timeout is None else timeout
-        if not self._event.wait(limit):
-            raise CommTimeoutError(f"peer link: no message {self.key} from {self.peer[0]}:{self.peer[1]} "
-                                   f"within {limit:g} s")
-        if self.error is not None:
-            raise self.error
-        if self.staging is not self.tensor:
-            self.tensor.copy_(self.staging)
 
 
 class PeerLink:
@@ -175,29 +140,10 @@ class PeerLink:
                 self._posted[key] = handle
                 self._cond.notify_all()  # a reader may be holding this message back for it
         if entry is not None:
-            self._fill(handle, *entry)
+            handle.fill(*entry)
         elif gone:
-            handle._finish(PeerLinkError(f"peer link: {fmt(peer)} is gone; {key} will not come"))
+            handle.finish(PeerLinkError(f"peer link: {fmt(peer)} is gone; {key} will not come"))
         return handle
-
-    @staticmethod
-    def _mismatch(handle: RecvHandle, sender: Address, size: int) -> Optional[PeerLinkError]:
-        """Why a message cannot fill `handle`, or None if it can."""
-        if sender != handle.peer:
-            return PeerLinkError(f"peer link: message {handle.key} came from {fmt(sender)}, the receive "
-                                 f"expects it from {fmt(handle.peer)}")
-        expected = as_bytes(handle.staging).numel()
-        if size != expected:
-            return PeerLinkError(f"peer link: message {handle.key} has {size} bytes, the receive expects {expected}")
-        return None
-
-    def _fill(self, handle: RecvHandle, sender: Address, data: bytearray) -> None:
-        error = self._mismatch(handle, sender, len(data))
-        if error is not None:
-            return handle._finish(error)
-        if data:  # frombuffer refuses an empty buffer
-            as_bytes(handle.staging).copy_(torch.frombuffer(data, dtype=torch.uint8))
-        handle._finish()
 
     def drop(self, migration_id: int) -> None:
         """Forget every message and receive of migration `migration_id` (cancelled or over): its
@@ -212,7 +158,7 @@ class PeerLink:
             dropped = [self._posted.pop(k) for k in [k for k in self._posted if k[0] == migration_id]]
             self._cond.notify_all()
         for handle in dropped:
-            handle._finish(PeerLinkError(f"peer link: receive {handle.key} was cancelled"))
+            handle.finish(PeerLinkError(f"peer link: receive {handle.key} was cancelled"))
 
     def _accept(self) -> None:
         """Take connections until the link closes; an accept that fails (out of descriptors, a
@@ -376,17 +322,17 @@ class PeerLink:
                 self._cond.wait(left)
 
     def _deliver(self, conn: socket.socket, handle: RecvHandle, size: int, peer: Address) -> None:
-        error = self._mismatch(handle, peer, size)
+        error = handle.mismatch(peer, size)
         if error is not None:
-            handle._finish(error)  # that receive fails; the stream stays in step
+            handle.finish(error)  # that receive fails; the stream stays in step
             return skip_exactly(conn, size)
         try:
             read_exactly(conn, memoryview(as_bytes(handle.staging).numpy()))
         except BaseException as exc:
-            handle._finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed in the middle of "
+            handle.finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed in the middle of "
                                          f"message {handle.key}: {type(exc).__name__}"))
             raise
-        handle._finish()
+        handle.finish()
 
     def _buffer(self, conn: socket.socket, key: Key, size: int, peer: Address) -> None:
         """Hold a message that came before its receive (its bytes are already counted)."""
@@ -407,7 +353,7 @@ class PeerLink:
                 return
             self._unmatched -= size
         if handle is not None:
-            self._fill(handle, peer, data)  # a size mismatch fails the receive and says so
+            handle.fill(peer, data)  # a size mismatch fails the receive and says so
 
     def _lost(self, peer: Address, idle: bool = False, dropped: bool = False) -> None:
         """A connection from `peer` closed; once none is left (and not merely for idleness), its
@@ -426,7 +372,7 @@ class PeerLink:
                 for key in [k for k, (sender, _) in self._arrived.items() if sender == peer]:
                     self._unmatched -= len(self._arrived.pop(key)[1])
         for handle in failed:
-            handle._finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed before "
+            handle.finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed before "
                                          f"message {handle.key} came"))
 
     def close(self) -> None:
