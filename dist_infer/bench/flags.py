@@ -12,11 +12,26 @@ COMPARABLE = ("deepspeed", "hf", "hf-compiled", "hf-tp", "ladder", "layered", "l
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
     """The bench's own flags; the model and layout flags, the same as generate's and serve's, are
     the rank start-up's (`launch.model_options.add_model_flags`), which the CLI adds before these."""
+    _add_workload_flags(p)
+    _add_compare_flags(p)
+    _add_analysis_flags(p)
+    _add_output_flags(p)
+    _add_sweep_flags(p)
+    _add_routing_flags(p)
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The workload our engine is timed on: the batch, the prompt and output lengths, the runs."""
     p.add_argument("--batch", type=positive_int, default=4, help="prompts per batch (default %(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=256, help="tokens per prompt (default %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=32, help="new tokens per prompt (default %(default)s)")
     p.add_argument("--repeat", type=positive_int, default=1,
                    help="timed runs of our engine; the best is reported (default %(default)s)")
+
+
+def _add_compare_flags(p: argparse.ArgumentParser) -> None:
+    """The peers and variants run beside our engine, the step's token budget (the layered variant
+    needs one) and how long each peer may take."""
     p.add_argument("--compare", default="",
                    help="peers to run in the same invocation, comma separated: deepspeed (AutoTP, tp ranks), "
                         "hf (transformers, one process, on our --device in our --dtype), hf-tp (transformers "
@@ -32,6 +47,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="the step's token budget: prompts over it are cut (--prefill-schedule) (default: none, every "
                         "prompt of the batch in one step)")
     p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds each peer may take (default %(default)s)")
+
+
+def _add_analysis_flags(p: argparse.ArgumentParser) -> None:
+    """Where the time goes: the communication overlap hides, and the profiler's breakdown."""
     p.add_argument("--overlap-report", action="store_true",
                    help="run the workload three ways (tensor parallel baseline, token-split overlap, collectives "
                         "skipped = wrong output, the lower bound) and report the fraction of communication hidden")
@@ -39,8 +58,16 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="after the timed runs, run the workload once more under the torch profiler and write each "
                         "rank's op table (DIR/rank<N>.txt) and where one decode step's time goes (GEMM, attention, "
                         "communication, other ops, Python) into the JSON as 'profile'")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """The results besides the table: a JSON line, a bar chart."""
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line (rank 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of throughput per system")
+
+
+def _add_sweep_flags(p: argparse.ArgumentParser) -> None:
+    """--sweep: every layout that fits, measured against the planner's predictions."""
     p.add_argument("--sweep", default=None, metavar='"tp=1,2 pp=1,2 cp=1,2"',
                    help="run every combination of these sizes that fits this machine (one bench run each, this "
                         "command's other flags for all) and print measured against predicted TTFT and TPOT, parallel "
@@ -62,10 +89,13 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "timing) and print that speed; off: predict with the profile as it is. Off by default: one "
                         "2 s sample is noisier than the drift it corrects (docs/benchmarks.md, 'Choosing the layout'). Needs a "
                         "profile from calibrate, which records the reference (default: %(default)s)")
+
+
+def _add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """MoE models: the routing measured in the run, kept for a balanced expert placement."""
     p.add_argument("--save-routing", default=None, metavar="FILE",
                    help="MoE models: write the measured tokens per expert (per layer) and a balanced expert placement "
                         "for this ep to FILE, for --expert-placement")
-
 
 def parse_compare(text: str) -> list[str]:
     names = [c.strip() for c in text.split(",") if c.strip()]
