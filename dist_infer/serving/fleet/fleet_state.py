@@ -21,6 +21,8 @@ class FleetState:
 
     def __init__(self, clients: list[InstanceClient]):
         first = clients[0].hello
+        if first is None:
+            raise ValueError("FleetState: its first instance has not joined (no hello says the model's shape)")
         self.instances = clients
         self.requests: dict[str, RequestRecord] = {}
         self.lock = threading.RLock()
@@ -49,7 +51,7 @@ class FleetState:
         """Requests held that no instance reports running (the --max-queue bound)."""
         with self.lock:
             open_streams = len(self.requests)
-        running = sum(c.stats.num_requests_running for c in self.instances if c.alive)
+        running = sum(c.stats.num_requests_running for c in self.instances if c.alive and c.stats is not None)
         return max(0, open_streams - running)
 
     def abort_on(self, index: int, request_id: str) -> None:
