@@ -51,7 +51,7 @@ class FleetState:
         """Requests held that no instance reports running (the --max-queue bound)."""
         with self.lock:
             open_streams = len(self.requests)
-        running = sum(c.stats.num_requests_running for c in self.instances if c.alive and c.stats is not None)
+        running = sum(c.stats.num_requests_running for c in self.instances if c.alive)
         return max(0, open_streams - running)
 
     def abort_on(self, index: int, request_id: str) -> None:

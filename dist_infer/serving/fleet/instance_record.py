@@ -101,7 +101,7 @@ class InstanceClient:
         self.process: Optional[InstanceJob] = None  # the job this API process started for it (restart, scale-up)
         self.stop_sent = False
         self._lock = threading.Lock()
-        self.stats: Optional[InstanceStats] = None  # its last report (None: it never joined)
+        self.stats = InstanceStats()  # its last report (all zero: it never joined, its hello is None)
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()
         self.incoming: dict[str, int] = {}  # requests migrating here -> their blocks at full length
@@ -161,7 +161,7 @@ class InstanceClient:
     def load(self, prompt_hashes: tuple = ()) -> InstanceLoad:
         """Its load as dispatch reads it; with a prompt's block hashes, how many of them it holds."""
         s = self.stats
-        if not s:
+        if self.hello is None:  # never joined
             return InstanceLoad(self.index, 0, 0, accepting=False)
         with self._pending_lock:
             while self.pending and self.pending[0][0] <= s.requests_added:
@@ -186,7 +186,7 @@ class InstanceClient:
 
     def describe(self) -> dict:
         """Its /admin/instances entry (plain strings and lists: the JSON is the same as ever)."""
-        s, load, h = self.stats or InstanceStats(), self.load(), self.hello
+        s, load, h = self.stats, self.load(), self.hello
         return {"index": self.index, "state": str(self.state), "role": str(self.role),
                 "layout": self.spec.layout,
                 "pids": list(h.pids) if h else [], "hosts": [], "node": self.node,

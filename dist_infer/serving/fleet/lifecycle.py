@@ -192,7 +192,7 @@ class Lifecycle:
                 dead_reason = fleet.dead_reason = fleet.dead_reason or what
                 streams = [rec.stream for rec in fleet.requests.values()]
             else:
-                queued = set(client.stats.waiting_ids if client.stats else ())
+                queued = set(client.stats.waiting_ids)
                 for r, rec in fleet.requests.items():
                     if rec.owner == client.index:
                         orphans.append(r)
