@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from dist_infer.arg_types import existing_file, positive_int, positive_seconds, positive_size
 from dist_infer.serving.http.cache_isolation import ISOLATION_MODES
@@ -109,7 +109,8 @@ def certificate_names(certfile: Optional[str]) -> tuple[str, ...]:
     import ssl
 
     try:
-        decoded = ssl._ssl._test_decode_cert(certfile)  # CPython's own reader (no third-party parser needed)
+        # CPython's own reader (no third-party parser needed); private, so typeshed does not list it
+        decoded = ssl._ssl._test_decode_cert(certfile)  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a certificate uvicorn will refuse anyway: no names from it
         return ()
     return tuple(value for kind, value in decoded.get("subjectAltName", ()) if kind in ("DNS", "IP Address"))
@@ -128,11 +129,11 @@ def allowed_hosts_of(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names + (() if bound in WILDCARDS else (bound,))))
 
 
-def http_options_of(args: argparse.Namespace, environ: Optional[dict] = None) -> HttpGuard:
+def http_options_of(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> HttpGuard:
     """The HttpGuard the flags (and $DIST_INFER_API_KEY) ask for. A ValueError says what is
     inconsistent (e.g. a key file without a certificate)."""
-    environ = os.environ if environ is None else environ
-    api_keys = tuple(args.api_key) + _split([environ.get(API_KEY_ENV, "")])
+    env = os.environ if environ is None else environ
+    api_keys = tuple(args.api_key) + _split([env.get(API_KEY_ENV, "")])
     return HttpGuard(api_keys=tuple(dict.fromkeys(api_keys)), admin_keys=tuple(args.admin_key),
                      protect_metrics=args.protect_metrics, allowed_origins=_split(args.allowed_origins),
                      prefix_cache_isolation=getattr(args, "prefix_cache_isolation", None),

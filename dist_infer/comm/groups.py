@@ -75,13 +75,16 @@ def build_groups(world: Communicator, mesh: Mesh, shm: str = "auto") -> Parallel
         raise ValueError(f"shm must be one of {SMALL_COLLECTIVES}, got {shm!r}")
     if mesh.world_size != world.size:
         raise ValueError(f"mesh {mesh.describe()} has {mesh.world_size} ranks, the world has {world.size}")
-    comms = {}
+    comms: dict[str, Communicator] = {}
     for axis in RANK_ORDER:
         groups = mesh.groups(axis)
         if len(groups) == 1:
             comms[axis] = world  # the axis spans the whole world: reuse it
             continue
-        comms[axis] = world.split(groups, axis)
+        comm = world.split(groups, axis)
+        if comm is None:  # (a mesh's groups of an axis hold every rank)
+            raise ValueError(f"world rank {world.rank} is in none of mesh {mesh.describe()}'s {axis} groups")
+        comms[axis] = comm
     shared = [axis for axis in SHM_AXES if comms[axis].size > 1]
     if shm == "socket":
         for axis in shared:

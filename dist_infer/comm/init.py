@@ -96,7 +96,7 @@ def store_address(master_addr: str) -> str:
     except socket.gaierror as exc:
         raise BackendError(f"MASTER_ADDR {master_addr!r} does not resolve: {exc}") from None
     found.sort(key=lambda entry: entry[0] != socket.AF_INET)
-    return found[0][4][0]
+    return str(found[0][4][0])  # (the address of a sockaddr: a str)
 
 
 def rendezvous_store(info: RankInfo, timeout: float):
@@ -109,6 +109,8 @@ def rendezvous_store(info: RankInfo, timeout: float):
 
     if info.world_size == 1:  # nobody to meet: no listener at all, and no port to race other jobs for
         return HashStore()
+    if info.master_addr is None or info.master_port is None:
+        raise BackendError(f"{info.launcher} launch without MASTER_ADDR or MASTER_PORT; set MASTER_ADDR and MASTER_PORT")
     host = store_address(info.master_addr)
     limit = datetime.timedelta(seconds=timeout)
     # under torchrun its agent already serves the store on MASTER_PORT: every rank is a client

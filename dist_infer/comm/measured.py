@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.autograd.profiler import record_function
 
-from dist_infer.comm.base import DoneHandle, Handle
+from dist_infer.comm.base import Communicator, DoneHandle, Handle
 from dist_infer.comm.delegating import DelegatingCommunicator
 
 MODES = ("overlap", "serial", "skip")
@@ -73,7 +73,7 @@ class _TimedHandle(Handle):
 class MeasuredCommunicator(DelegatingCommunicator):
     """`inner`, timed; `mode` picks overlap (normal), serial (no overlap) or skip (no communication)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Communicator) -> None:
         super().__init__(inner)
         self.mode = "overlap"
         self.exposed_s: dict[str, float] = defaultdict(float)

@@ -56,13 +56,13 @@ class PartialsHandle(Handle):
     def wait(self, timeout: Optional[float] = None) -> None:
         if not self.done:
             limit = self.comm.timeout if timeout is None else timeout
-            self.comm._finish(self.seq, self.tensor, self.gather_into, limit, self.scatter_into)
+            self.comm._combine(self.seq, self.tensor, self.gather_into, limit, self.scatter_into)
             self.done = True
 
 
 class PartialsCommunicator(DelegatingCommunicator):
     """`inner`, with all_reduce(sum), all_gather and reduce_scatter(sum) of small CPU tensors
-    done by `_post` (hand this rank's tensor over) and `_finish` (combine the group's)."""
+    done by `_post` (hand this rank's tensor over) and `_combine` (combine the group's)."""
 
     max_bytes: int = 0
 
@@ -103,6 +103,10 @@ class PartialsCommunicator(DelegatingCommunicator):
               scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
         raise NotImplementedError
 
-    def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
-                scatter_into: Optional[torch.Tensor] = None) -> None:
+    def close(self) -> None:
+        """Let go of what carries the small collectives; the inner communicator stays."""
+        raise NotImplementedError
+
+    def _combine(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
+                 scatter_into: Optional[torch.Tensor] = None) -> None:
         raise NotImplementedError

@@ -45,16 +45,24 @@ def a2a_rows(src: int, dst: int) -> int:
     return (src + dst) % 3
 
 
+def _added(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts added up in order (sum() of tensors, typed: a group has at least one rank)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 def expected(op: str, ranks: Sequence[int], me: int, numel: int) -> torch.Tensor:
     """What group rank `me` must hold after `op` among global `ranks`, computed without communicating."""
     n = len(ranks)
     if op == "all_reduce":
-        return sum(pattern(r, numel) for r in ranks)
+        return _added([pattern(r, numel) for r in ranks])
     if op == "all_gather":
         return torch.cat([pattern(r, numel // n) for r in ranks])
     if op == "reduce_scatter":
         chunk = numel // n
-        return sum(pattern(r, chunk * n) for r in ranks)[me * chunk:(me + 1) * chunk]
+        return _added([pattern(r, chunk * n) for r in ranks])[me * chunk:(me + 1) * chunk]
     if op == "all_to_all":
         width = a2a_width(numel, n)
         return torch.cat([a2a_block(ranks[src], ranks[me], a2a_rows(src, me), width) for src in range(n)])

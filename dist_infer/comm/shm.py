@@ -24,12 +24,12 @@ import platform
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from dist_infer.comm.base import CommTimeoutError, Communicator
+from dist_infer.comm.base import CommError, CommTimeoutError, Communicator
 from dist_infer.comm.partials import PartialsCommunicator, PartialsHandle, combine_partials
 from dist_infer.comm.shm_sizes import DEFAULT_SLOT_BYTES, NBUF
 
@@ -38,6 +38,14 @@ SPIN_S = 2e-3  # how long a wait spins before it starts sleeping
 
 def shm_supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
+
+
+class _Segment(NamedTuple):
+    """The views of the mapped segment (while any exists, the mapping cannot be closed)."""
+
+    write_flags: np.ndarray  # [NBUF, ranks]: the op each rank last wrote into each buffer
+    read_flags: np.ndarray  # [NBUF, ranks]: the op each rank last read out of each buffer
+    data: torch.Tensor  # [NBUF, ranks, slot bytes]: the slots
 
 
 class ShmAllReduceCommunicator(PartialsCommunicator):
@@ -52,9 +60,9 @@ class ShmAllReduceCommunicator(PartialsCommunicator):
         total = self._data_offset + NBUF * n * slot_bytes
         self._mm = self._map_segment(total)
         flags = np.frombuffer(self._mm, dtype=np.int64, count=2 * NBUF * n).reshape(2, NBUF, n)
-        self._write_flags, self._read_flags = flags[0], flags[1]
-        self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self._data_offset,
-                                      count=NBUF * n * slot_bytes).view(NBUF, n, slot_bytes)
+        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self._data_offset,
+                                count=NBUF * n * slot_bytes).view(NBUF, n, slot_bytes)
+        self._segment: Optional[_Segment] = _Segment(flags[0], flags[1], data)  # None: closed
         self._seq = 0
         self._unfinished: dict[int, PartialsHandle] = {}  # my posted ops not yet reduced, by sequence number
         self._fence = threading.Lock()
@@ -83,6 +91,11 @@ class ShmAllReduceCommunicator(PartialsCommunicator):
             os.unlink(path)
         return mm
 
+    def _views(self) -> _Segment:
+        if self._segment is None:
+            raise CommError(f"{self.describe('collective')}: its shared memory segment is closed")
+        return self._segment
+
     def _spin(self, ready, what: str, timeout: float) -> None:
         """Spin, yielding the core on every turn, for up to SPIN_S (the peer is usually that
         close); then sleep with backoff so an oversubscribed node still runs the peer we wait for."""
@@ -105,38 +118,41 @@ class ShmAllReduceCommunicator(PartialsCommunicator):
               scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
         """Publish `tensor` in this rank's slot; the handle sums the slots into it, concatenates
         them into `gather_into`, or sums this rank's chunk of them into `scatter_into`."""
+        segment = self._views()
         self._seq += 1
         seq, b, me = self._seq, self._seq % NBUF, self.rank
         previous = seq - NBUF
         if previous in self._unfinished:  # my own op still holds this buffer: reduce it first
             self._unfinished[previous].wait()
         if previous > 0:
-            reads = self._read_flags[b]
+            reads = segment.read_flags[b]
             self._spin(lambda: bool((reads >= previous).all()), "all_reduce (shm buffer reuse)", self.timeout)
         nbytes = tensor.numel() * tensor.element_size()
-        self._data[b, me, :nbytes].copy_(tensor.view(-1).view(torch.uint8))
+        segment.data[b, me, :nbytes].copy_(tensor.view(-1).view(torch.uint8))
         with self._fence:  # a locked instruction: large copies may use streaming stores, TSO does not order those
             pass
-        self._write_flags[b, me] = seq
+        segment.write_flags[b, me] = seq
         handle = PartialsHandle(self, seq, tensor, gather_into, scatter_into)
         self._unfinished[seq] = handle
         return handle
 
-    def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
-                scatter_into: Optional[torch.Tensor] = None) -> None:
+    def _combine(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
+                 scatter_into: Optional[torch.Tensor] = None) -> None:
+        segment = self._views()
         b, me = seq % NBUF, self.rank
-        writes = self._write_flags[b]
+        writes = segment.write_flags[b]
         self._spin(lambda: bool((writes == seq).all()), "all_reduce (shm)", timeout)
         nbytes = tensor.numel() * tensor.element_size()
-        slots = [self._data[b, r, :nbytes].view(tensor.dtype) for r in range(self.size)]
+        slots = [segment.data[b, r, :nbytes].view(tensor.dtype) for r in range(self.size)]
         combine_partials(slots, me, tensor, gather_into, scatter_into)
-        self._read_flags[b, me] = seq
+        segment.read_flags[b, me] = seq
         self._unfinished.pop(seq, None)
 
     def close(self) -> None:
-        """Unmap the segment; the inner communicator stays (it may be the world's)."""
+        """Unmap the segment (every view of it dropped first: a live one makes close() refuse);
+        the inner communicator stays (it may be the world's)."""
         try:
-            self._data = None
+            self._segment = None
             self._mm.close()
         except (BufferError, ValueError):
             pass

@@ -128,7 +128,7 @@ class SocketLinksCommunicator(PartialsCommunicator):
             next(iter(self._unfinished.values()))[0].wait()  # the oldest first (its peers posted it before)
         self._seq += 1
         seq = self._seq
-        payload = memoryview(mine.view(torch.uint8).numpy())
+        payload = mine.view(torch.uint8).numpy().data  # (a memoryview of its buffer)
         header = _HEADER.pack(seq, nbytes)
         deadline = time.monotonic() + self.timeout
         for link in self._links.values():
@@ -169,8 +169,8 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
                     self._by_fd[fd].read_available()
 
-    def _finish(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
-                scatter_into: Optional[torch.Tensor] = None) -> None:
+    def _combine(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
+                 scatter_into: Optional[torch.Tensor] = None) -> None:
         deadline = time.monotonic() + timeout
         mine = self._unfinished[seq][1]
         parts: list[torch.Tensor] = []

@@ -248,7 +248,7 @@ def _build_and_load(build: KernelBuild) -> tuple[CpuKernels, list[str]]:
     if not build.compiler or shutil.which(build.compiler[0]) is None:
         raise KernelBuildError(f"no C compiler: {build.compiler[0] if build.compiler else '$CC'!r} is not on "
                                "PATH (set CC)")
-    passed_over = []
+    passed_over: list[str] = []
     for directory in build.cache_dirs:
         try:
             prepare_cache_dir(directory, os.geteuid())

@@ -13,7 +13,7 @@ hundreds of calls; each call is a named profiler range instead.
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ _f32, _int = ctypes.c_float, ctypes.c_int
 _ptr, _long = ctypes.c_void_p, ctypes.c_long
 
 # name -> (restype, argtypes), as cpu_kernels.h and decode_stack.c declare them (pointers: c_void_p).
-C_SIGNATURES: dict[str, tuple[Optional[type], list[type]]] = {
+C_SIGNATURES: dict[str, tuple[Optional[type], Sequence[type]]] = {
     "skinny_linear": (_int, [_ptr] * 3 + [_long] * 3 + [_int]),
     "rms_norm": (None, [_ptr] * 4 + [_long] * 2 + [_f32]),
     "rope_cache_write": (None, [_ptr] * 3 + [_long] * 3 + [_ptr] * 5 + [_long] * 4),
@@ -71,11 +71,22 @@ def _dequantize_fits(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
 class CpuKernels:
     """The loaded library, with torch-tensor entry points."""
 
+    # the C functions, one per C_SIGNATURES entry (set by _declare)
+    _skinny_linear: _Named
+    _rms_norm: _Named
+    _rope_cache_write: _Named
+    _decode_attention: _Named
+    _quant_linear: _Named
+    _dequantize_rows: _Named
+    _decode_stack: _Named
+    _decode_layer_part: _Named
+
     def __init__(self, lib: ctypes.CDLL, threaded: bool):
         self.threaded = threaded  # built with OpenMP: the calls split over torch's threads
         self.library_path = lib._name
         self.gemm = stack_gemm()  # products past MAX_ROWS rows, in the stack and out (None: none found)
-        self.sgemm, self.sgemm_row_major = (self.gemm.address, self.gemm.row_major) if self.gemm else (None, False)
+        self.sgemm: Optional[int] = self.gemm.address if self.gemm else None
+        self.sgemm_row_major = self.gemm.row_major if self.gemm else False
         self._declare(lib)
 
     def _declare(self, lib: ctypes.CDLL) -> None:
@@ -194,6 +205,8 @@ class CpuKernels:
         q, k, v may be column slices of one fused QKV output (row-strided, unit column stride)."""
         _, _, kv_heads, d = k_cache.shape
         rows = q if q is not None else k
+        if rows is None:
+            raise ValueError("rope_cache_write: needs the queries, the keys, or both")
         for t in (q, k, v):
             if t is not None and t.stride(-1) != 1:
                 raise ValueError("rope_cache_write: rows must have unit column stride")
@@ -236,4 +249,4 @@ def use_native_kernels(module: torch.nn.Module, kernels: Optional[CpuKernels]) -
     `kernels` attribute: the linear layers, RMSNorm, attention). The explicit switch."""
     for m in module.modules():
         if hasattr(m, "kernels"):
-            m.kernels = kernels
+            setattr(m, "kernels", kernels)  # (Module's __setattr__, typed for tensors and modules only)

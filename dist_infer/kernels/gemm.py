@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from loguru import logger
@@ -58,7 +58,7 @@ class StackGemm:
                 raise ValueError(f"dnnl_sgemm refused a [{M}, {K}] x [{N}, {K}]^T product")
             return y
         c_int = ctypes.c_int  # column-major, by reference: Y^T [N, M] = W x^T
-        args = [ctypes.c_char(b"T"), ctypes.c_char(b"N"), c_int(N), c_int(M), c_int(K), _f32(1.0), c_int(K),
+        args: list[ctypes._SimpleCData[Any]] = [ctypes.c_char(b"T"), ctypes.c_char(b"N"), c_int(N), c_int(M), c_int(K), _f32(1.0), c_int(K),
                 c_int(K), _f32(0.0), c_int(N)]
         ta, tb, n, m, k, one, ldw, ldx, zero, ldy = (ctypes.addressof(a) for a in args)
         _FORTRAN(self.address)(ta, tb, n, m, k, one, w.data_ptr(), ldw, x.data_ptr(), ldx, zero, y.data_ptr(), ldy)
@@ -73,7 +73,10 @@ def blas_sgemm() -> Optional[StackGemm]:
             fn = getattr(ctypes.CDLL(str(lib_dir / name)), "sgemm_")
         except (OSError, AttributeError):
             continue
-        return StackGemm(ctypes.cast(fn, ctypes.c_void_p).value, False, "blas")
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        if address is None:  # (a symbol at NULL: nothing to call)
+            continue
+        return StackGemm(address, False, "blas")
     return None
 
 
@@ -97,8 +100,11 @@ def onednn_sgemm() -> Optional[StackGemm]:
             fn = getattr(ctypes.CDLL(path), "dnnl_sgemm")
         except (OSError, AttributeError):
             continue
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        if address is None:  # (a symbol at NULL: nothing to call)
+            continue
         logger.debug(f"the decode stack's GEMM: oneDNN's, from {path}")
-        return StackGemm(ctypes.cast(fn, ctypes.c_void_p).value, True, "onednn")
+        return StackGemm(address, True, "onednn")
     return None
 
 

@@ -150,6 +150,8 @@ def plan_mpirun(opts: LaunchOptions) -> list[Proc]:
 
 def plan_ssh(opts: LaunchOptions, port: int) -> list[Proc]:
     """One `dist-infer launch --node-rank K` per host, started through ssh (or --ssh-command)."""
+    if not opts.hosts or opts.hostfile is None:
+        raise LaunchError("starting every node through ssh needs a hostfile (--hostfile) and its hosts")
     addr = opts.master_addr or opts.hosts[0].name
     procs = []
     for k, host in enumerate(opts.hosts):

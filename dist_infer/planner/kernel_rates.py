@@ -70,9 +70,13 @@ def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[flo
     for _ in range(passes):
         for m in rows:
             x = torch.randn(m, k)
-            product = F.linear  # what the engine runs: skinny rows native, many through the kernels' GEMM
-            if kernels is not None and (m <= MAX_ROWS or kernels.gemm is not None):
-                product = kernels.skinny_linear if m <= MAX_ROWS else kernels.gemm.linear
+            # what the engine runs: skinny rows native, many through the kernels' GEMM
+            product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+            if kernels is not None:
+                if m <= MAX_ROWS:
+                    product = kernels.skinny_linear
+                elif kernels.gemm is not None:
+                    product = kernels.gemm.linear
             fn = functools.partial(product, x, w)
             best[m] = max(best[m], 2.0 * m * k * n / _best_time(fn))
     return [[m, best[m]] for m in rows]
@@ -88,7 +92,7 @@ def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTI
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
-    out = {}
+    out: dict[str, list[list[float]]] = {}
     for d in head_dims:
         out[str(d)] = []
         for t_len in lengths:

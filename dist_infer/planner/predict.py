@@ -64,11 +64,11 @@ class Prediction:
 
     @property
     def dominant_prefill(self) -> str:
-        return max(self.prefill, key=self.prefill.get) if self.prefill else ""
+        return max(self.prefill, key=self.prefill.__getitem__) if self.prefill else ""
 
     @property
     def dominant_decode(self) -> str:
-        return max(self.decode, key=self.decode.get) if self.decode else ""
+        return max(self.decode, key=self.decode.__getitem__) if self.decode else ""
 
     def as_dict(self) -> dict:
         return {**self.layout.as_dict(), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
@@ -97,7 +97,7 @@ def pipeline(s: Setup, rank: RankRates, layer_part: dict, rows: int, tokens: int
     act = tokens * s.shape.hidden * B[s.work.act_dtype]
     counted = measured is not None
     first = {"tp_comm": rank.collective("all_reduce", "tp", act, latency_counted=counted),
-             "overhead": measured["per_step_s"] if counted else hw.per_step_s * rank.overhead_scale / rank.share}
+             "overhead": measured["per_step_s"] if measured is not None else hw.per_step_s * rank.overhead_scale / rank.share}
     last = head_pass(s, rank, rows, counted)
     send = {"pp_transfer": rank.collective("send_recv", "pp", act, latency_counted=counted)} if layout.pp > 1 else {}
     last_part = layer_part if last_part is None else last_part

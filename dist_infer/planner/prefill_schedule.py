@@ -47,7 +47,7 @@ def _layer_s(s: Setup, rank: RankRates, moe: bool, rows: float, new_tokens: floa
     shape, lay, hw = s.shape, s.layout, s.hw
     dtype, elem = s.work.weight_dtype, DTYPE_BYTES[s.work.weight_dtype]
     params = shape.attention_params_per_rank(lay.tp)
-    read = params
+    read: float = params
     if moe:
         per_expert = 3 * shape.hidden * max_shard(shape.expert_intermediate, lay.tp)
         shared = 3 * shape.hidden * max_shard(shape.shared_expert_intermediate, lay.tp) if shape.shared_expert_intermediate else 0

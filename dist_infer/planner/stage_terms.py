@@ -134,7 +134,9 @@ def layer_parts(s: Setup, rank: RankRates, sp: StagePass) -> LayerParts:
 
 def layer_overhead(s: Setup, rank: RankRates, sp: StagePass) -> float:
     """A layer's fixed cost: the measured one, or the profile's per-op latency on this rank's share."""
-    return sp.measured["per_layer_s"] if sp.counted else s.hw.per_layer_s * rank.overhead_scale / rank.share
+    if sp.measured is not None:
+        return sp.measured["per_layer_s"]
+    return s.hw.per_layer_s * rank.overhead_scale / rank.share
 
 
 def moe_mlp(s: Setup, rank: RankRates, sp: StagePass, tokens: int) -> tuple[float, float]:

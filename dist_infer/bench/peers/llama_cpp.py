@@ -167,8 +167,8 @@ def run_llama_cpp(model_path: str, batch: int, prompt_len: int, gen_len: int, th
 
     threads = threads or usable_cores()
     exe, why = check(model_path, batch, which)
-    if exe is None:
-        return failed(PEER, why, threads=threads, batch=batch, prompt_len=prompt_len, gen_len=gen_len, note=NOTE)
+    if exe is None:  # (and `why` says why)
+        return failed(PEER, why or "llama.cpp cannot run", threads=threads, batch=batch, prompt_len=prompt_len, gen_len=gen_len, note=NOTE)
     argv = (bench_argv(exe, model_path, prompt_len, gen_len, threads, repeats) if batch == 1
             else batched_argv(exe, model_path, batch, prompt_len, gen_len, threads, repeats))
     child = run_child(argv, timeout_s)

@@ -44,8 +44,8 @@ def hf_from_pretrained(model_path: str, **kwargs):
     # transformers marks a GGUF-loaded model quantized although its weights are plain fp32 by now, and
     # then refuses .float(), which DeepSpeed's init_inference calls: clear the mark (nothing is quantized).
     if getattr(model, "is_quantized", False) and all(p.dtype == torch.float32 for p in model.parameters()):
-        model.is_quantized = False
-        model.hf_quantizer = None
+        setattr(model, "is_quantized", False)  # (plain attributes: Module's __setattr__ is typed for
+        setattr(model, "hf_quantizer", None)  # tensors and modules only)
     return model
 
 
@@ -73,9 +73,10 @@ def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: 
     return metrics
 
 
-def run_hf_compiled(*args, **kwargs) -> dict:
+def run_hf_compiled(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
+                    repeats: int = 1, device: str = "cpu", dtype: str = "float32") -> dict:
     """The hf-compiled peer: `run_hf(..., compiled=True)`."""
-    return run_hf(*args, compiled=True, **kwargs)
+    return run_hf(model_path, batch, prompt_len, gen_len, threads, repeats, device, dtype, compiled=True)
 
 
 def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,

@@ -92,10 +92,10 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
     if peer == LLAMA_CPP:
         with _exclusive():
             load_before = os.getloadavg()[0]
-            metrics = run_llama_cpp(model_path, batch, prompt_len, gen_len, threads, llama_repeats(repeats),
-                                    timeout_s)
-            metrics["loadavg_1m"] = [load_before, os.getloadavg()[0]]
-            return metrics
+            measured = run_llama_cpp(model_path, batch, prompt_len, gen_len, threads, llama_repeats(repeats),
+                                     timeout_s)
+            measured["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+            return measured
     if peer not in PEERS:
         return failed(peer, f"unknown peer {peer!r}; one of {', '.join(PEERS + (LLAMA_CPP,))}")
     tp = nproc if peer in DISTRIBUTED_PEERS else 1

@@ -108,7 +108,7 @@ def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len:
         prompts = prompts.to(device)
     ttfts: list[float] = []
     tpots: list[float] = []
-    tokens = None
+    tokens: Any = None  # the first run's greedy tokens (repeats >= 1: set in the loop)
     changed = 0
     with torch.inference_mode():
         # Untimed warm-up: allocator, thread pool, first-call paths, the process group's first collectives.

@@ -251,9 +251,9 @@ class PeerLink:
             with self._lock:
                 self._handshaking -= 1
         try:
-            if admitted:
+            if admitted and entry.peer is not None:  # (admitted: its peer is known)
                 conn.settimeout(self.idle_timeout)
-                self._read(entry)
+                self._read(entry, entry.peer)
         except _Idle:
             idle = True
             logger.debug(f"peer link {fmt(self.address)}: closed the connection from {fmt(entry.peer)} after "
@@ -271,9 +271,9 @@ class PeerLink:
             if entry.peer is not None:  # admitted (if only just): counted in _incoming
                 self._lost(entry.peer, idle or entry.leaving, dropped)
 
-    def _read(self, entry: _In) -> None:
-        """Read messages until the connection ends, or until it is evicted and idle."""
-        conn, peer = entry.sock, entry.peer
+    def _read(self, entry: _In, peer: Address) -> None:
+        """Read messages from `peer` until the connection ends, or until it is evicted and idle."""
+        conn = entry.sock
         header = bytearray(HEADER.size)
         while not self._closed and not entry.leaving:
             try:
@@ -327,7 +327,7 @@ class PeerLink:
             handle.finish(error)  # that receive fails; the stream stays in step
             return skip_exactly(conn, size)
         try:
-            read_exactly(conn, memoryview(as_bytes(handle.staging).numpy()))
+            read_exactly(conn, as_bytes(handle.staging).numpy().data)  # (a memoryview of its buffer)
         except BaseException as exc:
             handle.finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed in the middle of "
                                          f"message {handle.key}: {type(exc).__name__}"))

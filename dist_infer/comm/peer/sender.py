@@ -41,8 +41,9 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def fmt(address: Address) -> str:
-    return f"{address[0]}:{address[1]}"
+def fmt(address: Optional[Address]) -> str:
+    """host:port, for messages ('?': a connection not admitted yet, whose sender is not known)."""
+    return "?" if address is None else f"{address[0]}:{address[1]}"
 
 
 class PeerLinkError(CommError):
@@ -150,7 +151,7 @@ class Outbounds:
                         self.forget(peer, entry)
                         continue
                     entry.sock.sendall(HEADER.pack(*key, data.numel()))
-                    entry.sock.sendall(memoryview(data.numpy()))
+                    entry.sock.sendall(data.numpy().data)  # (the array's buffer, as a memoryview)
                     entry.last = time.monotonic()
                     return
             raise ConnectionError("no fresh connection")

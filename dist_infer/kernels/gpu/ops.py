@@ -52,4 +52,4 @@ def use_gpu_kernels(module: torch.nn.Module, kernels: Optional[GpuKernels]) -> N
     norms, attention and MLPs). The explicit switch."""
     for m in module.modules():
         if hasattr(m, "gpu_kernels"):
-            m.gpu_kernels = kernels
+            setattr(m, "gpu_kernels", kernels)  # (Module's __setattr__, typed for tensors and modules only)

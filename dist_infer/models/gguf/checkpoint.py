@@ -303,7 +303,7 @@ class GGUFCheckpoint(TensorIndex):
         for t in self._index.values():
             if t.ndim == 2:
                 counts[t.quantization] = counts.get(t.quantization, 0) + t.shape[0] * t.shape[1]
-        return max(counts, key=counts.get) if counts else None
+        return max(counts, key=counts.__getitem__) if counts else None
 
     def requantization_report(self) -> str | None:
         """One line on the tensors `quantized_slice` requantized so far (their largest errors), None if none."""

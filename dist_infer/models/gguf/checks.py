@@ -66,10 +66,14 @@ def check_tensor_extent(name: str, dims: list[int], type_id: int, start: int, fi
                                 f"the {file_size}-byte file")
 
 
+def _finite_real(value: Any) -> bool:
+    """A finite real number, not a bool (numpy's scalars count: GGUF metadata reads as those)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 def metadata_int(path: Any, key: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
     """Metadata `key` as an int in [minimum, maximum], else a CheckpointError naming the file and key."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or value != int(value)):
+    if not _finite_real(value) or value != int(value):
         raise CheckpointError(f"{path}: {key} is {str(value)[:60]!r}, not an integer")
     n = int(value)
     if n < minimum:

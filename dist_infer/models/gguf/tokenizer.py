@@ -68,7 +68,7 @@ def tokenizer_from_gguf(path: str | os.PathLike):
         raise CheckpointError(f"{path}: GGUF tokenizer metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
-    vocab = {}
+    vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         spelled = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8"))
         vocab.setdefault(spelled, i)

@@ -36,8 +36,11 @@ class ParallelExperts(nn.Module):
         self.local_index = {e: j for j, e in enumerate(self.experts)}
         self.i_start, self.i_local = shard_range(intermediate, tp.size, tp.rank, f"{name}: expert intermediate size")
         n = len(self.experts)
-        self.w13 = nn.Parameter(torch.empty(n, 2 * self.i_local, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, hidden, self.i_local, dtype=dtype), requires_grad=False)
+        # the stacked float weights (None once set_quantization packs them instead)
+        self.w13: Optional[nn.Parameter] = nn.Parameter(torch.empty(n, 2 * self.i_local, hidden, dtype=dtype),
+                                                        requires_grad=False)
+        self.w2: Optional[nn.Parameter] = nn.Parameter(torch.empty(n, hidden, self.i_local, dtype=dtype),
+                                                       requires_grad=False)
         self.scheme = "none"
         self.packed13, self.packed2 = nn.ModuleDict(), nn.ModuleDict()  # per local expert, when quantized
         self._shards: dict[tuple[int, str], QuantizedShard] = {}
@@ -48,6 +51,8 @@ class ParallelExperts(nn.Module):
         the stacked float weights are dropped before loading."""
         if scheme == "none":
             return
+        if self.w13 is None:
+            raise ValueError(f"{self.name}: the experts are quantized already ({self.scheme})")
         dtype = self.w13.dtype
         self.scheme, self.w13, self.w2 = scheme, None, None
         for j, e in enumerate(self.experts):
@@ -62,8 +67,9 @@ class ParallelExperts(nn.Module):
 
     def _gate_up_down(self, j: int):
         """Expert j's two products x -> [gate | up] and h -> down."""
-        if self.w13 is not None:
-            return (lambda x: F.linear(x, self.w13[j])), (lambda h: F.linear(h, self.w2[j]))
+        w13, w2 = self.w13, self.w2
+        if w13 is not None and w2 is not None:  # (float weights: both, or neither once quantized)
+            return (lambda x: F.linear(x, w13[j])), (lambda h: F.linear(h, w2[j]))
         gate_up, down = self.packed13[str(j)], self.packed2[str(j)]
         return (lambda x: gate_up(x, self.kernels)), (lambda h: down(h, self.kernels))
 
@@ -97,7 +103,7 @@ class ParallelExperts(nn.Module):
         check_shape(f"{self.name}.gate_up_proj", gate_up, (num_experts, 2 * I, H))
         check_shape(f"{self.name}.down_proj", down, (num_experts, H, I))
         for j, e in enumerate(self.experts):
-            if self.w13 is None:  # quantized: the fused tensors' slices of expert e, as floats
+            if self.w13 is None or self.w2 is None:  # quantized: the fused tensors' slices of expert e, as floats
                 for part in (0, 1):
                     self._load_packed(j, "13", self._rows(gate_up, part * I, e), slice(None), slice(None),
                                       part * self.i_local, f"{self.name}.gate_up_proj[{e}]")

@@ -57,6 +57,8 @@ class ExpertParallelMoE(nn.Module):
     weights cast to the activation dtype first (Qwen).
     """
 
+    owner: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  placement: ExpertPlacement, tp: Communicator, ep: Communicator, dtype: torch.dtype = torch.float32,
                  shared: Optional[nn.Module] = None, weights_fp32: bool = False, name: str = "moe"):

@@ -28,7 +28,8 @@ def write_routing_file(path: Union[str, Path], counts: Mapping[int, Sequence[flo
         "ep": ep,
         "counts": {str(layer): row for layer, row in counts.items()},
         "placement": {str(layer): owner for layer, owner in placement.items()},
-        "imbalance_contiguous": {str(layer): imbalance(contiguous.rank_loads(row)) for layer, row in counts.items()},
+        "imbalance_contiguous": {str(layer): imbalance(contiguous.rank_loads(row)) for layer, row in counts.items()
+                                 if contiguous is not None},  # (None: no counts, no layers)
         "imbalance_balanced": {str(layer): imbalance(ExpertPlacement(tuple(placement[layer]), ep).rank_loads(row))
                                for layer, row in counts.items()},
     }

@@ -160,7 +160,7 @@ class Cluster:
     # -- what the fleet holds and has done ---------------------------------------------------------
     def stats(self) -> dict:
         instances, lifecycle, migration = self.fleet.instances, self.lifecycle, self.migration
-        live = [c for c in instances if c.alive] or [c for c in instances if c.stats][:1]
+        live = [c for c in instances if c.alive] or [c for c in instances if c.hello is not None][:1]
         per = [dict(c.stats.as_dict(), engine=str(c.index)) for c in live]
         free, total = sum(s["free_blocks"] for s in per), sum(s["total_blocks"] for s in per)
         return {"num_requests_running": sum(s["num_requests_running"] for s in per),

@@ -11,7 +11,7 @@ from typing import Callable, Coroutine, Optional
 
 
 class ControlLoop:
-    def __init__(self):
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread: Optional[threading.Thread] = None
 

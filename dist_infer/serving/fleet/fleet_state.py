@@ -21,6 +21,8 @@ class FleetState:
 
     def __init__(self, clients: list[InstanceClient]):
         first = clients[0].hello
+        if first is None:
+            raise ValueError("FleetState: its first instance has not joined (no hello says the model's shape)")
         self.instances = clients
         self.requests: dict[str, RequestRecord] = {}
         self.lock = threading.RLock()

@@ -179,7 +179,8 @@ class Hub:
                 self._take_new(on_hello)
             elif key.data == "wake":
                 self._wake_in.recv(4096)
-            else:  # a parked connection spoke before the challenge, or hung up: not a driver
+            elif isinstance(key.fileobj, socket.socket):  # a parked connection (the only other kind registered)
+                # spoke before the challenge, or hung up: not a driver
                 self._unpark(key.fileobj, "spoke first or hung up while waiting", failed=True)
         self._start_parked(on_hello)
         self._log.flush()
@@ -257,9 +258,13 @@ class Hub:
         within what is left of handshake_timeout_s (the slot freed: the key is proven)."""
         began = time.monotonic()
         conn = Connection(sock.detach())
+
+        def challenge() -> None:
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+
         try:
-            _bounded(conn, self.auth_timeout_s, lambda: (deliver_challenge(conn, self.key),
-                                                         answer_challenge(conn, self.key)))
+            _bounded(conn, self.auth_timeout_s, challenge)
         except Exception as exc:  # noqa: BLE001 - that connection is refused; the hub listens on
             conn.close()
             with self._lock:

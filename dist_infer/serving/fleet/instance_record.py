@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Optional
+from typing import Optional, Protocol
 
 from dist_infer.engine.kv_transfer import PeerInstance
 from dist_infer.engine.request import RequestOutput
@@ -64,6 +64,17 @@ class RequestRecord:
     failovers: int = 0  # instances that died while running it
 
 
+class InstanceJob(Protocol):
+    """The job the API process started for an instance, as the spawners return it (a local or
+    srun subprocess.Popen, a Ray job); some also say their `node`."""
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 PREFIX_INDEX_PER_BLOCK = 4  # hashes the front end keeps per KV block of an instance (expected ones included)
 
 
@@ -77,29 +88,35 @@ class InstanceClient:
         self.index = index
         self.conn: Optional[Connection] = None
         self.hello: Optional[Hello] = None
+        if spec is None:  # it joins now (or is about to): its hello says its layout and role
+            if hello is None:
+                raise TypeError("InstanceClient: give its spec, or the hello of its driver")
+            spec = InstanceSpec.of_hello(hello)
         self.spec = spec
         self.state = InstanceState.STARTING
         self.draining = False
         self.dead: Optional[str] = None  # why it died (the last time)
         self.restarts = 0
         self.auto_restarts = 0  # --auto-restart's attempts since it last joined
-        self.process = None  # the job this API process started for it (restart, scale-up)
+        self.process: Optional[InstanceJob] = None  # the job this API process started for it (restart, scale-up)
         self.stop_sent = False
         self._lock = threading.Lock()
-        self.stats: Optional[InstanceStats] = None  # its last report (None: it never joined)
+        self.stats = InstanceStats()  # its last report (all zero: it never joined, its hello is None)
         self.sent = 0
         self.pending: deque[tuple[int, int]] = deque()
         self.incoming: dict[str, int] = {}  # requests migrating here -> their blocks at full length
         self._pending_lock = threading.Lock()
         self.prefix = PrefixIndex(1)  # the block hashes its prefix cache holds (sized when it joins)
         if conn is not None:
+            if hello is None:
+                raise TypeError("InstanceClient: a connected instance needs its driver's hello")
             self.attach(conn, hello)
 
     def attach(self, conn: Connection, hello: Hello) -> None:
         """Its driver connected and said hello: it serves from now on (again, after a restart)."""
         self.conn, self.hello = conn, hello
         self.auto_restarts = 0
-        self.spec = InstanceSpec(hello.tp, hello.pp, hello.role)
+        self.spec = InstanceSpec.of_hello(hello)
         self.stats = InstanceStats.empty(hello.total_blocks)
         self.sent = 0  # add messages sent (the instance counts those it applied)
         self.pending = deque()  # (add number, blocks its prompt needs)
@@ -117,7 +134,7 @@ class InstanceClient:
 
     @property
     def role(self) -> Role:
-        return Role(self.spec.role) if self.spec is not None else Role.MIXED
+        return Role(self.spec.role)
 
     @property
     def total_blocks(self) -> int:
@@ -144,7 +161,7 @@ class InstanceClient:
     def load(self, prompt_hashes: tuple = ()) -> InstanceLoad:
         """Its load as dispatch reads it; with a prompt's block hashes, how many of them it holds."""
         s = self.stats
-        if not s:
+        if self.hello is None:  # never joined
             return InstanceLoad(self.index, 0, 0, accepting=False)
         with self._pending_lock:
             while self.pending and self.pending[0][0] <= s.requests_added:
@@ -169,9 +186,9 @@ class InstanceClient:
 
     def describe(self) -> dict:
         """Its /admin/instances entry (plain strings and lists: the JSON is the same as ever)."""
-        s, load, h = self.stats or InstanceStats(), self.load(), self.hello
+        s, load, h = self.stats, self.load(), self.hello
         return {"index": self.index, "state": str(self.state), "role": str(self.role),
-                "layout": self.spec.layout if self.spec else (h.layout if h else None),
+                "layout": self.spec.layout,
                 "pids": list(h.pids) if h else [], "hosts": [], "node": self.node,
                 "links": [f"{a[0]}:{a[1]}" for a in (h.addresses if h else ())],
                 "load": -load.freeness, "freeness": load.freeness,

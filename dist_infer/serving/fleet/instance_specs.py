@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union, overload
 
-from dist_infer.serving.fleet.wire import Role
+from dist_infer.serving.fleet.wire import Hello, Role
 from dist_infer.topology import DISPLAY_ORDER, Layout, LayoutError, Mesh, parse_layout
 
 if TYPE_CHECKING:  # torch: the launcher parses --instances before any rank starts, without it
@@ -39,18 +39,34 @@ class InstanceSpec:
     parallel: Layout
     role: Role
 
+    @overload
+    def __init__(self, parallel: Layout, pp: Union[Role, str, None] = None,
+                 role: Union[Role, str, None] = None) -> None: ...
+
+    @overload
+    def __init__(self, parallel: int = 1, pp: Optional[int] = None,
+                 role: Union[Role, str, None] = None) -> None: ...
+
     def __init__(self, parallel: Union[Layout, int] = 1, pp: Union[int, Role, str, None] = None,
-                 role: Union[Role, str, None] = None):
+                 role: Union[Role, str, None] = None) -> None:
         """InstanceSpec(Layout(tp=2), role), or InstanceSpec(tp, pp, role) as older callers (and the
         Hello a driver sends: tp, pp, role) still write it."""
         if isinstance(parallel, Layout):
-            if pp is not None and role is not None:
+            named = role if role is not None else pp  # the second argument is the role
+            if (pp is not None and role is not None) or isinstance(named, int):
                 raise TypeError("InstanceSpec(layout, role): the layout already has its pp")
-            layout, role = parallel, role if role is not None else pp
+            layout = parallel
         else:
-            layout = Layout(tp=parallel, pp=1 if pp is None else pp)
+            if isinstance(pp, str):
+                raise TypeError(f"InstanceSpec(tp, pp, role): pp is a count, not {pp!r}")
+            layout, named = Layout(tp=parallel, pp=1 if pp is None else pp), role
         object.__setattr__(self, "parallel", layout)
-        object.__setattr__(self, "role", Role(role or Role.MIXED))
+        object.__setattr__(self, "role", Role(named or Role.MIXED))
+
+    @classmethod
+    def of_hello(cls, hello: Hello) -> "InstanceSpec":
+        """The layout and role a driver's hello says its instance runs."""
+        return cls(hello.tp, hello.pp, hello.role)
 
     @property
     def tp(self) -> int:
@@ -139,14 +155,14 @@ def _items(text: str) -> Iterator[list[str]]:
     part joins the 'axis=n' item before it: 'tp2,tp1' is two items, 'tp=2,pp=2' one."""
     tight = re.sub(r"\s*([,:=])\s*", r"\1", text)
     for chunk in _pieces(tight, r"\s*;\s*|\s+"):
-        item: Optional[list[str]] = None
-        for part in _pieces(chunk, ","):
-            if item is not None and "=" in item[0] and ":" not in part and "=" in part \
+        parts = _pieces(chunk, ",")
+        item = [next(parts)]  # (a chunk has at least one part, maybe empty)
+        for part in parts:
+            if "=" in item[0] and ":" not in part and "=" in part \
                     and len(item) <= MAX_ITEM_PARTS:  # past it, _spec names the axis given twice
                 item.append(part)
                 continue
-            if item is not None:
-                yield item
+            yield item
             item = [part]
         yield item
 

@@ -12,13 +12,13 @@ from loguru import logger
 
 from dist_infer.serving.fleet.config import FleetConfig
 from dist_infer.serving.fleet.fleet_state import LIVING, FleetState
-from dist_infer.serving.fleet.instance_record import InstanceClient
+from dist_infer.serving.fleet.instance_record import InstanceClient, InstanceJob
 from dist_infer.serving.fleet.instance_specs import InstanceSpec
 from dist_infer.serving.fleet.interface import AdminError
 from dist_infer.serving.fleet.wire import InstanceState
 from dist_infer.serving.placement.rank_budget import RankBudget, RankBudgetError
 
-Spawner = Callable[[int, InstanceSpec], object]  # starts instance i as a job of its own; returns its process
+Spawner = Callable[[int, InstanceSpec], InstanceJob]  # starts instance i as a job of its own; returns its process
 Redispatch = Callable[[str, str], None]  # (request id, why): send a request whose instance is gone elsewhere
 MAX_AUTO_RESTARTS = 3  # --auto-restart's attempts for an instance that keeps dying before it serves
 
@@ -40,7 +40,7 @@ class InstanceStarter:
         """The ranks of the instances running or starting (a stopping one still runs; a dead or
         stopped one holds none)."""
         with self.fleet.lock:
-            return sum(c.spec.size if c.spec else 1 for c in self.fleet.instances
+            return sum(c.spec.size for c in self.fleet.instances
                        if c.state in LIVING and c is not excluding)
 
     def ranks_free(self) -> Optional[int]:
@@ -76,8 +76,11 @@ class InstanceStarter:
         if why == "restart":
             client.restarts += 1
         logger.info(f"starting instance {client.index} ({spec.describe()}, {why})")
+        spawner = self.spawner
         try:
-            client.process = self.spawner(client.index, spec)
+            if spawner is None:  # (the callers ask check_can_spawn first)
+                raise RuntimeError("this server cannot start instances")
+            client.process = spawner(client.index, spec)
         except Exception as exc:  # noqa: BLE001 - the operator sees why
             self.start_failed(client, client.process, f"could not start: {exc}")
             raise AdminError(500, f"instance {client.index} could not start: {exc}") from None
@@ -85,7 +88,7 @@ class InstanceStarter:
                          name=f"instance-{client.index}-start").start()
         return client.describe()
 
-    def _watch_start(self, client: InstanceClient, process) -> None:
+    def _watch_start(self, client: InstanceClient, process: InstanceJob) -> None:
         """A started job that exits, or does not join within join_timeout_s, has failed to start."""
         timeout = self.config.join_timeout_s
         try:
@@ -95,7 +98,7 @@ class InstanceStarter:
         if self.start_failed(client, process, f"its job {code} before joining") and process.poll() is None:
             process.kill()
 
-    def start_failed(self, client: InstanceClient, process, why: str) -> bool:
+    def start_failed(self, client: InstanceClient, process: Optional[InstanceJob], why: str) -> bool:
         """Instance `client`, starting as `process`, did not start: it is dead, and once no instance
         is starting the requests parked for one go on elsewhere (or fail, saying so). False: it had
         joined, or another start took over, meanwhile."""

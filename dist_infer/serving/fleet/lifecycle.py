@@ -74,7 +74,7 @@ class Lifecycle:
             problem = "it serves another model (vocabulary, block size or positions differ)"
         with fleet.lock:
             if problem is None and isinstance(index, int) and index == len(fleet.instances):
-                fleet.instances.append(InstanceClient(index))
+                fleet.instances.append(InstanceClient(index, hello=hello))  # attached below
             if problem is None and not (isinstance(index, int) and 0 <= index < len(fleet.instances)):
                 problem = (f"there is no instance {index} (there are {len(fleet.instances)}; "
                            f"a new one takes the next index)")
@@ -189,10 +189,10 @@ class Lifecycle:
             left = [c for c in fleet.instances if c.state in LIVING]
             orphans, moving, streams = [], set(), []
             if not left:
-                fleet.dead_reason = fleet.dead_reason or what
+                dead_reason = fleet.dead_reason = fleet.dead_reason or what
                 streams = [rec.stream for rec in fleet.requests.values()]
             else:
-                queued = set(client.stats.waiting_ids if client.stats else ())
+                queued = set(client.stats.waiting_ids)
                 for r, rec in fleet.requests.items():
                     if rec.owner == client.index:
                         orphans.append(r)
@@ -211,7 +211,7 @@ class Lifecycle:
             for loop, q in streams:
                 loop.call_soon_threadsafe(q.put_nowait, error)
             if self.on_dead is not None:
-                self.on_dead(fleet.dead_reason)
+                self.on_dead(dead_reason)
             return
         logger.error(f"instance {client.index} failed ({reason}); its {len(orphans)} request(s) go on on the other "
                      f"instances, prefilled again from their tokens so far")
@@ -222,7 +222,8 @@ class Lifecycle:
     def redispatch(self, request_id: str, why: str) -> None:
         """Send a request whose instance is gone to another, with what its client already has; fail
         it instead when the instances running it died more than --max-request-failovers times."""
-        error, fleet = None, self.fleet
+        fleet = self.fleet
+        error: Optional[Exception] = None
         with fleet.lock:
             rec = fleet.requests.get(request_id)
             if rec is None:
@@ -256,6 +257,7 @@ class Lifecycle:
             logger.error(f"request {request_id}: {error}")
             target[0].call_soon_threadsafe(target[1].put_nowait, error)
             return
+        assert index is not None  # no error: an instance took it over
         logger.info(f"request {request_id} ({len(progress.token_ids)} tokens so far) goes on on instance {index} "
                     f"({why})")
         try:

@@ -289,7 +289,8 @@ class InstanceStats:
     def from_dict(cls, stats: dict) -> "InstanceStats":
         """From the engine's stats(): keys it leaves out take their defaults, sequences become tuples."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in stats.items() if k in known})
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in stats.items() if k in known}
+        return cls(**values)
 
     @classmethod
     def empty(cls, total_blocks: int) -> "InstanceStats":

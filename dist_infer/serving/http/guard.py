@@ -15,7 +15,7 @@ import ipaddress
 import math
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from loguru import logger
 
@@ -107,6 +107,11 @@ class HttpGuard:
     ssl_ca_certs: Optional[str] = None
     ssl_cert_reqs: int = 0
 
+    @property
+    def cache_isolation_mode(self) -> str:
+        """prefix_cache_isolation as __post_init__ settled it: `none` or `key`, the default resolved."""
+        return isolation_mode(self.prefix_cache_isolation, bool(self.api_keys))
+
     def __post_init__(self):
         for name in ("api_keys", "admin_keys", "allowed_origins"):
             object.__setattr__(self, name, tuple(v for v in getattr(self, name) if v))
@@ -155,7 +160,7 @@ def key_matches(token: Optional[str], keys: tuple[str, ...]) -> bool:
     return found
 
 
-def bearer_token(headers: dict[str, str]) -> Optional[str]:
+def bearer_token(headers: Mapping[str, str]) -> Optional[str]:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 

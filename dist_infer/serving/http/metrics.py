@@ -19,6 +19,7 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    Metric,
 )
 
 from dist_infer.engine.request import RequestOutput
@@ -34,7 +35,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 def buckets_1_2_5(limit: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts)."""
-    out, scale = [], 1
+    out: list[float] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:
@@ -66,11 +68,11 @@ class EngineStatsCollector:
         self.model_name = model_name
         self.prefix_cache_counters = prefix_cache_counters  # False: left out (a side channel; HttpGuard says when)
 
-    def _families(self, stats: Optional[dict]):
+    def _families(self, stats: Optional[dict]) -> list[Metric]:
         """The gauges per instance (vLLM's `engine` label, the instance index) when the server
         runs several, else per model; then the preemption and migration counters."""
         per = (stats or {}).get("instances") or ([dict(stats, engine="0")] if stats is not None else [])
-        families = []
+        families: list[Metric] = []
         for key, doc in self.GAUGES.items():
             g = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name", "engine"])
             for s in per:

@@ -215,7 +215,8 @@ def default_chat_max_tokens(prompt_len: int, max_model_len: int) -> int:
     return max(0, min(max_model_len - prompt_len, CHAT_MAX_TOKENS_CAP))
 
 
-def sampling_params_of(req: _GenerationRequest, max_tokens: int, has_tokenizer: bool) -> SamplingParams:
+def sampling_params_of(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
+                       has_tokenizer: bool) -> SamplingParams:
     """The engine's SamplingParams for a validated body; a ProtocolError naming the API field
     (not SamplingParams' own names) when a value is out of range."""
     num_logprobs = req.num_logprobs

@@ -5,7 +5,7 @@ its own function: generation (/v1/completions, /v1/chat/completions), tokens (/t
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from typing import AsyncGenerator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,11 +33,11 @@ from dist_infer.serving.http.streams import SSE_DONE, EngineStream, EventStream,
 # -- generation ---------------------------------------------------------------------------------------
 
 
-async def sse_events(stream: EngineStream, shaper: ResponseShaper, first: RequestOutput,
-                     include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+async def sse_events(stream: EngineStream, shaper: ResponseShaper, first: Optional[RequestOutput],
+                     include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
     try:
-        for chunk in shaper.opening_chunks():
-            yield sse(chunk)
+        for opening in shaper.opening_chunks():
+            yield sse(opening)
         out = first
         while out is not None:
             chunk = shaper.chunk(out, include_usage, continuous_usage)

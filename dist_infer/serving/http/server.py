@@ -31,7 +31,9 @@ class DrainingServer(uvicorn.Server):
                  on_shutdown: Optional[Callable[[], None]] = None, guard: Optional[HttpGuard] = None):
         guard = guard or getattr(getattr(app, "state", None), "http_guard", None) or HttpGuard()
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S, **guard.uvicorn_ssl(),
+                                # (uvicorn annotates it int; it is asyncio.wait_for's timeout, a float)
+                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S,  # type: ignore[arg-type]
+                                **guard.uvicorn_ssl(),
                                 **uvicorn_connection_options(guard))
         super().__init__(config)
         self.asgi_app = app
@@ -82,7 +84,7 @@ class DrainingServer(uvicorn.Server):
         serving = self.serving
         if serving is not None:
             serving.begin_drain()
-            self._loop.call_later(self.grace_s, serving.abort_all, f"shutdown grace period of {self.grace_s:g} s over")
+            asyncio.get_running_loop().call_later(self.grace_s, serving.abort_all, f"shutdown grace period of {self.grace_s:g} s over")
         if self.on_shutdown is not None:
             try:
                 self.on_shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from fastapi import Request
 from loguru import logger
@@ -36,7 +36,7 @@ class ServingState:
         self.model_names = {self.served_name, engine.model_name}
         self.metrics = ServingMetrics(self.served_name, engine.stats, engine.max_model_len,
                                       prefix_cache_counters=guard.open_prefix_cache_metrics)
-        self.cache_isolation = CacheIsolation(guard.prefix_cache_isolation)  # its secret: this serve job's
+        self.cache_isolation = CacheIsolation(guard.cache_isolation_mode)  # its secret: this serve job's
         self.renderer = ChatRenderer.for_tokenizer(engine.chat_template, engine.tokenizer)
         self.limits = PromptLimits.of(engine.max_model_len, engine.tokenizer)
         self.workers = WorkerPool(getattr(engine.tokenizer, "backend", None))
@@ -68,16 +68,18 @@ class ServingState:
         """The ids of a prompt's text, encoded where the event loop does not wait on it: in a worker
         process when it is long (the caller has checked its characters), else in a thread. Over
         `limit` tokens it is refused by its count (None: any count, as /tokenize answers)."""
-        tokenizer, ids = self.tokenizer, None
+        tokenizer = self.tokenizer
+        ids: Optional[list[int]] = None
         if self.workers.can_encode and len(text) >= POOL_MIN_CHARS:
+            found: Union[list[int], int, None] = None
             try:
-                ids = await self.workers.encode(text, limit)
+                found = await self.workers.encode(text, limit)
             except WorkersUnavailable:
                 pass
-            if isinstance(ids, int):
-                self.limits.check_tokens(ids, field)
-            if ids is not None:
-                ids = tokenizer.with_bos(ids, add_bos)
+            if isinstance(found, int):  # its count, over `limit` (the model's length: refused here)
+                self.limits.check_tokens(found, field)
+            elif found is not None:
+                ids = tokenizer.with_bos(found, add_bos)
         if ids is None:
             ids = await off_loop(tokenizer.encode, text, add_bos=add_bos)
         if limit is not None:

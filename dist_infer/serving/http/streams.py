@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Optional, TypeVar
 
 import anyio
 from fastapi import Request
@@ -27,6 +27,7 @@ from dist_infer.serving.http.metrics import RequestClock
 if TYPE_CHECKING:
     from dist_infer.serving.http.state import ServingState
 
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25  # how often a pending non-streamed request checks that its client is still there
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -116,7 +117,7 @@ async def close_shielded(stream: EngineStream) -> None:
         await stream.close()
 
 
-async def until_disconnect(request: Request, awaitable) -> Any:
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
     """Await `awaitable` while checking that the client is still connected; ClientGone if not."""
     task = asyncio.ensure_future(awaitable)
     try:
@@ -137,9 +138,10 @@ class EventStream(StreamingResponse):
     """Server-sent events whose engine request is closed however the stream ends: finished,
     the client gone (Starlette cancels the sender), or the server cancelling it at shutdown."""
 
-    def __init__(self, events: AsyncIterator[str], stream: EngineStream, headers: dict[str, str]):
+    def __init__(self, events: AsyncGenerator[str, None], stream: EngineStream, headers: dict[str, str]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self.events = events  # (Starlette's body_iterator, typed there as any async iterable)
         self.engine_stream = stream
 
     async def __call__(self, scope, receive, send) -> None:
@@ -147,5 +149,5 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                await self.events.aclose()
                 await self.engine_stream.close()

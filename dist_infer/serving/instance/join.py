@@ -114,6 +114,8 @@ def share_hub_address(world, address: Optional[tuple], key: Optional[bytes]) -> 
 
     buf = torch.zeros(512, dtype=torch.uint8)
     if address is not None:
+        if key is None:
+            raise ValueError("share_hub_address: the hub's address comes with its key")
         raw = json.dumps({"host": address[0], "port": address[1], "key": key.decode()}).encode()
         buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     if world.size > 1:

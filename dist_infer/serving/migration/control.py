@@ -47,9 +47,9 @@ class MigrationControl:
         meanwhile: then nobody listens, and the destination drops it)."""
         with self.fleet.lock:
             rec = self.fleet.requests.get(request_id)
-            listened = rec is not None and rec.owner == src and not rec.aborted
-            if listened:
-                rec.owner = dst
+            listened = False
+            if rec is not None and rec.owner == src and not rec.aborted:
+                rec.owner, listened = dst, True
         if not listened:
             try:
                 self.fleet.instances[dst].send(AbortRequest(request_id))

@@ -96,6 +96,7 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
     reserved = committing = False
     pause_at = paused_at = posted_at = 0.0
     stage = sent = held = 0
+    phases: dict[str, float] = {}  # ms of each phase, once it has moved
     try:
         info = await calls.call(src, StartOut(mid, request_id, calls.peer(dst)), timeout)
         reserved = True  # from here on a failure cancels on the destination (a no-op if it reserved nothing;
@@ -137,8 +138,9 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
         # to the destination's that it has taken it over; the wait for the source's current step
         # before that is not downtime (the request is computing its next token in it)
         result.downtime_s = time.perf_counter() - paused_at
-        result.phases_ms = {"pause": 1e3 * (paused_at - pause_at), "transfer": 1e3 * (posted_at - paused_at),
-                            "commit": 1e3 * (time.perf_counter() - posted_at)}
+        phases = {"pause": 1e3 * (paused_at - pause_at), "transfer": 1e3 * (posted_at - paused_at),
+                  "commit": 1e3 * (time.perf_counter() - posted_at)}
+        result.phases_ms = phases
         result.stages, result.blocks, result.held_blocks = stage + 1, sent, held
         result.bytes = sent * fleet.block_bytes
         on_moved(request_id, src, dst)
@@ -152,7 +154,7 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
         logger.info(f"migrated {request_id} instance {src} -> {dst} ({order.reason}): {result.blocks} blocks "
                     f"({result.held_blocks} held there already) in "
                     f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
-                    f"{result.phases_ms['transfer']:.1f}, commit {result.phases_ms['commit']:.1f}), total "
+                    f"{phases['transfer']:.1f}, commit {phases['commit']:.1f}), total "
                     f"{result.total_s * 1e3:.0f} ms")
     else:
         logger.info(f"migration of {request_id} instance {src} -> {dst} ({order.reason}) did not happen: "

@@ -125,7 +125,8 @@ class AutoscalePolicy:
         fleet = s.serving + s.starting
         over = self._over_slo(s)
         low = self._under_low_water(s) and s.running <= self.low_running * max(1, fleet - 1)
-        self._low_since = (self._low_since if self._low_since is not None else s.now) if low else None
+        low_since = (self._low_since if self._low_since is not None else s.now) if low else None
+        self._low_since = low_since
         self.held_back = None
         if s.now - self._last_action < self.cooldown_s:
             return None
@@ -140,10 +141,10 @@ class AutoscalePolicy:
         decision = None
         if up is not None:
             decision = Decision(s.now, "up", up, fleet)
-        elif (low and fleet > self.min_instances and s.starting == 0
-              and s.now - self._low_since >= self.low_for_s):
+        elif (low_since is not None and fleet > self.min_instances and s.starting == 0  # (set: it is low)
+              and s.now - low_since >= self.low_for_s):
             decision = Decision(s.now, "down", f"p90 latency under {self.low_water:g} x the SLO, nothing queued and "
-                                               f"{s.running} request(s) running for {s.now - self._low_since:.0f} s",
+                                               f"{s.running} request(s) running for {s.now - low_since:.0f} s",
                                 fleet)
         if decision is not None:
             self._last_action, self._low_since = s.now, None

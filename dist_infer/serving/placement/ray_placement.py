@@ -14,6 +14,8 @@ Ray is optional (`pip install 'dist_infer[ray]'`); nothing else imports this mod
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -65,7 +67,7 @@ def connect(address: str) -> None:
     except ImportError:
         raise PlacementError("--placement ray needs Ray: pip install 'dist_infer[ray]'") from None
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     logger.info(f"placing instances with Ray ({address}): {len(ray.nodes())} node(s)")
 
 
@@ -110,13 +112,13 @@ class RayInstanceJob:
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+        deadline = time.monotonic() + (math.inf if timeout is None else timeout)
+        while (code := self.poll()) is None:
+            left = deadline - time.monotonic()
+            if timeout is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"instance {self.index} on Ray node {self.node}", timeout)
-            self._call("wait", min(1.0, left) if left is not None else 1.0, timeout=30.0)
-        return self.returncode
+            self._call("wait", min(1.0, left), timeout=30.0)
+        return code
 
     def terminate(self) -> None:
         self._call("signal", False, timeout=10.0)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from dist_infer.comm import CommError, CommTimeoutError, P2POp, build_groups, init_world
 from dist_infer.comm.base import PollingHandle
 from dist_infer.comm.init import BackendError, torch_backend_string
+from dist_infer.comm.shm import ShmAllReduceCommunicator, shm_supported
 from dist_infer.topology import Layout, Mesh, RankInfo, free_port
 
 
@@ -190,3 +191,17 @@ def test_polling_handle_completes_and_calls_back_once():
     assert h.is_completed() and calls == [1]
     h.wait()
     assert calls == [1]
+
+
+@pytest.mark.skipif(not shm_supported(), reason="the shared-memory path runs on x86-64 with /dev/shm only")
+def test_the_shm_segment_is_unmapped_on_close(world):
+    """close() drops every view of the segment first: a flag view left alive made mmap refuse
+    (BufferError, swallowed), and the segment stayed mapped."""
+    comm = ShmAllReduceCommunicator(world)
+    t, out = torch.arange(4, dtype=torch.float32), torch.zeros(4)
+    comm._post(t, out).wait(5)  # one rank: a gather of its own slot, through the segment
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    comm.close()
+    assert comm._mm.closed
+    with pytest.raises(CommError, match="closed"):
+        comm._post(t, out)

@@ -92,6 +92,11 @@ def test_node_rank_outside_hostfile(node_rank):
         plan(LaunchOptions(command=["p"], hosts=H2, hostfile="hf", node_rank=node_rank))
 
 
+def test_ssh_fanout_needs_the_hostfile_it_passes_on():
+    with pytest.raises(LaunchError, match="hostfile"):
+        plan(LaunchOptions(command=["p"], hosts=H2))  # each node is told --hostfile: hosts alone are not enough
+
+
 def test_plan_local_with_hosts_needs_node_rank():
     with pytest.raises(LaunchError):
         plan_local(LaunchOptions(command=["p"], hosts=H2, node_rank=None), 1)

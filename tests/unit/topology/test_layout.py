@@ -117,6 +117,15 @@ def test_instance_spec_attributes_and_older_constructor():
     assert InstanceSpec() == spec()
 
 
+def test_instance_spec_mixed_forms_are_refused():
+    with pytest.raises(TypeError, match="already has its pp"):
+        InstanceSpec(Layout(tp=2), 2)  # a layout and a pp: the layout says its pp
+    with pytest.raises(TypeError, match="already has its pp"):
+        InstanceSpec(Layout(tp=2), 2, "decode")
+    with pytest.raises(TypeError, match="pp is a count"):
+        InstanceSpec(2, "decode")  # a role where the pp goes
+
+
 @pytest.mark.parametrize("text, named", [
     ("tp2,,tp1", "empty item"),
     ("tp=2;;tp=1", "empty item"),

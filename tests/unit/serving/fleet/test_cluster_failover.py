@@ -14,6 +14,7 @@ import pytest
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.serving.fleet.cluster import AdminError, Cluster, FleetConfig, InstanceClient
+from dist_infer.serving.fleet.instance_specs import InstanceSpec
 from dist_infer.serving.fleet.interface import EngineDeadError
 from dist_infer.serving.fleet.wire import (
     AddRequest,
@@ -87,6 +88,28 @@ async def _run(cluster: Cluster, request_id: str, prompt: list[int]):
     except EngineDeadError as exc:
         return exc
     return out
+
+
+def test_an_instance_always_has_its_spec():
+    """Given, or read from its driver's hello (a driver joining as a new index); never neither."""
+    assert InstanceClient(0, spec=InstanceSpec(2, 1, "decode")).spec == InstanceSpec(2, 1, "decode")
+    joining = InstanceClient(1, hello=_hello(1))
+    assert joining.spec == InstanceSpec(1, 1, "mixed") and joining.state is InstanceState.STARTING
+    with pytest.raises(TypeError, match="spec"):
+        InstanceClient(2)
+
+
+def test_a_driver_joining_as_the_next_index_adds_an_instance_that_serves():
+    cluster, drivers = _cluster(1)
+    try:
+        joined = FakeDriver(1)
+        cluster.attach(joined.api_end, _hello(1))
+        assert [c.state for c in cluster.instances] == [InstanceState.SERVING] * 2
+        assert cluster.instances[1].spec == InstanceSpec(1, 1, "mixed")
+        assert [asyncio.run(_run(cluster, f"r{i}", [1, 2])) for i in range(2)] == [[3, 4, 5, 6]] * 2
+        assert sorted(drivers[0].seen + joined.seen) == ["r0", "r1"] and joined.seen, "round robin reaches it"
+    finally:
+        cluster.stop(timeout=5)
 
 
 def test_a_poison_request_is_quarantined_after_max_failovers_and_the_rest_serve_on():
