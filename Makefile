@@ -29,10 +29,12 @@ run: setup
 test: setup peers slurm lint
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
 
-# Lint (pyproject.toml's [tool.ruff] and [tool.mypy]): ruff's checks and the type checker on
-# the packages typed so far. `make test` runs it first; .pre-commit-config.yaml runs the same on each commit.
+# Lint (pyproject.toml's [tool.ruff] and [tool.mypy]): ruff's checks, ruff's formatting (`ruff format .`
+# fixes it) and the type checker on the packages typed so far. `make test` runs it first;
+# .pre-commit-config.yaml runs the same on each commit.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # The quick subset: tests/unit, every test that runs in one process (tests/integration is marked slow).

@@ -29,7 +29,7 @@ import torch
 
 def copy_bandwidth(gib: float = 1.0, iters: int = 20) -> float:
     """Device-to-device copy rate, bytes read plus written per second (median of `iters`)."""
-    n = int(gib * 2 ** 30) // 2
+    n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -77,11 +77,11 @@ def replay_kernels(graph, top: int = 12) -> list:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    rows = [(e.key[:60], e.count // 5, e.device_time_total / 5) for e in prof.key_averages()
-            if e.device_time_total > 0]
+    rows = [(e.key[:60], e.count // 5, e.device_time_total / 5) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[2])
-    return [(k, n, round(us, 1)) for k, n, us in rows[:top]] + [("total", sum(r[1] for r in rows),
-                                                                   round(sum(r[2] for r in rows), 1))]
+    return [(k, n, round(us, 1)) for k, n, us in rows[:top]] + [
+        ("total", sum(r[1] for r in rows), round(sum(r[2] for r in rows), 1))
+    ]
 
 
 def main() -> None:
@@ -120,21 +120,31 @@ def main() -> None:
             t = engine.timing.as_dict()
             ids[mode] = [o.token_ids for o in outs]
             row[f"repeat_equal_{mode}"] = ids[mode] == [o.token_ids for o in first]
-            row[mode] = {"decode_tok_s": t["decode_tok_s"], "tpot_median_ms": t["tpot_median_s"] * 1e3,
-                         "prefill_tok_s": t["prefill_tok_s"], "setup_s": setup_s}
+            row[mode] = {
+                "decode_tok_s": t["decode_tok_s"],
+                "tpot_median_ms": t["tpot_median_s"] * 1e3,
+                "prefill_tok_s": t["prefill_tok_s"],
+                "setup_s": setup_s,
+            }
             if mode == "on" and engine.worker.graphs is not None:
                 graphs = engine.worker.graphs
                 bucket = graphs.bucket_for(batch)
-                row[mode].update(capture_s=graphs.capture_s, graph_mib=graphs.graph_bytes / 2 ** 20,
-                                 replay_ms=replay_ms(graphs.buckets[bucket].graph))
+                row[mode].update(
+                    capture_s=graphs.capture_s,
+                    graph_mib=graphs.graph_bytes / 2**20,
+                    replay_ms=replay_ms(graphs.buckets[bucket].graph),
+                )
                 if args.profile:
                     row["kernels"] = replay_kernels(graphs.buckets[bucket].graph)
             engine.close()
         context = args.prompt_len + args.gen_len // 2
         floor_ms = step_bytes(stage, batch, context) / bandwidth * 1e3
-        row.update(ids_equal=ids["off"] == ids["on"], hbm_floor_ms=floor_ms,
-                   speedup=row["on"]["decode_tok_s"] / row["off"]["decode_tok_s"],
-                   step_over_floor=row["on"]["tpot_median_ms"] / floor_ms)
+        row.update(
+            ids_equal=ids["off"] == ids["on"],
+            hbm_floor_ms=floor_ms,
+            speedup=row["on"]["decode_tok_s"] / row["off"]["decode_tok_s"],
+            step_over_floor=row["on"]["tpot_median_ms"] / floor_ms,
+        )
         summary["batches"][batch] = row
         print(json.dumps(row), flush=True)
     print(json.dumps(summary))

@@ -57,8 +57,14 @@ class StubEngine:
         pass
 
     def stats(self) -> dict:
-        return {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
-                "num_preemptions_total": 0, "free_blocks": 1, "total_blocks": 1}
+        return {
+            "num_requests_running": 0,
+            "num_requests_waiting": 0,
+            "kv_cache_usage_perc": 0.0,
+            "num_preemptions_total": 0,
+            "free_blocks": 1,
+            "total_blocks": 1,
+        }
 
     def begin_shutdown(self) -> None:
         pass
@@ -70,8 +76,12 @@ def serve(args) -> None:
     from dist_infer.serving.http.api_server import build_app, serve_http
 
     engine = StubEngine(TextTokenizer(resolve_model(args.model)), args.max_model_len)
-    serve_http(build_app(engine, "stub", warm_workers=True), "127.0.0.1", 0,
-               on_ready=lambda host, port: Path(args.ready).write_text(str(port)))
+    serve_http(
+        build_app(engine, "stub", warm_workers=True),
+        "127.0.0.1",
+        0,
+        on_ready=lambda host, port: Path(args.ready).write_text(str(port)),
+    )
 
 
 def prompt_text(chars: int) -> str:
@@ -101,8 +111,11 @@ def send(args) -> None:
         with httpx.Client(trust_env=False, timeout=600) as http:
             r = http.post(args.url + path, content=body, headers={"Content-Type": "application/json"})
         message = r.json().get("error", {}).get("message", "") if r.status_code != 200 else ""
-        results[i] = {"status": r.status_code, "seconds": round(time.perf_counter() - start, 3),
-                      "message": message[:160]}
+        results[i] = {
+            "status": r.status_code,
+            "seconds": round(time.perf_counter() - start, 3),
+            "message": message[:160],
+        }
 
     print(json.dumps({"body_bytes": len(body)}), flush=True)
     threads = [threading.Thread(target=post, args=(i,)) for i in range(args.prompts)]
@@ -133,8 +146,23 @@ def measure(args) -> dict:
                     raise SystemExit("the server did not start")
                 time.sleep(0.1)
             url = f"http://127.0.0.1:{ready.read_text()}"
-            sender = subprocess.Popen(me + ["--send", "--url", url, "--kind", args.kind, "--chars", str(args.chars),
-                                            "--prompts", str(args.prompts)], env=env, stdout=subprocess.PIPE, text=True)
+            sender = subprocess.Popen(
+                me
+                + [
+                    "--send",
+                    "--url",
+                    url,
+                    "--kind",
+                    args.kind,
+                    "--chars",
+                    str(args.chars),
+                    "--prompts",
+                    str(args.prompts),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             first = json.loads(sender.stdout.readline())  # the body is made: the clock starts
             latencies, load = [], os.getloadavg()[0]
             with httpx.Client(trust_env=False, timeout=120) as http:
@@ -149,18 +177,32 @@ def measure(args) -> dict:
             server.terminate()
             server.wait(60)
     ms = [1000 * s for s in latencies]
-    return {"kind": args.kind, "chars": args.chars, "prompts": args.prompts, "max_model_len": args.max_model_len,
-            "body_bytes": first["body_bytes"], "probes": len(ms), "health_p50_ms": round(percentile(ms, 0.5), 1),
-            "health_p99_ms": round(percentile(ms, 0.99), 1), "health_max_ms": round(max(ms), 1),
-            "answers": answers, "loadavg_before": round(load, 2), "loadavg_after": round(os.getloadavg()[0], 2)}
+    return {
+        "kind": args.kind,
+        "chars": args.chars,
+        "prompts": args.prompts,
+        "max_model_len": args.max_model_len,
+        "body_bytes": first["body_bytes"],
+        "probes": len(ms),
+        "health_p50_ms": round(percentile(ms, 0.5), 1),
+        "health_p99_ms": round(percentile(ms, 0.99), 1),
+        "health_max_ms": round(max(ms), 1),
+        "answers": answers,
+        "loadavg_before": round(load, 2),
+        "loadavg_after": round(os.getloadavg()[0], 2),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="checkpoint or GGUF whose tokenizer the server uses")
     parser.add_argument("--max-model-len", type=int, default=8192, help="the stub engine's context length")
-    parser.add_argument("--kind", choices=("text", "chat", "ids"), default="text",
-                        help="a text prompt, one chat message, or a prompt of token ids")
+    parser.add_argument(
+        "--kind",
+        choices=("text", "chat", "ids"),
+        default="text",
+        help="a text prompt, one chat message, or a prompt of token ids",
+    )
     parser.add_argument("--chars", type=int, default=14_000_000, help="characters per prompt (ids: body bytes)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts sent at once")
     parser.add_argument("--probe-interval", type=float, default=0.02, help="seconds between /health probes")

@@ -46,10 +46,12 @@ from netns_hosts import rate_bits_per_s, two_hosts
 
 BIN = Path(sys.executable).parent
 SHAPES = {  # Llama shapes: the default model's (SmolLM2-135M) and a wider one
-    "default-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          num_key_value_heads=3),
-    "wide": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
-                 num_key_value_heads=4),
+    "default-shape": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3
+    ),
+    "wide": dict(
+        hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4
+    ),
 }
 
 
@@ -67,9 +69,30 @@ def write_checkpoint(root: Path, name: str, shape: dict) -> str:
 
 def bench(model: str, ladder: str, args, extra: tuple = ()) -> dict:
     """One `dist-infer bench --tp 2` run: two local ranks, or with --two-hosts one in each namespace."""
-    cmd = [str(BIN / "dist-infer"), "bench", "--model", model, "--tp", "2", "--batch", str(args.batch),
-           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--repeat", "3",
-           "--ladder-residual", ladder, "--shm", args.shm, "--native-kernels", args.native_kernels, "--json", *extra]
+    cmd = [
+        str(BIN / "dist-infer"),
+        "bench",
+        "--model",
+        model,
+        "--tp",
+        "2",
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--gen-len",
+        str(args.gen_len),
+        "--repeat",
+        "3",
+        "--ladder-residual",
+        ladder,
+        "--shm",
+        args.shm,
+        "--native-kernels",
+        args.native_kernels,
+        "--json",
+        *extra,
+    ]
     if args.hosts is not None:
         proc = args.hosts.run(cmd, timeout=1800)
     else:
@@ -85,14 +108,17 @@ def exposed_decode_s(model: str, ladder: str, args) -> dict:
     decode = report.get("decode", {})
     step = decode.get("t_base_s") or decode.get("t_overlap_s")
     nocomm = decode.get("t_nocomm_s")
-    return {"step_s": step, "nocomm_s": nocomm,
-            "exposed_s": None if step is None or nocomm is None else max(0.0, step - nocomm)}
+    return {
+        "step_s": step,
+        "nocomm_s": nocomm,
+        "exposed_s": None if step is None or nocomm is None else max(0.0, step - nocomm),
+    }
 
 
 def run_shape(model: str, args) -> dict:
     runs: dict = {"off": [], "all": []}
     for r in range(args.rounds):
-        for ladder in (("off", "all") if r % 2 == 0 else ("all", "off")):
+        for ladder in ("off", "all") if r % 2 == 0 else ("all", "off"):
             runs[ladder].append(bench(model, ladder, args))
     out = {}
     for ladder, results in runs.items():
@@ -101,8 +127,10 @@ def run_shape(model: str, args) -> dict:
         if args.overlap_report:
             out[ladder].update(exposed_decode_s(model, ladder, args))
     out["mode"] = mode(args)
-    out["ratios"] = {"decode_ladder_over_standard": out["all"]["decode_tok_s"] / out["off"]["decode_tok_s"],
-                     "prefill_ladder_over_standard": out["all"]["prefill_tok_s"] / out["off"]["prefill_tok_s"]}
+    out["ratios"] = {
+        "decode_ladder_over_standard": out["all"]["decode_tok_s"] / out["off"]["decode_tok_s"],
+        "prefill_ladder_over_standard": out["all"]["prefill_tok_s"] / out["off"]["prefill_tok_s"],
+    }
     return out
 
 
@@ -112,10 +140,17 @@ LINKS = {"off": "gloo TCP", "socket": "the group's own TCP links"}
 def mode(args) -> dict:
     """How the two ranks were placed and what joins them, recorded with each shape's results."""
     if args.hosts is None:
-        return {"hosts": "one", "link": LINKS[args.shm] + " over loopback" if args.shm != "auto"
-                else "shared memory where supported", "shm": args.shm}
-    return {"hosts": "two", "link": LINKS[args.shm] + " over a veth pair between two network namespaces",
-            "link_rate": args.link_rate or "unlimited (plain veth)", "shm": args.shm}
+        return {
+            "hosts": "one",
+            "link": LINKS[args.shm] + " over loopback" if args.shm != "auto" else "shared memory where supported",
+            "shm": args.shm,
+        }
+    return {
+        "hosts": "two",
+        "link": LINKS[args.shm] + " over a veth pair between two network namespaces",
+        "link_rate": args.link_rate or "unlimited (plain veth)",
+        "shm": args.shm,
+    }
 
 
 def main() -> int:
@@ -125,19 +160,37 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--shm", choices=("auto", "off", "socket"), default=None,
-                   help="off: the all-reduces over gloo's TCP path; socket: over the group's own TCP links (default: "
-                        "auto on one host, socket with --two-hosts)")
-    p.add_argument("--native-kernels", choices=("layers", "on"), default="layers",
-                   help="layers: both wirings call the native kernels layer by layer (the tables' setting); on: the "
-                        "standard residual's decode steps through decode_stack.c, which the ladder has not got")
-    p.add_argument("--two-hosts", action="store_true",
-                   help="the two ranks in two network namespaces joined by a veth pair, over TCP (--shm socket "
-                        "or off; needs root)")
-    p.add_argument("--link-rate", default=None,
-                   help="with --two-hosts: cap the veth at this rate (tc's units, e.g. 10gbit; default: no cap)")
-    p.add_argument("--overlap-report", choices=("on", "off"), default="on",
-                   help="also measure the exposed all-reduce time of a decode step (one extra run per setting)")
+    p.add_argument(
+        "--shm",
+        choices=("auto", "off", "socket"),
+        default=None,
+        help="off: the all-reduces over gloo's TCP path; socket: over the group's own TCP links (default: "
+        "auto on one host, socket with --two-hosts)",
+    )
+    p.add_argument(
+        "--native-kernels",
+        choices=("layers", "on"),
+        default="layers",
+        help="layers: both wirings call the native kernels layer by layer (the tables' setting); on: the "
+        "standard residual's decode steps through decode_stack.c, which the ladder has not got",
+    )
+    p.add_argument(
+        "--two-hosts",
+        action="store_true",
+        help="the two ranks in two network namespaces joined by a veth pair, over TCP (--shm socket "
+        "or off; needs root)",
+    )
+    p.add_argument(
+        "--link-rate",
+        default=None,
+        help="with --two-hosts: cap the veth at this rate (tc's units, e.g. 10gbit; default: no cap)",
+    )
+    p.add_argument(
+        "--overlap-report",
+        choices=("on", "off"),
+        default="on",
+        help="also measure the exposed all-reduce time of a decode step (one extra run per setting)",
+    )
     p.add_argument("--checkpoints", default=None, help="where the random checkpoints go (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -153,8 +206,10 @@ def main() -> int:
         except ValueError as exc:
             p.error(str(exc))
     if args.two_hosts and args.shm == "auto":
-        p.error("--two-hosts: the namespaces share a host name, so auto would share memory between them; "
-                "use --shm socket (what auto picks across real hosts) or off")
+        p.error(
+            "--two-hosts: the namespaces share a host name, so auto would share memory between them; "
+            "use --shm socket (what auto picks across real hosts) or off"
+        )
     args.shm = args.shm or ("socket" if args.two_hosts else "auto")
     root = Path(args.checkpoints or tempfile.mkdtemp(prefix="ladder-bench-"))
     print(f"uptime before: {os.getloadavg()}", flush=True)
@@ -162,8 +217,11 @@ def main() -> int:
     with ExitStack() as stack:
         args.hosts = stack.enter_context(two_hosts(args.link_rate)) if args.two_hosts else None
         if args.hosts is not None:
-            print(f"two hosts: namespaces {', '.join(args.hosts.names)} at {', '.join(args.hosts.addrs)}, "
-                  f"link rate {args.link_rate or 'unlimited'}", flush=True)
+            print(
+                f"two hosts: namespaces {', '.join(args.hosts.names)} at {', '.join(args.hosts.addrs)}, "
+                f"link rate {args.link_rate or 'unlimited'}",
+                flush=True,
+            )
         for name in names:
             results[name] = run_shape(write_checkpoint(root, name, SHAPES[name]), args)
             report(name, results[name])
@@ -174,10 +232,13 @@ def main() -> int:
 
 
 def report(name: str, r: dict) -> None:
-    print(f"{name}: decode tok/s standard {r['off']['decode_tok_s']:.1f} ladder {r['all']['decode_tok_s']:.1f} "
-          f"({r['ratios']['decode_ladder_over_standard']:.2f}x), prefill {r['off']['prefill_tok_s']:.0f} / "
-          f"{r['all']['prefill_tok_s']:.0f} ({r['ratios']['prefill_ladder_over_standard']:.2f}x); exposed "
-          f"all-reduce per decode step {r['off'].get('exposed_s')} -> {r['all'].get('exposed_s')} s", flush=True)
+    print(
+        f"{name}: decode tok/s standard {r['off']['decode_tok_s']:.1f} ladder {r['all']['decode_tok_s']:.1f} "
+        f"({r['ratios']['decode_ladder_over_standard']:.2f}x), prefill {r['off']['prefill_tok_s']:.0f} / "
+        f"{r['all']['prefill_tok_s']:.0f} ({r['ratios']['prefill_ladder_over_standard']:.2f}x); exposed "
+        f"all-reduce per decode step {r['off'].get('exposed_s')} -> {r['all'].get('exposed_s')} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

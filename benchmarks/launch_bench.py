@@ -20,14 +20,35 @@ def main(old: str, new: str, model: str) -> None:
             for n in (1, 2, 4):
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(path))  # children inherit it: the same code
                 t = time.perf_counter()
-                p = subprocess.run([sys.executable, "-m", "dist_infer", "generate", "--model", model, "--tp", str(n),
-                                    "--nproc", str(n), "--max-new-tokens", "4", "--prompt-ids", "1,2,3"],
-                                   env=env, capture_output=True, text=True, cwd="/tmp")
+                p = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dist_infer",
+                        "generate",
+                        "--model",
+                        model,
+                        "--tp",
+                        str(n),
+                        "--nproc",
+                        str(n),
+                        "--max-new-tokens",
+                        "4",
+                        "--prompt-ids",
+                        "1,2,3",
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    cwd="/tmp",
+                )
                 if p.returncode != 0:
                     raise SystemExit(f"{name} tp={n} failed: {p.stderr[-1000:]}")
                 res.setdefault((n, name), []).append(time.perf_counter() - t)
     for (n, name), v in sorted(res.items(), key=lambda kv: (kv[0][0], kv[0][1] != "before")):
-        print(f"tp={n} {name:7}: min {min(v):.2f} s, median {statistics.median(v):.2f} s ({', '.join(f'{x:.2f}' for x in v)})")
+        print(
+            f"tp={n} {name:7}: min {min(v):.2f} s, median {statistics.median(v):.2f} s ({', '.join(f'{x:.2f}' for x in v)})"
+        )
 
 
 if __name__ == "__main__":

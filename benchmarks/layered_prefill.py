@@ -36,13 +36,36 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {
     # Qwen1.5-MoE-A2.7B's pattern (60 experts, top-4, a shared expert) at a width this CPU runs
-    "qwen-moe": ("qwen2_moe", dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
-                                   num_key_value_heads=8, num_experts=60, num_experts_per_tok=4,
-                                   moe_intermediate_size=256, shared_expert_intermediate_size=1024,
-                                   intermediate_size=1024, norm_topk_prob=False, vocab_size=32000)),
+    "qwen-moe": (
+        "qwen2_moe",
+        dict(
+            hidden_size=512,
+            num_hidden_layers=12,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            num_experts=60,
+            num_experts_per_tok=4,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=1024,
+            intermediate_size=1024,
+            norm_topk_prob=False,
+            vocab_size=32000,
+        ),
+    ),
     # Mixtral's pattern (8 experts, top-2, no shared expert)
-    "mixtral": ("mixtral", dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
-                                num_local_experts=8, num_experts_per_tok=2, intermediate_size=1408, vocab_size=32000)),
+    "mixtral": (
+        "mixtral",
+        dict(
+            hidden_size=512,
+            num_hidden_layers=12,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=1408,
+            vocab_size=32000,
+        ),
+    ),
 }
 
 
@@ -67,8 +90,17 @@ def build(path: str, schedule: str, args):
     world = init_world("gloo")
     groups = build_groups(world, Mesh.build(Layout(), world.size))
     stage, _ = load_stage(path, groups, torch.float32, None)
-    engine = Engine(stage, groups, EngineConfig(block_size=16, num_blocks=args.kv_blocks, max_batched_tokens=args.budget,
-                                                max_num_seqs=64, prefill_schedule=schedule))
+    engine = Engine(
+        stage,
+        groups,
+        EngineConfig(
+            block_size=16,
+            num_blocks=args.kv_blocks,
+            max_batched_tokens=args.budget,
+            max_num_seqs=64,
+            prefill_schedule=schedule,
+        ),
+    )
     return engine, stage
 
 
@@ -81,8 +113,11 @@ def run_trace(engine, stage, args) -> dict:
     vocab = stage.cfg.vocab_size
     long_new = SamplingParams(max_new_tokens=args.long_new, stop_at_eos=False)
     for i in range(args.decodes):
-        engine.add_request(f"d{i}", torch.randint(3, vocab, (args.decode_prompt,), generator=gen).tolist(),
-                           SamplingParams(max_new_tokens=3000, stop_at_eos=False))
+        engine.add_request(
+            f"d{i}",
+            torch.randint(3, vocab, (args.decode_prompt,), generator=gen).tolist(),
+            SamplingParams(max_new_tokens=3000, stop_at_eos=False),
+        )
     while len(engine.scheduler.running) < args.decodes or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()
     stage.reset_routing_stats()
@@ -114,16 +149,35 @@ def run_trace(engine, stage, args) -> dict:
         engine.step()
     reads = sum(s.expert_reads["prompt"] for s in stage.routing_stats().values())
     gaps.sort()
-    return {"expert_bytes_per_prompt": reads * expert_bytes(stage.cfg, stage.dtype) / args.prompts,
-            "itl_p50_s": gaps[len(gaps) // 2], "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
-            "ttft_s": statistics.median(first[k] - arrivals[k] for k in arrivals), "tokens_per_s": tokens / elapsed,
-            "gaps": len(gaps), "elapsed_s": elapsed}
+    return {
+        "expert_bytes_per_prompt": reads * expert_bytes(stage.cfg, stage.dtype) / args.prompts,
+        "itl_p50_s": gaps[len(gaps) // 2],
+        "itl_p99_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+        "ttft_s": statistics.median(first[k] - arrivals[k] for k in arrivals),
+        "tokens_per_s": tokens / elapsed,
+        "gaps": len(gaps),
+        "elapsed_s": elapsed,
+    }
 
 
 def predicted(path: str, args) -> dict:
-    cmd = [str(BIN / "dist-infer"), "plan", "--model", path, "--gpus", "1", "--profile",
-           str(REPO / "docs" / "profiles" / "cpu2-vm.json"), "--prompt-len", str(args.prompt_len),
-           "--max-batched-tokens", str(args.budget), "--running-decodes", str(args.decodes), "--json"]
+    cmd = [
+        str(BIN / "dist-infer"),
+        "plan",
+        "--model",
+        path,
+        "--gpus",
+        "1",
+        "--profile",
+        str(REPO / "docs" / "profiles" / "cpu2-vm.json"),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--max-batched-tokens",
+        str(args.budget),
+        "--running-decodes",
+        str(args.decodes),
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         return {"error": out.stdout[-2000:] + out.stderr[-2000:]}
@@ -140,10 +194,26 @@ def one_schedule(path: str, schedule: str, args) -> dict:
 
 
 def child_flags(args) -> list[str]:
-    return ["--budget", str(args.budget), "--prompt-len", str(args.prompt_len), "--prompts", str(args.prompts),
-            "--decodes", str(args.decodes), "--decode-prompt", str(args.decode_prompt), "--interval",
-            str(args.interval), "--long-new", str(args.long_new), "--kv-blocks", str(args.kv_blocks),
-            "--threads", str(args.threads)]
+    return [
+        "--budget",
+        str(args.budget),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--prompts",
+        str(args.prompts),
+        "--decodes",
+        str(args.decodes),
+        "--decode-prompt",
+        str(args.decode_prompt),
+        "--interval",
+        str(args.interval),
+        "--long-new",
+        str(args.long_new),
+        "--kv-blocks",
+        str(args.kv_blocks),
+        "--threads",
+        str(args.threads),
+    ]
 
 
 def main() -> None:
@@ -176,14 +246,24 @@ def main() -> None:
             runs[schedule].append(one_schedule(path, schedule, args))
             print(f"round {r + 1} {schedule}: {json.dumps(runs[schedule][-1])}", flush=True)
     med = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in runs.items()}
-    ratio = {k: med["layered"][k] / med["chunked"][k] for k in ("expert_bytes_per_prompt", "itl_p50_s", "itl_p99_s",
-                                                                "ttft_s", "tokens_per_s")}
-    result = {"shape": args.shape, "flags": vars(args), "median": med, "layered_over_chunked": ratio,
-              "runs": runs, "predicted": predicted(path, args)}
+    ratio = {
+        k: med["layered"][k] / med["chunked"][k]
+        for k in ("expert_bytes_per_prompt", "itl_p50_s", "itl_p99_s", "ttft_s", "tokens_per_s")
+    }
+    result = {
+        "shape": args.shape,
+        "flags": vars(args),
+        "median": med,
+        "layered_over_chunked": ratio,
+        "runs": runs,
+        "predicted": predicted(path, args),
+    }
     for s in ("chunked", "layered"):
         m = med[s]
-        print(f"{s:<8} expert MiB/prompt {m['expert_bytes_per_prompt'] / 2**20:8.1f}  ITL p50 {m['itl_p50_s'] * 1e3:6.1f} ms"
-              f"  p99 {m['itl_p99_s'] * 1e3:6.1f} ms  TTFT {m['ttft_s'] * 1e3:7.0f} ms  {m['tokens_per_s']:6.1f} tok/s")
+        print(
+            f"{s:<8} expert MiB/prompt {m['expert_bytes_per_prompt'] / 2**20:8.1f}  ITL p50 {m['itl_p50_s'] * 1e3:6.1f} ms"
+            f"  p99 {m['itl_p99_s'] * 1e3:6.1f} ms  TTFT {m['ttft_s'] * 1e3:7.0f} ms  {m['tokens_per_s']:6.1f} tok/s"
+        )
     print("layered / chunked: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items()))
     print(f"predicted: {json.dumps(result['predicted'])}")
     if args.out:

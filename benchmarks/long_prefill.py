@@ -26,8 +26,13 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
-LABELS = {"cp2": "ours, cp=2 (2 ranks)", "one": "ours, one process", "hf": "HF transformers (sdpa)",
-          "deepspeed": "DeepSpeed AutoTP tp=2", "deepspeed-1": "DeepSpeed-Inference, 1 rank"}
+LABELS = {
+    "cp2": "ours, cp=2 (2 ranks)",
+    "one": "ours, one process",
+    "hf": "HF transformers (sdpa)",
+    "deepspeed": "DeepSpeed AutoTP tp=2",
+    "deepspeed-1": "DeepSpeed-Inference, 1 rank",
+}
 RANKS = {"cp2": 2, "one": 1, "hf": 1, "deepspeed": 2, "deepspeed-1": 1}
 
 
@@ -46,14 +51,49 @@ def _prompt_file(work: Path, length: int, vocab: int) -> Path:
 def _command(system: str, model: str, length: int, prompt: Path, out_json: Path, timeout: float) -> list[str]:
     if system in ("cp2", "one"):
         flags = ["--cp", "2"] if system == "cp2" else ["--nproc", "1"]
-        return [str(BIN / "dist-infer"), "generate", "--model", model, "--prompt-ids", f"@{prompt}",
-                "--max-new-tokens", "2", "--no-eos-stop", "--json", "--timeout", str(timeout), *flags]
-    peer = ["-m", "dist_infer.bench.peers", "--peer", system.split("-")[0], "--model", model, "--batch", "1",
-            "--prompt-len", str(length), "--gen-len", "2", "--json-out", str(out_json), "--timeout", str(timeout)]
+        return [
+            str(BIN / "dist-infer"),
+            "generate",
+            "--model",
+            model,
+            "--prompt-ids",
+            f"@{prompt}",
+            "--max-new-tokens",
+            "2",
+            "--no-eos-stop",
+            "--json",
+            "--timeout",
+            str(timeout),
+            *flags,
+        ]
+    peer = [
+        "-m",
+        "dist_infer.bench.peers",
+        "--peer",
+        system.split("-")[0],
+        "--model",
+        model,
+        "--batch",
+        "1",
+        "--prompt-len",
+        str(length),
+        "--gen-len",
+        "2",
+        "--json-out",
+        str(out_json),
+        "--timeout",
+        str(timeout),
+    ]
     if system == "hf":
         return [sys.executable, *peer]
-    return [str(BIN / "torchrun"), "--nproc-per-node", str(RANKS[system]), "--master-port", str(29700 + length % 200),
-            *peer]
+    return [
+        str(BIN / "torchrun"),
+        "--nproc-per-node",
+        str(RANKS[system]),
+        "--master-port",
+        str(29700 + length % 200),
+        *peer,
+    ]
 
 
 def _parse(system: str, proc: subprocess.CompletedProcess, out_json: Path) -> dict:
@@ -62,15 +102,23 @@ def _parse(system: str, proc: subprocess.CompletedProcess, out_json: Path) -> di
         if proc.returncode != 0 or not lines:
             return {"ok": False, "error": proc.stderr[-600:]}
         out = json.loads(lines[-1])
-        return {"ok": True, "prefill_s": out["timing"]["ttft_s"], "peak_rss_mb_per_rank": out["memory"]["peak_rss_mb_per_rank"],
-                "token_ids": out["outputs"][0]["token_ids"]}
+        return {
+            "ok": True,
+            "prefill_s": out["timing"]["ttft_s"],
+            "peak_rss_mb_per_rank": out["memory"]["peak_rss_mb_per_rank"],
+            "token_ids": out["outputs"][0]["token_ids"],
+        }
     if not out_json.exists():
         return {"ok": False, "error": proc.stderr[-600:]}
     m = json.loads(out_json.read_text())
     if not m.get("ok"):
         return {"ok": False, "error": m.get("error") or proc.stderr[-600:]}
-    return {"ok": True, "prefill_s": m["ttft_s"], "peak_rss_mb_per_rank": [m["peak_rss_mb"]] * RANKS[system],
-            "token_ids": m["token_ids"][0]}
+    return {
+        "ok": True,
+        "prefill_s": m["ttft_s"],
+        "peak_rss_mb_per_rank": [m["peak_rss_mb"]] * RANKS[system],
+        "token_ids": m["token_ids"][0],
+    }
 
 
 def run_one(system: str, model: str, length: int, work: Path, mem_cap_gib: float, timeout: float) -> dict:
@@ -87,12 +135,19 @@ def run_one(system: str, model: str, length: int, work: Path, mem_cap_gib: float
         result = _parse(system, proc, out_json)
     except subprocess.TimeoutExpired:
         result = {"ok": False, "error": f"not done within {timeout:.0f} s"}
-    result.update(system=system, prompt_len=length, wall_s=time.perf_counter() - t0,
-                  loadavg_1m=[before, _loadavg()], mem_cap_gib_per_rank=cap / 2**30)
+    result.update(
+        system=system,
+        prompt_len=length,
+        wall_s=time.perf_counter() - t0,
+        loadavg_1m=[before, _loadavg()],
+        mem_cap_gib_per_rank=cap / 2**30,
+    )
     if not result["ok"]:
         text = result["error"]
-        result["out_of_memory"] = any(s in text for s in ("can't allocate memory", "CPUAllocator", "MemoryError",
-                                                          "Cannot allocate memory", "out of memory"))
+        result["out_of_memory"] = any(
+            s in text
+            for s in ("can't allocate memory", "CPUAllocator", "MemoryError", "Cannot allocate memory", "out of memory")
+        )
     return result
 
 
@@ -109,8 +164,13 @@ def plot(results: list[dict], path: str) -> None:
             continue
         xs = [r["prompt_len"] for r in done]
         line = ax_t.plot(xs, [r["prefill_s"] for r in done], "o-", label=LABELS[system])[0]
-        ax_m.plot(xs, [max(r["peak_rss_mb_per_rank"]) / 1024 for r in done], "o-", color=line.get_color(),
-                  label=LABELS[system])
+        ax_m.plot(
+            xs,
+            [max(r["peak_rss_mb_per_rank"]) / 1024 for r in done],
+            "o-",
+            color=line.get_color(),
+            label=LABELS[system],
+        )
         failed = [r for r in results if r["system"] == system and not r["ok"]]
         for r in failed:
             why = "out of memory" if r.get("out_of_memory") else "timed out" if "within" in r["error"] else "failed"
@@ -136,7 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--mem-cap-gib", type=float, default=20.0, help="address-space cap of a run, split over its ranks")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--out", required=True, help="results JSON (one record per system and length)")
-    p.add_argument("--merge", default=None, help="earlier results JSON to keep (the same system and length is replaced)")
+    p.add_argument(
+        "--merge", default=None, help="earlier results JSON to keep (the same system and length is replaced)"
+    )
     p.add_argument("--plot", default=None, help="PNG: prefill time and peak memory vs prompt length")
     p.add_argument("--no-run", action="store_true", help="run nothing: write --merge's results to --out and plot them")
     args = p.parse_args(argv)

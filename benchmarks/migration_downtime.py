@@ -36,10 +36,32 @@ MOVE_AFTER = 8  # tokens before the migration is forced
 def start_server(args, workdir: Path) -> tuple[subprocess.Popen, str]:
     ready = workdir / "ready.json"
     log = open(workdir / "serve.log", "w")
-    cmd = [sys.executable, "-m", "dist_infer", "serve", "--model", args.model, "--instances", args.instances,
-           "--block-size", "16", "--kv-blocks", str(args.kv_blocks), "--max-batched-tokens", str(args.chunk),
-           "--migrate-interval", "0", "--port", "0", "--ready-file", str(ready), "--timeout", "600",
-           "--migration-timeout", "600"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dist_infer",
+        "serve",
+        "--model",
+        args.model,
+        "--instances",
+        args.instances,
+        "--block-size",
+        "16",
+        "--kv-blocks",
+        str(args.kv_blocks),
+        "--max-batched-tokens",
+        str(args.chunk),
+        "--migrate-interval",
+        "0",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--timeout",
+        "600",
+        "--migration-timeout",
+        "600",
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while not ready.exists() or not ready.read_text().strip():
@@ -66,11 +88,16 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], mode: str)
                 insts = (await client.get(url + "/admin/instances")).json()["instances"]
                 src = next(i["index"] for i in insts if event["id"] in i["requests"])
                 moved_at = len(times)
-                move = asyncio.create_task(client.post(url + "/admin/migrate", timeout=3600, json={
-                    "request_id": event["id"], "to_instance": 1 - src, "mode": mode}))
+                move = asyncio.create_task(
+                    client.post(
+                        url + "/admin/migrate",
+                        timeout=3600,
+                        json={"request_id": event["id"], "to_instance": 1 - src, "mode": mode},
+                    )
+                )
     result = (await move).json()
-    gaps = [b - a for a, b in zip(times[moved_at - 1:], times[moved_at:])]
-    steady = [b - a for a, b in zip(times[1:moved_at - 1], times[2:moved_at])]
+    gaps = [b - a for a, b in zip(times[moved_at - 1 :], times[moved_at:])]
+    steady = [b - a for a, b in zip(times[1 : moved_at - 1], times[2:moved_at])]
     return {"stall_s": max(gaps), "token_gap_s": statistics.median(steady), "server": result.get("migration", result)}
 
 
@@ -89,10 +116,14 @@ async def run(args) -> list[dict]:
                         samples.append(await one(client, url, prompt, mode))
                     stalls = sorted(s["stall_s"] for s in samples)
                     server = [s["server"] for s in samples]
-                    row = {"context": context, "mode": mode, "stall_ms": 1e3 * statistics.median(stalls),
-                           "stall_ms_all": [round(1e3 * x, 1) for x in stalls],
-                           "token_gap_ms": 1e3 * statistics.median(s["token_gap_s"] for s in samples),
-                           "outcomes": [s.get("outcome") for s in server]}
+                    row = {
+                        "context": context,
+                        "mode": mode,
+                        "stall_ms": 1e3 * statistics.median(stalls),
+                        "stall_ms_all": [round(1e3 * x, 1) for x in stalls],
+                        "token_gap_ms": 1e3 * statistics.median(s["token_gap_s"] for s in samples),
+                        "outcomes": [s.get("outcome") for s in server],
+                    }
                     if mode == "live":
                         row["server_downtime_ms"] = 1e3 * statistics.median(s["downtime_s"] for s in server)
                         row["extra_stall_ms"] = row["stall_ms"] - row["token_gap_ms"]
@@ -110,14 +141,19 @@ async def run(args) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     by = {(r["context"], r["mode"]): r for r in rows}
-    out = ["| context | token gap ms | live stall ms | stall - gap ms | server downtime ms | stages | KV moved MB | MB/s | "
-           "recompute stall ms | recompute / live |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| context | token gap ms | live stall ms | stall - gap ms | server downtime ms | stages | KV moved MB | MB/s | "
+        "recompute stall ms | recompute / live |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for context in sorted({r["context"] for r in rows}):
         live, rec = by[(context, "live")], by[(context, "recompute")]
-        out.append(f"| {context} | {live['token_gap_ms']:.1f} | {live['stall_ms']:.1f} | {live['extra_stall_ms']:.1f} | "
-                   f"{live['server_downtime_ms']:.1f} | {live['stages']:.0f} | "
-                   f"{live['mb']:.1f} | {live['mb_per_s']:.0f} | {rec['stall_ms']:.1f} | "
-                   f"**{rec['stall_ms'] / live['stall_ms']:.1f}** |")
+        out.append(
+            f"| {context} | {live['token_gap_ms']:.1f} | {live['stall_ms']:.1f} | {live['extra_stall_ms']:.1f} | "
+            f"{live['server_downtime_ms']:.1f} | {live['stages']:.0f} | "
+            f"{live['mb']:.1f} | {live['mb_per_s']:.0f} | {rec['stall_ms']:.1f} | "
+            f"**{rec['stall_ms'] / live['stall_ms']:.1f}** |"
+        )
     return "\n".join(out)
 
 

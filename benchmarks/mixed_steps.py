@@ -39,8 +39,9 @@ def timed_steps(engine: Engine, until) -> list[float]:
 
 
 def one_chunk_size(stage, groups, ids, chunk: int, decodes: int, prompt_len: int) -> dict:
-    engine = Engine(stage, groups, EngineConfig(block_size=16, num_blocks=64 * (decodes + 2),
-                                                max_batched_tokens=chunk + decodes))
+    engine = Engine(
+        stage, groups, EngineConfig(block_size=16, num_blocks=64 * (decodes + 2), max_batched_tokens=chunk + decodes)
+    )
     for i in range(decodes):
         engine.add_request(f"d{i}", ids(256), SamplingParams(max_new_tokens=256, stop_at_eos=False))
     timed_steps(engine, lambda: sum(bool(r.output_token_ids) for r in engine.scheduler.running) >= decodes)
@@ -51,13 +52,20 @@ def one_chunk_size(stage, groups, ids, chunk: int, decodes: int, prompt_len: int
         decode_only.append(time.perf_counter() - start)
     prompt = engine.add_request("p", ids(prompt_len), SamplingParams(max_new_tokens=1, stop_at_eos=False))
     mixed = timed_steps(engine, lambda: bool(prompt.output_token_ids))
-    return {"chunk": chunk, "steps": len(mixed), "prompt_ms": 1e3 * sum(mixed),
-            "mixed_step_ms": 1e3 * statistics.median(mixed), "decode_step_ms": 1e3 * statistics.median(decode_only)}
+    return {
+        "chunk": chunk,
+        "steps": len(mixed),
+        "prompt_ms": 1e3 * sum(mixed),
+        "mixed_step_ms": 1e3 * statistics.median(mixed),
+        "decode_step_ms": 1e3 * statistics.median(decode_only),
+    }
 
 
 def prompt_alone(stage, groups, ids, prompt_len: int, budget: int = 4096, repeat: int = 3) -> list[float]:
     """ms of each step of a prompt computed alone, `budget` tokens a step (the fastest of `repeat`)."""
-    engine = Engine(stage, groups, EngineConfig(block_size=16, num_blocks=prompt_len // 16 + 8, max_batched_tokens=budget))
+    engine = Engine(
+        stage, groups, EngineConfig(block_size=16, num_blocks=prompt_len // 16 + 8, max_batched_tokens=budget)
+    )
     best = None
     for i in range(repeat):
         r = engine.add_request(f"q{i}", ids(prompt_len), SamplingParams(max_new_tokens=1, stop_at_eos=False))
@@ -75,8 +83,12 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2, help="rounds, each running both modes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--long-prompt", type=int, default=0,
-                   help="also a prompt of this many tokens alone in 256-token chunks (attention over long context)")
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="also a prompt of this many tokens alone in 256-token chunks (attention over long context)",
+    )
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args()
     if args.threads:
@@ -95,26 +107,52 @@ def main() -> int:
         for mode in ("on", "layers"):
             stage.native_decode_stack, stage.decode_stack_cache = mode == "on", None
             for chunk in (int(c) for c in args.chunks.split(",")):
-                rows.append({"round": rnd, "mode": mode, **one_chunk_size(stage, groups, ids, chunk, args.decodes,
-                                                                          args.prompt_len)})
-            rows.append({"round": rnd, "mode": mode, "chunk": "alone",
-                         "prompt_ms": sum(prompt_alone(stage, groups, ids, args.prompt_len))})
+                rows.append(
+                    {
+                        "round": rnd,
+                        "mode": mode,
+                        **one_chunk_size(stage, groups, ids, chunk, args.decodes, args.prompt_len),
+                    }
+                )
+            rows.append(
+                {
+                    "round": rnd,
+                    "mode": mode,
+                    "chunk": "alone",
+                    "prompt_ms": sum(prompt_alone(stage, groups, ids, args.prompt_len)),
+                }
+            )
             if args.long_prompt:
                 steps = prompt_alone(stage, groups, ids, args.long_prompt, budget=256, repeat=1)
-                rows.append({"round": rnd, "mode": mode, "chunk": f"{args.long_prompt} in 256s", "steps": len(steps),
-                             "prompt_ms": sum(steps), "mixed_step_ms": steps[-1], "decode_step_ms": float("nan")})
-    print(f"| mode | chunk | steps | prompt total ms | mixed step ms (median) | decode-only step ms |  "
-          f"({torch.get_num_threads()} threads, {args.decodes} decodes, {args.prompt_len}-token prompt)")
+                rows.append(
+                    {
+                        "round": rnd,
+                        "mode": mode,
+                        "chunk": f"{args.long_prompt} in 256s",
+                        "steps": len(steps),
+                        "prompt_ms": sum(steps),
+                        "mixed_step_ms": steps[-1],
+                        "decode_step_ms": float("nan"),
+                    }
+                )
+    print(
+        f"| mode | chunk | steps | prompt total ms | mixed step ms (median) | decode-only step ms |  "
+        f"({torch.get_num_threads()} threads, {args.decodes} decodes, {args.prompt_len}-token prompt)"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if r["chunk"] == "alone":
             print(f"| {r['mode']} (round {r['round']}) | alone | 1 | {r['prompt_ms']:.0f} | | |")
         elif isinstance(r["chunk"], str):  # the long prompt: its last chunk attends to the most context
-            print(f"| {r['mode']} (round {r['round']}) | {r['chunk']} | {r['steps']} | {r['prompt_ms']:.0f} | "
-                  f"last {r['mixed_step_ms']:.1f} | |")
+            print(
+                f"| {r['mode']} (round {r['round']}) | {r['chunk']} | {r['steps']} | {r['prompt_ms']:.0f} | "
+                f"last {r['mixed_step_ms']:.1f} | |"
+            )
         else:
-            print(f"| {r['mode']} (round {r['round']}) | {r['chunk']} | {r['steps']} | {r['prompt_ms']:.0f} | "
-                  f"{r['mixed_step_ms']:.1f} | {r['decode_step_ms']:.1f} |")
+            print(
+                f"| {r['mode']} (round {r['round']}) | {r['chunk']} | {r['steps']} | {r['prompt_ms']:.0f} | "
+                f"{r['mixed_step_ms']:.1f} | {r['decode_step_ms']:.1f} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

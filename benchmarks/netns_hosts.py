@@ -68,10 +68,27 @@ class TwoHosts:
         try:
             for k, ns in enumerate(self.names):
                 logs.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
-                argv = ["ip", "netns", "exec", ns, str(BIN / "dist-infer"), "launch", "--hostfile", str(self.hostfile),
-                        "--node-rank", str(k), "--master-port", str(self._port), "--", *command]
-                procs.append(subprocess.Popen(argv, stdout=logs[-1][0], stderr=logs[-1][1], env=env, text=True,
-                                              start_new_session=True))
+                argv = [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    str(BIN / "dist-infer"),
+                    "launch",
+                    "--hostfile",
+                    str(self.hostfile),
+                    "--node-rank",
+                    str(k),
+                    "--master-port",
+                    str(self._port),
+                    "--",
+                    *command,
+                ]
+                procs.append(
+                    subprocess.Popen(
+                        argv, stdout=logs[-1][0], stderr=logs[-1][1], env=env, text=True, start_new_session=True
+                    )
+                )
             code = _wait_all(procs, timeout)
         finally:
             _stop(procs)
@@ -118,8 +135,24 @@ def _limit_rate(ns: str, veth: str, rate: str) -> None:
     """A tbf of `rate` on `veth`'s egress, with a bucket of 1 ms of traffic (at least 64 KiB, so one
     GSO packet fits) and up to 50 ms of queue."""
     burst = max(rate_bits_per_s(rate) // 8 // 1000, 65536)
-    _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate,
-        "burst", str(burst), "latency", "50ms")
+    _ip(
+        "netns",
+        "exec",
+        ns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        veth,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        str(burst),
+        "latency",
+        "50ms",
+    )
 
 
 @contextmanager

@@ -31,8 +31,11 @@ def same_tokens(url: str, prompts: list[list[int]], max_tokens: int) -> list[lis
     """Greedy token ids of `prompts`, one after another (what 'same tokens' compares across servers)."""
     out = []
     for prompt in prompts:
-        r = httpx.post(url + "/v1/completions", timeout=600, json={
-            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=600,
+            json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        )
         r.raise_for_status()
         out.append(r.json()["choices"][0]["token_ids"])
     return out
@@ -40,10 +43,28 @@ def same_tokens(url: str, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 def shared(model: str, log_dir: Path, args, vocab: int) -> dict:
     rng = random.Random(7)
-    stream = ["--dataset", "prefix", "--num-prefixes", "1", "--prefix-len", str(PREFIX_LEN), "--suffix-len",
-              str(SUFFIX_LEN), "--output-len", str(args.output_len), "--prompt-ids", "--ignore-eos", "--seed", "1",
-              "--vocab-size", str(vocab), "--num-prompts", str(args.num_prompts),
-              "--max-concurrency", str(args.concurrency)]
+    stream = [
+        "--dataset",
+        "prefix",
+        "--num-prefixes",
+        "1",
+        "--prefix-len",
+        str(PREFIX_LEN),
+        "--suffix-len",
+        str(SUFFIX_LEN),
+        "--output-len",
+        str(args.output_len),
+        "--prompt-ids",
+        "--ignore-eos",
+        "--seed",
+        "1",
+        "--vocab-size",
+        str(vocab),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+    ]
     system = [rng.randrange(3, vocab) for _ in range(PREFIX_LEN)]
     check = [system + [rng.randrange(3, vocab) for _ in range(SUFFIX_LEN)] for _ in range(4)]
     tokens: dict = {}  # after each stream, the greedy ids of the same `check` prompts
@@ -51,30 +72,65 @@ def shared(model: str, log_dir: Path, args, vocab: int) -> dict:
     def record_tokens(name, server):
         tokens[name] = same_tokens(server.url, check, 16)
 
-    results = run_pair([(name, lambda n, port, d, f=flag: ours(n, model, port, d, "--prefix-caching", f, *args.extra))
-                        for name, flag in (("caching-off", "off"), ("caching-on", "on"))], stream, log_dir,
-                       after=record_tokens)
+    results = run_pair(
+        [
+            (name, lambda n, port, d, f=flag: ours(n, model, port, d, "--prefix-caching", f, *args.extra))
+            for name, flag in (("caching-off", "off"), ("caching-on", "on"))
+        ],
+        stream,
+        log_dir,
+        after=record_tokens,
+    )
     on, off = results["caching-on"], results["caching-off"]
-    results["ratios"] = {"ttft_p50_on_over_off": on["ttft_ms"]["median"] / off["ttft_ms"]["median"],
-                         "throughput_on_over_off": on["output_throughput"] / off["output_throughput"],
-                         "same_tokens": tokens["caching-on"] == tokens["caching-off"]}
+    results["ratios"] = {
+        "ttft_p50_on_over_off": on["ttft_ms"]["median"] / off["ttft_ms"]["median"],
+        "throughput_on_over_off": on["output_throughput"] / off["output_throughput"],
+        "same_tokens": tokens["caching-on"] == tokens["caching-off"],
+    }
     return results
 
 
 def dispatch(model: str, log_dir: Path, args, vocab: int) -> dict:
     n = args.num_prompts
-    stream = ["--dataset", "prefix", "--num-prefixes", "8", "--prefix-len", str(PREFIX_LEN), "--suffix-len",
-              str(SUFFIX_LEN), "--output-len", str(args.output_len), "--prompt-ids", "--ignore-eos", "--seed", "1",
-              "--vocab-size", str(vocab), "--num-prompts", str(n), "--request-rate", str(args.request_rate)]
+    stream = [
+        "--dataset",
+        "prefix",
+        "--num-prefixes",
+        "8",
+        "--prefix-len",
+        str(PREFIX_LEN),
+        "--suffix-len",
+        str(SUFFIX_LEN),
+        "--output-len",
+        str(args.output_len),
+        "--prompt-ids",
+        "--ignore-eos",
+        "--seed",
+        "1",
+        "--vocab-size",
+        str(vocab),
+        "--num-prompts",
+        str(n),
+        "--request-rate",
+        str(args.request_rate),
+    ]
     fleet = ["--instances", "tp1,tp1", "--kv-blocks", str(args.kv_blocks), "--migrate-interval", "0", *args.extra]
-    results = run_pair([(policy, lambda name, port, d, p=policy: ours(name, model, port, d, *fleet, "--dispatch", p))
-                        for policy in ("load", "prefix")], stream, log_dir)
+    results = run_pair(
+        [
+            (policy, lambda name, port, d, p=policy: ours(name, model, port, d, *fleet, "--dispatch", p))
+            for policy in ("load", "prefix")
+        ],
+        stream,
+        log_dir,
+    )
     ideal = (n - 8) * PREFIX_LEN / (n * (PREFIX_LEN + SUFFIX_LEN))  # every request after its prefix's first hits it
     pre, load = results["prefix"], results["load"]
     results["ideal_hit_rate"] = ideal
-    results["ratios"] = {"ttft_p99_prefix_over_load": pre["ttft_ms"]["p99"] / load["ttft_ms"]["p99"],
-                         "hit_rate_prefix_over_ideal": (pre.get("prefix_cache_hit_rate") or 0.0) / ideal,
-                         "hit_rate_load_over_ideal": (load.get("prefix_cache_hit_rate") or 0.0) / ideal}
+    results["ratios"] = {
+        "ttft_p99_prefix_over_load": pre["ttft_ms"]["p99"] / load["ttft_ms"]["p99"],
+        "hit_rate_prefix_over_ideal": (pre.get("prefix_cache_hit_rate") or 0.0) / ideal,
+        "hit_rate_load_over_ideal": (load.get("prefix_cache_hit_rate") or 0.0) / ideal,
+    }
     return results
 
 
@@ -91,8 +147,9 @@ def _move(client: httpx.Client, url: str, prompt: list[int], after: int = 8) -> 
             if result is None and seen >= after:
                 insts = client.get(url + "/admin/instances").json()["instances"]
                 src = next(i["index"] for i in insts if event["id"] in i["requests"])
-                result = client.post(url + "/admin/migrate", timeout=600,
-                                     json={"request_id": event["id"], "to_instance": 1 - src}).json()
+                result = client.post(
+                    url + "/admin/migrate", timeout=600, json={"request_id": event["id"], "to_instance": 1 - src}
+                ).json()
     return result.get("migration", result)
 
 
@@ -102,8 +159,21 @@ def migration(model: str, log_dir: Path, args, vocab: int) -> dict:
     instance has seen (cold), the same lengths."""
     rng = random.Random(3)
     system = [rng.randrange(3, vocab) for _ in range(PREFIX_LEN)]
-    server = ours("migration", model, free_port(), log_dir, "--instances", "tp1,tp1", "--dispatch", "rr",
-                  "--migrate-interval", "0", "--kv-blocks", "600", *args.extra)
+    server = ours(
+        "migration",
+        model,
+        free_port(),
+        log_dir,
+        "--instances",
+        "tp1,tp1",
+        "--dispatch",
+        "rr",
+        "--migrate-interval",
+        "0",
+        "--kv-blocks",
+        "600",
+        *args.extra,
+    )
     rows: dict = {"warm": [], "cold": []}
     try:
         with httpx.Client() as client:
@@ -112,30 +182,62 @@ def migration(model: str, log_dir: Path, args, vocab: int) -> dict:
             for _ in range(args.repeat):
                 for kind in ("warm", "cold"):
                     prefix = system if kind == "warm" else [rng.randrange(3, vocab) for _ in range(PREFIX_LEN)]
-                    rows[kind].append(_move(client, server.url, prefix + [rng.randrange(3, vocab) for _ in range(SUFFIX_LEN)]))
+                    rows[kind].append(
+                        _move(client, server.url, prefix + [rng.randrange(3, vocab) for _ in range(SUFFIX_LEN)])
+                    )
     finally:
         server.stop()
     summary = {}
     for kind, moves in rows.items():
         assert all(m["outcome"] == "ok" for m in moves), moves
-        summary[kind] = {"bytes": statistics.median(m["bytes"] for m in moves),
-                         "blocks": statistics.median(m["blocks"] for m in moves),
-                         "held_blocks": statistics.median(m["held_blocks"] for m in moves),
-                         "downtime_ms": statistics.median(1e3 * m["downtime_s"] for m in moves),
-                         "downtime_ms_all": [round(1e3 * m["downtime_s"], 1) for m in moves]}
+        summary[kind] = {
+            "bytes": statistics.median(m["bytes"] for m in moves),
+            "blocks": statistics.median(m["blocks"] for m in moves),
+            "held_blocks": statistics.median(m["held_blocks"] for m in moves),
+            "downtime_ms": statistics.median(1e3 * m["downtime_s"] for m in moves),
+            "downtime_ms_all": [round(1e3 * m["downtime_s"], 1) for m in moves],
+        }
         print(f"{kind}: {summary[kind]}", flush=True)
-    summary["ratios"] = {"bytes_warm_over_cold": summary["warm"]["bytes"] / summary["cold"]["bytes"],
-                         "downtime_warm_over_cold": summary["warm"]["downtime_ms"] / summary["cold"]["downtime_ms"]}
+    summary["ratios"] = {
+        "bytes_warm_over_cold": summary["warm"]["bytes"] / summary["cold"]["bytes"],
+        "downtime_warm_over_cold": summary["warm"]["downtime_ms"] / summary["cold"]["downtime_ms"],
+    }
     return summary
 
 
 def multiturn(model: str, log_dir: Path, args, vocab: int) -> dict:
-    stream = ["--dataset", "multiturn", "--turns", "5", "--prefix-len", "256", "--num-prefixes", "8",
-              "--suffix-len", str(SUFFIX_LEN), "--output-len", str(args.output_len), "--prompt-ids", "--ignore-eos",
-              "--seed", "1", "--vocab-size", str(vocab), "--num-prompts", str(args.num_prompts),
-              "--request-rate", str(args.request_rate)]
-    results = run_pair([(name, lambda n, port, d, f=flag: ours(n, model, port, d, "--prefix-caching", f, *args.extra))
-                        for name, flag in (("caching-off", "off"), ("caching-on", "on"))], stream, log_dir)
+    stream = [
+        "--dataset",
+        "multiturn",
+        "--turns",
+        "5",
+        "--prefix-len",
+        "256",
+        "--num-prefixes",
+        "8",
+        "--suffix-len",
+        str(SUFFIX_LEN),
+        "--output-len",
+        str(args.output_len),
+        "--prompt-ids",
+        "--ignore-eos",
+        "--seed",
+        "1",
+        "--vocab-size",
+        str(vocab),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        str(args.request_rate),
+    ]
+    results = run_pair(
+        [
+            (name, lambda n, port, d, f=flag: ours(n, model, port, d, "--prefix-caching", f, *args.extra))
+            for name, flag in (("caching-off", "off"), ("caching-on", "on"))
+        ],
+        stream,
+        log_dir,
+    )
     ratios = {}
     for name in ("caching-off", "caching-on"):
         by_turn = results[name]["ttft_ms_by_turn"]
@@ -156,8 +258,12 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4, help="shared: requests in flight at once")
     p.add_argument("--request-rate", type=float, default=1.0, help="dispatch, multiturn: Poisson requests per second")
     p.add_argument("--output-len", type=int, default=32, help="tokens each request generates")
-    p.add_argument("--kv-blocks", type=int, default=512,
-                   help="dispatch: KV blocks per instance (16 tokens): 512 holds 8 prefixes only with nothing running")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=512,
+        help="dispatch: KV blocks per instance (16 tokens): 512 holds 8 prefixes only with nothing running",
+    )
     p.add_argument("--repeat", type=int, default=3, help="migration: moves of each kind (medians reported)")
     p.add_argument("--flags", default="", help="extra flags for our server")
     p.add_argument("--out", default=None, help="write the results as JSON here")

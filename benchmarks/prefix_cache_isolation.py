@@ -62,13 +62,23 @@ async def measure(url: str, prefixes: list[list[int]], vocab: int) -> dict[str, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: a random llama written here)")
-    p.add_argument("--prefixes", type=int, default=7,
-                   help="prefixes measured, each with a cold, a cross-key and a warm request")
+    p.add_argument(
+        "--prefixes", type=int, default=7, help="prefixes measured, each with a cold, a cross-key and a warm request"
+    )
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="isolation-bench-"))
-    model = args.model or str(write_hf_checkpoint(
-        work, "llama-gqa", max_position_embeddings=2048, hidden_size=512, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408))
+    model = args.model or str(
+        write_hf_checkpoint(
+            work,
+            "llama-gqa",
+            max_position_embeddings=2048,
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1408,
+        )
+    )
     vocab = vocab_size(model)
     prefixes = [[3 + (i * (7 + n) + n) % (vocab - 10) for i in range(PREFIX_LEN)] for n in range(args.prefixes)]
     for mode in ("none", "key"):
@@ -81,8 +91,11 @@ def main() -> None:
         finally:
             server.stop()
         shown = ", ".join(f"{name} {ms:,.0f} ms" for name, ms in result.items())
-        print(f"--prefix-cache-isolation {mode}: {shown}; bob is "
-              f"{result['alice, cold'] / result['bob, same prefix']:.1f}x sooner than cold", flush=True)
+        print(
+            f"--prefix-cache-isolation {mode}: {shown}; bob is "
+            f"{result['alice, cold'] / result['bob, same prefix']:.1f}x sooner than cold",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

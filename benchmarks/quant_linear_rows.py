@@ -39,12 +39,24 @@ def build(rev: str, out_dir: Path) -> ctypes.CDLL:
         if text is not None:
             (src / name).write_bytes(text)
     lib = src / "kernels.so"
-    subprocess.run(["cc", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", *map(str, sorted(src.glob("*.c"))),
-                    "-o", str(lib), "-lm"], check=True)
+    subprocess.run(
+        [
+            "cc",
+            "-O3",
+            "-march=native",
+            "-fPIC",
+            "-shared",
+            "-fopenmp",
+            *map(str, sorted(src.glob("*.c"))),
+            "-o",
+            str(lib),
+            "-lm",
+        ],
+        check=True,
+    )
     so = ctypes.CDLL(str(lib))
     so.quant_linear.restype = ctypes.c_int
-    so.quant_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int, ctypes.c_long,
-                                                                               ctypes.c_int]
+    so.quant_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 4 + [ctypes.c_int, ctypes.c_long, ctypes.c_int]
     return so
 
 
@@ -53,18 +65,47 @@ def weights(seed: int = 0):
     layers = []
     for _ in range(30):
         for n, k in LAYER_SHAPES:
-            layers.append((torch.randn(1, k, generator=g), torch.randint(0, 256, (n, k // 2), dtype=torch.uint8,
-                                                                          generator=g),
-                           torch.rand(n, k // 32, generator=g) * 0.01, -torch.rand(n, k // 32, generator=g) * 0.08,
-                           torch.empty(1, n), 4))
-    head = [(torch.randn(1, 576, generator=g), torch.randint(-128, 128, (49152, 576), dtype=torch.int8, generator=g),
-             torch.rand(49152, 18, generator=g) * 0.01, None, torch.empty(1, 49152), 8)]
+            layers.append(
+                (
+                    torch.randn(1, k, generator=g),
+                    torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                    torch.rand(n, k // 32, generator=g) * 0.01,
+                    -torch.rand(n, k // 32, generator=g) * 0.08,
+                    torch.empty(1, n),
+                    4,
+                )
+            )
+    head = [
+        (
+            torch.randn(1, 576, generator=g),
+            torch.randint(-128, 128, (49152, 576), dtype=torch.int8, generator=g),
+            torch.rand(49152, 18, generator=g) * 0.01,
+            None,
+            torch.empty(1, 49152),
+            8,
+        )
+    ]
     return {"30 layers, int4": layers, "LM head, int8": head}
 
 
 def timed(lib: ctypes.CDLL, calls, threads: int, repeat: int) -> float:
-    args = [(x.data_ptr(), q.data_ptr(), s.data_ptr(), None if z is None else z.data_ptr(), y.data_ptr(), 1,
-             q.shape[0], x.shape[1], 32, bits, q.shape[0], threads) for x, q, s, z, y, bits in calls]
+    args = [
+        (
+            x.data_ptr(),
+            q.data_ptr(),
+            s.data_ptr(),
+            None if z is None else z.data_ptr(),
+            y.data_ptr(),
+            1,
+            q.shape[0],
+            x.shape[1],
+            32,
+            bits,
+            q.shape[0],
+            threads,
+        )
+        for x, q, s, z, y, bits in calls
+    ]
     fn = lib.quant_linear
     for a in args:
         fn(*a)
@@ -87,7 +128,9 @@ def main() -> None:
         sets = weights()
         for r in range(args.rounds):
             for name, calls in sets.items():
-                cells = [f"{rev} {timed(libs[rev], calls, args.threads, args.repeat) * 1e3:.2f} ms" for rev in args.revs]
+                cells = [
+                    f"{rev} {timed(libs[rev], calls, args.threads, args.repeat) * 1e3:.2f} ms" for rev in args.revs
+                ]
                 print(f"round {r + 1}, {name}: " + ", ".join(cells))
 
 

@@ -38,8 +38,15 @@ def default_checkpoint(root: Path) -> str:
     path = root / "node-loss-llama"
     if not (path / "config.json").exists():
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+        cfg = LlamaConfig(
+            vocab_size=128,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
         LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
@@ -47,9 +54,28 @@ def default_checkpoint(root: Path) -> str:
 def start_server(model: str, address: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     ready = workdir / f"ready-{time.monotonic_ns()}.json"
     log = open(workdir / "serve.log", "a")
-    cmd = [str(BIN / "dist-infer"), "serve", "--model", model, "--instances", "tp1,tp1", "--dispatch", "rr",
-           "--migrate-interval", "0", "--kv-blocks", "120", "--placement", "ray", "--ray-address", address,
-           "--port", "0", "--ready-file", str(ready)]
+    cmd = [
+        str(BIN / "dist-infer"),
+        "serve",
+        "--model",
+        model,
+        "--instances",
+        "tp1,tp1",
+        "--dispatch",
+        "rr",
+        "--migrate-interval",
+        "0",
+        "--kv-blocks",
+        "120",
+        "--placement",
+        "ray",
+        "--ray-address",
+        address,
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 180
     while not (ready.exists() and ready.read_text().strip()):
@@ -132,8 +158,9 @@ def main() -> None:
     model = args.model or default_checkpoint(Path(tempfile.gettempdir()))
     results = []
     for i in range(args.trials):
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": LOCAL,
-                                                               "include_dashboard": False})
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": LOCAL, "include_dashboard": False}
+        )
         for _ in range(3):
             cluster.add_node(num_cpus=1, node_ip_address=LOCAL)
         cluster.wait_for_nodes()
@@ -143,8 +170,10 @@ def main() -> None:
             cluster.shutdown()
         print(f"trial {i + 1}: {json.dumps(results[-1])}", flush=True)
     med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-    print(f"median over {len(results)} trials: next token of the moved request {med['next_token_s'] * 1e3:.0f} ms "
-          f"after the node died; replacement instance serving after {med['replacement_serving_s']:.2f} s")
+    print(
+        f"median over {len(results)} trials: next token of the moved request {med['next_token_s'] * 1e3:.0f} ms "
+        f"after the node died; replacement instance serving after {med['replacement_serving_s']:.2f} s"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps({"trials": results, "median": med}, indent=1))
 

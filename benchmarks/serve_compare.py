@@ -42,8 +42,9 @@ class Server:
     def __init__(self, name: str, argv: list[str], port: int, log_dir: Path, env: dict | None = None):
         self.name, self.port = name, port
         self.log = open(log_dir / f"{name}.log", "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:
@@ -74,7 +75,9 @@ class Server:
 
 
 def ours(name: str, model: str, port: int, log_dir: Path, *flags: str) -> Server:
-    return Server(name, [str(BIN / "dist-infer"), "serve", "--model", model, "--port", str(port), *flags], port, log_dir)
+    return Server(
+        name, [str(BIN / "dist-infer"), "serve", "--model", model, "--port", str(port), *flags], port, log_dir
+    )
 
 
 def bench(url: str, args: list[str], out: Path) -> dict:
@@ -115,10 +118,13 @@ def run_pair(configs, bench_args, log_dir: Path, after=None) -> dict:
         finally:
             server.stop()
         s = results[name]
-        print(f"{name:>12}: {s['completed']} ok / {s['failed']} failed, {s['request_throughput']:.2f} req/s, "
-              f"{s['output_throughput']:.1f} out tok/s, TTFT p50 {s['ttft_ms']['median']:.0f} p99 "
-              f"{s['ttft_ms']['p99']:.0f} ms, ITL p50 {s['itl_ms']['median']:.1f} p99 {s['itl_ms']['p99']:.1f} ms, "
-              f"TPOT p50 {s['tpot_ms']['median']:.1f} ms", flush=True)
+        print(
+            f"{name:>12}: {s['completed']} ok / {s['failed']} failed, {s['request_throughput']:.2f} req/s, "
+            f"{s['output_throughput']:.1f} out tok/s, TTFT p50 {s['ttft_ms']['median']:.0f} p99 "
+            f"{s['ttft_ms']['p99']:.0f} ms, ITL p50 {s['itl_ms']['median']:.1f} p99 {s['itl_ms']['p99']:.1f} ms, "
+            f"TPOT p50 {s['tpot_ms']['median']:.1f} ms",
+            flush=True,
+        )
     return results
 
 
@@ -156,8 +162,16 @@ def failover(model: str, log_dir: Path, common: list[str], args, extra: list[str
 
     server = ours("failover", model, free_port(), log_dir, "--instances", "tp1,tp1", "--migrate-interval", "0", *extra)
     out: dict = {}
-    stream = common + ["--request-rate", str(args.request_rate), "--input-len", "128", "--output-len", "128",
-                       "--prompt-ids", "--ignore-eos"]
+    stream = common + [
+        "--request-rate",
+        str(args.request_rate),
+        "--input-len",
+        "128",
+        "--output-len",
+        "128",
+        "--prompt-ids",
+        "--ignore-eos",
+    ]
     try:
         runner = threading.Thread(target=lambda: out.update(bench(server.url, stream, log_dir / "failover.json")))
         runner.start()
@@ -178,16 +192,25 @@ def failover(model: str, log_dir: Path, common: list[str], args, extra: list[str
         server.stop()
     seconds = sorted(float(x) / 1000 for x in re.findall(r"streams again (\d+) ms after", log))
     s = out
-    result = {"failover": s, "requests_on_killed_instance": held,
-              "requests_lost": metrics.get("dist_infer:requests_lost_total"), "failed": s["failed"],
-              "recovered": len(seconds),
-              "recovery_s": {"median": seconds[len(seconds) // 2] if seconds else None,
-                             "max": seconds[-1] if seconds else None},
-              "restart_to_serving_s": restart_s}
-    print(f"killed instance 1 holding {held} request(s): {s['completed']} completed, {s['failed']} failed, "
-          f"lost {result['requests_lost']:.0f}, recovered {len(seconds)}, recovery median "
-          f"{result['recovery_s']['median']} s, max {result['recovery_s']['max']} s; restarted and serving again in "
-          f"{restart_s:.1f} s", flush=True)
+    result = {
+        "failover": s,
+        "requests_on_killed_instance": held,
+        "requests_lost": metrics.get("dist_infer:requests_lost_total"),
+        "failed": s["failed"],
+        "recovered": len(seconds),
+        "recovery_s": {
+            "median": seconds[len(seconds) // 2] if seconds else None,
+            "max": seconds[-1] if seconds else None,
+        },
+        "restart_to_serving_s": restart_s,
+    }
+    print(
+        f"killed instance 1 holding {held} request(s): {s['completed']} completed, {s['failed']} failed, "
+        f"lost {result['requests_lost']:.0f}, recovered {len(seconds)}, recovery median "
+        f"{result['recovery_s']['median']} s, max {result['recovery_s']['max']} s; restarted and serving again in "
+        f"{restart_s:.1f} s",
+        flush=True,
+    )
     return result
 
 
@@ -207,16 +230,50 @@ def against_llama_server(model: str, log_dir: Path, args, extra: list[str]) -> d
     if not Path(model).is_file():
         raise SystemExit("llama-server: --model must be a GGUF file (default: the built-in one)")
     servers = [
-        ("llama-server", lambda n, port, d: Server(n, [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port",
-                                                       str(port), "-t", "2", "--parallel", "8", "-c", "8192"], port, d)),
+        (
+            "llama-server",
+            lambda n, port, d: Server(
+                n,
+                [
+                    args.llama_server,
+                    "-m",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "-t",
+                    "2",
+                    "--parallel",
+                    "8",
+                    "-c",
+                    "8192",
+                ],
+                port,
+                d,
+            ),
+        ),
         ("ours-itl-off", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "off", *extra)),
         ("ours-itl-auto", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "auto", *extra)),
     ]
     results: dict = {}
     for load in args.loads.split(","):
         rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
-        stream = ["--num-prompts", str(args.num_prompts), "--seed", "1", "--vocab-size", str(vocab_size(model)),
-                  "--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos", *rate]
+        stream = [
+            "--num-prompts",
+            str(args.num_prompts),
+            "--seed",
+            "1",
+            "--vocab-size",
+            str(vocab_size(model)),
+            "--input-len",
+            "256",
+            "--output-len",
+            "64",
+            "--prompt-ids",
+            "--ignore-eos",
+            *rate,
+        ]
         named = [(f"{name}@{load}", start) for name, start in servers]
         results[load] = run_pair(named, stream, log_dir)
         peer, off, auto = (results[load][f"{n}@{load}"] for n, _ in servers)
@@ -225,7 +282,8 @@ def against_llama_server(model: str, log_dir: Path, args, extra: list[str]) -> d
             "req_s_auto_over_llama": auto["request_throughput"] / peer["request_throughput"],
             "ttft_p50_auto_over_llama": auto["ttft_ms"]["median"] / peer["ttft_ms"]["median"],
             "throughput_auto_over_off": auto["output_throughput"] / off["output_throughput"],
-            "ttft_p50_auto_over_off": auto["ttft_ms"]["median"] / off["ttft_ms"]["median"]}
+            "ttft_p50_auto_over_off": auto["ttft_ms"]["median"] / off["ttft_ms"]["median"],
+        }
         print(f"{load}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[load]["ratios"].items()), flush=True)
     return results
 
@@ -243,14 +301,23 @@ def main() -> int:
     p.add_argument("--burst-gap", type=float, default=3.0, help="migration: seconds between bursts")
     p.add_argument("--migrate-interval", type=float, default=0.2, help="migration: the controller's interval")
     p.add_argument("--plot", default=None, help="write CDFs of TTFT and ITL per configuration to this PNG")
-    p.add_argument("--pd-instances", default="prefill:tp1,decode:tp1",
-                   help="pd: the disaggregated layout; the mixed one is the same without roles")
+    p.add_argument(
+        "--pd-instances",
+        default="prefill:tp1,decode:tp1",
+        help="pd: the disaggregated layout; the mixed one is the same without roles",
+    )
     p.add_argument("--long-prompt", type=int, default=1500, help="pd: tokens of each long prompt")
     p.add_argument("--kill-after", type=float, default=3.0, help="failover: seconds into the stream to kill instance 1")
-    p.add_argument("--loads", default="c4,c8,r2",
-                   help="llama-server: the loads, each cN (N at a time, all queued at once) or rN (Poisson, N req/s)")
-    p.add_argument("--llama-server", default=shutil.which("llama-server") or "llama-server",
-                   help="llama-server: the binary (built from llama.cpp's source; see docs/benchmarks.md)")
+    p.add_argument(
+        "--loads",
+        default="c4,c8,r2",
+        help="llama-server: the loads, each cN (N at a time, all queued at once) or rN (Poisson, N req/s)",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=shutil.which("llama-server") or "llama-server",
+        help="llama-server: the binary (built from llama.cpp's source; see docs/benchmarks.md)",
+    )
     args = p.parse_args()
     from dist_infer.models.builtin import resolve_model
 
@@ -261,16 +328,43 @@ def main() -> int:
     common = ["--num-prompts", str(args.num_prompts), "--seed", "1", "--vocab-size", str(vocab)]
     print(f"uptime before: {os.getloadavg()}; logs in {log_dir}", flush=True)
     if args.scenario == "batching":
-        stream = common + ["--request-rate", str(args.request_rate), "--input-len", "128", "--output-len", "64",
-                           "--prompt-ids", "--ignore-eos"]
-        results = run_pair([
-            ("continuous", lambda n, port, d: ours(n, model, port, d, *extra)),
-            ("static", lambda n, port, d: ours(n, model, port, d, "--scheduling", "static", "--no-chunked-prefill",
-                                                "--max-batched-tokens", "1000000", *extra)),
-        ], stream, log_dir)
+        stream = common + [
+            "--request-rate",
+            str(args.request_rate),
+            "--input-len",
+            "128",
+            "--output-len",
+            "64",
+            "--prompt-ids",
+            "--ignore-eos",
+        ]
+        results = run_pair(
+            [
+                ("continuous", lambda n, port, d: ours(n, model, port, d, *extra)),
+                (
+                    "static",
+                    lambda n, port, d: ours(
+                        n,
+                        model,
+                        port,
+                        d,
+                        "--scheduling",
+                        "static",
+                        "--no-chunked-prefill",
+                        "--max-batched-tokens",
+                        "1000000",
+                        *extra,
+                    ),
+                ),
+            ],
+            stream,
+            log_dir,
+        )
         c, s = results["continuous"], results["static"]
-        results["ratios"] = {"throughput_continuous_over_static": c["output_throughput"] / s["output_throughput"],
-                             "ttft_p99_static_over_continuous": s["ttft_ms"]["p99"] / c["ttft_ms"]["p99"]}
+        results["ratios"] = {
+            "throughput_continuous_over_static": c["output_throughput"] / s["output_throughput"],
+            "ttft_p99_static_over_continuous": s["ttft_ms"]["p99"] / c["ttft_ms"]["p99"],
+        }
     elif args.scenario == "chunking":
         trace = log_dir / "trace.csv"
         rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
@@ -278,22 +372,36 @@ def main() -> int:
         rows += [f"{1.0 + 1.0 * i:.2f},2000,4" for i in range(8)]  # long prompts landing amid their decodes
         trace.write_text("\n".join(rows) + "\n")
         stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
-        results = run_pair([
-            ("unchunked", lambda n, port, d: ours(n, model, port, d, "--no-chunked-prefill", "--itl-target-ms", "off",
-                                                   *extra)),
-            ("chunked-256", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "off", *extra)),
-            ("chunked-32", lambda n, port, d: ours(n, model, port, d, "--max-batched-tokens", "32",
-                                                    "--itl-target-ms", "off", *extra)),
-            ("itl-target-auto", lambda n, port, d: ours(n, model, port, d, *extra)),
-        ], stream, log_dir)
+        results = run_pair(
+            [
+                (
+                    "unchunked",
+                    lambda n, port, d: ours(
+                        n, model, port, d, "--no-chunked-prefill", "--itl-target-ms", "off", *extra
+                    ),
+                ),
+                ("chunked-256", lambda n, port, d: ours(n, model, port, d, "--itl-target-ms", "off", *extra)),
+                (
+                    "chunked-32",
+                    lambda n, port, d: ours(
+                        n, model, port, d, "--max-batched-tokens", "32", "--itl-target-ms", "off", *extra
+                    ),
+                ),
+                ("itl-target-auto", lambda n, port, d: ours(n, model, port, d, *extra)),
+            ],
+            stream,
+            log_dir,
+        )
         for name in ("unchunked", "chunked-256", "chunked-32", "itl-target-auto"):
             r = json.loads((log_dir / f"{name}.json").read_text())
             itl = sorted(g for rec in r.get("requests", r if isinstance(r, list) else []) for g in rec.get("itl", []))
             stats = results[name]["itl_ms"]
             results[name]["itl_p99_over_median"] = stats["p99"] / stats["median"]
             results[name]["itl_max_ms"] = 1000 * itl[-1] if itl else None
-            print(f"{name:>12}: ITL p99 / median = {results[name]['itl_p99_over_median']:.2f}, max ITL "
-                  f"{results[name]['itl_max_ms'] or float('nan'):.0f} ms, TTFT p99 {results[name]['ttft_ms']['p99']:.0f} ms")
+            print(
+                f"{name:>12}: ITL p99 / median = {results[name]['itl_p99_over_median']:.2f}, max ITL "
+                f"{results[name]['itl_max_ms'] or float('nan'):.0f} ms, TTFT p99 {results[name]['ttft_ms']['p99']:.0f} ms"
+            )
     elif args.scenario == "migration":
         # bursts of long and short requests onto 2 instances whose caches hold about two long ones each
         trace = log_dir / "trace.csv"
@@ -304,20 +412,49 @@ def main() -> int:
         trace.write_text("\n".join(rows) + "\n")
         stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
         pressure = ["--instances", "2", "--kv-blocks", str(args.kv_blocks), "--block-size", "16", *extra]
-        results = run_pair([
-            ("rr", lambda n, port, d: ours(n, model, port, d, *pressure, "--dispatch", "rr", "--migrate-interval", "0")),
-            ("load", lambda n, port, d: ours(n, model, port, d, *pressure, "--dispatch", "load",
-                                             "--migrate-interval", "0")),
-            ("load+migration", lambda n, port, d: ours(n, model, port, d, *pressure, "--dispatch", "load",
-                                                       "--migrate-interval", str(args.migrate_interval))),
-        ], stream, log_dir)
+        results = run_pair(
+            [
+                (
+                    "rr",
+                    lambda n, port, d: ours(
+                        n, model, port, d, *pressure, "--dispatch", "rr", "--migrate-interval", "0"
+                    ),
+                ),
+                (
+                    "load",
+                    lambda n, port, d: ours(
+                        n, model, port, d, *pressure, "--dispatch", "load", "--migrate-interval", "0"
+                    ),
+                ),
+                (
+                    "load+migration",
+                    lambda n, port, d: ours(
+                        n,
+                        model,
+                        port,
+                        d,
+                        *pressure,
+                        "--dispatch",
+                        "load",
+                        "--migrate-interval",
+                        str(args.migrate_interval),
+                    ),
+                ),
+            ],
+            stream,
+            log_dir,
+        )
         for name in ("rr", "load", "load+migration"):
             r = results[name]
-            print(f"{name:>15}: TTFT p99 {r['ttft_ms']['p99']:.0f} ms, E2E p99 {r['e2e_ms']['p99']:.0f} ms, "
-                  f"preemptions {r['preemptions']:.0f}, migrations {r['migrations']:.0f}")
+            print(
+                f"{name:>15}: TTFT p99 {r['ttft_ms']['p99']:.0f} ms, E2E p99 {r['e2e_ms']['p99']:.0f} ms, "
+                f"preemptions {r['preemptions']:.0f}, migrations {r['migrations']:.0f}"
+            )
         rr, lm = results["rr"], results["load+migration"]
-        results["ratios"] = {"ttft_p99_migration_over_rr": lm["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"],
-                             "preemptions_migration_over_rr": lm["preemptions"] / max(1.0, rr["preemptions"])}
+        results["ratios"] = {
+            "ttft_p99_migration_over_rr": lm["ttft_ms"]["p99"] / rr["ttft_ms"]["p99"],
+            "preemptions_migration_over_rr": lm["preemptions"] / max(1.0, rr["preemptions"]),
+        }
     elif args.scenario == "pd":
         # chats that decode for a while, and long prompts landing among them (as in `chunking`)
         trace = log_dir / "trace.csv"
@@ -327,17 +464,29 @@ def main() -> int:
         trace.write_text("\n".join(rows) + "\n")
         stream = ["--dataset", str(trace), "--prompt-ids", "--ignore-eos", "--seed", "1", "--vocab-size", str(vocab)]
         mixed = ",".join(item.split(":")[-1] for item in args.pd_instances.split(","))
-        results = run_pair([
-            ("mixed", lambda n, port, d: ours(n, model, port, d, "--instances", mixed, "--migrate-interval", "0",
-                                              *extra)),
-            ("disaggregated", lambda n, port, d: ours(n, model, port, d, "--instances", args.pd_instances,
-                                                       "--migrate-interval", "0", *extra)),
-        ], stream, log_dir)
+        results = run_pair(
+            [
+                (
+                    "mixed",
+                    lambda n, port, d: ours(n, model, port, d, "--instances", mixed, "--migrate-interval", "0", *extra),
+                ),
+                (
+                    "disaggregated",
+                    lambda n, port, d: ours(
+                        n, model, port, d, "--instances", args.pd_instances, "--migrate-interval", "0", *extra
+                    ),
+                ),
+            ],
+            stream,
+            log_dir,
+        )
         m, pd = results["mixed"], results["disaggregated"]
         results["layouts"] = {"mixed": mixed, "disaggregated": args.pd_instances}
-        results["ratios"] = {"ttft_p99_mixed_over_pd": m["ttft_ms"]["p99"] / pd["ttft_ms"]["p99"],
-                             "itl_p99_mixed_over_pd": m["itl_ms"]["p99"] / pd["itl_ms"]["p99"],
-                             "throughput_pd_over_mixed": pd["output_throughput"] / m["output_throughput"]}
+        results["ratios"] = {
+            "ttft_p99_mixed_over_pd": m["ttft_ms"]["p99"] / pd["ttft_ms"]["p99"],
+            "itl_p99_mixed_over_pd": m["itl_ms"]["p99"] / pd["itl_ms"]["p99"],
+            "throughput_pd_over_mixed": pd["output_throughput"] / m["output_throughput"],
+        }
     elif args.scenario == "failover":
         results = failover(model, log_dir, common, args, extra)
     elif args.scenario == "llama-server":
@@ -345,18 +494,39 @@ def main() -> int:
     else:
         # text prompts (HF's server takes no token ids) and no ignore_eos (HF refuses the field); greedy, so both
         # servers generate the same tokens and stop at the same EOS
-        stream = common + ["--request-rate", str(args.request_rate), "--input-len", "128", "--output-len", "64",
-                           "--model", model]
+        stream = common + [
+            "--request-rate",
+            str(args.request_rate),
+            "--input-len",
+            "128",
+            "--output-len",
+            "64",
+            "--model",
+            model,
+        ]
         hf_cli = shutil.which("transformers", path=str(BIN)) or "transformers"
-        results = run_pair([
-            ("ours", lambda n, port, d: ours(n, model, port, d, "--served-model-name", model, *extra)),
-            ("hf-serve-cb", lambda n, port, d: Server(n, [hf_cli, "serve", model, "--port", str(port),
-                                                          "--continuous-batching"], port, d,
-                                                      env={"HF_HUB_OFFLINE": "1"})),
-        ], stream, log_dir)
+        results = run_pair(
+            [
+                ("ours", lambda n, port, d: ours(n, model, port, d, "--served-model-name", model, *extra)),
+                (
+                    "hf-serve-cb",
+                    lambda n, port, d: Server(
+                        n,
+                        [hf_cli, "serve", model, "--port", str(port), "--continuous-batching"],
+                        port,
+                        d,
+                        env={"HF_HUB_OFFLINE": "1"},
+                    ),
+                ),
+            ],
+            stream,
+            log_dir,
+        )
         o, h = results["ours"], results["hf-serve-cb"]
-        results["ratios"] = {"throughput_ours_over_hf": o["output_throughput"] / h["output_throughput"],
-                             "ttft_p99_hf_over_ours": h["ttft_ms"]["p99"] / o["ttft_ms"]["p99"]}
+        results["ratios"] = {
+            "throughput_ours_over_hf": o["output_throughput"] / h["output_throughput"],
+            "ttft_p99_hf_over_ours": h["ttft_ms"]["p99"] / o["ttft_ms"]["p99"],
+        }
     if "ratios" in results:
         print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in results["ratios"].items()))
     print(f"uptime after: {os.getloadavg()}", flush=True)
@@ -364,8 +534,13 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
         names = [k for k, v in results.items() if isinstance(v, dict) and "ttft_ms" in v]
-        names += [k for v in results.values() if isinstance(v, dict) for k, w in v.items()
-                  if isinstance(w, dict) and "ttft_ms" in w]  # llama-server: a level per load
+        names += [
+            k
+            for v in results.values()
+            if isinstance(v, dict)
+            for k, w in v.items()
+            if isinstance(w, dict) and "ttft_ms" in w
+        ]  # llama-server: a level per load
         plot(log_dir, names, Path(args.plot), f"{args.scenario}: {Path(model).name}")
     return 0
 

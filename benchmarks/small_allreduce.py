@@ -28,18 +28,21 @@ def median_us(comm, x: torch.Tensor, w, iters: int) -> float:
     for _ in range(iters):
         start = time.perf_counter()
         if w is not None:
-            torch.matmul(x[:w.shape[0]], w)
+            torch.matmul(x[: w.shape[0]], w)
         comm.all_reduce(x)
         x.mul_(0.5)
         took.append(time.perf_counter() - start)
-    took = sorted(took[iters // 8:])  # the first ones warm up
+    took = sorted(took[iters // 8 :])  # the first ones warm up
     return took[len(took) // 2] * 1e6
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="576,73728", help="fp32 elements per all-reduce (default: a decode's "
-                   "hidden 576, and a 128-token prefill's)")
+    p.add_argument(
+        "--sizes",
+        default="576,73728",
+        help="fp32 elements per all-reduce (default: a decode's hidden 576, and a 128-token prefill's)",
+    )
     p.add_argument("--iters", type=int, default=400, help="all-reduces per path and size")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -50,13 +53,17 @@ def main() -> int:
         groups = build_groups(world, Mesh.build(Layout(tp=world.size), world.size), path)
         for n in map(int, args.sizes.split(",")):
             x = torch.randn(n)
-            out[f"{path} {n * 4} B"] = {"alone_us": round(median_us(groups.tp, x, None, args.iters), 1),
-                                        "with_compute_us": round(median_us(groups.tp, x, w, args.iters), 1)}
+            out[f"{path} {n * 4} B"] = {
+                "alone_us": round(median_us(groups.tp, x, None, args.iters), 1),
+                "with_compute_us": round(median_us(groups.tp, x, w, args.iters), 1),
+            }
         groups.destroy()
     if world.rank == 0:
         for key, value in out.items():
-            print(f"{key:>18}: alone {value['alone_us']:8.1f} us, with a 576x1536 product between "
-                  f"{value['with_compute_us']:8.1f} us")
+            print(
+                f"{key:>18}: alone {value['alone_us']:8.1f} us, with a 576x1536 product between "
+                f"{value['with_compute_us']:8.1f} us"
+            )
         print(json.dumps(out))
     world.destroy()
     return 0

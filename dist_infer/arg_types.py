@@ -144,8 +144,10 @@ def parse_itl_target(text) -> Optional[tuple[str, float]]:
     try:
         value = float(number)
     except ValueError:
-        raise ValueError(f"--itl-target {text!r}: expected auto, off, a multiple of the decode step such as 2x, "
-                         f"or milliseconds such as 50") from None
+        raise ValueError(
+            f"--itl-target {text!r}: expected auto, off, a multiple of the decode step such as 2x, "
+            f"or milliseconds such as 50"
+        ) from None
     if not math.isfinite(value) or (kind == "x" and value <= 1) or (kind == "ms" and value <= 0):
         need = "above 1 (a multiple of the decode-only step)" if kind == "x" else "a positive number of milliseconds"
         raise ValueError(f"--itl-target {text!r}: must be {need}")
@@ -167,8 +169,10 @@ def parse_ladder_residual(text) -> Union[str, tuple[int, int], None]:
             raise ValueError
         span = (int(first), int(last))
     except ValueError:
-        raise ValueError(f"--ladder-residual {text!r}: expected all, off, or FIRST:LAST (decoder layers, "
-                         f"both included, counted from 0), such as 8:31") from None
+        raise ValueError(
+            f"--ladder-residual {text!r}: expected all, off, or FIRST:LAST (decoder layers, "
+            f"both included, counted from 0), such as 8:31"
+        ) from None
     if span[0] < 0 or span[1] < span[0]:
         raise ValueError(f"--ladder-residual {text!r}: need 0 <= FIRST <= LAST")
     return span

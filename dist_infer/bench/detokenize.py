@@ -17,8 +17,10 @@ import time
 
 from dist_infer.serving.http.detokenizer import IncrementalDetokenizer
 
-SAMPLE = ("The quick brown fox jumps over the lazy dog; Grüße aus Köln, 世界 🙂. "
-          "Serving systems stream tokens to many users at once, and each one needs its text. ")
+SAMPLE = (
+    "The quick brown fox jumps over the lazy dog; Grüße aus Köln, 世界 🙂. "
+    "Serving systems stream tokens to many users at once, and each one needs its text. "
+)
 STOP = ("<never-in-the-text>",)
 
 
@@ -61,9 +63,17 @@ def measure(tokenizer, lengths: list[int], requests: int) -> list[dict]:
         assert incremental(tokenizer, ids) == tokenizer.decode(ids), "the two ways must give the same text"
         old = time_per_token(whole_decode_per_token, tokenizer, ids)
         new = time_per_token(incremental, tokenizer, ids)
-        rows.append({"output_tokens": n, "whole_us_per_token": old * 1e6, "incremental_us_per_token": new * 1e6,
-                     "speedup": old / new, "requests": requests,
-                     "whole_ms_per_step": old * requests * 1e3, "incremental_ms_per_step": new * requests * 1e3})
+        rows.append(
+            {
+                "output_tokens": n,
+                "whole_us_per_token": old * 1e6,
+                "incremental_us_per_token": new * 1e6,
+                "speedup": old / new,
+                "requests": requests,
+                "whole_ms_per_step": old * requests * 1e3,
+                "incremental_ms_per_step": new * requests * 1e3,
+            }
+        )
     return rows
 
 
@@ -83,11 +93,15 @@ def main(argv=None) -> int:
         json.dump(rows, sys.stdout, indent=1)
         print()
         return 0
-    print(f"{'output tokens':>13} {'whole us/tok':>12} {'incr. us/tok':>12} {'speedup':>8} "
-          f"{'whole ms/step':>13} {'incr. ms/step':>13}  (at {args.requests} requests)")
+    print(
+        f"{'output tokens':>13} {'whole us/tok':>12} {'incr. us/tok':>12} {'speedup':>8} "
+        f"{'whole ms/step':>13} {'incr. ms/step':>13}  (at {args.requests} requests)"
+    )
     for r in rows:
-        print(f"{r['output_tokens']:>13} {r['whole_us_per_token']:>12.1f} {r['incremental_us_per_token']:>12.1f} "
-              f"{r['speedup']:>7.1f}x {r['whole_ms_per_step']:>13.1f} {r['incremental_ms_per_step']:>13.1f}")
+        print(
+            f"{r['output_tokens']:>13} {r['whole_us_per_token']:>12.1f} {r['incremental_us_per_token']:>12.1f} "
+            f"{r['speedup']:>7.1f}x {r['whole_ms_per_step']:>13.1f} {r['incremental_ms_per_step']:>13.1f}"
+        )
     return 0
 
 

@@ -42,8 +42,12 @@ def gemm_rates(rows: int = ROWS) -> list[dict]:
     """TFLOP/s of [rows, k] x [k, n] in FP8 (e4m3, per-tensor scales, bf16 out) and in bf16."""
     import torch
 
-    shapes = {"up+gate whole": (HIDDEN, 2 * FFN), "down whole": (FFN, HIDDEN),
-              f"up+gate tp={TP}": (HIDDEN, 2 * FFN // TP), f"down tp={TP}": (FFN // TP, HIDDEN)}
+    shapes = {
+        "up+gate whole": (HIDDEN, 2 * FFN),
+        "down whole": (FFN, HIDDEN),
+        f"up+gate tp={TP}": (HIDDEN, 2 * FFN // TP),
+        f"down tp={TP}": (FFN // TP, HIDDEN),
+    }
     one = torch.ones((), device="cuda", dtype=torch.float32)
     out = []
     for name, (k, n) in shapes.items():
@@ -53,8 +57,17 @@ def gemm_rates(rows: int = ROWS) -> list[dict]:
         flops = 2.0 * rows * k * n
         fp8 = _time_cuda(lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
         bf16 = _time_cuda(lambda: a @ w.t())
-        out.append({"shape": name, "m": rows, "k": k, "n": n, "fp8_tflops": flops / fp8 / 1e12,
-                    "bf16_tflops": flops / bf16 / 1e12, "fp8_over_bf16": bf16 / fp8})
+        out.append(
+            {
+                "shape": name,
+                "m": rows,
+                "k": k,
+                "n": n,
+                "fp8_tflops": flops / fp8 / 1e12,
+                "bf16_tflops": flops / bf16 / 1e12,
+                "fp8_over_bf16": bf16 / fp8,
+            }
+        )
     return out
 
 
@@ -82,8 +95,12 @@ def ring_step_local_cost(heads: int = 8, kv_heads: int = 8, head_dim: int = 128,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dist_infer.bench.gpu_figures", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=ROWS, help="GEMM rows (tokens of a prefill step; default %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="python -m dist_infer.bench.gpu_figures", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--rows", type=int, default=ROWS, help="GEMM rows (tokens of a prefill step; default %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = parser.parse_args(argv)
     import torch
@@ -91,17 +108,25 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_figures: no CUDA device visible to torch; nothing measured", file=sys.stderr)
         return 0
-    figures = {"device": torch.cuda.get_device_name(), "gemm": gemm_rates(args.rows), "ring_step": ring_step_local_cost()}
+    figures = {
+        "device": torch.cuda.get_device_name(),
+        "gemm": gemm_rates(args.rows),
+        "ring_step": ring_step_local_cost(),
+    }
     if args.json:
         print(json.dumps(figures))
         return 0
     print(f"{figures['device']}: GEMMs at {args.rows} rows (Llama-3-405B feed-forward)")
     for g in figures["gemm"]:
-        print(f"  {g['shape']:>16} [{g['m']}x{g['k']}]x[{g['k']}x{g['n']}]: fp8 {g['fp8_tflops']:7.1f} TFLOP/s, "
-              f"bf16 {g['bf16_tflops']:7.1f} TFLOP/s ({g['fp8_over_bf16']:.2f}x)")
+        print(
+            f"  {g['shape']:>16} [{g['m']}x{g['k']}]x[{g['k']}x{g['n']}]: fp8 {g['fp8_tflops']:7.1f} TFLOP/s, "
+            f"bf16 {g['bf16_tflops']:7.1f} TFLOP/s ({g['fp8_over_bf16']:.2f}x)"
+        )
     r = figures["ring_step"]
-    print(f"  one pass-KV ring step's local fixed cost: {r['step_local_s'] * 1e6:.1f} us "
-          f"(attention with LSE {r['attention_s'] * 1e6:.1f} us)")
+    print(
+        f"  one pass-KV ring step's local fixed cost: {r['step_local_s'] * 1e6:.1f} us "
+        f"(attention with LSE {r['attention_s'] * 1e6:.1f} us)"
+    )
     return 0
 
 

@@ -19,25 +19,36 @@ def report_runs(runs: dict) -> dict:
     what the communication still costs), for prefill (ttft) and per decode step, plus the
     seconds each run spent waiting inside communication calls. No "base" run: t_base_s and
     hidden_fraction are None."""
+
     def phase(key: str) -> dict:
         t = {f"t_{n}_s": runs[n][key] if n in runs else None for n in ("base", "overlap", "nocomm")}
         hidden = None if t["t_base_s"] is None else hidden_fraction(t["t_base_s"], t["t_overlap_s"], t["t_nocomm_s"])
         extra = {"t_sequence_parallel_s": runs["sequence_parallel"][key]} if "sequence_parallel" in runs else {}
         return {**t, "hidden_fraction": hidden, "exposed_s": max(0.0, t["t_overlap_s"] - t["t_nocomm_s"]), **extra}
 
-    return {**phase("ttft_s"), "decode": phase("tpot_s"), "waiting_s": {n: r.get("exposed_s", {}) for n, r in runs.items()}}
+    return {
+        **phase("ttft_s"),
+        "decode": phase("tpot_s"),
+        "waiting_s": {n: r.get("exposed_s", {}) for n, r in runs.items()},
+    }
 
 
 # The runs per group: (name in the report, token split for tp, communicator mode).
 # tp: plain tensor parallel, token split, collectives skipped, and the sequence-parallel variant
 # (reduce-scatter + all-gather around the norms), all with the same workload.
-TP_RUNS = (("base", "off", "off", "overlap"), ("overlap", "on", "off", "overlap"), ("nocomm", "off", "off", "skip"),
-           ("sequence_parallel", "off", "on", "overlap"))
+TP_RUNS = (
+    ("base", "off", "off", "overlap"),
+    ("overlap", "on", "off", "overlap"),
+    ("nocomm", "off", "off", "skip"),
+    ("sequence_parallel", "off", "on", "overlap"),
+)
 # Ring transfers are posted in send/receive pairs, so waiting for each at once is a valid
 # no-overlap baseline. Pipeline sends are not: a stage blocking in send until the next stage
 # receives deadlocks the microbatch schedule, so pp reports the exposed time without a base.
-P2P_RUNS = {"cp": (("base", "serial"), ("overlap", "overlap"), ("nocomm", "skip")),
-            "pp": (("overlap", "overlap"), ("nocomm", "skip"))}
+P2P_RUNS = {
+    "cp": (("base", "serial"), ("overlap", "overlap"), ("nocomm", "skip")),
+    "pp": (("overlap", "overlap"), ("nocomm", "skip")),
+}
 
 
 def overlap_runs(engine, groups, prompts, args, progress) -> dict:
@@ -84,8 +95,11 @@ def format_overlap(overlap: dict) -> str:
         return "-" if v is None else f"{v * 1e3:.1f} ms"
 
     lines = []
-    sections = [("tp collectives (token split)", overlap if "t_overlap_s" in overlap else None),
-                ("pp stage transfers", overlap.get("pp")), ("cp ring transfers", overlap.get("cp"))]
+    sections = [
+        ("tp collectives (token split)", overlap if "t_overlap_s" in overlap else None),
+        ("pp stage transfers", overlap.get("pp")),
+        ("cp ring transfers", overlap.get("cp")),
+    ]
     for title, o in sections:
         if not o:
             continue
@@ -93,8 +107,10 @@ def format_overlap(overlap: dict) -> str:
             p = o["decode"] if phase == "decode" else o
             hidden = "" if p["hidden_fraction"] is None else f", hidden fraction {p['hidden_fraction']:.2f}"
             sp = f"; sequence parallel {ms(p['t_sequence_parallel_s'])}" if "t_sequence_parallel_s" in p else ""
-            lines.append(f"overlap, {title}, {label}: base {ms(p['t_base_s'])}, overlapped {ms(p['t_overlap_s'])}, "
-                         f"no communication {ms(p['t_nocomm_s'])} -> exposed {ms(p['exposed_s'])}{hidden}{sp}")
+            lines.append(
+                f"overlap, {title}, {label}: base {ms(p['t_base_s'])}, overlapped {ms(p['t_overlap_s'])}, "
+                f"no communication {ms(p['t_nocomm_s'])} -> exposed {ms(p['exposed_s'])}{hidden}{sp}"
+            )
         waits = o.get("waiting_s", {}).get("overlap", {})
         waits = ", ".join(f"{g} {sum(ops.values()) * 1e3:.1f} ms" for g, ops in waits.items() if ops)
         if waits:

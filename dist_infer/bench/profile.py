@@ -14,15 +14,45 @@ import os
 from typing import Optional
 
 # the native products too, and the decode stack's calls: whole layers, but mostly their products
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-            "dist_infer::skinny_linear", "dist_infer::quant_linear", "dist_infer::dequantize_rows",
-            "dist_infer::decode_stack", "dist_infer::decode_layer_part")
-ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "dist_infer::decode_attention",
-                 "dist_infer::rope_cache_write")
+GEMM_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::matmul",
+    "aten::linear",
+    "dist_infer::skinny_linear",
+    "dist_infer::quant_linear",
+    "dist_infer::dequantize_rows",
+    "dist_infer::decode_stack",
+    "dist_infer::decode_layer_part",
+)
+ATTENTION_OPS = (
+    "aten::_scaled_dot_product",
+    "aten::scaled_dot_product",
+    "dist_infer::decode_attention",
+    "dist_infer::rope_cache_write",
+)
 MARK = "dist_infer::generate"
 RING = "dist_infer::ring::step"  # the ranges parallel/ring/ring_loops.py opens per ring step and part
-COMM_MARKERS = ("gloo", "nccl", "mpi", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                "broadcast", "send", "recv", "alltoall", "all_to_all", "barrier", "c10d", "dist_infer::comm")
+COMM_MARKERS = (
+    "gloo",
+    "nccl",
+    "mpi",
+    "all_reduce",
+    "allreduce",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "send",
+    "recv",
+    "alltoall",
+    "all_to_all",
+    "barrier",
+    "c10d",
+    "dist_infer::comm",
+)
 
 
 def op_bucket(name: str) -> str:
@@ -54,7 +84,7 @@ def ring_steps(events, start_us: float, end_us: float) -> dict:
     out: dict = {}
     for e in events:
         if e.name.startswith(RING) and start_us <= e.time_range.start < end_us:
-            step, part = e.name[len(RING):].split(".", 1)
+            step, part = e.name[len(RING) :].split(".", 1)
             parts = out.setdefault(int(step), {"post": 0.0, "attend": 0.0, "merge": 0.0, "wait": 0.0})
             parts[part] += e.cpu_time_total / 1e6
     return dict(sorted(out.items()))
@@ -97,9 +127,12 @@ def profile_generation(engine, prompts, gen_len: int, directory: str, rank: int)
     with open(os.path.join(directory, f"rank{rank}.txt"), "w") as f:
         f.write(f"# rank {rank}: prefill then {steps} decode steps; CPU time per op\n")
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
-    result = {"prefill_s": split_buckets(top, start, first_token), "decode_step_s": decode,
-              "prefill_ring_steps_s": ring_steps(events, start, first_token),
-              "table": os.path.join(directory, f"rank{rank}.txt")}
+    result = {
+        "prefill_s": split_buckets(top, start, first_token),
+        "decode_step_s": decode,
+        "prefill_ring_steps_s": ring_steps(events, start, first_token),
+        "table": os.path.join(directory, f"rank{rank}.txt"),
+    }
     with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:  # every rank's, not only the one printed
         json.dump(result, f, indent=1)
     return result
@@ -110,9 +143,13 @@ def format_profile(p: dict, rank: Optional[int] = 0) -> str:
         parts = [f"{k} {d[k] * unit:.1f}" for k in ("gemm", "attention", "comm", "other", "python")]
         return f"{label} (ms): " + ", ".join(parts) + f" = {d['wall'] * unit:.1f}"
 
-    lines = [f"profile of rank {rank}, self time per kind of work (table: {p['table']})",
-             line("  prefill", p["prefill_s"], 1e3), line("  decode step", p["decode_step_s"], 1e3)]
+    lines = [
+        f"profile of rank {rank}, self time per kind of work (table: {p['table']})",
+        line("  prefill", p["prefill_s"], 1e3),
+        line("  decode step", p["decode_step_s"], 1e3),
+    ]
     for step, parts in p.get("prefill_ring_steps_s", {}).items():
-        lines.append(f"  prefill ring step {step} (ms, all layers): "
-                     + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+        lines.append(
+            f"  prefill ring step {step} (ms, all layers): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+        )
     return "\n".join(lines)

@@ -10,8 +10,17 @@ from dist_infer.arg_types import strip_flag
 from dist_infer.topology.subcommand import SubcommandError, run_json
 
 # flags of this run a variant peer's run drops (what it reports), and what the variant switches
-PEER_DROPS = ("--compare", "--plot", "--profile", "--save-routing", "--sweep", "--sweep-rounds", "--sweep-max-ranks",
-              "--sweep-speed-check", "--hardware-profile")
+PEER_DROPS = (
+    "--compare",
+    "--plot",
+    "--profile",
+    "--save-routing",
+    "--sweep",
+    "--sweep-rounds",
+    "--sweep-max-ranks",
+    "--sweep-speed-check",
+    "--hardware-profile",
+)
 PEER_SWITCHES = ("--json", "--overlap-report")
 VARIANTS = {"ladder": ("--ladder-residual", ("all",)), "layered": ("--prefill-schedule", ("layered",))}
 
@@ -23,8 +32,20 @@ def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
 def run_ours_single_process(args) -> dict:
     """This engine at tp=1 in one process using every core, for the 'same cores' comparison (the
     ranks against one process on the cores they share)."""
-    cmd = ["bench", "--nproc", "1", "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--repeat", str(args.repeat), "--json"]
+    cmd = [
+        "bench",
+        "--nproc",
+        "1",
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--gen-len",
+        str(args.gen_len),
+        "--repeat",
+        str(args.repeat),
+        "--json",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     try:
@@ -43,8 +64,10 @@ def variant_refusal(args, peer: str) -> Optional[str]:
     if peer == "layered" and getattr(args, "prefill_schedule", "chunked") == "layered":
         return "--compare layered compares chunked prefill with layered: run it without --prefill-schedule layered"
     if peer == "layered" and getattr(args, "max_batched_tokens", None) is None:
-        return ("--compare layered needs --max-batched-tokens: prompts over it are cut, into token chunks here "
-                "and into layer groups by the peer")
+        return (
+            "--compare layered needs --max-batched-tokens: prompts over it are cut, into token chunks here "
+            "and into layer groups by the peer"
+        )
     return None
 
 
@@ -79,7 +102,10 @@ def plot(path: str, rows: list[tuple[str, dict]]) -> None:
 
     names = [n for n, _ in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "prefill_tok_s", "prefill tokens/s"), (axes[1], "decode_tok_s", "decode tokens/s")):
+    for ax, key, title in (
+        (axes[0], "prefill_tok_s", "prefill tokens/s"),
+        (axes[1], "decode_tok_s", "decode tokens/s"),
+    ):
         values = [m.get(key) or 0.0 for _, m in rows]
         bars = ax.bar(names, values, color=["tab:green"] + ["tab:gray"] * (len(rows) - 1))
         ax.bar_label(bars, fmt="%.0f")

@@ -67,11 +67,18 @@ def _run_ours(args, peers: list[str], start: RankStart):
     measured_runs = 0
     if args.overlap_report:
         measured_runs = (len(TP_RUNS) if groups.tp.size > 1 else 0) + sum(
-            len(plan) for g, plan in P2P_RUNS.items() if getattr(groups, g).size > 1)
-    bar = tqdm(total=args.repeat * (1 + measured_runs) + len(peers), desc="bench", unit="run", file=sys.stderr,
-               disable=None if world.rank == 0 else True)
+            len(plan) for g, plan in P2P_RUNS.items() if getattr(groups, g).size > 1
+        )
+    bar = tqdm(
+        total=args.repeat * (1 + measured_runs) + len(peers),
+        desc="bench",
+        unit="run",
+        file=sys.stderr,
+        disable=None if world.rank == 0 else True,
+    )
     timing, gen_peak, gen_above = generation_memory(
-        lambda: measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1)))
+        lambda: measure(engine, prompts, args.gen_len, args.repeat, lambda: bar.update(1))
+    )
     gen_mem = torch.zeros(3, world.size, dtype=torch.float64)
     gen_mem[:, world.rank] = torch.tensor([gen_peak or float("nan"), gen_above or float("nan"), timing["ttft_cpu_s"]])
     world.all_reduce(gen_mem)
@@ -92,17 +99,33 @@ def _run_ours(args, peers: list[str], start: RankStart):
     world.destroy()
     if world.rank != 0:
         return None
-    ours = {"peer": "dist-infer", **timing, "peak_rss_mb": float(peaks.max()), "peak_rss_mb_per_rank": peaks.tolist(),
-            "load_s": report.load_s, "tp": args.tp, "pp": args.pp, "world_size": world.size,
-            "batch": args.batch, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-            "cp": args.cp, "cp_variant": args.cp_variant, "prefill_s": timing["ttft_s"],
-            "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(), "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
-            "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
-            "ep": args.ep, "threads_total": _threads_total(world.size), "ladder_layers": ladder_layers,
-            "prefill_schedule": getattr(args, "prefill_schedule", "chunked"), "max_batched_tokens": args.max_batched_tokens,
-            **({"moe": moe} if moe is not None else {}),
-            **({"profile": profile} if profile is not None else {}),
-            **({"overlap": overlap} if overlap else {})}
+    ours = {
+        "peer": "dist-infer",
+        **timing,
+        "peak_rss_mb": float(peaks.max()),
+        "peak_rss_mb_per_rank": peaks.tolist(),
+        "load_s": report.load_s,
+        "tp": args.tp,
+        "pp": args.pp,
+        "world_size": world.size,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "cp": args.cp,
+        "cp_variant": args.cp_variant,
+        "prefill_s": timing["ttft_s"],
+        "gen_peak_rss_mb_per_rank": gen_mem[0].tolist(),
+        "kv_act_peak_mb_per_rank": gen_mem[1].tolist(),
+        "prefill_cpu_s_per_rank": gen_mem[2].tolist(),
+        "ep": args.ep,
+        "threads_total": _threads_total(world.size),
+        "ladder_layers": ladder_layers,
+        "prefill_schedule": getattr(args, "prefill_schedule", "chunked"),
+        "max_batched_tokens": args.max_batched_tokens,
+        **({"moe": moe} if moe is not None else {}),
+        **({"profile": profile} if profile is not None else {}),
+        **({"overlap": overlap} if overlap else {}),
+    }
     return ours, model, bar
 
 
@@ -137,8 +160,18 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
         else:
             threads = ours["threads_total"] if peer == "llama.cpp" else None  # one process: all our ranks' cores
             where = _hf_placement(args) if peer in ("hf", "hf-compiled") else {}
-            metrics = run_peer(peer, model, nproc_peer, args.batch, args.prompt_len, args.gen_len, args.peer_timeout,
-                               threads=threads, repeats=args.repeat, **where)
+            metrics = run_peer(
+                peer,
+                model,
+                nproc_peer,
+                args.batch,
+                args.prompt_len,
+                args.gen_len,
+                args.peer_timeout,
+                threads=threads,
+                repeats=args.repeat,
+                **where,
+            )
         metrics.pop("token_ids", None)
         metrics["prefill_ratio"] = ratio(ours["prefill_tok_s"], metrics.get("prefill_tok_s"))
         metrics["decode_ratio"] = ratio(ours["decode_tok_s"], metrics.get("decode_tok_s"))
@@ -152,30 +185,42 @@ def _run_peers(args, peers: list[str], ours: dict, model: str, bar) -> dict:
 
 def _print_report(args, model: str, ours: dict, compare: dict) -> None:
     """Rank 0: the table, our memory and prefill lines, the extras asked for, --plot and --json."""
-    print(f"bench: {os.path.basename(model.rstrip('/'))}, batch {args.batch} x prompt {args.prompt_len}, "
-          f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} on {ours['world_size']} rank(s)")
-    print(f"{'system':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ttft ms':>10}{'tpot ms':>10}"
-          f"{'prefill x':>11}{'decode x':>10}")
+    print(
+        f"bench: {os.path.basename(model.rstrip('/'))}, batch {args.batch} x prompt {args.prompt_len}, "
+        f"{args.gen_len} new tokens, tp={args.tp} pp={args.pp} cp={args.cp} ep={args.ep} on {ours['world_size']} rank(s)"
+    )
+    print(
+        f"{'system':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'ttft ms':>10}{'tpot ms':>10}"
+        f"{'prefill x':>11}{'decode x':>10}"
+    )
     rows = [("dist-infer", ours)] + [(k, v) for k, v in compare.items()]
     for name, m in rows:
+
         def fmt(v, scale=1.0, spec=".1f"):
             return format(v * scale, spec) if isinstance(v, (int, float)) and v else "-"
-        print(f"{name:<14}{fmt(m.get('prefill_tok_s')):>15}{fmt(m.get('decode_tok_s')):>14}"
-              f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
-              f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}")
+
+        print(
+            f"{name:<14}{fmt(m.get('prefill_tok_s')):>15}{fmt(m.get('decode_tok_s')):>14}"
+            f"{fmt(m.get('ttft_s'), 1e3):>10}{fmt(m.get('tpot_s'), 1e3):>10}"
+            f"{fmt(m.get('prefill_ratio'), 1, '.2f'):>11}{fmt(m.get('decode_ratio'), 1, '.2f'):>10}"
+        )
     print("(x = dist-infer's throughput divided by the system's, same run)")
     for name, m in compare.items():
         if m.get("ok") and m.get("note"):
             print(f"{name}: {m['note']}")
         if m.get("ok") and m.get("moe") and ours.get("moe"):
             mine, theirs = ours["moe"]["expert_bytes"]["prompt"], m["moe"]["expert_bytes"]["prompt"]
-            print(f"{name}: expert weights read in steps with prompt tokens {theirs / 2**20:.0f} MiB, ours "
-                  f"{mine / 2**20:.0f} MiB ({ratio(theirs, mine) or 0:.2f}x ours)")
-    print(f"prefill: {ours['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
-          f"peak memory above the loaded model (KV cache + activations) per rank: "
-          f"{', '.join(f'{m:.0f}' for m in ours['kv_act_peak_mb_per_rank'])} MiB "
-          f"(peak RSS {', '.join(f'{m:.0f}' for m in ours['gen_peak_rss_mb_per_rank'])} MiB); prefill CPU time per rank "
-          f"{', '.join(f'{c:.2f}' for c in ours['prefill_cpu_s_per_rank'])} s")
+            print(
+                f"{name}: expert weights read in steps with prompt tokens {theirs / 2**20:.0f} MiB, ours "
+                f"{mine / 2**20:.0f} MiB ({ratio(theirs, mine) or 0:.2f}x ours)"
+            )
+    print(
+        f"prefill: {ours['ttft_s']:.3f} s for {args.batch} x {args.prompt_len} tokens (cp={args.cp}); "
+        f"peak memory above the loaded model (KV cache + activations) per rank: "
+        f"{', '.join(f'{m:.0f}' for m in ours['kv_act_peak_mb_per_rank'])} MiB "
+        f"(peak RSS {', '.join(f'{m:.0f}' for m in ours['gen_peak_rss_mb_per_rank'])} MiB); prefill CPU time per rank "
+        f"{', '.join(f'{c:.2f}' for c in ours['prefill_cpu_s_per_rank'])} s"
+    )
     moe, profile = ours.get("moe"), ours.get("profile")
     if moe is not None:
         from dist_infer.models.moe import format_routing_report

@@ -16,11 +16,24 @@ from dist_infer.topology.cores import usable_cores
 from dist_infer.topology.subcommand import SubcommandError, run_json
 
 # flags of the bench command line the sweep sets per run (with how many values each takes)
-_SET_PER_RUN = {"--sweep": 1, "--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--nproc": 1, "--json": 0, "--plot": 1,
-                "--compare": 1, "--hardware-profile": 1, "--sweep-max-ranks": 1, "--sweep-speed-check": 1,
-                "--sweep-rounds": 1,
-                "--overlap-report": 0,
-                "--profile": 1, "--save-routing": 1}
+_SET_PER_RUN = {
+    "--sweep": 1,
+    "--tp": 1,
+    "--pp": 1,
+    "--cp": 1,
+    "--ep": 1,
+    "--nproc": 1,
+    "--json": 0,
+    "--plot": 1,
+    "--compare": 1,
+    "--hardware-profile": 1,
+    "--sweep-max-ranks": 1,
+    "--sweep-speed-check": 1,
+    "--sweep-rounds": 1,
+    "--overlap-report": 0,
+    "--profile": 1,
+    "--save-routing": 1,
+}
 
 
 def child_argv(argv: Sequence[str]) -> list[str]:
@@ -57,8 +70,10 @@ def efficiency(rows: list[dict], key: str) -> None:
 def machine_speed(reference: dict, now: dict) -> dict:
     """How fast the machine runs now against when its profile was calibrated: the ratios of the same
     two timings (a prefill's GEMM rate, the weight-streaming rate)."""
-    return {"compute": now["gemm_flops"] / reference["gemm_flops"],
-            "memory": now["stream_bandwidth"] / reference["stream_bandwidth"]}
+    return {
+        "compute": now["gemm_flops"] / reference["gemm_flops"],
+        "memory": now["stream_bandwidth"] / reference["stream_bandwidth"],
+    }
 
 
 def run_sweep(args, argv: Sequence[str]) -> int:
@@ -88,8 +103,15 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     cores = usable_cores()
     max_ranks = args.sweep_max_ranks or 2 * cores
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[args.dtype]
-    work = Workload(args.batch, args.prompt_len, args.gen_len, weight_dtype=dtype, act_dtype=dtype,
-                    attention_dtype=dtype, kv_dtype=dtype)
+    work = Workload(
+        args.batch,
+        args.prompt_len,
+        args.gen_len,
+        weight_dtype=dtype,
+        act_dtype=dtype,
+        attention_dtype=dtype,
+        kv_dtype=dtype,
+    )
     rows, runs, plans = [], [], {}  # plans: layout -> (Layout, Schedule) of the layouts that run
     for lay in layouts:
         problem = why_not(lay, shape)
@@ -98,8 +120,12 @@ def run_sweep(args, argv: Sequence[str]) -> int:
         row = {**lay.as_dict(), "layout": lay.describe(), "ranks": lay.ranks}
         if problem is None:
             threshold = args.overlap_threshold or OVERLAP_THRESHOLDS["cpu" if hw.device == "cpu" else "cuda"]
-            plans[row["layout"]] = lay, Schedule(overlap=args.overlap, overlap_threshold=threshold,
-                                                 ranks_per_node=lay.ranks, cores_per_node=cores)
+            plans[row["layout"]] = (
+                lay,
+                Schedule(
+                    overlap=args.overlap, overlap_threshold=threshold, ranks_per_node=lay.ranks, cores_per_node=cores
+                ),
+            )
             pred = predict(shape, lay, work, hw, plans[row["layout"]][1])
             row["predicted"] = pred.as_dict()
             if not pred.fits:
@@ -114,8 +140,10 @@ def run_sweep(args, argv: Sequence[str]) -> int:
     base_cmd = ["bench"] + child_argv(argv)
     check_speed = args.sweep_speed_check == "on" and bool(hw.reference)
     if args.sweep_speed_check == "on" and not hw.reference:
-        logger.info(f"sweep: profile {hw.name} has no reference timing (calibrate it again): predicting for the "
-                    f"machine as it was profiled")
+        logger.info(
+            f"sweep: profile {hw.name} has no reference timing (calibrate it again): predicting for the "
+            f"machine as it was profiled"
+        )
     for _ in range(rounds):  # every layout once per round, so that a slow stretch of time hits them alike
         for row in runs:
             if "error" in row:
@@ -131,8 +159,18 @@ def run_sweep(args, argv: Sequence[str]) -> int:
         plot_sweep(args.plot, rows, args)
         print(f"plot written to {args.plot}")
     if args.json:
-        print(json.dumps({"model": path, "profile": hw.name, "batch": args.batch, "prompt_len": args.prompt_len,
-                          "gen_len": args.gen_len, "sweep": rows}))
+        print(
+            json.dumps(
+                {
+                    "model": path,
+                    "profile": hw.name,
+                    "batch": args.batch,
+                    "prompt_len": args.prompt_len,
+                    "gen_len": args.gen_len,
+                    "sweep": rows,
+                }
+            )
+        )
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -151,10 +189,22 @@ def run_layout(row: dict, base_cmd: list, args, check_speed: bool, hw, plans: di
             row["machine_speed"] = speed
             row["predicted_at_profile_speed"] = row["predicted"]
             lay, sched = plans[row["layout"]]
-            row["predicted"] = predict(shape, lay, work, hw.at_speed(speed["compute"], speed["memory"]),
-                                       sched).as_dict()
-    cmd = base_cmd + ["--nproc", str(row["ranks"]), "--tp", str(row["tp"]), "--pp", str(row["pp"]),
-                      "--cp", str(row["cp"]), "--ep", str(row["ep"]), "--json"]
+            row["predicted"] = predict(
+                shape, lay, work, hw.at_speed(speed["compute"], speed["memory"]), sched
+            ).as_dict()
+    cmd = base_cmd + [
+        "--nproc",
+        str(row["ranks"]),
+        "--tp",
+        str(row["tp"]),
+        "--pp",
+        str(row["pp"]),
+        "--cp",
+        str(row["cp"]),
+        "--ep",
+        str(row["ep"]),
+        "--json",
+    ]
     try:
         m = run_json(cmd, args.peer_timeout)
     except SubcommandError as exc:
@@ -190,30 +240,38 @@ def format_sweep(rows: list[dict], model: str, args, profile: str) -> str:
     def speed(s):
         return f"{s['compute']:.2f}/{s['memory']:.2f}" if s else "-"
 
-    lines = [f"sweep: {model}, batch {args.batch} x prompt {args.prompt_len}, {args.gen_len} new tokens; predictions "
-             f"from profile {profile}",
-             f"{'layout':<14}{'ranks':>6}{'TTFT s':>9}{'pred':>9}{'err':>6}{'TPOT ms':>9}{'pred':>9}{'err':>6}"
-             f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}{'GiB/rank':>10}{'pred':>7}{'err':>6}"
-             f"{'speed':>11}"]
+    lines = [
+        f"sweep: {model}, batch {args.batch} x prompt {args.prompt_len}, {args.gen_len} new tokens; predictions "
+        f"from profile {profile}",
+        f"{'layout':<14}{'ranks':>6}{'TTFT s':>9}{'pred':>9}{'err':>6}{'TPOT ms':>9}{'pred':>9}{'err':>6}"
+        f"{'prefill tok/s':>15}{'eff':>6}{'decode tok/s':>14}{'eff':>6}{'GiB/rank':>10}{'pred':>7}{'err':>6}"
+        f"{'speed':>11}",
+    ]
     for r in rows:
         if "skipped" in r or "error" in r:
-            why = "skipped: " + r["skipped"] if "skipped" in r else "failed: " + r["error"].strip().splitlines()[-1][:90]
+            why = (
+                "skipped: " + r["skipped"] if "skipped" in r else "failed: " + r["error"].strip().splitlines()[-1][:90]
+            )
             lines.append(f"{r['layout']:<14}{r['ranks']:>6}  {why}")
             continue
         m, p = r["measured"], r["predicted"]
-        lines.append(f"{r['layout']:<14}{r['ranks']:>6}"
-                     f"{num(m['ttft_s']):>9}{num(p['ttft_s']):>9}{pct(r['ttft_error']):>6}"
-                     f"{num(m.get('tpot_median_s', m['tpot_s']), 1e3, '.1f'):>9}{num(p['tpot_s'], 1e3, '.1f'):>9}"
-                     f"{pct(r['tpot_error']):>6}"
-                     f"{num(m['prefill_tok_s'], 1, '.0f'):>15}{num(r.get('efficiency_prefill_tok_s'), 1, '.2f'):>6}"
-                     f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}"
-                     f"{num(m['peak_rss_gib_per_rank'], 1, '.2f'):>10}{num(p['memory_gib_per_rank'], 1, '.2f'):>7}"
-                     f"{pct(r['memory_error']):>6}"
-                     f"{speed(r.get('machine_speed')):>11}")
-    lines.append("(err = predicted / measured - 1; TPOT = the median gap between a sequence's tokens; eff = throughput "
-                 "per rank against the smallest layout's; GiB/rank = the largest rank's peak RSS while generating; "
-                 "speed = the machine's GEMM / weight-streaming speed before the run against the profile's, which "
-                 "the prediction is made for)")
+        lines.append(
+            f"{r['layout']:<14}{r['ranks']:>6}"
+            f"{num(m['ttft_s']):>9}{num(p['ttft_s']):>9}{pct(r['ttft_error']):>6}"
+            f"{num(m.get('tpot_median_s', m['tpot_s']), 1e3, '.1f'):>9}{num(p['tpot_s'], 1e3, '.1f'):>9}"
+            f"{pct(r['tpot_error']):>6}"
+            f"{num(m['prefill_tok_s'], 1, '.0f'):>15}{num(r.get('efficiency_prefill_tok_s'), 1, '.2f'):>6}"
+            f"{num(m['decode_tok_s'], 1, '.0f'):>14}{num(r.get('efficiency_decode_tok_s'), 1, '.2f'):>6}"
+            f"{num(m['peak_rss_gib_per_rank'], 1, '.2f'):>10}{num(p['memory_gib_per_rank'], 1, '.2f'):>7}"
+            f"{pct(r['memory_error']):>6}"
+            f"{speed(r.get('machine_speed')):>11}"
+        )
+    lines.append(
+        "(err = predicted / measured - 1; TPOT = the median gap between a sequence's tokens; eff = throughput "
+        "per rank against the smallest layout's; GiB/rank = the largest rank's peak RSS while generating; "
+        "speed = the machine's GEMM / weight-streaming speed before the run against the profile's, which "
+        "the prediction is made for)"
+    )
     return "\n".join(lines)
 
 
@@ -228,8 +286,9 @@ def plot_sweep(path: str, rows: list[dict], args) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(max(11.0, 1.5 * len(done)), 4.6))
     names = [r["layout"] for r in done]
     for ax, key, pkey, tokens, title in (
-            (axes[0], "prefill_tok_s", "ttft_s", args.batch * args.prompt_len, "prefill tokens/s"),
-            (axes[1], "decode_tok_s", "tpot_s", args.batch, "decode tokens/s (at the median step)")):
+        (axes[0], "prefill_tok_s", "ttft_s", args.batch * args.prompt_len, "prefill tokens/s"),
+        (axes[1], "decode_tok_s", "tpot_s", args.batch, "decode tokens/s (at the median step)"),
+    ):
         # decode as compared: the batch's tokens per median step (a mean over few tokens holds one stall)
         measured = [r["measured"][key] if pkey == "ttft_s" else tokens / r["measured"]["tpot_median_s"] for r in done]
         predicted = [tokens / r["predicted"][pkey] if r["predicted"][pkey] else 0.0 for r in done]
@@ -238,8 +297,7 @@ def plot_sweep(path: str, rows: list[dict], args) -> None:
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.bar([x + 0.18 for x in xs], predicted, width=0.36, color="tab:gray", alpha=0.6, label="predicted")
         effs = [r.get(f"efficiency_{key}") for r in done]
-        ax.set_xticks(list(xs), [n + ("" if e is None else f"\neff {e:.2f}") for n, e in zip(names, effs)],
-                      fontsize=8)
+        ax.set_xticks(list(xs), [n + ("" if e is None else f"\neff {e:.2f}") for n, e in zip(names, effs)], fontsize=8)
         ax.set_title(title)
         ax.set_ylim(top=1.2 * max(measured + predicted + [1e-9]))  # room for the legend above the bars
         ax.legend(fontsize=8, ncols=2)

@@ -37,9 +37,11 @@ def rank_start(args: argparse.Namespace):
     from dist_infer.topology import Layout
 
     config = Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
-    return RankStart(join=lambda: join_job(args.backend, config, args.timeout, args.iface, args.log_level, args.shm),
-                     load=lambda groups: load_model(args, groups),
-                     build_engine=lambda stage, groups: build_bench_engine(args, stage, groups))
+    return RankStart(
+        join=lambda: join_job(args.backend, config, args.timeout, args.iface, args.log_level, args.shm),
+        load=lambda groups: load_model(args, groups),
+        build_engine=lambda stage, groups: build_bench_engine(args, stage, groups),
+    )
 
 
 def cmd_bench_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -18,12 +18,19 @@ def cmd_comm_test(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         from dist_infer.comm.selftest import DEFAULT_SIZES, format_table, results_json, run_comm_test
 
-        groups = join_job(args.backend, Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                          args.timeout, args.iface, args.log_level, args.shm)
+        groups = join_job(
+            args.backend,
+            Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+            args.timeout,
+            args.iface,
+            args.log_level,
+            args.shm,
+        )
         world = groups.world
         bar = tqdm(desc="comm-test", unit="case", disable=None if world.rank == 0 else True, file=sys.stderr)
-        results = run_comm_test(groups, sizes=args.sizes or DEFAULT_SIZES, iters=args.iters,
-                                progress=lambda r: bar.update(1))
+        results = run_comm_test(
+            groups, sizes=args.sizes or DEFAULT_SIZES, iters=args.iters, progress=lambda r: bar.update(1)
+        )
         bar.close()
         summary = results_json(results, world.size, world.backend)
         if world.rank == 0:

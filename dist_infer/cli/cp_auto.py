@@ -49,13 +49,17 @@ def resolve_cp_auto(args, argv: list[str], longest_prompt: int) -> list[str]:
             raise SystemExit(f"--cp auto: the job's {job.world_size} ranks do not divide by tp x pp x ep = {other}")
         cp = job.world_size // other
         if cp > 1 and longest_prompt < cp * MIN_TOKENS_PER_CP_RANK:
-            logger.info(f"--cp auto: cp={cp} fills the job's {job.world_size} ranks, though a {longest_prompt}-token "
-                        f"prompt is below {MIN_TOKENS_PER_CP_RANK} tokens per rank, where cp starts to pay")
+            logger.info(
+                f"--cp auto: cp={cp} fills the job's {job.world_size} ranks, though a {longest_prompt}-token "
+                f"prompt is below {MIN_TOKENS_PER_CP_RANK} tokens per rank, where cp starts to pay"
+            )
     else:
         slots = args.nproc or _local_slots()
         cp = choose_cp_size(longest_prompt, max(1, slots // other))
-        logger.info(f"--cp auto: cp={cp} for a {longest_prompt}-token prompt (at least {MIN_TOKENS_PER_CP_RANK} "
-                    f"tokens per rank, up to {max(1, slots // other)} cp ranks)")
+        logger.info(
+            f"--cp auto: cp={cp} for a {longest_prompt}-token prompt (at least {MIN_TOKENS_PER_CP_RANK} "
+            f"tokens per rank, up to {max(1, slots // other)} cp ranks)"
+        )
         if args.nproc:
             args.nproc = other * cp
     args.cp = cp

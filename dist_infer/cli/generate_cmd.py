@@ -24,20 +24,31 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     add_scheduler_flags(p, offline=True)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt; repeat for a batch")
-    p.add_argument("--prompt-ids", action="append", default=[],
-                   help="a prompt as comma-separated token ids, e.g. 1,2,3, or @FILE to read them from a file (a "
-                        "long prompt does not fit on a command line); repeat for a batch")
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        help="a prompt as comma-separated token ids, e.g. 1,2,3, or @FILE to read them from a file (a "
+        "long prompt does not fit on a command line); repeat for a batch",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), else sampling temperature")
     p.add_argument("--top-k", type=int, default=0, help="sample only among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample only within this probability mass (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default %(default)s)")
     p.add_argument("--no-eos-stop", action="store_true", help="do not stop at the end-of-sequence token")
-    p.add_argument("--dump-logits", default=None, metavar="FILE",
-                   help="save every step's logits (a list of [steps, vocab] fp32 tensors, one per prompt) to FILE "
-                        "with torch.save, on rank 0; for checking against a reference")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object as the last stdout line on rank 0: outputs, parallel layout, timing")
+    p.add_argument(
+        "--dump-logits",
+        default=None,
+        metavar="FILE",
+        help="save every step's logits (a list of [steps, vocab] fp32 tensors, one per prompt) to FILE "
+        "with torch.save, on rank 0; for checking against a reference",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object as the last stdout line on rank 0: outputs, parallel layout, timing",
+    )
 
 
 def parse_prompt_ids(values: list[str]) -> list[list[int]]:
@@ -48,8 +59,9 @@ def parse_prompt_ids(values: list[str]) -> list[list[int]]:
             try:
                 text, what = Path(value[1:]).read_text(), value[1:]
             except OSError as exc:
-                raise SystemExit(f"dist-infer generate: --prompt-ids {value}: cannot read {value[1:]}: "
-                                 f"{exc.strerror or exc}")
+                raise SystemExit(
+                    f"dist-infer generate: --prompt-ids {value}: cannot read {value[1:]}: {exc.strerror or exc}"
+                )
         try:
             ids = [int(x) for x in text.replace("\n", ",").split(",") if x.strip()]
         except ValueError:
@@ -109,15 +121,24 @@ def run_generate(args) -> int:
     from dist_infer.models.moe import moe_report
     from dist_infer.topology import Layout
 
-    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                            stop_at_eos=not args.no_eos_stop)
-    groups = join_job(args.backend, Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                      args.timeout, args.iface, args.log_level, args.shm)
+    params = SamplingParams(
+        args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop_at_eos=not args.no_eos_stop
+    )
+    groups = join_job(
+        args.backend,
+        Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+        args.timeout,
+        args.iface,
+        args.log_level,
+        args.shm,
+    )
     world = groups.world
     with shared_parses():  # a GGUF's weights and tokenizer share one parse of the file
         stage, report, model = load_model(args, groups)
-        logger.info(f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
-                    f"peak RSS {report.peak_rss_mb:.0f} MiB")
+        logger.info(
+            f"loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s, "
+            f"peak RSS {report.peak_rss_mb:.0f} MiB"
+        )
         prompts, tokenizer = read_prompts(args, model)
     engine = build_engine(args, stage, groups, **scheduler_options(args))
     outputs = engine.generate(prompts, params, return_logits=bool(args.dump_logits))
@@ -135,13 +156,22 @@ def run_generate(args) -> int:
         rows = []
         for o in outputs:
             text = tokenizer.decode(o.token_ids) if tokenizer else ""
-            rows.append({"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids,
-                         "logprobs": o.logprobs, "text": text, "finish_reason": o.finish_reason,
-                         "preemptions": o.num_preemptions})
+            rows.append(
+                {
+                    "prompt_token_ids": o.prompt_token_ids,
+                    "token_ids": o.token_ids,
+                    "logprobs": o.logprobs,
+                    "text": text,
+                    "finish_reason": o.finish_reason,
+                    "preemptions": o.num_preemptions,
+                }
+            )
             prompt_text = tokenizer.decode(o.prompt_token_ids) if tokenizer else str(o.prompt_token_ids)
             print(f"--- prompt: {prompt_text!r}\n    output: {text!r}\n    ids: {o.token_ids}")
-        print(f"timing: load {timing['load_s']:.2f} s, ttft {timing['ttft_s'] * 1e3:.1f} ms, "
-              f"prefill {timing['prefill_tok_s']:.0f} tok/s, decode {timing['decode_tok_s']:.1f} tok/s")
+        print(
+            f"timing: load {timing['load_s']:.2f} s, ttft {timing['ttft_s'] * 1e3:.1f} ms, "
+            f"prefill {timing['prefill_tok_s']:.0f} tok/s, decode {timing['decode_tok_s']:.1f} tok/s"
+        )
         if moe is not None:
             from dist_infer.models.moe import format_routing_report
 
@@ -149,12 +179,30 @@ def run_generate(args) -> int:
         if args.dump_logits:
             torch.save([torch.stack(o.logits) for o in outputs], args.dump_logits)
         if args.json:
-            parallel = {"tp": args.tp, "pp": args.pp, "ep": args.ep, "cp": args.cp, "world_size": world.size,
-                        "backend": world.backend, "mesh": groups.mesh.describe()}
+            parallel = {
+                "tp": args.tp,
+                "pp": args.pp,
+                "ep": args.ep,
+                "cp": args.cp,
+                "world_size": world.size,
+                "backend": world.backend,
+                "mesh": groups.mesh.describe(),
+            }
             extra = {"moe": moe} if moe is not None else {}
-            print(json.dumps({"outputs": rows, "parallel": parallel, "timing": timing,
-                              "memory": {"peak_rss_mb_per_rank": peaks[0].tolist(),
-                                         "load_peak_rss_mb_per_rank": peaks[1].tolist()}, **extra}))
+            print(
+                json.dumps(
+                    {
+                        "outputs": rows,
+                        "parallel": parallel,
+                        "timing": timing,
+                        "memory": {
+                            "peak_rss_mb_per_rank": peaks[0].tolist(),
+                            "load_peak_rss_mb_per_rank": peaks[1].tolist(),
+                        },
+                        **extra,
+                    }
+                )
+            )
     world.barrier()
     engine.close()
     groups.destroy()

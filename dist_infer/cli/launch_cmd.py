@@ -18,16 +18,25 @@ def cmd_launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     configure_logging("launch" if args.node_rank is None else f"launch node {args.node_rank}")
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
-        logger.error("nothing to launch: give the command after '--', e.g. dist-infer launch --nproc-per-node 2 -- dist-infer comm-test")
+        logger.error(
+            "nothing to launch: give the command after '--', e.g. dist-infer launch --nproc-per-node 2 -- dist-infer comm-test"
+        )
         return 2
     try:
         hosts = parse_hostfile(args.hostfile) if args.hostfile else None
         if args.node_rank is not None and not hosts:
             raise LaunchError("--node-rank needs --hostfile")
         opts = LaunchOptions(
-            command=command, nproc_per_node=args.nproc_per_node, hosts=hosts, hostfile=args.hostfile,
-            node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-            launcher=args.launcher, ssh_command=args.ssh_command, iface=args.iface,
+            command=command,
+            nproc_per_node=args.nproc_per_node,
+            hosts=hosts,
+            hostfile=args.hostfile,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            launcher=args.launcher,
+            ssh_command=args.ssh_command,
+            iface=args.iface,
         )
         procs = plan(opts)
     except (HostfileError, LaunchError) as exc:

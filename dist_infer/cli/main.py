@@ -16,8 +16,16 @@ from dist_infer.cli.plan_cmd import cmd_calibrate, cmd_plan
 from dist_infer.cli.serve_cmd import cmd_serve
 
 # every command takes (args, argv); generate, bench and serve can start their own ranks with argv
-COMMANDS = {"launch": cmd_launch, "comm-test": cmd_comm_test, "generate": cmd_generate, "bench": cmd_bench,
-            "serve": cmd_serve, "bench-serve": cmd_bench_serve, "plan": cmd_plan, "calibrate": cmd_calibrate}
+COMMANDS = {
+    "launch": cmd_launch,
+    "comm-test": cmd_comm_test,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "serve": cmd_serve,
+    "bench-serve": cmd_bench_serve,
+    "plan": cmd_plan,
+    "calibrate": cmd_calibrate,
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

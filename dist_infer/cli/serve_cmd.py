@@ -81,20 +81,38 @@ def _join(args):
             raise ValueError("--join needs --instance-index (which instance this job is)")
         specs = parse_instances(args.instances or "1", args.tp, args.pp)
         if len(specs) != 1:
-            raise ValueError(f"--join: --instances {args.instances!r} names {len(specs)} instances; a joining job is one")
+            raise ValueError(
+                f"--join: --instances {args.instances!r} names {len(specs)} instances; a joining job is one"
+            )
         spec = specs[0]
-        groups = join_job(args.backend, Layout(tp=spec.tp, pp=spec.pp, ep=args.ep, cp=args.cp),
-                          args.timeout, args.iface, args.log_level, args.shm)
+        groups = join_job(
+            args.backend,
+            Layout(tp=spec.tp, pp=spec.pp, ep=args.ep, cp=args.cp),
+            args.timeout,
+            args.iface,
+            args.log_level,
+            args.shm,
+        )
         return groups.world, args.instance_index, specs, groups
     if not args.instances:
-        groups = join_job(args.backend, Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
-                          args.timeout, args.iface, args.log_level, args.shm)
+        groups = join_job(
+            args.backend,
+            Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),
+            args.timeout,
+            args.iface,
+            args.log_level,
+            args.shm,
+        )
         return groups.world, 0, [InstanceSpec(args.tp, args.pp)], groups
     if args.ep > 1 or args.cp > 1:
-        raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
+        raise ValueError(
+            f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it"
+        )
     specs = parse_instances(args.instances, args.tp, args.pp)
     check_roles(specs)
-    world, _, _ = join_world(args.backend, args.timeout, args.iface, args.log_level, check=lambda n: check_world(specs, n))
+    world, _, _ = join_world(
+        args.backend, args.timeout, args.iface, args.log_level, check=lambda n: check_world(specs, n)
+    )
     index, groups = join_instance(world, specs, args.shm)
     if world.rank == 0:
         logger.info(f"{len(specs)} instances: " + ", ".join(f"{i}: {s.describe()}" for i, s in enumerate(specs)))
@@ -138,8 +156,10 @@ def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: 
         groups.world.all_reduce(blocks, "min")
         options["num_blocks"] = int(blocks[0])
     engine = build_engine(args, stage, groups, heartbeat_s=min(2.0, args.timeout / 4), **options)
-    logger.info(f"instance {index}: loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s; "
-                f"KV cache {engine.num_blocks} blocks of {args.block_size} tokens")
+    logger.info(
+        f"instance {index}: loaded layers {report.layers[0]}..{report.layers[1] - 1} in {report.load_s:.2f} s; "
+        f"KV cache {engine.num_blocks} blocks of {args.block_size} tokens"
+    )
     pids = torch.empty(groups.world.size, dtype=torch.long)
     groups.world.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.long))
     link, addresses = open_kv_link(engine, groups, address[0], key, args.cp, args.migration_timeout)
@@ -150,10 +170,21 @@ def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: 
         engine.follow()
     else:
         spec = specs[0] if args.join else specs[index]
-        hello = Hello.from_fields(index=index, layout=spec.layout, role=spec.role, tp=spec.tp, pp=spec.pp,
-                                  pids=pids.tolist(), addresses=addresses, total_blocks=engine.num_blocks,
-                                  block_size=args.block_size, cp=args.cp, max_positions=stage.cfg.max_positions,
-                                  vocab_size=stage.cfg.vocab_size, block_bytes=block_bytes(stage, args.block_size))
+        hello = Hello.from_fields(
+            index=index,
+            layout=spec.layout,
+            role=spec.role,
+            tp=spec.tp,
+            pp=spec.pp,
+            pids=pids.tolist(),
+            addresses=addresses,
+            total_blocks=engine.num_blocks,
+            block_size=args.block_size,
+            cp=args.cp,
+            max_positions=stage.cfg.max_positions,
+            vocab_size=stage.cfg.vocab_size,
+            block_bytes=block_bytes(stage, args.block_size),
+        )
         run_instance(engine, index, address, key, hello)
     if link is not None:
         engine.mover.close()
@@ -180,8 +211,9 @@ def _reach_frontend(args, world):
     process = address = key = None
     if world.rank == 0:
         key = secrets.token_hex(16).encode()
-        process, address = start_frontend_child(getattr(args, "argv", None) or ["serve"], hub_host(), key,
-                                                max(60.0, args.timeout))
+        process, address = start_frontend_child(
+            getattr(args, "argv", None) or ["serve"], hub_host(), key, max(60.0, args.timeout)
+        )
     address, key = share_hub_address(world, address, key)
     return process, address, key
 
@@ -195,6 +227,7 @@ def _frontend_exit_code(frontend) -> int:
 
 def _forward_stop_signals(frontend) -> None:
     """World rank 0's SIGTERM/SIGINT go to the front end, which stops the instances in order."""
+
     def forward(signum, _):
         logger.info(f"{signal.Signals(signum).name}: passed on to the API process (pid {frontend.pid})")
         if frontend.poll() is None:

@@ -81,11 +81,14 @@ def run_frontend(args, argv: list[str]) -> int:
 
     configure_logging("api", args.log_level)
     scale = autoscale_bounds(args)
-    specs = parse_instances(args.instances or str(scale[0] if scale else 1), args.tp, args.pp,
-                            max_ranks=getattr(args, "max_ranks", None))
+    specs = parse_instances(
+        args.instances or str(scale[0] if scale else 1), args.tp, args.pp, max_ranks=getattr(args, "max_ranks", None)
+    )
     check_roles(specs)
     if len(specs) > 1 and (args.ep > 1 or args.cp > 1):
-        raise ValueError(f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it")
+        raise ValueError(
+            f"--instances takes tp and pp layouts; --ep {args.ep} --cp {args.cp} are not supported with it"
+        )
     guard = http_options_of(args)  # a bad flag is an error now, not after every instance has loaded
     model = model_path(args)
     key = os.environ.get(HUB_KEY_ENV, "").encode() if args.frontend_only else secrets.token_hex(16).encode()
@@ -111,15 +114,29 @@ def run_frontend(args, argv: list[str]) -> int:
         tokenizer, template = _tokenizer_and_template(model)
         joined = waiter.wait(max(60.0, args.timeout), failed=lambda: _start_failure(processes, stopping))
     except BaseException as exc:
-        logger.error(f"{exc}; stopping" if isinstance(exc, (TimeoutError, RuntimeError)) else f"start-up failed: {exc!r}")
+        logger.error(
+            f"{exc}; stopping" if isinstance(exc, (TimeoutError, RuntimeError)) else f"start-up failed: {exc!r}"
+        )
         _end(processes)
         hub.close()
         if isinstance(exc, (TimeoutError, RuntimeError)):
             return 1
         raise
     try:
-        return _serve(args, guard, joined, processes, hub, waiter, spawn, rank_capacity,
-                      served_name_for(args, model), tokenizer, template, stopping)
+        return _serve(
+            args,
+            guard,
+            joined,
+            processes,
+            hub,
+            waiter,
+            spawn,
+            rank_capacity,
+            served_name_for(args, model),
+            tokenizer,
+            template,
+            stopping,
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -136,8 +153,13 @@ def _spawner_for(args, argv: list[str], hub: tuple, key: bytes, specs):
         from dist_infer.serving.placement.ray_placement import RaySpawner, connect
 
         connect(args.ray_address)
-        return RaySpawner(argv, hub, key, cpus_per_rank=args.ray_cpus_per_rank,
-                          gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0)
+        return RaySpawner(
+            argv,
+            hub,
+            key,
+            cpus_per_rank=args.ray_cpus_per_rank,
+            gpus_per_rank=1 if getattr(args, "device", "auto") == "cuda" else 0,
+        )
     ranks = sum(spec.size for spec in specs)
     bounds = autoscale_bounds(args)
     if bounds is not None:  # each instance gets the cores of its slot in the largest fleet, not of the first one
@@ -158,8 +180,10 @@ def rank_capacity_for(args, spawn, specs) -> Callable[[], "RankBudget"]:
         budget.check(f"--instances {'; '.join(s.describe() for s in specs)!r}", sum(s.size for s in specs))
     bounds = autoscale_bounds(args)
     if bounds is not None and bounds[1] * specs[0].size > budget.limit:
-        logger.warning(f"--autoscale up to {bounds[1]} instances of {specs[0].describe()} would take "
-                       f"{bounds[1] * specs[0].size} ranks; {budget.describe()}: the fleet stops growing there")
+        logger.warning(
+            f"--autoscale up to {bounds[1]} instances of {specs[0].describe()} would take "
+            f"{bounds[1] * specs[0].size} ranks; {budget.describe()}: the fleet stops growing there"
+        )
     logger.info(f"rank budget: {budget.describe()}")
     return capacity
 
@@ -186,8 +210,9 @@ def _autoscaler(args, cluster):
     from dist_infer.serving.placement.autoscaler import Autoscaler
 
     lo, hi = parse_autoscale(args.autoscale)
-    policy = AutoscalePolicy(lo, hi, parse_slo(args.slo), cooldown_s=args.autoscale_cooldown,
-                             low_for_s=args.autoscale_down_after)
+    policy = AutoscalePolicy(
+        lo, hi, parse_slo(args.slo), cooldown_s=args.autoscale_cooldown, low_for_s=args.autoscale_down_after
+    )
     logger.info(f"autoscaling between {lo} and {hi} instances to the SLO {policy.slo.describe()}")
     cluster.latency.window_s = args.autoscale_window
     return Autoscaler(cluster, policy, cluster.instances[0].spec.describe())
@@ -236,8 +261,20 @@ def write_private(path: str, text: str) -> None:
         f.write(text)
 
 
-def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capacity, name: str, tokenizer,
-           template, stopping: threading.Event) -> int:
+def _serve(
+    args,
+    guard,
+    joined,
+    processes: dict,
+    hub,
+    waiter,
+    spawn,
+    rank_capacity,
+    name: str,
+    tokenizer,
+    template,
+    stopping: threading.Event,
+) -> int:
     from dist_infer.serving.fleet.cluster import Cluster, FleetConfig, InstanceClient
     from dist_infer.serving.http.api_server import build_app, serve_http
 
@@ -250,13 +287,19 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capaci
     def on_dead(reason: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the HTTP server shuts down; the exit code says why
 
-    config = FleetConfig(max_queue=args.max_queue, dispatch=args.dispatch, migrate_interval=args.migrate_interval,
-                         migration_timeout=args.migration_timeout, join_timeout_s=max(60.0, args.timeout),
-                         max_request_failovers=args.max_request_failovers, max_instances=args.max_instances,
-                         auto_restart=args.auto_restart == "on"
-                         or (args.auto_restart == "auto" and args.placement == "ray"))
-    cluster = Cluster(clients, name, tokenizer, template, config, on_dead=on_dead, spawner=spawn,
-                      rank_capacity=rank_capacity)
+    config = FleetConfig(
+        max_queue=args.max_queue,
+        dispatch=args.dispatch,
+        migrate_interval=args.migrate_interval,
+        migration_timeout=args.migration_timeout,
+        join_timeout_s=max(60.0, args.timeout),
+        max_request_failovers=args.max_request_failovers,
+        max_instances=args.max_instances,
+        auto_restart=args.auto_restart == "on" or (args.auto_restart == "auto" and args.placement == "ray"),
+    )
+    cluster = Cluster(
+        clients, name, tokenizer, template, config, on_dead=on_dead, spawner=spawn, rank_capacity=rank_capacity
+    )
     if args.autoscale:
         cluster.autoscaler = _autoscaler(args, cluster)
     cluster.start()
@@ -266,13 +309,18 @@ def _serve(args, guard, joined, processes: dict, hub, waiter, spawn, rank_capaci
 
         def ready(host: str, port: int) -> None:
             layouts = ", ".join(c.spec.describe() for c in clients)
-            logger.info(f"serving {name!r} on {'https' if guard.tls else 'http'}://{host}:{port}/v1 with "
-                        f"{len(clients)} instance(s) [{layouts}] (max {args.max_num_seqs} running, "
-                        f"{args.max_batched_tokens} tokens per step each); instances join at "
-                        f"{hub.address[0]}:{hub.address[1]}")
+            logger.info(
+                f"serving {name!r} on {'https' if guard.tls else 'http'}://{host}:{port}/v1 with "
+                f"{len(clients)} instance(s) [{layouts}] (max {args.max_num_seqs} running, "
+                f"{args.max_batched_tokens} tokens per step each); instances join at "
+                f"{hub.address[0]}:{hub.address[1]}"
+            )
             if args.ready_file:
-                Path(args.ready_file).write_text(json.dumps({"host": host, "port": port, "pid": os.getpid(),
-                                                             "hub": [hub.address[0], hub.address[1]]}))
+                Path(args.ready_file).write_text(
+                    json.dumps(
+                        {"host": host, "port": port, "pid": os.getpid(), "hub": [hub.address[0], hub.address[1]]}
+                    )
+                )
 
         if not stopping.is_set():  # a stop signal before uvicorn took the signals over: no server at all
             serve_http(app, args.host, args.port, on_ready=ready, guard=guard)

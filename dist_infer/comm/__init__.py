@@ -6,11 +6,19 @@ command line needs) loads without torch: a launcher that only starts ranks skips
 from importlib import import_module
 
 _WHERE = {
-    "BACKENDS": "backends", "DEFAULT_TIMEOUT_S": "backends",
-    "REDUCE_OPS": "base", "CommError": "base", "CommTimeoutError": "base", "Communicator": "base",
-    "Handle": "base", "P2POp": "base",
-    "ParallelGroups": "groups", "build_groups": "groups",
-    "BackendError": "init", "discover_rank": "init", "init_world": "init",
+    "BACKENDS": "backends",
+    "DEFAULT_TIMEOUT_S": "backends",
+    "REDUCE_OPS": "base",
+    "CommError": "base",
+    "CommTimeoutError": "base",
+    "Communicator": "base",
+    "Handle": "base",
+    "P2POp": "base",
+    "ParallelGroups": "groups",
+    "build_groups": "groups",
+    "BackendError": "init",
+    "discover_rank": "init",
+    "init_world": "init",
 }
 
 __all__ = sorted(_WHERE)

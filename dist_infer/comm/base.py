@@ -55,8 +55,9 @@ class PollingHandle(Handle):
     compute that the caller overlaps with communication (a CPU node may have only two).
     """
 
-    def __init__(self, test: Callable[[], bool], describe: str, timeout: float,
-                 on_complete: Optional[Callable[[], None]] = None):
+    def __init__(
+        self, test: Callable[[], bool], describe: str, timeout: float, on_complete: Optional[Callable[[], None]] = None
+    ):
         self._test = test
         self._describe = describe
         self._timeout = timeout
@@ -135,10 +136,14 @@ class Communicator(ABC):
         return self.ranks[self.rank]
 
     def describe(self, op: str) -> str:
-        return f"{op} on group {self.name!r} (ranks {list(self.ranks)}, backend {self.backend}, as group rank {self.rank})"
+        return (
+            f"{op} on group {self.name!r} (ranks {list(self.ranks)}, backend {self.backend}, as group rank {self.rank})"
+        )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
+        return (
+            f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
+        )
 
     def _finish(self, handle: Handle, async_op: bool) -> Optional[Handle]:
         if async_op:
@@ -166,7 +171,9 @@ class Communicator(ABC):
             return self._finish(DoneHandle(), async_op)
         return self._finish(self._post_all_gather(output, input), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False) -> Optional[Handle]:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False
+    ) -> Optional[Handle]:
         """`output` receives this rank's 1/size chunk (along dim 0) of the reduced `input`."""
         _check_op(op)
         if input.numel() != output.numel() * self.size or output.dtype != input.dtype:
@@ -179,9 +186,14 @@ class Communicator(ABC):
             return self._finish(DoneHandle(), async_op)
         return self._finish(self._post_reduce_scatter(output, input, op), async_op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Optional[Sequence[int]] = None, input_splits: Optional[Sequence[int]] = None,
-                   async_op: bool = False) -> Optional[Handle]:
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Optional[Sequence[int]] = None,
+        input_splits: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Optional[Handle]:
         """Rank i sends rows `input_splits[j]` of `input` (dim 0) to rank j; splits may be unequal or 0.
 
         Without splits, dim 0 is cut into `size` equal parts.
@@ -258,7 +270,9 @@ class Communicator(ABC):
                 continue
             i = next((i for i, s in enumerate(sends) if s.tag == o.tag), None)
             if i is None or sends[i].tensor.numel() != o.tensor.numel():
-                raise CommError(f"{self.describe('recv')}: no send of {o.tensor.numel()} elements with tag {o.tag} in the batch")
+                raise CommError(
+                    f"{self.describe('recv')}: no send of {o.tensor.numel()} elements with tag {o.tag} in the batch"
+                )
             o.tensor.copy_(sends.pop(i).tensor.reshape(o.tensor.shape))
         if sends:
             raise CommError(f"{self.describe('send')}: {len(sends)} send(s) to self with no matching recv in the batch")
@@ -286,7 +300,9 @@ class Communicator(ABC):
     def _post_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle: ...
 
     @abstractmethod
-    def _post_all_to_all(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Handle: ...
+    def _post_all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Handle: ...
 
     @abstractmethod
     def _post_broadcast(self, tensor: torch.Tensor, src: int) -> Handle: ...

@@ -50,8 +50,12 @@ def discover_rank(backend: str = "auto", env=None) -> RankInfo:
     return info
 
 
-def init_world(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S, iface: Optional[str] = None,
-               info: Optional[RankInfo] = None) -> Communicator:
+def init_world(
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT_S,
+    iface: Optional[str] = None,
+    info: Optional[RankInfo] = None,
+) -> Communicator:
     """Initialise `backend` for this process and return the world communicator."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -110,7 +114,9 @@ def rendezvous_store(info: RankInfo, timeout: float):
     if info.world_size == 1:  # nobody to meet: no listener at all, and no port to race other jobs for
         return HashStore()
     if info.master_addr is None or info.master_port is None:
-        raise BackendError(f"{info.launcher} launch without MASTER_ADDR or MASTER_PORT; set MASTER_ADDR and MASTER_PORT")
+        raise BackendError(
+            f"{info.launcher} launch without MASTER_ADDR or MASTER_PORT; set MASTER_ADDR and MASTER_PORT"
+        )
     host = store_address(info.master_addr)
     limit = datetime.timedelta(seconds=timeout)
     # under torchrun its agent already serves the store on MASTER_PORT: every rank is a client
@@ -118,9 +124,11 @@ def rendezvous_store(info: RankInfo, timeout: float):
         store = TCPStore(host, info.master_port, info.world_size, is_master=False, timeout=limit)
         return PrefixStore("default_pg", store)  # the keys tcp:// would use, clear of the agent's
     if info.num_nodes > 1 and ipaddress.ip_address(host).is_loopback:
-        raise BackendError(f"MASTER_ADDR {info.master_addr!r} is {host} on this host, which the other hosts cannot "
-                           f"reach, and the rendezvous never listens on every interface: set MASTER_ADDR to this "
-                           f"host's address on the job's network")
+        raise BackendError(
+            f"MASTER_ADDR {info.master_addr!r} is {host} on this host, which the other hosts cannot "
+            f"reach, and the rendezvous never listens on every interface: set MASTER_ADDR to this "
+            f"host's address on the job's network"
+        )
     bind = host
     listener = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -132,8 +140,15 @@ def rendezvous_store(info: RankInfo, timeout: float):
         raise BackendError(f"the rendezvous cannot listen on {bind}:{info.master_port}: {exc}") from None
     _LISTENERS.append(listener)  # the store serves on this fd: it must outlive the store
     logger.debug(f"rendezvous store listening on {bind}:{info.master_port}")
-    store = TCPStore(host, info.master_port, info.world_size, is_master=True, timeout=limit,
-                     master_listen_fd=listener.fileno(), use_libuv=True)
+    store = TCPStore(
+        host,
+        info.master_port,
+        info.world_size,
+        is_master=True,
+        timeout=limit,
+        master_listen_fd=listener.fileno(),
+        use_libuv=True,
+    )
     return PrefixStore("default_pg", store)
 
 

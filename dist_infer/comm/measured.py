@@ -101,22 +101,28 @@ class MeasuredCommunicator(DelegatingCommunicator):
 
     # -- collectives: skipped ones leave right-shaped, wrong values -----------------------------
     def all_reduce(self, tensor, op="sum", async_op=False):
-        return self._run("all_reduce", lambda a: self.inner.all_reduce(tensor, op, a), async_op, lambda: None, (tensor,))
+        return self._run(
+            "all_reduce", lambda a: self.inner.all_reduce(tensor, op, a), async_op, lambda: None, (tensor,)
+        )
 
     def all_gather(self, output, input, async_op=False):
         def fake():
             output.view(self.size, -1).copy_(input.reshape(1, -1).expand(self.size, -1))
+
         return self._run("all_gather", lambda a: self.inner.all_gather(output, input, a), async_op, fake, (output,))
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
         def fake():
             output.view(-1).copy_(input.reshape(self.size, -1)[self.rank])
-        return self._run("reduce_scatter", lambda a: self.inner.reduce_scatter(output, input, op, a), async_op, fake,
-                         (output,))
+
+        return self._run(
+            "reduce_scatter", lambda a: self.inner.reduce_scatter(output, input, op, a), async_op, fake, (output,)
+        )
 
     def all_to_all(self, output, input, output_splits=None, input_splits=None, async_op=False):
-        return self._run("all_to_all", lambda a: self.inner.all_to_all(output, input, output_splits, input_splits, a),
-                         async_op)  # never skipped: MoE routing sizes travel this way
+        return self._run(
+            "all_to_all", lambda a: self.inner.all_to_all(output, input, output_splits, input_splits, a), async_op
+        )  # never skipped: MoE routing sizes travel this way
 
     def broadcast(self, tensor, src=0, async_op=False):
         return self._run("broadcast", lambda a: self.inner.broadcast(tensor, src, a), async_op)
@@ -135,5 +141,5 @@ class MeasuredCommunicator(DelegatingCommunicator):
             for o in ops:
                 if o.kind == "recv":
                     o.tensor.zero_()
-        return self._run("send_recv", lambda a: self.inner.batch_isend_irecv(ops), True, fake,
-                         [o.tensor for o in ops])
+
+        return self._run("send_recv", lambda a: self.inner.batch_isend_irecv(ops), True, fake, [o.tensor for o in ops])

@@ -34,7 +34,16 @@ def cuda_aware() -> bool:
 
 
 # Reductions numpy can do in place; bf16 has no numpy type and is reduced in fp32.
-_NUMPY_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8}
+_NUMPY_REDUCIBLE = {
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.int32,
+    torch.int64,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+}
 # For pure data movement any dtype travels as raw bytes of the same width.
 _BIT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -44,7 +53,9 @@ class _Staged:
 
     def __init__(self, tensor: torch.Tensor, reduce: bool, device_ok: bool):
         if not tensor.is_contiguous():
-            raise CommError(f"MPI ops need contiguous tensors (got strides {tensor.stride()} for shape {tuple(tensor.shape)})")
+            raise CommError(
+                f"MPI ops need contiguous tensors (got strides {tensor.stride()} for shape {tuple(tensor.shape)})"
+            )
         self.orig = tensor
         work = tensor
         if tensor.is_cuda and not device_ok:
@@ -82,7 +93,9 @@ class MPICommunicator(Communicator):
         MPI = _mpi()
         self.comm = comm
         if ranks is None:
-            ranks = list(range(comm.Get_size())) if comm == MPI.COMM_WORLD else comm.allgather(MPI.COMM_WORLD.Get_rank())
+            ranks = (
+                list(range(comm.Get_size())) if comm == MPI.COMM_WORLD else comm.allgather(MPI.COMM_WORLD.Get_rank())
+            )
         super().__init__(comm.Get_rank(), ranks, name, timeout)
         self._device_ok = cuda_aware()
 
@@ -114,7 +127,9 @@ class MPICommunicator(Communicator):
 
     def _post_reduce_scatter(self, output, input, op):
         si, so = self._stage(input, reduce=True), self._stage(output, reduce=True)
-        return self._handle(self.comm.Ireduce_scatter_block(si.buf(), so.buf(), op=_reduce_op(op)), "reduce_scatter", [so])
+        return self._handle(
+            self.comm.Ireduce_scatter_block(si.buf(), so.buf(), op=_reduce_op(op)), "reduce_scatter", [so]
+        )
 
     def _post_all_to_all(self, output, input, out_splits, in_splits):
         si, so = self._stage(input), self._stage(output)

@@ -25,8 +25,13 @@ def on_host(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
-def combine_partials(parts: list[torch.Tensor], me: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
-                     scatter_into: Optional[torch.Tensor]) -> None:
+def combine_partials(
+    parts: list[torch.Tensor],
+    me: int,
+    tensor: torch.Tensor,
+    gather_into: Optional[torch.Tensor],
+    scatter_into: Optional[torch.Tensor],
+) -> None:
     """Every rank's flat partial (`parts`, in rank order) into the op's result: their sum into
     `tensor`, their concatenation into `gather_into`, or the sum of rank `me`'s chunk into
     `scatter_into`. Sums run in rank order on every rank."""
@@ -35,7 +40,7 @@ def combine_partials(parts: list[torch.Tensor], me: int, tensor: torch.Tensor, g
         return
     if scatter_into is not None:
         n = scatter_into.numel()
-        parts = [p[me * n:(me + 1) * n] for p in parts]
+        parts = [p[me * n : (me + 1) * n] for p in parts]
         flat = scatter_into.view(-1)
     else:
         flat = tensor.view(-1)
@@ -45,8 +50,14 @@ def combine_partials(parts: list[torch.Tensor], me: int, tensor: torch.Tensor, g
 
 
 class PartialsHandle(Handle):
-    def __init__(self, comm: "PartialsCommunicator", seq: int, tensor: torch.Tensor,
-                 gather_into: Optional[torch.Tensor], scatter_into: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        comm: "PartialsCommunicator",
+        seq: int,
+        tensor: torch.Tensor,
+        gather_into: Optional[torch.Tensor],
+        scatter_into: Optional[torch.Tensor] = None,
+    ):
         self.comm, self.seq, self.tensor, self.gather_into, self.done = comm, seq, tensor, gather_into, False
         self.scatter_into = scatter_into
 
@@ -69,17 +80,30 @@ class PartialsCommunicator(DelegatingCommunicator):
     def all_gather(self, output, input, async_op=False):
         """Every rank's `input` into `output` (the LM head's logits, a cp decode's partials)."""
         nbytes = input.numel() * input.element_size()
-        if (self.size == 1 or input.numel() == 0 or not on_host(input, output) or not input.is_contiguous() or not output.is_contiguous()
-                or nbytes > self.max_bytes or output.numel() != input.numel() * self.size
-                or output.dtype != input.dtype):
+        if (
+            self.size == 1
+            or input.numel() == 0
+            or not on_host(input, output)
+            or not input.is_contiguous()
+            or not output.is_contiguous()
+            or nbytes > self.max_bytes
+            or output.numel() != input.numel() * self.size
+            or output.dtype != input.dtype
+        ):
             return self.inner.all_gather(output, input, async_op)
         return self._run(self._post(input, output), async_op)
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
         """Sum over the group of `input`, of which this rank keeps its chunk in `output` (the
         sequence-parallel layers): every rank posts its input, and adds up only its chunk."""
-        if (self.size == 1 or input.numel() == 0 or not self._fits(input, op) or not on_host(output)
-                or not output.is_contiguous() or output.numel() * self.size != input.numel()):
+        if (
+            self.size == 1
+            or input.numel() == 0
+            or not self._fits(input, op)
+            or not on_host(output)
+            or not output.is_contiguous()
+            or output.numel() * self.size != input.numel()
+        ):
             return self.inner.reduce_scatter(output, input, op, async_op)
         return self._run(self._post(input, None, output), async_op)
 
@@ -89,8 +113,13 @@ class PartialsCommunicator(DelegatingCommunicator):
         return self._run(self._post(tensor, None), async_op)
 
     def _fits(self, tensor: torch.Tensor, op: str) -> bool:
-        return (op == "sum" and on_host(tensor) and tensor.is_contiguous() and tensor.dtype in SUMMABLE
-                and tensor.numel() * tensor.element_size() <= self.max_bytes)
+        return (
+            op == "sum"
+            and on_host(tensor)
+            and tensor.is_contiguous()
+            and tensor.dtype in SUMMABLE
+            and tensor.numel() * tensor.element_size() <= self.max_bytes
+        )
 
     @staticmethod
     def _run(handle: PartialsHandle, async_op: bool) -> Optional[PartialsHandle]:
@@ -99,14 +128,21 @@ class PartialsCommunicator(DelegatingCommunicator):
         handle.wait()
         return None
 
-    def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
-              scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
+    def _post(
+        self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], scatter_into: Optional[torch.Tensor] = None
+    ) -> PartialsHandle:
         raise NotImplementedError
 
     def close(self) -> None:
         """Let go of what carries the small collectives; the inner communicator stays."""
         raise NotImplementedError
 
-    def _combine(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
-                 scatter_into: Optional[torch.Tensor] = None) -> None:
+    def _combine(
+        self,
+        seq: int,
+        tensor: torch.Tensor,
+        gather_into: Optional[torch.Tensor],
+        timeout: float,
+        scatter_into: Optional[torch.Tensor] = None,
+    ) -> None:
         raise NotImplementedError

@@ -35,8 +35,13 @@ class RateLimitedLog:
     the next interval, so a steady flood writes one line per interval. A key quiet for a whole
     interval is forgotten: its next event is written in full. `clock` and `emit` are injectable."""
 
-    def __init__(self, interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 emit: Optional[Callable[[str], None]] = None, max_keys: int = MAX_KEYS):
+    def __init__(
+        self,
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Optional[Callable[[str], None]] = None,
+        max_keys: int = MAX_KEYS,
+    ):
         self.interval = interval
         self.max_keys = max_keys
         self._clock = clock
@@ -87,8 +92,10 @@ class RateLimitedLog:
                 else:
                     del self._windows[key]
             if self._overflow:
-                lines.append(f"{self._overflow} more events from other sources held back from the log "
-                             f"(over {self.max_keys} sources at once)")
+                lines.append(
+                    f"{self._overflow} more events from other sources held back from the log "
+                    f"(over {self.max_keys} sources at once)"
+                )
                 self._overflow = 0
         for line in lines:
             self._emit(line)

@@ -62,7 +62,7 @@ def expected(op: str, ranks: Sequence[int], me: int, numel: int) -> torch.Tensor
         return torch.cat([pattern(r, numel // n) for r in ranks])
     if op == "reduce_scatter":
         chunk = numel // n
-        return _added([pattern(r, chunk * n) for r in ranks])[me * chunk:(me + 1) * chunk]
+        return _added([pattern(r, chunk * n) for r in ranks])[me * chunk : (me + 1) * chunk]
     if op == "all_to_all":
         width = a2a_width(numel, n)
         return torch.cat([a2a_block(ranks[src], ranks[me], a2a_rows(src, me), width) for src in range(n)])
@@ -123,7 +123,9 @@ class _Case:
         else:
             self.src = self.out = torch.empty(0)
         # Nominal size, identical on every rank (all_to_all rows differ per rank by design).
-        self.nbytes = 0 if op == "barrier" else (numel // n * n if op in ("all_gather", "reduce_scatter") else numel) * 4
+        self.nbytes = (
+            0 if op == "barrier" else (numel // n * n if op in ("all_gather", "reduce_scatter") else numel) * 4
+        )
 
     def reset(self) -> None:
         if self.op in ("all_reduce", "broadcast"):
@@ -176,8 +178,9 @@ def _iterations(nbytes: int, iters: Optional[int]) -> int:
     return int(max(5, min(50, (8 << 20) // max(1, nbytes))))
 
 
-def run_case(op: str, name: str, comm: Communicator, world: Communicator, numel: int,
-             iters: Optional[int], warmup: int) -> Result:
+def run_case(
+    op: str, name: str, comm: Communicator, world: Communicator, numel: int, iters: Optional[int], warmup: int
+) -> Result:
     """Run `op` on `comm` (all groups of an axis at once); every world rank takes part."""
     case = _Case(op, comm, numel)
     # Correctness, blocking form.
@@ -212,13 +215,18 @@ def groups_to_test(groups: ParallelGroups) -> list[tuple[str, Communicator]]:
     return out
 
 
-def run_comm_test(groups: ParallelGroups, sizes: Sequence[int] = DEFAULT_SIZES, ops: Sequence[str] = OPS,
-                  iters: Optional[int] = None, warmup: int = 2,
-                  progress: Optional[Callable[[Result], None]] = None) -> list[Result]:
+def run_comm_test(
+    groups: ParallelGroups,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    ops: Sequence[str] = OPS,
+    iters: Optional[int] = None,
+    warmup: int = 2,
+    progress: Optional[Callable[[Result], None]] = None,
+) -> list[Result]:
     results = []
     for name, comm in groups_to_test(groups):
         for op in ops:
-            for nbytes in ([0] if op == "barrier" else sizes):
+            for nbytes in [0] if op == "barrier" else sizes:
                 numel = max(comm.size, nbytes // 4)
                 result = run_case(op, name, comm, groups.world, numel, iters, warmup)
                 if not result.ok:
@@ -233,7 +241,9 @@ def format_table(results: Sequence[Result]) -> str:
     head = f"{'op':<15}{'group':<7}{'bytes':>10}{'latency_us':>13}{'busbw_GB/s':>12}  ok"
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.op:<15}{r.group:<7}{r.bytes:>10}{r.latency_us:>13.1f}{r.busbw_gbps:>12.3f}  {'yes' if r.ok else 'NO'}")
+        lines.append(
+            f"{r.op:<15}{r.group:<7}{r.bytes:>10}{r.latency_us:>13.1f}{r.busbw_gbps:>12.3f}  {'yes' if r.ok else 'NO'}"
+        )
     return "\n".join(lines)
 
 

@@ -60,8 +60,9 @@ class ShmAllReduceCommunicator(PartialsCommunicator):
         total = self._data_offset + NBUF * n * slot_bytes
         self._mm = self._map_segment(total)
         flags = np.frombuffer(self._mm, dtype=np.int64, count=2 * NBUF * n).reshape(2, NBUF, n)
-        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self._data_offset,
-                                count=NBUF * n * slot_bytes).view(NBUF, n, slot_bytes)
+        data = torch.frombuffer(
+            self._mm, dtype=torch.uint8, offset=self._data_offset, count=NBUF * n * slot_bytes
+        ).view(NBUF, n, slot_bytes)
         self._segment: Optional[_Segment] = _Segment(flags[0], flags[1], data)  # None: closed
         self._seq = 0
         self._unfinished: dict[int, PartialsHandle] = {}  # my posted ops not yet reduced, by sequence number
@@ -114,8 +115,9 @@ class ShmAllReduceCommunicator(PartialsCommunicator):
             time.sleep(pause)
             pause = min(pause * 2, 5e-4)
 
-    def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
-              scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
+    def _post(
+        self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], scatter_into: Optional[torch.Tensor] = None
+    ) -> PartialsHandle:
         """Publish `tensor` in this rank's slot; the handle sums the slots into it, concatenates
         them into `gather_into`, or sums this rank's chunk of them into `scatter_into`."""
         segment = self._views()
@@ -136,8 +138,14 @@ class ShmAllReduceCommunicator(PartialsCommunicator):
         self._unfinished[seq] = handle
         return handle
 
-    def _combine(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
-                 scatter_into: Optional[torch.Tensor] = None) -> None:
+    def _combine(
+        self,
+        seq: int,
+        tensor: torch.Tensor,
+        gather_into: Optional[torch.Tensor],
+        timeout: float,
+        scatter_into: Optional[torch.Tensor] = None,
+    ) -> None:
         segment = self._views()
         b, me = seq % NBUF, self.rank
         writes = segment.write_flags[b]

@@ -64,7 +64,7 @@ class _Link:
     def read_available(self) -> bool:
         """Read what the socket holds into whole messages; False when nothing was there."""
         try:
-            got = self.sock.recv_into(self.view[self.filled:])
+            got = self.sock.recv_into(self.view[self.filled :])
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
@@ -80,10 +80,10 @@ class _Link:
             end = start + _HEADER.size + nbytes
             if end > self.filled:
                 break
-            self.arrived[seq] = self.buffer[start + _HEADER.size:end]  # a copy, writable for frombuffer
+            self.arrived[seq] = self.buffer[start + _HEADER.size : end]  # a copy, writable for frombuffer
             start = end
         if start:  # keep the partial message at the front (at most one message's bytes)
-            self.view[:self.filled - start] = self.view[start:self.filled]
+            self.view[: self.filled - start] = self.view[start : self.filled]
             self.filled -= start
         return True
 
@@ -112,16 +112,25 @@ class SocketLinksCommunicator(PartialsCommunicator):
         which it reports twice what it grants data), the same on every rank: what this rank's
         unfinished ops may hold, so that everything a peer has not yet read fits its buffers
         (its own unfinished ops and mine that it has not posted yet: twice the budget at most)."""
-        held = min(((link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-                     + link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)) // 2
-                    for link in self._links.values()), default=MAX_BYTES)
+        held = min(
+            (
+                (
+                    link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                    + link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                )
+                // 2
+                for link in self._links.values()
+            ),
+            default=MAX_BYTES,
+        )
         agreed = torch.tensor([held // 2], dtype=torch.int64)
         self.inner.all_reduce(agreed, op="min")
         return int(agreed.item())
 
     # -- ops ---------------------------------------------------------------------------
-    def _post(self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor],
-              scatter_into: Optional[torch.Tensor] = None) -> PartialsHandle:
+    def _post(
+        self, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], scatter_into: Optional[torch.Tensor] = None
+    ) -> PartialsHandle:
         mine = tensor.detach().reshape(-1).clone()  # this rank's part as posted (the caller may reuse `tensor`)
         nbytes = mine.numel() * mine.element_size()
         while self._unfinished and self._unfinished_bytes + nbytes > self.budget:
@@ -150,7 +159,7 @@ class SocketLinksCommunicator(PartialsCommunicator):
         (they may be blocked sending to this rank)."""
         while data:
             try:
-                data = data[link.sock.send(data):]
+                data = data[link.sock.send(data) :]
                 continue
             except (BlockingIOError, InterruptedError):
                 pass
@@ -158,8 +167,9 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 raise CommError(f"{self.describe('send')}: the link to group rank {link.peer} failed: {exc}") from None
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CommTimeoutError(f"{self.describe('send')} to group rank {link.peer} did not complete "
-                                       f"within {self.timeout:.0f} s")
+                raise CommTimeoutError(
+                    f"{self.describe('send')} to group rank {link.peer} did not complete within {self.timeout:.0f} s"
+                )
             self._poll.modify(link.sock, select.POLLIN | select.POLLOUT)
             try:
                 ready = self._poll.poll(min(left, 1.0) * 1000)
@@ -169,8 +179,14 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
                     self._by_fd[fd].read_available()
 
-    def _combine(self, seq: int, tensor: torch.Tensor, gather_into: Optional[torch.Tensor], timeout: float,
-                 scatter_into: Optional[torch.Tensor] = None) -> None:
+    def _combine(
+        self,
+        seq: int,
+        tensor: torch.Tensor,
+        gather_into: Optional[torch.Tensor],
+        timeout: float,
+        scatter_into: Optional[torch.Tensor] = None,
+    ) -> None:
         deadline = time.monotonic() + timeout
         mine = self._unfinished[seq][1]
         parts: list[torch.Tensor] = []
@@ -180,8 +196,10 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 continue
             data = self._message(self._links[r], seq, deadline, timeout)
             if len(data) != mine.numel() * mine.element_size():
-                raise CommError(f"{self.describe('collective')}: group rank {r} sent {len(data)} bytes for op {seq}, "
-                                f"this rank posted {mine.numel() * mine.element_size()} (the ranks' ops differ)")
+                raise CommError(
+                    f"{self.describe('collective')}: group rank {r} sent {len(data)} bytes for op {seq}, "
+                    f"this rank posted {mine.numel() * mine.element_size()} (the ranks' ops differ)"
+                )
             parts.append(torch.frombuffer(data, dtype=mine.dtype))
         combine_partials(parts, self.rank, tensor, gather_into, scatter_into)
         self._unfinished.pop(seq)
@@ -200,8 +218,10 @@ class SocketLinksCommunicator(PartialsCommunicator):
                 continue
             left = deadline - now
             if left <= 0:
-                raise CommTimeoutError(f"{self.describe('collective')}: group rank {link.peer}'s part of op {seq} "
-                                       f"did not come within {timeout:.0f} s")
+                raise CommTimeoutError(
+                    f"{self.describe('collective')}: group rank {link.peer}'s part of op {seq} "
+                    f"did not come within {timeout:.0f} s"
+                )
             link.wait_readable(left)
         return link.arrived.pop(seq)
 

@@ -102,12 +102,12 @@ def _exchange(inner: Communicator, address: str, port: int) -> list[tuple[str, i
     """Every group rank's (address, port)."""
     mine = torch.zeros(64, dtype=torch.uint8)
     text = f"{address} {port}".encode()[:64]
-    mine[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    mine[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     every = torch.empty(inner.size * 64, dtype=torch.uint8)
     inner.all_gather(every, mine)
     out = []
     for r in range(inner.size):
-        host, port_text = bytes(every[r * 64:(r + 1) * 64].tolist()).rstrip(b"\0").decode().split(" ")
+        host, port_text = bytes(every[r * 64 : (r + 1) * 64].tolist()).rstrip(b"\0").decode().split(" ")
         out.append((host, int(port_text)))
     return out
 
@@ -130,8 +130,9 @@ def _dial(me: int, peer: int, where: tuple[str, int], key: bytes, deadline: floa
         raise OSError(f"cannot reach group rank {peer} at {where[0]}:{where[1]}: {exc}") from None
 
 
-def _accept(listener: socket.socket, me: int, size: int, key: bytes, deadline: float,
-            socks: dict[int, socket.socket]) -> None:
+def _accept(
+    listener: socket.socket, me: int, size: int, key: bytes, deadline: float, socks: dict[int, socket.socket]
+) -> None:
     """Every later rank's connection into `socks`; anything that does not prove the key is closed."""
     expected = set(range(me + 1, size))
     while expected:
@@ -166,6 +167,6 @@ def hello(sock: socket.socket, key: bytes, deadline: float) -> int:
             got += chunk
     except OSError:
         return -1
-    if got[:len(HELLO)] != HELLO or not hmac.compare_digest(got[len(HELLO):len(HELLO) + KEY_BYTES], key):
+    if got[: len(HELLO)] != HELLO or not hmac.compare_digest(got[len(HELLO) : len(HELLO) + KEY_BYTES], key):
         return -1
     return struct.unpack("<i", got[-4:])[0]

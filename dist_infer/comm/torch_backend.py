@@ -34,8 +34,12 @@ class TorchWorkHandle(Handle):
             except RuntimeError as exc:
                 text = str(exc)
                 if "imed out" in text or "timeout" in text.lower():
-                    raise CommTimeoutError(f"{self._describe} did not complete within {limit:.0f} s: {text.splitlines()[0]}") from exc
-                raise CommError(f"{self._describe} failed (is a peer rank dead?): {text.splitlines()[0] if text else exc!r}") from exc
+                    raise CommTimeoutError(
+                        f"{self._describe} did not complete within {limit:.0f} s: {text.splitlines()[0]}"
+                    ) from exc
+                raise CommError(
+                    f"{self._describe} failed (is a peer rank dead?): {text.splitlines()[0] if text else exc!r}"
+                ) from exc
             if ok is False:
                 raise CommTimeoutError(f"{self._describe} did not complete within {limit:.0f} s")
 
@@ -132,9 +136,15 @@ class TorchDistCommunicator(Communicator):
             dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, self.ranks[o.peer], self.group, o.tag)
             for o in ops
         ]
-        works = dist.batch_isend_irecv(p2p) if len(p2p) > 1 else [
-            (dist.isend if ops[0].kind == "send" else dist.irecv)(ops[0].tensor, self.ranks[ops[0].peer], self.group, ops[0].tag)
-        ]
+        works = (
+            dist.batch_isend_irecv(p2p)
+            if len(p2p) > 1
+            else [
+                (dist.isend if ops[0].kind == "send" else dist.irecv)(
+                    ops[0].tensor, self.ranks[ops[0].peer], self.group, ops[0].tag
+                )
+            ]
+        )
         kinds = "+".join(sorted({o.kind for o in ops}))
         describe = self.describe(f"{kinds} with peers {sorted({o.peer for o in ops})}")
         if self.backend == "gloo":

@@ -12,5 +12,17 @@ from dist_infer.engine.engine_core import Engine, EngineConfig, GenerationOutput
 from dist_infer.engine.request import Request, RequestError, RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "GenerationOutput", "PromptError", "Request", "RequestError", "RequestOutput",
-           "SamplingParams", "ShardedModel", "WorkerOptions", "load", "shard"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "GenerationOutput",
+    "PromptError",
+    "Request",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "ShardedModel",
+    "WorkerOptions",
+    "load",
+    "shard",
+]

@@ -20,8 +20,16 @@ class ShardedModel:
         self.engine, self.groups = engine, groups
         self.config = engine.cfg
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, return_logits: bool = False) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        return_logits: bool = False,
+    ) -> list[GenerationOutput]:
         params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
         return self.engine.generate([list(p) for p in prompts], params, return_logits)
 
@@ -33,28 +41,46 @@ def join(parallel: Layout, backend: str = "auto", groups: Optional[ParallelGroup
     return build_groups(world, Mesh.build(parallel, world.size))
 
 
-def shard(hf_model, parallel: Layout = Layout(), groups: Optional[ParallelGroups] = None,
-          backend: str = "auto", pp_split: Optional[Sequence[int]] = None, block_size: int = 16,
-          device: str = "cpu", quantization: str = "auto", ladder: Optional[str] = None) -> ShardedModel:
+def shard(
+    hf_model,
+    parallel: Layout = Layout(),
+    groups: Optional[ParallelGroups] = None,
+    backend: str = "auto",
+    pp_split: Optional[Sequence[int]] = None,
+    block_size: int = 16,
+    device: str = "cpu",
+    quantization: str = "auto",
+    ladder: Optional[str] = None,
+) -> ShardedModel:
     """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference);
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization
     (auto: float weights for an in-memory model; int8 / int4: each rank quantizes its shard, CPU only).
     `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as the model's config says)."""
     groups = join(parallel, backend, groups)
-    stage = stage_from_hf_model(hf_model, groups, pp_split=pp_split, device=resolve_device(device),
-                                quantization=quantization, ladder=ladder)
+    stage = stage_from_hf_model(
+        hf_model, groups, pp_split=pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
+    )
     return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)
 
 
-def load(path, parallel: Layout = Layout(), groups: Optional[ParallelGroups] = None,
-         backend: str = "auto", dtype: torch.dtype = torch.float32, pp_split: Optional[Sequence[int]] = None,
-         block_size: int = 16, device: str = "cpu", quantization: str = "auto",
-         ladder: Optional[str] = None) -> ShardedModel:
+def load(
+    path,
+    parallel: Layout = Layout(),
+    groups: Optional[ParallelGroups] = None,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    pp_split: Optional[Sequence[int]] = None,
+    block_size: int = 16,
+    device: str = "cpu",
+    quantization: str = "auto",
+    ladder: Optional[str] = None,
+) -> ShardedModel:
     """Load a HF checkpoint directory (or GGUF file) over the job, each rank reading only its shard;
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization (auto:
     a GGUF file's quantized tensors stay quantized on the CPU, a HF checkpoint loads as floats).
     `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as config.json's ladder_residual says)."""
     groups = join(parallel, backend, groups)
-    stage, _ = load_stage(path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization,
-                          ladder=ladder)
+    stage, _ = load_stage(
+        path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
+    )
     return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)

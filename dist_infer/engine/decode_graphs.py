@@ -81,10 +81,21 @@ def static_metadata(inputs: DecodeInputs, window: Optional[int]) -> AttentionMet
     rows, device = inputs.rows, inputs.device_buffer.device
     every = torch.arange(rows, device=device)
     max_ctx = inputs.width * inputs.block_size
-    return AttentionMetadata(positions=inputs.positions, slot_mapping=inputs.slots, query_lens=[1] * rows,
-                             seq_lens=[max_ctx] * rows, block_tables=inputs.block_tables, pad_index=every,
-                             mask=None, last_token_index=every, max_q=1, max_ctx=max_ctx, fresh=False,
-                             seq_lens_t=inputs.seq_lens, window=window)
+    return AttentionMetadata(
+        positions=inputs.positions,
+        slot_mapping=inputs.slots,
+        query_lens=[1] * rows,
+        seq_lens=[max_ctx] * rows,
+        block_tables=inputs.block_tables,
+        pad_index=every,
+        mask=None,
+        last_token_index=every,
+        max_q=1,
+        max_ctx=max_ctx,
+        fresh=False,
+        seq_lens_t=inputs.seq_lens,
+        window=window,
+    )
 
 
 class DecodeGraphs:
@@ -93,9 +104,20 @@ class DecodeGraphs:
     `forward(inputs, meta)` runs the stage (token ids on the first stage, hidden states of width
     `input_width` after it); `capture` says whether to capture (CUDA) or replay eagerly (padded)."""
 
-    def __init__(self, forward: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor], first_stage: bool,
-                 input_width: int, dtype: torch.dtype, max_rows: int, table_width: int, block_size: int,
-                 scratch_slot: int, window: Optional[int], device: torch.device, capture: bool):
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
+        first_stage: bool,
+        input_width: int,
+        dtype: torch.dtype,
+        max_rows: int,
+        table_width: int,
+        block_size: int,
+        scratch_slot: int,
+        window: Optional[int],
+        device: torch.device,
+        capture: bool,
+    ):
         self.forward, self.first_stage, self.capture_graphs = forward, first_stage, capture
         self.device = device
         self.buckets: dict[int, _Bucket] = {}
@@ -110,8 +132,9 @@ class DecodeGraphs:
         """The smallest bucket that holds `rows` sequences (None: more than the largest)."""
         return next((b for b in sorted(self.buckets) if b >= rows), None)
 
-    def prepare(self, input_ids: list[int], starts: list[int], block_tables: list[list[int]]
-                ) -> Optional[StaticDecodeStep]:
+    def prepare(
+        self, input_ids: list[int], starts: list[int], block_tables: list[list[int]]
+    ) -> Optional[StaticDecodeStep]:
         """Fill the step's bucket (one host-to-device copy); None where no bucket holds it."""
         bucket = self.bucket_for(len(starts))
         if bucket is None:
@@ -126,12 +149,12 @@ class DecodeGraphs:
         """The step's output rows ([rows, ...] of the bucket's output): a replay, or an eager run."""
         b = self.buckets[step.bucket]
         if hidden is not None:
-            self.hidden[:step.rows].copy_(hidden)
+            self.hidden[: step.rows].copy_(hidden)
         if b.graph is not None:
             b.graph.replay()
-            return b.output[:step.rows]
+            return b.output[: step.rows]
         with torch.inference_mode():
-            return self.forward(self._inputs(step.bucket), b.meta)[:step.rows]
+            return self.forward(self._inputs(step.bucket), b.meta)[: step.rows]
 
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool (CUDA); reports time and memory."""
@@ -156,8 +179,10 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
         self.graph_bytes = torch.cuda.memory_reserved() - before
-        logger.info(f"CUDA graphs: {len(self.buckets)} decode buckets (1..{max(self.buckets)} sequences) captured "
-                    f"in {self.capture_s:.2f} s, {self.graph_bytes / 2 ** 20:.0f} MiB")
+        logger.info(
+            f"CUDA graphs: {len(self.buckets)} decode buckets (1..{max(self.buckets)} sequences) captured "
+            f"in {self.capture_s:.2f} s, {self.graph_bytes / 2**20:.0f} MiB"
+        )
 
     def drop(self) -> None:
         """Give the graphs back (their memory pool with them)."""

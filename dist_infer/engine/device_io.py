@@ -57,9 +57,14 @@ def sampled_to_host(sampled: SampledTokens) -> SampledTokens:
     """A step's sampled rows where the driver reads them (the sampler leaves them on the logits' device)."""
     if sampled.tokens.device.type == "cpu":
         return sampled
-    return replace(sampled, tokens=to_host(sampled.tokens), logprobs=to_host(sampled.logprobs),
-                   top_ids=to_host(sampled.top_ids), top_logprobs=to_host(sampled.top_logprobs),
-                   logits=to_host(sampled.logits))
+    return replace(
+        sampled,
+        tokens=to_host(sampled.tokens),
+        logprobs=to_host(sampled.logprobs),
+        top_ids=to_host(sampled.top_ids),
+        top_logprobs=to_host(sampled.top_logprobs),
+        logits=to_host(sampled.logits),
+    )
 
 
 class DecodeInputs:
@@ -83,9 +88,10 @@ class DecodeInputs:
         self._staging = [torch.zeros(n, dtype=torch.long, pin_memory=pinned) for _ in range(2 if pinned else 1)]
         self._copied = [torch.cuda.Event() if pinned else None for _ in self._staging]
         self._turn = 0
-        self.ids, self.positions, self.slots, self.seq_lens = (self.device_buffer[i * rows:(i + 1) * rows]
-                                                               for i in range(self.FIELDS))
-        self.block_tables = self.device_buffer[self.FIELDS * rows:].view(rows, width)
+        self.ids, self.positions, self.slots, self.seq_lens = (
+            self.device_buffer[i * rows : (i + 1) * rows] for i in range(self.FIELDS)
+        )
+        self.block_tables = self.device_buffer[self.FIELDS * rows :].view(rows, width)
         self._pad_all()
 
     def _pad_all(self) -> None:
@@ -97,10 +103,10 @@ class DecodeInputs:
         """Rows [start, rows) of a staging buffer (a numpy view) as padding rows."""
         rows, slot = self.rows, self.scratch_slot
         host[start:rows] = 0  # ids
-        host[rows + start:2 * rows] = 0  # positions
-        host[2 * rows + start:3 * rows] = slot
-        host[3 * rows + start:4 * rows] = 1  # each padding row sees its one key
-        tables = host[self.FIELDS * rows:].reshape(rows, self.width)
+        host[rows + start : 2 * rows] = 0  # positions
+        host[2 * rows + start : 3 * rows] = slot
+        host[3 * rows + start : 4 * rows] = 1  # each padding row sees its one key
+        tables = host[self.FIELDS * rows :].reshape(rows, self.width)
         tables[start:] = slot // self.block_size
 
     def fill(self, input_ids: list[int], starts: list[int], block_tables: list[list[int]]) -> None:
@@ -115,16 +121,17 @@ class DecodeInputs:
         staging = self._staging[turn]
         host = staging.numpy()
         pos = np.asarray(starts, dtype=np.int64)
-        tables = host[self.FIELDS * rows:].reshape(rows, self.width)
+        tables = host[self.FIELDS * rows :].reshape(rows, self.width)
         for i, table in enumerate(block_tables):
             if len(table) > self.width:
-                raise ValueError(f"a block table of {len(table)} blocks is wider than the {self.width} of the "
-                                 f"decode inputs")
-            tables[i, :len(table)] = table
+                raise ValueError(
+                    f"a block table of {len(table)} blocks is wider than the {self.width} of the decode inputs"
+                )
+            tables[i, : len(table)] = table
         host[:b] = input_ids
-        host[rows:rows + b] = pos
-        host[2 * rows:2 * rows + b] = tables[np.arange(b), pos // bs] * bs + pos % bs
-        host[3 * rows:3 * rows + b] = pos + 1
+        host[rows : rows + b] = pos
+        host[2 * rows : 2 * rows + b] = tables[np.arange(b), pos // bs] * bs + pos % bs
+        host[3 * rows : 3 * rows + b] = pos + 1
         self._write_padding(host, b)
         self.device_buffer.copy_(staging, non_blocking=True)
         if self._copied[turn] is not None:

@@ -45,9 +45,22 @@ class StepDriver:
     against; `world_size`: the instance's ranks (one alone may survive a failed forward);
     `heartbeat_s`: the idle plan's period; `first_step`: the number of the next plan."""
 
-    def __init__(self, scheduler: Scheduler, worker: StageWorker, runner: StageRunner, transport: PipelineTransport,
-                 registry: RequestRegistry, progress: RequestProgress, pacer: StepPacer, guard: StepGuard, *,
-                 model_cfg, world_size: int, heartbeat_s: float, first_step: int = 0):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        worker: StageWorker,
+        runner: StageRunner,
+        transport: PipelineTransport,
+        registry: RequestRegistry,
+        progress: RequestProgress,
+        pacer: StepPacer,
+        guard: StepGuard,
+        *,
+        model_cfg,
+        world_size: int,
+        heartbeat_s: float,
+        first_step: int = 0,
+    ):
         self.scheduler, self.worker, self.runner, self.transport = scheduler, worker, runner, transport
         self.registry, self.progress, self.pacer, self.guard = registry, progress, pacer, guard
         self.model_cfg, self.world_size, self.heartbeat_s = model_cfg, world_size, heartbeat_s
@@ -81,8 +94,11 @@ class StepDriver:
             if len(self._inflight) == before:
                 break  # the step failed before it ran (its requests with it): the next one goes on
         if self._transfers:  # nothing to run this step, but blocks to move: an idle plan carries them
-            self._send_plan(StepPlan(kind=KIND_IDLE, step=self.next_step, freed=self._take_freed(),
-                                     transfers=self._take_transfers()))
+            self._send_plan(
+                StepPlan(
+                    kind=KIND_IDLE, step=self.next_step, freed=self._take_freed(), transfers=self._take_transfers()
+                )
+            )
         if self._inflight:
             outputs += self._complete(self._inflight.popleft())
         elif time.monotonic() - self.last_plan > self.heartbeat_s:
@@ -135,8 +151,9 @@ class StepDriver:
         requests. Returns the failed requests' outputs."""
         plan = StepPlan(kind=KIND_WORK, step=self.next_step, return_logits=self.return_logits)
         config = self.scheduler.config
-        chunks, failed = self.guard.plan_chunks(plan, scheduled.chunks, self.model_cfg, config.num_blocks,
-                                                config.block_size, self.scheduler.cp)
+        chunks, failed = self.guard.plan_chunks(
+            plan, scheduled.chunks, self.model_cfg, config.num_blocks, config.block_size, self.scheduler.cp
+        )
         if not chunks:
             return failed
         requests = [c.request for c in chunks]
@@ -182,6 +199,7 @@ class StepDriver:
         """Complete what is in flight, then tell every other rank the loop is over."""
         while self._inflight:
             self._complete(self._inflight.popleft())
-        self._send_plan(StepPlan(kind=KIND_STOP, step=self.next_step, freed=self._take_freed(),
-                                 transfers=self._take_transfers()))
+        self._send_plan(
+            StepPlan(kind=KIND_STOP, step=self.next_step, freed=self._take_freed(), transfers=self._take_transfers())
+        )
         self.transport.drain()

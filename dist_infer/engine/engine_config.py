@@ -121,8 +121,9 @@ class EngineConfig:
         """The ITL target as the step pacing takes it (arg_types.parse_itl_target)."""
         return parse_itl_target(self.itl_target)
 
-    def scheduler_config(self, num_blocks: int, max_positions: int, cp: int,
-                         layered: Optional[LayeredPrefill]) -> SchedulerConfig:
+    def scheduler_config(
+        self, num_blocks: int, max_positions: int, cp: int, layered: Optional[LayeredPrefill]
+    ) -> SchedulerConfig:
         """The scheduler's config for a cache of `num_blocks`, a model of `max_positions` and `cp`
         context-parallel ranks. Unchunked, any prompt must fit in one step, so the budget grows to
         the model's positions (vLLM's rule too); cp steps take whole prompts, with no prefix cache."""
@@ -130,8 +131,14 @@ class EngineConfig:
         if not self.chunked_prefill and budget is not None and budget < max_positions:
             budget = max_positions
         return SchedulerConfig(
-            num_blocks=num_blocks, block_size=self.block_size, max_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs, watermark=self.watermark,
-            chunked_prefill=self.chunked_prefill and cp == 1, whole_prompt_steps=cp > 1,
-            static_batching=self.static_batching, prefix_caching=self.prefix_caching and cp == 1,
-            layered=layered if self.chunked_prefill else None)
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_batched_tokens=budget,
+            max_num_seqs=self.max_num_seqs,
+            watermark=self.watermark,
+            chunked_prefill=self.chunked_prefill and cp == 1,
+            whole_prompt_steps=cp > 1,
+            static_batching=self.static_batching,
+            prefix_caching=self.prefix_caching and cp == 1,
+            layered=layered if self.chunked_prefill else None,
+        )

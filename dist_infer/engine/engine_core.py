@@ -67,8 +67,14 @@ __all__ = ["Engine", "EngineConfig", "GenerationOutput", "PromptError", "Timing"
 class Engine:
     """One model instance's step loop. Every rank constructs it; world rank 0 drives."""
 
-    def __init__(self, stage, groups: ParallelGroups, config: Optional[EngineConfig] = None, *,
-                 sampler: Optional[Callable[..., SampledTokens]] = None):
+    def __init__(
+        self,
+        stage,
+        groups: ParallelGroups,
+        config: Optional[EngineConfig] = None,
+        *,
+        sampler: Optional[Callable[..., SampledTokens]] = None,
+    ):
         """`config`: EngineConfig's defaults when None. `sampler`: logits, rows, EOS ids ->
         SampledTokens on the sampler rank (None: sampling.sample_rows); the seam where a check
         without a device's values puts a fixed token."""
@@ -113,26 +119,46 @@ class Engine:
         config, stage, cp = self.config, self.stage, self.groups.cp.size
         device = module_device(stage)
         graphs = graphs_wanted(config.worker.cuda_graphs, device)
-        cache = PagedKVCache(len(stage.layers), num_blocks, self.block_size, max(1, stage.kv_heads_local),
-                             self.cfg.head_dim, stage.dtype, device, scratch=graphs)
+        cache = PagedKVCache(
+            len(stage.layers),
+            num_blocks,
+            self.block_size,
+            max(1, stage.kv_heads_local),
+            self.cfg.head_dim,
+            stage.dtype,
+            device,
+            scratch=graphs,
+        )
         rows = min(config.max_num_seqs, max_rows or config.max_num_seqs)
         self.worker = StageWorker(stage, self.groups, cache, self.block_size, **asdict(config.worker), max_rows=rows)
         self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.cfg.max_positions, cp, self.layered), cp=cp)
         self.progress = RequestProgress(self.scheduler, self.registry, self.cfg.eos_token_ids, self.cfg.max_positions)
-        self.runner = StageRunner(stage, self.worker, self.transport, self.guard, self.sampler, self.is_sampler, cp,
-                                  self.mover)
-        self.step_driver = StepDriver(self.scheduler, self.worker, self.runner, self.transport, self.registry,
-                                      self.progress, self.pacer, self.guard, model_cfg=self.cfg,
-                                      world_size=self.groups.world.size, heartbeat_s=config.heartbeat_s,
-                                      first_step=first_step)
+        self.runner = StageRunner(
+            stage, self.worker, self.transport, self.guard, self.sampler, self.is_sampler, cp, self.mover
+        )
+        self.step_driver = StepDriver(
+            self.scheduler,
+            self.worker,
+            self.runner,
+            self.transport,
+            self.registry,
+            self.progress,
+            self.pacer,
+            self.guard,
+            model_cfg=self.cfg,
+            world_size=self.groups.world.size,
+            heartbeat_s=config.heartbeat_s,
+            first_step=first_step,
+        )
         self.offline = OfflineGenerator(self.step_driver, self.registry, self.scheduler, self.add_request)
 
     def _fail(self, r: Request, message: str) -> RequestOutput:
         """The guard's way to end a request with an error (its blocks freed, forgotten)."""
         return self.progress.fail(r, message)
 
-    def enable_migration(self, link: PeerLink, addresses: list[tuple[str, int]],
-                         notify: Callable[..., None] = lambda *a: None) -> None:
+    def enable_migration(
+        self, link: PeerLink, addresses: list[tuple[str, int]], notify: Callable[..., None] = lambda *a: None
+    ) -> None:
         """Every rank: take part in moving KV blocks between this instance and others over `link`
         (this rank's endpoint; `addresses` every rank of this instance's, in rank order). The
         driver also gets the migration endpoint the serving layer drives; `notify` reports its events."""
@@ -142,8 +168,9 @@ class Engine:
             raise RuntimeError("migration needs a fixed KV cache (num_blocks)")
         cfg = self.cfg
         layout = KVLayout(self.groups.tp.size, self.pp.size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
-        self.mover = BlockMover(link, layout, self.groups.world.rank, addresses, self.worker.cache.layers,
-                                self.stage.layer_ids)
+        self.mover = BlockMover(
+            link, layout, self.groups.world.rank, addresses, self.worker.cache.layers, self.stage.layer_ids
+        )
         self.runner.attach(self.mover)
         if self.is_driver:
             self.migration = MigrationEndpoint(self, notify)
@@ -201,8 +228,7 @@ class Engine:
         self.check_request(prompt_token_ids, params)
         return self.registry.submit(new_request(request_id, prompt_token_ids, params))
 
-    def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       progress) -> Request:
+    def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, progress) -> Request:
         """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
         already has (intake.resume; `progress` a serving/fleet/wire.ResumeProgress)."""
         self.check_request(prompt_token_ids, params)
@@ -261,8 +287,12 @@ class Engine:
         """Driver: launch steps until pp are in flight, complete the oldest; its outputs."""
         return self.step_driver.step()
 
-    def run_driver(self, publish: Callable[[list[RequestOutput]], None], should_stop: Callable[[], bool],
-                   after_step: Optional[Callable[[], None]] = None) -> None:
+    def run_driver(
+        self,
+        publish: Callable[[list[RequestOutput]], None],
+        should_stop: Callable[[], bool],
+        after_step: Optional[Callable[[], None]] = None,
+    ) -> None:
         """Step until `should_stop()`; hand each step's outputs to `publish`, then call
         `after_step`. Sleeps while idle (briefly, while migrating blocks are on the way)."""
         while not should_stop():
@@ -292,8 +322,9 @@ class Engine:
         """Every rank but the driver: run the next plan; False once it said stop."""
         return self.runner.follow_one()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams(),
-                 return_logits: bool = False) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams = SamplingParams(), return_logits: bool = False
+    ) -> list[GenerationOutput]:
         """Collective: every rank calls it with the same prompts; every rank gets the outputs."""
         prompts = [list(p) for p in prompts]
         self._prepare_batch(prompts, params)
@@ -340,16 +371,22 @@ def stage_group(groups: ParallelGroups) -> Communicator:
     return groups.world.split(stages, "stage")
 
 
-def layered_schedule(schedule: str, layer_groups: Optional[int], stage, groups: ParallelGroups
-                     ) -> Optional[LayeredPrefill]:
+def layered_schedule(
+    schedule: str, layer_groups: Optional[int], stage, groups: ParallelGroups
+) -> Optional[LayeredPrefill]:
     """The scheduler's layered-prefill settings for `--prefill-schedule` (None: chunked), or a
     clear error where this engine cannot run it."""
     if schedule == "chunked":
         return None
-    why = ("pp > 1 (a prompt's hidden states would cross stages between groups)" if groups.pp.size > 1 else
-           "cp > 1 (a context-parallel prompt runs whole, in one step)" if groups.cp.size > 1 else
-           "Ladder Residual layers (their residual stream is two tensors wide)" if getattr(stage, "ladder", None)
-           and stage.ladder.active else None)
+    why = (
+        "pp > 1 (a prompt's hidden states would cross stages between groups)"
+        if groups.pp.size > 1
+        else "cp > 1 (a context-parallel prompt runs whole, in one step)"
+        if groups.cp.size > 1
+        else "Ladder Residual layers (their residual stream is two tensors wide)"
+        if getattr(stage, "ladder", None) and stage.ladder.active
+        else None
+    )
     if why is not None:
         raise ValueError(f"--prefill-schedule layered is not supported with {why}; use chunked")
     return LayeredPrefill(len(stage.layers), layer_groups)

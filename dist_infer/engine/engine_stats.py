@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from dist_infer.engine.step_pacing import StepPacer
 
-EMPTY = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
-         "num_preemptions_total": 0, "free_blocks": 0, "total_blocks": 0, "cached_blocks": 0,
-         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+EMPTY = {
+    "num_requests_running": 0,
+    "num_requests_waiting": 0,
+    "kv_cache_usage_perc": 0.0,
+    "num_preemptions_total": 0,
+    "free_blocks": 0,
+    "total_blocks": 0,
+    "cached_blocks": 0,
+    "prefix_cache_queries": 0,
+    "prefix_cache_hits": 0,
+}
 
 
 def engine_stats(scheduler, requests_added: int, pacer: StepPacer) -> dict:
@@ -20,14 +28,23 @@ def engine_stats(scheduler, requests_added: int, pacer: StepPacer) -> dict:
     s = scheduler
     if s is None:
         return dict(EMPTY)
-    return {"num_requests_running": len(s.running), "num_requests_waiting": len(s.waiting),
-            "kv_cache_usage_perc": s.usage, "num_preemptions_total": s.num_preemptions,
-            "free_blocks": s.num_free_blocks, "total_blocks": s.config.num_blocks,
-            "cached_blocks": s.num_cached_blocks,  # of free_blocks: cached prefixes, evicted when needed
-            "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
-            "watermark_blocks": s.watermark_blocks, "waiting_demand_blocks": s.waiting_demand(),
-            "growth_blocks": s.growth_demand(),
-            "running_ids": [r.request_id for r in s.running], "waiting_ids": [r.request_id for r in s.waiting],
-            "running_blocks": [len(r.block_table) for r in s.running], "requests_added": requests_added,
-            "step_seconds": pacer.step_times.snapshot(),
-            "prefill_backlog_s": pacer.prefill_backlog_s(s.waiting, s.running)}
+    return {
+        "num_requests_running": len(s.running),
+        "num_requests_waiting": len(s.waiting),
+        "kv_cache_usage_perc": s.usage,
+        "num_preemptions_total": s.num_preemptions,
+        "free_blocks": s.num_free_blocks,
+        "total_blocks": s.config.num_blocks,
+        "cached_blocks": s.num_cached_blocks,  # of free_blocks: cached prefixes, evicted when needed
+        "prefix_cache_queries": s.prefix_cache_queries,
+        "prefix_cache_hits": s.prefix_cache_hits,
+        "watermark_blocks": s.watermark_blocks,
+        "waiting_demand_blocks": s.waiting_demand(),
+        "growth_blocks": s.growth_demand(),
+        "running_ids": [r.request_id for r in s.running],
+        "waiting_ids": [r.request_id for r in s.waiting],
+        "running_blocks": [len(r.block_table) for r in s.running],
+        "requests_added": requests_added,
+        "step_seconds": pacer.step_times.snapshot(),
+        "prefill_backlog_s": pacer.prefill_backlog_s(s.waiting, s.running),
+    }

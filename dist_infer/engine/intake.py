@@ -90,8 +90,14 @@ class RequestRegistry:
         return len(self._live)
 
 
-def check_servable(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int,
-                   scheduler, name: str = "prompt") -> None:
+def check_servable(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_positions: int,
+    scheduler,
+    name: str = "prompt",
+) -> None:
     """Raise RequestError naming the field if the model, or the cache (`scheduler`; None: not sized
     yet), can never serve this request."""
     check_prompt(prompt_token_ids, params, vocab_size, max_positions, name)

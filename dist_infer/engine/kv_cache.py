@@ -21,8 +21,17 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class PagedKVCache:
     """Per-layer K and V tensors [num_blocks, block_size, kv_heads, head_dim] plus block tables."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None, scratch: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        scratch: bool = False,
+    ):
         """`scratch`: one more block than `num_blocks`, never allocated: where a bucketed decode
         step's padding rows write (engine/decode_graphs.py); `scratch_block` is its id."""
         self.block_size = block_size

@@ -87,8 +87,10 @@ def transfer_map(src: KVLayout, dst: KVLayout) -> list[Piece]:
     it. Where the source replicates a head on several ranks, destination tp rank t takes it from
     owner t mod (number of owners), so the load spreads over the replicas."""
     if (src.num_layers, src.num_heads, src.num_kv_heads) != (dst.num_layers, dst.num_heads, dst.num_kv_heads):
-        raise TransferError(f"different models: {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads "
-                            f"vs {dst.num_layers} layers, {dst.num_heads}/{dst.num_kv_heads} heads")
+        raise TransferError(
+            f"different models: {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads "
+            f"vs {dst.num_layers} layers, {dst.num_heads}/{dst.num_kv_heads} heads"
+        )
     pieces = []
     for d in range(dst.size):
         d_layers, d_heads = dst.layers_of(d), dst.heads_of(d)
@@ -151,13 +153,13 @@ class TransferOp:
 
     @staticmethod
     def decode(v: list[int], at: int) -> tuple["TransferOp", int]:
-        kind, mid, stage, index, tp, pp, n = v[at:at + 7]
+        kind, mid, stage, index, tp, pp, n = v[at : at + 7]
         at += 7
         addresses = tuple((int_to_ip(v[at + 2 * i]), v[at + 2 * i + 1]) for i in range(n))
         at += 2 * n
         peer = None if index < 0 else PeerInstance(index, tp, pp, addresses)
         count = v[at]
-        return TransferOp(kind, mid, stage, peer, v[at + 1:at + 1 + count]), at + 1 + count
+        return TransferOp(kind, mid, stage, peer, v[at + 1 : at + 1 + count]), at + 1 + count
 
 
 @dataclass
@@ -190,8 +192,15 @@ class BlockMover:
     `layout` is this instance's; `local` this rank's index in it; `addresses` every rank of the
     instance's link address (a follower tells the driver, rank 0, that its share is in)."""
 
-    def __init__(self, link: PeerLink, layout: KVLayout, local: int, addresses: list[Address],
-                 cache_layers: list, layer_ids: range):
+    def __init__(
+        self,
+        link: PeerLink,
+        layout: KVLayout,
+        local: int,
+        addresses: list[Address],
+        cache_layers: list,
+        layer_ids: range,
+    ):
         self.link, self.layout, self.local, self.addresses = link, layout, local, list(addresses)
         self.cache_layers, self.layer_ids = cache_layers, layer_ids
         self._posted: list[_Posted] = []
@@ -252,8 +261,9 @@ class BlockMover:
                     torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
                 self.link.send(buffer, to, (op.migration_id, op.stage, self.local))
 
-            self._posted.append(_Posted("send", op.migration_id, op.stage, buffer,
-                                        work=self._copy(buffer, gather_and_send)))
+            self._posted.append(
+                _Posted("send", op.migration_id, op.stage, buffer, work=self._copy(buffer, gather_and_send))
+            )
 
     def _post_recvs(self, op: TransferOp) -> None:
         index = self._block_index(op.blocks)
@@ -263,16 +273,34 @@ class BlockMover:
         self._pending_in[key] = [len(mine), False]
         for piece in mine:
             buffer = self._buffer(len(piece.layers), len(op.blocks), len(piece.heads))
-            p = _Posted("recv", op.migration_id, op.stage, buffer, layers=self._own_layers(piece.layers),
-                        heads=self._own_heads(piece.heads), blocks=index)
+            p = _Posted(
+                "recv",
+                op.migration_id,
+                op.stage,
+                buffer,
+                layers=self._own_layers(piece.layers),
+                heads=self._own_heads(piece.heads),
+                blocks=index,
+            )
             self._posted.append(p)
-            p.handle = self.link.irecv(buffer, op.peer.addresses[piece.src], (op.migration_id, op.stage, piece.src),
-                                       on_done=lambda h, p=p: self._arrived(p, h))
+            p.handle = self.link.irecv(
+                buffer,
+                op.peer.addresses[piece.src],
+                (op.migration_id, op.stage, piece.src),
+                on_done=lambda h, p=p: self._arrived(p, h),
+            )
         if self.local == 0:  # the driver: each follower's word that its share is in
             for d in sorted({p.dst for p in pieces} - {0}):
                 flag = torch.zeros(1, dtype=torch.long)
-                self._posted.append(_Posted("ack", op.migration_id, op.stage, flag, handle=self.link.irecv(
-                    flag, self.addresses[d], (op.migration_id, op.stage, ACK + d))))
+                self._posted.append(
+                    _Posted(
+                        "ack",
+                        op.migration_id,
+                        op.stage,
+                        flag,
+                        handle=self.link.irecv(flag, self.addresses[d], (op.migration_id, op.stage, ACK + d)),
+                    )
+                )
 
     def _arrived(self, p: _Posted, handle: RecvHandle) -> None:
         p.work = self._copy(p.buffer, self._scatter, p, handle)
@@ -314,8 +342,11 @@ class BlockMover:
             last = entry[0] <= 0
         if last and self.local != 0 and not p.cancelled:
             try:
-                self.link.send(torch.tensor([0 if entry[1] else 1], dtype=torch.long), self.addresses[0],
-                               (p.migration_id, p.stage, ACK + self.local))
+                self.link.send(
+                    torch.tensor([0 if entry[1] else 1], dtype=torch.long),
+                    self.addresses[0],
+                    (p.migration_id, p.stage, ACK + self.local),
+                )
             except Exception as exc:  # noqa: BLE001 - the driver is gone: its instance is ending anyway
                 logger.warning(f"migration {p.migration_id} stage {p.stage}: could not tell the driver: {exc}")
 

@@ -33,7 +33,10 @@ def tune_malloc() -> bool:
         return _done
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+        ok = (
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+        )
     except (OSError, AttributeError):  # not glibc (musl, another libc): nothing to tune
         ok = False
     logger.debug(f"glibc malloc thresholds {'raised' if ok else 'left as they are'}")

@@ -87,21 +87,39 @@ class MigratingRequest:
     def of(cls, r: Request, send_kv: bool = True) -> "MigratingRequest":
         """The paused request `r`; without `send_kv` nothing is computed (the destination prefills)."""
         now = time.monotonic()
-        return cls(r.request_id, list(r.prompt_token_ids), r.params, r.seed, list(r.output_token_ids),
-                   list(r.output_logprobs), list(r.output_top_logprobs), r.num_computed if send_kv else 0,
-                   r.num_preemptions, now - r.arrival_time,
-                   None if r.first_token_time is None else now - r.first_token_time,
-                   r.emitted_tokens)
+        return cls(
+            r.request_id,
+            list(r.prompt_token_ids),
+            r.params,
+            r.seed,
+            list(r.output_token_ids),
+            list(r.output_logprobs),
+            list(r.output_top_logprobs),
+            r.num_computed if send_kv else 0,
+            r.num_preemptions,
+            now - r.arrival_time,
+            None if r.first_token_time is None else now - r.first_token_time,
+            r.emitted_tokens,
+        )
 
     def to_request(self) -> Request:
         """The destination's Request (its seq id and blocks are the engine's to give)."""
         now = time.monotonic()
-        return Request(self.request_id, list(self.prompt_token_ids), self.params, self.seed,
-                       arrival_time=now - self.age_s, output_token_ids=list(self.output_token_ids), output_logprobs=list(self.output_logprobs),
-                       output_top_logprobs=list(self.output_top_logprobs), status=RequestStatus.MIGRATING,
-                       num_computed=self.num_computed, num_preemptions=self.num_preemptions,
-                       first_token_time=None if self.first_token_age_s is None else now - self.first_token_age_s,
-                       emitted_tokens=self.emitted_tokens)
+        return Request(
+            self.request_id,
+            list(self.prompt_token_ids),
+            self.params,
+            self.seed,
+            arrival_time=now - self.age_s,
+            output_token_ids=list(self.output_token_ids),
+            output_logprobs=list(self.output_logprobs),
+            output_top_logprobs=list(self.output_top_logprobs),
+            status=RequestStatus.MIGRATING,
+            num_computed=self.num_computed,
+            num_preemptions=self.num_preemptions,
+            first_token_time=None if self.first_token_age_s is None else now - self.first_token_age_s,
+            emitted_tokens=self.emitted_tokens,
+        )
 
 
 @dataclass
@@ -152,8 +170,14 @@ class MigrationEndpoint:
             return reply(MigrationAborted("busy", f"request {request_id} is already migrating"))
         self._out[mid] = _Out(r, peer, r.num_preemptions)
         hashes = self.scheduler.computed_block_hashes(r) if r.status is RequestStatus.RUNNING else []
-        reply({"blocks": len(r.block_table), "num_tokens": r.num_tokens, "running": r.status is RequestStatus.RUNNING,
-               "hashes": hashes})
+        reply(
+            {
+                "blocks": len(r.block_table),
+                "num_tokens": r.num_tokens,
+                "running": r.status is RequestStatus.RUNNING,
+                "hashes": hashes,
+            }
+        )
 
     def _live(self, mid: int) -> _Out:
         out = self._out.get(mid)
@@ -171,7 +195,9 @@ class MigrationEndpoint:
     def _queue_send(self, mid: int, out: _Out, stage: int, upto: int) -> tuple[int, int]:
         first, count = out.sent, upto - out.sent
         if count > 0:
-            self.engine.queue_transfer(TransferOp(TransferOp.SEND, mid, stage, out.peer, out.request.block_table[first:upto]))
+            self.engine.queue_transfer(
+                TransferOp(TransferOp.SEND, mid, stage, out.peer, out.request.block_table[first:upto])
+            )
             out.stages.add(stage)
         else:
             self.notify("stage_done", mid, stage)
@@ -230,8 +256,9 @@ class MigrationEndpoint:
         reply(True)
 
     # -- destination ---------------------------------------------------------------------------
-    def reserve_in(self, mid: int, peer: PeerInstance, num_blocks: int, hashes: Sequence[int] = (), *,
-                   reply: Reply) -> None:
+    def reserve_in(
+        self, mid: int, peer: PeerInstance, num_blocks: int, hashes: Sequence[int] = (), *, reply: Reply
+    ) -> None:
         """Hold `num_blocks` blocks for the request: first the leading ones this instance's prefix
         cache has under the request's block `hashes` (taken, so they are not evicted), then new
         ones. Answers how many leading blocks it already holds: the source sends none of them."""
@@ -241,8 +268,13 @@ class MigrationEndpoint:
         needed = num_blocks - len(held) + pool.reclaimed_by(held)  # allocatable blocks it uses up
         spare = s.num_free_blocks - s.watermark_blocks
         if needed > spare:
-            return reply(MigrationAborted("no_room", f"needs {needed} KV blocks, {max(0, spare)} are spare "
-                                                     f"({s.num_free_blocks} free, watermark {s.watermark_blocks})"))
+            return reply(
+                MigrationAborted(
+                    "no_room",
+                    f"needs {needed} KV blocks, {max(0, spare)} are spare "
+                    f"({s.num_free_blocks} free, watermark {s.watermark_blocks})",
+                )
+            )
         pool.take(held)
         self._in[mid] = _In(peer, held + [pool.allocate() for _ in range(num_blocks - len(held))])
         reply(len(held))
@@ -254,7 +286,9 @@ class MigrationEndpoint:
         if count > 0:
             if first + count > len(got.blocks):
                 self._grow(got, first + count)
-            self.engine.queue_transfer(TransferOp(TransferOp.RECV, mid, stage, got.peer, got.blocks[first:first + count]))
+            self.engine.queue_transfer(
+                TransferOp(TransferOp.RECV, mid, stage, got.peer, got.blocks[first : first + count])
+            )
             got.stages.add(stage)
         else:
             self.notify("stage_done", mid, stage)
@@ -266,7 +300,9 @@ class MigrationEndpoint:
             try:
                 got.blocks.append(s.allocator.allocate())
             except CacheFullError:
-                raise MigrationAborted("no_room", f"the destination ran out of KV blocks at {len(got.blocks)}") from None
+                raise MigrationAborted(
+                    "no_room", f"the destination ran out of KV blocks at {len(got.blocks)}"
+                ) from None
 
     def commit_in(self, mid: int, state: MigratingRequest, reply: Reply) -> None:
         """Every rank waits for the blocks still on the way, then the request runs here."""
@@ -321,8 +357,12 @@ class MigrationEndpoint:
                 if out.request.finished:
                     reply, out.pause_reply = out.pause_reply, None
                     self._out.pop(mid, None)
-                    reply(MigrationAborted("source_ended", f"request {out.request.request_id} ended on the source "
-                                                           f"({out.request.finish_reason})"))
+                    reply(
+                        MigrationAborted(
+                            "source_ended",
+                            f"request {out.request.request_id} ended on the source ({out.request.finish_reason})",
+                        )
+                    )
                 elif not out.request.in_flight and out.request.layer_progress is None:
                     self._finish_pause(mid, out)  # (a layered prompt pauses after its last group)
         for mid, got in self._in.items():

@@ -62,20 +62,28 @@ class OfflineGenerator:
     request (the engine's add_request, which checks it); `driver` steps until `registry` has
     nothing left; `scheduler` counts the preemptions."""
 
-    def __init__(self, driver: StepDriver, registry: RequestRegistry, scheduler: Scheduler,
-                 submit: Callable[[str, list[int], SamplingParams], Request]):
+    def __init__(
+        self,
+        driver: StepDriver,
+        registry: RequestRegistry,
+        scheduler: Scheduler,
+        submit: Callable[[str, list[int], SamplingParams], Request],
+    ):
         self.driver, self.registry, self.scheduler, self.submit = driver, registry, scheduler, submit
 
-    def run(self, prompts: list[list[int]], params: SamplingParams,
-            return_logits: bool) -> tuple[list[GenerationOutput], Timing]:
+    def run(
+        self, prompts: list[list[int]], params: SamplingParams, return_logits: bool
+    ) -> tuple[list[GenerationOutput], Timing]:
         """Submit every prompt (each its own seed from the batch's), step until all finish, stop
         the followers. Returns the outputs in prompt order and the batch's timing."""
         timing = Timing.for_batch(prompts)
         self.driver.return_logits = return_logits
         preempted_before, steps_before = self.scheduler.num_preemptions, self.driver.completed_steps
         step = self.driver.next_step
-        requests = [self.submit(f"offline-{step}-{i}", p, replace(params, seed=batch_seed(params.seed, i)))
-                    for i, p in enumerate(prompts)]
+        requests = [
+            self.submit(f"offline-{step}-{i}", p, replace(params, seed=batch_seed(params.seed, i)))
+            for i, p in enumerate(prompts)
+        ]
         start, cpu_start = time.perf_counter(), time.process_time()
         first_done = None
         seen = [(0, 0.0)] * len(requests)  # each request's token count and the time its newest arrived
@@ -99,6 +107,10 @@ class OfflineGenerator:
         timing.decode_tokens = sum(max(0, len(r.output_token_ids) - 1) for r in requests)
         timing.decode_s = end - (first_done or end)
         timing.preemptions = self.scheduler.num_preemptions - preempted_before
-        outputs = [GenerationOutput(r.prompt_token_ids, r.output_token_ids, r.output_logprobs,
-                                    r.finish_reason, r.logits, r.num_preemptions) for r in requests]
+        outputs = [
+            GenerationOutput(
+                r.prompt_token_ids, r.output_token_ids, r.output_logprobs, r.finish_reason, r.logits, r.num_preemptions
+            )
+            for r in requests
+        ]
         return outputs, timing

@@ -20,8 +20,13 @@ class GenerationOutput:
     num_preemptions: int = 0
 
 
-def share_outputs(world: Communicator, vocab_size: int, outputs: Optional[list[GenerationOutput]],
-                  prompts: list[list[int]], return_logits: bool) -> list[GenerationOutput]:
+def share_outputs(
+    world: Communicator,
+    vocab_size: int,
+    outputs: Optional[list[GenerationOutput]],
+    prompts: list[list[int]],
+    return_logits: bool,
+) -> list[GenerationOutput]:
     """The driver's outputs to every rank (so each rank of a library call gets the answer)."""
     if world.size == 1:
         return outputs
@@ -34,19 +39,27 @@ def share_outputs(world: Communicator, vocab_size: int, outputs: Optional[list[G
     else:
         head = torch.empty(1, dtype=torch.long)
     world.broadcast(head, 0)
-    payload = torch.tensor(ints, dtype=torch.long) if outputs is not None else torch.empty(int(head[0]), dtype=torch.long)
+    payload = (
+        torch.tensor(ints, dtype=torch.long) if outputs is not None else torch.empty(int(head[0]), dtype=torch.long)
+    )
     world.broadcast(payload, 0)
     v = payload.tolist()
-    lens = v[1:1 + 2 * n:2]
+    lens = v[1 : 1 + 2 * n : 2]
     total = sum(lens)
-    lp = torch.tensor([x for o in outputs for x in o.logprobs], dtype=torch.float64) if outputs is not None \
+    lp = (
+        torch.tensor([x for o in outputs for x in o.logprobs], dtype=torch.float64)
+        if outputs is not None
         else torch.empty(total, dtype=torch.float64)
+    )
     if total:
         world.broadcast(lp, 0)
     logits = None
     if return_logits and total:
-        logits = torch.cat([torch.stack(o.logits) for o in outputs if o.logits]).float() if outputs is not None \
+        logits = (
+            torch.cat([torch.stack(o.logits) for o in outputs if o.logits]).float()
+            if outputs is not None
             else torch.empty(total, vocab_size, dtype=torch.float32)
+        )
         world.broadcast(logits, 0)
     if outputs is not None:
         return outputs
@@ -54,11 +67,11 @@ def share_outputs(world: Communicator, vocab_size: int, outputs: Optional[list[G
     flat = 0
     for i in range(n):
         k, reason = v[1 + 2 * i], reasons[v[2 + 2 * i]]
-        ids = v[at:at + k]
+        ids = v[at : at + k]
         at += k
-        out = GenerationOutput(list(prompts[i]), ids, lp[flat:flat + k].tolist(), reason)
+        out = GenerationOutput(list(prompts[i]), ids, lp[flat : flat + k].tolist(), reason)
         if logits is not None:
-            out.logits = list(logits[flat:flat + k])
+            out.logits = list(logits[flat : flat + k])
         flat += k
         result.append(out)
     return result

@@ -79,8 +79,9 @@ class PipelineTransport:
             self.pp.recv(sampled.logits, last, TAG_BACK)
         return sampled
 
-    def receive_plan(self, width: int, dtype: torch.dtype, device: torch.device
-                     ) -> tuple[StepPlan, list[torch.Tensor], Optional[torch.Tensor]]:
+    def receive_plan(
+        self, width: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[StepPlan, list[torch.Tensor], Optional[torch.Tensor]]:
         """Follower: the next plan (from the driver's broadcast on stage 0, from the previous
         stage after it), its encoded tensors, and the hidden states of a work step (stage > 0:
         [tokens, width] of `dtype` on `device`, where the previous stage sends them from)."""

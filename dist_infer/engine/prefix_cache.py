@@ -44,13 +44,14 @@ def hash_block(parent: int, token_ids: Sequence[int], cache_salt: Optional[str] 
     return int.from_bytes(h.digest(), "little")
 
 
-def extend_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int,
-                  cache_salt: Optional[str] = None) -> list[int]:
+def extend_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: Optional[str] = None
+) -> list[int]:
     """Grow `hashes` (a sequence's block hashes so far) to its first `num_blocks` full blocks;
     `cache_salt` goes into the first block's hash (and so, by the chain, into every block's)."""
     while len(hashes) < num_blocks:
         i = len(hashes)
-        tokens = token_ids[i * block_size:(i + 1) * block_size]
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
         if len(tokens) < block_size:
             raise ValueError(f"block {i} is not full ({len(tokens)} of {block_size} tokens)")
         hashes.append(hash_block(hashes[-1], tokens) if hashes else hash_block(ROOT_HASH, tokens, cache_salt))

@@ -27,15 +27,19 @@ class PromptError(RequestError):
         super().__init__(field, message)
 
 
-def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int,
-                 name: str = "prompt") -> None:
+def check_prompt(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_positions: int, name: str = "prompt"
+) -> None:
     """Raise PromptError naming the field if no instance of this model could ever serve the request."""
     if not prompt_token_ids:
         raise PromptError(f"{name} is empty")
     total = len(prompt_token_ids) + params.max_new_tokens  # before the scan: a huge prompt costs nothing
     if total > max_positions:
-        raise PromptError(f"{name} has {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens = "
-                          f"{total}, more than the model's {max_positions} positions", field="max_tokens")
+        raise PromptError(
+            f"{name} has {len(prompt_token_ids)} tokens + {params.max_new_tokens} new tokens = "
+            f"{total}, more than the model's {max_positions} positions",
+            field="max_tokens",
+        )
     bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise PromptError(f"{name} has token ids {bad[:5]} outside the vocabulary of {vocab_size}")

@@ -20,11 +20,17 @@ def delta_output(r: Request) -> RequestOutput:
     """`r`'s new tokens since its last report (which this one becomes)."""
     k = r.emitted_tokens
     out = RequestOutput(
-        request_id=r.request_id, new_token_ids=r.output_token_ids[k:], new_logprobs=r.output_logprobs[k:],
+        request_id=r.request_id,
+        new_token_ids=r.output_token_ids[k:],
+        new_logprobs=r.output_logprobs[k:],
         new_top_logprobs=r.output_top_logprobs[k:] if r.params.logprobs else [],
-        text_delta="", finished=r.finished, finish_reason=r.finish_reason,
-        stop_reason=r.stop_reason, num_prompt_tokens=len(r.prompt_token_ids),
-        num_generated_tokens=len(r.output_token_ids))
+        text_delta="",
+        finished=r.finished,
+        finish_reason=r.finish_reason,
+        stop_reason=r.stop_reason,
+        num_prompt_tokens=len(r.prompt_token_ids),
+        num_generated_tokens=len(r.output_token_ids),
+    )
     r.emitted_tokens = len(r.output_token_ids)
     return out
 
@@ -45,7 +51,9 @@ class RequestProgress:
         r.output_logprobs.append(float(sampled.logprobs[i]))
         if r.params.logprobs:
             k = r.params.logprobs
-            r.output_top_logprobs.append(list(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist())))
+            r.output_top_logprobs.append(
+                list(zip(sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k].tolist()))
+            )
         if return_logits:
             r.logits.append(sampled.logits[i].clone())
         if r.first_token_time is None:

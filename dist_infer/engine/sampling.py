@@ -21,7 +21,7 @@ import torch
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default limit)
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM's _SAMPLING_EPS
-TOP_K_LIMIT = 2 ** 31 - 1  # top_k is kept clamped to this: above any vocabulary, exact in the float64 step plan
+TOP_K_LIMIT = 2**31 - 1  # top_k is kept clamped to this: above any vocabulary, exact in the float64 step plan
 MAX_STOP_TOKEN_IDS = 256  # a 16 MiB body could carry millions, checked per token and pickled with every move
 MAX_CACHE_SALT_CHARS = 256  # a cache salt names a group of requests: a key's worth, hashed with each prompt
 
@@ -63,8 +63,9 @@ def _stop_token_ids(ids: Any) -> tuple[int, ...]:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not hasattr(ids, "__iter__"):
         raise SamplingParamsError("stop_token_ids", f"stop_token_ids must be a list of token ids, got {_shown(ids)}")
     if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise SamplingParamsError("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                                                    f"got {len(ids)}")
+        raise SamplingParamsError(
+            "stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+        )
     out = tuple(_as_integer(t) for t in ids)
     bad = [t for t, whole in zip(ids, out) if whole is None or whole < 0]
     if bad:
@@ -104,7 +105,7 @@ class SamplingParams:
         object.__setattr__(self, "top_k", min(top_k, TOP_K_LIMIT))
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (_as_integer(self.seed) is None or not 0 <= self.seed < 2 ** 53):
+        if self.seed is not None and (_as_integer(self.seed) is None or not 0 <= self.seed < 2**53):
             bad("seed", "must be an integer in [0, 2**53)")
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
@@ -112,8 +113,9 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             bad("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}]")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
-                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
             bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
@@ -128,13 +130,13 @@ def token_generator(seed: int, index: int, device: torch.device = torch.device("
     """The generator for token `index` of a request seeded with `seed` (counter-based), on the
     device whose tensors it draws for (a CUDA draw takes a CUDA generator)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + index * 7_919 + 1) % (2 ** 63))
+    gen.manual_seed((seed * 1_000_003 + index * 7_919 + 1) % (2**63))
     return gen
 
 
 def batch_seed(seed: Optional[int], index: int) -> Optional[int]:
     """The seed of request `index` of a batch submitted with one seed (each its own stream)."""
-    return None if seed is None else (seed * 1_000_003 + index) % (2 ** 52)
+    return None if seed is None else (seed * 1_000_003 + index) % (2**52)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -186,8 +188,9 @@ class SampledTokens:
     logits: Optional[torch.Tensor] = None  # [B, V] fp32, when the caller asked for them
 
 
-def usable_logits(logits: torch.Tensor, banned: Optional[torch.Tensor] = None,
-                  read_host: Optional[bool] = None) -> torch.Tensor:
+def usable_logits(
+    logits: torch.Tensor, banned: Optional[torch.Tensor] = None, read_host: Optional[bool] = None
+) -> torch.Tensor:
     """fp32 logits every softmax can take: NaN -> -inf, +inf -> the largest float, `banned` [B, V]
     -> -inf. A row left with no finite logit (all NaN, or only banned tokens) becomes uniform over its
     allowed tokens, or over all when none is allowed, so every row still has a token to give.

@@ -191,8 +191,14 @@ class Scheduler:
             out = self._schedule(max_seqs, prefill_cap, prompts_first=False, freed=out.freed, preempted=out.preempted)
         return out
 
-    def _schedule(self, max_seqs: Optional[int], prefill_cap: "PrefillCap", prompts_first: bool,
-                  freed: Optional[list] = None, preempted: Optional[list] = None) -> SchedulerOutput:
+    def _schedule(
+        self,
+        max_seqs: Optional[int],
+        prefill_cap: "PrefillCap",
+        prompts_first: bool,
+        freed: Optional[list] = None,
+        preempted: Optional[list] = None,
+    ) -> SchedulerOutput:
         """The next step's batch (at most `max_seqs` sequences). Requests whose sampled token is
         still on the way (pipeline stages in flight) are left out until it arrives.
         `prefill_cap`: prompt tokens allowed beside the step's decodes, a number or a function of
@@ -204,7 +210,9 @@ class Scheduler:
         cp_prefill_step = False
         if self.config.whole_prompt_steps:  # alternate: a prefill step after each decode step while prompts wait
             decodes_ready = any(not r.in_flight and r.num_tokens - r.num_computed == 1 for r in self.running)
-            cp_prefill_step = prompts_first and bool(self.waiting) and (not decodes_ready or not self._last_step_prefill)
+            cp_prefill_step = (
+                prompts_first and bool(self.waiting) and (not decodes_ready or not self._last_step_prefill)
+            )
         scheduled: set[int] = set()
 
         # 1. running requests: first every decode, then unfinished prompts' chunks, oldest first
@@ -233,15 +241,21 @@ class Scheduler:
                         self._preempt(victim, out)
                         if victim is request:
                             break
-                    if request.status is not RequestStatus.RUNNING or self._blocks_to_grow(request, n) > self.allocator.num_free:
+                    if (
+                        request.status is not RequestStatus.RUNNING
+                        or self._blocks_to_grow(request, n) > self.allocator.num_free
+                    ):
                         continue
                     self._grow(request, n)
                     self._add_chunk(out, request, n, scheduled)
                     budget -= n
 
         # 2. waiting requests, first come first served, while blocks and the budget last
-        admitting = not self.config.static_batching or not self.running or all(
-            r.num_computed < r.num_tokens and not r.output_token_ids for r in self.running)
+        admitting = (
+            not self.config.static_batching
+            or not self.running
+            or all(r.num_computed < r.num_tokens and not r.output_token_ids for r in self.running)
+        )
         if admitting and (not self.config.whole_prompt_steps or cp_prefill_step):
             self._admit(out, budget, max_seqs, scheduled)
         out.freed, self._freed = list(freed or []) + self._freed, []
@@ -252,14 +266,17 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: float, max_seqs: int, scheduled: set[int]) -> None:
         """Step 2 of `_schedule`: start waiting requests, first come first served, each from the
         cached blocks its tokens match (prefix caching), while blocks and the budget last."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.chunks) < max_seqs:
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.chunks) < max_seqs
+        ):
             request = self.waiting[0]
             hit = self._match(request)
             cached = len(hit) * self.config.block_size
             remaining = request.num_tokens - cached
             groups = self._layer_groups(remaining, budget)
-            if groups > 1 and (any(r.layer_progress is not None for r in self.running)
-                               or any(c.layers is not None for c in out.chunks)):
+            if groups > 1 and (
+                any(r.layer_progress is not None for r in self.running) or any(c.layers is not None for c in out.chunks)
+            ):
                 break  # one prompt in its layers at a time (a step holds at most one)
             if groups > 1:
                 n = remaining
@@ -312,7 +329,11 @@ class Scheduler:
         sample = progress.last
         progress.done += 1
         if sample:
-            request.num_computed, request.layer_progress, request.in_flight = progress.start + progress.tokens, None, True
+            request.num_computed, request.layer_progress, request.in_flight = (
+                progress.start + progress.tokens,
+                None,
+                True,
+            )
         charge = group_charge(progress.tokens, first, end, num_layers)
         out.chunks.append(ScheduledChunk(request, progress.start, progress.tokens, sample, (first, end), charge))
         scheduled.add(id(request))
@@ -323,8 +344,13 @@ class Scheduler:
         """The hashes of the request's first `num_blocks` full blocks, its cache salt in them
         (computed once, kept on it)."""
         if len(request.block_hashes) < num_blocks:
-            extend_hashes(request.block_hashes, request.all_token_ids, self.config.block_size, num_blocks,
-                          request.params.cache_salt)
+            extend_hashes(
+                request.block_hashes,
+                request.all_token_ids,
+                self.config.block_size,
+                num_blocks,
+                request.params.cache_salt,
+            )
         return request.block_hashes[:num_blocks]
 
     def computed_block_hashes(self, request: Request) -> list[int]:
@@ -332,7 +358,9 @@ class Scheduler:
         may hold already); none under cp, whose blocks hold a shard of the tokens, not a run."""
         if self.cp > 1:
             return []
-        return list(self._hashes(request, min(request.num_computed // self.config.block_size, len(request.block_table))))
+        return list(
+            self._hashes(request, min(request.num_computed // self.config.block_size, len(request.block_table)))
+        )
 
     def _match(self, request: Request) -> list[int]:
         """The cached blocks a waiting request starts from: the longest matching run of its full
@@ -365,8 +393,7 @@ class Scheduler:
             return prefill_cap
         decodes = [c for c in out.chunks if c.num_tokens == 1]
         context = sum(c.start + 1 for c in decodes)
-        start = next((r.num_computed for r in self.running
-                      if not r.in_flight and r.num_tokens - r.num_computed > 1), 0)
+        start = next((r.num_computed for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1), 0)
         cap = prefill_cap(len(decodes), context, start)
         return float("inf") if cap is None else cap
 
@@ -391,4 +418,3 @@ class Scheduler:
     def on_sampled(self, request: Request) -> None:
         """The token sampled for `request`'s last chunk arrived (the caller appended it)."""
         request.in_flight = False
-

@@ -24,7 +24,9 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.layered is not None and (self.whole_prompt_steps or not self.chunked_prefill):
-            raise ValueError("layered prefill replaces chunked prefill: it needs chunked prefill on and no context parallel")
+            raise ValueError(
+                "layered prefill replaces chunked prefill: it needs chunked prefill on and no context parallel"
+            )
         if self.prefix_caching and self.whole_prompt_steps:
             raise ValueError("prefix caching does not support context parallel (whole-prompt steps): turn it off")
         if self.num_blocks < 1:

@@ -29,9 +29,17 @@ class StageRunner:
     `guard` so a failing row fails alone; `mover` makes the plans' KV block moves (None: no
     migration yet, `attach` adds it)."""
 
-    def __init__(self, stage, worker: StageWorker, transport: PipelineTransport, guard: StepGuard,
-                 sampler: Optional[Callable[..., SampledTokens]], is_sampler: bool, cp_size: int,
-                 mover: Optional[BlockMover] = None):
+    def __init__(
+        self,
+        stage,
+        worker: StageWorker,
+        transport: PipelineTransport,
+        guard: StepGuard,
+        sampler: Optional[Callable[..., SampledTokens]],
+        is_sampler: bool,
+        cp_size: int,
+        mover: Optional[BlockMover] = None,
+    ):
         self.stage, self.worker, self.transport, self.guard = stage, worker, transport, guard
         self.sampler, self.is_sampler, self.cp_size = sampler, is_sampler, cp_size
         self.mover = mover
@@ -42,8 +50,13 @@ class StageRunner:
         """Make the KV block moves of the plans from now on (live migration was enabled)."""
         self.mover = mover
 
-    def run(self, plan: StepPlan, wire: Optional[list[torch.Tensor]], hidden: Optional[torch.Tensor] = None,
-            meta: Optional[object] = None) -> Optional[SampledTokens]:
+    def run(
+        self,
+        plan: StepPlan,
+        wire: Optional[list[torch.Tensor]],
+        hidden: Optional[torch.Tensor] = None,
+        meta: Optional[object] = None,
+    ) -> Optional[SampledTokens]:
         """This rank's share of a plan as it arrived (`wire`: its encoded tensors, passed on
         unchanged; `hidden`: the previous stage's output; `meta`: its metadata, if the driver
         built it already): forget freed sequences, run the stage on a work step, pass it on, or

@@ -29,13 +29,35 @@ from dist_infer.arg_types import AUTO_FACTOR, AUTO_FLOOR_S, parse_itl_target  # 
 FEATURES = ("fixed", "prompt_step", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k")
 MIN_CHUNK = 16  # a prompt advances at least this much per step beside decodes: no starvation
 STEP_KINDS = ("decode", "mixed", "prefill")
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 @dataclass(frozen=True)
 class StepShape:
     """What a step held: its prompt tokens (and the context they start from) and its decodes."""
+
     prompt_tokens: int = 0
     prompt_pairs: float = 0.0  # sum over chunks of n (start + n / 2): attention pairs beyond the chunk's own
     decodes: int = 0
@@ -48,8 +70,16 @@ class StepShape:
         return "prefill" if self.prompt_tokens else "decode"
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, 1.0 if self.prompt_tokens else 0.0, self.prompt_tokens, self.prompt_pairs / 1000.0,
-                         self.decodes, self.decode_context / 1000.0])
+        return np.array(
+            [
+                1.0,
+                1.0 if self.prompt_tokens else 0.0,
+                self.prompt_tokens,
+                self.prompt_pairs / 1000.0,
+                self.decodes,
+                self.decode_context / 1000.0,
+            ]
+        )
 
 
 def chunk_pairs(start: int, n: int) -> float:
@@ -60,6 +90,7 @@ def chunk_pairs(start: int, n: int) -> float:
 @dataclass
 class StepCostModel:
     """Seconds per step as a linear function of its shape, fitted online (see the module docstring)."""
+
     forget: float = 0.97  # weight of the past per observation: about the last 1 / (1 - forget) steps count
     ridge: float = 1e-6
     _xtx: np.ndarray = field(default_factory=lambda: np.zeros((len(FEATURES), len(FEATURES))))
@@ -137,6 +168,7 @@ def prefill_backlog_s(model: StepCostModel, prompts) -> Optional[float]:
 @dataclass
 class StepTimes:
     """Step durations counted per kind in Prometheus buckets (what /metrics exports per instance)."""
+
     counts: dict = field(default_factory=lambda: {k: [0] * (len(STEP_BUCKETS) + 1) for k in STEP_KINDS})
     totals: dict = field(default_factory=lambda: {k: 0.0 for k in STEP_KINDS})
 

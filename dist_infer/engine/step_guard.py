@@ -74,17 +74,34 @@ def failure_message(request_id: str, where: str, error_id: str) -> str:
 
 def failed_output(r: Request, message: str) -> RequestOutput:
     """The finished output of a failed request: nothing new (what it had is already reported), the error."""
-    return RequestOutput(request_id=r.request_id, new_token_ids=[], new_logprobs=[], new_top_logprobs=[],
-                         text_delta="", finished=True, finish_reason="abort", stop_reason=None,
-                         num_prompt_tokens=len(r.prompt_token_ids), num_generated_tokens=r.emitted_tokens,
-                         error=message)
+    return RequestOutput(
+        request_id=r.request_id,
+        new_token_ids=[],
+        new_logprobs=[],
+        new_top_logprobs=[],
+        text_delta="",
+        finished=True,
+        finish_reason="abort",
+        stop_reason=None,
+        num_prompt_tokens=len(r.prompt_token_ids),
+        num_generated_tokens=r.emitted_tokens,
+        error=message,
+    )
 
 
-def check_chunk(r: Request, start: int, num_tokens: int, vocab_size: int, max_positions: int,
-                num_blocks: int, block_size: int, cp: int) -> list[int]:
+def check_chunk(
+    r: Request,
+    start: int,
+    num_tokens: int,
+    vocab_size: int,
+    max_positions: int,
+    num_blocks: int,
+    block_size: int,
+    cp: int,
+) -> list[int]:
     """The chunk's input ids, after checking what would otherwise raise in (or corrupt) the forward
     on every rank: ids in the vocabulary, positions within the model's, block ids within the cache."""
-    ids = r.all_token_ids[start:start + num_tokens]
+    ids = r.all_token_ids[start : start + num_tokens]
     if len(ids) != num_tokens:
         raise ValueError(f"chunk of {num_tokens} tokens from {start}, the request has {r.num_tokens}")
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -100,8 +117,13 @@ def check_chunk(r: Request, start: int, num_tokens: int, vocab_size: int, max_po
     return ids
 
 
-def sample_guarded(sample: Callable[..., SampledTokens], logits: torch.Tensor, rows: list[RowSampling],
-                   eos_ids: tuple[int, ...], what: str = "sampling") -> SampledTokens:
+def sample_guarded(
+    sample: Callable[..., SampledTokens],
+    logits: torch.Tensor,
+    rows: list[RowSampling],
+    eos_ids: tuple[int, ...],
+    what: str = "sampling",
+) -> SampledTokens:
     """Sample the batch; if it raises, sample row by row, so only the rows that raise fail: each
     is logged here (the sampler rank) under its own error id, which its token carries (`failed_token`).
     The row-by-row result is built on the host (its rows are host copies), the batch's stays on the device."""
@@ -116,7 +138,7 @@ def sample_guarded(sample: Callable[..., SampledTokens], logits: torch.Tensor, r
     top_logprobs = torch.full((len(rows), n), float("nan"), dtype=torch.float64)
     for b, row in enumerate(rows):
         try:
-            one = sampled_to_host(sample(logits[b:b + 1], [replace(row, logprobs=n)], eos_ids))
+            one = sampled_to_host(sample(logits[b : b + 1], [replace(row, logprobs=n)], eos_ids))
         except Exception as exc:  # noqa: BLE001
             tokens[b] = failed_token(log_exception(exc, f"{what}: row {b} of {len(rows)} failed"))
             continue
@@ -148,16 +170,18 @@ class StepGuard:
         error_id = log_exception(exc, f"{where} failed for requests {[r.request_id for r in live]}")
         return [self.fail(r, where, error_id) for r in live]
 
-    def plan_chunks(self, plan: StepPlan, chunks: list, cfg, num_blocks: int, block_size: int,
-                    cp: int) -> tuple[list, list[RequestOutput]]:
+    def plan_chunks(
+        self, plan: StepPlan, chunks: list, cfg, num_blocks: int, block_size: int, cp: int
+    ) -> tuple[list, list[RequestOutput]]:
         """Add each scheduled chunk to `plan`; a chunk that fails its check (or cannot be planned)
         fails its request alone. Returns the chunks planned, in plan order, and the failures."""
         planned, failed = [], []
         for chunk in chunks:
             r = chunk.request
             try:
-                ids = check_chunk(r, chunk.start, chunk.num_tokens, cfg.vocab_size, cfg.max_positions,
-                                  num_blocks, block_size, cp)
+                ids = check_chunk(
+                    r, chunk.start, chunk.num_tokens, cfg.vocab_size, cfg.max_positions, num_blocks, block_size, cp
+                )
                 row = RowSampling.of(r.params, r.seed, len(r.output_token_ids)) if chunk.sample else None
             except Exception as exc:  # noqa: BLE001 - this request's own input: it fails alone
                 failed += self.fail_all([r], "planning its step", exc)
@@ -175,8 +199,9 @@ class StepGuard:
                 plan.rows.append(row)
         return planned, failed
 
-    def sample(self, sample: Callable[..., SampledTokens], logits: torch.Tensor, plan: StepPlan,
-               eos_ids: tuple[int, ...]) -> SampledTokens:
+    def sample(
+        self, sample: Callable[..., SampledTokens], logits: torch.Tensor, plan: StepPlan, eos_ids: tuple[int, ...]
+    ) -> SampledTokens:
         """The sampler rank's tokens for `plan`; a failed row's token is negative and carries the
         error id its exception was logged under here (`failed_error_id` on the driver)."""
         return sample_guarded(sample, logits, plan.rows, eos_ids, f"step {plan.step}: sampling")
@@ -188,8 +213,9 @@ class StepGuard:
             raise exc
         self.forward_failures += 1
         if self.forward_failures >= MAX_FORWARD_FAILURES:
-            raise ForwardFailures(f"the forward failed {self.forward_failures} steps in a row; "
-                                  f"the last: {describe(exc)}") from exc
+            raise ForwardFailures(
+                f"the forward failed {self.forward_failures} steps in a row; the last: {describe(exc)}"
+            ) from exc
 
     def forward_ok(self) -> None:
         self.forward_failures = 0

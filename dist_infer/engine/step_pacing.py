@@ -28,17 +28,21 @@ def step_shape(chunks) -> StepShape:
     decodes = [c for c in chunks if c.num_tokens == 1]
     # a layered prompt's group runs a fraction of the layers: it costs that fraction of its tokens
     share = [1.0 if c.work_tokens is None else c.work_tokens / c.num_tokens for c in prompts]
-    return StepShape(prompt_tokens=round(sum(c.num_tokens * f for c, f in zip(prompts, share))),
-                     prompt_pairs=round(sum(chunk_pairs(c.start, c.num_tokens) * f for c, f in zip(prompts, share))),
-                     decodes=len(decodes), decode_context=sum(c.start + 1 for c in decodes))
+    return StepShape(
+        prompt_tokens=round(sum(c.num_tokens * f for c, f in zip(prompts, share))),
+        prompt_pairs=round(sum(chunk_pairs(c.start, c.num_tokens) * f for c, f in zip(prompts, share))),
+        decodes=len(decodes),
+        decode_context=sum(c.start + 1 for c in decodes),
+    )
 
 
 class StepPacer:
     """The ITL target (arg_types.parse_itl_target's tuple, None: off) of an instance of `pp_size`
     pipeline stages, the step costs learned from its steps, and their durations by kind (/metrics)."""
 
-    def __init__(self, itl_target: Optional[tuple[str, float]], pp_size: int,
-                 step_costs: Optional[StepCostModel] = None):
+    def __init__(
+        self, itl_target: Optional[tuple[str, float]], pp_size: int, step_costs: Optional[StepCostModel] = None
+    ):
         self.itl_target = itl_target
         self.pp_size = pp_size
         self.step_costs = step_costs if step_costs is not None else StepCostModel()
@@ -54,8 +58,9 @@ class StepPacer:
 
     def prompt_tokens_within(self, decodes: int, decode_context: int, start: int):
         """Prompt tokens a step of these decodes can add and still meet the target (None: not learned yet)."""
-        return self.step_costs.prompt_tokens_within(self.step_target_s(decodes, decode_context), decodes,
-                                                    decode_context, start)
+        return self.step_costs.prompt_tokens_within(
+            self.step_target_s(decodes, decode_context), decodes, decode_context, start
+        )
 
     def step_target_s(self, decodes: int, decode_context: int) -> float:
         """One step's share of the inter-token latency target: a fixed time (milliseconds, split
@@ -86,8 +91,11 @@ class StepPacer:
         every request with more than its next token still to compute, waiting or running). Beside
         running decodes, the ITL target paces prompts to a chunk per step of the target's length,
         which is then the longer figure."""
-        left = [(r.num_computed, r.num_tokens - r.num_computed) for r in (*waiting, *running)
-                if r.num_tokens - r.num_computed > 1]
+        left = [
+            (r.num_computed, r.num_tokens - r.num_computed)
+            for r in (*waiting, *running)
+            if r.num_tokens - r.num_computed > 1
+        ]
         compute = prefill_backlog_s(self.step_costs, left)
         decodes = [r for r in running if r.num_tokens - r.num_computed <= 1]
         if compute is None or not left or not decodes or self.itl_target is None:

@@ -61,8 +61,17 @@ class StepPlan:
 
 def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(plan.seq_ids)
-    head = [plan.kind, plan.step, n, plan.total_tokens, sum(len(t) for t in plan.block_tables), len(plan.rows),
-            len(plan.freed), int(plan.return_logits), plan.top_logprobs]
+    head = [
+        plan.kind,
+        plan.step,
+        n,
+        plan.total_tokens,
+        sum(len(t) for t in plan.block_tables),
+        len(plan.rows),
+        len(plan.freed),
+        int(plan.return_logits),
+        plan.top_logprobs,
+    ]
     transfers = [x for op in plan.transfers for x in op.encode()]
     head += [len(transfers), len(plan.layered)]
     per_seq = []
@@ -70,10 +79,13 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         per_seq += [plan.seq_ids[i], plan.num_tokens[i], plan.starts[i], len(plan.block_tables[i]), int(plan.sample[i])]
     tables = [b for t in plan.block_tables for b in t]
     layered = [x for entry in plan.layered for x in entry]
-    ints = torch.tensor(head + per_seq + tables + list(plan.input_ids) + list(plan.freed) + transfers + layered,
-                        dtype=torch.long)
-    floats = torch.tensor([[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs, r.ban_eos] for r in plan.rows],
-                          dtype=torch.float64).reshape(-1)  # seeds < 2**53 are exact in float64
+    ints = torch.tensor(
+        head + per_seq + tables + list(plan.input_ids) + list(plan.freed) + transfers + layered, dtype=torch.long
+    )
+    floats = torch.tensor(
+        [[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs, r.ban_eos] for r in plan.rows],
+        dtype=torch.float64,
+    ).reshape(-1)  # seeds < 2**53 are exact in float64
     return ints, floats
 
 
@@ -81,27 +93,35 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
     v = ints.tolist()
     kind, step, n, tokens, table_entries, rows, freed, logits, _, transfer_ints, layered = v[:_HEAD]
     at = _HEAD
-    per_seq = [v[at + i * _PER_SEQ: at + (i + 1) * _PER_SEQ] for i in range(n)]
+    per_seq = [v[at + i * _PER_SEQ : at + (i + 1) * _PER_SEQ] for i in range(n)]
     at += n * _PER_SEQ
     tables = []
     for row in per_seq:
-        tables.append(v[at: at + row[3]])
+        tables.append(v[at : at + row[3]])
         at += row[3]
-    input_ids = v[at: at + tokens]
+    input_ids = v[at : at + tokens]
     at += tokens
-    freed_ids = v[at: at + freed]
+    freed_ids = v[at : at + freed]
     at += freed
     transfers, end = [], at + transfer_ints
     while at < end:
         op, at = TransferOp.decode(v, at)
         transfers.append(op)
-    layered_entries = [tuple(v[at + 3 * i: at + 3 * i + 3]) for i in range(layered)]
+    layered_entries = [tuple(v[at + 3 * i : at + 3 * i + 3]) for i in range(layered)]
     f = floats.view(-1, _PER_ROW).tolist() if rows else []
     return StepPlan(
-        kind=kind, step=step, seq_ids=[r[0] for r in per_seq], num_tokens=[r[1] for r in per_seq],
-        starts=[r[2] for r in per_seq], block_tables=tables, sample=[bool(r[4]) for r in per_seq],
+        kind=kind,
+        step=step,
+        seq_ids=[r[0] for r in per_seq],
+        num_tokens=[r[1] for r in per_seq],
+        starts=[r[2] for r in per_seq],
+        block_tables=tables,
+        sample=[bool(r[4]) for r in per_seq],
         rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp), int(b)) for t, k, p, s, i, lp, b in f],
-        input_ids=input_ids, freed=freed_ids, return_logits=bool(logits), transfers=transfers,
+        input_ids=input_ids,
+        freed=freed_ids,
+        return_logits=bool(logits),
+        transfers=transfers,
         layered=layered_entries,
     )
 

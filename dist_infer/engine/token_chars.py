@@ -66,8 +66,9 @@ def _pre_tokenizer_drops(spec: Optional[dict]) -> str:
 def _model_fuses_unknowns(spec: dict) -> str:
     model = spec.get("model") or {}
     kind = model.get("type")
-    byte_level = any(node.get("type") == "ByteLevel"
-                     for part in ("pre_tokenizer", "decoder") for node in _nodes(spec.get(part)))
+    byte_level = any(
+        node.get("type") == "ByteLevel" for part in ("pre_tokenizer", "decoder") for node in _nodes(spec.get(part))
+    )
     if model.get("byte_fallback") or byte_level:
         return ""  # every byte has a token
     if kind == "BPE" and model.get("unk_token") is not None and not model.get("fuse_unk"):
@@ -97,4 +98,3 @@ def chars_per_token(spec: dict, token_texts: Iterable[str]) -> tuple[Optional[in
         return None, why
     longest = max((len(text) for text in token_texts), default=0)
     return factor * (max(1, longest) + _decoder_strip(spec.get("decoder"))), ""
-

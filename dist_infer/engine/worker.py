@@ -36,10 +36,20 @@ from dist_infer.parallel.token_split import should_split
 
 
 class StageWorker:
-    def __init__(self, stage, groups: ParallelGroups, cache: PagedKVCache, block_size: int,
-                 overlap: str, overlap_threshold: int, sequence_parallel: str,
-                 sequence_parallel_threshold: Optional[int], cp_variant: str, cuda_graphs: str = "off",
-                 max_rows: int = 256):
+    def __init__(
+        self,
+        stage,
+        groups: ParallelGroups,
+        cache: PagedKVCache,
+        block_size: int,
+        overlap: str,
+        overlap_threshold: int,
+        sequence_parallel: str,
+        sequence_parallel_threshold: Optional[int],
+        cp_variant: str,
+        cuda_graphs: str = "off",
+        max_rows: int = 256,
+    ):
         """`cuda_graphs`: engine/decode_graphs.py's modes; `max_rows`: the most sequences a step holds
         (the largest bucket). The cache needs a scratch block where graphs are wanted."""
         self.stage, self.groups, self.cache, self.block_size = stage, groups, cache, block_size
@@ -58,17 +68,29 @@ class StageWorker:
         if not graphs_wanted(mode, self.device) or self.cp.size > 1:
             return None
         if mode == "auto" and (self.groups.tp.size > 1 or self.groups.pp.size > 1):
-            logger.info("CUDA graphs off under tp or pp > 1 with --cuda-graphs auto (unverified on several GPUs: "
-                        "the tp all-reduces inside the graph, the stages' hidden states into it): --cuda-graphs on "
-                        "captures them")
+            logger.info(
+                "CUDA graphs off under tp or pp > 1 with --cuda-graphs auto (unverified on several GPUs: "
+                "the tp all-reduces inside the graph, the stages' hidden states into it): --cuda-graphs on "
+                "captures them"
+            )
             return None
         if self.cache.scratch_block is None:
             raise GraphCaptureError("bucketed decode steps need a KV cache with a scratch block")
         stage, cache, cfg = self.stage, self.cache, self.cfg
         width = -(-cfg.max_positions // self.block_size)
-        graphs = DecodeGraphs(lambda inputs, meta: stage(inputs, meta, cache.layers), stage.first, stage.input_width,
-                              stage.dtype, max_rows, width, self.block_size, cache.scratch_block * self.block_size,
-                              cfg.sliding_window, self.device, capture=mode != "padded")
+        graphs = DecodeGraphs(
+            lambda inputs, meta: stage(inputs, meta, cache.layers),
+            stage.first,
+            stage.input_width,
+            stage.dtype,
+            max_rows,
+            width,
+            self.block_size,
+            cache.scratch_block * self.block_size,
+            cfg.sliding_window,
+            self.device,
+            capture=mode != "padded",
+        )
         try:
             graphs.capture()
         except Exception as exc:  # noqa: BLE001 - auto falls back, by name
@@ -101,8 +123,14 @@ class StageWorker:
         if plan.layered:
             return self._on_device(self._layered_step(plan))
         split = should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold)
-        if self.graphs is not None and not split and all(q == 1 for q in q_lens) and not should_sequence_parallel(
-                self.sequence_parallel, plan.total_tokens, self.groups.tp.size, self.sequence_parallel_threshold):
+        if (
+            self.graphs is not None
+            and not split
+            and all(q == 1 for q in q_lens)
+            and not should_sequence_parallel(
+                self.sequence_parallel, plan.total_tokens, self.groups.tp.size, self.sequence_parallel_threshold
+            )
+        ):
             static = self.graphs.prepare(plan.input_ids, plan.starts, plan.block_tables)
             if static is not None:
                 return static
@@ -110,8 +138,9 @@ class StageWorker:
             split = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
             return self._on_device(split)
         meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
-        meta.sequence_parallel = should_sequence_parallel(self.sequence_parallel, plan.total_tokens,
-                                                          self.groups.tp.size, self.sequence_parallel_threshold)
+        meta.sequence_parallel = should_sequence_parallel(
+            self.sequence_parallel, plan.total_tokens, self.groups.tp.size, self.sequence_parallel_threshold
+        )
         return self._on_device(meta)
 
     def token_inputs(self, plan: StepPlan, meta: Optional[object]) -> Optional[torch.Tensor]:
@@ -123,9 +152,11 @@ class StageWorker:
         """The metadata of a step with a prompt in the middle of its layers (models/layered.py):
         the whole step's, and the others' for the layers it does not run."""
         if len(plan.layered) != 1 or self.groups.pp.size > 1:
-            raise LayeredStepError(f"a step runs one layered prompt on a whole model (pp=1); got {len(plan.layered)} "
-                                   f"with pp={self.groups.pp.size}")
-        (index, first, end), = plan.layered
+            raise LayeredStepError(
+                f"a step runs one layered prompt on a whole model (pp=1); got {len(plan.layered)} "
+                f"with pp={self.groups.pp.size}"
+            )
+        ((index, first, end),) = plan.layered
         q_lens, seq_lens, tables = plan.num_tokens, plan.seq_lens, plan.block_tables
         window = self.cfg.sliding_window
         full = build_attention_metadata(q_lens, seq_lens, tables, self.block_size, window)
@@ -133,11 +164,25 @@ class StageWorker:
         keep = [i for i in range(len(q_lens)) if i != index]
         others = other_rows = None
         if keep:
-            others = build_attention_metadata([q_lens[i] for i in keep], [seq_lens[i] for i in keep],
-                                              [tables[i] for i in keep], self.block_size, window)
+            others = build_attention_metadata(
+                [q_lens[i] for i in keep],
+                [seq_lens[i] for i in keep],
+                [tables[i] for i in keep],
+                self.block_size,
+                window,
+            )
             other_rows = torch.cat([torch.arange(a), torch.arange(a + q_lens[index], plan.total_tokens)])
-        step = LayeredStep(full, others, other_rows, (a, a + q_lens[index]), index, plan.seq_ids[index], first, end,
-                           self._layered_hidden)
+        step = LayeredStep(
+            full,
+            others,
+            other_rows,
+            (a, a + q_lens[index]),
+            index,
+            plan.seq_ids[index],
+            first,
+            end,
+            self._layered_hidden,
+        )
         check_layered(step, len(self.stage.layers))
         return step
 
@@ -160,7 +205,7 @@ class StageWorker:
             return self.stage(inputs, meta, self.cache.layers)
 
     def _cp_kind(self, plan: StepPlan) -> str:
-        """"prefill" (whole fresh prompts) or "decode" (one new token per cached sequence); raises otherwise."""
+        """ "prefill" (whole fresh prompts) or "decode" (one new token per cached sequence); raises otherwise."""
         if all(start == 0 for start in plan.starts):
             return "prefill"
         if all(q == 1 for q in plan.num_tokens) and all(s in self._cp_len for s in plan.seq_ids):
@@ -168,7 +213,8 @@ class StageWorker:
         raise ContextParallelError(
             f"a cp step is a prefill of fresh prompts or one new token per cached sequence; got sequences "
             f"{plan.seq_ids} with {plan.num_tokens} new tokens after {plan.starts} cached (prefill on top of cached "
-            f"context is not supported yet)")
+            f"context is not supported yet)"
+        )
 
     def _execute_cp(self, plan: StepPlan, inputs: torch.Tensor) -> torch.Tensor:
         """A prefill of whole fresh prompts on this rank's zigzag share, or a decode token run on
@@ -179,10 +225,19 @@ class StageWorker:
             local = [zigzag_chunks(q, n, me).num_rows for q in q_lens]
             tables = [cache.reserve(s, m) for s, m in zip(seq_ids, local)]
             attn = self.stage.layers[0].self_attn if len(self.stage.layers) else None
-            meta, mine = cp_prefill_metadata(q_lens, n, me, tables, self.block_size, self.cp_variant,
-                                             attn.q_heads if attn else 1, attn.kv_heads if attn else 1,
-                                             self.cfg.sliding_window, self.device.type,
-                                             torch.empty((), dtype=self.stage.dtype).element_size())
+            meta, mine = cp_prefill_metadata(
+                q_lens,
+                n,
+                me,
+                tables,
+                self.block_size,
+                self.cp_variant,
+                attn.q_heads if attn else 1,
+                attn.kv_heads if attn else 1,
+                self.cfg.sliding_window,
+                self.device.type,
+                torch.empty((), dtype=self.stage.dtype).element_size(),
+            )
             starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
             inputs = inputs[host_index([st + p for st, pos in zip(starts, mine) for p in pos], inputs.device)]
             for s, q in zip(seq_ids, q_lens):

@@ -7,5 +7,12 @@ explicit switch). A leaf part: it imports nothing else from dist_infer."""
 from dist_infer.kernels.build import KernelBuildError, kernel_mode, load_cpu_kernels
 from dist_infer.kernels.cpu_kernels import MAX_ROWS, CpuKernels, kernels_if_cpu_fp32, use_native_kernels
 
-__all__ = ["MAX_ROWS", "CpuKernels", "KernelBuildError", "kernel_mode", "kernels_if_cpu_fp32", "load_cpu_kernels",
-           "use_native_kernels"]
+__all__ = [
+    "MAX_ROWS",
+    "CpuKernels",
+    "KernelBuildError",
+    "kernel_mode",
+    "kernels_if_cpu_fp32",
+    "load_cpu_kernels",
+    "use_native_kernels",
+]

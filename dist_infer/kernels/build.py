@@ -122,8 +122,11 @@ def prepare_cache_dir(path: Path, uid: int) -> None:
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
     if st.st_uid != uid or parent.st_uid not in (uid, 0):
         owner = st.st_uid if st.st_uid != uid else parent.st_uid
-        raise PermissionError(errno.EPERM, f"owned by uid {owner}, not by this user ({uid}): another user "
-                                           "could replace the library", str(path if st.st_uid != uid else path.parent))
+        raise PermissionError(
+            errno.EPERM,
+            f"owned by uid {owner}, not by this user ({uid}): another user could replace the library",
+            str(path if st.st_uid != uid else path.parent),
+        )
     if st.st_mode & 0o022:
         os.chmod(path, st.st_mode & 0o755)
 
@@ -156,8 +159,10 @@ def _build_lock(path: Path, timeout_s: float) -> Iterator[bool]:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise KernelBuildError(f"another process held the build lock {path} for over {timeout_s:g} s "
-                                           "(a build that hangs, or a stopped process)") from None
+                    raise KernelBuildError(
+                        f"another process held the build lock {path} for over {timeout_s:g} s "
+                        "(a build that hangs, or a stopped process)"
+                    ) from None
                 if not told:
                     logger.info(f"waiting for another process to build the native CPU kernels ({path})")
                     told = True
@@ -178,9 +183,14 @@ def _compile(compiler: tuple[str, ...], flags: tuple[str, ...], target: Path, ti
     os.close(fd)
     try:
         try:
-            proc = subprocess.Popen([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                [*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
         except OSError as exc:
             raise _CompilerFailed(f"cannot run {compiler[0]}: {exc}") from None
         try:
@@ -189,8 +199,9 @@ def _compile(compiler: tuple[str, ...], flags: tuple[str, ...], target: Path, ti
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            raise KernelBuildError(f"the compiler ({shlex.join(compiler)}) ran past {timeout_s:g} s and was "
-                                   "killed") from None
+            raise KernelBuildError(
+                f"the compiler ({shlex.join(compiler)}) ran past {timeout_s:g} s and was killed"
+            ) from None
         if proc.returncode != 0:
             raise _CompilerFailed(err.strip()[-2000:] or f"{compiler[0]} exited with status {proc.returncode}")
         os.replace(tmp, target)
@@ -199,8 +210,13 @@ def _compile(compiler: tuple[str, ...], flags: tuple[str, ...], target: Path, ti
             os.unlink(tmp)
 
 
-def build_library(compiler: tuple[str, ...], flags: tuple[str, ...], target: Path,
-                  compile_timeout_s: float = COMPILE_TIMEOUT_S, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
+def build_library(
+    compiler: tuple[str, ...],
+    flags: tuple[str, ...],
+    target: Path,
+    compile_timeout_s: float = COMPILE_TIMEOUT_S,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> None:
     """Make sure `target` exists: compiled here under its lock, or by whoever held the lock first.
     Raises _CompilerFailed, KernelBuildError (a timeout) and OSError (the directory's)."""
     if target.exists():
@@ -246,8 +262,9 @@ def _load_from(directory: Path, compiler: tuple[str, ...], build: KernelBuild) -
 def _build_and_load(build: KernelBuild) -> tuple[CpuKernels, list[str]]:
     """The kernels, and each cache directory passed over with why."""
     if not build.compiler or shutil.which(build.compiler[0]) is None:
-        raise KernelBuildError(f"no C compiler: {build.compiler[0] if build.compiler else '$CC'!r} is not on "
-                               "PATH (set CC)")
+        raise KernelBuildError(
+            f"no C compiler: {build.compiler[0] if build.compiler else '$CC'!r} is not on PATH (set CC)"
+        )
     passed_over: list[str] = []
     for directory in build.cache_dirs:
         try:
@@ -268,14 +285,15 @@ def load_native_kernels(build: KernelBuild) -> Optional[CpuKernels]:
         kernels, passed_over = _build_and_load(build)
     except KernelBuildError as exc:
         if build.mode == "require":
-            raise KernelBuildError(f"native CPU kernels required ({MODE_ENV}=require or --native-kernels "
-                                   f"require) but not built: {exc}") from None
-        logger.warning(f"native CPU kernels not built, torch ops used instead ({MODE_ENV}=require makes this an "
-                       f"error): {exc}")
+            raise KernelBuildError(
+                f"native CPU kernels required ({MODE_ENV}=require or --native-kernels require) but not built: {exc}"
+            ) from None
+        logger.warning(
+            f"native CPU kernels not built, torch ops used instead ({MODE_ENV}=require makes this an error): {exc}"
+        )
         return None
     if passed_over:
-        logger.warning(f"native CPU kernels built in {Path(kernels.library_path).parent}, as "
-                       + "; ".join(passed_over))
+        logger.warning(f"native CPU kernels built in {Path(kernels.library_path).parent}, as " + "; ".join(passed_over))
     return kernels
 
 

@@ -52,8 +52,9 @@ class _Named:
             return self.fn(*args)
 
 
-def _dequantize_fits(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor,
-                     group_size: int, bits: int) -> bool:
+def _dequantize_fits(
+    q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor, group_size: int, bits: int
+) -> bool:
     """Whether dequantize_rows' tensors are what the C function reads and writes: on the CPU,
     contiguous, of its dtypes and of one another's shapes (a wrong one would read past a buffer)."""
     if bits not in (4, 8) or not isinstance(group_size, int) or group_size <= 0 or out.dim() != 2:
@@ -62,10 +63,13 @@ def _dequantize_fits(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torc
     if K == 0 or K % group_size or (bits == 4 and group_size % 2):
         return False
     q_dtype, q_cols = (torch.int8, K) if bits == 8 else (torch.uint8, K // 2)
-    want = [(q, q_dtype, (N, q_cols)), (scales, torch.float32, (N, K // group_size)),
-            (out, torch.float32, (N, K))] + ([(zeros, torch.float32, (N, K // group_size))] if zeros is not None else [])
-    return all(t.device.type == "cpu" and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
-               for t, dtype, shape in want)
+    want = [(q, q_dtype, (N, q_cols)), (scales, torch.float32, (N, K // group_size)), (out, torch.float32, (N, K))] + (
+        [(zeros, torch.float32, (N, K // group_size))] if zeros is not None else []
+    )
+    return all(
+        t.device.type == "cpu" and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
+        for t, dtype, shape in want
+    )
 
 
 class CpuKernels:
@@ -106,8 +110,15 @@ class CpuKernels:
             raise ValueError(f"skinny_linear: {M} rows is outside 1..{MAX_ROWS}")
         return y
 
-    def quant_linear(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                     group_size: int, bits: int) -> Optional[torch.Tensor]:
+    def quant_linear(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: Optional[torch.Tensor],
+        group_size: int,
+        bits: int,
+    ) -> Optional[torch.Tensor]:
         """x [M, K] @ W^T for W weight-only quantized (cpu_kernels.c's quant_linear: q int8 [N, K], or
         [N, K / 2] bytes of two 4-bit values; fp32 scales / zeros [N, K / group_size]), 1 <= M <= MAX_ROWS,
         all contiguous on the CPU. None where the kernel does not take the shape (the caller uses torch)."""
@@ -115,13 +126,35 @@ class CpuKernels:
         N = q.shape[0]
         y = torch.empty(M, N, dtype=x.dtype)
         threads = torch.get_num_threads() if self.threaded else 1
-        if self._quant_linear(x.data_ptr(), q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
-                       y.data_ptr(), M, N, K, group_size, bits, N, threads) != 0:
+        if (
+            self._quant_linear(
+                x.data_ptr(),
+                q.data_ptr(),
+                scales.data_ptr(),
+                zeros.data_ptr() if zeros is not None else None,
+                y.data_ptr(),
+                M,
+                N,
+                K,
+                group_size,
+                bits,
+                N,
+                threads,
+            )
+            != 0
+        ):
             return None
         return y
 
-    def dequantize_rows(self, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], out: torch.Tensor,
-                        group_size: int, bits: int) -> bool:
+    def dequantize_rows(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: Optional[torch.Tensor],
+        out: torch.Tensor,
+        group_size: int,
+        bits: int,
+    ) -> bool:
         """Rows of a weight-only quantized W as fp32 into `out` [N, K] (cpu_kernels.c's dequantize_rows;
         quant_linear's layouts: q int8 [N, K] for bits 8, uint8 [N, K / 2] of two 4-bit values for bits 4;
         fp32 scales / zeros [N, K / group_size]), bit for bit QuantizedWeight.dequantize's values. Row
@@ -131,23 +164,58 @@ class CpuKernels:
             return False
         threads = torch.get_num_threads() if self.threaded else 1
         N, K = out.shape
-        return self._dequantize_rows(q.data_ptr(), scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
-                             out.data_ptr(), N, K, group_size, bits, threads) == 0
+        return (
+            self._dequantize_rows(
+                q.data_ptr(),
+                scales.data_ptr(),
+                zeros.data_ptr() if zeros is not None else None,
+                out.data_ptr(),
+                N,
+                K,
+                group_size,
+                bits,
+                threads,
+            )
+            == 0
+        )
 
-    def decode_step(self, plan: DecodeStackPlan, batch: int, cos: torch.Tensor, sin: torch.Tensor,
-                    slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, window: Optional[int],
-                    block_size: int, runs: Optional[torch.Tensor] = None) -> DecodeStep:
+    def decode_step(
+        self,
+        plan: DecodeStackPlan,
+        batch: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: Optional[int],
+        block_size: int,
+        runs: Optional[torch.Tensor] = None,
+    ) -> DecodeStep:
         """A step's arguments for decode_stack / decode_layer_part, a row each (a sequence's new token,
         or one token of a prompt chunk): cos/sin [B, head_dim] of the rows' positions, their cache
         `slots` [B], block tables [B, width] and the keys each sees, seq_lens [B] (int64); `runs`
         (None: a sequence a row) the row offsets of each sequence (DecodeStep). More than MAX_ROWS
         rows need a GEMM (`self.sgemm`: oneDNN's or BLAS's, kernels/gemm.py)."""
         if batch > MAX_ROWS and self.sgemm is None:
-            raise ValueError(f"decode_step: {batch} rows need a BLAS sgemm, and neither oneDNN's nor torch's BLAS "
-                             "was found")
+            raise ValueError(
+                f"decode_step: {batch} rows need a BLAS sgemm, and neither oneDNN's nor torch's BLAS was found"
+            )
         threads = torch.get_num_threads() if self.threaded else 1
-        return plan.step(batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, self.sgemm, runs,
-                         self.sgemm_row_major)
+        return plan.step(
+            batch,
+            cos,
+            sin,
+            slots,
+            tables,
+            seq_lens,
+            window,
+            block_size,
+            threads,
+            self.sgemm,
+            runs,
+            self.sgemm_row_major,
+        )
 
     def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:
         """Rows x [B, hidden] (more than MAX_ROWS with a GEMM: decode_step) through every layer `plan`
@@ -157,24 +225,42 @@ class CpuKernels:
         self._check(self._decode_stack(ctypes.addressof(plan.packed), len(plan.layers), step.address, x.data_ptr()), x)
         return x
 
-    def decode_layer_part(self, plan: DecodeStackPlan, step: DecodeStep, layer: int, part: int, x: torch.Tensor,
-                          pending: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    def decode_layer_part(
+        self,
+        plan: DecodeStackPlan,
+        step: DecodeStep,
+        layer: int,
+        part: int,
+        x: torch.Tensor,
+        pending: Optional[torch.Tensor],
+        out: torch.Tensor,
+    ) -> None:
         """Half of layer `layer` (0: attention, 1: the MLP) for a tensor-parallel stage: x += pending
         (in place), then the half's partial sum into `out` [B, hidden], for the caller to all-reduce."""
         if not 0 <= layer < len(plan.layers) or part not in (0, 1):
             raise ValueError(f"decode_layer_part: layer {layer} part {part} of a plan of {len(plan.layers)} layers")
         for t in (x, pending, out):
-            if t is not None and (not t.is_contiguous() or t.dtype != torch.float32
-                                  or tuple(t.shape) != (step.batch, plan.hidden)):
+            if t is not None and (
+                not t.is_contiguous() or t.dtype != torch.float32 or tuple(t.shape) != (step.batch, plan.hidden)
+            ):
                 raise ValueError(f"decode_layer_part: rows must be contiguous fp32 [{step.batch}, {plan.hidden}]")
-        rc = self._decode_layer_part(ctypes.addressof(plan.packed), layer, part, step.address, x.data_ptr(),
-                        pending.data_ptr() if pending is not None else None, out.data_ptr())
+        rc = self._decode_layer_part(
+            ctypes.addressof(plan.packed),
+            layer,
+            part,
+            step.address,
+            x.data_ptr(),
+            pending.data_ptr() if pending is not None else None,
+            out.data_ptr(),
+        )
         self._check(rc, x)
 
     @staticmethod
     def _rows(x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         if x.dim() != 2 or tuple(x.shape) != (step.batch, step.hidden) or x.dtype != torch.float32:
-            raise ValueError(f"decode_stack: rows {list(x.shape)} {x.dtype}, expected [{step.batch}, {step.hidden}] fp32")
+            raise ValueError(
+                f"decode_stack: rows {list(x.shape)} {x.dtype}, expected [{step.batch}, {step.hidden}] fp32"
+            )
         return x.contiguous().clone()
 
     @staticmethod
@@ -186,19 +272,35 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError(f"decode_stack: no memory for the work buffers of {x.shape[0]} rows")
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """HF's RMSNorm of x [T, H] (fp32, contiguous). With `residual`: x += residual in place
         first, and the sum is what is normalised."""
         out = torch.empty_like(x)
         T, H = x.shape
-        self._rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
-                  out.data_ptr(), T, H, eps)
+        self._rms_norm(
+            x.data_ptr(),
+            residual.data_ptr() if residual is not None else None,
+            weight.data_ptr(),
+            out.data_ptr(),
+            T,
+            H,
+            eps,
+        )
         return out
 
-    def rope_cache_write(self, q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-                         cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: Optional[torch.Tensor]) -> None:
+    def rope_cache_write(
+        self,
+        q: Optional[torch.Tensor],
+        k: Optional[torch.Tensor],
+        v: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: Optional[torch.Tensor],
+    ) -> None:
         """Rotary on q [T, heads * d] and k [T, kv_heads * d] in place; then k and v into cache `slots`.
         q=None: keys and values only; k=None: queries only.
 
@@ -210,16 +312,35 @@ class CpuKernels:
         for t in (q, k, v):
             if t is not None and t.stride(-1) != 1:
                 raise ValueError("rope_cache_write: rows must have unit column stride")
-        self._rope_cache_write(q.data_ptr() if q is not None else None, k.data_ptr() if k is not None else None,
-                   v.data_ptr() if v is not None else None, q.stride(0) if q is not None else 0,
-                   k.stride(0) if k is not None else 0, v.stride(0) if v is not None else 0,
-                   cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                   slots.data_ptr() if slots is not None else None, rows.shape[0],
-                   q.shape[1] // d if q is not None else 0, kv_heads if k is not None else 0, d)
+        self._rope_cache_write(
+            q.data_ptr() if q is not None else None,
+            k.data_ptr() if k is not None else None,
+            v.data_ptr() if v is not None else None,
+            q.stride(0) if q is not None else 0,
+            k.stride(0) if k is not None else 0,
+            v.stride(0) if v is not None else 0,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr() if slots is not None else None,
+            rows.shape[0],
+            q.shape[1] // d if q is not None else 0,
+            kv_heads if k is not None else 0,
+            d,
+        )
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                         seq_lens: torch.Tensor, window: Optional[int], scale: float,
-                         lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: Optional[int],
+        scale: float,
+        lse: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """One query per sequence, q [B, heads * d], against the paged cache -> [B, heads * d];
         `lse` ([B, heads] fp32, given): filled with each row's log-sum-exp (-inf: no key). The
         keys split in chunks over torch's threads (one sequence's long context too)."""
@@ -228,12 +349,29 @@ class CpuKernels:
         _, block_size, kv_heads, d = k_cache.shape
         out = torch.empty_like(q)
         threads = torch.get_num_threads() if self.threaded else 1
-        if self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-                      seq_lens.data_ptr(), window or 0, B, q.shape[1] // d, kv_heads, d, block_size, scale,
-                      out.data_ptr(), lse.data_ptr() if lse is not None else None, threads) != 0:
+        if (
+            self._decode_attention(
+                q.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                tables.data_ptr(),
+                tables.shape[1],
+                seq_lens.data_ptr(),
+                window or 0,
+                B,
+                q.shape[1] // d,
+                kv_heads,
+                d,
+                block_size,
+                scale,
+                out.data_ptr(),
+                lse.data_ptr() if lse is not None else None,
+                threads,
+            )
+            != 0
+        ):
             raise MemoryError(f"decode_attention: no memory for the partials of {B} sequences")
         return out
-
 
 
 def kernels_if_cpu_fp32(kernels: Optional[CpuKernels], *tensors: torch.Tensor) -> Optional[CpuKernels]:

@@ -27,8 +27,9 @@ CHOICES = ("onednn", "blas")
 
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ONEDNN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char, ctypes.c_char, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64,
-                           _f32, _ptr, _i64)
+_ONEDNN = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_char, ctypes.c_char, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64
+)
 _FORTRAN = ctypes.CFUNCTYPE(None, *[_ptr] * 13)
 
 
@@ -44,22 +45,40 @@ class StackGemm:
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w [N, K]^T, both fp32, contiguous, on the CPU: what the stack's products
         compute, for callers outside it (many-row linears, calibrate's GEMM rate)."""
-        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or any(
-                t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, w)):
-            raise ValueError(f"{self.name} GEMM: x {list(x.shape)} and w {list(w.shape)} must be contiguous fp32 "
-                             "[M, K] and [N, K] on the CPU")
+        if (
+            x.dim() != 2
+            or w.dim() != 2
+            or x.shape[1] != w.shape[1]
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (x, w))
+        ):
+            raise ValueError(
+                f"{self.name} GEMM: x {list(x.shape)} and w {list(w.shape)} must be contiguous fp32 "
+                "[M, K] and [N, K] on the CPU"
+            )
         (M, K), N = x.shape, w.shape[0]
         if min(M, N, K) == 0:  # the libraries' argument checks refuse empty products
             return torch.zeros(M, N, dtype=torch.float32)
         y = torch.empty(M, N, dtype=torch.float32)
         if self.row_major:
-            if _ONEDNN(self.address)(b"N", b"T", M, N, K, 1.0, x.data_ptr(), K, w.data_ptr(), K, 0.0, y.data_ptr(),
-                                     N) != 0:
+            if (
+                _ONEDNN(self.address)(b"N", b"T", M, N, K, 1.0, x.data_ptr(), K, w.data_ptr(), K, 0.0, y.data_ptr(), N)
+                != 0
+            ):
                 raise ValueError(f"dnnl_sgemm refused a [{M}, {K}] x [{N}, {K}]^T product")
             return y
         c_int = ctypes.c_int  # column-major, by reference: Y^T [N, M] = W x^T
-        args: list[ctypes._SimpleCData[Any]] = [ctypes.c_char(b"T"), ctypes.c_char(b"N"), c_int(N), c_int(M), c_int(K), _f32(1.0), c_int(K),
-                c_int(K), _f32(0.0), c_int(N)]
+        args: list[ctypes._SimpleCData[Any]] = [
+            ctypes.c_char(b"T"),
+            ctypes.c_char(b"N"),
+            c_int(N),
+            c_int(M),
+            c_int(K),
+            _f32(1.0),
+            c_int(K),
+            c_int(K),
+            _f32(0.0),
+            c_int(N),
+        ]
         ta, tb, n, m, k, one, ldw, ldx, zero, ldy = (ctypes.addressof(a) for a in args)
         _FORTRAN(self.address)(ta, tb, n, m, k, one, w.data_ptr(), ldw, x.data_ptr(), ldx, zero, y.data_ptr(), ldy)
         return y

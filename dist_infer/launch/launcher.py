@@ -63,7 +63,9 @@ class LaunchOptions:
     iface: Optional[str] = None
 
 
-def rank_env(rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int) -> dict[str, str]:
+def rank_env(
+    rank: int, world: int, local_rank: int, local_world: int, node_rank: int, addr: str, port: int
+) -> dict[str, str]:
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world),
@@ -81,7 +83,9 @@ def _node(opts: LaunchOptions) -> tuple[int, int, int, int]:
         return opts.nproc_per_node, 0, opts.nproc_per_node, 1
     k = opts.node_rank
     if k is None or not 0 <= k < len(opts.hosts):
-        raise LaunchError(f"--node-rank {k} is outside the hostfile's {len(opts.hosts)} hosts (0..{len(opts.hosts) - 1})")
+        raise LaunchError(
+            f"--node-rank {k} is outside the hostfile's {len(opts.hosts)} hosts (0..{len(opts.hosts) - 1})"
+        )
     offsets = node_rank_offsets(opts.hosts)
     return opts.hosts[k].slots, offsets[k], sum(h.slots for h in opts.hosts), len(opts.hosts)
 
@@ -156,9 +160,20 @@ def plan_ssh(opts: LaunchOptions, port: int) -> list[Proc]:
     procs = []
     for k, host in enumerate(opts.hosts):
         remote = [
-            sys.executable, "-m", "dist_infer", "launch",
-            "--hostfile", os.path.abspath(opts.hostfile), "--node-rank", str(k),
-            "--master-addr", addr, "--master-port", str(port), "--launcher", opts.launcher,
+            sys.executable,
+            "-m",
+            "dist_infer",
+            "launch",
+            "--hostfile",
+            os.path.abspath(opts.hostfile),
+            "--node-rank",
+            str(k),
+            "--master-addr",
+            addr,
+            "--master-port",
+            str(port),
+            "--launcher",
+            opts.launcher,
         ]
         if opts.iface:
             remote += ["--iface", opts.iface]
@@ -250,16 +265,22 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
                 signum = interrupted[forwarded]
                 forwarded = len(interrupted)
                 if deadline is not None:  # a second signal: no more waiting
-                    logger.warning(f"received {signal.Signals(signum).name} again: stopping {len(remaining)} process(es)")
+                    logger.warning(
+                        f"received {signal.Signals(signum).name} again: stopping {len(remaining)} process(es)"
+                    )
                     _stop(children)
                     return 128 + signum
-                logger.warning(f"received {signal.Signals(signum).name}: passed on to {len(remaining)} process(es), "
-                               f"waiting up to {shutdown_grace_s:.0f} s for them to stop")
+                logger.warning(
+                    f"received {signal.Signals(signum).name}: passed on to {len(remaining)} process(es), "
+                    f"waiting up to {shutdown_grace_s:.0f} s for them to stop"
+                )
                 _signal_all(remaining, signum)
                 deadline = time.monotonic() + shutdown_grace_s
             if deadline is not None and time.monotonic() > deadline:
-                logger.error(f"{', '.join(p.label for p, _ in remaining)} still running {shutdown_grace_s:.0f} s "
-                             f"after {signal.Signals(interrupted[0]).name}: killing")
+                logger.error(
+                    f"{', '.join(p.label for p, _ in remaining)} still running {shutdown_grace_s:.0f} s "
+                    f"after {signal.Signals(interrupted[0]).name}: killing"
+                )
                 _stop(children)
                 return 128 + interrupted[0]
             for proc, child in list(remaining):

@@ -18,5 +18,3 @@ def configure_logging(who: str, level: str = "INFO") -> None:
         colorize=None,
     )
     logger.configure(extra={"who": who})
-
-

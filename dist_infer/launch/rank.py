@@ -30,8 +30,9 @@ def join_world(backend: str, timeout: float, iface, log_level: str, check: Calla
     return init_world(backend, timeout=timeout, iface=iface, info=info), info, checked
 
 
-def join_job(backend: str, config: Layout, timeout: float, iface=None, log_level: str = "INFO",
-             shm: str = "auto") -> ParallelGroups:
+def join_job(
+    backend: str, config: Layout, timeout: float, iface=None, log_level: str = "INFO", shm: str = "auto"
+) -> ParallelGroups:
     from dist_infer.comm import build_groups
 
     world, info, mesh = join_world(backend, timeout, iface, log_level, check=lambda n: Mesh.build(config, n))

@@ -17,16 +17,31 @@ from dist_infer.kernels import CpuKernels, kernels_if_cpu_fp32
 from dist_infer.models.attention_metadata import AttentionMetadata
 
 
-def _attend_in_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float, kernels=None) -> torch.Tensor:
+def _attend_in_parts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kernels=None,
+) -> torch.Tensor:
     """Attention of a mixed step, part by part; the cache already holds every new key and value.
     q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads * d]."""
     T, heads, d = q.shape
     out = q.new_empty(T, heads * d)
     for rows, sub in meta.parts:
         if kernels is not None and sub.decode:
-            out[rows] = kernels.decode_attention(q[rows].reshape(len(rows), heads * d), k_cache, v_cache,
-                                                 sub.block_tables, sub.seq_lens_t, sub.window, scale)
+            out[rows] = kernels.decode_attention(
+                q[rows].reshape(len(rows), heads * d),
+                k_cache,
+                v_cache,
+                sub.block_tables,
+                sub.seq_lens_t,
+                sub.window,
+                scale,
+            )
         else:
             out[rows] = paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, sub, scale, written=True)
     return out
@@ -41,17 +56,27 @@ def _pad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     return out.view(meta.batch, meta.max_q, *x.shape[1:])
 
 
-def native_kernels_for(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
-                       kernels: Optional[CpuKernels]) -> Optional[CpuKernels]:
+def native_kernels_for(
+    q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, kernels: Optional[CpuKernels]
+) -> Optional[CpuKernels]:
     """`kernels` if they serve this step (CPU, fp32, not context parallel), else None."""
     if meta.seq_lens_t is None or meta.cp is not None:
         return None
     return kernels_if_cpu_fp32(kernels, q, k_cache)
 
 
-def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, kernels: Optional[CpuKernels]) -> Optional[torch.Tensor]:
+def attention_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kernels: Optional[CpuKernels],
+) -> Optional[torch.Tensor]:
     """Rotary, cache write and attention with the native kernels -> [T, heads * d], or None where
     they do not apply (GPU, not fp32, no compiler): then the torch path runs.
 
@@ -67,41 +92,67 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
     if meta.decode:
-        return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.window,
-                                        scale)
+        return kernels.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.window, scale)
     T, d = q.shape[0], k_cache.shape[-1]
     if meta.parts is not None:
-        return _attend_in_parts(q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale,
-                                kernels)
-    return paged_attention(q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale,
-                           written=True)
+        return _attend_in_parts(
+            q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale, kernels
+        )
+    return paged_attention(
+        q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d), k_cache, v_cache, meta, scale, written=True
+    )
 
 
-def attention_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                  q_heads: int, kernels) -> Optional[torch.Tensor]:
+def attention_gpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    q_heads: int,
+    kernels,
+) -> Optional[torch.Tensor]:
     """A decode step's rotary, cache write and attention on the GPU kernels (kernels/gpu) ->
     [B, heads * d], or None where they do not serve (not a plain decode step, not on their device).
 
     Two kernels a layer instead of the torch path's ~20: rotary with the cache write, then
     attention read from the cache blocks in place (no gathered copy). Nothing in them depends on
     the values of the step (its lengths are read on the device), so a CUDA graph can hold them."""
-    if (kernels is None or not meta.decode or meta.cp is not None or meta.parts is not None
-            or meta.seq_lens_t is None or not kernels.serves(q, k_cache)):
+    if (
+        kernels is None
+        or not meta.decode
+        or meta.cp is not None
+        or meta.parts is not None
+        or meta.seq_lens_t is None
+        or not kernels.serves(q, k_cache)
+    ):
         return None
     if q.stride(1) != 1 or k.stride(1) != 1 or v.stride(1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, q_heads)
     rows, d = q.shape[0], k_cache.shape[-1]
-    out = kernels.decode_attention(q.view(rows, q_heads, d), k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
-                                   scale, meta.window)
+    out = kernels.decode_attention(
+        q.view(rows, q_heads, d), k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale, meta.window
+    )
     return out.view(rows, q_heads * d)
 
 
-def last_token_attention_native(q_last: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                meta: AttentionMetadata, scale: float,
-                                kernels: Optional[CpuKernels]) -> Optional[torch.Tensor]:
+def last_token_attention_native(
+    q_last: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kernels: Optional[CpuKernels],
+) -> Optional[torch.Tensor]:
     """Attention of each sequence's last new token only, every new key and value still cached:
     the model's last layer, whose other rows nobody reads. q_last [B, heads * d] (queries of
     rows meta.last_token_index), k, v [T, kv_heads * d]; returns [B, heads * d] or None."""
@@ -111,12 +162,19 @@ def last_token_attention_native(q_last: torch.Tensor, k: torch.Tensor, v: torch.
     kernels.rope_cache_write(None, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
     rows = meta.last_token_index
     kernels.rope_cache_write(q_last, None, None, cos[rows], sin[rows], k_cache, v_cache, None)
-    return kernels.decode_attention(q_last, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.window,
-                                    scale)
+    return kernels.decode_attention(q_last, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.window, scale)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, written: bool = False) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    written: bool = False,
+) -> torch.Tensor:
     """q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads * d]; writes k/v into the cache
     (unless `written`: the caller already did)."""
     kv_heads, d = k.shape[1], k.shape[2]
@@ -134,8 +192,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         values = v_cache.index_select(0, blocks).view(B, -1, kv_heads, d)[:, : meta.max_ctx]
     queries = _pad(q, meta)
     out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.mask, is_causal=meta.mask is None, scale=scale, enable_gqa=q.shape[1] != kv_heads,
+        queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=meta.mask,
+        is_causal=meta.mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != kv_heads,
     )  # [B, heads, max_q, d]
     out = out.transpose(1, 2).reshape(meta.batch * meta.max_q, -1)
     return out if meta.packed else out[meta.pad_index]

@@ -66,8 +66,9 @@ class AttentionMetadata:
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "AttentionMetadata":
         """A copy with every tensor (its parts' and cp's too) passed through `move`: the metadata is
         built on the host from the plan's lists, and the engine moves it to the model's device once."""
-        fields = {f.name: move(v) for f in dataclasses.fields(self)
-                  if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        fields = {
+            f.name: move(v) for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)
+        }
         parts = None if self.parts is None else [(move(rows), sub.moved(move)) for rows, sub in self.parts]
         cp = None if self.cp is None else self.cp.moved(move)
         return dataclasses.replace(self, **fields, parts=parts, cp=cp)
@@ -85,8 +86,14 @@ class ContextParallelMetadata:
     last_rows: torch.Tensor  # prefill: [B] this rank's row of each sequence's last token, -1 if another rank has it
 
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "ContextParallelMetadata":
-        return dataclasses.replace(self, **{f.name: move(v) for f in dataclasses.fields(self)
-                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: move(v)
+                for f in dataclasses.fields(self)
+                if isinstance(v := getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 @dataclass
@@ -102,8 +109,13 @@ class TokenSplit:
         return TokenSplit(self.a.moved(move), self.b.moved(move), self.cut, self.full.moved(move))
 
 
-def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-                             block_size: int, sliding_window: Optional[int] = None) -> AttentionMetadata:
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    sliding_window: Optional[int] = None,
+) -> AttentionMetadata:
     """Everything a step's attention needs, from the sequences' lengths and block tables."""
     B = len(query_lens)
     max_q, max_ctx = max(query_lens), max(seq_lens)
@@ -155,8 +167,13 @@ def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
     )
 
 
-def _parts(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-           block_size: int, sliding_window: Optional[int]) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+def _parts(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    sliding_window: Optional[int],
+) -> list[tuple[torch.Tensor, AttentionMetadata]]:
     """The decodes together (one packed batch), each longer query on its own."""
     starts = [sum(query_lens[:b]) for b in range(len(query_lens))]
     decodes = [b for b, q in enumerate(query_lens) if q == 1]
@@ -164,15 +181,25 @@ def _parts(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Seq
     out = []
     for g in groups:
         rows = torch.tensor([r for b in g for r in range(starts[b], starts[b] + query_lens[b])], dtype=torch.long)
-        sub = build_attention_metadata([query_lens[b] for b in g], [seq_lens[b] for b in g],
-                                       [block_tables[b] for b in g], block_size, sliding_window)
+        sub = build_attention_metadata(
+            [query_lens[b] for b in g],
+            [seq_lens[b] for b in g],
+            [block_tables[b] for b in g],
+            block_size,
+            sliding_window,
+        )
         out.append((rows, sub))
     return out
 
 
-def split_token_halves(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-                       block_size: int, sliding_window: Optional[int] = None,
-                       split_at: Optional[int] = None) -> TokenSplit:
+def split_token_halves(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    sliding_window: Optional[int] = None,
+    split_at: Optional[int] = None,
+) -> TokenSplit:
     """Metadata for the two token halves of a step (TokenWeave's split).
 
     The flattened tokens are cut at `split_at` (default: the middle). A sequence that straddles

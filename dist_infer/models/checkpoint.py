@@ -27,10 +27,21 @@ INDEX_FILE = "model.safetensors.index.json"
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr)
     for name, attr in {
-        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-        "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-        "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
-        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U8": "uint8",
+        "U16": "uint16",
+        "U32": "uint32",
+        "U64": "uint64",
+        "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
         "C64": "complex64",
     }.items()
     if hasattr(torch, attr)
@@ -106,11 +117,9 @@ class LazyTensor:
                 raise IndexError(f"{self.name}: an index can only have a single ellipsis")
             at = next(k for k, i in enumerate(index) if i is Ellipsis)
             fill = len(self.shape) - (len(index) - 1)
-            index = index[:at] + (slice(None),) * max(fill, 0) + index[at + 1:]
+            index = index[:at] + (slice(None),) * max(fill, 0) + index[at + 1 :]
         if len(index) > len(self.shape):
-            raise IndexError(
-                f"{self.name}: too many indices ({len(index)}) for a tensor of shape {self.shape}"
-            )
+            raise IndexError(f"{self.name}: too many indices ({len(index)}) for a tensor of shape {self.shape}")
         out: list = []
         for dim, (i, size) in enumerate(zip(index, self.shape)):
             if isinstance(i, bool) or not isinstance(i, (int, slice)):
@@ -222,7 +231,9 @@ class Checkpoint(TensorIndex):
             raise CheckpointError(f"checkpoint {self.path} has no {CONFIG_FILE}")
         config = _read_json(config_file, "checkpoint config")
         if not isinstance(config, dict):
-            raise CheckpointError(f"checkpoint config {config_file} must hold a JSON object, not {type(config).__name__}")
+            raise CheckpointError(
+                f"checkpoint config {config_file} must hold a JSON object, not {type(config).__name__}"
+            )
         self.config: dict = config
         try:
             self._index = self._map_tensors()

@@ -55,8 +55,9 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` has experts (HF's rule: not in mlp_only_layers, every
         decoder_sparse_step-th layer)."""
-        return (self.num_experts > 0 and index not in self.mlp_only_layers
-                and (index + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -86,14 +87,16 @@ class ModelConfig:
             # HF Qwen2 windows only layers >= max_window_layers (or as layer_types lists); the rest attend fully.
             n_layers, first = int(need("num_hidden_layers")), int(cfg.get("max_window_layers", 28))
             types = cfg.get("layer_types") or [
-                "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+                "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+            ]
             kinds = {t == "sliding_attention" for t in types}
             if kinds == {False}:
                 window = None
             elif kinds != {True}:
                 raise ModelConfigError(
                     f"{source}: use_sliding_window with a window on only some layers (max_window_layers {first} of "
-                    f"{n_layers}) is not supported")
+                    f"{n_layers}) is not supported"
+                )
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         elif model_type == "qwen2_moe":
@@ -135,11 +138,15 @@ def ladder_from_json(value: Any, num_layers: int, source: str) -> Optional[tuple
         return (0, num_layers - 1)
     if isinstance(value, int) and not isinstance(value, bool):
         return ladder_span((value, num_layers - 1), num_layers, f"{source}: ladder_residual {value!r}")
-    if (isinstance(value, list) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         return ladder_span(tuple(value), num_layers, f"{source}: ladder_residual {value!r}")
-    raise ModelConfigError(f"{source}: ladder_residual must be true, \"all\", a first layer or [first, last], "
-                           f"got {str(value)[:40]!r}")
+    raise ModelConfigError(
+        f'{source}: ladder_residual must be true, "all", a first layer or [first, last], got {str(value)[:40]!r}'
+    )
 
 
 def ladder_span(span: tuple[int, int], num_layers: int, what: str) -> tuple[int, int]:
@@ -171,23 +178,35 @@ MAX_POSITIONS = 1 << 24  # the rotary tables are sized by it: a hostile config m
 def _check_sizes(cfg: dict[str, Any], source: str) -> None:
     """An untrusted config.json's sizes: whole numbers >= 1 where the model divides or allocates by
     them, KV heads dividing the heads, a bounded context; each error names the field."""
+
     def whole(key: str, low: int = 1, high: int = 1 << 31) -> None:
         value = cfg.get(key)
         if value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ModelConfigError(f"{source}: {key} must be a whole number in [{low}, {high}], got {str(value)[:40]!r}")
+            raise ModelConfigError(
+                f"{source}: {key} must be a whole number in [{low}, {high}], got {str(value)[:40]!r}"
+            )
 
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
-                "num_key_value_heads", "head_dim"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "intermediate_size",
+        "vocab_size",
+        "num_key_value_heads",
+        "head_dim",
+    ):
         whole(key)
     whole("max_position_embeddings", 1, MAX_POSITIONS)
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ModelConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     if heads and not cfg.get("head_dim") and cfg.get("hidden_size") and cfg["hidden_size"] % heads:
-        raise ModelConfigError(f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of "
-                               f"num_attention_heads {heads} (and no head_dim is given)")
+        raise ModelConfigError(
+            f"{source}: hidden_size {cfg['hidden_size']} is not a multiple of "
+            f"num_attention_heads {heads} (and no head_dim is given)"
+        )
 
 
 def _moe_fields(model_type: str, cfg: dict[str, Any], need, source: str) -> dict[str, Any]:
@@ -200,10 +219,12 @@ def _moe_fields(model_type: str, cfg: dict[str, Any], need, source: str) -> dict
     if model_type == "mixtral":
         fields = dict(moe_intermediate_size=int(need("intermediate_size")), norm_topk_prob=True)
     else:
-        fields = dict(moe_intermediate_size=int(need("moe_intermediate_size")),
-                      norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                      decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-                      mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+        fields = dict(
+            moe_intermediate_size=int(need("moe_intermediate_size")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        )
     if model_type == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
     top_k = int(need("num_experts_per_tok"))

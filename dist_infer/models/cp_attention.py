@@ -38,10 +38,19 @@ def _slot(table: Sequence[int], index: int, block_size: int) -> int:
     return table[index // block_size] * block_size + index % block_size
 
 
-def cp_prefill_metadata(prompt_lens: Sequence[int], cp_size: int, cp_rank: int, block_tables: Sequence[Sequence[int]],
-                        block_size: int, variant: str = "auto", q_heads: int = 1, kv_heads: int = 1,
-                        sliding_window: Optional[int] = None, device_type: str = "cpu",
-                        elem_bytes: int = 4) -> tuple[AttentionMetadata, list[list[int]]]:
+def cp_prefill_metadata(
+    prompt_lens: Sequence[int],
+    cp_size: int,
+    cp_rank: int,
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    variant: str = "auto",
+    q_heads: int = 1,
+    kv_heads: int = 1,
+    sliding_window: Optional[int] = None,
+    device_type: str = "cpu",
+    elem_bytes: int = 4,
+) -> tuple[AttentionMetadata, list[list[int]]]:
     """Metadata for prefilling fresh prompts with their tokens zigzag-split over the cp ranks.
 
     Returns the metadata and, per sequence, the original positions this rank holds, in row
@@ -55,7 +64,8 @@ def cp_prefill_metadata(prompt_lens: Sequence[int], cp_size: int, cp_rank: int, 
     if sliding_window is not None and max(prompt_lens) > sliding_window:
         raise ContextParallelError(
             f"cp with a sliding window is not supported: a prompt of {max(prompt_lens)} tokens exceeds the "
-            f"model's window of {sliding_window}")
+            f"model's window of {sliding_window}"
+        )
     shards = [zigzag_chunks(n, cp_size, cp_rank) for n in prompt_lens]
     layout = RingLayout.zigzag(prompt_lens, cp_size)
     if variant == "auto":
@@ -77,15 +87,27 @@ def cp_prefill_metadata(prompt_lens: Sequence[int], cp_size: int, cp_rank: int, 
     tables = torch.zeros(len(prompt_lens), width, dtype=torch.long)
     for b, t in enumerate(block_tables):
         tables[b, : len(t)] = torch.tensor(list(t), dtype=torch.long)
-    cp = ContextParallelMetadata("prefill", chosen, layout, layout.steps(cp_rank, chosen, causal=True), None,
-                                 torch.tensor(last_rows, dtype=torch.long))
+    cp = ContextParallelMetadata(
+        "prefill",
+        chosen,
+        layout,
+        layout.steps(cp_rank, chosen, causal=True),
+        None,
+        torch.tensor(last_rows, dtype=torch.long),
+    )
     meta = AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_lens=local, seq_lens=local, block_tables=tables,
-        pad_index=torch.arange(row), mask=None,
+        query_lens=local,
+        seq_lens=local,
+        block_tables=tables,
+        pad_index=torch.arange(row),
+        mask=None,
         last_token_index=torch.tensor(last_rows, dtype=torch.long).clamp(min=0),
-        max_q=max(local), max_ctx=max(local), fresh=True, cp=cp,
+        max_q=max(local),
+        max_ctx=max(local),
+        fresh=True,
+        cp=cp,
     )
     return meta, mine
 
@@ -98,8 +120,13 @@ def cp_decode_owner(position: int, prompt_len: int, cp_size: int) -> int:
     return (position - prompt_len) % cp_size
 
 
-def cp_decode_metadata(positions: Sequence[int], store: Sequence[bool], local_lens: Sequence[int],
-                       block_tables: Sequence[Sequence[int]], block_size: int) -> AttentionMetadata:
+def cp_decode_metadata(
+    positions: Sequence[int],
+    store: Sequence[bool],
+    local_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+) -> AttentionMetadata:
     """One new token per sequence, run on every cp rank.
 
     `store[b]`: this rank keeps sequence b's new K/V (it is then the last of its shard);
@@ -115,21 +142,34 @@ def cp_decode_metadata(positions: Sequence[int], store: Sequence[bool], local_le
     tables = torch.zeros(B, width, dtype=torch.long)
     for b, t in enumerate(block_tables):
         tables[b, : len(t)] = torch.tensor(list(t), dtype=torch.long)
-    cp = ContextParallelMetadata("decode", "", None, None, torch.tensor(rows, dtype=torch.long),
-                                 torch.arange(B))
+    cp = ContextParallelMetadata("decode", "", None, None, torch.tensor(rows, dtype=torch.long), torch.arange(B))
     return AttentionMetadata(
         positions=torch.tensor(list(positions), dtype=torch.long),
         slot_mapping=torch.tensor(slots, dtype=torch.long),
-        query_lens=[1] * B, seq_lens=list(local_lens), block_tables=tables,
-        pad_index=torch.arange(B), mask=None, last_token_index=torch.arange(B),
-        max_q=1, max_ctx=max(local_lens) if B else 0, fresh=False, cp=cp,
+        query_lens=[1] * B,
+        seq_lens=list(local_lens),
+        block_tables=tables,
+        pad_index=torch.arange(B),
+        mask=None,
+        last_token_index=torch.arange(B),
+        max_q=1,
+        max_ctx=max(local_lens) if B else 0,
+        fresh=False,
+        cp=cp,
         seq_lens_t=torch.tensor(list(local_lens), dtype=torch.long),  # moves with the metadata: the shard's mask
     )
 
 
-def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           local_lens: Sequence[int], scale: float, kernels: Optional[CpuKernels] = None,
-                           local_lens_t: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    local_lens: Sequence[int],
+    scale: float,
+    kernels: Optional[CpuKernels] = None,
+    local_lens_t: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence against this rank's shard only: (O [B, Hq, d], LSE [B, Hq]), fp32.
 
     A sequence with no key on this rank gives O = 0, LSE = -inf: the identity of the merge.
@@ -143,14 +183,19 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     longest = max(local_lens) if B else 0
     if longest == 0:
-        return (torch.zeros(B, heads, d, dtype=acc, device=q.device),
-                torch.full((B, heads), float("-inf"), dtype=acc, device=q.device))
-    lens = local_lens_t if local_lens_t is not None else torch.tensor(list(local_lens), dtype=torch.long, device=q.device)
+        return (
+            torch.zeros(B, heads, d, dtype=acc, device=q.device),
+            torch.full((B, heads), float("-inf"), dtype=acc, device=q.device),
+        )
+    lens = (
+        local_lens_t if local_lens_t is not None else torch.tensor(list(local_lens), dtype=torch.long, device=q.device)
+    )
     kernels = kernels_if_cpu_fp32(kernels, q, k_cache)
     if kernels is not None:  # a CPU model: `lens` is a host int64 tensor
         lse = torch.empty(B, heads, dtype=torch.float32)
-        out = kernels.decode_attention(q.reshape(B, heads * d), k_cache, v_cache, block_tables.contiguous(),
-                                       lens, None, scale, lse)
+        out = kernels.decode_attention(
+            q.reshape(B, heads * d), k_cache, v_cache, block_tables.contiguous(), lens, None, scale, lse
+        )
         return out.view(B, heads, d), lse
     keys = k_cache[block_tables].view(B, -1, kv_heads, d)[:, :longest].to(acc)
     values = v_cache[block_tables].view(B, -1, kv_heads, d)[:, :longest].to(acc)
@@ -164,17 +209,26 @@ def shard_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(B, heads, d), lse.reshape(B, heads)
 
 
-def _store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+def _store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """This rank's new K/V rows into their cache slots (cp keeps each row on one rank only)."""
     if slot_mapping.numel():
         k_cache.view(-1, k.shape[1], k.shape[2]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, v.shape[1], v.shape[2]).index_copy_(0, slot_mapping, v)
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata, scale: float, cp: Communicator,
-                 kernels: Optional[CpuKernels] = None) -> torch.Tensor:
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    cp: Communicator,
+    kernels: Optional[CpuKernels] = None,
+) -> torch.Tensor:
     """q: [T, heads, d], k/v: [T, kv_heads, d] of this rank's rows -> [T, heads * d]; stores this rank's K/V."""
     info = meta.cp
     if info.store_rows is None:
@@ -184,15 +238,23 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     if info.phase == "prefill":
         out, _ = ring_attention(q, k, v, cp, info.layout, info.variant, causal=True, scale=scale, steps=info.steps)
     else:
-        partial, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kernels,
-                                              meta.seq_lens_t)
+        partial, lse = shard_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kernels, meta.seq_lens_t
+        )
         out, _ = merge_across_ranks(partial, lse, cp)
     return out.to(q.dtype).reshape(q.shape[0], -1)
 
 
-def cp_last_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                            cp: Communicator) -> torch.Tensor:
+def cp_last_token_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    cp: Communicator,
+) -> torch.Tensor:
     """The model's last layer in a cp prefill: stores this rank's K/V, but attends only each
     sequence's last token, the one row the LM head reads ([B, heads * d], the same on every
     rank). That query lives on one rank: a sum over cp gives it to all (the others add zeros);
@@ -211,7 +273,7 @@ def cp_last_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     start = 0
     for b, n in enumerate(meta.query_lens):  # this rank's rows of sequence b
         if n:
-            o_b, lse_b = attention_with_lse(last_q[b:b + 1], k[start:start + n], v[start:start + n], False, scale)
+            o_b, lse_b = attention_with_lse(last_q[b : b + 1], k[start : start + n], v[start : start + n], False, scale)
             out[b], lse[b] = o_b[0].to(acc), lse_b[0]
         start += n
     merged, _ = merge_across_ranks(out, lse, cp)

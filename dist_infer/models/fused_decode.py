@@ -46,8 +46,9 @@ def _linear(layer) -> Optional[StackLinear]:
         return StackLinear(w, int(w.shape[0]), int(w.shape[1]))
     if type(packed) is not GroupQuantLinear or packed.group_size % 32:
         return None
-    return StackLinear(packed.q, packed.out_features, packed.in_features, packed.scales, packed.zeros,
-                       packed.group_size, packed.bits)
+    return StackLinear(
+        packed.q, packed.out_features, packed.in_features, packed.scales, packed.zeros, packed.group_size, packed.bits
+    )
 
 
 def _stack_layer(layer, kv) -> Optional[StackLayer]:
@@ -56,15 +57,19 @@ def _stack_layer(layer, kv) -> Optional[StackLayer]:
     if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn.qkv_proj) is not QKVParallelLinear or not (attn.o_proj.reduce_results and mlp.down_proj.reduce_results):
+    if type(attn.qkv_proj) is not QKVParallelLinear or not (
+        attn.o_proj.reduce_results and mlp.down_proj.reduce_results
+    ):
         return None
     parts = [_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(p is None for p in parts) or any(n.dtype != torch.float32 for n in norms):
         return None
     k_cache, v_cache = kv
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
-            or kernels_if_cpu_fp32(attn.kernels, k_cache, v_cache) is None:
+    if (
+        not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or kernels_if_cpu_fp32(attn.kernels, k_cache, v_cache) is None
+    ):
         return None
     return StackLayer(norms[0], norms[1], *parts, k_cache.data_ptr(), v_cache.data_ptr())
 
@@ -75,11 +80,21 @@ def _plan(stage, kv_caches: list) -> Optional[DecodeStackPlan]:
         return None
     first = stage.layers[0]
     attn, norm = first.self_attn, first.input_layernorm
-    if any(layer.input_layernorm.eps != norm.eps or layer.post_attention_layernorm.eps != norm.eps
-           for layer in stage.layers):
+    if any(
+        layer.input_layernorm.eps != norm.eps or layer.post_attention_layernorm.eps != norm.eps
+        for layer in stage.layers
+    ):
         return None
-    return DecodeStackPlan(layers, attn.q_heads, attn.kv_heads, attn.head_dim, stage.cfg.hidden_size,
-                           layers[0].down.k, norm.eps, attn.scale)
+    return DecodeStackPlan(
+        layers,
+        attn.q_heads,
+        attn.kv_heads,
+        attn.head_dim,
+        stage.cfg.hidden_size,
+        layers[0].down.k,
+        norm.eps,
+        attn.scale,
+    )
 
 
 def _kernels(stage) -> Optional[CpuKernels]:
@@ -88,8 +103,15 @@ def _kernels(stage) -> Optional[CpuKernels]:
     if first is None:
         return None
     for layer in stage.layers:
-        for m in (layer.self_attn, layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                  layer.mlp.down_proj, layer.input_layernorm, layer.post_attention_layernorm):
+        for m in (
+            layer.self_attn,
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+        ):
             if getattr(m, "kernels", None) is not first:
                 return None
     return first
@@ -99,6 +121,7 @@ def _kernels(stage) -> Optional[CpuKernels]:
 class DecodeStackCache:
     """A stage's plan (None: its layers are not served), with the kernels and cache addresses it was
     made for."""
+
     key: tuple
     plan: Optional[DecodeStackPlan]
 
@@ -114,11 +137,18 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
     decodes or not) of up to MAX_STACK_ROWS rows where a GEMM was found (`kernels.sgemm`)."""
     kernels = stage.layers[0].self_attn.kernels if stage.native_decode_stack and len(stage.layers) else None
     rows = x.shape[0] if x.dim() == 2 else 0
-    if (kernels is None or meta.cp is not None or meta.seq_lens_t is None or x.shape[-1] != stage.input_width
-            or not 1 <= rows <= (MAX_ROWS if kernels.sgemm is None else MAX_STACK_ROWS)
-            or (meta.decode and rows != meta.batch) or x.dtype != torch.float32 or x.device.type != "cpu"):
+    if (
+        kernels is None
+        or meta.cp is not None
+        or meta.seq_lens_t is None
+        or x.shape[-1] != stage.input_width
+        or not 1 <= rows <= (MAX_ROWS if kernels.sgemm is None else MAX_STACK_ROWS)
+        or (meta.decode and rows != meta.batch)
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+    ):
         return None
-    key = (kernels, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[:len(stage.layers)]))
+    key = (kernels, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches[: len(stage.layers)]))
     cached = stage.decode_stack_cache
     if cached is None or cached.key != key:
         plan = _plan(stage, kv_caches)  # first: it checks the layers' types, which _kernels then walks
@@ -129,8 +159,9 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
         return None
     cos, sin = stage.rotary.cos_sin(meta.positions)
     tables, seq_lens, runs = _row_queries(meta)
-    step = kernels.decode_step(plan, rows, cos, sin, meta.slot_mapping, tables, seq_lens, meta.window,
-                               kv_caches[0][0].shape[1], runs)
+    step = kernels.decode_step(
+        plan, rows, cos, sin, meta.slot_mapping, tables, seq_lens, meta.window, kv_caches[0][0].shape[1], runs
+    )
     if stage.tp.size == 1 and not stage.ladder.active:
         return kernels.decode_stack(plan, step, x)
     return _layer_halves(stage, kernels, plan, step, x)
@@ -169,8 +200,7 @@ def _layer_halves(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: to
             halves = [attn, mlp]
             for part in (0, 1):
                 out = torch.empty_like(x)
-                kernels.decode_layer_part(plan, step, i, part, x, halves[part].result() if halves[part] else None,
-                                          out)
+                kernels.decode_layer_part(plan, step, i, part, x, halves[part].result() if halves[part] else None, out)
                 halves[part] = InFlight(tp, out, _no_bias)
             attn, mlp = halves
             continue

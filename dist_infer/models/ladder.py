@@ -55,8 +55,10 @@ class LadderPlan:
         self.carries_out = bool(span and len(layer_ids) and span[0] <= layer_ids[-1] < span[1])
         self.input_width = cfg.hidden_size * (2 if self.carries_in else 1)
         if self.active and cp_size > 1:
-            raise LadderError(f"--ladder-residual (layers {span[0]}:{span[1]}) with --cp {cp_size} is not "
-                              f"supported: use --cp 1 or --ladder-residual off")
+            raise LadderError(
+                f"--ladder-residual (layers {span[0]}:{span[1]}) with --cp {cp_size} is not "
+                f"supported: use --cp 1 or --ladder-residual off"
+            )
 
 
 def mlp_partial(mlp: nn.Module, x: torch.Tensor):
@@ -67,8 +69,17 @@ def mlp_partial(mlp: nn.Module, x: torch.Tensor):
     return mlp.partial(x), (down.add_bias if down is not None else (lambda y: y))
 
 
-def ladder_layer(layer: nn.Module, residual: torch.Tensor, prev_attn, prev_mlp, cos, sin, kv, meta,
-                 rows: Optional[torch.Tensor] = None):
+def ladder_layer(
+    layer: nn.Module,
+    residual: torch.Tensor,
+    prev_attn,
+    prev_mlp,
+    cos,
+    sin,
+    kv,
+    meta,
+    rows: Optional[torch.Tensor] = None,
+):
     """One ladder layer: -> (residual, attention pending, MLP pending). `prev_attn` / `prev_mlp`:
     the previous layer's pending outputs (None: nothing pending). `rows`: keep only these tokens
     after attention (the model's last layer; every token's keys still go to the cache)."""
@@ -103,8 +114,10 @@ def run_ladder_stage(stage: nn.Module, x: torch.Tensor, meta, kv_caches: list, t
     attn = mlp = None
     if plan.carries_in:
         if x.shape[-1] != 2 * hidden:
-            raise LadderError(f"a stage starting inside the ladder range takes [T, {2 * hidden}] "
-                              f"(residual, pending MLP output), got {tuple(x.shape)}")
+            raise LadderError(
+                f"a stage starting inside the ladder range takes [T, {2 * hidden}] "
+                f"(residual, pending MLP output), got {tuple(x.shape)}"
+            )
         x, mlp = x[:, :hidden].contiguous(), Ready(x[:, hidden:].contiguous())
     cos, sin = stage.rotary.cos_sin(meta.positions)
     last = len(stage.layers) - 1

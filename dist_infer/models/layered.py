@@ -40,13 +40,17 @@ class LayeredStep:
     stash: dict  # seq id -> hidden states [tokens, H] between groups (the worker's, on every rank)
 
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "LayeredStep":
-        return dataclasses.replace(self, full=self.full.moved(move),
-                                   others=None if self.others is None else self.others.moved(move),
-                                   other_rows=None if self.other_rows is None else move(self.other_rows))
+        return dataclasses.replace(
+            self,
+            full=self.full.moved(move),
+            others=None if self.others is None else self.others.moved(move),
+            other_rows=None if self.other_rows is None else move(self.other_rows),
+        )
 
 
-def _run_layers(stage, x: Optional[torch.Tensor], meta: Optional[AttentionMetadata], kv_caches, layers: range
-                ) -> Optional[torch.Tensor]:
+def _run_layers(
+    stage, x: Optional[torch.Tensor], meta: Optional[AttentionMetadata], kv_caches, layers: range
+) -> Optional[torch.Tensor]:
     """Layers `layers` of `stage` on `x`; the model's last layer keeps each sequence's last token
     only (LlamaDecoderLayer.forward's `rows`)."""
     if x is None or not len(layers):
@@ -74,10 +78,11 @@ def run_layered_stage(stage, x: torch.Tensor, step: LayeredStep, kv_caches) -> t
     step.stash[step.seq_id] = joined[a:b]
     if others is None:
         return joined.new_zeros(1, joined.shape[1])
-    others = _run_layers(stage, torch.cat([joined[:a], joined[b:]]), step.others, kv_caches,
-                         range(step.end, num_layers))
+    others = _run_layers(
+        stage, torch.cat([joined[:a], joined[b:]]), step.others, kv_caches, range(step.end, num_layers)
+    )
     pad = others.new_zeros(1, others.shape[1])
-    return torch.cat([others[:step.index], pad, others[step.index:]])
+    return torch.cat([others[: step.index], pad, others[step.index :]])
 
 
 def check_layered(step: LayeredStep, num_layers: int) -> None:

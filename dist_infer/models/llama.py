@@ -48,19 +48,34 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str,
-                 cp: Optional[Communicator] = None):
+    def __init__(
+        self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str, cp: Optional[Communicator] = None
+    ):
         super().__init__()
         self.cp = cp  # the context-parallel group, used when a step's metadata says the sequence is sharded
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp,
-                                          bias=cfg.qkv_bias, dtype=dtype, name=f"{prefix}.qkv_proj")
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            tp,
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+            name=f"{prefix}.qkv_proj",
+        )
         heads = self.qkv_proj.layout
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp, bias=cfg.o_bias,
-                                        dtype=dtype, name=f"{prefix}.o_proj",
-                                        in_range=(heads.q_start * cfg.head_dim, heads.q_heads * cfg.head_dim))
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim,
+            cfg.hidden_size,
+            tp,
+            bias=cfg.o_bias,
+            dtype=dtype,
+            name=f"{prefix}.o_proj",
+            in_range=(heads.q_start * cfg.head_dim, heads.q_heads * cfg.head_dim),
+        )
         self.q_heads, self.kv_heads = heads.q_heads, heads.kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.kernels = None  # the native CPU kernels, given by use_native_kernels
         self.gpu_kernels = None  # the Triton kernels, given by use_gpu_kernels
 
@@ -77,7 +92,9 @@ class LlamaAttention(nn.Module):
             self.o_proj.weight_loader(get(f"{prefix}.o_proj.bias"), "bias")
         if getattr(cfg, "qk_norm", False):  # Qwen3: per-head RMSNorm of q and k
             for norm in ("q_norm", "k_norm"):
-                load_replicated(getattr(self.qkv_proj, norm).weight, get(f"{prefix}.{norm}.weight"), f"{prefix}.{norm}.weight")
+                load_replicated(
+                    getattr(self.qkv_proj, norm).weight, get(f"{prefix}.{norm}.weight"), f"{prefix}.{norm}.weight"
+                )
 
     def attend(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention up to o_proj's input: [tokens, local heads * head_dim]."""
@@ -96,9 +113,11 @@ class LlamaAttention(nn.Module):
     def _heads_rotated(self, q, k, v, cos, sin):
         """qkv_proj's outputs as [T, heads, head_dim], with RoPE applied to q and k."""
         T = q.shape[0]
-        return (apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin),
-                apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin),
-                v.view(T, self.kv_heads, self.head_dim))
+        return (
+            apply_rotary(q.view(T, self.q_heads, self.head_dim), cos, sin),
+            apply_rotary(k.view(T, self.kv_heads, self.head_dim), cos, sin),
+            v.view(T, self.kv_heads, self.head_dim),
+        )
 
     def attend_last_tokens_cp(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """The last layer of a cp prefill: every row's K/V to the cache, attention for each
@@ -111,8 +130,11 @@ class LlamaAttention(nn.Module):
         attention for those rows only (keys and values of every token still go to the cache).
         None where the native kernels do not serve the step: then the caller attends in full."""
         qkv = self.qkv_proj
-        if (type(qkv) is not QKVParallelLinear or qkv.quantized is not None
-                or native_kernels_for(x, kv[0], meta, self.kernels) is None):
+        if (
+            type(qkv) is not QKVParallelLinear
+            or qkv.quantized is not None
+            or native_kernels_for(x, kv[0], meta, self.kernels) is None
+        ):
             return None
         qs = qkv.q_size
         bias = qkv.bias
@@ -127,10 +149,17 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, prefix: str):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
-                                                       bias=cfg.mlp_bias, dtype=dtype, name=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias,
-                                           dtype=dtype, name=f"{prefix}.down_proj")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            tp,
+            bias=cfg.mlp_bias,
+            dtype=dtype,
+            name=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias, dtype=dtype, name=f"{prefix}.down_proj"
+        )
         self.gpu_kernels = None  # the Triton kernels, given by use_gpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,8 +175,8 @@ class LlamaMLP(nn.Module):
             return self.down_proj.partial(self.activated(x))
         out = x.new_empty(rows, self.down_proj.out_features)
         for start in range(0, rows, self.ROW_CHUNK):
-            piece = x[start:start + self.ROW_CHUNK]
-            out[start:start + piece.shape[0]] = self.down_proj.partial(self.activated(piece))
+            piece = x[start : start + self.ROW_CHUNK]
+            out[start : start + piece.shape[0]] = self.down_proj.partial(self.activated(piece))
         return out
 
     def load_weights(self, get: Callable[[str], object], prefix: str, bias: bool = False) -> None:
@@ -171,8 +200,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     supports_sequence_parallel = True
 
-    def __init__(self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, index: int,
-                 cp: Optional[Communicator] = None):
+    def __init__(
+        self, cfg: ModelConfig, tp: Communicator, dtype: torch.dtype, index: int, cp: Optional[Communicator] = None
+    ):
         super().__init__()
         prefix = f"model.layers.{index}"
         self.index = index
@@ -181,8 +211,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype, f"{prefix}.mlp")
 
-    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata,
-                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, kv: KVCache, meta: AttentionMetadata, rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """`rows`: keep only these tokens after attention. The model's last layer needs every
         token's keys in the cache, but only each sequence's last token goes on to the LM head,
         so o_proj and the MLP (most of a layer's FLOPs) run on those rows alone: exact, since
@@ -191,8 +222,9 @@ class LlamaDecoderLayer(nn.Module):
         h = None
         if rows is not None and getattr(meta, "cp", None) is not None:  # a cp prefill's last layer
             h = self.self_attn.attend_last_tokens_cp(normed, cos, sin, kv, meta)
-            x, normed = self.post_attention_layernorm.add_and_norm(cp_last_hidden(x, meta, self.self_attn.cp),
-                                                                   self.self_attn.o_proj(h))
+            x, normed = self.post_attention_layernorm.add_and_norm(
+                cp_last_hidden(x, meta, self.self_attn.cp), self.self_attn.o_proj(h)
+            )
             return x + self.mlp(normed)
         if rows is not None and rows is meta.last_token_index:
             h = self.self_attn.attend_last_tokens(normed, cos, sin, kv, meta)
@@ -205,8 +237,9 @@ class LlamaDecoderLayer(nn.Module):
         x, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.o_proj(h))
         return x + self.mlp(normed)
 
-    def forward_sequence_parallel(self, x_local: torch.Tensor, tokens: int, cos, sin, kv: KVCache,
-                                  meta: AttentionMetadata) -> torch.Tensor:
+    def forward_sequence_parallel(
+        self, x_local: torch.Tensor, tokens: int, cos, sin, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """The layer on this rank's rows of the residual stream (parallel/sequence_parallel.py):
         norms and residual adds on T/tp rows, all-gather before each column-parallel projection,
         reduce-scatter after each row-parallel one."""
@@ -232,9 +265,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaStage(nn.Module):
     """Layers `layers` of the model on this rank's tp shard; embeds if first, projects if last."""
 
-    def __init__(self, cfg: ModelConfig, tp: Communicator, layers: range, first: bool, last: bool,
-                 dtype: torch.dtype = torch.float32, cp: Optional[Communicator] = None,
-                 make_layer: Optional[Callable[[int], nn.Module]] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: Communicator,
+        layers: range,
+        first: bool,
+        last: bool,
+        dtype: torch.dtype = torch.float32,
+        cp: Optional[Communicator] = None,
+        make_layer: Optional[Callable[[int], nn.Module]] = None,
+    ):
         """`make_layer(i)` builds decoder layer i (default: LlamaDecoderLayer; MoE families pass theirs)."""
         super().__init__()
         self.cfg, self.tp, self.layer_ids = cfg, tp, layers
@@ -272,9 +313,14 @@ class LlamaStage(nn.Module):
         # The last layer keeps only each sequence's last token (see LlamaDecoderLayer.forward).
         cp_meta = getattr(meta, "cp", None)
         # under cp, a prefill's last layer attends each sequence's last token only (cp_last_token_attention)
-        trim = self.last and len(self.layers) > 0 and (
-            (cp_meta is None and x.shape[0] > meta.batch) or (cp_meta is not None and cp_meta.phase == "prefill"
-                                                              and split is None))
+        trim = (
+            self.last
+            and len(self.layers) > 0
+            and (
+                (cp_meta is None and x.shape[0] > meta.batch)
+                or (cp_meta is not None and cp_meta.phase == "prefill" and split is None)
+            )
+        )
         fused = None if split or meta.sequence_parallel else fused_decode(self, x, meta, kv_caches)
         if fused is not None:  # the step in native calls (models/fused_decode.py): every row, untrimmed
             x, trim = fused, False
@@ -291,8 +337,14 @@ class LlamaStage(nn.Module):
             return self.lm_head(self.norm(x))
         return self.lm_head(self.norm(x[last_index]))
 
-    def _forward_layers(self, x: torch.Tensor, split: Optional[TokenSplit], meta: AttentionMetadata,
-                        kv_caches: list[KVCache], trim: bool) -> torch.Tensor:
+    def _forward_layers(
+        self,
+        x: torch.Tensor,
+        split: Optional[TokenSplit],
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        trim: bool,
+    ) -> torch.Tensor:
         """The stage's (standard) layers: token-split, sequence-parallel or plain, as the step's metadata says."""
         unsplit = range(len(self.layers))
         if split:
@@ -304,18 +356,21 @@ class LlamaStage(nn.Module):
             if meta.sequence_parallel and self.tp.size > 1:
                 sp = []  # the leading layers that can run it (not the trimmed last, nor MoE layers)
                 for i in unsplit:
-                    if (trim and i == len(self.layers) - 1) or not getattr(self.layers[i], "supports_sequence_parallel", False):
+                    if (trim and i == len(self.layers) - 1) or not getattr(
+                        self.layers[i], "supports_sequence_parallel", False
+                    ):
                         break
                     sp.append(i)
                 x = self._forward_sequence_parallel(x, sp, cos, sin, kv_caches, meta)
-                unsplit = list(unsplit)[len(sp):]
+                unsplit = list(unsplit)[len(sp) :]
             for i in unsplit:
                 rows = meta.last_token_index if trim and i == len(self.layers) - 1 else None
                 x = self.layers[i](x, cos, sin, kv_caches[i], meta, rows)
         return x
 
-    def _forward_sequence_parallel(self, x: torch.Tensor, layers: list[int], cos, sin, kv_caches: list[KVCache],
-                                   meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_sequence_parallel(
+        self, x: torch.Tensor, layers: list[int], cos, sin, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Layers `layers` (consecutive, in order) with the residual stream split by rows over tp; x in
         and out replicated."""
         if not layers:
@@ -326,8 +381,9 @@ class LlamaStage(nn.Module):
             x_local = self.layers[i].forward_sequence_parallel(x_local, tokens, cos, sin, kv_caches[i], meta)
         return gather_from_sequence_parallel(x_local, self.tp, tokens)
 
-    def _forward_token_split(self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache],
-                             num_layers: int) -> torch.Tensor:
+    def _forward_token_split(
+        self, x: torch.Tensor, split: "TokenSplit", kv_caches: list[KVCache], num_layers: int
+    ) -> torch.Tensor:
         """The first `num_layers` layers with the two token halves interleaved so every all-reduce is overlapped."""
         stage, halves = self, (split.a, split.b)
         rope = [self.rotary.cos_sin(m.positions) for m in halves]
@@ -349,7 +405,7 @@ class LlamaStage(nn.Module):
             def mlp_done(self, i, y):
                 return stage.layers[i].mlp.down_proj.add_bias(y)
 
-        x_a, x_b = run_layers_token_split(num_layers, x[: split.cut], x[split.cut:], self.tp, Ops())
+        x_a, x_b = run_layers_token_split(num_layers, x[: split.cut], x[split.cut :], self.tp, Ops())
         return torch.cat([x_a, x_b])
 
     # -- loading ----------------------------------------------------------------------------

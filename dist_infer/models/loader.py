@@ -80,8 +80,9 @@ def resolve_quantization(scheme: str, gguf: bool, device: Optional[torch.device]
     if scheme == "auto":
         return "auto" if gguf and on_cpu else "none"
     if scheme != "none" and not on_cpu:
-        raise QuantizationError(f"--quantization {scheme}: the quantized kernels run on the CPU only, "
-                                f"not on {torch.device(device).type}")
+        raise QuantizationError(
+            f"--quantization {scheme}: the quantized kernels run on the CPU only, not on {torch.device(device).type}"
+        )
     return scheme
 
 
@@ -117,9 +118,17 @@ def quantize_layers(stage: LlamaStage, scheme: str, exact_embedding: bool = Fals
             module.set_quantization(scheme)
 
 
-def build_stage(cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                pp_split: Optional[Sequence[int]] = None, native_kernels: Union[bool, str] = True, quantization: str = "none",
-                exact_embedding: bool = False, ladder=None, **options) -> LlamaStage:
+def build_stage(
+    cfg: ModelConfig,
+    groups: ParallelGroups,
+    dtype: torch.dtype = torch.float32,
+    pp_split: Optional[Sequence[int]] = None,
+    native_kernels: Union[bool, str] = True,
+    quantization: str = "none",
+    exact_embedding: bool = False,
+    ladder=None,
+    **options,
+) -> LlamaStage:
     """`options` go to the family's builder (e.g. expert_placement for MoE models). `native_kernels`:
     hand the native CPU kernels to the layers (they use them where they serve: fp32 on the CPU), built
     as the mode says (auto, require, off; True: $DIST_INFER_KERNELS's, else auto; False: off);
@@ -145,15 +154,21 @@ def built_on(device: Optional[torch.device], gguf: bool, scheme: str, cfg: Model
     return torch.device(device)
 
 
-def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-               pp_split: Optional[Sequence[int]] = None, device: Optional[torch.device] = None,
-               quantization: str = "auto", **options) -> tuple[LlamaStage, LoadReport]:
+def load_stage(
+    path,
+    groups: ParallelGroups,
+    dtype: torch.dtype = torch.float32,
+    pp_split: Optional[Sequence[int]] = None,
+    device: Optional[torch.device] = None,
+    quantization: str = "auto",
+    **options,
+) -> tuple[LlamaStage, LoadReport]:
     """This rank's stage of the checkpoint at `path` (a HF directory or a .gguf file), on `device`
     (None: the CPU), with what loading cost. `quantization`: --quantization (auto, int8, int4, none)."""
     start, rss0 = time.perf_counter(), current_rss_mb()
     gguf = is_gguf(path)
     scheme = resolve_quantization(quantization, gguf, device)
-    with (GGUFCheckpoint(path) if gguf else open_checkpoint(path)) as ckpt:
+    with GGUFCheckpoint(path) if gguf else open_checkpoint(path) as ckpt:
         cfg = ModelConfig.from_hf(ckpt.config, str(path) if gguf else str(Path(path) / "config.json"))
         exact = gguf and embedding_converts_exactly(ckpt)
         with built_on(device, gguf, scheme, cfg):
@@ -165,9 +180,15 @@ def load_stage(path, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
     return stage, report
 
 
-def stage_from_hf_model(hf_model, groups: ParallelGroups, dtype: Optional[torch.dtype] = None,
-                        pp_split: Optional[Sequence[int]] = None, device: Optional[torch.device] = None,
-                        quantization: str = "none", **options) -> LlamaStage:
+def stage_from_hf_model(
+    hf_model,
+    groups: ParallelGroups,
+    dtype: Optional[torch.dtype] = None,
+    pp_split: Optional[Sequence[int]] = None,
+    device: Optional[torch.device] = None,
+    quantization: str = "none",
+    **options,
+) -> LlamaStage:
     """This rank's stage of a transformers model already in memory (deepspeed.init_inference's
     counterpart), on `device` (None: the CPU); `quantization` as load_stage's."""
     cfg = ModelConfig.from_hf(hf_model.config.to_dict(), f"{type(hf_model).__name__}.config")

@@ -75,8 +75,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         if cfg.mlp_bias:  # its partial sum is reduced with the routed experts': a bias would be added tp times
             raise ValueError(f"{prefix}: a shared expert with biases is not supported")
-        self.mlp = LlamaMLP(dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp, dtype,
-                            prefix)
+        self.mlp = LlamaMLP(
+            dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp, dtype, prefix
+        )
         self.gate = nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,9 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     supports_sequence_parallel = False  # the expert MLP takes replicated tokens (its dispatch has its own layout)
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, index: int,
-                 placement: ExpertPlacement):
+    def __init__(
+        self, cfg: ModelConfig, groups: ParallelGroups, dtype: torch.dtype, index: int, placement: ExpertPlacement
+    ):
         nn.Module.__init__(self)  # the same four parts as LlamaDecoderLayer, but no dense MLP to throw away
         tp, prefix = groups.tp, f"model.layers.{index}"
         self.index = index
@@ -105,9 +107,20 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         shared = None
         if cfg.shared_expert_intermediate_size:
             shared = SharedExpert(cfg, tp, dtype, f"{prefix}.mlp.shared_expert")
-        self.mlp = ExpertParallelMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, placement, tp, groups.ep, dtype,
-                                     shared=shared, weights_fp32=cfg.model_type == "mixtral", name=f"{prefix}.mlp")
+        self.mlp = ExpertParallelMoE(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            placement,
+            tp,
+            groups.ep,
+            dtype,
+            shared=shared,
+            weights_fp32=cfg.model_type == "mixtral",
+            name=f"{prefix}.mlp",
+        )
 
     def forward(self, x, cos, sin, kv, meta, rows=None):
         if self.sparse:  # the routing statistics count expert reads of prompt steps apart from decode-only ones
@@ -127,21 +140,37 @@ class MoEStage(LlamaStage):
     them from; layers without one use the contiguous placement.
     """
 
-    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, layers: range, first: bool, last: bool,
-                 dtype: torch.dtype = torch.float32, placement: Placements = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        groups: ParallelGroups,
+        layers: range,
+        first: bool,
+        last: bool,
+        dtype: torch.dtype = torch.float32,
+        placement: Placements = None,
+    ):
         if isinstance(placement, (str, Path)):
             placement = read_placement_file(placement, cfg.num_experts, groups.ep.size)
         placement = placement or {}
         default = ExpertPlacement.contiguous(cfg.num_experts, groups.ep.size)
-        super().__init__(cfg, groups.tp, layers, first, last, dtype, cp=groups.cp,
-                         make_layer=lambda i: MoEDecoderLayer(cfg, groups, dtype, i, placement.get(i, default)))
+        super().__init__(
+            cfg,
+            groups.tp,
+            layers,
+            first,
+            last,
+            dtype,
+            cp=groups.cp,
+            make_layer=lambda i: MoEDecoderLayer(cfg, groups, dtype, i, placement.get(i, default)),
+        )
         self.ep = groups.ep
 
     def _forward_token_split(self, x: torch.Tensor, split, kv_caches: list[KVCache], num_layers: int) -> torch.Tensor:
         """The two halves of a token-split step one after the other, not interleaved (the experts'
         all-to-alls are blocking). Exact: the second half reads the first half's keys from the cache."""
         out = []
-        for meta, rows in ((split.a, x[: split.cut]), (split.b, x[split.cut:])):
+        for meta, rows in ((split.a, x[: split.cut]), (split.b, x[split.cut :])):
             cos, sin = self.rotary.cos_sin(meta.positions)
             for layer, kv in zip(self.layers[:num_layers], kv_caches):
                 rows = layer(rows, cos, sin, kv, meta)
@@ -172,21 +201,33 @@ def load_experts(moe: ExpertParallelMoE, get, prefix: str, model_type: str, num_
         moe.experts.load_fused(get(fused["gate_up"]), get(fused["down"]), num_experts)
     if moe.shared is not None:
         moe.shared.mlp.load_weights(get, f"{prefix}.mlp.shared_expert")
-        load_replicated(moe.shared.gate, get(f"{prefix}.mlp.shared_expert_gate.weight"),
-                        f"{prefix}.mlp.shared_expert_gate.weight")
+        load_replicated(
+            moe.shared.gate, get(f"{prefix}.mlp.shared_expert_gate.weight"), f"{prefix}.mlp.shared_expert_gate.weight"
+        )
 
 
 def _expert_layout(model_type: str, prefix: str) -> tuple[dict, dict]:
     """The names of a sparse layer's tensors, per expert (on disk) and fused (transformers in memory)."""
-    fused = {"gate": f"{prefix}.mlp.gate.weight", "gate_up": f"{prefix}.mlp.experts.gate_up_proj",
-             "down": f"{prefix}.mlp.experts.down_proj"}
+    fused = {
+        "gate": f"{prefix}.mlp.gate.weight",
+        "gate_up": f"{prefix}.mlp.experts.gate_up_proj",
+        "down": f"{prefix}.mlp.experts.down_proj",
+    }
     if model_type == "mixtral":
         e = f"{prefix}.block_sparse_moe.experts.{{e}}"
-        return {"gate": f"{prefix}.block_sparse_moe.gate.weight", "w_gate": f"{e}.w1.weight",
-                "w_up": f"{e}.w3.weight", "w_down": f"{e}.w2.weight"}, fused
+        return {
+            "gate": f"{prefix}.block_sparse_moe.gate.weight",
+            "w_gate": f"{e}.w1.weight",
+            "w_up": f"{e}.w3.weight",
+            "w_down": f"{e}.w2.weight",
+        }, fused
     e = f"{prefix}.mlp.experts.{{e}}"
-    return {"gate": f"{prefix}.mlp.gate.weight", "w_gate": f"{e}.gate_proj.weight", "w_up": f"{e}.up_proj.weight",
-            "w_down": f"{e}.down_proj.weight"}, fused
+    return {
+        "gate": f"{prefix}.mlp.gate.weight",
+        "w_gate": f"{e}.gate_proj.weight",
+        "w_up": f"{e}.up_proj.weight",
+        "w_down": f"{e}.down_proj.weight",
+    }, fused
 
 
 def _first_present(get, names: list[str]) -> str:
@@ -212,8 +253,9 @@ def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:
     steps = torch.zeros(L, 3, dtype=torch.float64)  # steps, sum of step imbalances, max step imbalance
     sparse = torch.zeros(L, dtype=torch.float64)
     owners = torch.zeros(L, E, dtype=torch.float64)
-    times = torch.tensor([sum(s.time_s[p] for s in stage.routing_stats().values()) for p in PHASES],
-                         dtype=torch.float64)
+    times = torch.tensor(
+        [sum(s.time_s[p] for s in stage.routing_stats().values()) for p in PHASES], dtype=torch.float64
+    )
     reads = torch.zeros(2, dtype=torch.float64)  # expert weight reads in prompt steps, in decode-only steps
     for i, s in stage.routing_stats().items():
         reads += torch.tensor([s.expert_reads["prompt"], s.expert_reads["decode"]], dtype=torch.float64)
@@ -224,8 +266,8 @@ def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:
     packed = torch.cat([counts.view(-1), steps.view(-1), sparse, owners.view(-1), reads])
     groups.pp.all_reduce(packed)
     packed, reads = packed[:-2], packed[-2:]
-    counts, steps = packed[: L * E].view(L, E), packed[L * E: L * E + 3 * L].view(L, 3)
-    sparse, owners = packed[L * E + 3 * L: L * E + 4 * L], packed[L * E + 4 * L:].view(L, E)
+    counts, steps = packed[: L * E].view(L, E), packed[L * E : L * E + 3 * L].view(L, 3)
+    sparse, owners = packed[L * E + 3 * L : L * E + 4 * L], packed[L * E + 4 * L :].view(L, E)
     time_sum, time_max = times.clone(), times.clone()
     groups.world.all_reduce(time_sum)
     groups.world.all_reduce(time_max, op="max")
@@ -257,7 +299,9 @@ def routing_report(stage: MoEStage, groups: ParallelGroups) -> dict:
         "layers": layers,
         "tokens_per_rank": total_rank,
         "expert_reads": {"prompt": int(reads[0]), "decode": int(reads[1])},
-        "expert_bytes": {k: int(n) * expert_bytes(cfg, stage.dtype) for k, n in zip(("prompt", "decode"), reads.tolist())},
+        "expert_bytes": {
+            k: int(n) * expert_bytes(cfg, stage.dtype) for k, n in zip(("prompt", "decode"), reads.tolist())
+        },
         "imbalance": imbalance(total_rank),
         "time_s_mean": mean,
         "time_s_max": dict(zip(PHASES, time_max.tolist())),
@@ -272,21 +316,30 @@ def expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def format_routing_report(report: dict) -> str:
     """A few lines for people: imbalance per layer, tokens per rank, where the MoE time went."""
-    lines = [f"moe: ep={report['ep']}, {report['num_experts']} experts, top-{report['top_k']}; "
-             f"tokens per ep rank {[int(x) for x in report['tokens_per_rank']]}, imbalance (max/mean) "
-             f"{report['imbalance']:.2f}"]
+    lines = [
+        f"moe: ep={report['ep']}, {report['num_experts']} experts, top-{report['top_k']}; "
+        f"tokens per ep rank {[int(x) for x in report['tokens_per_rank']]}, imbalance (max/mean) "
+        f"{report['imbalance']:.2f}"
+    ]
     for i, layer in report["layers"].items():
-        lines.append(f"  layer {i}: tokens per expert {[int(x) for x in layer['tokens_per_expert']]}, imbalance "
-                     f"{layer['imbalance']:.2f} (per step: mean {layer['step_imbalance_mean']:.2f}, "
-                     f"max {layer['step_imbalance_max']:.2f})")
+        lines.append(
+            f"  layer {i}: tokens per expert {[int(x) for x in layer['tokens_per_expert']]}, imbalance "
+            f"{layer['imbalance']:.2f} (per step: mean {layer['step_imbalance_mean']:.2f}, "
+            f"max {layer['step_imbalance_max']:.2f})"
+        )
     t = report["time_s_mean"]
     ratio = report["dispatch_combine_over_experts"]
     reads, nbytes = report["expert_reads"], report["expert_bytes"]
-    lines.append(f"  expert weights read: {reads['prompt']} times in steps with prompt tokens "
-                 f"({nbytes['prompt'] / 2**20:.0f} MiB), {reads['decode']} in decode-only steps "
-                 f"({nbytes['decode'] / 2**20:.0f} MiB)")
-    lines.append("  time per rank (mean over ranks): " + ", ".join(f"{p} {t[p] * 1e3:.1f} ms" for p in PHASES)
-                 + (f"; dispatch+combine / experts = {ratio:.2f}" if ratio is not None else ""))
+    lines.append(
+        f"  expert weights read: {reads['prompt']} times in steps with prompt tokens "
+        f"({nbytes['prompt'] / 2**20:.0f} MiB), {reads['decode']} in decode-only steps "
+        f"({nbytes['decode'] / 2**20:.0f} MiB)"
+    )
+    lines.append(
+        "  time per rank (mean over ranks): "
+        + ", ".join(f"{p} {t[p] * 1e3:.1f} ms" for p in PHASES)
+        + (f"; dispatch+combine / experts = {ratio:.2f}" if ratio is not None else "")
+    )
     return "\n".join(lines)
 
 

@@ -32,8 +32,9 @@ def _llama(cfg, groups, layers, first, last, dtype, expert_placement=None):
     if expert_placement is not None:
         raise ModelConfigError(f"an expert placement was given, but model_type {cfg.model_type!r} has no experts")
     if groups.ep.size > 1:
-        raise ModelConfigError(f"ep={groups.ep.size} needs a mixture-of-experts model; "
-                               f"model_type {cfg.model_type!r} has no experts")
+        raise ModelConfigError(
+            f"ep={groups.ep.size} needs a mixture-of-experts model; model_type {cfg.model_type!r} has no experts"
+        )
     return LlamaStage(cfg, groups.tp, layers, first=first, last=last, dtype=dtype, cp=groups.cp)
 
 

@@ -45,8 +45,12 @@ class RMSNorm(nn.Module):
         if gpu is not None and branch.shape == x.shape and branch.stride(-1) == 1:
             return gpu.rms_norm(x, self.weight, self.eps, residual=branch)
         kernels = self._native(x)
-        if kernels is not None and branch.shape == x.shape and branch.is_contiguous() \
-                and kernels_if_cpu_fp32(kernels, branch):
+        if (
+            kernels is not None
+            and branch.shape == x.shape
+            and branch.is_contiguous()
+            and kernels_if_cpu_fp32(kernels, branch)
+        ):
             return x, kernels.rms_norm(x, self.weight, self.eps, residual=branch)
         x = x + branch
         return x, self(x)

@@ -11,8 +11,9 @@ from torch import nn
 from dist_infer.models.config import ModelConfigError
 
 
-def llama3_scale(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                 original_max_positions: int) -> torch.Tensor:
+def llama3_scale(
+    inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_positions: int
+) -> torch.Tensor:
     """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
     low_wavelen = original_max_positions / low_freq_factor
     high_wavelen = original_max_positions / high_freq_factor
@@ -32,8 +33,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict] = N
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
-        return llama3_scale(inv_freq, float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                            float(scaling["high_freq_factor"]), int(scaling["original_max_position_embeddings"]))
+        return llama3_scale(
+            inv_freq,
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        )
     raise ModelConfigError(f"rope scaling type {kind!r} is not supported (default, linear, llama3 are)")
 
 

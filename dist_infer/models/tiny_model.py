@@ -242,11 +242,16 @@ def write_tiny_model(directory: Union[str, os.PathLike], **arch_overrides) -> Pa
 
     dump("config.json", _config(vocab_size, bos_id, eos_id, arch))
     dump("generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False})
-    dump("tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": arch["max_position_embeddings"],
-    })
+    dump(
+        "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "model_max_length": arch["max_position_embeddings"],
+        },
+    )
     tokenizer.save(str(directory / "tokenizer.json"), pretty=True)
     save_file(_weights(vocab_size, arch), str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory

@@ -6,10 +6,18 @@ The names below are imported on first use (PEP 562), so the torch-free modules h
 from importlib import import_module
 
 _WHERE = {
-    "ColumnParallelLinear": "linear", "MergedColumnParallelLinear": "linear", "QKVParallelLinear": "linear",
-    "RowParallelLinear": "linear", "ParallelLMHead": "embedding", "VocabParallelEmbedding": "embedding",
-    "HeadLayout": "sharding", "ShardingError": "sharding", "balanced_partition": "sharding", "shard_range": "sharding",
-    "stage_layers": "sharding", "WeightShapeError": "weights",
+    "ColumnParallelLinear": "linear",
+    "MergedColumnParallelLinear": "linear",
+    "QKVParallelLinear": "linear",
+    "RowParallelLinear": "linear",
+    "ParallelLMHead": "embedding",
+    "VocabParallelEmbedding": "embedding",
+    "HeadLayout": "sharding",
+    "ShardingError": "sharding",
+    "balanced_partition": "sharding",
+    "shard_range": "sharding",
+    "stage_layers": "sharding",
+    "WeightShapeError": "weights",
 }
 
 __all__ = sorted(_WHERE)

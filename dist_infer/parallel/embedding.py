@@ -40,8 +40,9 @@ class _VocabShard(nn.Module):
 class VocabParallelEmbedding(_VocabShard):
     """Rows for ids in this rank's range, zeros elsewhere, summed over tp."""
 
-    def __init__(self, vocab: int, hidden: int, tp: Communicator, dtype: torch.dtype = torch.float32,
-                 name: str = "embed_tokens"):
+    def __init__(
+        self, vocab: int, hidden: int, tp: Communicator, dtype: torch.dtype = torch.float32, name: str = "embed_tokens"
+    ):
         super().__init__(vocab, hidden, tp, dtype, name)
         self.dtype = dtype
         self._scheme: Optional[str] = None  # set by set_quantization: the next load keeps integers
@@ -101,8 +102,9 @@ class ParallelLMHead(QuantizableWeight, _VocabShard):
     """Logits for this rank's vocabulary range, gathered so every rank holds all of them. May hold
     its shard quantized (`set_quantization`); the padding rows past the vocabulary stay zero."""
 
-    def __init__(self, vocab: int, hidden: int, tp: Communicator, dtype: torch.dtype = torch.float32,
-                 name: str = "lm_head"):
+    def __init__(
+        self, vocab: int, hidden: int, tp: Communicator, dtype: torch.dtype = torch.float32, name: str = "lm_head"
+    ):
         super().__init__(vocab, hidden, tp, dtype, name)
         self.kernels = None  # the native CPU kernels, given by use_native_kernels
 

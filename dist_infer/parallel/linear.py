@@ -21,8 +21,9 @@ from dist_infer.parallel.tp_comm import reduce_from_tp
 from dist_infer.parallel.weights import check_shape, copy_into, narrow
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  kernels: Optional[CpuKernels] = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, kernels: Optional[CpuKernels] = None
+) -> torch.Tensor:
     """x W^T on the CPU: for the few rows of a decode step, by the kernel that streams W fastest;
     for more, through the native kernels' GEMM (kernels/gemm.py: oneDNN's where it loads).
 
@@ -101,16 +102,24 @@ class QuantizableWeight:
 class ColumnParallelLinear(QuantizableWeight, nn.Module):
     """y[:, shard] = x W[shard]^T: this rank computes out_features / tp of the outputs."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, name: str = "linear",
-                 out_range: Optional[tuple[int, int]] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: Communicator,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        name: str = "linear",
+        out_range: Optional[tuple[int, int]] = None,
+    ):
         """`out_range` (start, length): this rank's output rows when a subclass decides them; by
         default a balanced split."""
         super().__init__()
         self.tp, self.name = tp, name
         self.in_features, self.out_features = in_features, out_features
-        self.out_start, self.out_local = out_range or shard_range(out_features, tp.size, tp.rank,
-                                                                  f"{name}: output features")
+        self.out_start, self.out_local = out_range or shard_range(
+            out_features, tp.size, tp.rank, f"{name}: output features"
+        )
         self.weight = _param(self.out_local, in_features, dtype=dtype)
         self.bias = _param(self.out_local, dtype=dtype) if bias else None
         self.kernels: Optional[CpuKernels] = None  # the native CPU kernels, given by use_native_kernels
@@ -134,12 +143,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     into the parts' shards with one `split`.
     """
 
-    def __init__(self, in_features: int, part_sizes: Sequence[int], tp: Communicator, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, name: str = "merged"):
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: Sequence[int],
+        tp: Communicator,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        name: str = "merged",
+    ):
         # each part split on its own (uneven splits of the parts need not add up to a split of the sum)
         part_ranges = [shard_range(p, tp.size, tp.rank, f"{name}: part of {p} features") for p in part_sizes]
-        super().__init__(in_features, sum(part_sizes), tp, bias, dtype, name,
-                         out_range=(0, sum(length for _, length in part_ranges)))  # the parts' loaders place the rows
+        super().__init__(
+            in_features, sum(part_sizes), tp, bias, dtype, name, out_range=(0, sum(length for _, length in part_ranges))
+        )  # the parts' loaders place the rows
         self.part_sizes, self.part_ranges = list(part_sizes), part_ranges
         self.part_local = [length for _, length in part_ranges]
         self.weight_parts = len(part_sizes)
@@ -151,8 +168,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         start, local = self.part_ranges[part]
         offset = sum(self.part_local[:part])
         if which == "weight" and self._shard is not None:
-            return self._load_quantized(source, slice(start, start + local), slice(None), offset,
-                                        f"{self.name}[{part}].weight")
+            return self._load_quantized(
+                source, slice(start, start + local), slice(None), offset, f"{self.name}[{part}].weight"
+            )
         dest = getattr(self, which).narrow(0, offset, local)
         copy_into(dest, narrow(source, 0, start, local), f"{self.name}[{part}].{which}")
 
@@ -163,8 +181,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused, sharded by heads; KV heads replicated when tp exceeds them."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: Communicator,
-                 bias: bool = False, dtype: torch.dtype = torch.float32, name: str = "qkv_proj"):
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: Communicator,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        name: str = "qkv_proj",
+    ):
         nn.Module.__init__(self)
         self.tp, self.name = tp, name
         self.layout = HeadLayout(num_heads, num_kv_heads, tp.size, tp.rank)
@@ -191,8 +218,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             start, length = lay.kv_start * d, self.kv_size
             offset = self.q_size + (0 if part == "k" else self.kv_size)
         if which == "weight" and self._shard is not None:
-            return self._load_quantized(source, slice(start, start + length), slice(None), offset,
-                                        f"{self.name}.{part}.weight")
+            return self._load_quantized(
+                source, slice(start, start + length), slice(None), offset, f"{self.name}.{part}.weight"
+            )
         dest = getattr(self, which).narrow(0, offset, length)
         copy_into(dest, narrow(source, 0, start, length), f"{self.name}.{part}.{which}")
 
@@ -206,9 +234,17 @@ class RowParallelLinear(QuantizableWeight, nn.Module):
     `in_range` (start, length): the input columns this rank holds when the layer before decides
     them (o_proj takes the columns of this rank's attention heads); by default a balanced split."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Communicator, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, reduce_results: bool = True, name: str = "linear",
-                 in_range: Optional[tuple[int, int]] = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: Communicator,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        reduce_results: bool = True,
+        name: str = "linear",
+        in_range: Optional[tuple[int, int]] = None,
+    ):
         super().__init__()
         self.tp, self.name = tp, name
         self.in_features, self.out_features = in_features, out_features

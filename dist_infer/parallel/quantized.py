@@ -21,6 +21,7 @@ import torch
 class QuantizedWeight:
     """A 2-D weight [out, in] as integers `q` (int8; 4-bit values stored one per int8 byte, 0..15
     or -8..7 as the source has them) with fp32 `scales` and optional fp32 `zeros`, one per group."""
+
     q: torch.Tensor  # int8 [out, in]
     scales: torch.Tensor  # float32 [out, ceil(in / group_size)]
     zeros: Optional[torch.Tensor]  # float32 like scales, or None (symmetric)
@@ -55,16 +56,17 @@ class QuantizedWeight:
         """Rows (dim 0) or columns (dim 1) of the weight. Columns must start on a group boundary
         (a shard that cuts a group is the caller's to handle)."""
         if dim == 0:
-            z = None if self.zeros is None else self.zeros[start:start + length]
-            return QuantizedWeight(self.q[start:start + length], self.scales[start:start + length], z,
-                                   self.group_size, self.bits)
+            z = None if self.zeros is None else self.zeros[start : start + length]
+            return QuantizedWeight(
+                self.q[start : start + length], self.scales[start : start + length], z, self.group_size, self.bits
+            )
         if dim != 1:
             raise ValueError(f"a 2-D weight has dims 0 and 1, got {dim}")
         if start % self.group_size:
             raise ValueError(f"columns {start}..{start + length} cut a group of {self.group_size}")
         g0, g1 = start // self.group_size, -(-(start + length) // self.group_size)
         z = None if self.zeros is None else self.zeros[:, g0:g1]
-        return QuantizedWeight(self.q[:, start:start + length], self.scales[:, g0:g1], z, self.group_size, self.bits)
+        return QuantizedWeight(self.q[:, start : start + length], self.scales[:, g0:g1], z, self.group_size, self.bits)
 
     def pad_rows(self, rows: int) -> "QuantizedWeight":
         """The weight with zero rows appended up to `rows` (their outputs are 0): a vocabulary shard's
@@ -73,9 +75,13 @@ class QuantizedWeight:
         if extra <= 0:
             return self
         z = None if self.zeros is None else torch.cat([self.zeros, self.zeros.new_zeros(extra, self.zeros.shape[1])])
-        return QuantizedWeight(torch.cat([self.q, self.q.new_zeros(extra, self.q.shape[1])]),
-                               torch.cat([self.scales, self.scales.new_zeros(extra, self.scales.shape[1])]), z,
-                               self.group_size, self.bits)
+        return QuantizedWeight(
+            torch.cat([self.q, self.q.new_zeros(extra, self.q.shape[1])]),
+            torch.cat([self.scales, self.scales.new_zeros(extra, self.scales.shape[1])]),
+            z,
+            self.group_size,
+            self.bits,
+        )
 
     def unsigned_int4(self) -> "QuantizedWeight":
         """The same 4-bit values with q in 0..15 and explicit zeros: a source's signed -8..7 integers
@@ -100,8 +106,9 @@ def stack_rows(parts: Sequence[QuantizedWeight]) -> Optional[QuantizedWeight]:
         zeros = None
     else:
         zeros = torch.cat([p.zeros if p.zeros is not None else torch.zeros_like(p.scales) for p in parts])
-    return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zeros,
-                           first.group_size, first.bits)
+    return QuantizedWeight(
+        torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zeros, first.group_size, first.bits
+    )
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -85,8 +85,7 @@ def read_block(source, rows: slice, cols: slice, scheme: str, name: str) -> Bloc
         try:
             quantized = source.quantized_slice(rows, cols)
         except ValueError as exc:
-            logger.warning(f"{name}: the shard cannot be taken in whole quantized groups ({exc}); "
-                           "it is held as floats")
+            logger.warning(f"{name}: the shard cannot be taken in whole quantized groups ({exc}); it is held as floats")
     if scheme == "auto":
         return quantized if quantized is not None else source[rows, cols]
     if quantized is not None and _kernel_fits(quantized, scheme):
@@ -107,8 +106,10 @@ def merge_blocks(blocks: Sequence[Block], name: str) -> Block:
         stacked = stack_rows(blocks)
         if stacked is not None:
             return stacked
-        logger.warning(f"{name}: its parts are quantized differently "
-                       f"({sorted({(b.bits, b.group_size) for b in blocks})} bits/group); held as floats")
+        logger.warning(
+            f"{name}: its parts are quantized differently "
+            f"({sorted({(b.bits, b.group_size) for b in blocks})} bits/group); held as floats"
+        )
     return torch.cat([b.dequantize() if isinstance(b, QuantizedWeight) else b.to(torch.float32) for b in blocks])
 
 
@@ -149,8 +150,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", torch.stack([qw.scales.t(), zeros.t()], dim=-1).to(dtype).contiguous())
 
     def forward(self, x: torch.Tensor, kernels=None) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows2d(x, self.in_features), self.packed, self.group_size,
-                                                         self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            _rows2d(x, self.in_features), self.packed, self.group_size, self.scales_and_zeros
+        )
         if y.shape[-1] != self.out_features:
             y = y[:, : self.out_features]
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -222,8 +224,10 @@ class GroupQuantLinear(nn.Module):
         rows = x2.shape[0]
         y = None
         if kernels is not None and 1 <= rows <= NATIVE_MAX_ROWS and x2.dtype == torch.float32:
-            tiles = [kernels.quant_linear(x2[i:i + MAX_ROWS], self.q, self.scales, self.zeros, self.group_size,
-                                          self.bits) for i in range(0, rows, MAX_ROWS)]
+            tiles = [
+                kernels.quant_linear(x2[i : i + MAX_ROWS], self.q, self.scales, self.zeros, self.group_size, self.bits)
+                for i in range(0, rows, MAX_ROWS)
+            ]
             y = None if any(t is None for t in tiles) else torch.cat(tiles) if len(tiles) > 1 else tiles[0]
         if y is None:
             y = x2.new_empty(rows, self.out_features)
@@ -241,10 +245,11 @@ class GroupQuantLinear(nn.Module):
         """Rows start..stop of W as fp32 for a GEMM: the native dequantize_rows into `buffer` (the
         same values as the torch path, bit for bit), else the torch path."""
         if buffer is not None:
-            out = buffer[:stop - start]
+            out = buffer[: stop - start]
             zeros = None if self.zeros is None else self.zeros[start:stop]
-            if kernels.dequantize_rows(self.q[start:stop], self.scales[start:stop], zeros, out, self.group_size,
-                                       self.bits):
+            if kernels.dequantize_rows(
+                self.q[start:stop], self.scales[start:stop], zeros, out, self.group_size, self.bits
+            ):
                 return out
         return self.dequantized_rows(start, stop)
 
@@ -260,8 +265,7 @@ def _no_kernel_reason(qw: QuantizedWeight, dtype: torch.dtype) -> Optional[str]:
         return f"dtype {dtype} has no quantized kernel"
     if qw.bits == 8:
         if qw.zeros is not None or qw.group_size < cols:
-            return (f"int8 in groups of {qw.group_size} (the int8 kernel takes one scale per output row, "
-                    "no zeros)")
+            return f"int8 in groups of {qw.group_size} (the int8 kernel takes one scale per output row, no zeros)"
         return None
     if qw.group_size not in INT4_KERNEL_GROUPS:
         return f"4-bit groups of {qw.group_size} (the int4 kernel takes {INT4_KERNEL_GROUPS})"
@@ -270,8 +274,9 @@ def _no_kernel_reason(qw: QuantizedWeight, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def pack_block(block: Block, dtype: torch.dtype, name: str, rows: Optional[int] = None,
-               native: bool = False) -> nn.Module:
+def pack_block(
+    block: Block, dtype: torch.dtype, name: str, rows: Optional[int] = None, native: bool = False
+) -> nn.Module:
     """The compute form of a layer's whole shard: GroupQuantLinear (`native`: the layer has the
     native CPU kernels), Int8Linear / Int4Linear, or a FloatLinear (dequantized once, with a
     warning) where no kernel applies. `rows`: pad the output to this many rows (zero rows: a
@@ -304,14 +309,17 @@ def pack_lookup(block: Block, dtype: torch.dtype, name: str, rows: Optional[int]
         block = block.pad_rows(rows) if rows is not None else block
         if _lookup_fits(block):
             return GroupQuantLinear(block)
-        logger.warning(f"{name}: {block.bits}-bit groups of {block.group_size} do not tile {block.shape[1]} columns; "
-                       f"dequantized into a {dtype} table")
+        logger.warning(
+            f"{name}: {block.bits}-bit groups of {block.group_size} do not tile {block.shape[1]} columns; "
+            f"dequantized into a {dtype} table"
+        )
         block = block.dequantize(dtype)
     return pack_block(block, dtype, name, rows)
 
 
-def pack_tied(block: Block, dtype: torch.dtype, name: str, rows: Optional[int] = None,
-              native: bool = False) -> tuple[nn.Module, nn.Module]:
+def pack_tied(
+    block: Block, dtype: torch.dtype, name: str, rows: Optional[int] = None, native: bool = False
+) -> tuple[nn.Module, nn.Module]:
     """(the embedding's, the tied LM head's) forms of one vocabulary shard: one module for both
     where the head's form can also look rows up (GroupQuantLinear, Int8Linear, floats); beside
     torch's packed int4, whose layout cannot be indexed, the embedding keeps a GroupQuantLinear."""
@@ -331,8 +339,9 @@ class QuantizedShard:
         self.parts, self.rows = parts, rows
         self.blocks: dict[int, Block] = {}
 
-    def add(self, source, rows: slice, cols: slice, offset: int, label: str,
-            native: bool = False) -> Optional[nn.Module]:
+    def add(
+        self, source, rows: slice, cols: slice, offset: int, label: str, native: bool = False
+    ) -> Optional[nn.Module]:
         """Read one part (at output row `offset` of the shard); the packed shard once it is the last
         (`native`: for the native CPU kernels, see pack_block)."""
         self.blocks[offset] = read_block(source, rows, cols, self.scheme, label)

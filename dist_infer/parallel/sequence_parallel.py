@@ -33,9 +33,9 @@ def scatter_to_sequence_parallel(x: torch.Tensor, tp: Communicator) -> torch.Ten
     """This rank's rows of a replicated [T, H] tensor, zero-padded to T / tp rounded up."""
     start, count, per = sequence_rows(x.shape[0], tp.size, tp.rank)
     if count == per:
-        return x[start:start + per].clone()
+        return x[start : start + per].clone()
     out = x.new_zeros(per, *x.shape[1:])
-    out[:count] = x[start:start + count]
+    out[:count] = x[start : start + count]
     return out
 
 
@@ -43,8 +43,9 @@ def gather_from_sequence_parallel(x_local: torch.Tensor, tp: Communicator, token
     """Every rank's rows, concatenated in rank order: the replicated [tokens, H] tensor."""
     if tp.size == 1:
         return x_local[:tokens]
-    out = torch.empty((tp.size * x_local.shape[0],) + tuple(x_local.shape[1:]), dtype=x_local.dtype,
-                      device=x_local.device)
+    out = torch.empty(
+        (tp.size * x_local.shape[0],) + tuple(x_local.shape[1:]), dtype=x_local.dtype, device=x_local.device
+    )
     tp.all_gather(out, x_local.contiguous())
     return out[:tokens]
 

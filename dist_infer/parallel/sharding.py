@@ -69,7 +69,8 @@ class HeadLayout:
             raise ShardingError(f"num_attention_heads {h} is not a multiple of num_key_value_heads {kv}")
         if tp > h:
             raise ShardingError(
-                f"num_attention_heads {h} cannot be split over tp={tp}: every rank needs at least one query head")
+                f"num_attention_heads {h} cannot be split over tp={tp}: every rank needs at least one query head"
+            )
         q_start, q_heads, kv_start, kv_heads = _head_ranges(h, kv, tp, self.rank)
         object.__setattr__(self, "_ranges", (q_start, q_heads, kv_start, kv_heads))
 

@@ -54,8 +54,9 @@ class InFlight:
         return self.finish(self.partial)
 
 
-def run_layers_token_split(num_layers: int, x_a: torch.Tensor, x_b: torch.Tensor, tp: Communicator,
-                           ops: SplitLayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+def run_layers_token_split(
+    num_layers: int, x_a: torch.Tensor, x_b: torch.Tensor, tp: Communicator, ops: SplitLayerOps
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layers 0..num_layers-1 over the two halves, every all-reduce overlapped; returns both residuals."""
     carried_b: Optional[InFlight] = None
     for i in range(num_layers):

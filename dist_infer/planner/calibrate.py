@@ -67,9 +67,25 @@ def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
         jobs += [(over, ["--tp", "2", "--cp", str(over // 2)], "-over"), (over, ["--tp", str(over)], "-over")]
     out: dict = {}
     for nproc, layout, suffix in jobs:
-        res = run_json(["launch", "--nproc-per-node", str(nproc), "--",
-                        sys.executable, "-m", "dist_infer", "comm-test", *layout, "--backend", "gloo",
-                         "--sizes", COMM_SIZES, "--json"], timeout)
+        res = run_json(
+            [
+                "launch",
+                "--nproc-per-node",
+                str(nproc),
+                "--",
+                sys.executable,
+                "-m",
+                "dist_infer",
+                "comm-test",
+                *layout,
+                "--backend",
+                "gloo",
+                "--sizes",
+                COMM_SIZES,
+                "--json",
+            ],
+            timeout,
+        )
         sizes = {"world": nproc}
         for i in range(0, len(layout), 2):
             sizes[layout[i][2:]] = int(layout[i + 1])
@@ -78,8 +94,11 @@ def measure_collectives(cores: int, quick: bool, timeout: float) -> dict:
                 scope = ("shm" if group == "tp" else "intra") + suffix
                 if scope.startswith("shm") and op != "all_reduce":
                     continue
-                pts = [(r["bytes"] * bus_bandwidth_factor(op, n), r["latency_us"] * 1e-6) for r in res["results"]
-                       if r["op"] == op and r["group"] == group and r["bytes"] > 0]
+                pts = [
+                    (r["bytes"] * bus_bandwidth_factor(op, n), r["latency_us"] * 1e-6)
+                    for r in res["results"]
+                    if r["op"] == op and r["group"] == group and r["bytes"] > 0
+                ]
                 if len(pts) >= 2:
                     out.setdefault(op, {}).setdefault(scope, {})[str(n)] = fit_link(pts)
     return out
@@ -92,14 +111,22 @@ def fixed_cost_layouts(cores: int, quick: bool) -> list:
     from dist_infer.planner.shapes import ModelShape
 
     h, heads = NARROW["hidden_size"], NARROW["num_attention_heads"]
-    shape = ModelShape(layers=FIXED_COST_DEPTHS[0], hidden=h, heads=heads, kv_heads=NARROW["num_key_value_heads"],
-                       head_dim=h // heads, intermediate=NARROW["intermediate_size"], vocab=1000)  # (no vocab limit)
+    shape = ModelShape(
+        layers=FIXED_COST_DEPTHS[0],
+        hidden=h,
+        heads=heads,
+        kv_heads=NARROW["num_key_value_heads"],
+        head_dim=h // heads,
+        intermediate=NARROW["intermediate_size"],
+        vocab=1000,
+    )  # (no vocab limit)
     sizes = [2] if quick else sorted({2, 2 * cores})
     return [Layout()] + [lay for n in sizes for lay in candidate_layouts(shape, n)]
 
 
-def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS, repeat: int = 5,
-                        gen_len: int = 64) -> dict:
+def measure_fixed_costs(
+    timeout: float, layouts: list, depths=FIXED_COST_DEPTHS, repeat: int = 5, gen_len: int = 64
+) -> dict:
     """The engine's fixed costs, from two narrow random models (hidden 64: the arithmetic is
     negligible) that differ only in depth, each run in every layout of `layouts` (the first is
     one rank): per_layer_s / per_step_s (one rank's decode step against the depth) and, per
@@ -120,9 +147,30 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS,
             write_tiny_model(d, num_hidden_layers=depth, **NARROW)
             for lay in layouts:
                 runs[depth, lay.describe()] = run_json(
-                    ["bench", "--model", d, "--nproc", str(lay.ranks), "--tp", str(lay.tp), "--pp", str(lay.pp),
-                     "--cp", str(lay.cp), "--batch", "1", "--prompt-len", "128", "--gen-len", str(gen_len),
-                     "--repeat", str(repeat), "--json"], timeout)
+                    [
+                        "bench",
+                        "--model",
+                        d,
+                        "--nproc",
+                        str(lay.ranks),
+                        "--tp",
+                        str(lay.tp),
+                        "--pp",
+                        str(lay.pp),
+                        "--cp",
+                        str(lay.cp),
+                        "--batch",
+                        "1",
+                        "--prompt-len",
+                        "128",
+                        "--gen-len",
+                        str(gen_len),
+                        "--repeat",
+                        str(repeat),
+                        "--json",
+                    ],
+                    timeout,
+                )
     lo, hi = depths
 
     def slope(key: str, run: str) -> float:
@@ -155,15 +203,23 @@ def measure_fixed_costs(timeout: float, layouts: list, depths=FIXED_COST_DEPTHS,
     crowd = [lay.describe() for lay in layouts[1:] if lay.tp == lay.ranks and lay.ranks > 2]
     if crowd:  # every rank of one tp group sharing the cores: two all-reduces per layer
         out["sync_oversubscribed_s"] = max(0.0, (slope(decode_step, crowd[0]) - per_layer) / 2)
-    zero = [k for k, v in out.items() if v == 0.0] + [f"{kind}[{n}]" for kind in ("decode_fixed", "prefill_fixed")
-                                                     for n, v in out[kind].items() if v["per_layer_s"] == 0.0]
+    zero = [k for k, v in out.items() if v == 0.0] + [
+        f"{kind}[{n}]"
+        for kind in ("decode_fixed", "prefill_fixed")
+        for n, v in out[kind].items()
+        if v["per_layer_s"] == 0.0
+    ]
     if zero:  # a difference of two timings came out negative: noise larger than the cost
-        logger.warning(f"calibrate: {', '.join(zero)} measured as 0 (timing noise above the cost: is the machine "
-                       f"busy? rerun calibrate when it is quiet)")
+        logger.warning(
+            f"calibrate: {', '.join(zero)} measured as 0 (timing noise above the cost: is the machine "
+            f"busy? rerun calibrate when it is quiet)"
+        )
     return out
 
 
-def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[str], None] = lambda s: None) -> HardwareProfile:
+def calibrate(
+    quick: bool = False, timeout: float = 600.0, progress: Callable[[str], None] = lambda s: None
+) -> HardwareProfile:
     import psutil
 
     cores = usable_cores()
@@ -176,44 +232,61 @@ def calibrate(quick: bool = False, timeout: float = 600.0, progress: Callable[[s
         gemm[str(t)] = measure_gemm(t, GEMM_ROWS[::2] if quick else GEMM_ROWS)
         progress(f"attention, {t} thread(s)")
         attention[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS)
-        attention_full[str(t)] = measure_attention(t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS,
-                                                   causal=False)
+        attention_full[str(t)] = measure_attention(
+            t, ATTENTION_LENGTHS[:3] if quick else ATTENTION_LENGTHS, causal=False
+        )
         progress(f"memory bandwidth, {t} thread(s)")
-        bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS,
-                                                      stream_samples[t])
+        bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS, stream_samples[t])
         # --quick (tests, bench --sweep's default): shorter timings and fewer rounds, for the shape of the
         # curves more than their last percent
-        decode_attention[str(t)] = measure_decode_attention(t, DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
-                                                            80 if quick else 160, min_s=0.04 if quick else 0.2,
-                                                            reps=2 if quick else 3, placements=2 if quick else 3)
+        decode_attention[str(t)] = measure_decode_attention(
+            t,
+            DECODE_CONTEXTS[1:3] if quick else DECODE_CONTEXTS,
+            80 if quick else 160,
+            min_s=0.04 if quick else 0.2,
+            reps=2 if quick else 3,
+            placements=2 if quick else 3,
+        )
         size_factor[str(t)] = measure_size_factor(t, 64 if quick else 256, rounds=2 if quick else 3)
     reference = measure_reference(cores)
     progress("collectives (comm-test)")
     collectives = measure_collectives(cores, quick, timeout)
     progress("fixed costs per layer and per step, per layout (bench)")
-    fixed = measure_fixed_costs(timeout, fixed_cost_layouts(cores, quick), repeat=3 if quick else 5,
-                                gen_len=32 if quick else 64)
+    fixed = measure_fixed_costs(
+        timeout, fixed_cost_layouts(cores, quick), repeat=3 if quick else 5, gen_len=32 if quick else 64
+    )
     for t in thread_counts:  # the second look at streaming, minutes after the first
         progress(f"memory bandwidth again, {t} thread(s)")
-        bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS,
-                                                      stream_samples[t])
+        bandwidth[str(t)], reader = measure_bandwidth(t, stream_mib, stream_rows, STREAM_PLACEMENTS, stream_samples[t])
     fixed.setdefault("base_memory_bytes", float(psutil.Process().memory_info().rss))  # (no /proc: this process)
     links = {"intra": collectives["send_recv"]["intra"]["2"]}
     return HardwareProfile(
-        name=f"{platform.node()}-cpu{cores}", device="cpu",
-        gemm_flops={"fp32": gemm}, attention_flops={"fp32": attention}, attention_flops_full={"fp32": attention_full},
+        name=f"{platform.node()}-cpu{cores}",
+        device="cpu",
+        gemm_flops={"fp32": gemm},
+        attention_flops={"fp32": attention},
+        attention_flops_full={"fp32": attention_full},
         memory_bandwidth=bandwidth,
         decode_attention_bandwidth=decode_attention if all(decode_attention.values()) else 0.0,
         stream_size_factor=size_factor if all(size_factor.values()) else {},
-        memory_bytes=float(psutil.virtual_memory().total), devices_per_node=cores, links=links,
-        collectives=collectives, shared_node=True, comm_overlaps_compute=False, reference=reference, **fixed,
-        sources={"all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "
-                        f"({platform.processor() or platform.machine()}, {cores} usable cores), "
-                        f"{time.strftime('%Y-%m-%d %H:%M')}",
-                 "memory_bandwidth": f"by row length (input features): 4-row products over {64 if quick else 256} "
-                                     f"MiB of fp32 weights in 16 matrices, with {reader}"},
+        memory_bytes=float(psutil.virtual_memory().total),
+        devices_per_node=cores,
+        links=links,
+        collectives=collectives,
+        shared_node=True,
+        comm_overlaps_compute=False,
+        reference=reference,
+        **fixed,
+        sources={
+            "all": f"measured by `dist-infer calibrate{' --quick' if quick else ''}` on {platform.node()} "
+            f"({platform.processor() or platform.machine()}, {cores} usable cores), "
+            f"{time.strftime('%Y-%m-%d %H:%M')}",
+            "memory_bandwidth": f"by row length (input features): 4-row products over {64 if quick else 256} "
+            f"MiB of fp32 weights in 16 matrices, with {reader}",
+        },
         notes="memory_bytes is the node's; ranks on the node share it. comm_overlaps_compute is false: on a CPU "
-              "node a transfer's copies need the cores the compute runs on, so the model hides nothing behind it")
+        "node a transfer's copies need the cores the compute runs on, so the model hides nothing behind it",
+    )
 
 
 def run_calibrate(args) -> int:
@@ -240,11 +313,13 @@ def run_calibrate(args) -> int:
     save_profile(profile, args.out)
     g = profile.gemm_rate("fp32", profile.devices_per_node)
     streamed = [profile.bandwidth(profile.devices_per_node, k) for k in STREAM_ROW_LENGTHS]
-    print(f"calibrate: {profile.name}: GEMM {g / 1e9:.1f} GFLOP/s ({profile.devices_per_node} threads, large), "
-          f"weights streamed at {min(streamed) / 1e9:.1f}-{max(streamed) / 1e9:.1f} GB/s (by row length), "
-          f"all-reduce (shm, 2 ranks) latency {profile.link('all_reduce', 2, 'shm').latency_s * 1e6:.0f} us, "
-          f"per layer {profile.per_layer_s * 1e6:.0f} us, per step {profile.per_step_s * 1e3:.2f} ms, cp ring step "
-          f"{profile.cp_step_s * 1e6:.0f} us, cp decode merge {profile.cp_decode_layer_s * 1e6:.0f} us per layer")
+    print(
+        f"calibrate: {profile.name}: GEMM {g / 1e9:.1f} GFLOP/s ({profile.devices_per_node} threads, large), "
+        f"weights streamed at {min(streamed) / 1e9:.1f}-{max(streamed) / 1e9:.1f} GB/s (by row length), "
+        f"all-reduce (shm, 2 ranks) latency {profile.link('all_reduce', 2, 'shm').latency_s * 1e6:.0f} us, "
+        f"per layer {profile.per_layer_s * 1e6:.0f} us, per step {profile.per_step_s * 1e3:.2f} ms, cp ring step "
+        f"{profile.cp_step_s * 1e6:.0f} us, cp decode merge {profile.cp_decode_layer_s * 1e6:.0f} us per layer"
+    )
     print(f"profile written to {args.out}")
     if args.json:
         print(json.dumps(profile.to_json()))

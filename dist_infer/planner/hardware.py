@@ -82,8 +82,9 @@ class HardwareProfile:
     def gemm_rate(self, dtype: str, threads: int = 1, rows: float = math.inf) -> float:
         return _lookup(self.gemm_flops, dtype, threads, rows, self.name, "gemm_flops")
 
-    def attention_rate(self, dtype: str, threads: int = 1, rows: float = math.inf, head_dim: int = 128,
-                       causal: bool = True) -> float:
+    def attention_rate(
+        self, dtype: str, threads: int = 1, rows: float = math.inf, head_dim: int = 128, causal: bool = True
+    ) -> float:
         """FLOP/s of a causal prefill's attention over `rows` tokens (`causal=False`: a block with no
         mask, where the profile has it). A calibrated profile has it by head size too (larger heads
         run faster: e.g. docs/profiles/cpu2-vm.json)."""
@@ -110,6 +111,7 @@ class HardwareProfile:
         if not rate:
             return self.bandwidth(threads)
         if isinstance(rate, dict) and all(isinstance(v, dict) for v in rate.values()):
+
             def at_head_size(by_heads) -> float:
                 if isinstance(by_heads, dict):  # {kv_heads: [[context, rate]]}
                     return interpolate_log([[float(k), _curve_at(c, context)] for k, c in by_heads.items()], kv_heads)
@@ -140,6 +142,7 @@ class HardwareProfile:
         """This machine running `compute` times as fast as when it was profiled (FLOP rates up, and
         every fixed cost, which is CPU time, down) and streaming memory `memory` times as fast
         (weights, KV, the links' bytes): what a shared machine is at another moment."""
+
         def scale(rate, by: float):
             if isinstance(rate, (int, float)):
                 return rate * by
@@ -154,38 +157,60 @@ class HardwareProfile:
             return {k: {kk: vv / compute for kk, vv in v.items()} for k, v in costs.items()}
 
         return replace(
-            self, gemm_flops=scale(self.gemm_flops, compute), attention_flops=scale(self.attention_flops, compute),
+            self,
+            gemm_flops=scale(self.gemm_flops, compute),
+            attention_flops=scale(self.attention_flops, compute),
             attention_flops_full=scale(self.attention_flops_full, compute),
             memory_bandwidth=scale(self.memory_bandwidth, memory),
             decode_attention_bandwidth=scale(self.decode_attention_bandwidth, memory),
             links={k: link(v) for k, v in self.links.items()},
-            collectives={op: {sc: {n: link(l) for n, l in by_n.items()} for sc, by_n in scopes.items()}
-                         for op, scopes in self.collectives.items()},
-            per_layer_s=self.per_layer_s / compute, per_step_s=self.per_step_s / compute,
-            cp_step_s=self.cp_step_s / compute, cp_decode_layer_s=self.cp_decode_layer_s / compute,
+            collectives={
+                op: {sc: {n: link(l) for n, l in by_n.items()} for sc, by_n in scopes.items()}
+                for op, scopes in self.collectives.items()
+            },
+            per_layer_s=self.per_layer_s / compute,
+            per_step_s=self.per_step_s / compute,
+            cp_step_s=self.cp_step_s / compute,
+            cp_decode_layer_s=self.cp_decode_layer_s / compute,
             sync_oversubscribed_s=self.sync_oversubscribed_s / compute,
-            decode_fixed=per_layout(self.decode_fixed), prefill_fixed=per_layout(self.prefill_fixed))
+            decode_fixed=per_layout(self.decode_fixed),
+            prefill_fixed=per_layout(self.prefill_fixed),
+        )
 
     # -- files -------------------------------------------------------------------------------
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("links", "collectives")}
         out["links"] = {k: vars(v) for k, v in self.links.items()}
-        out["collectives"] = {op: {scope: {str(n): vars(link) for n, link in by_n.items()}
-                                   for scope, by_n in scopes.items()} for op, scopes in self.collectives.items()}
+        out["collectives"] = {
+            op: {scope: {str(n): vars(link) for n, link in by_n.items()} for scope, by_n in scopes.items()}
+            for op, scopes in self.collectives.items()
+        }
         return out
 
     @classmethod
     def from_json(cls, data: dict, source: str = "<profile>") -> "HardwareProfile":
-        need = ("name", "device", "gemm_flops", "attention_flops", "memory_bandwidth", "memory_bytes",
-                "devices_per_node", "links")
+        need = (
+            "name",
+            "device",
+            "gemm_flops",
+            "attention_flops",
+            "memory_bandwidth",
+            "memory_bytes",
+            "devices_per_node",
+            "links",
+        )
         missing = [k for k in need if k not in data]
         if missing:
             raise ProfileError(f"{source}: missing field(s) {', '.join(missing)}")
         try:
             links = {k: Link(float(v["latency_s"]), float(v["busbw"])) for k, v in data["links"].items()}
-            collectives = {op: {scope: {str(n): Link(float(v["latency_s"]), float(v["busbw"])) for n, v in by_n.items()}
-                                for scope, by_n in scopes.items()}
-                           for op, scopes in data.get("collectives", {}).items()}
+            collectives = {
+                op: {
+                    scope: {str(n): Link(float(v["latency_s"]), float(v["busbw"])) for n, v in by_n.items()}
+                    for scope, by_n in scopes.items()
+                }
+                for op, scopes in data.get("collectives", {}).items()
+            }
         except (KeyError, TypeError, ValueError) as exc:
             raise ProfileError(f"{source}: a link needs latency_s and busbw numbers ({exc})") from None
         known = {f.name for f in fields(cls)}
@@ -242,8 +267,10 @@ def load_profile(spec: str) -> HardwareProfile:
     """A built-in profile by name (e.g. `h100-sxm`) or a JSON file written by `dist-infer calibrate`."""
     path = spec if os.path.exists(spec) else os.path.join(PROFILE_DIR, f"{spec}.json")
     if not os.path.exists(path):
-        raise ProfileError(f"no hardware profile {spec!r}: not a file, and not one of the built-in profiles "
-                           f"({', '.join(builtin_profiles())}); make one with `dist-infer calibrate --out FILE`")
+        raise ProfileError(
+            f"no hardware profile {spec!r}: not a file, and not one of the built-in profiles "
+            f"({', '.join(builtin_profiles())}); make one with `dist-infer calibrate --out FILE`"
+        )
     try:
         with open(path) as f:
             data: Any = json.load(f)
@@ -259,4 +286,3 @@ def save_profile(profile: HardwareProfile, path: str) -> None:
     with open(path, "w") as f:
         json.dump(profile.to_json(), f, indent=1)
         f.write("\n")
-

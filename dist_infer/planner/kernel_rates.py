@@ -16,6 +16,7 @@ ATTENTION_LENGTHS = (128, 512, 2048, 8192)
 ATTENTION_HEAD_DIMS = (32, 64, 128)
 STREAM_ROW_LENGTHS = (512, 1024, 2048, 4096, 8192)  # a weight matrix's input features
 
+
 def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50) -> float:
     fn()
     best, spent, reps = float("inf"), 0.0, 0
@@ -27,8 +28,9 @@ def _best_time(fn: Callable[[], object], min_s: float = 0.2, max_reps: int = 50)
     return best
 
 
-def _sustained_time(fn: Callable[[], object], min_s: float = 0.3, warm_s: float = 0.0, reps: int = 5,
-                    max_reps: int = 30) -> float:
+def _sustained_time(
+    fn: Callable[[], object], min_s: float = 0.3, warm_s: float = 0.0, reps: int = 5, max_reps: int = 30
+) -> float:
     """The median of at least `reps` timings of `fn` after `warm_s` seconds of running it: the rate
     memory sustains. On a shared VM memory streams faster for a second after an idle spell, and in
     spells of a few passes now and then, than otherwise (docs/benchmarks.md, "Choosing the layout:
@@ -82,8 +84,9 @@ def measure_gemm(threads: int, rows=GEMM_ROWS, passes: int = 2) -> list[list[flo
     return [[m, best[m]] for m in rows]
 
 
-def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTION_HEAD_DIMS,
-                      heads: int = 8, causal: bool = True) -> dict:
+def measure_attention(
+    threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTION_HEAD_DIMS, heads: int = 8, causal: bool = True
+) -> dict:
     """{head_dim: [[tokens, FLOP/s]]} of a causal prefill's attention as the engine calls it: 8 query
     heads on 4 KV heads (GQA), [tokens, heads, d] views, torch's SDPA. The rate depends on the head
     size (a head of 32 has half the arithmetic per byte of one of 64). `causal=False`: a square
@@ -98,15 +101,19 @@ def measure_attention(threads: int, lengths=ATTENTION_LENGTHS, head_dims=ATTENTI
         for t_len in lengths:
             q = torch.randn(1, t_len, heads, d)
             k, v = torch.randn(1, t_len, heads // 2, d), torch.randn(1, t_len, heads // 2, d)
-            t = _best_time(lambda: F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True))
+            t = _best_time(
+                lambda: F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=True
+                )
+            )
             pairs = t_len * (t_len + 1) / 2 if causal else t_len * t_len
             out[str(d)].append([t_len, 4.0 * d * heads * pairs / t])
     return out
 
 
-def measure_bandwidth(threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS, placements: int = 5,
-                      samples: Optional[dict] = None) -> tuple[list[list[float]], str]:
+def measure_bandwidth(
+    threads: int, mib: int = 256, row_lengths=STREAM_ROW_LENGTHS, placements: int = 5, samples: Optional[dict] = None
+) -> tuple[list[list[float]], str]:
     """([[row length, bytes/s]], what read them): weights far larger than the caches streamed through
     4-row products, as a decode step reads them, with the engine's native skinny kernel when it
     builds here (what decode uses by default), else torch's. The weights are 16 matrices of rows of
@@ -149,8 +156,16 @@ DECODE_KV_HEADS = (1, 2, 3, 4, 6, 8)  # KV heads on a rank (each with two query 
 DECODE_CONTEXTS = (1024, 4096, 8192, 16384)  # tokens of one sequence's cache on a rank
 
 
-def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 160, head_dims=ATTENTION_HEAD_DIMS,
-                             kv_heads=DECODE_KV_HEADS, placements: int = 3, min_s: float = 0.2, reps: int = 3) -> dict:
+def measure_decode_attention(
+    threads: int,
+    contexts=DECODE_CONTEXTS,
+    mib: int = 160,
+    head_dims=ATTENTION_HEAD_DIMS,
+    kv_heads=DECODE_KV_HEADS,
+    placements: int = 3,
+    min_s: float = 0.2,
+    reps: int = 3,
+) -> dict:
     """{head_dim: {kv_heads: [[context, KV bytes/s]]}} the native paged decode attention reads: one
     query, `kv_heads` KV heads with two query heads each, over caches cycled through `mib` MiB so
     that they come from memory, as a model's layers' do, not from the CPU's caches (a few copies of
@@ -183,12 +198,18 @@ def measure_decode_attention(threads: int, contexts=DECODE_CONTEXTS, mib: int = 
                 tables = torch.arange(nb, dtype=torch.long).view(1, -1)
                 lens = torch.full((1,), context, dtype=torch.long)
                 one = nb * bs * kv * d  # floats in one layer's K (or V)
-                caches = [(pool[i * 2 * one:(i * 2 + 1) * one].view(nb, bs, kv, d),
-                           pool[(i * 2 + 1) * one:(i * 2 + 2) * one].view(nb, bs, kv, d))
-                          for pool in pools for i in range(pool.numel() // (2 * one))]
+                caches = [
+                    (
+                        pool[i * 2 * one : (i * 2 + 1) * one].view(nb, bs, kv, d),
+                        pool[(i * 2 + 1) * one : (i * 2 + 2) * one].view(nb, bs, kv, d),
+                    )
+                    for pool in pools
+                    for i in range(pool.numel() // (2 * one))
+                ]
                 if not caches:
-                    raise ValueError(f"calibrate: a {context}-token cache of {kv} heads of {d} does not fit in "
-                                     f"{mib} MiB")
+                    raise ValueError(
+                        f"calibrate: a {context}-token cache of {kv} heads of {d} does not fit in {mib} MiB"
+                    )
                 q = torch.randn(1, 2 * kv * d)
 
                 def run():
@@ -229,7 +250,7 @@ def measure_size_factor(threads: int, mib: int = 256, sizes=STREAM_SIZES_MIB, ro
         rates = []
         for size in sizes:
             n = max(1, int(size * (1 << 20)) // (4 * k))
-            ws = [pool[i * n * k:(i + 1) * n * k].view(n, k) for i in range(pool.numel() // (n * k))]
+            ws = [pool[i * n * k : (i + 1) * n * k].view(n, k) for i in range(pool.numel() // (n * k))]
 
             def run():
                 for w in ws:

@@ -18,7 +18,7 @@ def parse_sweep(text: str) -> list[Layout]:
     for part in text.split():
         axis, sep, numbers = part.partition("=")
         if not sep or axis not in MODEL_AXES:
-            raise LayoutError(f"bad sweep part {part!r} in {text!r}: write e.g. \"tp=1,2 pp=1,2 cp=1,2\"")
+            raise LayoutError(f'bad sweep part {part!r} in {text!r}: write e.g. "tp=1,2 pp=1,2 cp=1,2"')
         try:
             axes[axis] = sorted({int(n) for n in numbers.split(",") if n})
         except ValueError:

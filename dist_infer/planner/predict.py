@@ -71,23 +71,45 @@ class Prediction:
         return max(self.decode, key=self.decode.__getitem__) if self.decode else ""
 
     def as_dict(self) -> dict:
-        return {**self.layout.as_dict(), "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
-                "memory_gib_per_rank": self.memory_gib_per_rank, "fits": self.fits,
-                "dominant_prefill": self.dominant_prefill, "dominant_decode": self.dominant_decode,
-                "prefill_terms_s": self.prefill, "decode_terms_s": self.decode, "memory_gib": self.memory}
+        return {
+            **self.layout.as_dict(),
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "memory_gib_per_rank": self.memory_gib_per_rank,
+            "fits": self.fits,
+            "dominant_prefill": self.dominant_prefill,
+            "dominant_decode": self.dominant_decode,
+            "prefill_terms_s": self.prefill,
+            "decode_terms_s": self.decode,
+            "memory_gib": self.memory,
+        }
 
 
 def head_pass(s: Setup, rank: RankRates, rows: int, counted: bool = False) -> dict:
     """Embedding all-reduce (first stage) and the LM head on the sampled rows (last stage)."""
     shape, work = s.shape, s.work
     v = shape.vocab_per_rank(s.layout.tp)
-    return {"gemm": rank.gemm(linear_flops(v * shape.hidden, rows), v * shape.hidden * B[work.weight_dtype], rows,
-                              work.weight_dtype, shape.hidden),
-            "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4, latency_counted=counted)}
+    return {
+        "gemm": rank.gemm(
+            linear_flops(v * shape.hidden, rows),
+            v * shape.hidden * B[work.weight_dtype],
+            rows,
+            work.weight_dtype,
+            shape.hidden,
+        ),
+        "tp_comm": rank.collective("all_gather", "tp", rows * shape.vocab * 4, latency_counted=counted),
+    }
 
 
-def pipeline(s: Setup, rank: RankRates, layer_part: dict, rows: int, tokens: int,
-             measured: Optional[dict] = None, last_part: Optional[dict] = None) -> tuple[float, float, dict]:
+def pipeline(
+    s: Setup,
+    rank: RankRates,
+    layer_part: dict,
+    rows: int,
+    tokens: int,
+    measured: Optional[dict] = None,
+    last_part: Optional[dict] = None,
+) -> tuple[float, float, dict]:
     """(time of the first micro-batch through every stage, the slowest stage's time, the
     mean stage's terms) for micro-batches of `rows` sampled rows and `tokens` tokens per rank.
     The first stage also runs the embedding's all-reduce and the driver's step; the last the
@@ -96,8 +118,12 @@ def pipeline(s: Setup, rank: RankRates, layer_part: dict, rows: int, tokens: int
     layout, hw = s.layout, s.hw
     act = tokens * s.shape.hidden * B[s.work.act_dtype]
     counted = measured is not None
-    first = {"tp_comm": rank.collective("all_reduce", "tp", act, latency_counted=counted),
-             "overhead": measured["per_step_s"] if measured is not None else hw.per_step_s * rank.overhead_scale / rank.share}
+    first = {
+        "tp_comm": rank.collective("all_reduce", "tp", act, latency_counted=counted),
+        "overhead": measured["per_step_s"]
+        if measured is not None
+        else hw.per_step_s * rank.overhead_scale / rank.share,
+    }
     last = head_pass(s, rank, rows, counted)
     send = {"pp_transfer": rank.collective("send_recv", "pp", act, latency_counted=counted)} if layout.pp > 1 else {}
     last_part = layer_part if last_part is None else last_part
@@ -110,8 +136,16 @@ def pipeline(s: Setup, rank: RankRates, layer_part: dict, rows: int, tokens: int
     return sum(totals), max(totals), scale_terms(add_terms(*stages), 1.0 / layout.pp)
 
 
-def node_time(s: Setup, node: RankRates, node_share: float, layer_part: dict, rows: int, tokens: int,
-              last_part: Optional[dict] = None, trip_fixed: Optional[float] = None) -> float:
+def node_time(
+    s: Setup,
+    node: RankRates,
+    node_share: float,
+    layer_part: dict,
+    rows: int,
+    tokens: int,
+    last_part: Optional[dict] = None,
+    trip_fixed: Optional[float] = None,
+) -> float:
     """Seconds of the node's capacity that one micro-batch's pass through every stage uses
     on the busiest node (all its ranks' work). `trip_fixed`: the layout's measured fixed costs
     of that pass, wall time in place of the ranks' own overheads: while ranks wait at a
@@ -134,16 +168,29 @@ def predict_prefill(s: Setup, m: int, mb: int, node: Optional[RankRates], node_s
     p_tokens = mb * math.ceil(prompt / layout.cp)
     timed = s.hw.prefill_fixed.get(layout.describe()) if layout.ranks > 1 else None
     through, slowest, mean = pipeline(
-        s, alone, stage_terms(s, alone, StagePass(mb, prompt, 0, True, timed)), mb, p_tokens, timed,
-        last_part=stage_terms(s, alone, StagePass(mb, prompt, 0, True, timed, last_stage=True)))
+        s,
+        alone,
+        stage_terms(s, alone, StagePass(mb, prompt, 0, True, timed)),
+        mb,
+        p_tokens,
+        timed,
+        last_part=stage_terms(s, alone, StagePass(mb, prompt, 0, True, timed, last_stage=True)),
+    )
     ttft = through + (m - 1) * slowest
     prefill = scale_terms(mean, m)
     if layout.pp > 1:  # filling the pipeline and uneven stages: the time beyond m mean stages
         prefill["pp_bubble"] = max(0.0, ttft - sum(prefill.values()))
     if node is not None:  # the node's cores and bandwidth shared by all its ranks
-        busy = m * node_time(s, node, node_share, stage_terms(s, node, StagePass(mb, prompt, 0, True)), mb, p_tokens,
-                             stage_terms(s, node, StagePass(mb, prompt, 0, True, last_stage=True)),
-                             trip_fixed=_trip(timed, s.shape.layers))
+        busy = m * node_time(
+            s,
+            node,
+            node_share,
+            stage_terms(s, node, StagePass(mb, prompt, 0, True)),
+            mb,
+            p_tokens,
+            stage_terms(s, node, StagePass(mb, prompt, 0, True, last_stage=True)),
+            trip_fixed=_trip(timed, s.shape.layers),
+        )
         if busy > ttft:
             prefill["node_shared"], ttft = busy - ttft, busy
     return ttft, prefill
@@ -155,22 +202,31 @@ def predict_decode(s: Setup, m: int, mb: int, node: Optional[RankRates], node_sh
     rank = RankRates(s.hw, layout, s.sched, s.shape, busy_stages=m)
     ctx = s.work.prompt_len + max(0, s.work.gen_len - 1) // 2
     measured = s.hw.decode_fixed.get(layout.describe()) if layout.ranks > 1 else None
-    through, slowest, mean = pipeline(s, rank, stage_terms(s, rank, StagePass(mb, 1, ctx, False, measured)), mb, mb,
-                                      measured)
+    through, slowest, mean = pipeline(
+        s, rank, stage_terms(s, rank, StagePass(mb, 1, ctx, False, measured)), mb, mb, measured
+    )
     tpot = max(m * slowest, through)  # the slowest stage's m passes, or one token's trip through all stages
     decode = scale_terms(mean, m)
     if layout.pp > 1:
         decode["pp_bubble"] = max(0.0, tpot - sum(decode.values()))
     if node is not None:
-        busy = m * node_time(s, node, node_share, stage_terms(s, node, StagePass(mb, 1, ctx, False)), mb, mb,
-                             trip_fixed=_trip(measured, s.shape.layers))
+        busy = m * node_time(
+            s,
+            node,
+            node_share,
+            stage_terms(s, node, StagePass(mb, 1, ctx, False)),
+            mb,
+            mb,
+            trip_fixed=_trip(measured, s.shape.layers),
+        )
         if busy > tpot:
             decode["node_shared"], tpot = busy - tpot, busy
     return tpot, decode
 
 
-def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfile,
-            sched: Schedule = Schedule()) -> Prediction:
+def predict(
+    shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfile, sched: Schedule = Schedule()
+) -> Prediction:
     """The prediction for one layout (see the module docstring for what is counted)."""
     problem = why_not(layout, shape)
     if problem:
@@ -186,10 +242,16 @@ def predict(shape: ModelShape, layout: Layout, work: Workload, hw: HardwareProfi
     memory = memory_per_rank(shape, layout, work, hw, sched.ranks_per_node)
     total = sum(memory.values())
     fits = total * GIB <= hw.memory_bytes
-    return Prediction(layout, ttft_s=ttft, tpot_s=tpot,
-                      memory_gib_per_rank=total, fits=fits,
-                      prefill={k: v for k, v in prefill.items() if v > 0},
-                      decode={k: v for k, v in decode.items() if v > 0}, memory=memory)
+    return Prediction(
+        layout,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        memory_gib_per_rank=total,
+        fits=fits,
+        prefill={k: v for k, v in prefill.items() if v > 0},
+        decode={k: v for k, v in decode.items() if v > 0},
+        memory=memory,
+    )
 
 
 def _trip(measured: Optional[dict], layers: int) -> Optional[float]:

@@ -50,7 +50,11 @@ def _layer_s(s: Setup, rank: RankRates, moe: bool, rows: float, new_tokens: floa
     read: float = params
     if moe:
         per_expert = 3 * shape.hidden * max_shard(shape.expert_intermediate, lay.tp)
-        shared = 3 * shape.hidden * max_shard(shape.shared_expert_intermediate, lay.tp) if shape.shared_expert_intermediate else 0
+        shared = (
+            3 * shape.hidden * max_shard(shape.shared_expert_intermediate, lay.tp)
+            if shape.shared_expert_intermediate
+            else 0
+        )
         touched = experts_touched(rows, math.ceil(shape.experts / lay.ep), shape.top_k)
         read += touched * per_expert + shared + shape.hidden * shape.experts
         params += shape.top_k * per_expert + shared  # per row
@@ -60,13 +64,16 @@ def _layer_s(s: Setup, rank: RankRates, moe: bool, rows: float, new_tokens: floa
     gemm = 2.0 * params * rows / hw.gemm_rate(dtype, rank.threads, rows)
     stream = read * elem / rank.bw
     q_heads = shape.heads_per_rank(lay.tp)[0]
-    attention = causal_attention_flops(q_heads, shape.head_dim, int(new_tokens), int(context)) / hw.attention_rate(
-        dtype, rank.threads, max(new_tokens, 1.0), shape.head_dim) if new_tokens else 0.0
+    attention = (
+        causal_attention_flops(q_heads, shape.head_dim, int(new_tokens), int(context))
+        / hw.attention_rate(dtype, rank.threads, max(new_tokens, 1.0), shape.head_dim)
+        if new_tokens
+        else 0.0
+    )
     return max(gemm, stream) + attention + hw.per_layer_s
 
 
-def _step_s(s: Setup, rank: RankRates, layers: range, rows: float, new: float, context: float,
-            decodes: int) -> float:
+def _step_s(s: Setup, rank: RankRates, layers: range, rows: float, new: float, context: float, decodes: int) -> float:
     """A step: layers in `layers` carry the prompt's rows beside the decodes, the rest only the decodes."""
     sparse = s.shape.moe_layers / s.shape.layers  # each layer as the model's mix of sparse and dense ones
 
@@ -80,7 +87,9 @@ def _step_s(s: Setup, rank: RankRates, layers: range, rows: float, new: float, c
     return s.hw.per_step_s + len(layers) * inside + (s.shape.layers - len(layers)) * outside
 
 
-def predict_prefill_schedules(s: Setup, prompt: int, budget: int, decodes: int) -> dict[str, Optional[SchedulePrediction]]:
+def predict_prefill_schedules(
+    s: Setup, prompt: int, budget: int, decodes: int
+) -> dict[str, Optional[SchedulePrediction]]:
     """{'chunked': ..., 'layered': ...} for one prompt of `prompt` tokens beside `decodes` running
     decodes under `budget` tokens a step; layered is None where the engine cannot run it (pp > 1, cp > 1)."""
     if budget <= decodes:
@@ -95,7 +104,9 @@ def predict_prefill_schedules(s: Setup, prompt: int, budget: int, decodes: int) 
         times.append(_step_s(s, rank, range(shape.layers), n, n, c * room, decodes))
         expert_bytes += shape.moe_layers * experts_touched(n + decodes, shape.experts, shape.top_k) * expert_elem
     out: dict[str, Optional[SchedulePrediction]] = {
-        "chunked": SchedulePrediction("chunked", chunks, max(times), sum(times), expert_bytes), "layered": None}
+        "chunked": SchedulePrediction("chunked", chunks, max(times), sum(times), expert_bytes),
+        "layered": None,
+    }
     if s.layout.pp > 1 or s.layout.cp > 1:
         return out
     groups = max(1, min(shape.layers, chunks))
@@ -111,13 +122,17 @@ def predict_prefill_schedules(s: Setup, prompt: int, budget: int, decodes: int) 
 
 
 def format_prefill_schedules(preds: dict, layout: Layout, prompt: int, budget: int, decodes: int) -> str:
-    lines = [f"prefill schedules ({layout.describe()}): a {prompt}-token prompt beside {decodes} decodes, "
-             f"{budget} tokens a step"]
+    lines = [
+        f"prefill schedules ({layout.describe()}): a {prompt}-token prompt beside {decodes} decodes, "
+        f"{budget} tokens a step"
+    ]
     for name, p in preds.items():
         if p is None:
             lines.append(f"  {name:<8} not supported with pp > 1 or cp > 1")
             continue
-        lines.append(f"  {name:<8} {p.steps:>4} steps, TTFT {p.ttft_s:.3g} s, longest step (decode gap) "
-                     f"{p.step_s * 1e3:.3g} ms" + (f", expert weights read {p.expert_bytes / 2**30:.3g} GiB"
-                                                  if p.expert_bytes else ""))
+        lines.append(
+            f"  {name:<8} {p.steps:>4} steps, TTFT {p.ttft_s:.3g} s, longest step (decode gap) "
+            f"{p.step_s * 1e3:.3g} ms"
+            + (f", expert weights read {p.expert_bytes / 2**30:.3g} GiB" if p.expert_bytes else "")
+        )
     return "\n".join(lines)

@@ -35,8 +35,15 @@ class RankRates:
     node's bandwidth, the overhead's CPU seconds spread over the cores, no waiting counted), so
     that the work of every rank on the node bounds the time from below."""
 
-    def __init__(self, hw: HardwareProfile, layout: Layout, sched: Schedule, shape: ModelShape, node: bool = False,
-                 busy_stages: int = 1):
+    def __init__(
+        self,
+        hw: HardwareProfile,
+        layout: Layout,
+        sched: Schedule,
+        shape: ModelShape,
+        node: bool = False,
+        busy_stages: int = 1,
+    ):
         head_dim, kv_heads = shape.head_dim, shape.heads_per_rank(layout.tp)[1]
         self.hw, self.layout, self.sched, self.node, self.head_dim = hw, layout, sched, node, head_dim
         self.local = min(layout.ranks, sched.ranks_per_node)
@@ -67,8 +74,10 @@ class RankRates:
             # own threads (as many ranks as have a core), up to the node's memory bandwidth
             cores = self.sched.cores_per_node or hw.devices_per_node
             per_rank = max(1, cores // self.local)
-            rate = min(self.bw, min(self.local, cores // per_rank)
-                       * hw.kv_bandwidth(per_rank, self.head_dim, self.kv_heads, context))
+            rate = min(
+                self.bw,
+                min(self.local, cores // per_rank) * hw.kv_bandwidth(per_rank, self.head_dim, self.kv_heads, context),
+            )
         return rate
 
     def gemm(self, flops: float, weight_bytes: float, rows: float, dtype: str, row_length: float = math.inf) -> float:
@@ -85,8 +94,9 @@ class RankRates:
         """`matrices`: [(parameters, row length)] of this rank's weight matrices, each run on `rows` rows."""
         return sum(self.gemm(linear_flops(n, rows), n * elem_bytes, rows, dtype, k) for n, k in matrices if n > 0)
 
-    def attention(self, flops: float, kv_bytes: float, rows: float, dtype: str, causal: bool = True,
-                  context: float = 4096) -> float:
+    def attention(
+        self, flops: float, kv_bytes: float, rows: float, dtype: str, causal: bool = True, context: float = 4096
+    ) -> float:
         """The longer of the FLOPs at the attention rate and the KV cache read at the rate for
         `context` tokens per sequence (decode)."""
         if flops <= 0:
@@ -94,8 +104,9 @@ class RankRates:
         rate = self.hw.attention_rate(dtype, self.threads, rows, self.head_dim, causal) * self.share
         return max(flops / rate, kv_bytes / self.kv_rate(context) if kv_bytes > 0 else 0.0)
 
-    def collective(self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None,
-                   latency_counted: bool = False) -> float:
+    def collective(
+        self, op: str, axis: str, nbytes: float, fixed: Optional[float] = None, latency_counted: bool = False
+    ) -> float:
         """Seconds for `op` over this rank's `axis` group; `fixed` replaces the link's latency
         (a measured fixed cost that already holds it); `latency_counted`: only the bytes (the
         layout's measured fixed costs hold every latency and wait)."""
@@ -105,10 +116,17 @@ class RankRates:
         if latency_counted:
             fixed = 0.0
         spans, per_node = group_placement(self.layout, axis, self.sched.ranks_per_node)
-        scope = "inter" if spans else ("shm" if (axis == "tp" and op == "all_reduce" and self.hw.device == "cpu")
-                                       else "intra")
-        factor = {"all_reduce": 2.0 * (n - 1) / n, "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n,
-                  "send_recv": 1.0}[op]
+        scope = (
+            "inter"
+            if spans
+            else ("shm" if (axis == "tp" and op == "all_reduce" and self.hw.device == "cpu") else "intra")
+        )
+        factor = {
+            "all_reduce": 2.0 * (n - 1) / n,
+            "all_gather": (n - 1) / n,
+            "all_to_all": (n - 1) / n,
+            "send_recv": 1.0,
+        }[op]
         link = self.hw.link(op, n, scope)
         if self.oversubscribed:
             # ranks outnumber the cores: every collective also waits for its peers to get a core

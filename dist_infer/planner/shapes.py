@@ -33,11 +33,21 @@ class ModelShape:
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "ModelShape":
         moe_layers = sum(1 for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-        return cls(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=cfg.num_layers,
-                   heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
-                   tied=cfg.tie_word_embeddings, experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-                   expert_intermediate=cfg.moe_intermediate_size,
-                   shared_expert_intermediate=cfg.shared_expert_intermediate_size, moe_layers=moe_layers)
+        return cls(
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            layers=cfg.num_layers,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            vocab=cfg.vocab_size,
+            tied=cfg.tie_word_embeddings,
+            experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            expert_intermediate=cfg.moe_intermediate_size,
+            shared_expert_intermediate=cfg.shared_expert_intermediate_size,
+            moe_layers=moe_layers,
+        )
 
     # -- whole model ---------------------------------------------------------------------------
     def attention_params(self) -> int:
@@ -52,8 +62,11 @@ class ModelShape:
 
     def total_params(self) -> int:
         dense_layers = self.layers - self.moe_layers
-        moe = self.moe_layers * (self.experts * self.expert_params() + 3 * self.hidden * self.shared_expert_intermediate
-                                 + self.hidden * self.experts)
+        moe = self.moe_layers * (
+            self.experts * self.expert_params()
+            + 3 * self.hidden * self.shared_expert_intermediate
+            + self.hidden * self.experts
+        )
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * self.attention_params() + dense_layers * self.dense_mlp_params() + moe + embed
 
@@ -76,8 +89,11 @@ class ModelShape:
             return 0
         experts = math.ceil(self.experts / ep)
         shared = max_shard(self.shared_expert_intermediate, tp) if self.shared_expert_intermediate else 0
-        return (experts * 3 * self.hidden * max_shard(self.expert_intermediate, tp) + 3 * self.hidden * shared
-                + self.hidden * self.experts)
+        return (
+            experts * 3 * self.hidden * max_shard(self.expert_intermediate, tp)
+            + 3 * self.hidden * shared
+            + self.hidden * self.experts
+        )
 
     def vocab_per_rank(self, tp: int) -> int:
         return max_shard(self.vocab, tp)

@@ -80,8 +80,9 @@ def attention_core(s: Setup, rank: RankRates, sp: StagePass, tokens: int, q_head
         if layout.cp > 1:
             masked_rows = math.ceil(sp.new_tokens / (2 * layout.cp))  # a zigzag chunk
             masked = min(flops, sp.seqs * 2 * causal_attention_flops(q_heads, shape.head_dim, masked_rows))
-        return (rank.attention(masked, 0.0, masked_rows, work.attention_dtype)
-                + rank.attention(flops - masked, 0.0, tokens, work.attention_dtype, causal=False))
+        return rank.attention(masked, 0.0, masked_rows, work.attention_dtype) + rank.attention(
+            flops - masked, 0.0, tokens, work.attention_dtype, causal=False
+        )
     ctx = sp.context_before + 1
     flops = sp.seqs * causal_attention_flops(q_heads, shape.head_dim, 1, math.ceil(ctx / layout.cp))
     kv_read = sp.seqs * math.ceil(ctx / layout.cp) * shape.kv_bytes_per_token(layout.tp, 1, B[work.kv_dtype])
@@ -90,8 +91,13 @@ def attention_core(s: Setup, rank: RankRates, sp: StagePass, tokens: int, q_head
 
 def lse_gather(s: Setup, rank: RankRates, sp: StagePass, q_heads: int) -> float:
     """cp: every rank's partial output and LSE for the sampled rows, gathered for the merge."""
-    return rank.collective("all_gather", "cp", sp.seqs * s.layout.cp * (q_heads * s.shape.head_dim + q_heads) * 4,
-                           fixed=s.hw.cp_decode_layer_s or None, latency_counted=sp.counted)
+    return rank.collective(
+        "all_gather",
+        "cp",
+        sp.seqs * s.layout.cp * (q_heads * s.shape.head_dim + q_heads) * 4,
+        fixed=s.hw.cp_decode_layer_s or None,
+        latency_counted=sp.counted,
+    )
 
 
 def cp_ring(s: Setup, rank: RankRates, sp: StagePass, tokens: int, q_heads: int, t_core: float) -> float:
@@ -119,17 +125,32 @@ def layer_parts(s: Setup, rank: RankRates, sp: StagePass) -> LayerParts:
     o = o_proj(s, q_heads)
     qkv = (attn_w - o[0], shape.hidden)
     # norms, residual adds, rotary, SiLU x up, the cache write: memory-bound, once per row
-    ew_bytes = tokens * B[work.act_dtype] * (10 * shape.hidden + 2 * (q_heads + 2 * kv_heads) * shape.head_dim
-                                             + 3 * max_shard(shape.intermediate, layout.tp))
+    ew_bytes = (
+        tokens
+        * B[work.act_dtype]
+        * (
+            10 * shape.hidden
+            + 2 * (q_heads + 2 * kv_heads) * shape.head_dim
+            + 3 * max_shard(shape.intermediate, layout.tp)
+        )
+    )
     t_core = attention_core(s, rank, sp, tokens, q_heads)
     return LayerParts(
-        tokens=tokens, q_heads=q_heads, kv_heads=kv_heads, attn_w=attn_w, q_w=o[0],
-        t_attn_lin=attn_linears(s, rank, tokens, [qkv, o]), t_mlp=mlp_linears(s, rank, tokens),
-        t_ew=ew_bytes / rank.bw, t_core=t_core,
-        all_reduce=rank.collective("all_reduce", "tp", tokens * shape.hidden * B[work.act_dtype],
-                                   latency_counted=sp.counted),
+        tokens=tokens,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        attn_w=attn_w,
+        q_w=o[0],
+        t_attn_lin=attn_linears(s, rank, tokens, [qkv, o]),
+        t_mlp=mlp_linears(s, rank, tokens),
+        t_ew=ew_bytes / rank.bw,
+        t_core=t_core,
+        all_reduce=rank.collective(
+            "all_reduce", "tp", tokens * shape.hidden * B[work.act_dtype], latency_counted=sp.counted
+        ),
         split=should_split(s.sched.overlap, tokens, layout.tp, s.sched.overlap_threshold),
-        ring=cp_ring(s, rank, sp, tokens, q_heads, t_core))
+        ring=cp_ring(s, rank, sp, tokens, q_heads, t_core),
+    )
 
 
 def layer_overhead(s: Setup, rank: RankRates, sp: StagePass) -> float:
@@ -147,11 +168,13 @@ def moe_mlp(s: Setup, rank: RankRates, sp: StagePass, tokens: int) -> tuple[floa
     chunk = math.ceil(tokens / layout.ep)
     active = shape.top_k * 3 * shape.hidden * math.ceil(shape.expert_intermediate / layout.tp)
     touched = min(shape.experts / layout.ep, chunk * shape.top_k) / max(1, shape.experts / layout.ep)
-    t_m = rank.gemm(linear_flops(active, chunk), w * touched * B[mlp_dtype], chunk, mlp_dtype,
-                    shape.hidden)  # (two thirds of an expert's weights: gate and up)
+    t_m = rank.gemm(
+        linear_flops(active, chunk), w * touched * B[mlp_dtype], chunk, mlp_dtype, shape.hidden
+    )  # (two thirds of an expert's weights: gate and up)
     rows = chunk * shape.top_k * shape.hidden * B[work.act_dtype]
     ep = 2 * rank.collective("all_to_all", "ep", rows * layout.ep, latency_counted=sp.counted) + rank.collective(
-        "all_gather", "ep", tokens * shape.hidden * B[work.act_dtype], latency_counted=sp.counted)
+        "all_gather", "ep", tokens * shape.hidden * B[work.act_dtype], latency_counted=sp.counted
+    )
     return t_m, ep
 
 
@@ -162,8 +185,15 @@ def one_layer(s: Setup, rank: RankRates, sp: StagePass, parts: LayerParts, moe: 
     comm = 2 * parts.all_reduce
     if parts.split and s.hw.comm_overlaps_compute:  # each half's all-reduce runs under the other half's compute
         comm = max(0.0, comm - (parts.t_attn_lin + parts.t_core + t_m + parts.t_ew) / 2)
-    return {"gemm": parts.t_attn_lin + t_m, "attention": parts.t_core, "elementwise": parts.t_ew, "tp_comm": comm,
-            "cp_ring": parts.ring, "ep_comm": ep, "overhead": layer_overhead(s, rank, sp)}
+    return {
+        "gemm": parts.t_attn_lin + t_m,
+        "attention": parts.t_core,
+        "elementwise": parts.t_ew,
+        "tp_comm": comm,
+        "cp_ring": parts.ring,
+        "ep_comm": ep,
+        "overhead": layer_overhead(s, rank, sp),
+    }
 
 
 def trimmed_last_layer(s: Setup, rank: RankRates, sp: StagePass, parts: LayerParts) -> dict:
@@ -175,22 +205,38 @@ def trimmed_last_layer(s: Setup, rank: RankRates, sp: StagePass, parts: LayerPar
     kv_w = parts.attn_w - 2 * q_w
     native = s.hw.device == "cpu" and layout.cp == 1
     all_rows_w = kv_w if native else kv_w + q_w  # projected for every row
-    gemm = (attn_linears(s, rank, tokens, [(all_rows_w, shape.hidden)])
-            + attn_linears(s, rank, seqs, [(parts.attn_w - all_rows_w - q_w, shape.hidden), o_proj(s, q_heads)])
-            + mlp_linears(s, rank, seqs))
+    gemm = (
+        attn_linears(s, rank, tokens, [(all_rows_w, shape.hidden)])
+        + attn_linears(s, rank, seqs, [(parts.attn_w - all_rows_w - q_w, shape.hidden), o_proj(s, q_heads)])
+        + mlp_linears(s, rank, seqs)
+    )
     ctx = math.ceil(sp.new_tokens / layout.cp) + sp.context_before
     last_row_only = native or layout.cp > 1  # else (GPU, no cp) attention runs in full, then is cut
-    core = parts.t_core if not last_row_only else rank.attention(
-        seqs * causal_attention_flops(q_heads, shape.head_dim, 1, ctx),
-        seqs * ctx * shape.kv_bytes_per_token(layout.tp, 1, B[work.kv_dtype]), seqs, work.attention_dtype,
-        context=ctx)
+    core = (
+        parts.t_core
+        if not last_row_only
+        else rank.attention(
+            seqs * causal_attention_flops(q_heads, shape.head_dim, 1, ctx),
+            seqs * ctx * shape.kv_bytes_per_token(layout.tp, 1, B[work.kv_dtype]),
+            seqs,
+            work.attention_dtype,
+            context=ctx,
+        )
+    )
     merge = lse_gather(s, rank, sp, q_heads) if layout.cp > 1 else 0.0
-    ew = (tokens * B[work.act_dtype] * (2 * shape.hidden + 4 * parts.kv_heads * shape.head_dim) / rank.bw
-          + parts.t_ew * seqs / tokens)
-    return {"gemm": gemm, "attention": core, "elementwise": ew, "cp_ring": merge,
-            "overhead": layer_overhead(s, rank, sp),
-            "tp_comm": 2 * rank.collective("all_reduce", "tp", seqs * shape.hidden * B[work.act_dtype],
-                                           latency_counted=sp.counted)}
+    ew = (
+        tokens * B[work.act_dtype] * (2 * shape.hidden + 4 * parts.kv_heads * shape.head_dim) / rank.bw
+        + parts.t_ew * seqs / tokens
+    )
+    return {
+        "gemm": gemm,
+        "attention": core,
+        "elementwise": ew,
+        "cp_ring": merge,
+        "overhead": layer_overhead(s, rank, sp),
+        "tp_comm": 2
+        * rank.collective("all_reduce", "tp", seqs * shape.hidden * B[work.act_dtype], latency_counted=sp.counted),
+    }
 
 
 def stage_terms(s: Setup, rank: RankRates, sp: StagePass) -> dict:

@@ -19,8 +19,19 @@ DEFAULT_MASTER_PORT = 29500
 
 # What launchers leave in a rank's environment. A process that starts a job of its own (a peer
 # benchmark, a test) strips these, or its children would think they are ranks of the outer job.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "NODE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+)
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCAL", "MV2_", "SLURM_", "TORCHELASTIC_", "PRTE_")
 
 
@@ -141,7 +152,7 @@ def _expand_brackets(name: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", name)
     if match is None:
         return [name]
-    head, tail = name[: match.start()], name[match.end():]
+    head, tail = name[: match.start()], name[match.end() :]
     out: list[str] = []
     for part in match.group(1).split(","):
         if "-" in part:

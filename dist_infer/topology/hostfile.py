@@ -50,9 +50,7 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
         elif m := _BARE_FORM.match(line):
             name, slots = m.group(1), 1
         else:
-            raise HostfileError(
-                f"{where}: malformed line {raw.strip()!r}; expected 'host slots=N', 'host:N' or 'host'"
-            )
+            raise HostfileError(f"{where}: malformed line {raw.strip()!r}; expected 'host slots=N', 'host:N' or 'host'")
         if name in seen:
             raise HostfileError(f"{where}: host {name!r} appears twice (first on line {seen[name]})")
         seen[name] = lineno

@@ -97,6 +97,7 @@ def parse_layout(text: str) -> Layout:
 
 def _axis_values(part: str, text: str) -> list[tuple[str, int]]:
     """The (axis, size) pairs of one part: 'tp=2', or a compact run like 'tp2pp2'."""
+
     def bad(why: str) -> LayoutError:
         return LayoutError(f"bad layout part {part!r} in {text!r}: {why}")
 

@@ -32,6 +32,7 @@ def own_address() -> str:
         addr = others[0] if others else addr
     return addr
 
+
 def interface_addresses() -> dict[str, str]:
     """IPv4 address of each interface that has one, by interface name."""
     import psutil
@@ -63,7 +64,9 @@ def interface_towards(master_addr: str) -> Optional[str]:
     return interface_for_address(local_address_towards(target))
 
 
-def set_socket_interface(env: MutableMapping[str, str], master_addr: Optional[str], iface: Optional[str] = None) -> Optional[str]:
+def set_socket_interface(
+    env: MutableMapping[str, str], master_addr: Optional[str], iface: Optional[str] = None
+) -> Optional[str]:
     """Set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for a multi-host job; returns the name used.
 
     An explicit `iface` wins; variables the user already exported are left alone.

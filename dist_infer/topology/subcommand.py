@@ -31,8 +31,9 @@ def run_json(args: Sequence[str], timeout: float) -> dict:
         raise SubcommandError(f"dist-infer {' '.join(args)}: no result within {timeout:.0f} s") from None
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise SubcommandError(f"dist-infer {' '.join(args)} failed (exit {proc.returncode}): "
-                              f"{(proc.stderr or proc.stdout)[-2000:]}")
+        raise SubcommandError(
+            f"dist-infer {' '.join(args)} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}"
+        )
     try:
         return json.loads(lines[-1])
     except json.JSONDecodeError:

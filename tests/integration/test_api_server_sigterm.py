@@ -20,18 +20,28 @@ def http() -> httpx.Client:
 
 def test_sigterm_drains_and_exits_0(tmp_path):
     ready_file = tmp_path / "ready.json"
-    code = (f"import sys; sys.path.insert(0, {str(SUPPORT)!r}); "
-            f"from fake_engine import serve_fake_engine_main; "
-            f"serve_fake_engine_main({str(ready_file)!r}, 0.02, 20.0)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    code = (
+        f"import sys; sys.path.insert(0, {str(SUPPORT)!r}); "
+        f"from fake_engine import serve_fake_engine_main; "
+        f"serve_fake_engine_main({str(ready_file)!r}, 0.02, 20.0)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        wait_until(lambda: ready_file.exists() and ready_file.read_text() or proc.poll() is not None, 60,
-                   "the server ready")
+        wait_until(
+            lambda: ready_file.exists() and ready_file.read_text() or proc.poll() is not None, 60, "the server ready"
+        )
         assert proc.poll() is None, proc.communicate()[0]
         url = f"http://127.0.0.1:{json.loads(ready_file.read_text())['port']}/v1"
-        with http() as h, h.stream("POST", url + "/completions",
-                                   json={"prompt": [1, 3], "max_tokens": 40, "stream": True}) as r:
+        with (
+            http() as h,
+            h.stream("POST", url + "/completions", json={"prompt": [1, 3], "max_tokens": 40, "stream": True}) as r,
+        ):
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)

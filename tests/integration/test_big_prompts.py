@@ -70,8 +70,9 @@ def test_a_worker_that_dies_fails_its_request_with_503_and_the_next_gets_new_wor
 
 def serve(engine: FakeEngine):
     ready, port = threading.Event(), {}
-    server = DrainingServer(build_app(engine, MODEL), "127.0.0.1", 0, grace_s=1.0,
-                            on_ready=lambda host, p: (port.update(p=p), ready.set()))
+    server = DrainingServer(
+        build_app(engine, MODEL), "127.0.0.1", 0, grace_s=1.0, on_ready=lambda host, p: (port.update(p=p), ready.set())
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-big-prompts", daemon=True)
     thread.start()
     assert ready.wait(30), "the server did not start"
@@ -114,8 +115,9 @@ def health_while_tokenizing(prompts: int, chars: int) -> tuple[list[float], list
 
 def test_health_answers_while_gil_holding_encodes_run_in_workers():
     latencies, answers, took = health_while_tokenizing(3, worker_pool.POOL_MIN_CHARS)
-    assert all(r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == worker_pool.POOL_MIN_CHARS + 1
-               for r in answers), [r.text for r in answers]
+    assert all(
+        r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == worker_pool.POOL_MIN_CHARS + 1 for r in answers
+    ), [r.text for r in answers]
     assert took >= 2 * HOLD_S  # 3 encodes of HOLD_S on 2 workers
     assert len(latencies) >= 10 and max(latencies) < HOLD_S / 2, sorted(latencies)[-5:]
 
@@ -123,8 +125,8 @@ def test_health_answers_while_gil_holding_encodes_run_in_workers():
 def test_the_same_encodes_in_a_thread_stop_health(monkeypatch):
     """The control: what the test above would see without workers (the prompts stay under the
     pool's threshold), so its bound does tell the two apart."""
-    monkeypatch.setattr(worker_pool, "POOL_MIN_CHARS", 10 ** 9)
-    monkeypatch.setattr("dist_infer.serving.http.state.POOL_MIN_CHARS", 10 ** 9)
+    monkeypatch.setattr(worker_pool, "POOL_MIN_CHARS", 10**9)
+    monkeypatch.setattr("dist_infer.serving.http.state.POOL_MIN_CHARS", 10**9)
     latencies, answers, _ = health_while_tokenizing(3, 8192)
     assert all(r.status_code == 200 for r in answers)
     assert max(latencies) >= HOLD_S / 2, sorted(latencies)[-5:]

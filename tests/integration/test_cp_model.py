@@ -29,6 +29,7 @@ MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 
 # -- the model through the CLI, against HF ----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> CheckpointStore:
     return CheckpointStore(tmp_path_factory.mktemp("cp"), NEW_TOKENS)
@@ -51,8 +52,20 @@ def test_cp_generate_matches_hf(case, store, tmp_path):
     prompts = prompts_for(LENGTHS, seed=4321)
     ref_ids, ref_logits = store.reference(store.model(arch, max_position_embeddings=256), prompts)
     dump = tmp_path / "logits.pt"
-    cmd = [*(prefix or []), "dist-infer", "generate", "--model", str(store.model(arch, max_position_embeddings=256)),
-           "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop", "--json", "--dump-logits", str(dump), *flags]
+    cmd = [
+        *(prefix or []),
+        "dist-infer",
+        "generate",
+        "--model",
+        str(store.model(arch, max_position_embeddings=256)),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+        *flags,
+    ]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     result = run(cmd, TIMEOUT_S)
@@ -73,16 +86,42 @@ def test_a_64k_prompt_with_cp2_matches_the_single_process_flash_reference(tmp_pa
     every length above. Greedy ids identical, each step's logits within fp32 tolerance."""
     from checkpoints import write_hf_checkpoint
 
-    model = write_hf_checkpoint(tmp_path, "llama-gqa", subdir="tiny-64k", hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                max_position_embeddings=65600, rope_theta=1e6)
+    model = write_hf_checkpoint(
+        tmp_path,
+        "llama-gqa",
+        subdir="tiny-64k",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=65600,
+        rope_theta=1e6,
+    )
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(",".join(map(str, prompts_for([65536], seed=64)[0])))
     outs = {}
     for name, flags in (("one process", ["--nproc", "1"]), ("cp=2", ["--cp", "2"])):
         dump = tmp_path / f"{name}.pt"
-        result = run(["dist-infer", "generate", "--model", str(model), "--prompt-ids", f"@{prompt_file}",
-                      "--max-new-tokens", "3", "--no-eos-stop", "--json", "--dump-logits", str(dump), *flags], 300)
+        result = run(
+            [
+                "dist-infer",
+                "generate",
+                "--model",
+                str(model),
+                "--prompt-ids",
+                f"@{prompt_file}",
+                "--max-new-tokens",
+                "3",
+                "--no-eos-stop",
+                "--json",
+                "--dump-logits",
+                str(dump),
+                *flags,
+            ],
+            300,
+        )
         assert result.returncode == 0, f"{name} exited {result.returncode}"
         out = json.loads([ln for ln in result.stdout.splitlines() if ln.strip()][-1])
         outs[name] = (out["outputs"][0]["token_ids"], torch.load(dump)[0])
@@ -101,8 +140,22 @@ def test_cp_auto_starts_two_ranks_for_a_long_prompt_and_one_for_a_short_one(tmp_
     for prompt, want_cp in ((f"@{long_file}", 2), (short, 1)):
         ids = {}
         for flags in (["--cp", "auto", "--nproc", "2"], ["--nproc", "1"]):
-            result = run(["dist-infer", "generate", "--model", str(model), "--prompt-ids", prompt,
-                          "--max-new-tokens", "3", "--no-eos-stop", "--json", *flags], TIMEOUT_S)
+            result = run(
+                [
+                    "dist-infer",
+                    "generate",
+                    "--model",
+                    str(model),
+                    "--prompt-ids",
+                    prompt,
+                    "--max-new-tokens",
+                    "3",
+                    "--no-eos-stop",
+                    "--json",
+                    *flags,
+                ],
+                TIMEOUT_S,
+            )
             assert result.returncode == 0, f"{flags} exited {result.returncode}"
             out = json.loads([ln for ln in result.stdout.splitlines() if ln.strip()][-1])
             if "auto" in flags:

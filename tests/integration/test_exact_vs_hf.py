@@ -43,21 +43,33 @@ def run_cli(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.Completed
 
 
 def generate_args(model: Path, prompts: list[list[int]], dump: Path, extra: list[str]) -> list[str]:
-    args = ["generate", "--model", str(model), "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop", "--json",
-            "--dump-logits", str(dump)]
+    args = [
+        "generate",
+        "--model",
+        str(model),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+    ]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
     return args + extra
 
 
 def parse_json(proc: subprocess.CompletedProcess, what: str) -> dict:
-    assert proc.returncode == 0, f"{what} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"{what} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines, f"{what}: no stdout\nstderr:\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
 
 
 # --- checkpoints and references, built once per module --------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> CheckpointStore:
@@ -83,29 +95,56 @@ CASES = {
     "mistral-pp2": ("mistral", {}, SHORT, None, ["--pp", "2", "--nproc", "2"]),
     "multishard-tp2": ("llama-gqa", {"max_shard_size": "100KB"}, SHORT, None, ["--tp", "2", "--nproc", "2"]),
     # explicit split, and KV blocks of 4 tokens so every prompt spans several non-adjacent blocks
-    "gqa-pp2-split11-block4": ("llama-gqa", {}, SHORT, None,
-                               ["--pp", "2", "--nproc", "2", "--pp-split", "1,1", "--block-size", "4"]),
-    "torchrun-tp2xpp2": ("llama-gqa", {}, SHORT, [_exe("torchrun"), "--nproc-per-node", "4", "--no-python", *DIST],
-                         ["--tp", "2", "--pp", "2"]),
-    "mpirun-gloo-tp2xpp2": ("llama-gqa", {}, SHORT,
-                            [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "4", *DIST],
-                            ["--tp", "2", "--pp", "2", "--backend", "gloo"]),
-    "mpirun-mpi-tp2xpp2": ("llama-gqa", {}, SHORT,
-                           [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "4", *DIST],
-                           ["--tp", "2", "--pp", "2", "--backend", "mpi"]),
+    "gqa-pp2-split11-block4": (
+        "llama-gqa",
+        {},
+        SHORT,
+        None,
+        ["--pp", "2", "--nproc", "2", "--pp-split", "1,1", "--block-size", "4"],
+    ),
+    "torchrun-tp2xpp2": (
+        "llama-gqa",
+        {},
+        SHORT,
+        [_exe("torchrun"), "--nproc-per-node", "4", "--no-python", *DIST],
+        ["--tp", "2", "--pp", "2"],
+    ),
+    "mpirun-gloo-tp2xpp2": (
+        "llama-gqa",
+        {},
+        SHORT,
+        [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "4", *DIST],
+        ["--tp", "2", "--pp", "2", "--backend", "gloo"],
+    ),
+    "mpirun-mpi-tp2xpp2": (
+        "llama-gqa",
+        {},
+        SHORT,
+        [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "4", *DIST],
+        ["--tp", "2", "--pp", "2", "--backend", "mpi"],
+    ),
     # token-splitting overlap forced on: every step cut in two halves, sequences straddling the cut
     "gqa-tp2-overlap-on": ("llama-gqa", {}, SHORT, None, ["--tp", "2", "--nproc", "2", "--overlap", "on"]),
     "launch-tp2": ("llama-gqa", {}, SHORT, [*DIST, "launch", "--nproc-per-node", "2", "--", *DIST], ["--tp", "2"]),
     # sequence parallelism on every step: reduce-scatter / all-gather through shared memory, through
     # gloo, and through MPI; tp 4 with token counts 4 does not divide (padded rows), Qwen2's biases
     "gqa-tp2-sp": ("llama-gqa", {}, SHORT, None, ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on"]),
-    "gqa-tp2-sp-gloo": ("llama-gqa", {}, SHORT, None,
-                        ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on", "--shm", "off"]),
+    "gqa-tp2-sp-gloo": (
+        "llama-gqa",
+        {},
+        SHORT,
+        None,
+        ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on", "--shm", "off"],
+    ),
     "mqa-tp4-sp": ("llama-mqa", {}, SHORT, None, ["--tp", "4", "--nproc", "4", "--sequence-parallel", "on"]),
     "qwen2-tp2-sp": ("qwen2", {}, SHORT, None, ["--tp", "2", "--nproc", "2", "--sequence-parallel", "on"]),
-    "mpirun-mpi-tp2-sp": ("llama-gqa", {}, SHORT,
-                          [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "2", *DIST],
-                          ["--tp", "2", "--backend", "mpi", "--shm", "off", "--sequence-parallel", "on"]),
+    "mpirun-mpi-tp2-sp": (
+        "llama-gqa",
+        {},
+        SHORT,
+        [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "2", *DIST],
+        ["--tp", "2", "--backend", "mpi", "--shm", "off", "--sequence-parallel", "on"],
+    ),
 }
 
 
@@ -160,8 +199,11 @@ def test_eos_stop_tp2xpp2_matches_hf(store, tmp_path):
     stops = [ids.index(EOS) if EOS in ids else None for ids in ref_ids]
     assert stops == [2, 1, None], f"the fixture changed: HF's EOS steps are {stops}"
     dump = tmp_path / "logits.pt"
-    args = [a for a in generate_args(model, prompts, dump, ["--tp", "2", "--pp", "2", "--nproc", "4"])
-            if a != "--no-eos-stop"]
+    args = [
+        a
+        for a in generate_args(model, prompts, dump, ["--tp", "2", "--pp", "2", "--nproc", "4"])
+        if a != "--no-eos-stop"
+    ]
     out = parse_json(run_cli(DIST + args), "eos")
     dumped = torch.load(dump)
     for b, (row, stop) in enumerate(zip(out["outputs"], stops)):
@@ -174,11 +216,15 @@ def test_eos_stop_tp2xpp2_matches_hf(store, tmp_path):
 
 # --- seeded sampling through the CLI ----------------------------------------------------------------
 
+
 def _sample(store, tmp_path, seed: int, flags: list[str]) -> list[list[int]]:
     model = store.model("llama-gqa")
     prompts = prompts_for(SHORT)
-    args = DIST + generate_args(model, prompts, tmp_path / f"s{seed}{'-'.join(flags)}.pt", flags) + [
-        "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", str(seed)]
+    args = (
+        DIST
+        + generate_args(model, prompts, tmp_path / f"s{seed}{'-'.join(flags)}.pt", flags)
+        + ["--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", str(seed)]
+    )
     out = parse_json(run_cli(args), f"sampling seed {seed} {flags}")
     return [row["token_ids"] for row in out["outputs"]]
 
@@ -196,6 +242,7 @@ def test_seeded_sampling_independent_of_layout(store, tmp_path):
 
 
 # --- the comparison itself ----------------------------------------------------------------------------
+
 
 def test_comparison_accepts_only_near_ties():
     """assert_matches_hf lets ids differ only where HF's top-2 gap is < 1e-4, and then stops comparing."""

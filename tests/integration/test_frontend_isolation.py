@@ -34,9 +34,16 @@ LONG = 200
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("isolate"), "llama-gqa", max_position_embeddings=1024,
-                               hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
-                               num_hidden_layers=2)
+    return write_hf_checkpoint(
+        tmp_path_factory.mktemp("isolate"),
+        "llama-gqa",
+        max_position_embeddings=1024,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+    )
 
 
 def _entries(job) -> dict[str, float]:
@@ -55,7 +62,7 @@ def _hostile_connections(hub: tuple) -> list[socket.socket]:
     garbage.sendall(os.urandom(4096))
     held.append(garbage)
     huge = socket.create_connection(hub)
-    huge.sendall(struct.pack("!i", 2 ** 30))
+    huge.sendall(struct.pack("!i", 2**30))
     held.append(huge)
     reset = socket.create_connection(hub)
     time.sleep(0.5)
@@ -69,8 +76,20 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
     import json
 
     prompts = prompts_for([9, 17, 13], seed=5)
-    args = ["--model", checkpoint, "--instances", "tp1,tp1,tp1", "--kv-blocks", "96", "--migrate-interval", "0",
-            "--dispatch", "rr", "--timeout", "60"]
+    args = [
+        "--model",
+        checkpoint,
+        "--instances",
+        "tp1,tp1,tp1",
+        "--kv-blocks",
+        "96",
+        "--migrate-interval",
+        "0",
+        "--dispatch",
+        "rr",
+        "--timeout",
+        "60",
+    ]
     with ServerJob(tmp_path, args) as job:
         insts = instances(job)
         victim = insts[0]["pids"][0]
@@ -87,8 +106,11 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
 
                 tasks = []
                 for i, p in enumerate(prompts):  # rr: request i runs on instance i
-                    tasks.append(asyncio.create_task(
-                        stream_tokens(client, job.url, p, kill_at if i == 0 else None, max_tokens=LONG)))
+                    tasks.append(
+                        asyncio.create_task(
+                            stream_tokens(client, job.url, p, kill_at if i == 0 else None, max_tokens=LONG)
+                        )
+                    )
                     await asyncio.sleep(0.1)
                 chaos = await asyncio.gather(*tasks)
                 alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts]
@@ -116,11 +138,17 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
         for s in held:
             s.close()
         assert again["move"] == "ok" and again["token_ids"] == alone[0]["token_ids"], again
-        for extreme in ({"top_p": 1e-50, "temperature": 1.0}, {"temperature": 1e-300}, {"temperature": 1e-40},
-                        {"temperature": 5e-324, "top_p": 5e-324}, {"top_k": int("9" * 400), "temperature": 1.0}):
+        for extreme in (
+            {"top_p": 1e-50, "temperature": 1.0},
+            {"temperature": 1e-300},
+            {"temperature": 1e-40},
+            {"temperature": 5e-324, "top_p": 5e-324},
+            {"top_k": int("9" * 400), "temperature": 1.0},
+        ):
             # each of these once ended the instance running it, then the next, then the API
-            r = httpx.post(job.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 4, **extreme},
-                           timeout=60)
+            r = httpx.post(
+                job.url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 4, **extreme}, timeout=60
+            )
             assert r.status_code in (200, 400), (extreme, r.status_code, r.text)
         assert [i["state"] for i in instances(job)] == ["serving"] * 3
         assert_all_blocks_free(job)
@@ -145,9 +173,24 @@ async def _moved(job, prompt):
 def test_a_thousand_requests_with_migrations_leave_nothing_behind(checkpoint, tmp_path):
     moved_tokens = 256  # tokens of the requests that are moved
     prompts = prompts_for([5, 8, 11, 6, 9, 12, 7, 10], seed=17)
-    args = ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "256", "--migrate-interval", "0.2",
-            "--dispatch", "rr", "--timeout", "60", "--max-queue", "2000"]
+    args = [
+        "--model",
+        checkpoint,
+        "--instances",
+        "tp1,tp1",
+        "--kv-blocks",
+        "256",
+        "--migrate-interval",
+        "0.2",
+        "--dispatch",
+        "rr",
+        "--timeout",
+        "60",
+        "--max-queue",
+        "2000",
+    ]
     with ServerJob(tmp_path, args) as job:
+
         async def go():
             limits = httpx.Limits(max_connections=32)
             async with httpx.AsyncClient(limits=limits) as client:
@@ -161,15 +204,20 @@ def test_a_thousand_requests_with_migrations_leave_nothing_behind(checkpoint, tm
                     async def move(request_id, n):
                         if n >= 3 and i % 25 == 0 and not moved:
                             moved.append(request_id)
-                            on = [x["index"] for x in await asyncio.to_thread(instances, job) if request_id in x["requests"]]
+                            on = [
+                                x["index"]
+                                for x in await asyncio.to_thread(instances, job)
+                                if request_id in x["requests"]
+                            ]
                             if on:  # (it may have finished already)
                                 moves.append(await force_migrate(client, job.url, request_id, 1 - on[0]))
 
                     moved: list = []
                     async with gate:
                         long = i % 25 == 0
-                        got = await stream_tokens(client, job.url, prompts[i % len(prompts)], move,
-                                                  max_tokens=moved_tokens if long else 3)
+                        got = await stream_tokens(
+                            client, job.url, prompts[i % len(prompts)], move, max_tokens=moved_tokens if long else 3
+                        )
                         return i, got
 
                 results = await asyncio.gather(*(one(i) for i in range(1000)))
@@ -178,13 +226,14 @@ def test_a_thousand_requests_with_migrations_leave_nothing_behind(checkpoint, tm
         alone, results, moves = run_async(go())
         for i, got in results:
             want = alone[i % len(prompts)]["token_ids"]
-            assert got["error"] is None and got["token_ids"] == want[:len(got["token_ids"])], (i, got)
+            assert got["error"] is None and got["token_ids"] == want[: len(got["token_ids"])], (i, got)
             assert len(got["token_ids"]) == (moved_tokens if i % 25 == 0 else 3)
         outcomes = [m.json().get("outcome") for m in moves if m.status_code == 200]
         assert outcomes.count("ok") >= 5, [m.text for m in moves]
         assert_all_blocks_free(job)
-        wait_until(lambda: not any(_entries(job).values()), 10, "the front end's per-request entries emptied",
-                   interval=0.2)
+        wait_until(
+            lambda: not any(_entries(job).values()), 10, "the front end's per-request entries emptied", interval=0.2
+        )
         entries = _entries(job)
         assert entries and not any(entries.values()), entries
         assert job.stop() == 0, job.log()[-4000:]
@@ -203,14 +252,19 @@ def test_sampling_parameters_across_their_domain_never_hurt_a_real_instance(chec
         before = httpx.post(job.url + "/v1/completions", json=greedy, timeout=60).json()["choices"][0]["token_ids"]
         seen = []
 
-        @settings(max_examples=150, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(body=sampling_bodies())
         def one(body):
             import json
 
-            r = httpx.post(job.url + "/v1/completions", content=json.dumps(body), timeout=60,
-                           headers={"content-type": "application/json"})
+            r = httpx.post(
+                job.url + "/v1/completions",
+                content=json.dumps(body),
+                timeout=60,
+                headers={"content-type": "application/json"},
+            )
             seen.append(r.status_code)
             assert r.status_code in (200, 400), (body, r.status_code, r.text[:2000])
             assert '"code":500' not in r.text.replace(" ", ""), (body, r.text[:2000])

@@ -93,8 +93,18 @@ def results(paths) -> dict[str, Result]:
     procs = {}
     for name, args in cases.items():
         cmd = [_exe(), "generate", "--max-new-tokens", "2", *args]
-        procs[name] = (cmd, subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                             text=True, start_new_session=True))
+        procs[name] = (
+            cmd,
+            subprocess.Popen(
+                cmd,
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            ),
+        )
     deadline = time.monotonic() + TIMEOUT_S
     out = {}
     for name, (cmd, proc) in procs.items():
@@ -123,6 +133,7 @@ def assert_fails(res: Result, *needles: str) -> str:
 
 # --- the checkpoint --------------------------------------------------------------------------------
 
+
 def test_model_dir_missing(results, paths):
     assert_fails(results["model_missing"], str(paths["root"] / "no-such-model"), "does not exist")
 
@@ -142,6 +153,7 @@ def test_wrong_tensor_shape_names_tensor_and_shapes(results):
 
 # --- parallel sizes -------------------------------------------------------------------------------
 
+
 def test_tp_above_the_query_heads(results):
     """tp need not divide the heads (tests/integration/test_gguf_generate.py runs tp=3 and 4 on 6 heads), but every rank
     needs one query head."""
@@ -157,6 +169,7 @@ def test_pp_larger_than_layers(results):
 
 
 # --- prompts --------------------------------------------------------------------------------------
+
 
 def test_prompt_longer_than_positions(results):
     assert_fails(results["too_long"], "prompt 1", "130 tokens", "132", "128 positions")

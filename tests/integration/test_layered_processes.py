@@ -35,8 +35,10 @@ SERVED = prompts_for([15, 17, 14, 16, 4], seed=42)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("layered-procs")
-    return {"moe": write_hf_checkpoint(root, "qwen2-moe"), "dense": write_hf_checkpoint(root, "llama-gqa",
-                                                                                      num_hidden_layers=4)}
+    return {
+        "moe": write_hf_checkpoint(root, "qwen2-moe"),
+        "dense": write_hf_checkpoint(root, "llama-gqa", num_hidden_layers=4),
+    }
 
 
 _refs: dict = {}
@@ -50,12 +52,29 @@ def _reference(path, prompts):
 
 
 def _generate(prefix: list[str], model, dump, flags: list[str]) -> dict:
-    cmd = [*prefix, "generate", "--model", str(model), "--max-new-tokens", str(NEW), "--no-eos-stop", "--json",
-           "--dump-logits", str(dump), "--prefill-schedule", "layered", "--max-batched-tokens", "6", *flags]
+    cmd = [
+        *prefix,
+        "generate",
+        "--model",
+        str(model),
+        "--max-new-tokens",
+        str(NEW),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+        "--prefill-schedule",
+        "layered",
+        "--max-batched-tokens",
+        "6",
+        *flags,
+    ]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     proc = run(cmd, TIMEOUT_S, env=checkout_env())
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert lines, f"no stdout\nstderr:\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -72,8 +91,12 @@ def test_moe_tp2_generate_layered_matches_hf(checkpoints, tmp_path):
 def test_moe_ep2_generate_layered_over_mpirun_matches_hf(checkpoints, tmp_path):
     mpirun = shutil.which("mpirun") or venv_exe("mpirun")
     dump = tmp_path / "logits.pt"
-    out = _generate([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", venv_exe("dist-infer")],
-                    checkpoints["moe"], dump, ["--ep", "2", "--backend", "mpi", "--shm", "off"])
+    out = _generate(
+        [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", venv_exe("dist-infer")],
+        checkpoints["moe"],
+        dump,
+        ["--ep", "2", "--backend", "mpi", "--shm", "off"],
+    )
     assert "mpi" in out["parallel"]["backend"] and out["parallel"]["world_size"] == 2, out["parallel"]
     ids, logits = _reference(checkpoints["moe"], PROMPTS)
     assert_matches_hf(out, torch.load(dump), PROMPTS, ids, logits, "qwen2-moe ep=2 layered over mpirun")
@@ -81,18 +104,40 @@ def test_moe_ep2_generate_layered_over_mpirun_matches_hf(checkpoints, tmp_path):
 
 async def _burst(url: str, prompts) -> list[list[int]]:
     async with httpx.AsyncClient() as client:
-        calls = [(stream_ids if i % 2 else complete_ids)(client, url, p, max_tokens=NEW, temperature=0,
-                                                         ignore_eos=True)
-                 for i, p in enumerate(prompts)]
+        calls = [
+            (stream_ids if i % 2 else complete_ids)(client, url, p, max_tokens=NEW, temperature=0, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
         results = await asyncio.gather(*calls)
     return [r["token_ids"] if "token_ids" in r else r["choices"][0]["token_ids"] for r in results]
 
 
 def test_served_layered_under_preemption_matches_hf(checkpoints, tmp_path):
     """9 blocks of 4 tokens hold about one 14-17 token prompt and its new tokens, so the burst preempts."""
-    args = ["--model", checkpoints["dense"], "--nproc", "2", "--tp", "2", "--block-size", "4",
-            "--max-batched-tokens", "7", "--kv-blocks", "9", "--max-num-seqs", "4", "--timeout", "60",
-            "--prefill-schedule", "layered", "--layer-groups", "2", "--prefix-caching", "off"]
+    args = [
+        "--model",
+        checkpoints["dense"],
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+        "--block-size",
+        "4",
+        "--max-batched-tokens",
+        "7",
+        "--kv-blocks",
+        "9",
+        "--max-num-seqs",
+        "4",
+        "--timeout",
+        "60",
+        "--prefill-schedule",
+        "layered",
+        "--layer-groups",
+        "2",
+        "--prefix-caching",
+        "off",
+    ]
     with ServerJob(tmp_path, args, env=checkout_env()) as server:
         got = run_async(_burst(server.url, SERVED))
         metrics = server.metrics()
@@ -105,8 +150,23 @@ def test_served_layered_under_preemption_matches_hf(checkpoints, tmp_path):
 
 
 def test_bench_compares_layered_prefill_with_its_expert_reads(checkpoints):
-    cmd = [venv_exe("dist-infer"), "bench", "--model", str(checkpoints["moe"]), "--batch", "2", "--prompt-len", "48",
-           "--gen-len", "3", "--max-batched-tokens", "12", "--compare", "layered", "--json"]
+    cmd = [
+        venv_exe("dist-infer"),
+        "bench",
+        "--model",
+        str(checkpoints["moe"]),
+        "--batch",
+        "2",
+        "--prompt-len",
+        "48",
+        "--gen-len",
+        "3",
+        "--max-batched-tokens",
+        "12",
+        "--compare",
+        "layered",
+        "--json",
+    ]
     proc = run(cmd, TIMEOUT_S, env=checkout_env())
     assert proc.returncode == 0, f"exit {proc.returncode}\nstderr:\n{proc.stderr[-4000:]}"
     ours = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])

@@ -33,17 +33,41 @@ HF_CHECKED = 40  # tokens compared with HF (the migration points are within them
 def checkpoint(tmp_path_factory):
     # wide enough that a decode step takes a millisecond or two, so a request of LONG tokens is still
     # decoding when a migration forced at its first tokens has done its stages
-    return write_hf_checkpoint(tmp_path_factory.mktemp("migrate"), "llama-gqa", max_position_embeddings=2048,
-                               hidden_size=384, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536,
-                               num_hidden_layers=4)
+    return write_hf_checkpoint(
+        tmp_path_factory.mktemp("migrate"),
+        "llama-gqa",
+        max_position_embeddings=2048,
+        hidden_size=384,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+    )
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    job = ServerJob(tmp_path_factory.mktemp("migrate-serve"),
-                    ["--model", checkpoint, "--instances", "tp2,tp1", "--block-size", "16", "--kv-blocks", "120",
-                     "--max-batched-tokens", "64", "--migrate-interval", "0", "--migration-timeout", "4",
-                     "--timeout", "60"])
+    job = ServerJob(
+        tmp_path_factory.mktemp("migrate-serve"),
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp2,tp1",
+            "--block-size",
+            "16",
+            "--kv-blocks",
+            "120",
+            "--max-batched-tokens",
+            "64",
+            "--migrate-interval",
+            "0",
+            "--migration-timeout",
+            "4",
+            "--timeout",
+            "60",
+        ],
+    )
     yield job
     if job.proc.poll() is None:
         job.kill()
@@ -59,6 +83,7 @@ def test_migrated_requests_equal_unmigrated_and_hf_across_tp_sizes(server, check
 
     async def go():
         async with httpx.AsyncClient() as client:
+
             async def movedstream_tokens(i):
                 state = {"moves": 0}
 
@@ -99,6 +124,7 @@ def test_seeded_sampling_continues_bit_identically(server):
 
     async def go():
         async with httpx.AsyncClient() as client:
+
             async def on_token(request_id, n, done=[]):
                 if n >= 7 and not done:
                     done.append(1)
@@ -127,7 +153,7 @@ def test_migration_between_prefill_chunks(server):
                 if placed:
                     break
                 await asyncio.sleep(0.005)
-            (src, request_id), = placed
+            ((src, request_id),) = placed
             r = await force_migrate(client, server.url, request_id, 1 - src)
             moved = await task
             alone = await stream_tokens(client, server.url, prompt, max_tokens=50)
@@ -169,7 +195,9 @@ def test_no_room_on_the_destination_keeps_the_request_on_the_source(server):
 
             first = asyncio.create_task(stream_tokens(client, server.url, big, hold, max_tokens=900))
             await placed.wait()
-            second = await stream_tokens(client, server.url, other, try_move, max_tokens=600)  # long: still there when moved
+            second = await stream_tokens(
+                client, server.url, other, try_move, max_tokens=600
+            )  # long: still there when moved
             alone = await stream_tokens(client, server.url, other, max_tokens=600)
             await first
             return ids["refused"], second, alone
@@ -225,8 +253,9 @@ def test_a_client_leaving_mid_migration_leaks_nothing(server):
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):
                             request_id = json.loads(line[6:])["id"]
-                            move = asyncio.create_task(force_migrate(client, server.url, request_id,
-                                                                1 - where(server, request_id)))
+                            move = asyncio.create_task(
+                                force_migrate(client, server.url, request_id, 1 - where(server, request_id))
+                            )
                             await asyncio.sleep(delay)
                             break  # leaves the stream: the server aborts the request wherever it is
                 outcomes.append(await move)
@@ -253,8 +282,10 @@ def test_drain_moves_every_request_off_an_instance(server):
                 if n == 2 and not drained:
                     drained["r"] = await client.post(server.url + "/admin/instances/0/drain", timeout=30)
 
-            streams = [asyncio.create_task(stream_tokens(client, server.url, p, on_token if i == 0 else None))
-                       for i, p in enumerate(prompts)]
+            streams = [
+                asyncio.create_task(stream_tokens(client, server.url, p, on_token if i == 0 else None))
+                for i, p in enumerate(prompts)
+            ]
             results = await asyncio.gather(*streams)
             insts = instances(server)
             late = await stream_tokens(client, server.url, prompts[0], max_tokens=20)
@@ -290,8 +321,26 @@ def test_migration_between_pipeline_and_tensor_parallelinstances(checkpoint, tmp
     """pp2 (layers 0-1 on one rank, 2-3 on the next) <-> tp1: each stage's rank sends or receives
     just its layers; with pp the pause waits for the request's sampled token to come back."""
     prompts = prompts_for([17, 33, 9], seed=31)
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "pp2,tp1", "--block-size", "16",
-                              "--kv-blocks", "120", "--migrate-interval", "0", "--dispatch", "rr", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "pp2,tp1",
+            "--block-size",
+            "16",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--dispatch",
+            "rr",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
+
         async def go():
             async with httpx.AsyncClient() as client:
                 moves = []
@@ -311,7 +360,9 @@ def test_migration_between_pipeline_and_tensor_parallelinstances(checkpoint, tmp
         moved, alone, moves = run_async(go())
         for m, a in zip(moved, alone):
             assert m["token_ids"] == a["token_ids"] and len(m["token_ids"]) == LONG
-        assert all(r.status_code == 200 and r.json()["outcome"] == "ok" for _, _, r in moves), [r.text for *_, r in moves]
+        assert all(r.status_code == 200 and r.json()["outcome"] == "ok" for _, _, r in moves), [
+            r.text for *_, r in moves
+        ]
         assert len(moves) == len(prompts) and {src for _, src, _ in moves} == {0, 1}, "rr: both directions"
         assert_all_blocks_free(job)
         assert job.stop() == 0, job.log()[-4000:]
@@ -329,9 +380,25 @@ def test_migration_over_mpi(checkpoint, tmp_path):
     from serving_helpers import DIST
 
     prompt = prompts_for([14], seed=51)[0]
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1", "--backend", "mpi", "--kv-blocks", "120",
-                              "--migrate-interval", "0", "--timeout", "60"],
-                   prefix=[mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2"] + DIST) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp1,tp1",
+            "--backend",
+            "mpi",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--timeout",
+            "60",
+        ],
+        prefix=[mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2"] + DIST,
+    ) as job:
+
         async def go():
             async with httpx.AsyncClient() as client:
                 out = {}

@@ -48,8 +48,19 @@ def store(tmp_path_factory) -> CheckpointStore:
 
 
 def generate(prefix: list[str], model: Path, prompts, dump: Path, flags: list[str]) -> dict:
-    cmd = [*prefix, "generate", "--model", str(model), "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop",
-           "--json", "--dump-logits", str(dump), *flags]
+    cmd = [
+        *prefix,
+        "generate",
+        "--model",
+        str(model),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+        *flags,
+    ]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     result = run(cmd, JOB_TIMEOUT)
@@ -68,8 +79,13 @@ CASES = {
     "mixtral-ep4": ("mixtral", {}, SHORT, ["dist-infer"], ["--ep", "4"]),
     "mixtral-ep2xtp2-mpi": ("mixtral", {}, SHORT, mpirun(4), ["--ep", "2", "--tp", "2", "--backend", "mpi"]),
     "mixtral-ep2xpp2-torchrun": ("mixtral", {}, SHORT, None, ["--ep", "2", "--pp", "2"]),
-    "forced-ep2-mpirun-gloo": ("mixtral", {"force_experts": FORCED}, SHORT, mpirun(2),
-                               ["--ep", "2", "--backend", "gloo"]),
+    "forced-ep2-mpirun-gloo": (
+        "mixtral",
+        {"force_experts": FORCED},
+        SHORT,
+        mpirun(2),
+        ["--ep", "2", "--backend", "gloo"],
+    ),
     "forced-ep4": ("mixtral", {"force_experts": FORCED}, SHORT, ["dist-infer"], ["--ep", "4"]),
     "qwen2moe-ep2xpp2": ("qwen2-moe", {}, SHORT, ["dist-infer"], ["--ep", "2", "--pp", "2"]),
     "qwen2moe-ep2xtp2": ("qwen2-moe", {}, SHORT, ["dist-infer"], ["--ep", "2", "--tp", "2"]),
@@ -107,7 +123,9 @@ def test_generate_matches_hf(case, store, tmp_path):
 
     for i, layer in moe["layers"].items():
         if cp == 1:  # with cp, the statistics are those of world rank 0's cp shard of the prompts
-            assert sum(layer["tokens_per_expert"]) == routed(i) * 2, f"layer {i}: every (token, expert) pair, none dropped"
+            assert sum(layer["tokens_per_expert"]) == routed(i) * 2, (
+                f"layer {i}: every (token, expert) pair, none dropped"
+            )
     if "force_experts" in options:
         for i, layer in moe["layers"].items():
             assert layer["tokens_per_rank"] == [routed(i) * 2] + [0] * (ep - 1), f"layer {i}: {layer}"
@@ -119,19 +137,45 @@ def test_measured_routing_becomes_a_placement(store, tmp_path):
     """bench --save-routing measures tokens per expert; generate --expert-placement uses the balanced placement."""
     model = store.model("mixtral")
     routing = tmp_path / "routing.json"
-    bench = run(["dist-infer", "bench", "--model", str(model), "--ep", "2", "--batch", "2", "--prompt-len", "12",
-                 "--gen-len", "3", "--save-routing", str(routing), "--json"], JOB_TIMEOUT)
+    bench = run(
+        [
+            "dist-infer",
+            "bench",
+            "--model",
+            str(model),
+            "--ep",
+            "2",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "12",
+            "--gen-len",
+            "3",
+            "--save-routing",
+            str(routing),
+            "--json",
+        ],
+        JOB_TIMEOUT,
+    )
     assert bench.returncode == 0, bench.stderr[-4000:]
     summary = last_json(bench.stdout)
-    assert summary["ep"] == 2 and set(summary["moe"]["time_s_mean"]) == {"route", "dispatch", "experts", "combine",
-                                                                          "gather"}
+    assert summary["ep"] == 2 and set(summary["moe"]["time_s_mean"]) == {
+        "route",
+        "dispatch",
+        "experts",
+        "combine",
+        "gather",
+    }
     assert "dispatch+combine / experts" in bench.stdout
     saved = json.loads(routing.read_text())
     # the timed run only: prefill, then two decode steps; the last layer (1) routes only each
     # prompt's last token in prefill (the rows nobody reads are dropped before its MLP)
     timed_tokens = {"0": 2 * 12 + 2 * (3 - 1), "1": 2 + 2 * (3 - 1)}
     for i, layer in summary["moe"]["layers"].items():
-        assert saved["counts"][i] == layer["tokens_per_expert"] and sum(layer["tokens_per_expert"]) == timed_tokens[str(i)] * 2
+        assert (
+            saved["counts"][i] == layer["tokens_per_expert"]
+            and sum(layer["tokens_per_expert"]) == timed_tokens[str(i)] * 2
+        )
         assert saved["imbalance_balanced"][i] <= saved["imbalance_contiguous"][i]
     contiguous = {i: [0, 0, 0, 0, 1, 1, 1, 1] for i in saved["placement"]}
     assert saved["placement"] != contiguous, "the measured skew should move some experts"

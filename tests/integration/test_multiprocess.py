@@ -22,8 +22,21 @@ FAIL_FAST_S = 15.0
 
 
 def test_torchrun():
-    cmd = ["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()), "--no-python",
-           "dist-infer", "comm-test", "--tp", "2", "--pp", "2", *COMM_TEST_FAST]
+    cmd = [
+        "torchrun",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        "--no-python",
+        "dist-infer",
+        "comm-test",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        *COMM_TEST_FAST,
+    ]
     assert_comm_test_ok(run(cmd, JOB_TIMEOUT), 4, "gloo")
 
 
@@ -39,26 +52,71 @@ def test_mpirun(backend):
 
 
 def test_launch_local():
-    cmd = ["dist-infer", "launch", "--nproc-per-node", "4", "--",
-           "dist-infer", "comm-test", "--tp", "2", "--pp", "2", *COMM_TEST_FAST]
+    cmd = [
+        "dist-infer",
+        "launch",
+        "--nproc-per-node",
+        "4",
+        "--",
+        "dist-infer",
+        "comm-test",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        *COMM_TEST_FAST,
+    ]
     result = run(cmd, JOB_TIMEOUT)
     summary = assert_comm_test_ok(result, 4, "gloo")
     groups = {r["group"] for r in summary["results"]}
     assert groups == {"world", "tp", "pp"}
     ops = {r["op"] for r in summary["results"]}
-    assert ops == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv",
-                   "batch_p2p", "barrier"}
+    assert ops == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "broadcast",
+        "send_recv",
+        "batch_p2p",
+        "barrier",
+    }
 
 
 def test_launch_through_mpirun():
-    cmd = ["dist-infer", "launch", "--launcher", "mpirun", "--nproc-per-node", "2", "--",
-           "dist-infer", "comm-test", "--backend", "mpi", *COMM_TEST_FAST]
+    cmd = [
+        "dist-infer",
+        "launch",
+        "--launcher",
+        "mpirun",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "dist-infer",
+        "comm-test",
+        "--backend",
+        "mpi",
+        *COMM_TEST_FAST,
+    ]
     assert_comm_test_ok(run(cmd, JOB_TIMEOUT), 2, "mpi")
 
 
 def test_launch_dry_run_prints_plan():
-    result = run(["dist-infer", "launch", "--nproc-per-node", "2", "--master-port", "1234", "--dry-run",
-                  "--", "dist-infer", "comm-test"], 60)
+    result = run(
+        [
+            "dist-infer",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "1234",
+            "--dry-run",
+            "--",
+            "dist-infer",
+            "comm-test",
+        ],
+        60,
+    )
     assert result.returncode == 0
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 2
@@ -147,8 +205,22 @@ def test_mpirun_rank_dies_mid_job(backend):
 
 
 def test_tp_not_dividing_world():
-    result = run(["dist-infer", "launch", "--nproc-per-node", "4", "--",
-                  "dist-infer", "comm-test", "--tp", "3", "--timeout", "60"], 55)
+    result = run(
+        [
+            "dist-infer",
+            "launch",
+            "--nproc-per-node",
+            "4",
+            "--",
+            "dist-infer",
+            "comm-test",
+            "--tp",
+            "3",
+            "--timeout",
+            "60",
+        ],
+        55,
+    )
     # refused before any rendezvous: a hang would last the 60 s comm timeout, past run's 55 s
     assert result.returncode != 0
     assert "tp=3" in result.stderr

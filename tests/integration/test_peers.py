@@ -31,11 +31,18 @@ def tiny_llama(tmp_path_factory):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=128, max_position_embeddings=128,
-                      # larger than the default 0.02 so the greedy argmax has clear margins and the
-                      # token comparison is not at the mercy of the all-reduce's summation order
-                      initializer_range=0.2)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=128,
+        # larger than the default 0.02 so the greedy argmax has clear margins and the
+        # token comparison is not at the mercy of the all-reduce's summation order
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_llama")
     LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)

@@ -84,20 +84,36 @@ def test_prefix_caching_on_and_off_match_hf_and_each_other(case, store, tmp_path
     world = 1
     for v in layout.values():
         world *= v
-    cmd = ["torchrun", "--nproc-per-node", str(world), "--master-port", str(free_port()), str(tmp_path / "job.py"),
-           str(model), json.dumps(layout), str(tmp_path / "prompts.json"), str(out), str(NEW_TOKENS), str(ROOMY),
-           str(TIGHT)]
+    cmd = [
+        "torchrun",
+        "--nproc-per-node",
+        str(world),
+        "--master-port",
+        str(free_port()),
+        str(tmp_path / "job.py"),
+        str(model),
+        json.dumps(layout),
+        str(tmp_path / "prompts.json"),
+        str(out),
+        str(NEW_TOKENS),
+        str(ROOMY),
+        str(TIGHT),
+    ]
     result = run(cmd, JOB_TIMEOUT)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-4000:]}"
     runs = torch.load(out)
     for name, got in runs.items():
-        rows = [{"prompt_token_ids": p, "token_ids": ids, "logprobs": lp}
-                for p, ids, lp in zip(prompts, got["ids"], got["logprobs"])]
+        rows = [
+            {"prompt_token_ids": p, "token_ids": ids, "logprobs": lp}
+            for p, ids, lp in zip(prompts, got["ids"], got["logprobs"])
+        ]
         assert_matches_hf({"outputs": rows}, got["logits"], prompts, ref_ids, ref_logits, f"{case} {name}")
         stats = got["stats"]
         caching, blocks = name.split("-")
-        print(f"{case} caching {caching}, {blocks} blocks: {stats['prefix_cache_hits']} of "
-              f"{stats['prefix_cache_queries']} tokens cached, {got['preemptions']} preemptions")
+        print(
+            f"{case} caching {caching}, {blocks} blocks: {stats['prefix_cache_hits']} of "
+            f"{stats['prefix_cache_queries']} tokens cached, {got['preemptions']} preemptions"
+        )
         assert stats["free_blocks"] == int(blocks), f"{case} {name}: idle, every block allocatable"
         if caching == "True":
             assert stats["prefix_cache_hits"] >= 16, f"{case} {name}: later prompts start from the cached prefix"

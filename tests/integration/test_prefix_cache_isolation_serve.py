@@ -54,16 +54,29 @@ async def hit_of_next_request(job, key: str, prompt: list[int], **body) -> tuple
 
 def test_one_keys_cached_prompt_is_no_hit_for_another_key(checkpoint, tmp_path):
     prompt = [3 + (i * 7) % 100 for i in range(PREFIX)] + [101, 102, 103]
-    args = ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "120", "--migrate-interval", "0",
-            "--timeout", "60", "--protect-metrics"]
+    args = [
+        "--model",
+        checkpoint,
+        "--instances",
+        "tp1,tp1",
+        "--kv-blocks",
+        "120",
+        "--migrate-interval",
+        "0",
+        "--timeout",
+        "60",
+        "--protect-metrics",
+    ]
     for key in KEYS.values():
         args += ["--api-key", key]
     with ServerJob(tmp_path, args) as job:
         assert httpx.get(job.url + "/metrics", timeout=30).status_code == 401
 
         async def go():
-            return [await hit_of_next_request(job, KEYS[who], prompt, **body)
-                    for who, body in (("alice", {}), ("bob", {}), ("bob", {"cache_salt": "x"}), ("alice", {}))]
+            return [
+                await hit_of_next_request(job, KEYS[who], prompt, **body)
+                for who, body in (("alice", {}), ("bob", {}), ("bob", {"cache_salt": "x"}), ("alice", {}))
+            ]
 
         got = run_async(go())
         rises, outputs = [r for r, _ in got], [o for _, o in got]

@@ -52,12 +52,27 @@ def test_requests_go_where_their_prefix_is_cached(checkpoint, tmp_path):
     instance rises by the prefix's tokens, the same instance for the same prefix."""
     prefixes = {name: [3 + (i * (7 + k)) % 100 for i in range(PREFIX)] for k, name in enumerate("ab")}
     prompt = {(name, j): prefixes[name] + [103 + j, 110 + j, 117 + j] for name in "ab" for j in range(4)}
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "120",
-                              "--migrate-interval", "0", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp1,tp1",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
+
         async def go():
             async with httpx.AsyncClient() as client:
-                first = await asyncio.gather(*(stream_tokens(client, job.url, prompt[(n, 0)], max_tokens=40)
-                                               for n in "ab"))
+                first = await asyncio.gather(
+                    *(stream_tokens(client, job.url, prompt[(n, 0)], max_tokens=40) for n in "ab")
+                )
                 later, homes = [], {}
                 for j in range(1, 4):
                     for n in "ab":
@@ -77,10 +92,16 @@ def test_requests_go_where_their_prefix_is_cached(checkpoint, tmp_path):
         assert len(homes["a"]) == 1 and len(homes["b"]) == 1 and homes["a"] != homes["b"], homes
         insts = instances(job)
         assert all(i["prefix_cache_hit_rate"] and i["prefix_index_blocks"] >= PREFIX // 16 for i in insts), insts
-        assert_ids_match_hf(checkpoint, [prompt[(n, 0)] for n in "ab"], [r["token_ids"] for r in first], 40,
-                            "first of each prefix")
-        assert_ids_match_hf(checkpoint, [prompt[(n, j)] for j in range(1, 4) for n in "ab"],
-                            [r["token_ids"] for r in later], 8, "later requests, prefix cached")
+        assert_ids_match_hf(
+            checkpoint, [prompt[(n, 0)] for n in "ab"], [r["token_ids"] for r in first], 40, "first of each prefix"
+        )
+        assert_ids_match_hf(
+            checkpoint,
+            [prompt[(n, j)] for j in range(1, 4) for n in "ab"],
+            [r["token_ids"] for r in later],
+            8,
+            "later requests, prefix cached",
+        )
         assert_all_blocks_free(job)
         assert job.stop() == 0, job.log()[-4000:]
 
@@ -94,8 +115,24 @@ def test_migration_sends_only_what_the_destination_lacks_and_failover_hits_the_c
     Q = [5 + (i * 13) % 89 for i in range(96)]
     tail = {name: [101 + k, 107 + k, 113 + k] for k, name in enumerate(("moved", "cold", "failover"))}
     prompt = {"moved": P + tail["moved"], "cold": Q + tail["cold"], "failover": P + tail["failover"]}
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "200",
-                              "--dispatch", "rr", "--migrate-interval", "0", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp1,tp1",
+            "--kv-blocks",
+            "200",
+            "--dispatch",
+            "rr",
+            "--migrate-interval",
+            "0",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
+
         async def go():
             async with httpx.AsyncClient() as client:
                 for k in range(2):  # P computed on each instance, in turn
@@ -107,10 +144,13 @@ def test_migration_sends_only_what_the_destination_lacks_and_failover_hits_the_c
                         if n >= 4 and name not in moves:
                             moves[name] = "pending"
                             moves[name] = await force_migrate(client, job.url, request_id, 1 - where(job, request_id))
+
                     return on_token
 
-                streams = {name: await stream_tokens(client, job.url, prompt[name], move_at(name), max_tokens=300)
-                           for name in ("moved", "cold")}
+                streams = {
+                    name: await stream_tokens(client, job.url, prompt[name], move_at(name), max_tokens=300)
+                    for name in ("moved", "cold")
+                }
                 killed = {}
 
                 async def kill_at(request_id, n):
@@ -120,8 +160,10 @@ def test_migration_sends_only_what_the_destination_lacks_and_failover_hits_the_c
                         os.kill(instances(job)[killed["instance"]]["pids"][0], signal.SIGKILL)
 
                 streams["failover"] = await stream_tokens(client, job.url, prompt["failover"], kill_at, max_tokens=120)
-                alone = {name: await stream_tokens(client, job.url, prompt[name], max_tokens=len(streams[name]["token_ids"]))
-                         for name in prompt}
+                alone = {
+                    name: await stream_tokens(client, job.url, prompt[name], max_tokens=len(streams[name]["token_ids"]))
+                    for name in prompt
+                }
                 return moves, streams, killed, alone
 
         moves, streams, killed, alone = run_async(go())
@@ -137,6 +179,11 @@ def test_migration_sends_only_what_the_destination_lacks_and_failover_hits_the_c
         for name in prompt:
             s = streams[name]
             assert s["error"] is None and s["token_ids"] == alone[name]["token_ids"], (name, s, alone[name])
-        assert_ids_match_hf(checkpoint, list(prompt.values()), [streams[n]["token_ids"][:40] for n in prompt], 40,
-                            "moved with a held prefix, moved cold, failed over onto a cached prefix")
+        assert_ids_match_hf(
+            checkpoint,
+            list(prompt.values()),
+            [streams[n]["token_ids"][:40] for n in prompt],
+            40,
+            "moved with a held prefix, moved cold, failed over onto a cached prefix",
+        )
         assert_live_blocks_free(job)

@@ -35,8 +35,10 @@ def checkpoints(tmp_path_factory):
 
 # the other combinations (int4 native on tp=1, tied int8, tied with torch's kernels) run in threads in
 # tests/unit/parallel/test_quantized*.py; these three cross process boundaries once for each path
-@pytest.mark.parametrize("arch,scheme,native,pp", [
-    ("qwen2", "int8", "layers", 1), ("qwen2", "int4", "off", 1), ("llama-tied", "int4", "on", 2)])
+@pytest.mark.parametrize(
+    "arch,scheme,native,pp",
+    [("qwen2", "int8", "layers", 1), ("qwen2", "int4", "off", 1), ("llama-tied", "int4", "on", 2)],
+)
 def test_generate_tp2_quantized_matches_hf_on_dequantized_weights(arch, scheme, native, pp, checkpoints, tmp_path):
     """native on: the decode steps through cpu_kernels.c's quant_linear (llama-tied: each layer's two
     halves in one call each, decode_stack.c; qwen2's biases keep it layer by layer, as `layers` asks);
@@ -45,20 +47,46 @@ def test_generate_tp2_quantized_matches_hf_on_dequantized_weights(arch, scheme, 
     over pp=2 the first stage's embedding and the last stage's head each quantize it, to the same values."""
     checkpoint = checkpoints[arch]
     prompts = prompts_for((5, 17, 40))
-    ref_ids, ref_logits = hf_reference(None, prompts, NEW_TOKENS,
-                                       model=dequantize_hf_model(load_hf_model(checkpoint), scheme, tp=2))
+    ref_ids, ref_logits = hf_reference(
+        None, prompts, NEW_TOKENS, model=dequantize_hf_model(load_hf_model(checkpoint), scheme, tp=2)
+    )
     dump = tmp_path / "logits.pt"
-    cmd = [DIST, "generate", "--model", str(checkpoint), "--max-new-tokens", str(NEW_TOKENS), "--no-eos-stop",
-           "--json", "--dump-logits", str(dump), "--tp", "2", "--pp", str(pp), "--nproc", str(2 * pp),
-           "--quantization", scheme, "--native-kernels", native]
+    cmd = [
+        DIST,
+        "generate",
+        "--model",
+        str(checkpoint),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        str(dump),
+        "--tp",
+        "2",
+        "--pp",
+        str(pp),
+        "--nproc",
+        str(2 * pp),
+        "--quantization",
+        scheme,
+        "--native-kernels",
+        native,
+    ]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     proc = run(cmd, TIMEOUT_S)
-    assert proc.returncode == 0, (f"exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
-                                  f"stderr:\n{proc.stderr[-6000:]}")
+    assert proc.returncode == 0, (
+        f"exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    )
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1])
     dumped = torch.load(dump)
     for b, row in enumerate(out["outputs"]):
         steps = steps_agreeing_with_hf(row["token_ids"], ref_ids[b], ref_logits[b], f"{scheme} prompt {b}")
-        torch.testing.assert_close(dumped[b][:steps], ref_logits[b][:steps], atol=ATOL, rtol=RTOL,
-                                   msg=lambda m, b=b: f"{scheme} prompt {b}: logits differ from HF\n{m}")
+        torch.testing.assert_close(
+            dumped[b][:steps],
+            ref_logits[b][:steps],
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m, b=b: f"{scheme} prompt {b}: logits differ from HF\n{m}",
+        )

@@ -24,7 +24,9 @@ from hf_compare import assert_ids_match_hf, prompts_for
 from processes import checkout_env, run, venv_env
 from serving_helpers import ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_state, where
 
-ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'dist_infer[ray]'); make test installs it")
+ray = pytest.importorskip(
+    "ray", reason="Ray is an optional extra (pip install 'dist_infer[ray]'); make test installs it"
+)
 
 LONG = 100
 HF_CHECKED = 30
@@ -38,8 +40,9 @@ def without_ray_cluster_env(env: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("ray"), "llama-gqa", max_position_embeddings=1024,
-                               num_hidden_layers=2)
+    return write_hf_checkpoint(
+        tmp_path_factory.mktemp("ray"), "llama-gqa", max_position_embeddings=1024, num_hidden_layers=2
+    )
 
 
 @pytest.fixture
@@ -47,8 +50,9 @@ def cluster(monkeypatch):
     from ray.cluster_utils import Cluster
 
     monkeypatch.delenv(RAY_CLUSTER_ENV, raising=False)  # the nodes' processes must not have it either
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": LOCAL,
-                                                       "include_dashboard": False})
+    c = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": LOCAL, "include_dashboard": False}
+    )
     for _ in range(3):
         c.add_node(num_cpus=1, node_ip_address=LOCAL)
     c.wait_for_nodes()
@@ -65,11 +69,13 @@ def _node(cluster, node_id: str):
 def test_ray_stays_on_the_loopback_without_the_variable_in_the_environment():
     """Ray reads the variable when it is imported: placement_ray sets it before, and Ray's driver
     then keeps 127.0.0.1 instead of swapping in the host's outward address."""
-    probe = ("from dist_infer.serving.placement.ray_placement import keep_ray_on_loopback\n"
-             "keep_ray_on_loopback('127.0.0.1:6379')\n"
-             "import ray\n"
-             "from ray._private import ray_constants, services\n"
-             "print(ray_constants.ENABLE_RAY_CLUSTER, services.resolve_ip_for_localhost('127.0.0.1'))\n")
+    probe = (
+        "from dist_infer.serving.placement.ray_placement import keep_ray_on_loopback\n"
+        "keep_ray_on_loopback('127.0.0.1:6379')\n"
+        "import ray\n"
+        "from ray._private import ray_constants, services\n"
+        "print(ray_constants.ENABLE_RAY_CLUSTER, services.resolve_ip_for_localhost('127.0.0.1'))\n"
+    )
     result = run([sys.executable, "-c", probe], timeout=120, env=without_ray_cluster_env(checkout_env()))
     assert result.returncode == 0 and result.stdout.split() == ["False", LOCAL], result.stdout
 
@@ -77,8 +83,24 @@ def test_ray_stays_on_the_loopback_without_the_variable_in_the_environment():
 def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, cluster, tmp_path):
     prompts = prompts_for([12, 19, 7], seed=71)
     env = without_ray_cluster_env(venv_env())
-    args = ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "120", "--migrate-interval", "0",
-            "--dispatch", "rr", "--timeout", "60", "--placement", "ray", "--ray-address", cluster.address]
+    args = [
+        "--model",
+        checkpoint,
+        "--instances",
+        "tp1,tp1",
+        "--kv-blocks",
+        "120",
+        "--migrate-interval",
+        "0",
+        "--dispatch",
+        "rr",
+        "--timeout",
+        "60",
+        "--placement",
+        "ray",
+        "--ray-address",
+        cluster.address,
+    ]
     with ServerJob(tmp_path, args, env=env) as job:
         insts = instances(job)
         workers = {n.node_id for n in cluster.list_all_nodes() if n is not cluster.head_node}
@@ -94,13 +116,17 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
                     if n >= 20 and not removed:
                         removed["at"] = n
                         assert where(job, request_id) == 1
-                        await asyncio.get_running_loop().run_in_executor(None, cluster.remove_node,
-                                                                         _node(cluster, lost))
+                        await asyncio.get_running_loop().run_in_executor(
+                            None, cluster.remove_node, _node(cluster, lost)
+                        )
 
                 tasks = []
                 for i, p in enumerate(prompts):  # rr: 0 -> instance 0, 1 -> instance 1, 2 -> instance 0
-                    tasks.append(asyncio.create_task(stream_tokens(client, job.url, p, remove_at if i == 1 else None,
-                                                                   max_tokens=LONG)))
+                    tasks.append(
+                        asyncio.create_task(
+                            stream_tokens(client, job.url, p, remove_at if i == 1 else None, max_tokens=LONG)
+                        )
+                    )
                     await asyncio.sleep(0.1)
                 during = await asyncio.gather(*tasks)
                 alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts]

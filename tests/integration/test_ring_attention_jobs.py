@@ -33,15 +33,30 @@ def test_ring_job_mpi_backend():
 def test_rank_raising_mid_ring_ends_the_job():
     # cp rank 1 raises at its second ring transfer while ranks 0 and 2 wait inside the ring with a
     # 300 s comm timeout: only the launcher ending the job can finish this within JOB_TIMEOUT.
-    result = run(["dist-infer", "launch", "--nproc-per-node", "3", "--", sys.executable, str(JOB),
-                  "--fail-at-step", "2", "--quick"], JOB_TIMEOUT)
+    result = run(
+        [
+            "dist-infer",
+            "launch",
+            "--nproc-per-node",
+            "3",
+            "--",
+            sys.executable,
+            str(JOB),
+            "--fail-at-step",
+            "2",
+            "--quick",
+        ],
+        JOB_TIMEOUT,
+    )
     assert result.returncode != 0
     assert "injected failure at ring transfer 2 on cp rank 1" in result.stderr
     assert "ring-attention job ok" not in result.stdout
 
 
 def test_rank_raising_mid_ring_aborts_mpi():
-    result = run([*MPIRUN, "-np", "2", sys.executable, str(JOB), "--backend", "mpi", "--fail-at-step", "1", "--quick"],
-                 JOB_TIMEOUT)
+    result = run(
+        [*MPIRUN, "-np", "2", sys.executable, str(JOB), "--backend", "mpi", "--fail-at-step", "1", "--quick"],
+        JOB_TIMEOUT,
+    )
     assert result.returncode != 0
     assert "injected failure at ring transfer 1 on cp rank 1" in result.stderr

@@ -46,8 +46,7 @@ async def _random_stream(url: str, prompts, seed: int, burst: int = 0) -> list[d
         for i, p in enumerate(prompts):
             kind = stream_ids if i % 2 else complete_ids
             delay = 0.0 if i < burst else rng.uniform(0, 0.8)
-            calls.append(kind(client, url, p, delay=delay, max_tokens=NEW, temperature=0,
-                              ignore_eos=True))
+            calls.append(kind(client, url, p, delay=delay, max_tokens=NEW, temperature=0, ignore_eos=True))
         return await asyncio.gather(*calls)
 
 
@@ -68,14 +67,32 @@ def test_request_stream_matches_hf_alone(models, tmp_path, layout):
     arch, flags = LAYOUTS[layout]
     path = models[arch]
     rng = random.Random(layout)
-    prompts = prompts_for([rng.randint(14, 17) for _ in range(4)] + [rng.randint(3, 17) for _ in range(4)],
-                          seed=len(layout))
-    args = ["--model", path, "--nproc", "2", "--block-size", "4", "--max-batched-tokens", "7",
-            "--kv-blocks", "9", "--max-num-seqs", "4", "--timeout", "60", *flags]
+    prompts = prompts_for(
+        [rng.randint(14, 17) for _ in range(4)] + [rng.randint(3, 17) for _ in range(4)], seed=len(layout)
+    )
+    args = [
+        "--model",
+        path,
+        "--nproc",
+        "2",
+        "--block-size",
+        "4",
+        "--max-batched-tokens",
+        "7",
+        "--kv-blocks",
+        "9",
+        "--max-num-seqs",
+        "4",
+        "--timeout",
+        "60",
+        *flags,
+    ]
     with ServerJob(tmp_path, args) as server:
         results = run_async(_random_stream(server.url, prompts, seed=7, burst=4))
         metrics = server.metrics()
-        assert metrics["dist_infer:num_preemptions_total"] > 0, "the cache holds about one 14-17 token prompt + 6 new tokens; the burst of 4 must preempt"
+        assert metrics["dist_infer:num_preemptions_total"] > 0, (
+            "the cache holds about one 14-17 token prompt + 6 new tokens; the burst of 4 must preempt"
+        )
         assert metrics["dist_infer:kv_cache_usage_perc"] == 0.0, "every block free again"
         assert metrics["dist_infer:generation_tokens_total"] == NEW * len(prompts)
         assert server.stop() == 0, server.log()[-4000:]
@@ -86,8 +103,12 @@ def test_request_stream_matches_hf_alone(models, tmp_path, layout):
 
 def _launcher_prefix(kind: str):
     if kind == "torchrun":
-        return [shutil.which("torchrun") or str(DIST[0]).replace("dist-infer", "torchrun"), "--nproc-per-node", "2",
-                "--no-python"] + DIST
+        return [
+            shutil.which("torchrun") or str(DIST[0]).replace("dist-infer", "torchrun"),
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+        ] + DIST
     mpirun = shutil.which("mpirun", path=venv_env()["PATH"])
     if mpirun is None:
         pytest.skip("no mpirun")
@@ -110,11 +131,28 @@ def test_serve_under_other_launchers(models, tmp_path, launcher):
 
 # -- one server on the default model (SmolLM2-135M-Instruct from its GGUF, tp=2 splitting 9 / 3 heads unevenly): the API surface ------------------
 
+
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    server = ServerJob(tmp_path_factory.mktemp("default-serve"),
-                       ["--model", "default", "--tp", "2", "--nproc", "2", "--max-batched-tokens", "64",
-                        "--kv-blocks", "64", "--max-queue", "64", "--timeout", "60"])
+    server = ServerJob(
+        tmp_path_factory.mktemp("default-serve"),
+        [
+            "--model",
+            "default",
+            "--tp",
+            "2",
+            "--nproc",
+            "2",
+            "--max-batched-tokens",
+            "64",
+            "--kv-blocks",
+            "64",
+            "--max-queue",
+            "64",
+            "--timeout",
+            "60",
+        ],
+    )
     yield server
     if server.proc.poll() is None:
         server.kill()
@@ -130,8 +168,14 @@ def test_openai_client_completions_and_chat(default_server):
     assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens == len(c.choices[0].token_ids)
     again = client.completions.create(model="default", prompt="The quick brown fox", max_tokens=5, temperature=0)
     assert again.choices[0].text == c.choices[0].text, "greedy is deterministic"
-    streamed = client.completions.create(model="default", prompt="The quick brown fox", max_tokens=5, temperature=0,
-                                         stream=True, stream_options={"include_usage": True})
+    streamed = client.completions.create(
+        model="default",
+        prompt="The quick brown fox",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage = "", None
     for chunk in streamed:
         if chunk.choices:
@@ -139,15 +183,21 @@ def test_openai_client_completions_and_chat(default_server):
         if chunk.usage:
             usage = chunk.usage
     assert text == c.choices[0].text and usage.completion_tokens == c.usage.completion_tokens
-    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hello"}],
-                                          max_tokens=4, temperature=0)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Say hello"}], max_tokens=4, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
     # the default model is a trained one (SmolLM2-135M-Instruct) and its chat template comes from the GGUF
-    paris = client.chat.completions.create(model="default", max_tokens=24, temperature=0,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    paris = client.chat.completions.create(
+        model="default",
+        max_tokens=24,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert "Paris" in paris.choices[0].message.content, paris.choices[0].message.content
-    pieces = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Say hello"}],
-                                            max_tokens=4, temperature=0, stream=True)
+    pieces = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Say hello"}], max_tokens=4, temperature=0, stream=True
+    )
     assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == chat.choices[0].message.content
 
 
@@ -168,18 +218,23 @@ def test_seeded_sampling_same_alone_and_concurrent(default_server):
 
 
 def test_logprobs_and_stop_token(default_server):
-    r = httpx.post(default_server.url + "/v1/completions", json={
-        "prompt": [1, 20, 30], "max_tokens": 4, "temperature": 0, "logprobs": 3, "ignore_eos": True}, timeout=60).json()
+    r = httpx.post(
+        default_server.url + "/v1/completions",
+        json={"prompt": [1, 20, 30], "max_tokens": 4, "temperature": 0, "logprobs": 3, "ignore_eos": True},
+        timeout=60,
+    ).json()
     choice = r["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["token_logprobs"]) == 4 and all(len(t) == 3 for t in lp["top_logprobs"])
     ids = choice["token_ids"]
     k = next((i for i in range(1, 4) if ids[i] not in ids[:i]), None)  # a later token not seen before it
     assert k is not None, f"greedy ids {ids} repeat one token: no stop id to test with"
-    r2 = httpx.post(default_server.url + "/v1/completions", json={
-        "prompt": [1, 20, 30], "max_tokens": 4, "temperature": 0, "stop_token_ids": [ids[k]], "ignore_eos": True},
-        timeout=60).json()["choices"][0]
-    assert r2["token_ids"] == ids[:k + 1] and r2["finish_reason"] == "stop"
+    r2 = httpx.post(
+        default_server.url + "/v1/completions",
+        json={"prompt": [1, 20, 30], "max_tokens": 4, "temperature": 0, "stop_token_ids": [ids[k]], "ignore_eos": True},
+        timeout=60,
+    ).json()["choices"][0]
+    assert r2["token_ids"] == ids[: k + 1] and r2["finish_reason"] == "stop"
 
 
 def test_stop_string_found_in_the_front_end_ends_the_request_and_frees_its_blocks(default_server):
@@ -189,19 +244,20 @@ def test_stop_string_found_in_the_front_end_ends_the_request_and_frees_its_block
     whole = httpx.post(default_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     text, ids = whole["text"], whole["token_ids"]
     at = len(text) // 2
-    stop = text[at:at + 3]
+    stop = text[at : at + 3]
     assert stop.strip() and text.find(stop) > 0, f"no stop string to test with in {text!r}"
-    want_text = text[:text.find(stop)]
+    want_text = text[: text.find(stop)]
     cut = httpx.post(default_server.url + "/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
     choice = cut["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want_text, "stop", stop)
-    assert ids[:len(choice["token_ids"])] == choice["token_ids"] and len(choice["token_ids"]) < len(ids)
+    assert ids[: len(choice["token_ids"])] == choice["token_ids"] and len(choice["token_ids"]) < len(ids)
     assert cut["usage"]["completion_tokens"] == len(choice["token_ids"])
 
     async def streamed():
         async with httpx.AsyncClient() as client:
-            return await stream_ids(client, default_server.url, body["prompt"], max_tokens=24, temperature=0,
-                                    ignore_eos=True, stop=[stop])
+            return await stream_ids(
+                client, default_server.url, body["prompt"], max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]
+            )
 
     got = run_async(streamed())
     assert (got["token_ids"], got["text"], got["finish_reason"]) == (choice["token_ids"], want_text, "stop"), got
@@ -230,7 +286,7 @@ def test_cancel_mid_stream_frees_the_blocks(default_server):
 BAD = [
     ("not json", None, None),
     ({"prompt": "hi", "model": "nope"}, "model", "nope"),
-    ({"prompt": [1, 10 ** 7]}, "prompt", "vocabulary"),
+    ({"prompt": [1, 10**7]}, "prompt", "vocabulary"),
     ({"prompt": [1, 2], "max_tokens": 9000}, "max_tokens", "8192"),  # SmolLM2 has 8192 positions
     ({"prompt": [1, 2], "max_tokens": -1}, "max_tokens", None),
     ({"prompt": [1, 2], "temperature": -2}, "temperature", None),
@@ -243,13 +299,21 @@ BAD = [
 def test_bad_input_gets_400_while_others_complete(default_server):
     async def go():
         async with httpx.AsyncClient() as client:
-            good = [complete_ids(client, default_server.url, [1, 9, 9], max_tokens=6, temperature=0, ignore_eos=True)
-                    for _ in range(3)]
+            good = [
+                complete_ids(client, default_server.url, [1, 9, 9], max_tokens=6, temperature=0, ignore_eos=True)
+                for _ in range(3)
+            ]
             bad = []
             for body, _, _ in BAD:
                 kw = {"content": body} if isinstance(body, str) else {"json": body}
-                bad.append(client.post(default_server.url + "/v1/completions", timeout=60,
-                                       headers={"content-type": "application/json"}, **kw))
+                bad.append(
+                    client.post(
+                        default_server.url + "/v1/completions",
+                        timeout=60,
+                        headers={"content-type": "application/json"},
+                        **kw,
+                    )
+                )
             return await asyncio.gather(*good), await asyncio.gather(*bad)
 
     good, bad = run_async(go())
@@ -267,22 +331,35 @@ def test_bad_input_gets_400_while_others_complete(default_server):
 def test_health_and_metrics_names(default_server):
     assert httpx.get(default_server.url + "/health", timeout=30).status_code == 200
     text = httpx.get(default_server.url + "/metrics", timeout=30).text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "prompt_tokens_total", "generation_tokens_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+    ):
         assert f"dist_infer:{name}" in text, name
     # the step-time histogram by kind, per instance: a request's prompt and its decodes were timed
-    httpx.post(default_server.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 3},
-               timeout=60).raise_for_status()
+    httpx.post(
+        default_server.url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 3}, timeout=60
+    ).raise_for_status()
     text = httpx.get(default_server.url + "/metrics", timeout=30).text
-    counts = {line.split('kind="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("dist_infer:step_duration_seconds_count{")}
+    counts = {
+        line.split('kind="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dist_infer:step_duration_seconds_count{")
+    }
     assert counts.get("prefill", 0) > 0 and counts.get("decode", 0) > 0, counts
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(default_server):
     """SIGTERM once the stream's first chunk has arrived (so the request is running, not yet done):
     the server drains it (all 60 tokens, finish_reason length) and then exits 0."""
+
     async def go():
         first_chunk = asyncio.Event()
         ids: list[int] = []
@@ -292,8 +369,17 @@ def test_sigterm_finishes_running_requests_and_exits_0(default_server):
             first_chunk.set()
 
         async with httpx.AsyncClient() as client:
-            task = asyncio.create_task(stream_ids(client, default_server.url, [1, 4, 4], max_tokens=60,
-                                                  temperature=0, ignore_eos=True, on_chunk=on_chunk))
+            task = asyncio.create_task(
+                stream_ids(
+                    client,
+                    default_server.url,
+                    [1, 4, 4],
+                    max_tokens=60,
+                    temperature=0,
+                    ignore_eos=True,
+                    on_chunk=on_chunk,
+                )
+            )
             waiter = asyncio.create_task(first_chunk.wait())
             await asyncio.wait([task, waiter], timeout=120, return_when=asyncio.FIRST_COMPLETED)
             assert first_chunk.is_set(), f"no chunk within 120 s (stream done: {task.done()})"

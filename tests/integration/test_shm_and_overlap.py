@@ -17,8 +17,19 @@ from processes import last_json, run
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_small_collectives_job(nproc, path):
     """The shared segment and the group's own TCP links (comm/socket_links.py), each checked exactly."""
-    result = run(["dist-infer", "launch", "--nproc-per-node", str(nproc), "--", "python",
-                  str(JOBS / "shm_allreduce_job.py"), path], timeout=120)
+    result = run(
+        [
+            "dist-infer",
+            "launch",
+            "--nproc-per-node",
+            str(nproc),
+            "--",
+            "python",
+            str(JOBS / "shm_allreduce_job.py"),
+            path,
+        ],
+        timeout=120,
+    )
     assert result.returncode == 0
     assert result.stdout.count(f"{path} all-reduce ok") == nproc
 
@@ -37,8 +48,19 @@ def gqa(tmp_path_factory):
 
 def _generate(path, prompts, new_tokens, extra, tmp_path, launcher=None):
     dump = tmp_path / "logits.pt"
-    cmd = ["dist-infer", "generate", "--model", str(path), "--no-eos-stop", "--max-new-tokens", str(new_tokens),
-           "--json", "--dump-logits", str(dump), *extra]
+    cmd = [
+        "dist-infer",
+        "generate",
+        "--model",
+        str(path),
+        "--no-eos-stop",
+        "--max-new-tokens",
+        str(new_tokens),
+        "--json",
+        "--dump-logits",
+        str(dump),
+        *extra,
+    ]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     result = run((launcher or []) + cmd, timeout=180)
@@ -53,8 +75,9 @@ def _assert_matches(out, logits, ref_ids, ref_logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tp,overlap,shm", [(2, "on", "auto"), (2, "off", "auto"), (4, "on", "auto"), (2, "on", "off"),
-                                            (3, "on", "socket")])
+@pytest.mark.parametrize(
+    "tp,overlap,shm", [(2, "on", "auto"), (2, "off", "auto"), (4, "on", "auto"), (2, "on", "off"), (3, "on", "socket")]
+)
 def test_overlap_exact_vs_hf(gqa, tmp_path, tp, overlap, shm):
     path, prompts, ids, logits, *_ = gqa
     out, got = _generate(path, prompts, 6, ["--tp", str(tp), "--overlap", overlap, "--shm", shm], tmp_path)
@@ -76,8 +99,23 @@ def test_overlap_on_mpi_backend(gqa, tmp_path):
 
 
 def test_overlap_report_json(tmp_path):
-    result = run(["dist-infer", "bench", "--tp", "2", "--batch", "2", "--prompt-len", "16", "--gen-len", "3",
-                  "--overlap-report", "--json"], timeout=180)
+    result = run(
+        [
+            "dist-infer",
+            "bench",
+            "--tp",
+            "2",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "3",
+            "--overlap-report",
+            "--json",
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0
     report = last_json(result.stdout)["overlap"]
     for key in ("t_base_s", "t_overlap_s", "t_nocomm_s", "hidden_fraction"):
@@ -86,13 +124,31 @@ def test_overlap_report_json(tmp_path):
     assert report["t_sequence_parallel_s"] > 0 and report["decode"]["t_sequence_parallel_s"] > 0
 
 
-@pytest.mark.parametrize("flags,group,has_base", [(["--tp", "2", "--pp", "2"], "pp", False),
-                                                  (["--cp", "2", "--prompt-len", "48"], "cp", True)])
+@pytest.mark.parametrize(
+    "flags,group,has_base",
+    [(["--tp", "2", "--pp", "2"], "pp", False), (["--cp", "2", "--prompt-len", "48"], "cp", True)],
+)
 def test_overlap_report_covers_pipeline_and_ring_transfers(flags, group, has_base):
     """Pipeline sends and ring transfers measured the same way as the tp collectives: a base
     (ring only: every transfer waited for at once), the overlapped run and the skipped one."""
-    result = run(["dist-infer", "bench", "--batch", "2", "--prompt-len", "16", "--gen-len", "3", *flags,
-                  "--overlap-report", "--timeout", "60", "--json"], timeout=240)
+    result = run(
+        [
+            "dist-infer",
+            "bench",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "3",
+            *flags,
+            "--overlap-report",
+            "--timeout",
+            "60",
+            "--json",
+        ],
+        timeout=240,
+    )
     assert result.returncode == 0
     report = last_json(result.stdout)["overlap"][group]
     for phase in (report, report["decode"]):
@@ -105,8 +161,24 @@ def test_overlap_report_covers_pipeline_and_ring_transfers(flags, group, has_bas
 
 
 def test_bench_profile_splits_a_decode_step_by_kind_of_work(tmp_path):
-    result = run(["dist-infer", "bench", "--tp", "2", "--batch", "2", "--prompt-len", "16", "--gen-len", "4",
-                  "--profile", str(tmp_path), "--json"], timeout=180)
+    result = run(
+        [
+            "dist-infer",
+            "bench",
+            "--tp",
+            "2",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "4",
+            "--profile",
+            str(tmp_path),
+            "--json",
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0
     profile = last_json(result.stdout)["profile"]
     for phase in ("prefill_s", "decode_step_s"):
@@ -123,8 +195,24 @@ def test_bench_profile_splits_a_cp_prefill_per_ring_step(tmp_path):
     """Under cp=2 the prefill's ring has two steps per layer: step 0 posts the transfer of the
     other rank's K/V and attends this rank's own, step 1 attends what arrived. Every rank writes
     its own breakdown, and the flash kernel inside the ring's ranges still counts as attention."""
-    result = run(["dist-infer", "bench", "--cp", "2", "--batch", "1", "--prompt-len", "512", "--gen-len", "2",
-                  "--profile", str(tmp_path), "--json"], timeout=180)
+    result = run(
+        [
+            "dist-infer",
+            "bench",
+            "--cp",
+            "2",
+            "--batch",
+            "1",
+            "--prompt-len",
+            "512",
+            "--gen-len",
+            "2",
+            "--profile",
+            str(tmp_path),
+            "--json",
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0
     for rank in (0, 1):
         profile = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -58,8 +58,26 @@ def _env(slurm) -> dict[str, str]:
 
 def test_srun_generate_tp2_pp2_matches_hf(slurm, model, tmp_path):
     dump = tmp_path / "logits.pt"
-    cmd = ["srun", "--ntasks", "4", "--kill-on-bad-exit=1", DIST, "generate", "--model", model, "--tp", "2",
-           "--pp", "2", "--max-new-tokens", NEW, "--no-eos-stop", "--json", "--dump-logits", dump]
+    cmd = [
+        "srun",
+        "--ntasks",
+        "4",
+        "--kill-on-bad-exit=1",
+        DIST,
+        "generate",
+        "--model",
+        model,
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--max-new-tokens",
+        NEW,
+        "--no-eos-stop",
+        "--json",
+        "--dump-logits",
+        dump,
+    ]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     proc = run(cmd, 120, env=_env(slurm))
@@ -72,20 +90,44 @@ def test_srun_generate_tp2_pp2_matches_hf(slurm, model, tmp_path):
 
 
 def test_serve_placement_slurm_runs_each_instance_as_a_job_step(slurm, model, tmp_path):
-    args = ["--model", model, "--placement", "slurm", "--instances", "tp2; tp1", "--dispatch", "rr",
-            "--migrate-interval", "0", "--kv-blocks", "64", "--timeout", "60"]
+    args = [
+        "--model",
+        model,
+        "--placement",
+        "slurm",
+        "--instances",
+        "tp2; tp1",
+        "--dispatch",
+        "rr",
+        "--migrate-interval",
+        "0",
+        "--kv-blocks",
+        "64",
+        "--timeout",
+        "60",
+    ]
     with ServerJob(tmp_path, args, prefix=["salloc", "--ntasks", "3", DIST], env=_env(slurm)) as job:
         insts = instances(job)
-        assert [(i["layout"], i["state"], i["node"]) for i in insts] == \
-            [("tp=2", "serving", slurm.node), ("tp=1", "serving", slurm.node)], insts
-        steps = subprocess.run(["squeue", "--steps", "--noheader", "--format", "%j %N"], env=_env(slurm),
-                               capture_output=True, text=True, timeout=10).stdout
+        assert [(i["layout"], i["state"], i["node"]) for i in insts] == [
+            ("tp=2", "serving", slurm.node),
+            ("tp=1", "serving", slurm.node),
+        ], insts
+        steps = subprocess.run(
+            ["squeue", "--steps", "--noheader", "--format", "%j %N"],
+            env=_env(slurm),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
         for index in (0, 1):
             assert f"dist-infer-instance-{index}-" in steps, steps
         got = []
         for p in PROMPTS:  # round robin: one on each instance
-            r = httpx.post(job.url + "/v1/completions", timeout=120,
-                           json={"prompt": p, "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
+            r = httpx.post(
+                job.url + "/v1/completions",
+                timeout=120,
+                json={"prompt": p, "max_tokens": NEW, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             got.append(r.json()["choices"][0]["token_ids"])
         assert job.stop(api_only=True) == 0, job.log()[-6000:]
@@ -111,11 +153,19 @@ exec {DIST} serve --model {model} --placement slurm --instances tp1 --kv-blocks 
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.out").read_text()[-4000:]
         time.sleep(0.2)
     url = f"http://127.0.0.1:{json.loads(ready.read_text())['port']}"
-    r = httpx.post(url + "/v1/completions", timeout=120,
-                   json={"prompt": PROMPTS[1], "max_tokens": NEW, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        json={"prompt": PROMPTS[1], "max_tokens": NEW, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
-    job_id = subprocess.run(["squeue", "--noheader", "--name", "serve-sbatch-test", "--format", "%i"], env=env, capture_output=True, text=True,
-                            timeout=10).stdout.split()
+    job_id = subprocess.run(
+        ["squeue", "--noheader", "--name", "serve-sbatch-test", "--format", "%i"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.split()
     assert len(job_id) == 1, job_id
     subprocess.run(["scancel", "--batch", "--signal=TERM", job_id[0]], env=env, check=True, timeout=10)
     done = finish(proc, 60)

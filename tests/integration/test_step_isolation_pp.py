@@ -83,5 +83,6 @@ def test_pp2_processes_a_failure_on_the_last_stages_sampler_fails_alone(tmp_path
     assert batch["a"]["error"] is None and batch["a"]["reason"] == "length"
     assert got["free"] == BLOCKS, "KV blocks conserved"
     error_id = re.search(r"err-[0-9a-f]{12}", error).group(0)
-    assert re.search(rf"{error_id}\): RuntimeError: {re.escape(BOOM)}", result.stderr), \
+    assert re.search(rf"{error_id}\): RuntimeError: {re.escape(BOOM)}", result.stderr), (
         "the sampler rank logs why, under the id the driver's client got"
+    )

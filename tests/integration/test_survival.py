@@ -37,9 +37,16 @@ HF_CHECKED = 40
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_hf_checkpoint(tmp_path_factory.mktemp("survive"), "llama-gqa", max_position_embeddings=2048,
-                               hidden_size=384, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536,
-                               num_hidden_layers=4)
+    return write_hf_checkpoint(
+        tmp_path_factory.mktemp("survive"),
+        "llama-gqa",
+        max_position_embeddings=2048,
+        hidden_size=384,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+    )
 
 
 def serve_again(job, count: int, timeout: float = 120.0) -> None:
@@ -67,8 +74,23 @@ def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkp
     moved to it ends exactly as alone too."""
     prompts = prompts_for([12, 30, 21, 17], seed=61)
     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 4242}
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp2", "--kv-blocks", "120",
-                              "--migrate-interval", "0", "--dispatch", "rr", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp1,tp2",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--dispatch",
+            "rr",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
         victim = instances(job)[1]["pids"][1]
 
         async def go():
@@ -85,12 +107,17 @@ def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkp
                 tasks = []
                 for i, p in enumerate(prompts):
                     body = sampled if i == 3 else {}
-                    tasks.append(asyncio.create_task(stream_tokens(client, job.url, p, kill_at if i == 1 else None,
-                                                                   max_tokens=LONG, **body)))
+                    tasks.append(
+                        asyncio.create_task(
+                            stream_tokens(client, job.url, p, kill_at if i == 1 else None, max_tokens=LONG, **body)
+                        )
+                    )
                     await asyncio.sleep(0.1)
                 chaos = await asyncio.gather(*tasks)
-                alone = [await stream_tokens(client, job.url, p, max_tokens=LONG, **(sampled if i == 3 else {}))
-                         for i, p in enumerate(prompts)]
+                alone = [
+                    await stream_tokens(client, job.url, p, max_tokens=LONG, **(sampled if i == 3 else {}))
+                    for i, p in enumerate(prompts)
+                ]
                 return killed, chaos, alone
 
         killed, chaos, alone = run_async(go())
@@ -139,8 +166,22 @@ def test_scale_down_drains_then_stops_and_scale_up_takes_new_load(checkpoint, tm
     Which instance the second request lands on depends on when the first one's load was counted,
     so the test stops whichever it is rather than assuming instance 1."""
     prompts = prompts_for([14, 22, 9], seed=71)
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "120",
-                              "--migrate-interval", "0", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp1,tp1",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
+
         async def go():
             async with httpx.AsyncClient() as client:
                 stopped = {}
@@ -148,13 +189,15 @@ def test_scale_down_drains_then_stops_and_scale_up_takes_new_load(checkpoint, tm
                 async def stop_at(request_id, n):
                     if n >= 10 and not stopped:
                         stopped["on"] = where(job, request_id)
-                        stopped["r"] = await client.post(f"{job.url}/admin/instances/{stopped['on']}/stop",
-                                                         timeout=30)
+                        stopped["r"] = await client.post(f"{job.url}/admin/instances/{stopped['on']}/stop", timeout=30)
 
                 tasks = []
                 for i, p in enumerate(prompts):
-                    tasks.append(asyncio.create_task(stream_tokens(client, job.url, p, stop_at if i == 1 else None,
-                                                                   max_tokens=LONG)))
+                    tasks.append(
+                        asyncio.create_task(
+                            stream_tokens(client, job.url, p, stop_at if i == 1 else None, max_tokens=LONG)
+                        )
+                    )
                     await asyncio.sleep(0.1)
                 during = await asyncio.gather(*tasks)
                 alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts]
@@ -184,6 +227,7 @@ def test_scale_down_drains_then_stops_and_scale_up_takes_new_load(checkpoint, tm
                     async def on_token(request_id, n):
                         if n == 3:
                             seen[name] = where(job, request_id)
+
                     return on_token
 
                 busy = asyncio.create_task(stream_tokens(client, job.url, prompts[0], look("busy"), max_tokens=800))
@@ -202,8 +246,22 @@ def test_prefill_and_decode_instances_split_every_request(checkpoint, tmp_path):
     """prefill:tp2 hands each request to a decode:tp1 instance right after its first token (one
     stage, KV heads split across tp sizes); the tokens equal HF's and the mixed server's."""
     prompts = prompts_for([40, 25, 33, 18], seed=81)
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "prefill:tp2,decode:tp1,decode:tp1",
-                              "--kv-blocks", "120", "--migrate-interval", "0", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "prefill:tp2,decode:tp1,decode:tp1",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
+
         async def go():
             async with httpx.AsyncClient() as client:
                 return await asyncio.gather(*(stream_tokens(client, job.url, p, max_tokens=64) for p in prompts))
@@ -212,7 +270,7 @@ def test_prefill_and_decode_instances_split_every_request(checkpoint, tmp_path):
         assert [len(o["token_ids"]) for o in out] == [64] * 4
         assert_ids_match_hf(checkpoint, prompts, [o["token_ids"] for o in out], HF_CHECKED, "prefill/decode")
         metrics = job.metrics()
-        assert metrics['dist_infer:migrations_total'] >= 4, metrics
+        assert metrics["dist_infer:migrations_total"] >= 4, metrics
         log = job.log()
         assert log.count("(pd): ") >= 4 and "-> 1 (pd)" in log and "-> 2 (pd)" in log, log[-4000:]
         insts = instances(job)
@@ -239,28 +297,73 @@ def test_chaos_every_request_completes_exactly_or_was_cancelled(checkpoint, tmp_
     n = 20
     prompts = prompts_for([rng.randint(5, 40) for _ in range(n)], seed=CHAOS_SEED)
     lengths = [rng.randint(40, 160) for _ in range(n)]
-    bodies = [{"max_tokens": lengths[i], **({"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
-                                             if rng.random() < 0.3 else {})} for i in range(n)]
+    bodies = [
+        {
+            "max_tokens": lengths[i],
+            **({"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if rng.random() < 0.3 else {}),
+        }
+        for i in range(n)
+    ]
     cancel_after = {i: rng.randint(3, 30) for i in rng.sample(range(n), 4)}
     arrivals, t = [], 0.0
     for _ in range(n):
         t += rng.expovariate(8.0)
         arrivals.append(t)
-    with ServerJob(tmp_path, ["--model", checkpoint, "--instances", "tp1,tp1,tp1", "--kv-blocks", "120",
-                              "--migrate-interval", "0.5", "--migration-timeout", "10", "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--instances",
+            "tp1,tp1,tp1",
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0.5",
+            "--migration-timeout",
+            "10",
+            "--timeout",
+            "60",
+        ],
+    ) as job:
+
         async def references():
             async with httpx.AsyncClient() as client:
                 return [await stream_tokens(client, job.url, p, **b) for p, b in zip(prompts, bodies)]
 
         alone = run_async(references())
-        bench = subprocess.Popen(DIST + ["bench-serve", "--url", job.url, "--num-prompts", "40", "--request-rate", "10",
-                                         "--prompt-ids", "--vocab-size", "128", "--input-len", "24", "--output-len",
-                                         "48", "--seed", str(CHAOS_SEED), "--ignore-eos", "--json"],
-                                 env=venv_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        bench = subprocess.Popen(
+            DIST
+            + [
+                "bench-serve",
+                "--url",
+                job.url,
+                "--num-prompts",
+                "40",
+                "--request-rate",
+                "10",
+                "--prompt-ids",
+                "--vocab-size",
+                "128",
+                "--input-len",
+                "24",
+                "--output-len",
+                "48",
+                "--seed",
+                str(CHAOS_SEED),
+                "--ignore-eos",
+                "--json",
+            ],
+            env=venv_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         events: list[str] = []
 
         async def chaos():
             async with httpx.AsyncClient() as client:
+
                 async def one(i):
                     await asyncio.sleep(arrivals[i])
 
@@ -333,16 +436,55 @@ def test_an_instance_joins_as_a_torchrun_job_of_its_own(checkpoint, tmp_path):
 
     key_file = tmp_path / "hub.key"
     prompts = prompts_for([16, 26], seed=91)
-    with ServerJob(tmp_path, ["--model", checkpoint, "--kv-blocks", "120", "--migrate-interval", "0",
-                              "--dispatch", "rr", "--hub-key-file", str(key_file), "--timeout", "60"]) as job:
+    with ServerJob(
+        tmp_path,
+        [
+            "--model",
+            checkpoint,
+            "--kv-blocks",
+            "120",
+            "--migrate-interval",
+            "0",
+            "--dispatch",
+            "rr",
+            "--hub-key-file",
+            str(key_file),
+            "--timeout",
+            "60",
+        ],
+    ) as job:
         hub = json.loads(job.ready_file.read_text())["hub"]
         assert key_file.stat().st_mode & 0o077 == 0, "the key file is private"
         log = open(tmp_path / "joined.log", "w")
         joined = subprocess.Popen(
-            [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "dist_infer", "serve",
-             "--model", str(checkpoint), "--kv-blocks", "120", "--instances", "tp2", "--join", f"{hub[0]}:{hub[1]}",
-             "--instance-index", "1", "--hub-key-file", str(key_file), "--timeout", "60"],
-            env=venv_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(VENV_BIN / "torchrun"),
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "dist_infer",
+                "serve",
+                "--model",
+                str(checkpoint),
+                "--kv-blocks",
+                "120",
+                "--instances",
+                "tp2",
+                "--join",
+                f"{hub[0]}:{hub[1]}",
+                "--instance-index",
+                "1",
+                "--hub-key-file",
+                str(key_file),
+                "--timeout",
+                "60",
+            ],
+            env=venv_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             inst = wait_state(job, 1, "serving")
             assert inst["layout"] == "tp=2" and len(inst["pids"]) == 2, inst

@@ -66,8 +66,22 @@ def test_no_rank_listens_on_every_interface(where, tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
     port = free_port()
-    proc = start(["dist-infer", "launch", "--nproc-per-node", "2", "--master-addr", addr, "--master-port", str(port),
-                  "--", sys.executable, str(script), str(tmp_path)])
+    proc = start(
+        [
+            "dist-infer",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            addr,
+            "--master-port",
+            str(port),
+            "--",
+            sys.executable,
+            str(script),
+            str(tmp_path),
+        ]
+    )
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         ready = [tmp_path / f"ready-{r}" for r in range(2)]

@@ -33,6 +33,9 @@ def test_default_model_deterministic(tmp_path, tiny_model):
     env = dict(os.environ, PYTHONHASHSEED="12345", DIST_INFER_CACHE=str(tmp_path / "proc"))
     subprocess.run(
         [sys.executable, "-c", "from dist_infer.models.tiny_model import ensure_tiny_model as e; e()"],
-        cwd=REPO, env=env, check=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=120,
     )
     assert _digests(tmp_path / "proc" / NAME) == _digests(tiny_model)

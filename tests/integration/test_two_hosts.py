@@ -77,8 +77,25 @@ def test_each_node_started_by_hand(two_hosts, layout):
     host name, so `auto` would find one node), every op checked."""
     dist_infer = str(VENV_BIN / "dist-infer")
     procs = [
-        start(["ip", "netns", "exec", ns, dist_infer, "launch", "--hostfile", two_hosts.hostfile,
-               "--node-rank", str(k), "--", "dist-infer", "comm-test", *COMM_TEST_FAST, *layout])
+        start(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                dist_infer,
+                "launch",
+                "--hostfile",
+                two_hosts.hostfile,
+                "--node-rank",
+                str(k),
+                "--",
+                "dist-infer",
+                "comm-test",
+                *COMM_TEST_FAST,
+                *layout,
+            ]
+        )
         for k, ns in enumerate(two_hosts.names)
     ]
     try:
@@ -102,8 +119,22 @@ def test_ssh_fanout_through_namespaces(two_hosts):
     env = venv_env({"NETNS_SSH_MAP": mapping})
     ssh = os.path.relpath(JOBS / "netns_ssh.sh", REPO)
     assert ssh == "tests/support/jobs/netns_ssh.sh"
-    result = run(["dist-infer", "launch", "--hostfile", two_hosts.hostfile, "--ssh-command", ssh, "--",
-                  "dist-infer", "comm-test", *COMM_TEST_FAST], JOB_TIMEOUT, env=env)
+    result = run(
+        [
+            "dist-infer",
+            "launch",
+            "--hostfile",
+            two_hosts.hostfile,
+            "--ssh-command",
+            ssh,
+            "--",
+            "dist-infer",
+            "comm-test",
+            *COMM_TEST_FAST,
+        ],
+        JOB_TIMEOUT,
+        env=env,
+    )
     assert_comm_test_ok(result, 4, "gloo")
     assert "launch node 0" in result.stderr and "launch node 1" in result.stderr
 
@@ -124,20 +155,73 @@ def test_live_migration_between_instances_on_two_hosts(two_hosts, tmp_path):
     from checkpoints import write_hf_checkpoint
     from hf_compare import prompts_for
 
-    ckpt = write_hf_checkpoint(tmp_path, "llama-gqa", max_position_embeddings=1024, hidden_size=384,
-                               num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536, num_hidden_layers=4)
+    ckpt = write_hf_checkpoint(
+        tmp_path,
+        "llama-gqa",
+        max_position_embeddings=1024,
+        hidden_size=384,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+    )
     hostfile = tmp_path / "hosts1"
     hostfile.write_text(f"{two_hosts.addrs[0]} slots=1\n{two_hosts.addrs[1]} slots=1\n")
     ready = tmp_path / "ready.json"
     dist_infer = str(VENV_BIN / "dist-infer")
-    serve = ["serve", "--model", str(ckpt), "--instances", "2", "--kv-blocks", "64", "--migrate-interval", "0",
-             "--timeout", "60", "--port", "0", "--ready-file", str(ready)]
-    procs = [start(["ip", "netns", "exec", ns, dist_infer, "launch", "--hostfile", hostfile, "--node-rank", str(k),
-                    "--", "dist-infer", *serve]) for k, ns in enumerate(two_hosts.names)]
+    serve = [
+        "serve",
+        "--model",
+        str(ckpt),
+        "--instances",
+        "2",
+        "--kv-blocks",
+        "64",
+        "--migrate-interval",
+        "0",
+        "--timeout",
+        "60",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+    ]
+    procs = [
+        start(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                dist_infer,
+                "launch",
+                "--hostfile",
+                hostfile,
+                "--node-rank",
+                str(k),
+                "--",
+                "dist-infer",
+                *serve,
+            ]
+        )
+        for k, ns in enumerate(two_hosts.names)
+    ]
     try:
         prompt = ",".join(map(str, prompts_for([24], seed=9)[0]))
-        client = run(["ip", "netns", "exec", two_hosts.names[0], str(VENV_BIN / "python"),
-                      str(JOBS / "migrate_client.py"), str(ready), prompt, "300"], JOB_TIMEOUT)
+        client = run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                two_hosts.names[0],
+                str(VENV_BIN / "python"),
+                str(JOBS / "migrate_client.py"),
+                str(ready),
+                prompt,
+                "300",
+            ],
+            JOB_TIMEOUT,
+        )
         assert client.returncode == 0, client.stderr[-3000:]
         out = json.loads(client.stdout.strip().splitlines()[-1])
         procs[0].send_signal(signal.SIGTERM)

@@ -29,8 +29,10 @@ def write_multiturn_sharegpt(tmp_path) -> str:
     for i in range(4):
         turns = [{"from": "system", "value": "You are terse."}] if i % 2 else []
         for k in range(2 + i):  # 2..5 answered turns
-            turns += [{"from": "human", "value": f"question {k} of chat {i}"},
-                      {"from": "gpt", "value": "word " * (k + 2)}]
+            turns += [
+                {"from": "human", "value": f"question {k} of chat {i}"},
+                {"from": "gpt", "value": "word " * (k + 2)},
+            ]
         conversations.append({"id": str(i), "conversations": turns})
     conversations.append({"id": "lonely", "conversations": [{"from": "gpt", "value": "hello?"}]})
     path = tmp_path / "share.json"

@@ -12,10 +12,17 @@ import ctypes
 import re
 from typing import Mapping, Optional
 
-SCALARS = {"int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float, "double": ctypes.c_double,
-           "int64_t": ctypes.c_int64, "char": ctypes.c_char}
-_FUNCTION = re.compile(r"^(?!static\b|typedef\b)([A-Za-z_][\w \t]*?[\s*]+)([A-Za-z_]\w*)\s*\(([^()]*)\)\s*[;{]",
-                       re.MULTILINE)
+SCALARS = {
+    "int": ctypes.c_int,
+    "long": ctypes.c_long,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "int64_t": ctypes.c_int64,
+    "char": ctypes.c_char,
+}
+_FUNCTION = re.compile(
+    r"^(?!static\b|typedef\b)([A-Za-z_][\w \t]*?[\s*]+)([A-Za-z_]\w*)\s*\(([^()]*)\)\s*[;{]", re.MULTILINE
+)
 _STRUCT = re.compile(r"typedef\s+struct\s*\{(.*?)\}\s*(\w+)\s*;", re.DOTALL)
 
 
@@ -78,8 +85,9 @@ def struct_fields(text: str, structs: Optional[Mapping[str, type]] = None) -> di
     return found
 
 
-def mismatches(declared: Mapping[str, tuple[Optional[type], list]],
-               prototypes: Mapping[str, tuple[Optional[type], list]]) -> list[str]:
+def mismatches(
+    declared: Mapping[str, tuple[Optional[type], list]], prototypes: Mapping[str, tuple[Optional[type], list]]
+) -> list[str]:
     """How the Python side's (restype, argtypes) differ from the C prototypes, one line each."""
     problems = []
     for name, (restype, argtypes) in declared.items():
@@ -88,10 +96,15 @@ def mismatches(declared: Mapping[str, tuple[Optional[type], list]],
             continue
         c_restype, c_argtypes = prototypes[name]
         if restype is not c_restype:
-            problems.append(f"{name}: returns {getattr(c_restype, '__name__', 'void')} in C, "
-                            f"{getattr(restype, '__name__', 'void')} in Python")
+            problems.append(
+                f"{name}: returns {getattr(c_restype, '__name__', 'void')} in C, "
+                f"{getattr(restype, '__name__', 'void')} in Python"
+            )
         if len(argtypes) != len(c_argtypes):
             problems.append(f"{name}: {len(c_argtypes)} parameters in C, {len(argtypes)} in Python")
-        problems += [f"{name}: parameter {i} is {c.__name__} in C, {p.__name__} in Python"
-                     for i, (p, c) in enumerate(zip(argtypes, c_argtypes, strict=False)) if p is not c]
+        problems += [
+            f"{name}: parameter {i} is {c.__name__} in C, {p.__name__} in Python"
+            for i, (p, c) in enumerate(zip(argtypes, c_argtypes, strict=False))
+            if p is not c
+        ]
     return problems

@@ -15,7 +15,17 @@ from typing import Optional, Union
 
 import torch
 
-ARCHS = ("llama-gqa", "llama-mqa", "mistral", "qwen2", "llama-tied", "llama31-rope", "mixtral", "qwen2-moe", "qwen3-moe")
+ARCHS = (
+    "llama-gqa",
+    "llama-mqa",
+    "mistral",
+    "qwen2",
+    "llama-tied",
+    "llama31-rope",
+    "mixtral",
+    "qwen2-moe",
+    "qwen3-moe",
+)
 
 # Mixture of experts: 8 small experts, top-2, as the dense archs otherwise.
 _MOE = dict(num_experts_per_tok=2)
@@ -68,8 +78,15 @@ def _model_and_config(arch: str, overrides: dict):
         kwargs.update(_MOE, num_local_experts=8, intermediate_size=64)
     elif arch == "qwen2-moe":  # shared expert, no top-k renormalisation, layer 1 dense (mlp_only_layers)
         cls, cfg = tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig
-        kwargs.update(_MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                      norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[1])
+        kwargs.update(
+            _MOE,
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+        )
     elif arch == "qwen3-moe":  # q_norm / k_norm, top-k renormalised
         cls, cfg = tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig
         kwargs.update(_MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)
@@ -146,8 +163,9 @@ def load_hf_model(path: Union[str, os.PathLike]):
 
     path = Path(path)
     if path.suffix == ".gguf":  # transformers dequantizes a GGUF to fp32 itself
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                     attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
@@ -179,6 +197,10 @@ def hf_reference(
             if step + 1 < max_new_tokens:
                 out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
         all_ids.append(ids)
-        vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+        vocab = (
+            model.config.get_text_config().vocab_size
+            if hasattr(model.config, "get_text_config")
+            else model.config.vocab_size
+        )
         all_logits.append(torch.stack(rows) if rows else torch.empty(0, vocab))
     return all_ids, all_logits

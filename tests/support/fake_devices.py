@@ -45,8 +45,12 @@ _GUARD_SOURCE = """#include <c10/core/impl/DeviceGuardImplInterface.h>
 C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::NoOpDeviceGuardImpl<c10::DeviceType::CUDA>);
 """
 _loaded: dict[str, Optional[str]] = {}
-_INDEX_OPS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
-              torch.ops.aten._index_put_impl_.default}
+_INDEX_OPS = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
 
 
 class NeedsRealValues(RuntimeError):
@@ -76,9 +80,23 @@ def load_fake_cuda_guard() -> Optional[str]:
         with tempfile.TemporaryDirectory() as tmp:
             src, out = Path(tmp) / "guard.cpp", Path(tmp) / "guard.so"
             src.write_text(_GUARD_SOURCE)
-            proc = subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-I{root / 'include'}", str(src), "-o",
-                                   str(out), f"-L{root / 'lib'}", "-lc10", f"-Wl,-rpath,{root / 'lib'}"],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    cxx,
+                    "-std=c++17",
+                    "-shared",
+                    "-fPIC",
+                    f"-I{root / 'include'}",
+                    str(src),
+                    "-o",
+                    str(out),
+                    f"-L{root / 'lib'}",
+                    "-lc10",
+                    f"-Wl,-rpath,{root / 'lib'}",
+                ],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode != 0:
                 _loaded["done"] = f"building the fake CUDA device guard failed: {proc.stderr[-400:]}"
                 return _loaded["done"]
@@ -161,8 +179,10 @@ def _check_indices(func, args) -> None:
         return
     for index in indices:
         if isinstance(index, torch.Tensor) and index.device.type == "cpu" and index.dim() > 0:
-            raise ImplicitHostCopy(f"{func}: a {self_.device} tensor {tuple(self_.shape)} indexed with a CPU index "
-                                   f"tensor {tuple(index.shape)}: build the index on the device")
+            raise ImplicitHostCopy(
+                f"{func}: a {self_.device} tensor {tuple(self_.shape)} indexed with a CPU index "
+                f"tensor {tuple(index.shape)}: build the index on the device"
+            )
 
 
 def _check_writes(func, args, kwargs) -> None:
@@ -174,8 +194,10 @@ def _check_writes(func, args, kwargs) -> None:
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
-                raise NeedsRealValues(f"{func}: writes device values into a host tensor {tuple(t.shape)} "
-                                      f"({t.dtype}); a fake device has none")
+                raise NeedsRealValues(
+                    f"{func}: writes device values into a host tensor {tuple(t.shape)} "
+                    f"({t.dtype}); a fake device has none"
+                )
 
 
 def on_fake_device(module: torch.nn.Module, mode: FakeCudaMode, device: str = "cuda") -> torch.nn.Module:

@@ -22,7 +22,8 @@ VOCAB = 1000
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with a user turn') }}"
     "{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def fake_tokens(prompt_ids: list[int], n: int) -> list[int]:
@@ -79,8 +80,11 @@ class FakeEngine:
             raise RequestError("prompt", f"prompt has token ids {bad[:5]} outside the vocabulary of {self.vocab_size}")
         total = len(prompt_token_ids) + params.max_new_tokens
         if total > self.max_model_len:
-            raise RequestError("max_tokens", f"prompt has {len(prompt_token_ids)} tokens + {params.max_new_tokens} "
-                                             f"new tokens = {total}, more than the model's {self.max_model_len} positions")
+            raise RequestError(
+                "max_tokens",
+                f"prompt has {len(prompt_token_ids)} tokens + {params.max_new_tokens} "
+                f"new tokens = {total}, more than the model's {self.max_model_len} positions",
+            )
 
     def _release(self, request_id: str) -> None:
         self.free_blocks += self._held.pop(request_id, 0)
@@ -93,9 +97,14 @@ class FakeEngine:
 
     def stats(self) -> dict:
         used = self.total_blocks - self.free_blocks
-        return {"num_requests_running": len(self._held), "num_requests_waiting": 0,
-                "kv_cache_usage_perc": used / self.total_blocks, "num_preemptions_total": 7,
-                "free_blocks": self.free_blocks, "total_blocks": self.total_blocks}
+        return {
+            "num_requests_running": len(self._held),
+            "num_requests_waiting": 0,
+            "kv_cache_usage_perc": used / self.total_blocks,
+            "num_preemptions_total": 7,
+            "free_blocks": self.free_blocks,
+            "total_blocks": self.total_blocks,
+        }
 
     def begin_shutdown(self) -> None:
         self.accepting = False
@@ -125,9 +134,18 @@ class FakeEngine:
                     reason, stop_reason = "stop", token
                 elif i + 1 == params.max_new_tokens:
                     reason = "length"
-                yield RequestOutput(request_id, [token], [lp], [top] if params.logprobs else [],
-                                    self.tokenizer.decode([token]), reason is not None, reason, stop_reason,
-                                    n_prompt, i + 1)
+                yield RequestOutput(
+                    request_id,
+                    [token],
+                    [lp],
+                    [top] if params.logprobs else [],
+                    self.tokenizer.decode([token]),
+                    reason is not None,
+                    reason,
+                    stop_reason,
+                    n_prompt,
+                    i + 1,
+                )
                 if reason is not None:
                     return
         finally:
@@ -143,6 +161,12 @@ def serve_fake_engine_main(ready_file: str, token_delay: float, grace_s: float) 
     def ready(host: str, port: int) -> None:
         Path(ready_file).write_text(json.dumps({"port": port}))
 
-    serve_http(build_app(engine, MODEL), "127.0.0.1", 0, on_ready=ready, grace_s=grace_s,
-               on_shutdown=lambda: print("on_shutdown called", flush=True))
+    serve_http(
+        build_app(engine, MODEL),
+        "127.0.0.1",
+        0,
+        on_ready=ready,
+        grace_s=grace_s,
+        on_shutdown=lambda: print("on_shutdown called", flush=True),
+    )
     print(f"serve_http returned; aborted={engine.aborted}", flush=True)

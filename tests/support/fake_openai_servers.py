@@ -40,8 +40,16 @@ def make_fake_server(fail_every: int = 0, usage: bool = True, stall_every: int =
             number = len(seen["bodies"])
             if fail_every and number % fail_every == 0:
                 seen["rejected"] += 1
-                return JSONResponse({"error": {"message": f"fake rejection of request {number}",
-                                               "type": "BadRequestError", "code": 400}}, status_code=400)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"fake rejection of request {number}",
+                            "type": "BadRequestError",
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
             seen["in_flight"] += 1
             seen["max_in_flight"] = max(seen["max_in_flight"], seen["in_flight"])
         max_tokens = int(body["max_tokens"])
@@ -57,10 +65,17 @@ def make_fake_server(fail_every: int = 0, usage: bool = True, stall_every: int =
             with lock:
                 seen["sent"].append(max_tokens)
                 seen["in_flight"] -= 1
-            return {"id": "x", "object": "text_completion", "model": body["model"],
-                    "choices": [{"index": 0, "text": " w" * max_tokens, "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                              "total_tokens": prompt_tokens + max_tokens}}
+            return {
+                "id": "x",
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "text": " w" * max_tokens, "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": max_tokens,
+                    "total_tokens": prompt_tokens + max_tokens,
+                },
+            }
 
         def chunk(text, ids=None, finish=None):
             if chat:
@@ -69,13 +84,20 @@ def make_fake_server(fail_every: int = 0, usage: bool = True, stall_every: int =
                 choice = {"index": 0, "text": text, "finish_reason": finish}
             if ids is not None:
                 choice["token_ids"] = ids
-            return "data: " + json.dumps({"id": "x", "object": "chunk", "model": body["model"],
-                                          "choices": [choice], "usage": None}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps({"id": "x", "object": "chunk", "model": body["model"], "choices": [choice], "usage": None})
+                + "\n\n"
+            )
 
         async def events():
             yield ": keep-alive\n\n"
             if chat:
-                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                    + "\n\n"
+                )
             sent = chunk_number = 0
             while sent < max_tokens:
                 k = 2 if chunk_number % 3 == 2 and max_tokens - sent >= 2 else 1
@@ -86,9 +108,20 @@ def make_fake_server(fail_every: int = 0, usage: bool = True, stall_every: int =
                 await asyncio.sleep(0.001)
             yield chunk("", finish="length")
             if usage and body.get("stream_options", {}).get("include_usage"):
-                yield "data: " + json.dumps({"choices": [], "usage": {
-                    "prompt_tokens": prompt_tokens, "completion_tokens": sent,
-                    "total_tokens": prompt_tokens + sent}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": prompt_tokens,
+                                "completion_tokens": sent,
+                                "total_tokens": prompt_tokens + sent,
+                            },
+                        }
+                    )
+                    + "\n\n"
+                )
             with lock:
                 seen["sent"].append(sent)
                 seen["in_flight"] -= 1  # before [DONE], so the client cannot start its next request first
@@ -116,8 +149,12 @@ def _common_prefix(a, b) -> int:
     return n
 
 
-def make_chat_server(key: Callable[[dict], object], metrics: Optional[str] = "dist_infer", token_ids: bool = True,
-                     ttft_step_s: float = 0.0):
+def make_chat_server(
+    key: Callable[[dict], object],
+    metrics: Optional[str] = "dist_infer",
+    token_ids: bool = True,
+    ttft_step_s: float = 0.0,
+):
     """Streams `max_tokens` tokens per request, one a chunk, with `token_ids` in every chunk (as this
     project's server does) unless token_ids=False. Request n answers ids 1000n + j and text ' tn_j'.
     `key(body)` names a request's conversation; its turn is 1 + the requests seen with that key, and
@@ -141,9 +178,11 @@ def make_chat_server(key: Callable[[dict], object], metrics: Optional[str] = "di
         if metrics == "none":
             return PlainTextResponse("# a server without a prefix cache\nrequests_total 3\n")
         q, h = counters["queries"], counters["hits"]
-        return PlainTextResponse(f'{metrics}:prefix_cache_queries_total{{engine="0"}} {q - 100}\n'
-                                 f'{metrics}:prefix_cache_queries_total{{engine="1"}} 100\n'
-                                 f'{metrics}:prefix_cache_hits_total{{engine="0"}} {h}\n')
+        return PlainTextResponse(
+            f'{metrics}:prefix_cache_queries_total{{engine="0"}} {q - 100}\n'
+            f'{metrics}:prefix_cache_queries_total{{engine="1"}} 100\n'
+            f'{metrics}:prefix_cache_hits_total{{engine="0"}} {h}\n'
+        )
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
@@ -171,8 +210,11 @@ def make_chat_server(key: Callable[[dict], object], metrics: Optional[str] = "di
             await asyncio.sleep(ttft_step_s * turn)
             for j in range(len(ids)):
                 yield chunk(j)
-            yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": len(prompt),
-                                                                  "completion_tokens": len(ids)}}) + "\n\n"
+            yield (
+                "data: "
+                + json.dumps({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}})
+                + "\n\n"
+            )
             with lock:
                 seen["spans"].append((conversation, turn, started, time.monotonic()))
             yield "data: [DONE]\n\n"

@@ -74,11 +74,14 @@ class FakeComm(Communicator):
                 return  # nobody ran the sender yet; the values would not exist anyway
             raise CommError(f"{self.describe(op)}: nothing from rank {self.ranks[src]} on {channel}")
         if got.device != tensor.device:
-            raise DeviceMismatch(f"{self.describe(op)}: rank {self.ranks[src]} sent a {got.device} tensor, "
-                                 f"rank {self.global_rank} receives into a {tensor.device} one")
+            raise DeviceMismatch(
+                f"{self.describe(op)}: rank {self.ranks[src]} sent a {got.device} tensor, "
+                f"rank {self.global_rank} receives into a {tensor.device} one"
+            )
         if got.numel() != tensor.numel() or got.dtype != tensor.dtype:
-            raise CommError(f"{self.describe(op)}: sent {got.numel()} {got.dtype}, receiving {tensor.numel()} "
-                            f"{tensor.dtype}")
+            raise CommError(
+                f"{self.describe(op)}: sent {got.numel()} {got.dtype}, receiving {tensor.numel()} {tensor.dtype}"
+            )
         tensor.copy_(got.reshape(tensor.shape))
 
     def _post_broadcast(self, tensor, src):

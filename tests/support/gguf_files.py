@@ -19,10 +19,24 @@ def llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: Union[str, Path], *, qtype: str = "Q8_0", hidden: int = 96, layers: int = 2,
-                     heads: int = 6, kv_heads: int = 3, intermediate: int = 160, vocab: int = 128,
-                     context: int = 256, tied: bool = False, seed: int = 0, rope_theta: float = 10000.0,
-                     eps: float = 1e-5, std: float = 0.1, int8_tensor: str = "") -> Path:
+def write_llama_gguf(
+    path: Union[str, Path],
+    *,
+    qtype: str = "Q8_0",
+    hidden: int = 96,
+    layers: int = 2,
+    heads: int = 6,
+    kv_heads: int = 3,
+    intermediate: int = 160,
+    vocab: int = 128,
+    context: int = 256,
+    tied: bool = False,
+    seed: int = 0,
+    rope_theta: float = 10000.0,
+    eps: float = 1e-5,
+    std: float = 0.1,
+    int8_tensor: str = "",
+) -> Path:
     """A seeded random Llama as GGUF; matrices in `qtype`, norms in F32. Same arguments, same bytes.
     `int8_tensor`: store that one tensor as I8, a type no loader dequantizes (the error test)."""
     import gguf

@@ -64,35 +64,54 @@ def patch_tensor_offset(path: Path, name: str, offset: int) -> Path:
 
 # -- the cases: name -> (patch, what the loader's error must say) -----------------------------------------
 
+
 def _dims_4tb(p):
-    return patch_tensor_dims(p, "token_embd.weight", [2 ** 20, 2 ** 20])  # 2**40 fp32 values: 4 TiB in a ~55 KB file
+    return patch_tensor_dims(p, "token_embd.weight", [2**20, 2**20])  # 2**40 fp32 values: 4 TiB in a ~55 KB file
 
 
 def _metadata_4tb(p):
-    patch_field(p, "llama.embedding_length", 2 ** 20)  # the model would allocate a 4 TiB embedding
-    return patch_field(p, "llama.vocab_size", 2 ** 20)
+    patch_field(p, "llama.embedding_length", 2**20)  # the model would allocate a 4 TiB embedding
+    return patch_field(p, "llama.vocab_size", 2**20)
 
 
 HOSTILE = {  # name -> (patch, what the error must say)
-    "tensor-dims-claim-4TB": (_dims_4tb, r"token_embd.weight claims dims \[1048576, 1048576\]: 4398046511104 bytes .* "
-                                         r"past the end of the \d+-byte file"),
-    "metadata-claims-4TB": (_metadata_4tb, r"token_embd.weight has shape \[32, 64\] but llama.vocab_size=1048576, "
-                                           r"llama.embedding_length=1048576 needs \[1048576, 1048576\]"),
+    "tensor-dims-claim-4TB": (
+        _dims_4tb,
+        r"token_embd.weight claims dims \[1048576, 1048576\]: 4398046511104 bytes .* "
+        r"past the end of the \d+-byte file",
+    ),
+    "metadata-claims-4TB": (
+        _metadata_4tb,
+        r"token_embd.weight has shape \[32, 64\] but llama.vocab_size=1048576, "
+        r"llama.embedding_length=1048576 needs \[1048576, 1048576\]",
+    ),
     "head_count-0": (lambda p: patch_field(p, "llama.attention.head_count", 0), r"llama.attention.head_count is 0$"),
-    "head_count_kv-0": (lambda p: patch_field(p, "llama.attention.head_count_kv", 0),
-                        r"llama.attention.head_count_kv is 0$"),
-    "head_count-not-a-multiple": (lambda p: patch_field(p, "llama.attention.head_count_kv", 3),
-                                  r"head_count=2 is not a multiple of llama.attention.head_count_kv=3"),
+    "head_count_kv-0": (
+        lambda p: patch_field(p, "llama.attention.head_count_kv", 0),
+        r"llama.attention.head_count_kv is 0$",
+    ),
+    "head_count-not-a-multiple": (
+        lambda p: patch_field(p, "llama.attention.head_count_kv", 3),
+        r"head_count=2 is not a multiple of llama.attention.head_count_kv=3",
+    ),
     "embedding_length-0": (lambda p: patch_field(p, "llama.embedding_length", 0), r"llama.embedding_length is 0$"),
     "block_count-0": (lambda p: patch_field(p, "llama.block_count", 0), r"llama.block_count is 0$"),
-    "block_count-2**31": (lambda p: patch_field(p, "llama.block_count", 2 ** 31),
-                          r"llama.block_count is 2147483648 but the file has no blk.1.attn_norm.weight"),
-    "context_length-2**31": (lambda p: patch_field(p, "llama.context_length", 2 ** 31),
-                             r"llama.context_length is 2147483648, more than"),
-    "tensor-past-the-end": (lambda p: patch_tensor_offset(p, "output.weight", 10 ** 6),
-                            r"output.weight claims dims \[32, 64\]: 8192 bytes from byte \d+, past the end"),
-    "tensor_count-2**40": (lambda p: patch_field(p, "GGUF.tensor_count", 2 ** 40),
-                           r"GGUF.tensor_count is 1099511627776, but a file of \d+ bytes holds at most \d+"),
+    "block_count-2**31": (
+        lambda p: patch_field(p, "llama.block_count", 2**31),
+        r"llama.block_count is 2147483648 but the file has no blk.1.attn_norm.weight",
+    ),
+    "context_length-2**31": (
+        lambda p: patch_field(p, "llama.context_length", 2**31),
+        r"llama.context_length is 2147483648, more than",
+    ),
+    "tensor-past-the-end": (
+        lambda p: patch_tensor_offset(p, "output.weight", 10**6),
+        r"output.weight claims dims \[32, 64\]: 8192 bytes from byte \d+, past the end",
+    ),
+    "tensor_count-2**40": (
+        lambda p: patch_field(p, "GGUF.tensor_count", 2**40),
+        r"GGUF.tensor_count is 1099511627776, but a file of \d+ bytes holds at most \d+",
+    ),
 }
 
 

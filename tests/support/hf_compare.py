@@ -54,10 +54,14 @@ def steps_agreeing_with_hf(got: list[int], want: list[int], want_logits: torch.T
         return len(want)
     top2 = want_logits[diverge].topk(2).values
     gap = float(top2[0] - top2[1])
-    assert gap < TIE_GAP, (f"{what}: greedy ids differ from HF at step {diverge}: ours {list(got)} vs HF {list(want)}; "
-                           f"HF's top-2 logit gap there is {gap:.3g}, not a near tie (< {TIE_GAP})")
-    print(f"NOTE {what}: ids differ from HF at step {diverge} on a near tie (HF top-2 gap {gap:.3g} < {TIE_GAP}); "
-          f"compared steps 0..{diverge}")
+    assert gap < TIE_GAP, (
+        f"{what}: greedy ids differ from HF at step {diverge}: ours {list(got)} vs HF {list(want)}; "
+        f"HF's top-2 logit gap there is {gap:.3g}, not a near tie (< {TIE_GAP})"
+    )
+    print(
+        f"NOTE {what}: ids differ from HF at step {diverge} on a near tie (HF top-2 gap {gap:.3g} < {TIE_GAP}); "
+        f"compared steps 0..{diverge}"
+    )
     return diverge + 1
 
 
@@ -71,17 +75,27 @@ def assert_matches_hf(out: dict, dumped: list[torch.Tensor], prompts, ref_ids, r
         new_tokens = len(want_ids)
         assert len(ids) == new_tokens, f"{what} prompt {b}: {len(ids)} tokens, want {new_tokens}"
         assert got_logits.dtype == torch.float32
-        assert tuple(got_logits.shape) == tuple(want.shape), f"{what} prompt {b}: logits {tuple(got_logits.shape)} vs HF {tuple(want.shape)}"
+        assert tuple(got_logits.shape) == tuple(want.shape), (
+            f"{what} prompt {b}: logits {tuple(got_logits.shape)} vs HF {tuple(want.shape)}"
+        )
         steps = steps_agreeing_with_hf(ids, want_ids, want, f"{what} prompt {b} (len {len(prompts[b])})")
         for i in range(steps):
             torch.testing.assert_close(
-                got_logits[i], want[i], atol=ATOL, rtol=RTOL,
+                got_logits[i],
+                want[i],
+                atol=ATOL,
+                rtol=RTOL,
                 msg=lambda m, i=i: f"{what} prompt {b} (len {len(prompts[b])}) step {i}: logits differ from HF\n{m}",
             )
         # our log-probabilities of our tokens, under HF's distribution (the same ids up to a near tie)
         want_lp = torch.log_softmax(want[:steps].double(), -1).gather(-1, torch.tensor(ids[:steps])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(row["logprobs"][:steps], dtype=torch.float64), want_lp,
-                                   atol=ATOL, rtol=RTOL, msg=lambda m: f"{what} prompt {b}: logprobs differ from HF\n{m}")
+        torch.testing.assert_close(
+            torch.tensor(row["logprobs"][:steps], dtype=torch.float64),
+            want_lp,
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m: f"{what} prompt {b}: logprobs differ from HF\n{m}",
+        )
 
 
 def assert_outputs_match_hf(outputs, prompts, ids, logits, what: str, eos: int = 2) -> None:
@@ -96,7 +110,7 @@ def assert_outputs_match_hf(outputs, prompts, ids, logits, what: str, eos: int =
         else:
             assert o.finish_reason == "length" and n == len(want_ids)
         assert o.token_ids == want_ids[:n], f"{what} prompt {b}: {o.token_ids} vs HF {want_ids}"
-        assert eos not in want_ids[:n - 1], f"{what} prompt {b}: HF produced EOS earlier"
+        assert eos not in want_ids[: n - 1], f"{what} prompt {b}: HF produced EOS earlier"
         torch.testing.assert_close(torch.stack(o.logits), want[:n], atol=1e-4, rtol=1e-4)
 
 

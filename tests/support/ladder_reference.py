@@ -18,9 +18,9 @@ def _attention(attn, h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     ang = torch.arange(T, dtype=torch.float32)[:, None] * inv
     cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-    rope = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin  # noqa: E731
+    rope = lambda t: t * cos + torch.cat([-t[..., hd // 2 :], t[..., : hd // 2]], -1) * sin  # noqa: E731
     q, k = rope(q), rope(k).repeat_interleave(nh // nkv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q, k) * hd**-0.5
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.repeat_interleave(nh // nkv, 1))
     return attn.o_proj(out.reshape(T, -1))
@@ -60,4 +60,4 @@ def reference_greedy(hf, prompt: list[int], ladder, new: int) -> tuple[list[int]
     for _ in range(new):
         rows.append(reference_logits(hf, ids, ladder)[-1])
         ids.append(int(rows[-1].argmax()))
-    return ids[len(prompt):], torch.stack(rows)
+    return ids[len(prompt) :], torch.stack(rows)

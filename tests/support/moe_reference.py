@@ -9,8 +9,14 @@ import torch.nn.functional as F
 
 from dist_infer.parallel.moe.routing import topk_routing
 
-MOE_CONFIG = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=128, intermediate_size=96,
-                  num_experts_per_tok=2)
+MOE_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    vocab_size=128,
+    intermediate_size=96,
+    num_experts_per_tok=2,
+)
 
 H, I, E, K = 16, 24, 8, 2  # hidden size, expert intermediate size, experts, experts per token
 
@@ -18,8 +24,12 @@ H, I, E, K = 16, 24, 8, 2  # hidden size, expert intermediate size, experts, exp
 def expert_weights(seed=0):
     """Seeded router and expert weights of one layer: gate [E, H], w1 and w3 [E, I, H], w2 [E, H, I]."""
     gen = torch.Generator().manual_seed(seed)
-    return {"gate": torch.randn(E, H, generator=gen), "w1": torch.randn(E, I, H, generator=gen) * 0.3,
-            "w3": torch.randn(E, I, H, generator=gen) * 0.3, "w2": torch.randn(E, H, I, generator=gen) * 0.3}
+    return {
+        "gate": torch.randn(E, H, generator=gen),
+        "w1": torch.randn(E, I, H, generator=gen) * 0.3,
+        "w3": torch.randn(E, I, H, generator=gen) * 0.3,
+        "w2": torch.randn(E, H, I, generator=gen) * 0.3,
+    }
 
 
 def dense_reference(x, w, renormalize=True):

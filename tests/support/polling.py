@@ -8,8 +8,9 @@ from typing import Callable, TypeVar, Union
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: Union[str, Callable[[], str]],
-               interval: float = 0.05) -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout: float, what: Union[str, Callable[[], str]], interval: float = 0.05
+) -> T:
     """Call `predicate` every `interval` seconds until it returns something truthy, and return that.
     After `timeout` seconds without, raise AssertionError naming `what` (a string, or a callable
     giving one at that moment, e.g. with a log tail) and the predicate's last value."""

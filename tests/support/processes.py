@@ -83,8 +83,13 @@ def end_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
 def start(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd=REPO) -> subprocess.Popen:
     """Start `cmd` in its own process group, output captured (use `finish` to collect it)."""
     return subprocess.Popen(
-        [str(c) for c in cmd], env=dict(env) if env is not None else venv_env(), cwd=str(cwd),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [str(c) for c in cmd],
+        env=dict(env) if env is not None else venv_env(),
+        cwd=str(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -107,7 +112,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     return result
 
 
-def run(cmd: Sequence[str], timeout: float, env: Optional[Mapping[str, str]] = None, cwd=REPO) -> subprocess.CompletedProcess:
+def run(
+    cmd: Sequence[str], timeout: float, env: Optional[Mapping[str, str]] = None, cwd=REPO
+) -> subprocess.CompletedProcess:
     """Run `cmd` to completion (at most `timeout` s); stdout/stderr are printed if it fails.
 
     The result has two extra attributes: `elapsed` (seconds) and `ended_at` (time.time() at exit).

@@ -11,8 +11,16 @@ from dist_infer.parallel.quantized_linear import quantize_as
 from dist_infer.parallel.sharding import shard_range
 
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", ".w2.weight")  # sharded by input columns
-COLUMN_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
-                   ".w1.weight", ".w3.weight", "lm_head.weight")
+COLUMN_PARALLEL = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    ".w1.weight",
+    ".w3.weight",
+    "lm_head.weight",
+)
 
 
 def dequantized(w: torch.Tensor, scheme: str, tp: int, row_parallel: bool) -> torch.Tensor:
@@ -23,7 +31,7 @@ def dequantized(w: torch.Tensor, scheme: str, tp: int, row_parallel: bool) -> to
     pieces = []
     for r in range(tp):
         start, length = shard_range(w.shape[1], tp, r)
-        pieces.append(quantize_as(w[:, start:start + length], scheme).dequantize())
+        pieces.append(quantize_as(w[:, start : start + length], scheme).dequantize())
     return torch.cat(pieces, dim=1)
 
 

@@ -24,8 +24,14 @@ LOCAL_TEST_MAX_RANKS = 8  # --max-ranks of a local-placement test server that na
 class ServerJob:
     """A serve job in its own process group; logs go to a file (a pipe nobody reads would fill up)."""
 
-    def __init__(self, tmp_path: Path, args: Sequence[str], prefix: Optional[Sequence[str]] = None,
-                 env: Optional[dict] = None, ready_timeout: float = 180.0):
+    def __init__(
+        self,
+        tmp_path: Path,
+        args: Sequence[str],
+        prefix: Optional[Sequence[str]] = None,
+        env: Optional[dict] = None,
+        ready_timeout: float = 180.0,
+    ):
         self.dir = Path(tmp_path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ready_file = self.dir / f"ready-{time.monotonic_ns()}.json"
@@ -38,12 +44,21 @@ class ServerJob:
         cmd = list(prefix or DIST) + ["serve", *args, "--port", "0", "--ready-file", str(self.ready_file)]
         self.cmd = cmd
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env or venv_env(), cwd=str(REPO), stdout=self._log,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env or venv_env(),
+            cwd=str(REPO),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + ready_timeout
         while not self.ready_file.exists() or not self.ready_file.read_text().strip():
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode} before it was ready: {cmd}\n{self.log()[-6000:]}")
+                raise AssertionError(
+                    f"server exited {self.proc.returncode} before it was ready: {cmd}\n{self.log()[-6000:]}"
+                )
             if time.monotonic() > deadline:
                 self.kill()
                 raise AssertionError(f"server not ready after {ready_timeout} s: {cmd}\n{self.log()[-6000:]}")
@@ -85,7 +100,9 @@ class ServerJob:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"server still running {timeout} s after {signal.Signals(sig).name}\n{self.log()[-6000:]}")
+            raise AssertionError(
+                f"server still running {timeout} s after {signal.Signals(sig).name}\n{self.log()[-6000:]}"
+            )
         self._log.close()
         return self.proc.returncode
 
@@ -109,8 +126,14 @@ async def complete_ids(client: httpx.AsyncClient, url: str, prompt: list[int], d
     return r.json()
 
 
-async def stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], delay: float = 0.0,
-                     on_chunk: Optional[Callable[[list[int]], None]] = None, **body) -> dict:
+async def stream_ids(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    delay: float = 0.0,
+    on_chunk: Optional[Callable[[list[int]], None]] = None,
+    **body,
+) -> dict:
     """Stream one completion; returns {'token_ids', 'text', 'finish_reason', 'usage', 'chunks'}.
     `on_chunk(token ids so far)` is called after each chunk."""
     await asyncio.sleep(delay)
@@ -122,7 +145,7 @@ async def stream_ids(client: httpx.AsyncClient, url: str, prompt: list[int], del
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -153,8 +176,9 @@ def wait_state(job, index: int, state: str, timeout: float = 120.0) -> dict:
         insts[:] = instances(job)
         return index < len(insts) and insts[index]["state"] == state and insts[index]
 
-    return wait_until(in_state, timeout, lambda: f"instance {index} {state}: {insts}\n{job.log()[-4000:]}",
-                      interval=0.2)
+    return wait_until(
+        in_state, timeout, lambda: f"instance {index} {state}: {insts}\n{job.log()[-4000:]}", interval=0.2
+    )
 
 
 def where(server, request_id: str) -> int:
@@ -219,8 +243,9 @@ async def stream_tokens(client, url, prompt, on_token=None, errors_ok: bool = Fa
 
 
 async def force_migrate(client, url, request_id, to_instance) -> httpx.Response:
-    return await client.post(url + "/admin/migrate", json={"request_id": request_id, "to_instance": to_instance},
-                             timeout=120)
+    return await client.post(
+        url + "/admin/migrate", json={"request_id": request_id, "to_instance": to_instance}, timeout=120
+    )
 
 
 def run_async(coro):

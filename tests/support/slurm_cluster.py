@@ -48,25 +48,44 @@ def _free_port() -> int:
 
 def slurm_conf(root: Path, node: str, user: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
     """slurm.conf for one node, `node`, on 127.0.0.1 (pure)."""
-    return "\n".join([
-        "ClusterName=distinfer-test",
-        f"SlurmctldHost={node}(127.0.0.1)",
-        f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
-        f"SlurmUser={user}", f"SlurmdUser={user}",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={root}/munge/munge.socket",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd.pid",
-        f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-        "SchedulerType=sched/builtin", "MpiDefault=none",
-        "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-        "JobCompType=jobcomp/none", "SlurmdParameters=config_overrides", "ReturnToService=2",
-        "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5", "MinJobAge=10",
-        f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={node} CPUs={cpus} RealMemory=4096 State=UNKNOWN",
-        f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
-        "",
-    ])
+    return "\n".join(
+        [
+            "ClusterName=distinfer-test",
+            f"SlurmctldHost={node}(127.0.0.1)",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={slurmd_port}",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={root}/munge/munge.socket",
+            f"StateSaveLocation={root}/state",
+            f"SlurmdSpoolDir={root}/spool",
+            f"SlurmctldPidFile={root}/slurmctld.pid",
+            f"SlurmdPidFile={root}/slurmd.pid",
+            f"SlurmctldLogFile={root}/log/slurmctld.log",
+            f"SlurmdLogFile={root}/log/slurmd.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SchedulerType=sched/builtin",
+            "MpiDefault=none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "JobCompType=jobcomp/none",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=30",
+            "InactiveLimit=0",
+            "KillWait=5",
+            "MinJobAge=10",
+            f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={node} CPUs={cpus} RealMemory=4096 State=UNKNOWN",
+            f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+            "",
+        ]
+    )
 
 
 class OneHostSlurm:
@@ -95,8 +114,18 @@ class OneHostSlurm:
         key.chmod(0o400)
         self.conf.write_text(slurm_conf(self.root, self.node, getpass.getuser(), self.cpus, _free_port(), _free_port()))
         m = self.root / "munge"
-        self._daemon("munged", ["-F", "-f", f"--key-file={key}", f"--socket={m}/munge.socket",
-                                f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/seed"])
+        self._daemon(
+            "munged",
+            [
+                "-F",
+                "-f",
+                f"--key-file={key}",
+                f"--socket={m}/munge.socket",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/seed",
+            ],
+        )
         try:
             self._wait(lambda: (m / "munge.socket").exists(), timeout, "munged's socket")
             self._daemon("slurmctld", ["-D", "-c", "-i"])
@@ -109,13 +138,24 @@ class OneHostSlurm:
 
     def _daemon(self, name: str, args: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")
-        self.procs[name] = subprocess.Popen([_which(name), *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [_which(name), *args],
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
 
     def _idle(self) -> bool:
-        out = subprocess.run([_which("sinfo"), "--noheader", "--Node", "--format", "%t"], env=self.env(),
-                             capture_output=True, text=True, timeout=10).stdout.split()
+        out = subprocess.run(
+            [_which("sinfo"), "--noheader", "--Node", "--format", "%t"],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split()
         return out == ["idle"]
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -137,8 +177,12 @@ class OneHostSlurm:
     def stop(self) -> None:
         """End every job, then the daemons in reverse order (TERM, then KILL after 10 s)."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            subprocess.run([_which("scancel"), "--full", "--user", getpass.getuser()], env=self.env(),
-                           capture_output=True, timeout=10)
+            subprocess.run(
+                [_which("scancel"), "--full", "--user", getpass.getuser()],
+                env=self.env(),
+                capture_output=True,
+                timeout=10,
+            )
         for name in reversed(list(self.procs)):
             proc = self.procs.pop(name)
             if proc.poll() is None:

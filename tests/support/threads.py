@@ -78,9 +78,17 @@ def thread_groups(tp: int, ep: int) -> list[ParallelGroups]:
     for r in range(tp * ep):
         c = mesh.coords(r)
         one = ThreadComm(single[r], 0, "one")
-        out.append(ParallelGroups(world=ThreadComm(world, r, "world"), mesh=mesh,
-                                  tp=ThreadComm(tp_meet[c["ep"]], c["tp"], "tp"), cp=one,
-                                  ep=ThreadComm(ep_meet[c["tp"]], c["ep"], "ep"), dp=one, pp=one))
+        out.append(
+            ParallelGroups(
+                world=ThreadComm(world, r, "world"),
+                mesh=mesh,
+                tp=ThreadComm(tp_meet[c["ep"]], c["tp"], "tp"),
+                cp=one,
+                ep=ThreadComm(ep_meet[c["tp"]], c["ep"], "ep"),
+                dp=one,
+                pp=one,
+            )
+        )
     return out
 
 

@@ -12,8 +12,17 @@ from typing import Optional
 import dist_infer
 
 # top to bottom; the packages of one tuple are one layer
-LAYERS = (("cli", "launch"), ("bench", "planner"), ("serving",), ("engine",), ("models",), ("parallel",), ("comm",),
-          ("topology",), ("kernels",))
+LAYERS = (
+    ("cli", "launch"),
+    ("bench", "planner"),
+    ("serving",),
+    ("engine",),
+    ("models",),
+    ("parallel",),
+    ("comm",),
+    ("topology",),
+    ("kernels",),
+)
 PACKAGE = Path(dist_infer.__file__).parent
 
 
@@ -28,8 +37,12 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, top_level_only: bool) -> list[tuple[str, int]]:
     """(module, line) of every `dist_infer` import in the file, leaving out TYPE_CHECKING blocks."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-               for n in ast.walk(block)}
+    skipped = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
     nodes = tree.body if top_level_only else ast.walk(tree)
     found = []
     for node in nodes:
@@ -61,15 +74,17 @@ def test_no_import_points_up_a_layer():
 
 def test_no_import_cycle_at_import_time():
     modules = _modules()
-    graph = {name: {t for t, _ in _imports(path, top_level_only=True) if t in modules and t != name}
-             for name, path in modules.items()}
+    graph = {
+        name: {t for t, _ in _imports(path, top_level_only=True) if t in modules and t != name}
+        for name, path in modules.items()
+    }
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(name: str, path: list[str]) -> None:
         state[name] = 1
         for target in sorted(graph[name]):
             if state.get(target) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(target):] + [name, target]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(target) :] + [name, target]))
             if target not in state:
                 visit(target, path + [name])
         state[name] = 2
@@ -109,7 +124,11 @@ def serving_import_violations(importer: str, target: str) -> list[str]:
     if not target.startswith(SERVING + "."):
         return []
     there = target.split(".")[2]
-    if part == "http" and there == "fleet" and not (target == FLEET_INTERFACE or target.startswith(FLEET_INTERFACE + ".")):
+    if (
+        part == "http"
+        and there == "fleet"
+        and not (target == FLEET_INTERFACE or target.startswith(FLEET_INTERFACE + "."))
+    ):
         return [f"{importer} imports {target}: the HTTP side knows the fleet only through {FLEET_INTERFACE}"]
     if part in ("instance", "fleet", "migration", "placement") and there == "http":
         return [f"{importer} imports {target}: only the HTTP side imports serving/http"]
@@ -121,8 +140,11 @@ def test_serving_parts_keep_to_their_interfaces():
     for name, path in _modules().items():
         if name == SERVING:
             continue
-        found += [f"{path.relative_to(PACKAGE.parent)}:{line}: {why}" for target, line in _imports(path, False)
-                  for why in serving_import_violations(name, target)]
+        found += [
+            f"{path.relative_to(PACKAGE.parent)}:{line}: {why}"
+            for target, line in _imports(path, False)
+            for why in serving_import_violations(name, target)
+        ]
         found += serving_import_violations(name, f"{SERVING}.{name.split('.')[2]}") if name.startswith(SERVING) else []
     assert not found, "\n".join(sorted(set(found)))
 
@@ -178,8 +200,12 @@ def _class_index(sources: dict[str, str]) -> dict[str, tuple[ast.ClassDef, dict[
     index = {}
     for module, text in sources.items():
         tree = ast.parse(text)
-        names = {a.asname or a.name: f"{node.module}.{a.name}" for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module in sources for a in node.names}
+        names = {
+            a.asname or a.name: f"{node.module}.{a.name}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module in sources
+            for a in node.names
+        }
         names |= {n.name: f"{module}.{n.name}" for n in tree.body if isinstance(n, ast.ClassDef)}
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
@@ -231,14 +257,14 @@ def test_no_class_reads_fields_it_does_not_own():
 def test_the_field_check_catches_a_mixin():
     """The check fails on what it is meant to: a mixin reading the host's fields, while a subclass
     of a class of the package, a dataclass's fields and a class with an outside base pass."""
-    mixin = '''
+    mixin = """
 class Intake:
     def add(self, r):
         self._requests[r.id] = r  # an item stored into a field read: the field is not defined here
         self.count = len(self._requests)
         return self.count
-'''
-    fine = '''
+"""
+    fine = """
 from dataclasses import dataclass
 from dist_infer.engine.base import Base
 
@@ -258,24 +284,26 @@ class Child(Base):
 class Err(RuntimeError):
     def text(self):
         return self.args
-'''
-    base = '''
+"""
+    base = """
 class Base:
     limit = 3
     def helper(self):
         return self.limit
-'''
+"""
     sources = {"dist_infer.engine.mixin": mixin, "dist_infer.engine.fine": fine, "dist_infer.engine.base": base}
     found = foreign_field_reads(sources, ("engine",))
-    assert found == ["dist_infer.engine.mixin.Intake._requests (line 4)",
-                     "dist_infer.engine.mixin.Intake._requests (line 5)"], found
+    assert found == [
+        "dist_infer.engine.mixin.Intake._requests (line 4)",
+        "dist_infer.engine.mixin.Intake._requests (line 5)",
+    ], found
     assert foreign_field_reads(sources, ("serving",)) == [], "outside the scope: not checked"
 
 
 def test_the_field_check_catches_a_mixin_its_host_completes():
     """Serving's old shape: Cluster(InstanceCalls, ...) where the mixin reads the fields the host
     defines. The host passes (it inherits the mixin's methods); the mixin does not."""
-    old = '''
+    old = """
 class InstanceCalls:
     def peer(self, index):
         return self.instances[index].peer()
@@ -287,6 +315,6 @@ class Cluster(InstanceCalls):
 
     def first(self):
         return self.peer(0)
-'''
+"""
     found = foreign_field_reads({"dist_infer.serving.fleet.old": old}, ("serving",))
     assert found == ["dist_infer.serving.fleet.old.InstanceCalls.instances (line 4)"], found

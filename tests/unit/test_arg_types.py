@@ -9,8 +9,10 @@ import pytest
 from dist_infer.arg_types import parse_size, port_number, positive_int, positive_seconds, positive_size, size_list
 
 
-@pytest.mark.parametrize("text, value", [("4096", 4096), ("4K", 4096), ("256KB", 256 << 10), ("1.5M", 3 << 19),
-                                         ("2GiB", 2 << 30), ("1T", 1 << 40)])
+@pytest.mark.parametrize(
+    "text, value",
+    [("4096", 4096), ("4K", 4096), ("256KB", 256 << 10), ("1.5M", 3 << 19), ("2GiB", 2 << 30), ("1T", 1 << 40)],
+)
 def test_sizes(text, value):
     assert parse_size(text) == positive_size(text) == value
 

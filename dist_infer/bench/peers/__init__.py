@@ -66,5 +66,14 @@ from dist_infer.bench.peers.runners import DISTRIBUTED_PEERS, PEERS, hf_from_pre
 from dist_infer.bench.peers.spawn import peer_argv, run_peer
 from dist_infer.bench.peers.workload import make_prompts, time_greedy
 
-__all__ = ["DISTRIBUTED_PEERS", "PEERS", "empty_metrics", "failed", "hf_from_pretrained", "make_prompts", "peer_argv",
-           "run_peer", "time_greedy"]
+__all__ = [
+    "DISTRIBUTED_PEERS",
+    "PEERS",
+    "empty_metrics",
+    "failed",
+    "hf_from_pretrained",
+    "make_prompts",
+    "peer_argv",
+    "run_peer",
+    "time_greedy",
+]

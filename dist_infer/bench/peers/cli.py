@@ -30,9 +30,10 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dist_infer.bench.peers",
-                                description="Run one peer (hf, hf-tp, deepspeed) on the bench workload; "
-                                            "rank 0 writes the metrics JSON.")
+    p = argparse.ArgumentParser(
+        prog="python -m dist_infer.bench.peers",
+        description="Run one peer (hf, hf-tp, deepspeed) on the bench workload; rank 0 writes the metrics JSON.",
+    )
     p.add_argument("--peer", choices=PEERS, required=True)
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--batch", type=int, required=True)
@@ -43,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout in seconds")
     p.add_argument("--json-out", required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the hf peer runs (the others: cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="the hf peer's weight dtype (the others: float32)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the hf peer's weight dtype (the others: float32)",
+    )
     return p
 
 
@@ -78,9 +83,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # report it; a peer that cannot run is a result, not a crash of the bench
         traceback.print_exc()
         if rank == 0:
-            _write_json(args.json_out, failed(args.peer, f"{type(exc).__name__}: {exc}",
-                                              tp=world if args.peer in DISTRIBUTED_PEERS else 1,
-                                              versions=versions()))
+            _write_json(
+                args.json_out,
+                failed(
+                    args.peer,
+                    f"{type(exc).__name__}: {exc}",
+                    tp=world if args.peer in DISTRIBUTED_PEERS else 1,
+                    versions=versions(),
+                ),
+            )
         return 1
     if rank == 0:
         _write_json(args.json_out, metrics)

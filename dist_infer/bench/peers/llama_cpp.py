@@ -53,16 +53,48 @@ def llama_repeats(repeats: int) -> int:
 
 def bench_argv(exe: str, model: str, prompt_len: int, gen_len: int, threads: int, repeats: int) -> list[str]:
     """Batch 1: one pp test of P tokens and one tg test of G tokens, R repetitions each."""
-    return [exe, "-m", str(model), "-p", str(prompt_len), "-n", str(gen_len), "-t", str(threads),
-            "-r", str(repeats), "-o", "json"]
+    return [
+        exe,
+        "-m",
+        str(model),
+        "-p",
+        str(prompt_len),
+        "-n",
+        str(gen_len),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+    ]
 
 
-def batched_argv(exe: str, model: str, batch: int, prompt_len: int, gen_len: int, threads: int,
-                 repeats: int) -> list[str]:
+def batched_argv(
+    exe: str, model: str, batch: int, prompt_len: int, gen_len: int, threads: int, repeats: int
+) -> list[str]:
     """Batch B: B x P prefill then G decode steps of B tokens, the whole workload R times."""
-    return [exe, "-m", str(model), "-c", str((prompt_len + gen_len) * batch), "-b", "2048", "-ub", "512",
-            "-npp", ",".join([str(prompt_len)] * repeats), "-ntg", str(gen_len), "-npl", str(batch),
-            "-t", str(threads), "--output-format", "jsonl"]
+    return [
+        exe,
+        "-m",
+        str(model),
+        "-c",
+        str((prompt_len + gen_len) * batch),
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        ",".join([str(prompt_len)] * repeats),
+        "-ntg",
+        str(gen_len),
+        "-npl",
+        str(batch),
+        "-t",
+        str(threads),
+        "--output-format",
+        "jsonl",
+    ]
 
 
 def parse_bench(text: str, prompt_len: int, gen_len: int) -> dict:
@@ -74,8 +106,14 @@ def parse_bench(text: str, prompt_len: int, gen_len: int) -> dict:
         raise ValueError(f"llama-bench printed no pp{prompt_len} and tg{gen_len} tests")
     pre = [float(x) for x in pp[0].get("samples_ts") or [pp[0]["avg_ts"]]]
     dec = [float(x) for x in tg[0].get("samples_ts") or [tg[0]["avg_ts"]]]
-    return {"prefill_tok_s": max(pre), "decode_tok_s": max(dec), "prefill_tok_s_all": pre, "decode_tok_s_all": dec,
-            "build_commit": pp[0].get("build_commit"), "model_type": pp[0].get("model_type")}
+    return {
+        "prefill_tok_s": max(pre),
+        "decode_tok_s": max(dec),
+        "prefill_tok_s_all": pre,
+        "decode_tok_s_all": dec,
+        "build_commit": pp[0].get("build_commit"),
+        "model_type": pp[0].get("model_type"),
+    }
 
 
 def parse_batched(text: str, batch: int, prompt_len: int, gen_len: int) -> dict:
@@ -89,8 +127,10 @@ def parse_batched(text: str, batch: int, prompt_len: int, gen_len: int) -> dict:
         if (row.get("pp"), row.get("tg"), row.get("pl")) == (prompt_len, gen_len, batch):
             runs.append(row)
     if not runs:
-        raise ValueError(f"llama-batched-bench printed no run of pp={prompt_len} tg={gen_len} pl={batch} "
-                         "(it skips a run silently when the context -c is too small)")
+        raise ValueError(
+            f"llama-batched-bench printed no run of pp={prompt_len} tg={gen_len} pl={batch} "
+            "(it skips a run silently when the context -c is too small)"
+        )
     pre = [float(r["speed_pp"]) for r in runs]
     dec = [float(r["speed_tg"]) for r in runs]
     return {"prefill_tok_s": max(pre), "decode_tok_s": max(dec), "prefill_tok_s_all": pre, "decode_tok_s_all": dec}
@@ -120,9 +160,11 @@ def check(model_path: str, batch: int, which=shutil.which) -> tuple[Optional[str
         return None, f"llama.cpp's {name} is not on PATH; {INSTALL_HINT}"
     path = Path(model_path)
     if path.is_dir() or not is_gguf(path):
-        return None, (f"llama.cpp needs a GGUF file and --model is {'a directory' if path.is_dir() else 'not GGUF'} "
-                      f"({model_path}); convert a HF checkpoint with llama.cpp's convert_hf_to_gguf.py and bench "
-                      "the .gguf")
+        return None, (
+            f"llama.cpp needs a GGUF file and --model is {'a directory' if path.is_dir() else 'not GGUF'} "
+            f"({model_path}); convert a HF checkpoint with llama.cpp's convert_hf_to_gguf.py and bench "
+            "the .gguf"
+        )
     return exe, None
 
 
@@ -155,12 +197,26 @@ def run_child(argv: list[str], timeout_s: float, poll_s: float = 0.02) -> dict:
         wall = time.perf_counter() - t0
         out_f.seek(0)
         err_f.seek(0)
-        return {"rc": proc.returncode, "stdout": out_f.read(), "stderr": err_f.read(), "timed_out": timed_out,
-                "wall_s": wall, "peak_rss_mb": peak or None}
+        return {
+            "rc": proc.returncode,
+            "stdout": out_f.read(),
+            "stderr": err_f.read(),
+            "timed_out": timed_out,
+            "wall_s": wall,
+            "peak_rss_mb": peak or None,
+        }
 
 
-def run_llama_cpp(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-                  repeats: int = 3, timeout_s: float = 1800.0, which=shutil.which) -> dict:
+def run_llama_cpp(
+    model_path: str,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    threads: Optional[int] = None,
+    repeats: int = 3,
+    timeout_s: float = 1800.0,
+    which=shutil.which,
+) -> dict:
     """llama.cpp's benchmark for this workload, `repeats` times -> the peers' metrics dict (ok False and
     why on failure)."""
     from dist_infer.topology.cores import usable_cores
@@ -168,17 +224,41 @@ def run_llama_cpp(model_path: str, batch: int, prompt_len: int, gen_len: int, th
     threads = threads or usable_cores()
     exe, why = check(model_path, batch, which)
     if exe is None:  # (and `why` says why)
-        return failed(PEER, why or "llama.cpp cannot run", threads=threads, batch=batch, prompt_len=prompt_len, gen_len=gen_len, note=NOTE)
-    argv = (bench_argv(exe, model_path, prompt_len, gen_len, threads, repeats) if batch == 1
-            else batched_argv(exe, model_path, batch, prompt_len, gen_len, threads, repeats))
+        return failed(
+            PEER,
+            why or "llama.cpp cannot run",
+            threads=threads,
+            batch=batch,
+            prompt_len=prompt_len,
+            gen_len=gen_len,
+            note=NOTE,
+        )
+    argv = (
+        bench_argv(exe, model_path, prompt_len, gen_len, threads, repeats)
+        if batch == 1
+        else batched_argv(exe, model_path, batch, prompt_len, gen_len, threads, repeats)
+    )
     child = run_child(argv, timeout_s)
     out = empty_metrics(PEER)
-    out.update(threads=threads, batch=batch, prompt_len=prompt_len, gen_len=gen_len, world_size=1, repeats=repeats,
-               command=" ".join(argv), wall_s=child["wall_s"], peak_rss_mb=child["peak_rss_mb"], note=NOTE,
-               versions={"llama.cpp": llama_cpp_version(exe) or "?"})
+    out.update(
+        threads=threads,
+        batch=batch,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        world_size=1,
+        repeats=repeats,
+        command=" ".join(argv),
+        wall_s=child["wall_s"],
+        peak_rss_mb=child["peak_rss_mb"],
+        note=NOTE,
+        versions={"llama.cpp": llama_cpp_version(exe) or "?"},
+    )
     try:
-        parsed = (parse_bench(child["stdout"], prompt_len, gen_len) if batch == 1
-                  else parse_batched(child["stdout"], batch, prompt_len, gen_len))
+        parsed = (
+            parse_bench(child["stdout"], prompt_len, gen_len)
+            if batch == 1
+            else parse_batched(child["stdout"], batch, prompt_len, gen_len)
+        )
     except (ValueError, KeyError, TypeError) as exc:
         parsed, why = None, str(exc)
     if child["timed_out"] or child["rc"] != 0 or parsed is None:
@@ -187,8 +267,13 @@ def run_llama_cpp(model_path: str, batch: int, prompt_len: int, gen_len: int, th
         out["stderr_tail"] = (child["stderr"].strip() or child["stdout"].strip())[-4000:]
         return out
     tokens = batch * prompt_len
-    out.update(parsed, ok=True, error=None,
-               ttft_s=tokens / parsed["prefill_tok_s"], tpot_s=batch / parsed["decode_tok_s"],
-               ttft_s_all=[tokens / r for r in parsed["prefill_tok_s_all"]],
-               tpot_s_all=[batch / r for r in parsed["decode_tok_s_all"]])
+    out.update(
+        parsed,
+        ok=True,
+        error=None,
+        ttft_s=tokens / parsed["prefill_tok_s"],
+        tpot_s=batch / parsed["decode_tok_s"],
+        ttft_s_all=[tokens / r for r in parsed["prefill_tok_s_all"]],
+        tpot_s_all=[batch / r for r in parsed["decode_tok_s_all"]],
+    )
     return out

@@ -38,8 +38,17 @@ def versions() -> dict[str, str]:
     return out
 
 
-def finished(peer: str, tp: int, threads: int, load_s: float, timing: dict, batch: int, prompt_len: int,
-            gen_len: int, world_size: int) -> dict[str, Any]:
+def finished(
+    peer: str,
+    tp: int,
+    threads: int,
+    load_s: float,
+    timing: dict,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    world_size: int,
+) -> dict[str, Any]:
     rss = peak_rss_mb()
     rss_max, rss_total = rss, rss
     if world_size > 1:
@@ -57,8 +66,8 @@ def finished(peer: str, tp: int, threads: int, load_s: float, timing: dict, batc
     out.update(
         ok=True,
         error=None,
-        peak_rss_mb=rss_max,            # the largest rank's peak
-        peak_rss_mb_total=rss_total,    # summed over the ranks
+        peak_rss_mb=rss_max,  # the largest rank's peak
+        peak_rss_mb_total=rss_total,  # summed over the ranks
         load_s=load_s,
         threads=threads,
         batch=batch,

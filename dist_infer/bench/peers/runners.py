@@ -49,8 +49,17 @@ def hf_from_pretrained(model_path: str, **kwargs):
     return model
 
 
-def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-           repeats: int = 1, device: str = "cpu", dtype: str = "float32", compiled: bool = False) -> dict:
+def run_hf(
+    model_path: str,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    threads: Optional[int] = None,
+    repeats: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    compiled: bool = False,
+) -> dict:
     """HF transformers in this one process, on the CPU or one GPU, in the dtype our run used.
     `compiled` (the hf-compiled peer): a static cache and the decode step under torch.compile (mode
     reduce-overhead: CUDA graphs on a GPU), compiled in the untimed warm-up (`warmup_and_runs_s`)."""
@@ -66,21 +75,35 @@ def run_hf(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: 
     load_s = time.perf_counter() - t0
     static = StaticDecode(model, prompt_len + gen_len) if compiled else None
     t0 = time.perf_counter()
-    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats, device=device,
-                         static=static)
+    timing = time_greedy(model, model.config, batch, prompt_len, gen_len, repeats=repeats, device=device, static=static)
     metrics = finished("hf-compiled" if compiled else "hf", 1, threads, load_s, timing, batch, prompt_len, gen_len, 1)
     metrics.update(device=device, dtype=dtype, warmup_and_runs_s=time.perf_counter() - t0)
     return metrics
 
 
-def run_hf_compiled(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-                    repeats: int = 1, device: str = "cpu", dtype: str = "float32") -> dict:
+def run_hf_compiled(
+    model_path: str,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    threads: Optional[int] = None,
+    repeats: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
     """The hf-compiled peer: `run_hf(..., compiled=True)`."""
     return run_hf(model_path, batch, prompt_len, gen_len, threads, repeats, device, dtype, compiled=True)
 
 
-def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, threads: Optional[int] = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S, repeats: int = 1) -> dict:
+def run_hf_tp(
+    model_path: str,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    threads: Optional[int] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    repeats: int = 1,
+) -> dict:
     """HF transformers' tensor parallelism over WORLD_SIZE ranks (run under torchrun, gloo on CPU)."""
     import torch
     import torch.distributed as dist
@@ -106,9 +129,15 @@ def run_hf_tp(model_path: str, batch: int, prompt_len: int, gen_len: int, thread
     return finished("hf-tp", world, threads, load_s, timing, batch, prompt_len, gen_len, world)
 
 
-def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: int,
-                         threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         repeats: int = 1) -> dict:
+def run_deepspeed_autotp(
+    model_path: str,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    threads: Optional[int] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    repeats: int = 1,
+) -> dict:
     """DeepSpeed-Inference AutoTP over WORLD_SIZE ranks (run under torchrun; gloo + DeepSpeed's shm all-reduce)."""
     import torch
 
@@ -135,12 +164,14 @@ def run_deepspeed_autotp(model_path: str, batch: int, prompt_len: int, gen_len: 
     t0 = time.perf_counter()
     model = hf_from_pretrained(model_path, dtype=torch.float32)
     model.eval()
-    engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": world}, dtype=torch.float32,
-                                      replace_with_kernel_inject=False)
+    engine = deepspeed.init_inference(
+        model, tensor_parallel={"tp_size": world}, dtype=torch.float32, replace_with_kernel_inject=False
+    )
     load_s = time.perf_counter() - t0
     torch.set_num_threads(threads)  # in case anything above changed it
-    timing = time_greedy(engine, engine.module.config, batch, prompt_len, gen_len, barrier=dist.barrier,
-                         repeats=repeats)
+    timing = time_greedy(
+        engine, engine.module.config, batch, prompt_len, gen_len, barrier=dist.barrier, repeats=repeats
+    )
     return finished("deepspeed", world, threads, load_s, timing, batch, prompt_len, gen_len, world)
 
 

@@ -31,14 +31,43 @@ def torchrun_argv(nproc: int, port: int) -> list[str]:
     return base + [f"--nproc-per-node={nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
 
 
-def peer_argv(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
-              json_out: str, port: int, threads: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-              repeats: int = 1, device: str = "cpu", dtype: str = "float32") -> list[str]:
+def peer_argv(
+    peer: str,
+    model_path: str,
+    nproc: int,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    json_out: str,
+    port: int,
+    threads: Optional[int] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    repeats: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> list[str]:
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; one of {', '.join(PEERS)}")
-    tail = ["-m", "dist_infer.bench.peers", "--peer", peer, "--model", str(model_path), "--batch", str(batch),
-            "--prompt-len", str(prompt_len), "--gen-len", str(gen_len), "--json-out", str(json_out),
-            "--timeout", str(timeout_s), "--repeats", str(repeats)]
+    tail = [
+        "-m",
+        "dist_infer.bench.peers",
+        "--peer",
+        peer,
+        "--model",
+        str(model_path),
+        "--batch",
+        str(batch),
+        "--prompt-len",
+        str(prompt_len),
+        "--gen-len",
+        str(gen_len),
+        "--json-out",
+        str(json_out),
+        "--timeout",
+        str(timeout_s),
+        "--repeats",
+        str(repeats),
+    ]
     if threads:
         tail += ["--threads", str(threads)]
     if (device, dtype) != ("cpu", "float32"):
@@ -76,10 +105,20 @@ def _tail(text: str, n: int = 4000) -> str:
     return text[-n:]
 
 
-def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int, gen_len: int,
-             timeout_s: float = DEFAULT_TIMEOUT_S, threads: Optional[int] = None,
-             env: Optional[dict[str, str]] = None, repeats: int = 1, device: str = "cpu",
-             dtype: str = "float32") -> dict:
+def run_peer(
+    peer: str,
+    model_path: str,
+    nproc: int,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads: Optional[int] = None,
+    env: Optional[dict[str, str]] = None,
+    repeats: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
     """Run one peer in its own process(es) and return its metrics dict (ok False + stderr tail on failure).
 
     `hf` is one plain process (`nproc` is ignored; `threads` defaults to all cores); `hf-tp` and
@@ -92,8 +131,7 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
     if peer == LLAMA_CPP:
         with _exclusive():
             load_before = os.getloadavg()[0]
-            measured = run_llama_cpp(model_path, batch, prompt_len, gen_len, threads, llama_repeats(repeats),
-                                     timeout_s)
+            measured = run_llama_cpp(model_path, batch, prompt_len, gen_len, threads, llama_repeats(repeats), timeout_s)
             measured["loadavg_1m"] = [load_before, os.getloadavg()[0]]
             return measured
     if peer not in PEERS:
@@ -102,8 +140,21 @@ def run_peer(peer: str, model_path: str, nproc: int, batch: int, prompt_len: int
     with tempfile.TemporaryDirectory(prefix=f"peer-{peer}-") as tmp, _exclusive():
         json_out = os.path.join(tmp, "metrics.json")
         port = free_port()
-        argv = peer_argv(peer, model_path, nproc, batch, prompt_len, gen_len, json_out, port, threads, timeout_s,
-                         repeats, device, dtype)
+        argv = peer_argv(
+            peer,
+            model_path,
+            nproc,
+            batch,
+            prompt_len,
+            gen_len,
+            json_out,
+            port,
+            threads,
+            timeout_s,
+            repeats,
+            device,
+            dtype,
+        )
         load_before = os.getloadavg()[0]
         rc, timed_out, wall, stdout, stderr = _run_child(argv, _child_env(port, device, env), tmp, timeout_s)
         if peer == "deepspeed":
@@ -122,13 +173,15 @@ def _child_env(port: int, device: str, env: Optional[dict[str, str]]) -> dict[st
     """The peer's environment: a job of its own on the loopback rendezvous, able to import this
     package, with `env` over it."""
     child_env = without_launcher_env(os.environ)  # we may ourselves be a rank: the peer is a job of its own
-    child_env.update({
-        "DS_ACCELERATOR": "cpu",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    })
+    child_env.update(
+        {
+            "DS_ACCELERATOR": "cpu",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if device == "cpu":
         child_env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU workload: the same fp32 run on every CPU peer
     # the package must be importable by the child even when it is not installed
@@ -139,8 +192,9 @@ def _child_env(port: int, device: str, env: Optional[dict[str, str]]) -> dict[st
     return child_env
 
 
-def _run_child(argv: list[str], child_env: dict[str, str], tmp: str,
-               timeout_s: float) -> tuple[Optional[int], bool, float, str, str]:
+def _run_child(
+    argv: list[str], child_env: dict[str, str], tmp: str, timeout_s: float
+) -> tuple[Optional[int], bool, float, str, str]:
     """Run the peer in a session of its own, its process group stopped at the timeout: (exit code,
     timed out, wall seconds, stdout, stderr), its output kept in files under `tmp`, not pipes."""
     out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")

@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable, Optional
 
 PROMPT_SEED = 1234
-MIN_TOKEN_ID = 3            # ids below this are often special (pad/bos/eos): prompts avoid them
+MIN_TOKEN_ID = 3  # ids below this are often special (pad/bos/eos): prompts avoid them
 WARMUP_PROMPT_LEN = 16
 WARMUP_DECODE_STEPS = 2
 
@@ -34,8 +34,9 @@ class StaticDecode:
         self.decode = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
 
-def _greedy(forward: Callable, config, input_ids, decode_steps: int, on_step=None,
-            static: Optional[StaticDecode] = None):
+def _greedy(
+    forward: Callable, config, input_ids, decode_steps: int, on_step=None, static: Optional[StaticDecode] = None
+):
     """Prefill `input_ids`, then `decode_steps` greedy steps; returns (tokens B x (1+steps), times)."""
     import torch
     from transformers import DynamicCache
@@ -74,15 +75,25 @@ def _greedy_static(forward: Callable, static: StaticDecode, input_ids, decode_st
     length = input_ids.shape[1]
     device = input_ids.device
     t0 = time.perf_counter()
-    out = forward(input_ids=input_ids, past_key_values=static.cache, use_cache=True,
-                  cache_position=torch.arange(length, device=device), logits_to_keep=1)
+    out = forward(
+        input_ids=input_ids,
+        past_key_values=static.cache,
+        use_cache=True,
+        cache_position=torch.arange(length, device=device),
+        logits_to_keep=1,
+    )
     nxt = out.logits[:, -1, :].argmax(dim=-1)
     torch.cuda.synchronize() if nxt.is_cuda else None
     times, tokens = [time.perf_counter() - t0], [nxt]
     for step in range(decode_steps):
         t0 = time.perf_counter()
-        out = static.decode(input_ids=nxt[:, None], past_key_values=static.cache, use_cache=True,
-                            cache_position=torch.tensor([length + step], device=device), logits_to_keep=1)
+        out = static.decode(
+            input_ids=nxt[:, None],
+            past_key_values=static.cache,
+            use_cache=True,
+            cache_position=torch.tensor([length + step], device=device),
+            logits_to_keep=1,
+        )
         nxt = out.logits[:, -1, :].argmax(dim=-1)
         torch.cuda.synchronize() if nxt.is_cuda else None
         times.append(time.perf_counter() - t0)
@@ -90,9 +101,17 @@ def _greedy_static(forward: Callable, static: StaticDecode, input_ids, decode_st
     return torch.stack(tokens, dim=1), times
 
 
-def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len: int,
-                barrier: Optional[Callable[[], None]] = None, repeats: int = 1,
-                device: Optional[str] = None, static: Optional[StaticDecode] = None) -> dict[str, Any]:
+def time_greedy(
+    forward: Callable,
+    config,
+    batch: int,
+    prompt_len: int,
+    gen_len: int,
+    barrier: Optional[Callable[[], None]] = None,
+    repeats: int = 1,
+    device: Optional[str] = None,
+    static: Optional[StaticDecode] = None,
+) -> dict[str, Any]:
     """The timed workload, identical for every peer. `forward` is the model (or engine) call.
 
     With `repeats` > 1 the timed run is repeated and the best (smallest) ttft and mean step time are
@@ -113,8 +132,13 @@ def time_greedy(forward: Callable, config, batch: int, prompt_len: int, gen_len:
     with torch.inference_mode():
         # Untimed warm-up: allocator, thread pool, first-call paths, the process group's first collectives.
         # A compiled peer compiles and records its graphs here: a few more steps.
-        _greedy(forward, config, prompts[:, : min(prompt_len, WARMUP_PROMPT_LEN)],
-                WARMUP_DECODE_STEPS + (3 if static is not None else 0), static=static)
+        _greedy(
+            forward,
+            config,
+            prompts[:, : min(prompt_len, WARMUP_PROMPT_LEN)],
+            WARMUP_DECODE_STEPS + (3 if static is not None else 0),
+            static=static,
+        )
         for _ in range(repeats):
             if barrier is not None:
                 barrier()

@@ -42,8 +42,14 @@ def trace_offsets(timestamps: Sequence[float], time_scale: float = 1.0) -> np.nd
     return (stamps - stamps.min()) * time_scale
 
 
-def schedule(n: int, timestamps: Optional[Sequence[float]], request_rate: Optional[float], burstiness: float,
-             time_scale: float, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+def schedule(
+    n: int,
+    timestamps: Optional[Sequence[float]],
+    request_rate: Optional[float],
+    burstiness: float,
+    time_scale: float,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, str]:
     """Send times of n requests and a phrase for the report saying how they arrive.
 
     A trace (timestamps given) keeps its own timing unless --request-rate overrides it; without a
@@ -53,7 +59,9 @@ def schedule(n: int, timestamps: Optional[Sequence[float]], request_rate: Option
         return trace_offsets(timestamps, time_scale), f"trace timestamps x {time_scale:g}"
     rate = request_rate if request_rate is not None else math.inf
     offsets = arrival_offsets(n, rate, burstiness, rng)
-    arrivals = ("all at once" if math.isinf(rate) else
-                f"{'Poisson' if burstiness == 1 else f'gamma (burstiness {burstiness:g})'} "
-                f"at {rate:g} req/s")
+    arrivals = (
+        "all at once"
+        if math.isinf(rate)
+        else f"{'Poisson' if burstiness == 1 else f'gamma (burstiness {burstiness:g})'} at {rate:g} req/s"
+    )
     return offsets, arrivals

@@ -29,12 +29,12 @@ def _sample_value(line: str, name: str) -> Optional[float]:
     """The value of one exposition line if it is a sample of `name` (any labels), else None."""
     if not line.startswith(name):
         return None
-    rest = line[len(name):]
+    rest = line[len(name) :]
     if rest.startswith("{"):
         end = rest.rfind("}")
         if end < 0:
             return None
-        rest = rest[end + 1:]
+        rest = rest[end + 1 :]
     elif not rest[:1].isspace():
         return None  # a longer name that starts with this one (e.g. ..._total_created)
     fields = rest.split()
@@ -96,6 +96,8 @@ def cache_report_line(summary: dict[str, Any], width: int = 33) -> str:
     if rate is None:
         value = "- (the server's /metrics has no prefix cache counters)"
     else:
-        value = (f"{100 * rate:.1f}%  ({summary['prefix_cache_hits']:.0f} of "
-                 f"{summary['prefix_cache_queries']:.0f} prompt tokens)")
+        value = (
+            f"{100 * rate:.1f}%  ({summary['prefix_cache_hits']:.0f} of "
+            f"{summary['prefix_cache_queries']:.0f} prompt tokens)"
+        )
     return f"{'Prefix cache hit rate:':<{width}}{value}"

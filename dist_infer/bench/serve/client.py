@@ -30,12 +30,19 @@ def request_payload(request: BenchRequest, model: str, endpoint: str, ignore_eos
     """The JSON body: streamed, greedy, max_tokens = the request's output length."""
     body: dict[str, Any] = {"model": model}
     if endpoint == "chat":  # a list prompt on chat is a whole conversation's messages (multi-turn)
-        body["messages"] = request.prompt if isinstance(request.prompt, list) else [
-            {"role": "user", "content": request.prompt}]
+        body["messages"] = (
+            request.prompt if isinstance(request.prompt, list) else [{"role": "user", "content": request.prompt}]
+        )
     else:
         body["prompt"] = request.prompt
-    body.update({"max_tokens": request.output_len, "temperature": 0.0, "stream": True,
-                 "stream_options": {"include_usage": True}})
+    body.update(
+        {
+            "max_tokens": request.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     if ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -54,7 +61,7 @@ def parse_sse_line(line: str) -> SSELine:
     line = line.strip("\r\n")
     if not line.startswith("data:"):
         return SSELine("skip")
-    payload = line[len("data:"):].strip()
+    payload = line[len("data:") :].strip()
     if payload == "[DONE]":
         return SSELine("done")
     if not payload:
@@ -105,8 +112,14 @@ def chunk_content(event: dict, completion_tokens_so_far: Optional[int] = None) -
         tokens = max(1, completion - completion_tokens_so_far)  # usage in every chunk (vLLM continuous stats)
     else:
         tokens = 1 if text else 0
-    return ChunkContent(text, tokens, completion if isinstance(completion, int) else None,
-                        prompt if isinstance(prompt, int) else None, None, token_ids)
+    return ChunkContent(
+        text,
+        tokens,
+        completion if isinstance(completion, int) else None,
+        prompt if isinstance(prompt, int) else None,
+        None,
+        token_ids,
+    )
 
 
 def inter_token_latencies(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> list[float]:
@@ -198,12 +211,14 @@ async def default_model(client, base_url: str) -> str:
         models = response.json().get("data") or []
         return str(models[0]["id"])
     except Exception as exc:
-        raise InputError(f"cannot read the model name from {base_url}/v1/models ({type(exc).__name__}: {exc}); "
-                         f"pass --model") from None
+        raise InputError(
+            f"cannot read the model name from {base_url}/v1/models ({type(exc).__name__}: {exc}); pass --model"
+        ) from None
 
 
-async def stream_request(client, url: str, payload: dict, record: RequestRecord, start: float,
-                         answer: Optional[Answer] = None) -> None:
+async def stream_request(
+    client, url: str, payload: dict, record: RequestRecord, start: float, answer: Optional[Answer] = None
+) -> None:
     """Send one streamed request, filling `record` (and `answer`, if given) as chunks arrive (so a
     timeout keeps what came)."""
     sent = time.perf_counter()
@@ -285,9 +300,15 @@ class Session:
 
 
 @contextlib.asynccontextmanager
-async def open_session(base_url: str, model: Optional[str], endpoint: str, max_concurrency: Optional[int],
-                       timeout_s: float, api_key: Optional[str] = None,
-                       verify: Union[bool, ssl.SSLContext] = True) -> AsyncIterator[Session]:
+async def open_session(
+    base_url: str,
+    model: Optional[str],
+    endpoint: str,
+    max_concurrency: Optional[int],
+    timeout_s: float,
+    api_key: Optional[str] = None,
+    verify: Union[bool, ssl.SSLContext] = True,
+) -> AsyncIterator[Session]:
     """An HTTP client for the run, with the model resolved (the first of /v1/models when None).
     api_key: sent as a Bearer token; verify: httpx's TLS verification (see tls_verify_of)."""
     try:
@@ -299,18 +320,21 @@ async def open_session(base_url: str, model: Optional[str], endpoint: str, max_c
     deadline = None if math.isinf(timeout_s) else timeout_s
     # trust_env=False: a benchmark must reach the server directly, not through an HTTP(S)_PROXY
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(deadline), limits=limits, trust_env=False, headers=headers,
-                                 verify=verify) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(deadline), limits=limits, trust_env=False, headers=headers, verify=verify
+    ) as client:
         if model is None:
             model = await default_model(client, base_url)
             logger.info(f"model {model!r} (first of {base_url}/v1/models)")
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        yield Session(client, base_url, model, base_url + ENDPOINT_PATHS[endpoint], slots, timeout_s,
-                      time.perf_counter())
+        yield Session(
+            client, base_url, model, base_url + ENDPOINT_PATHS[endpoint], slots, timeout_s, time.perf_counter()
+        )
 
 
-async def send_request(session: Session, payload: dict, record: RequestRecord,
-                       answer: Optional[Answer] = None) -> RequestRecord:
+async def send_request(
+    session: Session, payload: dict, record: RequestRecord, answer: Optional[Answer] = None
+) -> RequestRecord:
     """Send one request now (after a --max-concurrency slot frees), turning timeouts and transport
     errors into the record's error."""
     import httpx
@@ -319,8 +343,9 @@ async def send_request(session: Session, payload: dict, record: RequestRecord,
     if session.slots is not None:
         await session.slots.acquire()
     try:
-        await asyncio.wait_for(stream_request(session.client, session.url, payload, record, session.start, answer),
-                               deadline)
+        await asyncio.wait_for(
+            stream_request(session.client, session.url, payload, record, session.start, answer), deadline
+        )
     except asyncio.TimeoutError:
         record.error = f"timed out after {session.timeout_s:g} s"
     except (httpx.HTTPError, OSError) as exc:
@@ -333,8 +358,13 @@ async def send_request(session: Session, payload: dict, record: RequestRecord,
     return record
 
 
-async def run_requests(session: Session, requests: Sequence[BenchRequest], endpoint: str, ignore_eos: bool,
-                       progress: Optional[Callable[[RequestRecord], None]] = None) -> list[RequestRecord]:
+async def run_requests(
+    session: Session,
+    requests: Sequence[BenchRequest],
+    endpoint: str,
+    ignore_eos: bool,
+    progress: Optional[Callable[[RequestRecord], None]] = None,
+) -> list[RequestRecord]:
     """Send every request at its arrival time (relative to session.start); the records in request order."""
 
     async def one(request: BenchRequest) -> RequestRecord:
@@ -350,10 +380,18 @@ async def run_requests(session: Session, requests: Sequence[BenchRequest], endpo
     return list(await asyncio.gather(*(one(request) for request in requests)))
 
 
-async def run_load(requests: Sequence[BenchRequest], base_url: str, model: Optional[str], endpoint: str,
-                   ignore_eos: bool, max_concurrency: Optional[int], timeout_s: float,
-                   progress: Optional[Callable[[RequestRecord], None]] = None, api_key: Optional[str] = None,
-                   verify: Union[bool, ssl.SSLContext] = True) -> tuple[list[RequestRecord], float, str]:
+async def run_load(
+    requests: Sequence[BenchRequest],
+    base_url: str,
+    model: Optional[str],
+    endpoint: str,
+    ignore_eos: bool,
+    max_concurrency: Optional[int],
+    timeout_s: float,
+    progress: Optional[Callable[[RequestRecord], None]] = None,
+    api_key: Optional[str] = None,
+    verify: Union[bool, ssl.SSLContext] = True,
+) -> tuple[list[RequestRecord], float, str]:
     """Send every request at its arrival time; returns the records, the run's duration and the model."""
     async with open_session(base_url, model, endpoint, max_concurrency, timeout_s, api_key, verify) as session:
         session.start = time.perf_counter()

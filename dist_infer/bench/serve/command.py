@@ -36,18 +36,30 @@ from dist_infer.bench.serve.multiturn import run_conversations, ttft_by_turn, tu
 from dist_infer.bench.serve.report import finite_or_none, format_report, plot_cdfs, summarize, write_results
 
 
-async def run_workload(args: argparse.Namespace, base_url: str, work: Union[list[BenchRequest], list[Conversation]],
-                       progress: Callable[[RequestRecord], None]) -> tuple[list[RequestRecord], float, str, dict]:
+async def run_workload(
+    args: argparse.Namespace,
+    base_url: str,
+    work: Union[list[BenchRequest], list[Conversation]],
+    progress: Callable[[RequestRecord], None],
+) -> tuple[list[RequestRecord], float, str, dict]:
     """Send the requests (or replay the conversations) between two /metrics scrapes; the records,
     the duration, the model and the prefix cache entries of the summary."""
-    async with open_session(base_url, args.model, args.endpoint, args.max_concurrency, args.timeout,
-                            api_key_of(args.api_key), tls_verify_of(args.insecure, args.ca_cert)) as session:
+    async with open_session(
+        base_url,
+        args.model,
+        args.endpoint,
+        args.max_concurrency,
+        args.timeout,
+        api_key_of(args.api_key),
+        tls_verify_of(args.insecure, args.ca_cert),
+    ) as session:
         before = await scrape_cache_counters(session.client, base_url)
         session.start = time.perf_counter()
         if is_multiturn(args):
             encode = load_tokenizer_counter(args.tokenizer)[1] if args.tokenizer and args.prompt_ids else None
-            records = await run_conversations(session, work, args.endpoint, args.ignore_eos, args.prompt_ids,
-                                              args.max_input_len, progress, encode)
+            records = await run_conversations(
+                session, work, args.endpoint, args.ignore_eos, args.prompt_ids, args.max_input_len, progress, encode
+            )
         else:
             records = await run_requests(session, work, args.endpoint, args.ignore_eos, progress)
         duration = session.now()
@@ -88,7 +100,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         logger.info(f"{what} to {base_url}{ENDPOINT_PATHS[args.endpoint]}, arrivals: {arrivals}")
         with tqdm(total=planned, desc="bench-serve", unit="req", file=sys.stderr, disable=None) as bar:
             records, duration, model, cache = asyncio.run(
-                run_workload(args, base_url, work, progress=lambda record: bar.update(1)))
+                run_workload(args, base_url, work, progress=lambda record: bar.update(1))
+            )
     except InputError as exc:
         print(f"bench-serve: error: {exc}", file=sys.stderr)
         return 2

@@ -80,8 +80,12 @@ def sharegpt_turns(turns: list) -> tuple[Optional[str], list[tuple[str, str]]]:
     return system, pairs
 
 
-def load_sharegpt_conversations(path: Union[str, Path], count_tokens: Callable[[str], int],
-                                encode: Optional[Callable[[str], list[int]]], max_turns: int) -> list[Conversation]:
+def load_sharegpt_conversations(
+    path: Union[str, Path],
+    count_tokens: Callable[[str], int],
+    encode: Optional[Callable[[str], list[int]]],
+    max_turns: int,
+) -> list[Conversation]:
     """The conversations of a ShareGPT file with at least one answered user turn, at most max_turns
     each; a reply's token count is its turn's max_tokens. encode: send ids instead of text."""
     conversations = []
@@ -92,11 +96,14 @@ def load_sharegpt_conversations(path: Union[str, Path], count_tokens: Callable[[
         system, pairs = sharegpt_turns(turns)
         if not pairs:
             continue
-        user_turns = tuple(UserTurn(encode(user) if encode else user, count_tokens(user), max(1, count_tokens(reply)))
-                           for user, reply in pairs[:max_turns])
+        user_turns = tuple(
+            UserTurn(encode(user) if encode else user, count_tokens(user), max(1, count_tokens(reply)))
+            for user, reply in pairs[:max_turns]
+        )
         system_prompt = (encode(system) if encode else system) if system else None
-        conversations.append(Conversation(len(conversations), system_prompt, count_tokens(system) if system else 0,
-                                          user_turns))
+        conversations.append(
+            Conversation(len(conversations), system_prompt, count_tokens(system) if system else 0, user_turns)
+        )
     if not conversations:
         raise InputError(f"{path}: no conversation with a human turn followed by a gpt reply")
     return conversations
@@ -114,11 +121,15 @@ def synthetic_conversations(args: argparse.Namespace, rng: np.random.Generator) 
     for index, offset in enumerate(offsets):
         turns = []
         for _ in range(args.turns):
-            message: Union[str, list[int]] = (random_id_prompt(args.suffix_len, args.vocab_size, rng)
-                                              if args.prompt_ids else random_text_prompt(args.suffix_len, rng))
+            message: Union[str, list[int]] = (
+                random_id_prompt(args.suffix_len, args.vocab_size, rng)
+                if args.prompt_ids
+                else random_text_prompt(args.suffix_len, rng)
+            )
             turns.append(UserTurn(message, args.suffix_len, args.output_len))
-        conversations.append(Conversation(index, systems[index % len(systems)], args.prefix_len, tuple(turns),
-                                          float(offset)))
+        conversations.append(
+            Conversation(index, systems[index % len(systems)], args.prefix_len, tuple(turns), float(offset))
+        )
     return conversations, arrivals
 
 
@@ -130,21 +141,27 @@ def build_conversations(args: argparse.Namespace, rng: np.random.Generator) -> t
     if kind == "multiturn":
         return synthetic_conversations(args, rng)
     if kind != "sharegpt":
-        raise InputError(f"--multiturn replays ShareGPT .json conversations; --dataset {args.dataset} is a {kind} "
-                         f"dataset (use --dataset multiturn for synthetic conversations)")
+        raise InputError(
+            f"--multiturn replays ShareGPT .json conversations; --dataset {args.dataset} is a {kind} "
+            f"dataset (use --dataset multiturn for synthetic conversations)"
+        )
     count_tokens, encode = approx_token_count, None
     if args.tokenizer:
         count_tokens, encode = load_tokenizer_counter(args.tokenizer)
     if args.prompt_ids and encode is None:
         raise InputError("--prompt-ids with a ShareGPT dataset needs --tokenizer to turn the text into ids")
-    conversations = load_sharegpt_conversations(args.dataset, count_tokens, encode if args.prompt_ids else None,
-                                                args.turns)
+    conversations = load_sharegpt_conversations(
+        args.dataset, count_tokens, encode if args.prompt_ids else None, args.turns
+    )
     conversations = [conversations[i] for i in rng.permutation(len(conversations))]
     if len(conversations) < args.num_prompts:
-        logger.warning(f"{args.dataset} has {len(conversations)} usable conversations, fewer than --num-prompts "
-                       f"{args.num_prompts}: replaying {len(conversations)}")
-    conversations = conversations[:args.num_prompts]
+        logger.warning(
+            f"{args.dataset} has {len(conversations)} usable conversations, fewer than --num-prompts "
+            f"{args.num_prompts}: replaying {len(conversations)}"
+        )
+    conversations = conversations[: args.num_prompts]
     offsets, arrivals = schedule(len(conversations), None, args.request_rate, args.burstiness, args.time_scale, rng)
     arrivals += " (first turns; each later turn when the one before has finished)"
-    return [dataclasses.replace(c, index=i, arrival_s=float(t))
-            for i, (c, t) in enumerate(zip(conversations, offsets))], arrivals
+    return [
+        dataclasses.replace(c, index=i, arrival_s=float(t)) for i, (c, t) in enumerate(zip(conversations, offsets))
+    ], arrivals

@@ -83,12 +83,15 @@ def read_sharegpt(path: Union[str, Path]) -> list:
     except json.JSONDecodeError as exc:
         raise InputError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, list):
-        raise InputError(f"{path}: a ShareGPT file is a JSON list of {{\"conversations\": [...]}}, "
-                         f"not a {type(data).__name__}")
+        raise InputError(
+            f'{path}: a ShareGPT file is a JSON list of {{"conversations": [...]}}, not a {type(data).__name__}'
+        )
     return data
 
 
-def load_sharegpt(path: Union[str, Path], count_tokens: Callable[[str], int] = approx_token_count) -> list[DatasetEntry]:
+def load_sharegpt(
+    path: Union[str, Path], count_tokens: Callable[[str], int] = approx_token_count
+) -> list[DatasetEntry]:
     """Entries of a ShareGPT JSON file: the first human turn is the prompt, the first gpt reply
     after it sets the output length. Conversations without both are skipped."""
     entries = []
@@ -159,8 +162,10 @@ def load_trace_csv(path: Union[str, Path]) -> list[DatasetEntry]:
         for what, accepted in TRACE_COLUMNS.items():
             found = [by_name[name] for name in accepted if name in by_name]
             if not found:
-                raise InputError(f"{path}: no {what} column (accepted: {', '.join(accepted)}, any case and "
-                                 f"spacing); the header has: {', '.join(header)}")
+                raise InputError(
+                    f"{path}: no {what} column (accepted: {', '.join(accepted)}, any case and "
+                    f"spacing); the header has: {', '.join(header)}"
+                )
             columns[what] = found[0]
         entries = []
         for line_number, row in enumerate(reader, start=2):
@@ -173,8 +178,11 @@ def load_trace_csv(path: Union[str, Path]) -> list[DatasetEntry]:
                     values[what] = _parse_timestamp(cell) if what == "timestamp" else _parse_tokens(cell)
                 except ValueError:
                     raise InputError(f"{path}:{line_number}: bad {header[index]!r} value {cell!r}") from None
-            entries.append(DatasetEntry(max(1, values["context tokens"]), max(1, values["generated tokens"]),
-                                        timestamp=values["timestamp"]))
+            entries.append(
+                DatasetEntry(
+                    max(1, values["context tokens"]), max(1, values["generated tokens"]), timestamp=values["timestamp"]
+                )
+            )
     if not entries:
         raise InputError(f"{path}: the trace has a header but no rows")
     entries.sort(key=lambda entry: entry.timestamp)
@@ -286,9 +294,11 @@ def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[
     else:
         entries = load_trace_csv(args.dataset)
     if len(entries) < args.num_prompts:
-        logger.warning(f"{args.dataset} has {len(entries)} usable entries, fewer than --num-prompts "
-                       f"{args.num_prompts}: sending {len(entries)}")
-    entries = entries[:args.num_prompts]
+        logger.warning(
+            f"{args.dataset} has {len(entries)} usable entries, fewer than --num-prompts "
+            f"{args.num_prompts}: sending {len(entries)}"
+        )
+    entries = entries[: args.num_prompts]
     if args.max_input_len and kind != "sharegpt":
         entries = [dataclasses.replace(e, input_len=min(e.input_len, args.max_input_len)) for e in entries]
     timestamps = [entry.timestamp for entry in entries] if kind == "trace" else None
@@ -304,4 +314,3 @@ def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[
             prompt = random_text_prompt(entry.input_len, rng)
         requests.append(BenchRequest(index, prompt, entry.input_len, entry.output_len, float(offset)))
     return requests, arrivals
-

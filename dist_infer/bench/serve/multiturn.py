@@ -29,8 +29,13 @@ TEXT_SEPARATOR = "\n\n"  # text completions: between an answer (or the system pr
 class Transcript:
     """One conversation so far, in the form its endpoint takes, and its length in prompt tokens."""
 
-    def __init__(self, conversation: Conversation, endpoint: str, prompt_ids: bool,
-                 encode: Optional[Callable[[str], list[int]]] = None):
+    def __init__(
+        self,
+        conversation: Conversation,
+        endpoint: str,
+        prompt_ids: bool,
+        encode: Optional[Callable[[str], list[int]]] = None,
+    ):
         self.mode = "chat" if endpoint == "chat" else "ids" if prompt_ids else "text"
         self.encode = encode  # --tokenizer: ids for an answer that came without them
         self.tokens = conversation.system_len  # exact for ids; else estimated, corrected by the server's usage
@@ -68,15 +73,24 @@ class Transcript:
         elif self.encode is not None:
             self.prompt = self.prompt + self.encode(answer.text)
         else:
-            return ("the server streamed text without token_ids, so the answer cannot be appended as ids; "
-                    "pass --tokenizer to encode its text, or leave out --prompt-ids")
+            return (
+                "the server streamed text without token_ids, so the answer cannot be appended as ids; "
+                "pass --tokenizer to encode its text, or leave out --prompt-ids"
+            )
         return None
 
 
-async def run_conversation(session: Session, conversation: Conversation, endpoint: str, ignore_eos: bool,
-                           prompt_ids: bool, max_input_len: Optional[int], numbers: Iterator[int],
-                           progress: Optional[Callable[[RequestRecord], None]] = None,
-                           encode: Optional[Callable[[str], list[int]]] = None) -> list[RequestRecord]:
+async def run_conversation(
+    session: Session,
+    conversation: Conversation,
+    endpoint: str,
+    ignore_eos: bool,
+    prompt_ids: bool,
+    max_input_len: Optional[int],
+    numbers: Iterator[int],
+    progress: Optional[Callable[[RequestRecord], None]] = None,
+    encode: Optional[Callable[[str], list[int]]] = None,
+) -> list[RequestRecord]:
     """Send one conversation's turns in order from its arrival time; stops early at a failed turn
     (there is no answer to go on from) or before a prompt longer than max_input_len."""
     delay = conversation.arrival_s - session.now()
@@ -87,15 +101,18 @@ async def run_conversation(session: Session, conversation: Conversation, endpoin
     for number, turn in enumerate(conversation.turns, start=1):
         prompt = transcript.ask(turn)
         if max_input_len and number > 1 and transcript.tokens > max_input_len:
-            logger.debug(f"conversation {conversation.index} ends before turn {number}: {transcript.tokens} "
-                         f"prompt tokens > --max-input-len {max_input_len}")
+            logger.debug(
+                f"conversation {conversation.index} ends before turn {number}: {transcript.tokens} "
+                f"prompt tokens > --max-input-len {max_input_len}"
+            )
             break
         request = BenchRequest(next(numbers), prompt, transcript.tokens, turn.output_len, session.now())
         payload = request_payload(request, session.model, endpoint, ignore_eos)
         if transcript.mode == "ids":
             payload["return_token_ids"] = True  # vLLM sends the answer's ids only when asked
-        record = RequestRecord(request.index, request.input_len, request.output_len,
-                               conversation=conversation.index, turn=number)
+        record = RequestRecord(
+            request.index, request.input_len, request.output_len, conversation=conversation.index, turn=number
+        )
         answer = Answer()
         await send_request(session, payload, record, answer)
         records.append(record)
@@ -110,17 +127,28 @@ async def run_conversation(session: Session, conversation: Conversation, endpoin
     return records
 
 
-async def run_conversations(session: Session, conversations: Sequence[Conversation], endpoint: str,
-                            ignore_eos: bool, prompt_ids: bool, max_input_len: Optional[int] = None,
-                            progress: Optional[Callable[[RequestRecord], None]] = None,
-                            encode: Optional[Callable[[str], list[int]]] = None) -> list[RequestRecord]:
+async def run_conversations(
+    session: Session,
+    conversations: Sequence[Conversation],
+    endpoint: str,
+    ignore_eos: bool,
+    prompt_ids: bool,
+    max_input_len: Optional[int] = None,
+    progress: Optional[Callable[[RequestRecord], None]] = None,
+    encode: Optional[Callable[[str], list[int]]] = None,
+) -> list[RequestRecord]:
     """Every conversation concurrently, each from its arrival time (relative to session.start);
     --max-concurrency (session.slots) caps the requests in flight, not the conversations. The
     records in conversation order, turns in order; their indexes are unique, in order of sending."""
     numbers = itertools.count()
-    done = await asyncio.gather(*(run_conversation(session, conversation, endpoint, ignore_eos, prompt_ids,
-                                                   max_input_len, numbers, progress, encode)
-                                  for conversation in conversations))
+    done = await asyncio.gather(
+        *(
+            run_conversation(
+                session, conversation, endpoint, ignore_eos, prompt_ids, max_input_len, numbers, progress, encode
+            )
+            for conversation in conversations
+        )
+    )
     return [record for records in done for record in records]
 
 
@@ -148,6 +176,7 @@ def turn_report_lines(summary: dict[str, Any]) -> list[str]:
         ratio = f"{median / first:.2f}x" if median is not None and first else "-"
         value = "-" if median is None else f"{median:.2f}"
         lines.append(f"{turn:<14}{summary['completed_by_turn'].get(turn, 0):>12}{value:>14}{ratio:>12}")
-    lines.append("(TTFT median in ms of each turn index over all conversations; each turn sends the whole "
-                 "conversation so far)")
+    lines.append(
+        "(TTFT median in ms of each turn index over all conversations; each turn sends the whole conversation so far)"
+    )
     return lines

@@ -26,8 +26,13 @@ def latency_stats(values: Sequence[float]) -> dict[str, Optional[float]]:
     if len(values) == 0:
         return {key: None for key in LATENCY_COLUMNS}
     ms = np.asarray(values, dtype=float) * 1000.0
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "p90": float(np.percentile(ms, 90)),
-            "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
+    return {
+        "mean": float(ms.mean()),
+        "median": float(np.median(ms)),
+        "p90": float(np.percentile(ms, 90)),
+        "p99": float(np.percentile(ms, 99)),
+        "max": float(ms.max()),
+    }
 
 
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
@@ -35,13 +40,17 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     it, and with no content chunk its TTFT is its E2E."""
     if not record.success:
         return False
-    measured = {"ttft": record.ttft if record.ttft is not None else record.e2e,
-                "tpot": record.tpot or 0.0, "e2e": record.e2e}
+    measured = {
+        "ttft": record.ttft if record.ttft is not None else record.e2e,
+        "tpot": record.tpot or 0.0,
+        "e2e": record.e2e,
+    }
     return all(measured[name] is not None and measured[name] <= limit for name, limit in slo.items())
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float,
-              slo: Optional[dict[str, float]] = None) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord], duration_s: float, slo: Optional[dict[str, float]] = None
+) -> dict[str, Any]:
     """Counts, throughputs, goodput and latency stats over the successful requests."""
     done = [r for r in records if r.success]
     failed = [r for r in records if not r.success]
@@ -152,8 +161,9 @@ def plot_cdfs(records: Sequence[RequestRecord], path: Union[str, Path]) -> None:
         ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post")
         for q, style in ((50, "--"), (99, ":")):
             value = float(np.percentile(ms, q))
-            ax.axvline(value, linestyle=style, color="tab:red" if q == 99 else "tab:green",
-                       label=f"p{q} {value:.2f} ms")
+            ax.axvline(
+                value, linestyle=style, color="tab:red" if q == 99 else "tab:green", label=f"p{q} {value:.2f} ms"
+            )
         ax.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(str(path), format="png", dpi=100)
@@ -172,6 +182,5 @@ def finite_or_none(value: Any) -> Any:
 
 def write_results(path: Union[str, Path], summary: dict[str, Any], records: Sequence[RequestRecord]) -> None:
     """--save-results: the summary and every request's record (tpot included, it is a property)."""
-    document = {"summary": summary,
-                "requests": [dict(dataclasses.asdict(r), tpot=r.tpot) for r in records]}
+    document = {"summary": summary, "requests": [dict(dataclasses.asdict(r), tpot=r.tpot) for r in records]}
     Path(path).write_text(json.dumps(finite_or_none(document), indent=1))

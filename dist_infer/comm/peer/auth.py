@@ -115,8 +115,9 @@ def _refuse(conn: socket.socket, why: str) -> None:
     raise HandshakeError(why)
 
 
-def server_handshake(conn: socket.socket, key: bytes, own: Address, timeout: float,
-                     admit: Optional[Callable[[Address], None]] = None) -> Address:
+def server_handshake(
+    conn: socket.socket, key: bytes, own: Address, timeout: float, admit: Optional[Callable[[Address], None]] = None
+) -> Address:
     """The listener's half: -> the sender's proven listening address, or HandshakeError.
     `admit(address)` runs before the sender is told it is in, so a listener with no room can
     refuse by raising: the connection then closes unanswered, and the sender tries again."""

@@ -86,9 +86,18 @@ class PeerLink:
     Without one, the link takes a random key made once per process: the links of this process
     (tests) talk to each other, and a link elsewhere only if given `link.key`."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout: float = 30.0, key: Optional[bytes | str] = None, *,
-                 idle_timeout: float = 300.0, handshake_timeout: float = 5.0, max_inbound: int = 64,
-                 max_handshaking: int = 16, max_unmatched_bytes: int = MAX_UNMATCHED_BYTES):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout: float = 30.0,
+        key: Optional[bytes | str] = None,
+        *,
+        idle_timeout: float = 300.0,
+        handshake_timeout: float = 5.0,
+        max_inbound: int = 64,
+        max_handshaking: int = 16,
+        max_unmatched_bytes: int = MAX_UNMATCHED_BYTES,
+    ):
         self.timeout, self.idle_timeout, self.handshake_timeout = timeout, idle_timeout, handshake_timeout
         self.max_inbound, self.max_handshaking = max_inbound, max_handshaking
         self.max_unmatched_bytes = max_unmatched_bytes
@@ -126,8 +135,9 @@ class PeerLink:
         return self._outbound.isend(tensor, peer, key)
 
     # -- receiving ----------------------------------------------------------------------------
-    def irecv(self, tensor: torch.Tensor, peer: Address, key: Key,
-              on_done: Optional[Callable[[RecvHandle], None]] = None) -> RecvHandle:
+    def irecv(
+        self, tensor: torch.Tensor, peer: Address, key: Key, on_done: Optional[Callable[[RecvHandle], None]] = None
+    ) -> RecvHandle:
         """Post a receive of `key` from `peer` into `tensor`; `on_done(handle)` runs once it is
         in or has failed (on the link's reader thread, or here if it already arrived)."""
         handle = RecvHandle(self, key, tensor, peer, on_done)
@@ -177,22 +187,32 @@ class PeerLink:
                     time.sleep(0.1)  # it will fail again until a descriptor is freed: do not spin
                 continue
             with self._lock:
-                full = (self._handshaking >= self.max_handshaking
-                        or len(self._inbound) >= self.max_inbound + self.max_handshaking)
+                full = (
+                    self._handshaking >= self.max_handshaking
+                    or len(self._inbound) >= self.max_inbound + self.max_handshaking
+                )
                 if not full:
                     self._inbound.add(conn)
                     self._handshaking += 1
                 count, h = len(self._inbound), self._handshaking
             if full:
                 conn.close()
-                self._refused("too many open", source[0], f"refused a connection from {source[0]} ({count} open, {h} authenticating)")
+                self._refused(
+                    "too many open",
+                    source[0],
+                    f"refused a connection from {source[0]} ({count} open, {h} authenticating)",
+                )
                 continue
             threading.Thread(target=self._serve, args=(conn, source), name="peer-link-reader", daemon=True).start()
 
     def _refused(self, reason: str, source: str, message: str) -> None:
         """A refused or failed connection: logged at most once a second per reason and source, with a count."""
-        self._warn((reason, source), f"peer link {fmt(self.address)}: {message}", f"peer link {fmt(self.address)}: "
-                   f"{{count}} more {'from ' + source + ' ' if source else ''}in the last {{seconds:.1f}} s ({reason})")
+        self._warn(
+            (reason, source),
+            f"peer link {fmt(self.address)}: {message}",
+            f"peer link {fmt(self.address)}: "
+            f"{{count}} more {'from ' + source + ' ' if source else ''}in the last {{seconds:.1f}} s ({reason})",
+        )
 
     def _admit(self, entry: _In, peer: Address) -> None:
         """Count a sender's authenticated connection in. At `max_inbound`, the least recently used
@@ -218,8 +238,10 @@ class PeerLink:
             self._gone.discard(peer)
             self._incoming[peer] = self._incoming.get(peer, 0) + 1
         if victim is not None:
-            logger.debug(f"peer link {fmt(self.address)}: evicting the idle connection from {fmt(victim.peer)} "
-                         f"to make room for {fmt(peer)}")
+            logger.debug(
+                f"peer link {fmt(self.address)}: evicting the idle connection from {fmt(victim.peer)} "
+                f"to make room for {fmt(peer)}"
+            )
             timer = threading.Timer(_EVICT_GRACE, self._evict_now, args=(victim,))
             timer.daemon = True
             timer.start()
@@ -241,12 +263,16 @@ class PeerLink:
         admitted = idle = dropped = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            server_handshake(conn, self.key, self.address, self.handshake_timeout,
-                             admit=lambda peer: self._admit(entry, peer))
+            server_handshake(
+                conn, self.key, self.address, self.handshake_timeout, admit=lambda peer: self._admit(entry, peer)
+            )
             admitted = True
         except Exception as exc:  # noqa: BLE001 - whatever a stranger sends ends only its connection
-            self._refused("failed handshake", source[0],
-                          f"dropped a connection from {source[0]}:{source[1]}: {type(exc).__name__}: {exc}")
+            self._refused(
+                "failed handshake",
+                source[0],
+                f"dropped a connection from {source[0]}:{source[1]}: {type(exc).__name__}: {exc}",
+            )
         finally:
             with self._lock:
                 self._handshaking -= 1
@@ -256,8 +282,10 @@ class PeerLink:
                 self._read(entry, entry.peer)
         except _Idle:
             idle = True
-            logger.debug(f"peer link {fmt(self.address)}: closed the connection from {fmt(entry.peer)} after "
-                         f"{self.idle_timeout:g} s idle")
+            logger.debug(
+                f"peer link {fmt(self.address)}: closed the connection from {fmt(entry.peer)} after "
+                f"{self.idle_timeout:g} s idle"
+            )
         except PeerLinkError as exc:
             dropped = True
             self._refused("a bad message", fmt(entry.peer), f"{exc}; closed the connection")
@@ -318,7 +346,8 @@ class PeerLink:
                 if left <= 0:
                     raise PeerLinkError(
                         f"peer link: message {key} of {size} bytes from {fmt(peer)} found no receive within "
-                        f"{self.timeout:g} s and no room ({self._unmatched} of {self.max_unmatched_bytes} bytes held)")
+                        f"{self.timeout:g} s and no room ({self._unmatched} of {self.max_unmatched_bytes} bytes held)"
+                    )
                 self._cond.wait(left)
 
     def _deliver(self, conn: socket.socket, handle: RecvHandle, size: int, peer: Address) -> None:
@@ -329,8 +358,12 @@ class PeerLink:
         try:
             read_exactly(conn, as_bytes(handle.staging).numpy().data)  # (a memoryview of its buffer)
         except BaseException as exc:
-            handle.finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed in the middle of "
-                                         f"message {handle.key}: {type(exc).__name__}"))
+            handle.finish(
+                PeerLinkError(
+                    f"peer link: the connection from {fmt(peer)} closed in the middle of "
+                    f"message {handle.key}: {type(exc).__name__}"
+                )
+            )
             raise
         handle.finish()
 
@@ -372,8 +405,9 @@ class PeerLink:
                 for key in [k for k, (sender, _) in self._arrived.items() if sender == peer]:
                     self._unmatched -= len(self._arrived.pop(key)[1])
         for handle in failed:
-            handle.finish(PeerLinkError(f"peer link: the connection from {fmt(peer)} closed before "
-                                         f"message {handle.key} came"))
+            handle.finish(
+                PeerLinkError(f"peer link: the connection from {fmt(peer)} closed before message {handle.key} came")
+            )
 
     def close(self) -> None:
         with self._cond:

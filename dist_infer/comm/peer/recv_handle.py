@@ -21,12 +21,21 @@ if TYPE_CHECKING:
 class RecvHandle(Handle):
     """A posted receive: done when its message is in `tensor` (or failed: `wait` raises)."""
 
-    def __init__(self, link: "PeerLink", key: Key, tensor: torch.Tensor, peer: Address,
-                 on_done: Optional[Callable[["RecvHandle"], None]]):
+    def __init__(
+        self,
+        link: "PeerLink",
+        key: Key,
+        tensor: torch.Tensor,
+        peer: Address,
+        on_done: Optional[Callable[["RecvHandle"], None]],
+    ):
         self.link, self.key, self.tensor, self.peer, self.on_done = link, key, tensor, peer, on_done
         # the socket writes host memory: a device destination gets a host buffer, pinned for CUDA, copied on wait
-        self.staging = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else \
-            torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        self.staging = (
+            tensor
+            if tensor.device.type == "cpu" and tensor.is_contiguous()
+            else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        )
         self.error: Optional[Exception] = None
         self._event = threading.Event()
 
@@ -49,8 +58,9 @@ class RecvHandle(Handle):
     def wait(self, timeout: Optional[float] = None) -> None:
         limit = self.link.timeout if timeout is None else timeout
         if not self._event.wait(limit):
-            raise CommTimeoutError(f"peer link: no message {self.key} from {self.peer[0]}:{self.peer[1]} "
-                                   f"within {limit:g} s")
+            raise CommTimeoutError(
+                f"peer link: no message {self.key} from {self.peer[0]}:{self.peer[1]} within {limit:g} s"
+            )
         if self.error is not None:
             raise self.error
         if self.staging is not self.tensor:
@@ -59,8 +69,9 @@ class RecvHandle(Handle):
     def mismatch(self, sender: Address, size: int) -> Optional[PeerLinkError]:
         """Why a message of `size` bytes from `sender` cannot fill this receive, or None if it can."""
         if sender != self.peer:
-            return PeerLinkError(f"peer link: message {self.key} came from {fmt(sender)}, the receive "
-                                 f"expects it from {fmt(self.peer)}")
+            return PeerLinkError(
+                f"peer link: message {self.key} came from {fmt(sender)}, the receive expects it from {fmt(self.peer)}"
+            )
         expected = as_bytes(self.staging).numel()
         if size != expected:
             return PeerLinkError(f"peer link: message {self.key} has {size} bytes, the receive expects {expected}")

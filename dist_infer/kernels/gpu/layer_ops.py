@@ -30,6 +30,7 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
+
     @triton.jit
     def _round(x, dtype: tl.constexpr):
         """x (fp32) rounded to `dtype` and back: what a torch op in that dtype stores. By the bits
@@ -48,8 +49,21 @@ if triton is not None:
             return x
 
     @triton.jit
-    def _rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, x_out_ptr, n, eps, stride_x, stride_r, stride_o, stride_xo,
-                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        x_out_ptr,
+        n,
+        eps,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_xo,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         ok = i < n
@@ -74,10 +88,30 @@ if triton is not None:
         tl.store(dst + HALF, y2.to(dtype), mask=ok)
 
     @triton.jit
-    def _rope_cache_write(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-                          stride_q, stride_k, stride_v, stride_cs, stride_slot, stride_kc, stride_vc,
-                          Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, QH_PAD: tl.constexpr,
-                          KVH_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HAS_Q: tl.constexpr):
+    def _rope_cache_write(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        cos_ptr,
+        sin_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slots_ptr,
+        stride_q,
+        stride_k,
+        stride_v,
+        stride_cs,
+        stride_slot,
+        stride_kc,
+        stride_vc,
+        Q_HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        QH_PAD: tl.constexpr,
+        KVH_PAD: tl.constexpr,
+        HALF: tl.constexpr,
+        HALF_PAD: tl.constexpr,
+        HAS_Q: tl.constexpr,
+    ):
         t = tl.program_id(0)
         j = tl.arange(0, HALF_PAD)
         j_ok = j < HALF
@@ -93,8 +127,17 @@ if triton is not None:
         slot = tl.load(slots_ptr + t * stride_slot)
         h = tl.arange(0, KVH_PAD)
         ok = (h < KV_HEADS)[:, None] & j_ok[None, :]
-        _rotate(k_ptr + t * stride_k + h[:, None] * (2 * HALF) + j[None, :],
-                k_cache_ptr + slot * stride_kc + h[:, None] * (2 * HALF) + j[None, :], ok, c1, c2, s1, s2, HALF, dtype)
+        _rotate(
+            k_ptr + t * stride_k + h[:, None] * (2 * HALF) + j[None, :],
+            k_cache_ptr + slot * stride_kc + h[:, None] * (2 * HALF) + j[None, :],
+            ok,
+            c1,
+            c2,
+            s1,
+            s2,
+            HALF,
+            dtype,
+        )
         src = v_ptr + t * stride_v + h[:, None] * (2 * HALF) + j[None, :]
         dst = v_cache_ptr + slot * stride_vc + h[:, None] * (2 * HALF) + j[None, :]
         tl.store(dst, tl.load(src, mask=ok, other=0.0), mask=ok)
@@ -117,23 +160,45 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (x + residual, norm(x + residual) * weight); without `residual`, (x, norm(x) * weight)."""
     T, n = x.shape
     out = torch.empty(T, n, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else x
     if T:
         res = residual if residual is not None else x
-        _rms_norm[(T,)](x, res, weight, out, summed, n, eps, x.stride(0), res.stride(0), out.stride(0),
-                        summed.stride(0), HAS_RES=residual is not None, BLOCK=_pow2(n),
-                        num_warps=4 if n <= 2048 else 8)
+        _rms_norm[(T,)](
+            x,
+            res,
+            weight,
+            out,
+            summed,
+            n,
+            eps,
+            x.stride(0),
+            res.stride(0),
+            out.stride(0),
+            summed.stride(0),
+            HAS_RES=residual is not None,
+            BLOCK=_pow2(n),
+            num_warps=4 if n <= 2048 else 8,
+        )
     return summed, out
 
 
-def rope_cache_write(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     q_heads: int) -> None:
+def rope_cache_write(
+    q: Optional[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    q_heads: int,
+) -> None:
     """Rotate q [T, q_heads * d] in place (None: no queries) and write rotated k and v [T, kv_heads * d]
     to cache slots `slots` [T] of caches [num_blocks, block_size, kv_heads, d]; cos/sin [T, d] fp32."""
     T = k.shape[0]
@@ -145,11 +210,30 @@ def rope_cache_write(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor
         assert _rows(t), "rope_cache_write: rows must be contiguous"
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     qq = q if q is not None else k
-    _rope_cache_write[(T,)](qq, k, v, cos, sin, k_cache, v_cache, slots,
-                            qq.stride(0), k.stride(0), v.stride(0), cos.stride(0), slots.stride(0),
-                            k_cache.stride(1), v_cache.stride(1),
-                            Q_HEADS=q_heads, KV_HEADS=kv_heads, QH_PAD=_pow2(q_heads), KVH_PAD=_pow2(kv_heads),
-                            HALF=half, HALF_PAD=_pow2(half), HAS_Q=q is not None)
+    _rope_cache_write[(T,)](
+        qq,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slots,
+        qq.stride(0),
+        k.stride(0),
+        v.stride(0),
+        cos.stride(0),
+        slots.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(1),
+        Q_HEADS=q_heads,
+        KV_HEADS=kv_heads,
+        QH_PAD=_pow2(q_heads),
+        KVH_PAD=_pow2(kv_heads),
+        HALF=half,
+        HALF_PAD=_pow2(half),
+        HAS_Q=q is not None,
+    )
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -158,6 +242,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, n, dtype=gate.dtype, device=gate.device)
     if T:
         block = min(1024, _pow2(n))
-        _silu_mul[(T, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
-                                               BLOCK=block)
+        _silu_mul[(T, triton.cdiv(n, block))](
+            gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block
+        )
     return out

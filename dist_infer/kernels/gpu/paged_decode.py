@@ -35,14 +35,40 @@ def _pow2(n: int, least: int) -> int:
 
 
 if triton is not None:
+
     @triton.jit
-    def _decode_partition(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-                          scale, window, num_parts, heads,
-                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          stride_tb, stride_sl,
-                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_T: tl.constexpr,
-                          PART: tl.constexpr, IEEE: tl.constexpr):
+    def _decode_partition(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        tables_ptr,
+        seq_lens_ptr,
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        scale,
+        window,
+        num_parts,
+        heads,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_tb,
+        stride_sl,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_T: tl.constexpr,
+        PART: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -55,8 +81,11 @@ if triton is not None:
         head = kvh * GROUP + g
         g_ok = g < GROUP
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         s_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
@@ -67,8 +96,11 @@ if triton is not None:
             block = tl.load(tables_ptr + b * stride_tb + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
             offset = t % BLOCK_SIZE
             kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -78,8 +110,11 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             s_sum = s_sum * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=kv_mask, other=0.0)
+            v = tl.load(
+                v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
@@ -92,9 +127,22 @@ if triton is not None:
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
 
     @triton.jit
-    def _merge_partitions(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, seq_lens_ptr, window, num_parts, heads,
-                          stride_ob, stride_oh, stride_sl,
-                          HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PART: tl.constexpr):
+    def _merge_partitions(
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        out_ptr,
+        seq_lens_ptr,
+        window,
+        num_parts,
+        heads,
+        stride_ob,
+        stride_oh,
+        stride_sl,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        PART: tl.constexpr,
+    ):
         """The partitions a sequence used, merged one after another in order: the same sums, in the
         same order, whatever the grid's partition count (an eager step's narrower block table included)."""
         bh = tl.program_id(0)
@@ -123,8 +171,15 @@ if triton is not None:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, window: Optional[int] = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """q [B, heads, d] (one token per sequence; heads a multiple of the cache's KV heads), caches
     [num_blocks, block_size, kv_heads, d], block_tables [B, W], seq_lens [B] (the keys each query
     sees, its own included) -> [B, heads, d] in q's dtype. `window`: only the last `window` keys."""
@@ -140,21 +195,65 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     dim_pad = _pow2(dim, 16)
     _decode_partition[(B, kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum,
-        scale, int(window or NO_WINDOW), num_parts, heads,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), seq_lens.stride(0),
-        GROUP=group, GROUP_PAD=_pow2(group, 16), HEAD_DIM=dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
-        TILE_T=TILE, PART=PARTITION, IEEE=q.dtype == torch.float32)
-    _merge_partitions[(B * heads,)](part_out, part_max, part_sum, out, seq_lens, int(window or NO_WINDOW), num_parts,
-                                    heads, out.stride(0), out.stride(1), seq_lens.stride(0),
-                                    HEAD_DIM=dim, DIM_PAD=dim_pad, PART=PARTITION)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_max,
+        part_sum,
+        scale,
+        int(window or NO_WINDOW),
+        num_parts,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        seq_lens.stride(0),
+        GROUP=group,
+        GROUP_PAD=_pow2(group, 16),
+        HEAD_DIM=dim,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE_T=TILE,
+        PART=PARTITION,
+        IEEE=q.dtype == torch.float32,
+    )
+    _merge_partitions[(B * heads,)](
+        part_out,
+        part_max,
+        part_sum,
+        out,
+        seq_lens,
+        int(window or NO_WINDOW),
+        num_parts,
+        heads,
+        out.stride(0),
+        out.stride(1),
+        seq_lens.stride(0),
+        HEAD_DIM=dim,
+        DIM_PAD=dim_pad,
+        PART=PARTITION,
+    )
     return out
 
 
-def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                     window: Optional[int] = None) -> torch.Tensor:
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """The same in plain torch, a sequence at a time in fp64 (the tests' truth)."""
     B, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]

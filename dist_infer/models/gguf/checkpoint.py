@@ -68,8 +68,11 @@ _LAYER_NAMES = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -143,7 +146,9 @@ def _parse(path: str):
     except TensorExtentError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
-        raise CheckpointError(f"cannot read GGUF file {path} (truncated or damaged?): {type(exc).__name__}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot read GGUF file {path} (truncated or damaged?): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def read_field(reader, key: str, default: Any = None) -> Any:
@@ -161,6 +166,7 @@ class GGUFTensor:
 
     def __init__(self, path: Path, tensor, name: str, row_map: np.ndarray | None = None):
         import gguf
+
         self.path, self._t, self.name, self._row_map = path, tensor, name, row_map
         self.gguf_name = tensor.name
         self.type_name = tensor.tensor_type.name
@@ -195,9 +201,11 @@ class GGUFTensor:
         raw = self._raw_rows()
         expected = (self.shape[-1] // self._block) * self._block_bytes
         if raw.shape[1] != expected:
-            raise CheckpointError(f"{self.path}: tensor {self.gguf_name!r} ({self.type_name}) has {raw.shape[1]} bytes "
-                                  f"per row, expected {expected}")
-        return np.ascontiguousarray(raw[rows, b0 * self._block_bytes: b1 * self._block_bytes])
+            raise CheckpointError(
+                f"{self.path}: tensor {self.gguf_name!r} ({self.type_name}) has {raw.shape[1]} bytes "
+                f"per row, expected {expected}"
+            )
+        return np.ascontiguousarray(raw[rows, b0 * self._block_bytes : b1 * self._block_bytes])
 
     def __getitem__(self, index) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
@@ -211,15 +219,16 @@ class GGUFTensor:
         try:
             values = self._dequantize(picked, self._qtype)
         except Exception as exc:
-            raise CheckpointError(f"{self.path}: cannot dequantize tensor {self.gguf_name!r} of type "
-                                  f"{self.type_name}: {exc}") from exc
-        values = values.reshape(len(rows), -1)[:, c0 - b0 * self._block: c1 - b0 * self._block]
+            raise CheckpointError(
+                f"{self.path}: cannot dequantize tensor {self.gguf_name!r} of type {self.type_name}: {exc}"
+            ) from exc
+        values = values.reshape(len(rows), -1)[:, c0 - b0 * self._block : c1 - b0 * self._block]
         out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         return out[0] if self.ndim == 1 else out
 
     @property
     def quantization(self) -> str | None:
-        """"int8" / "int4": what `quantized_slice` gives; None: a float tensor (index it instead)."""
+        """ "int8" / "int4": what `quantized_slice` gives; None: a float tensor (index it instead)."""
         return quantization_of_type(self.type_name) if self.ndim == 2 else None
 
     def quantized_slice(self, rows: slice = slice(None), cols: slice = slice(None)) -> QuantizedWeight | None:
@@ -235,8 +244,10 @@ class GGUFTensor:
             raise CheckpointError(f"{self.name}: only contiguous slices are supported, got {(rows, cols)}")
         c0, c1, _ = cols.indices(self.shape[1])
         if c0 % GROUP:
-            raise CheckpointError(f"{self.name}: columns {c0}..{c1} start inside a {GROUP}-value group of "
-                                  f"{self.type_name}; a quantized shard must start on a group boundary")
+            raise CheckpointError(
+                f"{self.name}: columns {c0}..{c1} start inside a {GROUP}-value group of "
+                f"{self.type_name}; a quantized shard must start on a group boundary"
+            )
         if self.type_name in EXACT_BITS:
             b0, b1 = c0 // self._block, -(-c1 // self._block)
             picked = self._blocks(self._rows(rows), b0, b1)
@@ -246,8 +257,10 @@ class GGUFTensor:
         weight = requantize(values, bits, GROUP)
         if self.requantization_error is None:  # measured on the first shard read; every shard is alike
             self.requantization_error = quantization_error(values, weight)
-            logger.info(f"{self.gguf_name} ({self.type_name}) requantized to int{bits} per {GROUP}: max abs error "
-                         f"{self.requantization_error[0]:.3g}, relative RMS {self.requantization_error[1]:.3g}")
+            logger.info(
+                f"{self.gguf_name} ({self.type_name}) requantized to int{bits} per {GROUP}: max abs error "
+                f"{self.requantization_error[0]:.3g}, relative RMS {self.requantization_error[1]:.3g}"
+            )
         return weight
 
 
@@ -260,8 +273,9 @@ class GGUFCheckpoint(TensorIndex):
         r = self._reader
         arch = read_field(r, "general.architecture")
         if arch not in ARCHITECTURES:
-            raise CheckpointError(f"{self.path}: GGUF architecture {arch!r} is not supported; expected one of "
-                                  f"{ARCHITECTURES}")
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {arch!r} is not supported; expected one of {ARCHITECTURES}"
+            )
         self.config = gguf_config(r, self.path)
         self.arch = arch
         self._index: dict[str, GGUFTensor] = {}
@@ -285,8 +299,10 @@ class GGUFCheckpoint(TensorIndex):
     def _indexed(self, t, name: str) -> GGUFTensor:
         """Tensor `t` under its HF name, once its type and shape are what the model expects."""
         if t.tensor_type.name not in SUPPORTED_TYPES:
-            raise CheckpointError(f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which this "
-                                  f"loader does not dequantize; supported: {', '.join(SUPPORTED_TYPES)}")
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which this "
+                f"loader does not dequantize; supported: {', '.join(SUPPORTED_TYPES)}"
+            )
         check_tensor_shape(self.path, self.arch, t.name, name, [int(d) for d in t.shape], self.config)
         row_map = None
         if name.endswith("self_attn.q_proj.weight"):
@@ -311,8 +327,10 @@ class GGUFCheckpoint(TensorIndex):
         if not errors:
             return None
         worst = max(errors, key=lambda n: errors[n][1])
-        return (f"{len(errors)} tensors requantized per {GROUP} values: largest abs error "
-                f"{max(e[0] for e in errors.values()):.3g}, largest relative RMS error {errors[worst][1]:.3g} ({worst})")
+        return (
+            f"{len(errors)} tensors requantized per {GROUP} values: largest abs error "
+            f"{max(e[0] for e in errors.values()):.3g}, largest relative RMS error {errors[worst][1]:.3g} ({worst})"
+        )
 
     def tensor(self, name: str) -> GGUFTensor:
         t = self._index.get(name)
@@ -353,7 +371,9 @@ def gguf_config(reader, path: Path) -> dict:
         tokens = len(tokens) if isinstance(tokens, ArrayField) else len(tokens.data)
     vocab = read_field(reader, f"{arch}.vocab_size") or tokens
     if vocab is None:
-        raise CheckpointError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+        raise CheckpointError(
+            f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)"
+        )
     vocab = count("vocab_size", vocab)
     key_length = read_field(reader, f"{arch}.attention.key_length")
     key_length = None if key_length is None else count("attention.key_length", key_length)
@@ -369,8 +389,9 @@ def gguf_config(reader, path: Path) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": float(read_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(read_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": count("context_length", read_field(reader, f"{arch}.context_length", 2048),
-                                         maximum=MAX_POSITIONS),
+        "max_position_embeddings": count(
+            "context_length", read_field(reader, f"{arch}.context_length", 2048), maximum=MAX_POSITIONS
+        ),
         "vocab_size": vocab,
         "torch_dtype": "float32",
     }

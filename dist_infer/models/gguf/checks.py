@@ -18,7 +18,7 @@ from typing import Any
 
 from dist_infer.models.checkpoint import CheckpointError
 
-MAX_POSITIONS = 2 ** 24  # context_length above this would size rotary tables of many GiB
+MAX_POSITIONS = 2**24  # context_length above this would size rotary tables of many GiB
 MIN_TENSOR_INFO_BYTES = 24  # name length 8 + dimension count 4 + type 4 + offset 8 (no name, no dims)
 MIN_KV_BYTES = 13  # key length 8 + value type 4 + a one-byte value
 HEADER_BYTES = 24  # magic 4 + version 4 + tensor count 8 + metadata count 8
@@ -36,11 +36,15 @@ def check_header_counts(path: Any, head: bytes, file_size: int) -> None:
     tensors, kvs = struct.unpack_from(f"{order}QQ", head, 8)
     room = file_size - HEADER_BYTES
     if tensors > room // MIN_TENSOR_INFO_BYTES:
-        raise CheckpointError(f"{path}: GGUF.tensor_count is {tensors}, but a file of {file_size} bytes holds at most "
-                              f"{room // MIN_TENSOR_INFO_BYTES} tensor entries")
+        raise CheckpointError(
+            f"{path}: GGUF.tensor_count is {tensors}, but a file of {file_size} bytes holds at most "
+            f"{room // MIN_TENSOR_INFO_BYTES} tensor entries"
+        )
     if kvs > room // MIN_KV_BYTES:
-        raise CheckpointError(f"{path}: GGUF.kv_count is {kvs}, but a file of {file_size} bytes holds at most "
-                              f"{room // MIN_KV_BYTES} metadata entries")
+        raise CheckpointError(
+            f"{path}: GGUF.kv_count is {kvs}, but a file of {file_size} bytes holds at most "
+            f"{room // MIN_KV_BYTES} metadata entries"
+        )
 
 
 def tensor_nbytes(name: str, dims: list[int], type_id: int) -> int | None:
@@ -53,8 +57,9 @@ def tensor_nbytes(name: str, dims: list[int], type_id: int) -> int | None:
         return None  # the reader names the unknown type itself
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     if dims and dims[0] % block:
-        raise TensorExtentError(f"{name} has {dims[0]} values per row, not a multiple of {qtype.name}'s "
-                                f"{block}-value blocks")
+        raise TensorExtentError(
+            f"{name} has {dims[0]} values per row, not a multiple of {qtype.name}'s {block}-value blocks"
+        )
     return math.prod(dims) * block_bytes // block
 
 
@@ -62,8 +67,9 @@ def check_tensor_extent(name: str, dims: list[int], type_id: int, start: int, fi
     """Tensor `name` (data from byte `start` of the file) must end inside the file."""
     nbytes = tensor_nbytes(name, dims, type_id)
     if nbytes is not None and start + nbytes > file_size:
-        raise TensorExtentError(f"{name} claims dims {dims}: {nbytes} bytes from byte {start}, past the end of "
-                                f"the {file_size}-byte file")
+        raise TensorExtentError(
+            f"{name} claims dims {dims}: {nbytes} bytes from byte {start}, past the end of the {file_size}-byte file"
+        )
 
 
 def _finite_real(value: Any) -> bool:
@@ -86,18 +92,23 @@ def metadata_int(path: Any, key: str, value: Any, minimum: int = 1, maximum: int
 def head_dim_of(path: Any, arch: str, hidden: int, heads: int, kv_heads: int, key_length: int | None) -> int:
     """The per-head width, after checking the head counts divide as attention needs."""
     if heads % kv_heads:
-        raise CheckpointError(f"{path}: {arch}.attention.head_count={heads} is not a multiple of "
-                              f"{arch}.attention.head_count_kv={kv_heads}")
+        raise CheckpointError(
+            f"{path}: {arch}.attention.head_count={heads} is not a multiple of "
+            f"{arch}.attention.head_count_kv={kv_heads}"
+        )
     if key_length is None:
         if hidden % heads:
-            raise CheckpointError(f"{path}: {arch}.embedding_length={hidden} is not divisible by "
-                                  f"{arch}.attention.head_count={heads}")
+            raise CheckpointError(
+                f"{path}: {arch}.embedding_length={hidden} is not divisible by {arch}.attention.head_count={heads}"
+            )
         head_dim = hidden // heads
     else:
         head_dim = key_length
     if head_dim % 2:
-        raise CheckpointError(f"{path}: the head width {head_dim} ({arch}.attention.key_length or embedding_length / "
-                              f"head_count) is odd; rotary embeddings need it even")
+        raise CheckpointError(
+            f"{path}: the head width {head_dim} ({arch}.attention.key_length or embedding_length / "
+            f"head_count) is odd; rotary embeddings need it even"
+        )
     return head_dim
 
 
@@ -108,24 +119,43 @@ _SHAPES = {
     "model.norm.weight": (lambda c: (c["hidden_size"],), ("embedding_length",)),
     "input_layernorm.weight": (lambda c: (c["hidden_size"],), ("embedding_length",)),
     "post_attention_layernorm.weight": (lambda c: (c["hidden_size"],), ("embedding_length",)),
-    "self_attn.q_proj.weight": (lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
-                                ("embedding_length", "attention.head_count", "head width")),
-    "self_attn.k_proj.weight": (lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
-                                ("embedding_length", "attention.head_count_kv", "head width")),
-    "self_attn.v_proj.weight": (lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
-                                ("embedding_length", "attention.head_count_kv", "head width")),
-    "self_attn.o_proj.weight": (lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
-                                ("embedding_length", "attention.head_count", "head width")),
-    "mlp.gate_proj.weight": (lambda c: (c["intermediate_size"], c["hidden_size"]),
-                             ("feed_forward_length", "embedding_length")),
-    "mlp.up_proj.weight": (lambda c: (c["intermediate_size"], c["hidden_size"]),
-                           ("feed_forward_length", "embedding_length")),
-    "mlp.down_proj.weight": (lambda c: (c["hidden_size"], c["intermediate_size"]),
-                             ("embedding_length", "feed_forward_length")),
+    "self_attn.q_proj.weight": (
+        lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
+        ("embedding_length", "attention.head_count", "head width"),
+    ),
+    "self_attn.k_proj.weight": (
+        lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+        ("embedding_length", "attention.head_count_kv", "head width"),
+    ),
+    "self_attn.v_proj.weight": (
+        lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+        ("embedding_length", "attention.head_count_kv", "head width"),
+    ),
+    "self_attn.o_proj.weight": (
+        lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
+        ("embedding_length", "attention.head_count", "head width"),
+    ),
+    "mlp.gate_proj.weight": (
+        lambda c: (c["intermediate_size"], c["hidden_size"]),
+        ("feed_forward_length", "embedding_length"),
+    ),
+    "mlp.up_proj.weight": (
+        lambda c: (c["intermediate_size"], c["hidden_size"]),
+        ("feed_forward_length", "embedding_length"),
+    ),
+    "mlp.down_proj.weight": (
+        lambda c: (c["hidden_size"], c["intermediate_size"]),
+        ("embedding_length", "feed_forward_length"),
+    ),
 }
-_CONFIG_OF_KEY = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "attention.head_count":
-                  "num_attention_heads", "attention.head_count_kv": "num_key_value_heads", "head width": "head_dim",
-                  "feed_forward_length": "intermediate_size"}
+_CONFIG_OF_KEY = {
+    "vocab_size": "vocab_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "head width": "head_dim",
+    "feed_forward_length": "intermediate_size",
+}
 
 
 def check_tensor_shape(path: Any, arch: str, gguf_name: str, hf_name: str, gguf_dims: list[int], config: dict) -> None:
@@ -140,9 +170,20 @@ def check_tensor_shape(path: Any, arch: str, gguf_name: str, hf_name: str, gguf_
 
 def layer_tensor_names(layer: int) -> list[str]:
     """The GGUF names every decoder layer must have."""
-    return [f"blk.{layer}.{n}" for n in ("attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight",
-                                         "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
-                                         "ffn_down.weight")]
+    return [
+        f"blk.{layer}.{n}"
+        for n in (
+            "attn_norm.weight",
+            "ffn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        )
+    ]
 
 
 def check_layers_present(path: Any, arch: str, blocks: int, present: set[str]) -> None:

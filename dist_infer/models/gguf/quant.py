@@ -36,12 +36,19 @@ GROUP = 32  # values per group of every converted or requantized weight
 EXACT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q4_K": 4, "Q5_K": 8}
 REQUANT_BITS = {"Q6_K": 8, "Q3_K": 4, "Q2_K": 4}
 # values and bytes per block
-BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q4_K": (256, 144), "Q5_K": (256, 176)}
+BLOCKS = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+}
 
 
 def quantization_of_type(type_name: str) -> str | None:
-    """"int8" / "int4": what `GGUFTensor.quantized_slice` gives for a tensor of this GGUF type; None: a float type."""
+    """ "int8" / "int4": what `GGUFTensor.quantized_slice` gives for a tensor of this GGUF type; None: a float type."""
     bits = EXACT_BITS.get(type_name) or REQUANT_BITS.get(type_name)
     return None if bits is None else f"int{bits}"
 
@@ -105,8 +112,10 @@ def blocks_to_weight(raw: np.ndarray, type_name: str, start: int, cols: int) -> 
         raise ValueError(f"{type_name} rows are whole {size}-byte blocks; got bytes of shape {list(raw.shape)}")
     rows, blocks = raw.shape[0], raw.shape[1] // size
     if start % GROUP or not 0 < cols <= blocks * values - start:
-        raise ValueError(f"columns {start}..{start + cols} of {blocks} blocks of {values}: the start must be a "
-                         f"multiple of {GROUP} and the end inside the blocks")
+        raise ValueError(
+            f"columns {start}..{start + cols} of {blocks} blocks of {values}: the start must be a "
+            f"multiple of {GROUP} and the end inside the blocks"
+        )
     q, scales, zeros = _decode(raw.reshape(rows, blocks, size), type_name)
     g0, g1 = start // GROUP, -(-(start + cols) // GROUP)
 
@@ -114,7 +123,7 @@ def blocks_to_weight(raw: np.ndarray, type_name: str, start: int, cols: int) -> 
         x = np.broadcast_to(x, (rows, blocks, values // GROUP)).reshape(rows, -1)
         return torch.from_numpy(np.array(x[:, g0:g1], dtype=np.float32, order="C"))  # a copy: x may be read-only
 
-    q = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1)[:, start:start + cols]).view(np.int8))
+    q = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1)[:, start : start + cols]).view(np.int8))
     return QuantizedWeight(q, groups(scales), None if zeros is None else groups(zeros), GROUP, EXACT_BITS[type_name])
 
 

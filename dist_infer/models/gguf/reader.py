@@ -60,7 +60,7 @@ class ArrayField:
 
         if self.types[1] == GGUFValueType.STRING:
             buf = memoryview(self._data)
-            items = [str(buf[at:at + n], encoding="utf-8") for at, n in self._strings()]
+            items = [str(buf[at : at + n], encoding="utf-8") for at, n in self._strings()]
         else:
             dtype = np.dtype(_scalar_dtype(self.types[1])).newbyteorder(self._order)
             items = np.frombuffer(self._data, dtype, self._count, self._start).tolist()
@@ -86,8 +86,13 @@ def lean_reader_class():
         def _build_tensors(self, start_offs: int, fields: list) -> None:
             for f in fields:
                 _, name, _, dims, type_id, offset = f.parts
-                check_tensor_extent(bytes(name).decode("utf-8", "replace"), [int(d) for d in dims], int(type_id[0]),
-                                    int(start_offs) + int(offset[0]), len(self.data))
+                check_tensor_extent(
+                    bytes(name).decode("utf-8", "replace"),
+                    [int(d) for d in dims],
+                    int(type_id[0]),
+                    int(start_offs) + int(offset[0]),
+                    len(self.data),
+                )
             super()._build_tensors(start_offs, fields)
 
         def _build_fields(self, offs: int, count: int) -> int:
@@ -105,8 +110,10 @@ def lean_reader_class():
                         offs = field.end
                         continue
                 size, parts, idxs, types = self._get_field_parts(offs, raw_type[0])
-                self._push_field(gguf.ReaderField(orig_offs, name, [klen, kdata, raw_type, *parts],
-                                                  [i + 3 for i in idxs], types), skip_sum=True)
+                self._push_field(
+                    gguf.ReaderField(orig_offs, name, [klen, kdata, raw_type, *parts], [i + 3 for i in idxs], types),
+                    skip_sum=True,
+                )
                 offs += size
             return offs
 

@@ -20,17 +20,28 @@ from dist_infer.models.gguf.checkpoint import open_reader, read_field
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`; the others ("gpt2", "smollm", ...) use GPT-2's own.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-                        "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 
 
 @dataclass
 class GGUFTokenizerInfo:
     """What the engine and the chat endpoint need besides the token mapping."""
+
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
@@ -79,11 +90,17 @@ def tokenizer_from_gguf(path: str | os.PathLike):
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tokenizer.decoder = decoders.ByteLevel()
-    control = [AddedToken(t, special=True, normalized=False)
-               for t, kind_ in zip(tokens, types) if kind_ == CONTROL and set(t) <= alphabet]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind_ in zip(tokens, types)
+        if kind_ == CONTROL and set(t) <= alphabet
+    ]
     if control:
         tokenizer.add_special_tokens(control)
     user = [AddedToken(t, special=False, normalized=False) for t, kind_ in zip(tokens, types) if kind_ == USER_DEFINED]
@@ -95,7 +112,10 @@ def tokenizer_from_gguf(path: str | os.PathLike):
         return int(value) if value is not None else None
 
     template = read_field(reader, "tokenizer.chat_template")
-    info = GGUFTokenizerInfo(bos_id=token_id("bos_token_id"), eos_id=token_id("eos_token_id"),
-                             add_bos=bool(read_field(reader, "tokenizer.ggml.add_bos_token", True)),
-                             chat_template=template if isinstance(template, str) else None)
+    info = GGUFTokenizerInfo(
+        bos_id=token_id("bos_token_id"),
+        eos_id=token_id("eos_token_id"),
+        add_bos=bool(read_field(reader, "tokenizer.ggml.add_bos_token", True)),
+        chat_template=template if isinstance(template, str) else None,
+    )
     return tokenizer, info

@@ -18,7 +18,17 @@ from dist_infer.parallel.moe.routing_file import ROUTING_FILE_KIND, read_placeme
 from dist_infer.parallel.moe.stats import PHASES, RoutingStats
 
 __all__ = [
-    "PHASES", "ROUTING_FILE_KIND", "ExpertParallelMoE", "ExpertPlacement", "ParallelExperts", "RoutingStats",
-    "balanced_placement", "dispatch_order", "imbalance", "read_placement_file", "token_chunk", "topk_routing",
+    "PHASES",
+    "ROUTING_FILE_KIND",
+    "ExpertParallelMoE",
+    "ExpertPlacement",
+    "ParallelExperts",
+    "RoutingStats",
+    "balanced_placement",
+    "dispatch_order",
+    "imbalance",
+    "read_placement_file",
+    "token_chunk",
+    "topk_routing",
     "write_routing_file",
 ]

@@ -28,8 +28,16 @@ class ParallelExperts(nn.Module):
     3-D tensors, and read only this rank's slice of it.
     """
 
-    def __init__(self, placement: ExpertPlacement, ep_rank: int, hidden: int, intermediate: int, tp: Communicator,
-                 dtype: torch.dtype, name: str):
+    def __init__(
+        self,
+        placement: ExpertPlacement,
+        ep_rank: int,
+        hidden: int,
+        intermediate: int,
+        tp: Communicator,
+        dtype: torch.dtype,
+        name: str,
+    ):
         super().__init__()
         self.name, self.hidden, self.intermediate = name, hidden, intermediate
         self.experts = placement.local_experts(ep_rank)
@@ -37,10 +45,12 @@ class ParallelExperts(nn.Module):
         self.i_start, self.i_local = shard_range(intermediate, tp.size, tp.rank, f"{name}: expert intermediate size")
         n = len(self.experts)
         # the stacked float weights (None once set_quantization packs them instead)
-        self.w13: Optional[nn.Parameter] = nn.Parameter(torch.empty(n, 2 * self.i_local, hidden, dtype=dtype),
-                                                        requires_grad=False)
-        self.w2: Optional[nn.Parameter] = nn.Parameter(torch.empty(n, hidden, self.i_local, dtype=dtype),
-                                                       requires_grad=False)
+        self.w13: Optional[nn.Parameter] = nn.Parameter(
+            torch.empty(n, 2 * self.i_local, hidden, dtype=dtype), requires_grad=False
+        )
+        self.w2: Optional[nn.Parameter] = nn.Parameter(
+            torch.empty(n, hidden, self.i_local, dtype=dtype), requires_grad=False
+        )
         self.scheme = "none"
         self.packed13, self.packed2 = nn.ModuleDict(), nn.ModuleDict()  # per local expert, when quantized
         self._shards: dict[tuple[int, str], QuantizedShard] = {}
@@ -90,7 +100,7 @@ class ParallelExperts(nn.Module):
             if self.w13 is None:
                 self._load_packed(j, "13", source, rows, slice(None), part * self.i_local, label)
             else:
-                copy_into(self.w13[j, part * self.i_local:(part + 1) * self.i_local], self._rows(source, 0), label)
+                copy_into(self.w13[j, part * self.i_local : (part + 1) * self.i_local], self._rows(source, 0), label)
         check_shape(f"{self.name}.{expert}.down", down, (H, I))
         if self.w2 is None:
             self._load_packed(j, "2", down, slice(None), cols, 0, f"{self.name}.{expert}.down")
@@ -105,15 +115,32 @@ class ParallelExperts(nn.Module):
         for j, e in enumerate(self.experts):
             if self.w13 is None or self.w2 is None:  # quantized: the fused tensors' slices of expert e, as floats
                 for part in (0, 1):
-                    self._load_packed(j, "13", self._rows(gate_up, part * I, e), slice(None), slice(None),
-                                      part * self.i_local, f"{self.name}.gate_up_proj[{e}]")
-                self._load_packed(j, "2", down[e:e + 1, :, self.i_start:self.i_start + self.i_local][0], slice(None),
-                                  slice(None), 0, f"{self.name}.down_proj[{e}]")
+                    self._load_packed(
+                        j,
+                        "13",
+                        self._rows(gate_up, part * I, e),
+                        slice(None),
+                        slice(None),
+                        part * self.i_local,
+                        f"{self.name}.gate_up_proj[{e}]",
+                    )
+                self._load_packed(
+                    j,
+                    "2",
+                    down[e : e + 1, :, self.i_start : self.i_start + self.i_local][0],
+                    slice(None),
+                    slice(None),
+                    0,
+                    f"{self.name}.down_proj[{e}]",
+                )
                 continue
             for part in (0, 1):
-                copy_into(self.w13[j, part * self.i_local:(part + 1) * self.i_local], self._rows(gate_up, part * I, e),
-                          f"{self.name}.gate_up_proj[{e}]")
-            down_rows = down[e:e + 1, :, self.i_start:self.i_start + self.i_local][0]
+                copy_into(
+                    self.w13[j, part * self.i_local : (part + 1) * self.i_local],
+                    self._rows(gate_up, part * I, e),
+                    f"{self.name}.gate_up_proj[{e}]",
+                )
+            down_rows = down[e : e + 1, :, self.i_start : self.i_start + self.i_local][0]
             copy_into(self.w2[j], down_rows, f"{self.name}.down_proj[{e}]")
 
     def forward(self, rows: torch.Tensor, local_ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -126,8 +153,8 @@ class ParallelExperts(nn.Module):
         for j, n in enumerate(sizes):
             if n:
                 gate_up, down = self._gate_up_down(j)
-                gate, up = gate_up(grouped[start:start + n]).chunk(2, dim=-1)
-                out[start:start + n] = down(F.silu(gate) * up)
+                gate, up = gate_up(grouped[start : start + n]).chunk(2, dim=-1)
+                out[start : start + n] = down(F.silu(gate) * up)
             start += n
         result = torch.empty_like(out)
         result[order] = out

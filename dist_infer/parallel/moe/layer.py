@@ -59,13 +59,27 @@ class ExpertParallelMoE(nn.Module):
 
     owner: torch.Tensor  # a buffer (registered in __init__)
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-                 placement: ExpertPlacement, tp: Communicator, ep: Communicator, dtype: torch.dtype = torch.float32,
-                 shared: Optional[nn.Module] = None, weights_fp32: bool = False, name: str = "moe"):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        placement: ExpertPlacement,
+        tp: Communicator,
+        ep: Communicator,
+        dtype: torch.dtype = torch.float32,
+        shared: Optional[nn.Module] = None,
+        weights_fp32: bool = False,
+        name: str = "moe",
+    ):
         super().__init__()
         if placement.ep != ep.size or placement.num_experts != num_experts:
-            raise ShardingError(f"{name}: placement for {placement.num_experts} experts over ep={placement.ep}, "
-                                f"the layer has {num_experts} experts over ep={ep.size}")
+            raise ShardingError(
+                f"{name}: placement for {placement.num_experts} experts over ep={placement.ep}, "
+                f"the layer has {num_experts} experts over ep={ep.size}"
+            )
         self.name, self.tp, self.ep = name, tp, ep
         self.hidden, self.num_experts, self.top_k, self.renormalize = hidden, num_experts, top_k, renormalize
         self.placement = placement
@@ -114,7 +128,7 @@ class ExpertParallelMoE(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """This ep rank's chunk of `x` routed, on x's device: which rows go where, with what weight."""
         start, n = token_chunk(x.shape[0], self.ep.size, self.ep.rank)
-        weights, experts = topk_routing(F.linear(x[start:start + n], self.gate), self.top_k, self.renormalize)
+        weights, experts = topk_routing(F.linear(x[start : start + n], self.gate), self.top_k, self.renormalize)
         order = dispatch_order(experts, self.owner)
         flat = experts.reshape(-1)
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
@@ -137,7 +151,7 @@ class ExpertParallelMoE(nn.Module):
         send_splits = [sum(counts[ep.rank][e] for e in self.placement.local_experts(r)) for r in range(ep.size)]
         from_each = [[counts[src][e] for e in mine] for src in range(ep.size)]  # rows each source sends me
         recv_splits = [sum(row) for row in from_each]
-        xc = x[routing.start:routing.start + routing.n]
+        xc = x[routing.start : routing.start + routing.n]
         received = x.new_empty(sum(recv_splits), x.shape[1])
         ep.all_to_all(received, xc[routing.tokens].contiguous(), recv_splits, send_splits)
         t1 = time.perf_counter()
@@ -168,5 +182,5 @@ class ExpertParallelMoE(nn.Module):
         padded[: y.shape[0]] = y
         gathered = y.new_empty(ep.size * width, y.shape[1])
         ep.all_gather(gathered, padded)
-        parts = [gathered[r * width: r * width + token_chunk(total, ep.size, r)[1]] for r in range(ep.size)]
+        parts = [gathered[r * width : r * width + token_chunk(total, ep.size, r)[1]] for r in range(ep.size)]
         return torch.cat(parts)

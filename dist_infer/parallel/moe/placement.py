@@ -36,15 +36,17 @@ class ExpertPlacement:
             raise ShardingError(f"expert placement {list(self.owner)} names ranks {bad} outside ep={ep}")
         per_rank = [sum(1 for o in self.owner if o == r) for r in range(ep)]
         if len(set(per_rank)) != 1:
-            raise ShardingError(f"expert placement {list(self.owner)} gives the {ep} ranks {per_rank} experts; "
-                                f"each must own {E // ep}")
+            raise ShardingError(
+                f"expert placement {list(self.owner)} gives the {ep} ranks {per_rank} experts; each must own {E // ep}"
+            )
 
     @classmethod
     def contiguous(cls, num_experts: int, ep: int) -> "ExpertPlacement":
         """Rank r owns experts [r*E/ep, (r+1)*E/ep): the default."""
         if num_experts % ep:
-            raise ShardingError(f"{num_experts} experts cannot be split evenly over ep={ep} "
-                                f"({num_experts} % {ep} = {num_experts % ep})")
+            raise ShardingError(
+                f"{num_experts} experts cannot be split evenly over ep={ep} ({num_experts} % {ep} = {num_experts % ep})"
+            )
         per = num_experts // ep
         return cls(tuple(e // per for e in range(num_experts)), ep)
 

@@ -28,10 +28,13 @@ def write_routing_file(path: Union[str, Path], counts: Mapping[int, Sequence[flo
         "ep": ep,
         "counts": {str(layer): row for layer, row in counts.items()},
         "placement": {str(layer): owner for layer, owner in placement.items()},
-        "imbalance_contiguous": {str(layer): imbalance(contiguous.rank_loads(row)) for layer, row in counts.items()
-                                 if contiguous is not None},  # (None: no counts, no layers)
-        "imbalance_balanced": {str(layer): imbalance(ExpertPlacement(tuple(placement[layer]), ep).rank_loads(row))
-                               for layer, row in counts.items()},
+        "imbalance_contiguous": {
+            str(layer): imbalance(contiguous.rank_loads(row)) for layer, row in counts.items() if contiguous is not None
+        },  # (None: no counts, no layers)
+        "imbalance_balanced": {
+            str(layer): imbalance(ExpertPlacement(tuple(placement[layer]), ep).rank_loads(row))
+            for layer, row in counts.items()
+        },
     }
     lines = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in data.items()]  # a layer per line at most
     Path(path).write_text("{\n" + ",\n".join(lines) + "\n}\n")
@@ -52,7 +55,7 @@ def read_placement_file(path: Union[str, Path], num_experts: int, ep: int) -> di
     except json.JSONDecodeError as exc:
         raise ValueError(f"expert placement file {path} is not JSON: {exc.msg} at line {exc.lineno}") from exc
     if not isinstance(data, dict) or data.get("kind") != ROUTING_FILE_KIND:
-        raise ValueError(f"{path} is not an expert routing file (no \"kind\": \"{ROUTING_FILE_KIND}\")")
+        raise ValueError(f'{path} is not an expert routing file (no "kind": "{ROUTING_FILE_KIND}")')
     if int(data.get("num_experts", -1)) != num_experts:
         raise ValueError(f"{path} is for {data.get('num_experts')} experts per layer, the model has {num_experts}")
     out = {}

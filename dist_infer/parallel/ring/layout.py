@@ -37,12 +37,18 @@ class RingLayout:
         return len(self.q_runs)
 
     @classmethod
-    def from_positions(cls, q_positions: Sequence[Sequence[int]], k_positions: Sequence[Sequence[int]],
-                       q_seqs: Optional[Sequence[Sequence[int]]] = None,
-                       k_seqs: Optional[Sequence[Sequence[int]]] = None) -> "RingLayout":
+    def from_positions(
+        cls,
+        q_positions: Sequence[Sequence[int]],
+        k_positions: Sequence[Sequence[int]],
+        q_seqs: Optional[Sequence[Sequence[int]]] = None,
+        k_seqs: Optional[Sequence[Sequence[int]]] = None,
+    ) -> "RingLayout":
         """From every rank's row -> position maps (and row -> sequence maps for a batch)."""
         if len(q_positions) != len(k_positions):
-            raise RingAttentionError(f"{len(q_positions)} ranks of query positions but {len(k_positions)} of key positions")
+            raise RingAttentionError(
+                f"{len(q_positions)} ranks of query positions but {len(k_positions)} of key positions"
+            )
 
         def runs(positions, seqs):
             positions = [int(p) for p in positions]
@@ -73,12 +79,21 @@ class RingLayout:
         return cls(tuple(per_rank), tuple(per_rank), tuple(rows), tuple(rows))
 
     @classmethod
-    def gather(cls, group: Communicator, q_positions: torch.Tensor, k_positions: torch.Tensor,
-               q_seqs: Optional[torch.Tensor] = None, k_seqs: Optional[torch.Tensor] = None) -> "RingLayout":
+    def gather(
+        cls,
+        group: Communicator,
+        q_positions: torch.Tensor,
+        k_positions: torch.Tensor,
+        q_seqs: Optional[torch.Tensor] = None,
+        k_seqs: Optional[torch.Tensor] = None,
+    ) -> "RingLayout":
         """Collective: every rank passes only its own maps; one all-gather of counts, one of maps."""
-        maps = [q_positions, k_positions,
-                torch.zeros_like(q_positions) if q_seqs is None else q_seqs,
-                torch.zeros_like(k_positions) if k_seqs is None else k_seqs]
+        maps = [
+            q_positions,
+            k_positions,
+            torch.zeros_like(q_positions) if q_seqs is None else q_seqs,
+            torch.zeros_like(k_positions) if k_seqs is None else k_seqs,
+        ]
         counts = torch.tensor([q_positions.numel(), k_positions.numel()], dtype=torch.long)
         all_counts = torch.empty(group.size, 2, dtype=torch.long)
         group.all_gather(all_counts, counts)
@@ -90,10 +105,12 @@ class RingLayout:
         group.all_gather(everyone, mine)
         qn, kn = all_counts[:, 0].tolist(), all_counts[:, 1].tolist()
         rows = everyone.tolist()
-        return cls.from_positions([rows[r][0][: qn[r]] for r in range(group.size)],
-                                  [rows[r][1][: kn[r]] for r in range(group.size)],
-                                  [rows[r][2][: qn[r]] for r in range(group.size)],
-                                  [rows[r][3][: kn[r]] for r in range(group.size)])
+        return cls.from_positions(
+            [rows[r][0][: qn[r]] for r in range(group.size)],
+            [rows[r][1][: kn[r]] for r in range(group.size)],
+            [rows[r][2][: qn[r]] for r in range(group.size)],
+            [rows[r][3][: kn[r]] for r in range(group.size)],
+        )
 
     def steps(self, rank: int, variant: str, causal: bool = True) -> list[list[Block]]:
         """The blocks `rank` computes at each ring step.

@@ -15,8 +15,9 @@ from dist_infer.parallel.ring.errors import RingAttentionError
 from dist_infer.parallel.ring.lse import acc_dtype
 
 
-def attention_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores computed explicitly (fp32, or fp64 for fp64 inputs): the definition, and the fallback.
 
     q: [Tq, Hq, d], k/v: [Tk, Hkv, d] (Hq a multiple of Hkv, query head h reads kv head
@@ -44,7 +45,8 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def _cpu_attention_with_lse(q, k, v, causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
+        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale
+    )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
@@ -67,24 +69,39 @@ def _cuda_attention_with_lse(q, k, v, causal, scale):
         except ImportError:
             flash_attn_func = None
         if flash_attn_func is not None:
-            out, lse, _ = flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=scale,
-                                          causal=causal, return_attn_probs=True)
+            out, lse, _ = flash_attn_func(
+                q.unsqueeze(0),
+                k.unsqueeze(0),
+                v.unsqueeze(0),
+                softmax_scale=scale,
+                causal=causal,
+                return_attn_probs=True,
+            )
             return out[0], lse[0].transpose(0, 1)
         k, v = _expand_kv(k, v, q.shape[1])
         res = torch.ops.aten._scaled_dot_product_flash_attention(
-            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, False, scale=scale)
+            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, False, scale=scale
+        )
         return res[0][0].transpose(0, 1), res[1][0].transpose(0, 1)
     if q.dtype in (torch.float32, torch.float16, torch.bfloat16):
         k, v = _expand_kv(k, v, q.shape[1])
         res = torch.ops.aten._scaled_dot_product_efficient_attention(
-            _heads_first(q).contiguous(), _heads_first(k).contiguous(), _heads_first(v).contiguous(),
-            None, True, 0.0, causal, scale=scale)
+            _heads_first(q).contiguous(),
+            _heads_first(k).contiguous(),
+            _heads_first(v).contiguous(),
+            None,
+            True,
+            0.0,
+            causal,
+            scale=scale,
+        )
         return res[0][0].transpose(0, 1), res[1][0, :, : q.shape[0]].transpose(0, 1)  # LSE rows padded to 32
     return attention_with_lse_reference(q, k, v, causal, scale)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                       scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, scale: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention and its log-sum-exp: O [Tq, Hq, d], LSE [Tq, Hq] (natural log).
 
     CPU: torch's flash kernel for CPU, which returns the LSE (fp32 and fp64). CUDA: flash-attn
@@ -92,7 +109,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     crashes on zero keys), which the block plan guarantees.
     """
     if q.shape[0] == 0 or k.shape[0] == 0:
-        raise RingAttentionError(f"attention block with {q.shape[0]} queries and {k.shape[0]} keys: both must be non-empty")
+        raise RingAttentionError(
+            f"attention block with {q.shape[0]} queries and {k.shape[0]} keys: both must be non-empty"
+        )
     if q.shape[1] % k.shape[1]:
         raise RingAttentionError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -18,8 +18,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets, from each set's (O, LSE).
 
     o: [..., d], lse: [...]. The stable form O = O1 - sigmoid(L2 - L1) (O1 - O2) never

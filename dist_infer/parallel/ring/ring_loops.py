@@ -37,9 +37,9 @@ def _attend_blocks(q, k, v, blocks: Sequence[Block], acc_o, acc_lse, scale, step
     """Attend each block and merge it into the accumulators' rows, in place."""
     for b in blocks:
         with _span(step, "attend"):
-            o, lse = attention_with_lse(q[b.q0:b.q1], k[b.k0:b.k1], v[b.k0:b.k1], b.causal, scale)
+            o, lse = attention_with_lse(q[b.q0 : b.q1], k[b.k0 : b.k1], v[b.k0 : b.k1], b.causal, scale)
         with _span(step, "merge"):
-            merge_into(acc_o[b.q0:b.q1], acc_lse[b.q0:b.q1], o, lse)
+            merge_into(acc_o[b.q0 : b.q1], acc_lse[b.q0 : b.q1], o, lse)
 
 
 def _check(q, k, v, layout: RingLayout, group: Communicator) -> None:
@@ -49,12 +49,20 @@ def _check(q, k, v, layout: RingLayout, group: Communicator) -> None:
     if q.shape[0] != layout.q_rows[me] or k.shape[0] != layout.k_rows[me] or v.shape[:2] != k.shape[:2]:
         raise RingAttentionError(
             f"cp rank {me}: q has {q.shape[0]} rows, k {k.shape[0]}, v {v.shape[0]}; the layout says "
-            f"{layout.q_rows[me]} query rows and {layout.k_rows[me]} key rows")
+            f"{layout.q_rows[me]} query rows and {layout.k_rows[me]} key rows"
+        )
 
 
-def ring_attention_pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Communicator,
-                           layout: RingLayout, causal: bool = True, scale: Optional[float] = None,
-                           steps: Optional[list[list[Block]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attention_pass_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Communicator,
+    layout: RingLayout,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    steps: Optional[list[list[Block]]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries to every rank's keys, the K/V travelling round the ring.
 
     q: [q_rows, Hq, d], k/v: [k_rows, Hkv, d] (only the KV heads travel under GQA). Step i
@@ -82,8 +90,9 @@ def ring_attention_pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         handle = None
         if i < n - 1:
             with _span(i, "post"):
-                handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
-                                                  P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
+                handle = group.batch_isend_irecv(
+                    [P2POp("send", cur, nxt, TAG_RING), P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)]
+                )
         _attend_blocks(q, cur[0], cur[1], steps[i], acc_o, acc_lse, scale, i)
         if handle is not None:
             with _span(i, "wait"):
@@ -91,9 +100,16 @@ def ring_attention_pass_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     return acc_o.to(q.dtype), acc_lse
 
 
-def ring_attention_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Communicator,
-                          layout: RingLayout, causal: bool = True, scale: Optional[float] = None,
-                          steps: Optional[list[list[Block]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attention_pass_q(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Communicator,
+    layout: RingLayout,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    steps: Optional[list[list[Block]]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention with the queries travelling instead: K/V never leave their rank.
 
     Step i holds rank (rank - i)'s queries and attends them to the local K/V, the next
@@ -125,8 +141,9 @@ def ring_attention_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
         handle = None
         if i < n - 1:
             with _span(i, "post"):
-                handle = group.batch_isend_irecv([P2POp("send", cur, nxt, TAG_RING),
-                                                  P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)])
+                handle = group.batch_isend_irecv(
+                    [P2POp("send", cur, nxt, TAG_RING), P2POp("recv", bufs[(i + 1) % 2], prv, TAG_RING)]
+                )
         acc_o, acc_lse = partial[src][..., :-1], partial[src][..., -1]
         _attend_blocks(cur, k, v, steps[i], acc_o, acc_lse, scale, i)
         if handle is not None:
@@ -142,9 +159,17 @@ def ring_attention_pass_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
     return o.to(q.dtype), lse
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Communicator, layout: RingLayout,
-                   variant: str = "pass-kv", causal: bool = True, scale: Optional[float] = None,
-                   steps: Optional[list[list[Block]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Communicator,
+    layout: RingLayout,
+    variant: str = "pass-kv",
+    causal: bool = True,
+    scale: Optional[float] = None,
+    steps: Optional[list[list[Block]]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`ring_attention_pass_kv` or `ring_attention_pass_q` by name."""
     if variant == "pass-kv":
         return ring_attention_pass_kv(q, k, v, group, layout, causal, scale, steps)

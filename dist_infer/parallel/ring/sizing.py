@@ -20,5 +20,6 @@ def choose_cp_size(longest_prompt: int, max_cp: int, min_tokens_per_rank: int = 
     if longest_prompt < 0 or max_cp < 1 or min_tokens_per_rank < 1:
         raise RingAttentionError(
             f"cp size for a {longest_prompt}-token prompt on up to {max_cp} ranks with at least "
-            f"{min_tokens_per_rank} tokens each: all must be positive")
+            f"{min_tokens_per_rank} tokens each: all must be positive"
+        )
     return max(1, min(max_cp, longest_prompt // min_tokens_per_rank))

@@ -19,9 +19,16 @@ VARIANTS = ("pass-kv", "pass-q")
 HARDWARE_ESTIMATES = {"cpu": (6.5e10, 6e8), "cuda": (989e12, 50e9)}
 
 
-def choose_ring_variant(new_tokens: int, cached_tokens: int, q_heads: int, kv_heads: int, cp: int = 1,
-                        peak_flops: Optional[float] = None, link_bytes_per_s: Optional[float] = None,
-                        elem_bytes: int = 2) -> str:
+def choose_ring_variant(
+    new_tokens: int,
+    cached_tokens: int,
+    q_heads: int,
+    kv_heads: int,
+    cp: int = 1,
+    peak_flops: Optional[float] = None,
+    link_bytes_per_s: Optional[float] = None,
+    elem_bytes: int = 2,
+) -> str:
     """Pass-KV or pass-Q for one prefill, after the Meta context-parallelism paper.
 
     Pass-KV moves (new + cached) tokens x 2 x kv_heads per ring step, pass-Q moves new tokens x

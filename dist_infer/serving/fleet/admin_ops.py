@@ -24,8 +24,14 @@ STOPPED_OR_DEAD = (InstanceState.DEAD, InstanceState.STOPPED)  # what an operato
 
 
 class AdminOps:
-    def __init__(self, fleet: FleetState, control: ControlLoop, starter: InstanceStarter,
-                 migration: MigrationControl, config: FleetConfig):
+    def __init__(
+        self,
+        fleet: FleetState,
+        control: ControlLoop,
+        starter: InstanceStarter,
+        migration: MigrationControl,
+        config: FleetConfig,
+    ):
         self.fleet, self.control, self.starter, self.migration = fleet, control, starter, migration
         self.max_instances = config.max_instances
 
@@ -66,8 +72,9 @@ class AdminOps:
             raise AdminError(400, f"request {request_id!r} is already on instance {to_instance}")
         dst = instances[to_instance]
         if not dst.accepting:
-            raise AdminError(409, f"instance {to_instance} takes no requests ({dst.state}"
-                                  f"{', draining' if dst.draining else ''})")
+            raise AdminError(
+                409, f"instance {to_instance} takes no requests ({dst.state}{', draining' if dst.draining else ''})"
+            )
         if not instances[src].alive:
             raise AdminError(409, f"request {request_id!r} is on instance {src}, which is {instances[src].state}")
         return self.control.submit(self.migration.migrate(request_id, src, to_instance, "manual", mode))
@@ -128,8 +135,11 @@ class AdminOps:
         with self.fleet.lock:
             instances = self.fleet.instances
             if len(instances) >= self.max_instances:
-                raise AdminError(409, f"the server has {len(instances)} instances, --max-instances "
-                                      f"{self.max_instances}; restart a dead or stopped one instead")
+                raise AdminError(
+                    409,
+                    f"the server has {len(instances)} instances, --max-instances "
+                    f"{self.max_instances}; restart a dead or stopped one instead",
+                )
             self.starter.claim_ranks(budget, f"layout {specs[0].describe()}", specs[0].size)
             client = InstanceClient(len(instances), spec=specs[0])  # STARTING: its ranks are counted
             instances.append(client)

@@ -60,10 +60,18 @@ class Cluster:
     """The EngineClient over one or more instances (serving/fleet/interface.py), and the admin
     operations of serving/http/admin_routes.py and serving/placement/autoscaler.py."""
 
-    def __init__(self, clients: list[InstanceClient], model_name: str, tokenizer=None,
-                 chat_template: Optional[str] = None, config: FleetConfig = FleetConfig(), *,
-                 on_dead: Optional[Callable[[str], None]] = None, spawner: Optional[Spawner] = None,
-                 rank_capacity: Optional[Callable[[], RankBudget]] = None):
+    def __init__(
+        self,
+        clients: list[InstanceClient],
+        model_name: str,
+        tokenizer=None,
+        chat_template: Optional[str] = None,
+        config: FleetConfig = FleetConfig(),
+        *,
+        on_dead: Optional[Callable[[str], None]] = None,
+        spawner: Optional[Spawner] = None,
+        rank_capacity: Optional[Callable[[], RankBudget]] = None,
+    ):
         self.model_name, self.tokenizer, self.chat_template = model_name, tokenizer, chat_template
         self.config = config
         self.fleet = FleetState(clients)
@@ -72,8 +80,16 @@ class Cluster:
         self.router = Router(self.fleet, Dispatcher(config.dispatch))
         self.starter = InstanceStarter(self.fleet, config, spawner, rank_capacity, self._redispatch)
         self.migration = MigrationControl(self.fleet, self.control, self.calls, self.router, config, self._redispatch)
-        self.lifecycle = Lifecycle(self.fleet, self.control, self.calls, self.router, self.starter, config, on_dead,
-                                   self.migration.hand_to_decode)
+        self.lifecycle = Lifecycle(
+            self.fleet,
+            self.control,
+            self.calls,
+            self.router,
+            self.starter,
+            config,
+            on_dead,
+            self.migration.hand_to_decode,
+        )
         self.admin = AdminOps(self.fleet, self.control, self.starter, self.migration, config)
         self.autoscaler = None  # serving/placement/autoscaler.py, when --autoscale is given
 
@@ -163,17 +179,23 @@ class Cluster:
         live = [c for c in instances if c.alive] or [c for c in instances if c.hello is not None][:1]
         per = [dict(c.stats.as_dict(), engine=str(c.index)) for c in live]
         free, total = sum(s["free_blocks"] for s in per), sum(s["total_blocks"] for s in per)
-        return {"num_requests_running": sum(s["num_requests_running"] for s in per),
-                "num_requests_waiting": sum(s["num_requests_waiting"] for s in per),
-                "kv_cache_usage_perc": 1.0 - free / total if total else 0.0,
-                "num_preemptions_total": sum(s["num_preemptions_total"] for s in per),
-                "free_blocks": free, "total_blocks": total, "instances": per,
-                "migrations_total": dict(migration.outcomes),
-                "migration_downtime": migration.downtime.snapshot(),
-                "requests_recovered": lifecycle.recovery.snapshot(),
-                "requests_lost_total": lifecycle.requests_lost, "instance_failures_total": lifecycle.failures,
-                "requests_quarantined_total": lifecycle.requests_quarantined, "frontend_entries": self.held(),
-                **({"autoscale_decisions_total": dict(self.autoscaler.counts)} if self.autoscaler else {})}
+        return {
+            "num_requests_running": sum(s["num_requests_running"] for s in per),
+            "num_requests_waiting": sum(s["num_requests_waiting"] for s in per),
+            "kv_cache_usage_perc": 1.0 - free / total if total else 0.0,
+            "num_preemptions_total": sum(s["num_preemptions_total"] for s in per),
+            "free_blocks": free,
+            "total_blocks": total,
+            "instances": per,
+            "migrations_total": dict(migration.outcomes),
+            "migration_downtime": migration.downtime.snapshot(),
+            "requests_recovered": lifecycle.recovery.snapshot(),
+            "requests_lost_total": lifecycle.requests_lost,
+            "instance_failures_total": lifecycle.failures,
+            "requests_quarantined_total": lifecycle.requests_quarantined,
+            "frontend_entries": self.held(),
+            **({"autoscale_decisions_total": dict(self.autoscaler.counts)} if self.autoscaler else {}),
+        }
 
     def held(self) -> dict[str, int]:
         """Entries the front end holds that belong to requests or migrations: all 0 when idle
@@ -181,9 +203,14 @@ class Cluster:
         with self.fleet.lock:
             requests = len(self.fleet.requests)
             calls = self.calls.held()
-            return {"requests": requests, "calls": calls["calls"], "events": calls["events"],
-                    "migrations": calls["migrations"], "busy": sum(self.migration.busy.values()),
-                    "incoming": sum(len(c.incoming) for c in self.fleet.instances)}
+            return {
+                "requests": requests,
+                "calls": calls["calls"],
+                "events": calls["events"],
+                "migrations": calls["migrations"],
+                "busy": sum(self.migration.busy.values()),
+                "incoming": sum(len(c.incoming) for c in self.fleet.instances),
+            }
 
     def num_open(self) -> int:
         """Requests the front end holds: streaming, queued or moving."""
@@ -193,8 +220,9 @@ class Cluster:
     def first_token_waits(self, now: float) -> list[float]:
         """How long each request without its first token yet has waited (the autoscaler's queue signal)."""
         with self.fleet.lock:
-            return [now - rec.progress.arrival for rec in self.fleet.requests.values()
-                    if rec.progress.first_token is None]
+            return [
+                now - rec.progress.arrival for rec in self.fleet.requests.values() if rec.progress.first_token is None
+            ]
 
     # -- the admin operations (serving/http/admin_routes.py, the autoscaler) -------------------------
     def describe_instances(self) -> list[dict]:
@@ -229,8 +257,9 @@ class Cluster:
         check_prompt(prompt_token_ids, params, self.fleet.vocab_size, self.fleet.max_model_len)
         known = [c for c in self.fleet.instances if c.hello is not None]
         largest = max(known, key=lambda c: c.total_blocks)
-        why = check_fits(len(prompt_token_ids), params.max_new_tokens, largest.total_blocks, self.fleet.block_size,
-                         self.fleet.cp)
+        why = check_fits(
+            len(prompt_token_ids), params.max_new_tokens, largest.total_blocks, self.fleet.block_size, self.fleet.cp
+        )
         if why:
             raise RequestError("max_tokens", f"prompt: {why}")
 
@@ -263,12 +292,14 @@ class Cluster:
                 raise no_instance_left()
             if request_id in fleet.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            fleet.requests[request_id] = RequestRecord(Progress(list(prompt_token_ids), params),
-                                                       (asyncio.get_running_loop(), q))
+            fleet.requests[request_id] = RequestRecord(
+                Progress(list(prompt_token_ids), params), (asyncio.get_running_loop(), q)
+            )
         return q
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         if params.seed is None and not params.greedy:
             # drawn here, not by the instance, so a request resumed elsewhere samples what it would have
             params = replace(params, seed=secrets.randbits(52))

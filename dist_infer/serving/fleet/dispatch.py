@@ -56,8 +56,7 @@ class InstanceLoad:
 
     @property
     def available(self) -> int:
-        return (self.free_blocks - self.watermark_blocks - self.waiting_demand - self.pending_blocks
-                - self.growth_blocks)
+        return self.free_blocks - self.watermark_blocks - self.waiting_demand - self.pending_blocks - self.growth_blocks
 
     @property
     def num_requests(self) -> int:
@@ -102,6 +101,12 @@ class Dispatcher:
         if self.policy == "queue":
             return min(eligible, key=lambda x: (x.waiting + x.pending, x.running, x.index)).index
         if self.policy == "prefix" and any(x.cached_blocks for x in eligible):
-            return min(eligible, key=lambda x: (self.prefix_cost(x, blocks_needed, prompt_blocks),
-                                                -x.freeness_after(blocks_needed), x.index)).index
+            return min(
+                eligible,
+                key=lambda x: (
+                    self.prefix_cost(x, blocks_needed, prompt_blocks),
+                    -x.freeness_after(blocks_needed),
+                    x.index,
+                ),
+            ).index
         return max(eligible, key=lambda x: (x.freeness_after(blocks_needed), -x.index)).index

@@ -100,9 +100,16 @@ class Hub:
     start, wait or are closed); each started handshake runs on a thread of its own. Refusals go
     to a rate-limited log: a flood writes a line a second per source and reason, not one each."""
 
-    def __init__(self, host: str, key: bytes, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 max_handshakes: int = MAX_HANDSHAKES, auth_timeout_s: float = AUTH_TIMEOUT_S,
-                 limits: Optional[AdmissionLimits] = None, log: Optional[RateLimitedLog] = None):
+    def __init__(
+        self,
+        host: str,
+        key: bytes,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_handshakes: int = MAX_HANDSHAKES,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
+        limits: Optional[AdmissionLimits] = None,
+        log: Optional[RateLimitedLog] = None,
+    ):
         self.key = key
         self.handshake_timeout_s = handshake_timeout_s
         self.auth_timeout_s = min(auth_timeout_s, handshake_timeout_s)
@@ -141,14 +148,18 @@ class Hub:
         """Count a refused connection and log it, at most a line a second per source and reason."""
         with self._lock:
             self.refused += 1
-        self._log(("refused", peer[0], reason), f"hub: refused a connection from {peer[0]}:{peer[1]} ({reason}"
-                                                 f"{': ' + detail if detail else ''})",
-                  f"hub: refused {{count}} connections from {peer[0]} in the last {{seconds:.1f}} s ({reason})")
+        self._log(
+            ("refused", peer[0], reason),
+            f"hub: refused a connection from {peer[0]}:{peer[1]} ({reason}{': ' + detail if detail else ''})",
+            f"hub: refused {{count}} connections from {peer[0]} in the last {{seconds:.1f}} s ({reason})",
+        )
 
     def _backed_off(self, source: str, seconds: float) -> None:
         if seconds:  # at most one per back-off interval and source: not rate-limited further
-            logger.debug(f"hub: {source} failed {self._admission.limits.fail_threshold} handshakes in a row: its "
-                         f"connections wait {seconds:g} s before theirs start")
+            logger.debug(
+                f"hub: {source} failed {self._admission.limits.fail_threshold} handshakes in a row: its "
+                f"connections wait {seconds:g} s before theirs start"
+            )
 
     def _accept(self, on_hello: OnHello) -> None:
         """Accept, park, start and expire until the hub closes."""
@@ -161,8 +172,11 @@ class Hub:
                 except Exception as exc:  # noqa: BLE001 - nothing may stop the hub taking joins
                     if self._closed.is_set():
                         return
-                    self._log("loop", f"hub: the accept loop failed ({type(exc).__name__}: {exc}); listening on",
-                              "hub: the accept loop failed {count} more times in the last {seconds:.1f} s")
+                    self._log(
+                        "loop",
+                        f"hub: the accept loop failed ({type(exc).__name__}: {exc}); listening on",
+                        "hub: the accept loop failed {count} more times in the last {seconds:.1f} s",
+                    )
                     time.sleep(0.1)
         finally:
             for sock in self._parked:
@@ -205,8 +219,11 @@ class Hub:
             except OSError as exc:
                 if self._closed.is_set():
                     return
-                self._log("accept", f"hub: accept failed ({exc}); listening on",
-                          "hub: accept failed {count} more times in the last {seconds:.1f} s")
+                self._log(
+                    "accept",
+                    f"hub: accept failed ({exc}); listening on",
+                    "hub: accept failed {count} more times in the last {seconds:.1f} s",
+                )
                 time.sleep(0.1)  # out of descriptors: it fails again until one is freed, do not spin
                 return
             with self._lock:
@@ -250,8 +267,7 @@ class Hub:
 
     def _run(self, sock: socket.socket, peer: tuple, on_hello: OnHello) -> None:
         sock.setblocking(True)
-        threading.Thread(target=self._handshake, args=(sock, peer, on_hello), name="hub-handshake",
-                         daemon=True).start()
+        threading.Thread(target=self._handshake, args=(sock, peer, on_hello), name="hub-handshake", daemon=True).start()
 
     def _handshake(self, sock: socket.socket, peer: tuple, on_hello: OnHello) -> None:
         """The key challenge both ways within auth_timeout_s (holding a slot), then the hello
@@ -324,7 +340,9 @@ class StartupWaiter:
                 return
         self.later(conn, hello)
 
-    def wait(self, timeout: float, failed: Callable[[], Optional[str]] = lambda: None) -> list[tuple[Connection, Hello]]:
+    def wait(
+        self, timeout: float, failed: Callable[[], Optional[str]] = lambda: None
+    ) -> list[tuple[Connection, Hello]]:
         """Every expected driver, in index order; TimeoutError naming the missing ones, or
         RuntimeError when `failed()` says a started instance has already exited."""
         import time

@@ -51,8 +51,14 @@ class AdmissionLimits:
     max_sources: int = 4096  # sources remembered; past it, those holding nothing are forgotten
 
     def __post_init__(self):
-        for name in ("max_handshakes", "per_source", "fail_threshold", "max_waiting", "max_waiting_per_source",
-                     "max_sources"):
+        for name in (
+            "max_handshakes",
+            "per_source",
+            "fail_threshold",
+            "max_waiting",
+            "max_waiting_per_source",
+            "max_sources",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"hub admission: {name} must be at least 1, not {getattr(self, name)}")
 
@@ -143,8 +149,11 @@ class SourceAdmission:
         return len(self._sources)
 
     def _may_run(self, s: _Source) -> bool:
-        return (self.running < self.limits.max_handshakes and s.running < self.limits.per_source
-                and self._clock() >= s.backoff_until)
+        return (
+            self.running < self.limits.max_handshakes
+            and s.running < self.limits.per_source
+            and self._clock() >= s.backoff_until
+        )
 
     def _run(self, s: _Source) -> None:
         s.running += 1
@@ -165,7 +174,7 @@ class SourceAdmission:
         if s.streak < self.limits.fail_threshold:
             return 0.0
         s.streak = 0
-        backoff = min(self.limits.backoff_max_s, self.limits.backoff_first_s * 2 ** s.level)
+        backoff = min(self.limits.backoff_max_s, self.limits.backoff_first_s * 2**s.level)
         s.backoff_until = now + backoff
         s.level = min(s.level + 1, 32)
         return backoff
@@ -181,6 +190,11 @@ class SourceAdmission:
     def _tidy(self, source: str, s: _Source) -> None:
         """Forget a source that holds nothing and whose failures no longer matter."""
         now = self._clock()
-        if (not s.running and not s.waiting and not s.streak and now >= s.backoff_until
-                and now - s.last_failure > self.limits.forget_s):
+        if (
+            not s.running
+            and not s.waiting
+            and not s.streak
+            and now >= s.backoff_until
+            and now - s.last_failure > self.limits.forget_s
+        ):
             del self._sources[source]

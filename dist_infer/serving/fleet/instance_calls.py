@@ -33,8 +33,7 @@ class InstanceCalls:
     def peer(self, index: int) -> PeerInstance:
         return self.fleet.instances[index].peer()
 
-    async def call(self, index: int, op: MigrationOp, timeout: float,
-                   failure: str = MigrationOutcome.SOURCE_FAILED):
+    async def call(self, index: int, op: MigrationOp, timeout: float, failure: str = MigrationOutcome.SOURCE_FAILED):
         """Run `op` on instance `index`'s driver and give its answer; MigrationAborted(`failure`) if
         it does not answer within `timeout` or is dead."""
         client = self.fleet.instances[index]
@@ -47,8 +46,9 @@ class InstanceCalls:
             client.send(MigrationCall(call_id, op))
             return await asyncio.wait_for(fut, timeout)
         except (asyncio.TimeoutError, OSError) as exc:
-            raise MigrationAborted(failure, f"instance {index} did not answer {op.name} within {timeout:g} s "
-                                            f"({type(exc).__name__})") from None
+            raise MigrationAborted(
+                failure, f"instance {index} did not answer {op.name} within {timeout:g} s ({type(exc).__name__})"
+            ) from None
         except MigrationAborted as exc:
             if exc.outcome == MigrationOutcome.INSTANCE_DIED:
                 raise MigrationAborted(failure, str(exc)) from None
@@ -56,8 +56,9 @@ class InstanceCalls:
         finally:
             self._calls.pop(call_id, None)
 
-    async def wait_stage(self, index: int, migration_id: int, stage: int, timeout: float, failure: str,
-                         watch: tuple[int, ...] = ()) -> None:
+    async def wait_stage(
+        self, index: int, migration_id: int, stage: int, timeout: float, failure: str, watch: tuple[int, ...] = ()
+    ) -> None:
         """Wait for instance `index` to report the stage out (it may have already);
         MigrationAborted(`failure`) if it does not within `timeout`, or it (or an instance in
         `watch`) dies, or it reports the stage failed."""
@@ -69,11 +70,17 @@ class InstanceCalls:
                 gone = [i for i in (index, *watch) if not self.fleet.instances[i].alive]
                 if gone or time.monotonic() > deadline:
                     why = f"instance {gone[0]} is {self.fleet.instances[gone[0]].state}" if gone else "alive"
-                    raise MigrationAborted(failure if not gone or gone[0] == index else
-                                           (MigrationOutcome.SOURCE_FAILED if failure == MigrationOutcome.DEST_FAILED
-                                            else MigrationOutcome.DEST_FAILED),
-                                           f"instance {index} did not report {STAGE_DONE} of migration {migration_id} "
-                                           f"stage {stage} within {timeout:g} s ({why})")
+                    raise MigrationAborted(
+                        failure
+                        if not gone or gone[0] == index
+                        else (
+                            MigrationOutcome.SOURCE_FAILED
+                            if failure == MigrationOutcome.DEST_FAILED
+                            else MigrationOutcome.DEST_FAILED
+                        ),
+                        f"instance {index} did not report {STAGE_DONE} of migration {migration_id} "
+                        f"stage {stage} within {timeout:g} s ({why})",
+                    )
                 await asyncio.wait([fut], timeout=0.05)
             fut.result()  # raises MigrationAborted if the instance reported the stage failed
         finally:
@@ -103,9 +110,13 @@ class InstanceCalls:
         if fut.done():
             return
         if event.kind == MigrationEventKind.STAGE_FAILED:  # it answers the wait for that stage
-            fut.set_exception(MigrationAborted(MigrationOutcome.TRANSFER_FAILED,
-                                               f"instance {client.index}: a KV transfer of migration "
-                                               f"{event.migration_id} stage {event.stage} failed"))
+            fut.set_exception(
+                MigrationAborted(
+                    MigrationOutcome.TRANSFER_FAILED,
+                    f"instance {client.index}: a KV transfer of migration "
+                    f"{event.migration_id} stage {event.stage} failed",
+                )
+            )
         else:
             fut.set_result(True)
 

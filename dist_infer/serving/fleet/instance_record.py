@@ -42,8 +42,7 @@ class Progress:
         self.top_logprobs += output.new_top_logprobs
 
     def wire(self) -> ResumeProgress:
-        return progress_now(self.token_ids, self.logprobs, self.top_logprobs, self.arrival,
-                            self.first_token)
+        return progress_now(self.token_ids, self.logprobs, self.top_logprobs, self.arrival, self.first_token)
 
 
 @dataclass
@@ -83,8 +82,13 @@ class InstanceClient:
     requests sent to it that it has not reported yet, and where it is in its life:
     starting -> serving -> (stopping -> stopped | dead), and from stopped or dead, starting again."""
 
-    def __init__(self, index: int, conn: Optional[Connection] = None, hello: Optional[Hello] = None,
-                 spec: Optional[InstanceSpec] = None):
+    def __init__(
+        self,
+        index: int,
+        conn: Optional[Connection] = None,
+        hello: Optional[Hello] = None,
+        spec: Optional[InstanceSpec] = None,
+    ):
         self.index = index
         self.conn: Optional[Connection] = None
         self.hello: Optional[Hello] = None
@@ -168,12 +172,21 @@ class InstanceClient:
                 self.pending.popleft()
             pending = list(self.pending)
         incoming = dict(self.incoming)
-        return InstanceLoad(self.index, s.free_blocks, s.total_blocks, s.watermark_blocks,
-                            s.waiting_demand_blocks, s.num_requests_running, s.num_requests_waiting,
-                            len(pending) + len(incoming), sum(b for _, b in pending) + sum(incoming.values()),
-                            accepting=self.accepting, running_blocks=tuple(s.running_blocks),
-                            growth_blocks=s.growth_blocks,
-                            cached_blocks=self.prefix.matched_blocks(prompt_hashes) if prompt_hashes else 0)
+        return InstanceLoad(
+            self.index,
+            s.free_blocks,
+            s.total_blocks,
+            s.watermark_blocks,
+            s.waiting_demand_blocks,
+            s.num_requests_running,
+            s.num_requests_waiting,
+            len(pending) + len(incoming),
+            sum(b for _, b in pending) + sum(incoming.values()),
+            accepting=self.accepting,
+            running_blocks=tuple(s.running_blocks),
+            growth_blocks=s.growth_blocks,
+            cached_blocks=self.prefix.matched_blocks(prompt_hashes) if prompt_hashes else 0,
+        )
 
     @property
     def node(self) -> Optional[str]:
@@ -187,17 +200,27 @@ class InstanceClient:
     def describe(self) -> dict:
         """Its /admin/instances entry (plain strings and lists: the JSON is the same as ever)."""
         s, load, h = self.stats, self.load(), self.hello
-        return {"index": self.index, "state": str(self.state), "role": str(self.role),
-                "layout": self.spec.layout,
-                "pids": list(h.pids) if h else [], "hosts": [], "node": self.node,
-                "links": [f"{a[0]}:{a[1]}" for a in (h.addresses if h else ())],
-                "load": -load.freeness, "freeness": load.freeness,
-                "free_blocks": s.free_blocks, "total_blocks": s.total_blocks,
-                "running": list(s.running_ids), "waiting": list(s.waiting_ids),
-                "num_preemptions": s.num_preemptions_total, "draining": self.draining,
-                "dead": self.dead if self.state is InstanceState.DEAD else None, "last_failure": self.dead,
-                "restarts": self.restarts, "cached_blocks": s.cached_blocks,
-                "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else None,
-                "prefix_index_blocks": len(self.prefix)}
-
-
+        return {
+            "index": self.index,
+            "state": str(self.state),
+            "role": str(self.role),
+            "layout": self.spec.layout,
+            "pids": list(h.pids) if h else [],
+            "hosts": [],
+            "node": self.node,
+            "links": [f"{a[0]}:{a[1]}" for a in (h.addresses if h else ())],
+            "load": -load.freeness,
+            "freeness": load.freeness,
+            "free_blocks": s.free_blocks,
+            "total_blocks": s.total_blocks,
+            "running": list(s.running_ids),
+            "waiting": list(s.waiting_ids),
+            "num_preemptions": s.num_preemptions_total,
+            "draining": self.draining,
+            "dead": self.dead if self.state is InstanceState.DEAD else None,
+            "last_failure": self.dead,
+            "restarts": self.restarts,
+            "cached_blocks": s.cached_blocks,
+            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else None,
+            "prefix_index_blocks": len(self.prefix),
+        }

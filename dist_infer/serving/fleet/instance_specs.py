@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # torch: the launcher parses --instances before any rank star
 
 ROLES = tuple(Role)
 SERVED_AXES = ("tp", "pp")  # what an instance's own mesh runs (join_instance); cp, ep and dp are not per instance
-FORMS = "e.g. \"prefill:tp=2,pp=2; decode:tp=1\" or the older tp2,tp1,tp2pp2, or a count"
+FORMS = 'e.g. "prefill:tp=2,pp=2; decode:tp=1" or the older tp2,tp1,tp2pp2, or a count'
 
 
 class InstancesError(ValueError):
@@ -40,15 +40,19 @@ class InstanceSpec:
     role: Role
 
     @overload
-    def __init__(self, parallel: Layout, pp: Union[Role, str, None] = None,
-                 role: Union[Role, str, None] = None) -> None: ...
+    def __init__(
+        self, parallel: Layout, pp: Union[Role, str, None] = None, role: Union[Role, str, None] = None
+    ) -> None: ...
 
     @overload
-    def __init__(self, parallel: int = 1, pp: Optional[int] = None,
-                 role: Union[Role, str, None] = None) -> None: ...
+    def __init__(self, parallel: int = 1, pp: Optional[int] = None, role: Union[Role, str, None] = None) -> None: ...
 
-    def __init__(self, parallel: Union[Layout, int] = 1, pp: Union[int, Role, str, None] = None,
-                 role: Union[Role, str, None] = None) -> None:
+    def __init__(
+        self,
+        parallel: Union[Layout, int] = 1,
+        pp: Union[int, Role, str, None] = None,
+        role: Union[Role, str, None] = None,
+    ) -> None:
         """InstanceSpec(Layout(tp=2), role), or InstanceSpec(tp, pp, role) as older callers (and the
         Hello a driver sends: tp, pp, role) still write it."""
         if isinstance(parallel, Layout):
@@ -111,8 +115,10 @@ def parse_instances(text: str, tp: int = 1, pp: int = 1, max_ranks: Optional[int
     reading further (a request body's layout may be long)."""
     text = (text or "").strip()
     if max_ranks is not None and len(text) > CHARS_PER_RANK * max_ranks:
-        raise InstancesError(f"--instances {_short(text)!r}: {len(text)} characters, longer than any layout of at "
-                             f"most {max_ranks} ranks (--max-ranks) is written ({CHARS_PER_RANK} per rank)")
+        raise InstancesError(
+            f"--instances {_short(text)!r}: {len(text)} characters, longer than any layout of at "
+            f"most {max_ranks} ranks (--max-ranks) is written ({CHARS_PER_RANK} per rank)"
+        )
     if text.isascii() and text.isdigit():
         if len(text) > len(str(MAX_INSTANCE_COUNT)) or not 1 <= int(text) <= MAX_INSTANCE_COUNT:
             raise InstancesError(f"--instances {_short(text)}: from 1 to {MAX_INSTANCE_COUNT} instances")
@@ -131,8 +137,10 @@ def parse_instances(text: str, tp: int = 1, pp: int = 1, max_ranks: Optional[int
 def _check_ranks(text: str, ranks: int, max_ranks: Optional[int], more: bool) -> None:
     """TooManyRanks past `max_ranks`; `more`: items not read yet, which would only add ranks."""
     if max_ranks is not None and ranks > max_ranks:
-        raise TooManyRanks(f"--instances {_short(text)!r} needs {ranks}{' or more' if more else ''} ranks; "
-                           f"--max-ranks is {max_ranks}", ranks)
+        raise TooManyRanks(
+            f"--instances {_short(text)!r} needs {ranks}{' or more' if more else ''} ranks; --max-ranks is {max_ranks}",
+            ranks,
+        )
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -144,7 +152,7 @@ def _pieces(text: str, separator: str) -> Iterator[str]:
     """re.split(separator, text), one piece at a time (no list of every piece of a long text)."""
     start = 0
     for m in re.finditer(separator, text):
-        yield text[start:m.start()]
+        yield text[start : m.start()]
         start = m.end()
     yield text[start:]
 
@@ -158,8 +166,9 @@ def _items(text: str) -> Iterator[list[str]]:
         parts = _pieces(chunk, ",")
         item = [next(parts)]  # (a chunk has at least one part, maybe empty)
         for part in parts:
-            if "=" in item[0] and ":" not in part and "=" in part \
-                    and len(item) <= MAX_ITEM_PARTS:  # past it, _spec names the axis given twice
+            if (
+                "=" in item[0] and ":" not in part and "=" in part and len(item) <= MAX_ITEM_PARTS
+            ):  # past it, _spec names the axis given twice
                 item.append(part)
                 continue
             yield item
@@ -174,8 +183,10 @@ def _spec(parts: list[str], text: str) -> InstanceSpec:
         raise InstancesError(f"--instances {_short(text)!r}: an empty item (two separators in a row?); write {FORMS}")
     role, colon, first = parts[0].rpartition(":")
     if colon and role not in ROLES:
-        raise InstancesError(f"--instances {_short(text)!r}: item {_short(item)!r} has the unknown role {role!r} "
-                             f"(roles: {', '.join(ROLES)})")
+        raise InstancesError(
+            f"--instances {_short(text)!r}: item {_short(item)!r} has the unknown role {role!r} "
+            f"(roles: {', '.join(ROLES)})"
+        )
     try:
         layout = parse_layout(",".join([first, *parts[1:]]))
     except LayoutError as exc:
@@ -183,8 +194,10 @@ def _spec(parts: list[str], text: str) -> InstanceSpec:
     unserved = [f"{a}={v}" for a, v in layout.as_dict().items() if a not in SERVED_AXES and (v != 1 or a == "dp")]
     if unserved:
         hint = "; more replicas are more items" if layout.dp is not None else ""
-        raise InstancesError(f"--instances {_short(text)!r}: item {_short(item)!r} asks for {', '.join(unserved)}: an instance "
-                             f"runs {' and '.join(SERVED_AXES)} only{hint}")
+        raise InstancesError(
+            f"--instances {_short(text)!r}: item {_short(item)!r} asks for {', '.join(unserved)}: an instance "
+            f"runs {' and '.join(SERVED_AXES)} only{hint}"
+        )
     return InstanceSpec(layout, role or Role.MIXED)
 
 
@@ -192,8 +205,10 @@ def check_roles(specs: list[InstanceSpec]) -> None:
     """A server's instances together must both prefill and decode."""
     roles = {s.role for s in specs}
     if (Role.PREFILL in roles) != (Role.DECODE in roles) and Role.MIXED not in roles:
-        raise InstancesError(f"--instances {'; '.join(s.describe() for s in specs)!r}: prefill instances need a decode "
-                             f"(or mixed) instance to hand requests to, and decode instances need one that prefills")
+        raise InstancesError(
+            f"--instances {'; '.join(s.describe() for s in specs)!r}: prefill instances need a decode "
+            f"(or mixed) instance to hand requests to, and decode instances need one that prefills"
+        )
 
 
 def base_ranks(specs: list[InstanceSpec]) -> list[int]:

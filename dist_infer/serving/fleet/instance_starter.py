@@ -24,8 +24,14 @@ MAX_AUTO_RESTARTS = 3  # --auto-restart's attempts for an instance that keeps dy
 
 
 class InstanceStarter:
-    def __init__(self, fleet: FleetState, config: FleetConfig, spawner: Optional[Spawner],
-                 rank_capacity: Optional[Callable[[], RankBudget]], redispatch: Redispatch):
+    def __init__(
+        self,
+        fleet: FleetState,
+        config: FleetConfig,
+        spawner: Optional[Spawner],
+        rank_capacity: Optional[Callable[[], RankBudget]],
+        redispatch: Redispatch,
+    ):
         self.fleet, self.config = fleet, config
         self.spawner = spawner
         self.rank_capacity = rank_capacity  # -> the rank budget every start must fit (None: unbounded)
@@ -40,8 +46,7 @@ class InstanceStarter:
         """The ranks of the instances running or starting (a stopping one still runs; a dead or
         stopped one holds none)."""
         with self.fleet.lock:
-            return sum(c.spec.size for c in self.fleet.instances
-                       if c.state in LIVING and c is not excluding)
+            return sum(c.spec.size for c in self.fleet.instances if c.state in LIVING and c is not excluding)
 
     def ranks_free(self) -> Optional[int]:
         """Ranks a start may still take; None: no budget."""
@@ -50,11 +55,15 @@ class InstanceStarter:
 
     def describe_ranks(self) -> dict:
         budget = self.rank_budget()
-        return {"running": self.ranks_held(), "max": budget.limit if budget else None,
-                "origin": (budget.origin or "--max-ranks") if budget else None}
+        return {
+            "running": self.ranks_held(),
+            "max": budget.limit if budget else None,
+            "origin": (budget.origin or "--max-ranks") if budget else None,
+        }
 
-    def claim_ranks(self, budget: Optional[RankBudget], what: str, need: int,
-                    client: Optional[InstanceClient] = None) -> None:
+    def claim_ranks(
+        self, budget: Optional[RankBudget], what: str, need: int, client: Optional[InstanceClient] = None
+    ) -> None:
         """(lock held, so two starts cannot both take the last ranks) AdminError unless `need` more
         ranks fit the budget beside those running or starting, `client`'s own left out: 400 when
         they never fit, 409 when they would once others stop."""
@@ -84,8 +93,9 @@ class InstanceStarter:
         except Exception as exc:  # noqa: BLE001 - the operator sees why
             self.start_failed(client, client.process, f"could not start: {exc}")
             raise AdminError(500, f"instance {client.index} could not start: {exc}") from None
-        threading.Thread(target=self._watch_start, args=(client, client.process), daemon=True,
-                         name=f"instance-{client.index}-start").start()
+        threading.Thread(
+            target=self._watch_start, args=(client, client.process), daemon=True, name=f"instance-{client.index}-start"
+        ).start()
         return client.describe()
 
     def _watch_start(self, client: InstanceClient, process: InstanceJob) -> None:
@@ -116,8 +126,12 @@ class InstanceStarter:
     def restarts_on_death(self, client: InstanceClient) -> bool:
         """--auto-restart: a dead instance is started again (placed anew by the spawner), up to
         MAX_AUTO_RESTARTS times in a row without serving in between; not while the server stops."""
-        return (self.config.auto_restart and self.spawner is not None and self.fleet.accepting
-                and client.auto_restarts < MAX_AUTO_RESTARTS)
+        return (
+            self.config.auto_restart
+            and self.spawner is not None
+            and self.fleet.accepting
+            and client.auto_restarts < MAX_AUTO_RESTARTS
+        )
 
     def restart_dead(self, client: InstanceClient, reason: str) -> None:
         """Give the dead job's resources back (its Ray placement group), then start it again."""
@@ -127,8 +141,10 @@ class InstanceStarter:
                 old.kill()
             except Exception as exc:  # noqa: BLE001 - a job already gone
                 logger.debug(f"instance {client.index}: ending its dead job: {exc!r}")
-        logger.warning(f"instance {client.index} died ({reason}); --auto-restart starts it again "
-                       f"(attempt {client.auto_restarts} of {MAX_AUTO_RESTARTS})")
+        logger.warning(
+            f"instance {client.index} died ({reason}); --auto-restart starts it again "
+            f"(attempt {client.auto_restarts} of {MAX_AUTO_RESTARTS})"
+        )
         try:
             budget = self.rank_budget()
             with self.fleet.lock:  # STARTING since it died: its own ranks are left out, the others' counted

@@ -50,9 +50,17 @@ def no_instance_left() -> EngineDeadError:
 
 
 class Lifecycle:
-    def __init__(self, fleet: FleetState, control: ControlLoop, calls: InstanceCalls, router: Router,
-                 starter: InstanceStarter, config: FleetConfig, on_dead: Optional[Callable[[str], None]],
-                 on_prefilled: Prefilled):
+    def __init__(
+        self,
+        fleet: FleetState,
+        control: ControlLoop,
+        calls: InstanceCalls,
+        router: Router,
+        starter: InstanceStarter,
+        config: FleetConfig,
+        on_dead: Optional[Callable[[str], None]],
+        on_prefilled: Prefilled,
+    ):
         self.fleet, self.control, self.calls, self.router, self.starter = fleet, control, calls, router, starter
         self.max_request_failovers = config.max_request_failovers
         self.on_dead = on_dead  # the server stops: no instance is left
@@ -69,15 +77,19 @@ class Lifecycle:
         """A driver connected after start-up: a restarted instance, or a new one (scale-up)."""
         index, fleet = hello.index, self.fleet
         problem = None
-        if (hello.vocab_size, hello.block_size, hello.max_positions) != \
-                (fleet.vocab_size, fleet.block_size, fleet.max_model_len):
+        if (hello.vocab_size, hello.block_size, hello.max_positions) != (
+            fleet.vocab_size,
+            fleet.block_size,
+            fleet.max_model_len,
+        ):
             problem = "it serves another model (vocabulary, block size or positions differ)"
         with fleet.lock:
             if problem is None and isinstance(index, int) and index == len(fleet.instances):
                 fleet.instances.append(InstanceClient(index, hello=hello))  # attached below
             if problem is None and not (isinstance(index, int) and 0 <= index < len(fleet.instances)):
-                problem = (f"there is no instance {index} (there are {len(fleet.instances)}; "
-                           f"a new one takes the next index)")
+                problem = (
+                    f"there is no instance {index} (there are {len(fleet.instances)}; a new one takes the next index)"
+                )
             elif problem is None and fleet.instances[index].state not in RESTARTABLE:
                 problem = f"instance {index} is {fleet.instances[index].state}"
             if problem is None:
@@ -94,8 +106,9 @@ class Lifecycle:
             self.redispatch(request_id, "an instance joined")
 
     def start_reader(self, client: InstanceClient) -> None:
-        t = threading.Thread(target=self._read, args=(client, client.conn), name=f"instance-{client.index}-reader",
-                             daemon=True)
+        t = threading.Thread(
+            target=self._read, args=(client, client.conn), name=f"instance-{client.index}-reader", daemon=True
+        )
         t.start()
         self.readers.append(t)
 
@@ -130,8 +143,9 @@ class Lifecycle:
                         self.instance_died(client, reason)
                     return
                 case _:
-                    logger.warning(f"instance {client.index} sent a message the front end does not know: "
-                                   f"{type(message).__name__}")
+                    logger.warning(
+                        f"instance {client.index} sent a message the front end does not know: {type(message).__name__}"
+                    )
 
     def _route(self, client: InstanceClient, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -145,16 +159,26 @@ class Lifecycle:
                 targets.append((rec.stream, o))
                 if o.new_token_ids:  # the autoscaler's window: TTFT, or the gap per token since the last
                     last = rec.progress.last_token
-                    self.latency.record(now, ttft=None if last else now - rec.progress.arrival,
-                                        gap=now - last if last else None, tokens=len(o.new_token_ids))
+                    self.latency.record(
+                        now,
+                        ttft=None if last else now - rec.progress.arrival,
+                        gap=now - last if last else None,
+                        tokens=len(o.new_token_ids),
+                    )
                 rec.progress.add(o)
                 if o.finished and rec.owner == client.index:
                     rec.owner = None
                 if o.new_token_ids and rec.recovering is not None:
                     (died_at, dead), rec.recovering = rec.recovering, None
                     self._record_recovery(o.request_id, dead, now - died_at)
-                if client.role == Role.PREFILL and not o.finished and o.new_token_ids and rec.owner == client.index \
-                        and rec.moving is None and rec.pd_next <= now:
+                if (
+                    client.role == Role.PREFILL
+                    and not o.finished
+                    and o.new_token_ids
+                    and rec.owner == client.index
+                    and rec.moving is None
+                    and rec.pd_next <= now
+                ):
                     rec.pd_next = float("inf")  # until this hand-over is over
                     handover.append(o.request_id)
         for (loop, q), output in targets:
@@ -203,8 +227,12 @@ class Lifecycle:
                             moving.add(r)
         self.control.soon(self.calls.fail_calls, client.index)
         if restart:
-            threading.Thread(target=self.starter.restart_dead, args=(client, reason), daemon=True,
-                             name=f"instance-{client.index}-restart").start()
+            threading.Thread(
+                target=self.starter.restart_dead,
+                args=(client, reason),
+                daemon=True,
+                name=f"instance-{client.index}-restart",
+            ).start()
         if not left:
             logger.error(f"instance {client.index} failed: {reason}; no instance is left")
             error = no_instance_left()
@@ -213,8 +241,10 @@ class Lifecycle:
             if self.on_dead is not None:
                 self.on_dead(dead_reason)
             return
-        logger.error(f"instance {client.index} failed ({reason}); its {len(orphans)} request(s) go on on the other "
-                     f"instances, prefilled again from their tokens so far")
+        logger.error(
+            f"instance {client.index} failed ({reason}); its {len(orphans)} request(s) go on on the other "
+            f"instances, prefilled again from their tokens so far"
+        )
         for request_id in orphans:
             if request_id not in moving:  # a migrating one is settled when its migration ends
                 self.redispatch(request_id, f"instance {client.index} died")
@@ -235,18 +265,25 @@ class Lifecycle:
             if rec.failovers > self.max_request_failovers:
                 rec.owner = rec.recovering = None
                 self.requests_quarantined += 1
-                error = RequestFailedError(f"request {request_id} failed: {rec.failovers} instances died while running "
-                                           f"it (--max-request-failovers {self.max_request_failovers}); it is not "
-                                           f"dispatched again")
+                error = RequestFailedError(
+                    f"request {request_id} failed: {rec.failovers} instances died while running "
+                    f"it (--max-request-failovers {self.max_request_failovers}); it is not "
+                    f"dispatched again"
+                )
             else:
                 roles = (Role.DECODE, Role.MIXED) if progress.token_ids else (Role.PREFILL, Role.MIXED)
-                index = self.router.choose(len(progress.prompt_token_ids), progress.params, roles, force=True,
-                                           hashes=self.router.prompt_hashes(progress.prompt_token_ids
-                                                                            + progress.token_ids, progress.params))
+                index = self.router.choose(
+                    len(progress.prompt_token_ids),
+                    progress.params,
+                    roles,
+                    force=True,
+                    hashes=self.router.prompt_hashes(progress.prompt_token_ids + progress.token_ids, progress.params),
+                )
                 if index is None and fleet.any_starting():
                     rec.parked, rec.owner = True, None  # goes on once an instance has joined
-                    logger.warning(f"request {request_id}: no instance takes requests now; "
-                                   f"it waits for the one starting")
+                    logger.warning(
+                        f"request {request_id}: no instance takes requests now; it waits for the one starting"
+                    )
                     return
                 rec.owner = index
                 if index is None:
@@ -258,11 +295,13 @@ class Lifecycle:
             target[0].call_soon_threadsafe(target[1].put_nowait, error)
             return
         assert index is not None  # no error: an instance took it over
-        logger.info(f"request {request_id} ({len(progress.token_ids)} tokens so far) goes on on instance {index} "
-                    f"({why})")
+        logger.info(
+            f"request {request_id} ({len(progress.token_ids)} tokens so far) goes on on instance {index} ({why})"
+        )
         try:
-            fleet.instances[index].send(ResumeRequest(request_id, progress.prompt_token_ids, progress.params,
-                                                      progress.wire()))
+            fleet.instances[index].send(
+                ResumeRequest(request_id, progress.prompt_token_ids, progress.params, progress.wire())
+            )
         except OSError:
             self.instance_died(fleet.instances[index], "its connection failed")
             return

@@ -19,8 +19,15 @@ class Router:
     def __init__(self, fleet: FleetState, dispatcher: Dispatcher):
         self.fleet, self.dispatcher = fleet, dispatcher
 
-    def choose(self, prompt_len: int, params: SamplingParams, roles: tuple[str, ...],
-               force: bool = False, queued: bool = True, hashes: tuple[int, ...] = ()) -> Optional[int]:
+    def choose(
+        self,
+        prompt_len: int,
+        params: SamplingParams,
+        roles: tuple[str, ...],
+        force: bool = False,
+        queued: bool = True,
+        hashes: tuple[int, ...] = (),
+    ) -> Optional[int]:
         """The instance for a request (with the lock held): among those accepting, the ones of the
         roles asked for (any, if none of them accepts); `force`: if none has room, still the least
         loaded (it queues there). `queued`: it arrives as an add the instance will count. `hashes`:

@@ -25,16 +25,44 @@ from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Optional
 
-if TYPE_CHECKING:  # this module loads no torch: serving/fleet/instance_specs.py (and the CLI's parsing) import its enums
+if (
+    TYPE_CHECKING
+):  # this module loads no torch: serving/fleet/instance_specs.py (and the CLI's parsing) import its enums
     from dist_infer.engine.kv_transfer import PeerInstance
     from dist_infer.engine.migration import MigratingRequest, MigrationOutcome
     from dist_infer.engine.request import RequestOutput
     from dist_infer.engine.sampling import SamplingParams
 
-__all__ = ["AbortRequest", "AddRequest", "CallReply", "CancelIn", "CommitIn", "Hello", "InstanceDead", "InstanceState",
-           "InstanceStats", "MigratingRequest", "MigrationCall", "MigrationEvent", "MigrationEventKind", "MigrationOp",
-           "MigrationOutcome", "PauseOut", "PrefixEvents", "RecvIn", "ReleaseOut", "ReserveIn", "ResumeOut",
-           "ResumeProgress", "ResumeRequest", "Role", "SendOut", "StartOut", "StepOutputs", "StopInstance"]
+__all__ = [
+    "AbortRequest",
+    "AddRequest",
+    "CallReply",
+    "CancelIn",
+    "CommitIn",
+    "Hello",
+    "InstanceDead",
+    "InstanceState",
+    "InstanceStats",
+    "MigratingRequest",
+    "MigrationCall",
+    "MigrationEvent",
+    "MigrationEventKind",
+    "MigrationOp",
+    "MigrationOutcome",
+    "PauseOut",
+    "PrefixEvents",
+    "RecvIn",
+    "ReleaseOut",
+    "ReserveIn",
+    "ResumeOut",
+    "ResumeProgress",
+    "ResumeRequest",
+    "Role",
+    "SendOut",
+    "StartOut",
+    "StepOutputs",
+    "StopInstance",
+]
 
 
 def __getattr__(name: str):
@@ -238,8 +266,17 @@ class Hello:
 
     def checked(self) -> "Hello":
         """This hello if its fields have the right types (an unpickled one never ran a constructor)."""
-        for name in ("index", "tp", "pp", "total_blocks", "block_size", "max_positions", "vocab_size", "cp",
-                     "block_bytes"):
+        for name in (
+            "index",
+            "tp",
+            "pp",
+            "total_blocks",
+            "block_size",
+            "max_positions",
+            "vocab_size",
+            "cp",
+            "block_bytes",
+        ):
             value = getattr(self, name, None)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"{name} {value!r}")
         _check(self.tp >= 1 and self.pp >= 1, f"layout tp {self.tp} pp {self.pp}")
@@ -252,6 +289,7 @@ class Hello:
 class PrefixEvents:
     """The block hashes an instance's prefix cache stored and evicted in its last steps (batched
     per step; the front end's prefix index, serving/fleet/prefix_index.py, reads them)."""
+
     stored: tuple[int, ...] = ()
     removed: tuple[int, ...] = ()
 
@@ -331,10 +369,15 @@ class InstanceDead:
     reason: str
 
 
-def progress_now(token_ids: list[int], logprobs: list[float], top_logprobs: list,
-                 arrival: float, first_token: Optional[float]) -> ResumeProgress:
+def progress_now(
+    token_ids: list[int], logprobs: list[float], top_logprobs: list, arrival: float, first_token: Optional[float]
+) -> ResumeProgress:
     """A ResumeProgress from the front end's clock readings (monotonic) as ages."""
     now = time.monotonic()
-    return ResumeProgress(list(token_ids), list(logprobs), list(top_logprobs), now - arrival,
-                          None if first_token is None else now - first_token)
-
+    return ResumeProgress(
+        list(token_ids),
+        list(logprobs),
+        list(top_logprobs),
+        now - arrival,
+        None if first_token is None else now - first_token,
+    )

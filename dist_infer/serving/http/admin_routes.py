@@ -27,14 +27,20 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     @app.get("/admin/instances")
     async def instances():
         scaler = getattr(cluster, "autoscaler", None)
-        return {"instances": cluster.describe_instances(), "ranks": cluster.describe_ranks(),
-                **({"autoscale": scaler.describe()} if scaler else {})}
+        return {
+            "instances": cluster.describe_instances(),
+            "ranks": cluster.describe_ranks(),
+            **({"autoscale": scaler.describe()} if scaler else {}),
+        }
 
     @app.post("/admin/migrate", openapi_extra=openapi_body(MigrateBody))
     async def migrate(request: Request):
         body = await read_json(request)
-        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str) \
-                or not isinstance(body.get("to_instance"), int):
+        if (
+            not isinstance(body, dict)
+            or not isinstance(body.get("request_id"), str)
+            or not isinstance(body.get("to_instance"), int)
+        ):
             raise ApiError(400, 'the body must be {"request_id": "<id>", "to_instance": <index>}', "request_id")
         try:
             future = cluster.migrate_now(body["request_id"], body["to_instance"], body.get("mode", "live"))
@@ -42,8 +48,13 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
             return admin_error(exc)
         result = (await asyncio.wrap_future(future)).as_dict()
         if result["outcome"] != "ok":
-            return JSONResponse({**error_body(409, f"the migration did not happen: {result['outcome']}: "
-                                                    f"{result['message']}"), "migration": result}, status_code=409)
+            return JSONResponse(
+                {
+                    **error_body(409, f"the migration did not happen: {result['outcome']}: {result['message']}"),
+                    "migration": result,
+                },
+                status_code=409,
+            )
         return result
 
     def accepted(action: Callable[..., dict], *args) -> JSONResponse:
@@ -69,5 +80,7 @@ def add_admin_routes(app: FastAPI, cluster) -> None:
     async def add(request: Request):
         body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("layout"), str):
-            raise ApiError(400, 'the body must be {"layout": "tp=1"} (one --instances item, e.g. decode:tp=2)', "layout")
+            raise ApiError(
+                400, 'the body must be {"layout": "tp=1"} (one --instances item, e.g. decode:tp=2)', "layout"
+            )
         return accepted(cluster.add_instance, body["layout"])

@@ -65,15 +65,38 @@ from dist_infer.serving.http.streams import (
 )
 
 __all__ = [
-    "ABORT_SLACK_S", "DEFAULT_SHUTDOWN_GRACE_S", "DISCONNECT_POLL_S", "DRAINING_RETRY_AFTER_S", "MIN_LOGPROB", "SSE_DONE",
-    "ApiError", "ChatShaper", "ClientGone", "CompletionShaper", "DrainingServer", "EngineStream", "EventStream",
-    "HttpGuard", "ResponseShaper", "ServingState", "add_admin_routes", "add_error_handlers", "api_error_of",
-    "build_app", "close_shielded", "off_loop", "read_json", "serve_http", "sse", "until_disconnect",
+    "ABORT_SLACK_S",
+    "DEFAULT_SHUTDOWN_GRACE_S",
+    "DISCONNECT_POLL_S",
+    "DRAINING_RETRY_AFTER_S",
+    "MIN_LOGPROB",
+    "SSE_DONE",
+    "ApiError",
+    "ChatShaper",
+    "ClientGone",
+    "CompletionShaper",
+    "DrainingServer",
+    "EngineStream",
+    "EventStream",
+    "HttpGuard",
+    "ResponseShaper",
+    "ServingState",
+    "add_admin_routes",
+    "add_error_handlers",
+    "api_error_of",
+    "build_app",
+    "close_shielded",
+    "off_loop",
+    "read_json",
+    "serve_http",
+    "sse",
+    "until_disconnect",
 ]
 
 
-def build_app(engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard(),
-              warm_workers: bool = False) -> FastAPI:
+def build_app(
+    engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard(), warm_workers: bool = False
+) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
     behind `guard` (keys, body limits, CORS: serving/http/guard.py)."""
     state = ServingState(engine, served_model_name, guard)

@@ -93,8 +93,9 @@ class ChatRenderer:
         self.eos_token = eos_token
         self.template = None
         if chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
@@ -108,14 +109,17 @@ class ChatRenderer:
         """bos_token/eos_token as the template expects them: the tokenizer's strings for its BOS/EOS ids."""
         return cls(chat_template, _token_text(tokenizer, "bos_id"), _token_text(tokenizer, "eos_id"))
 
-    def render(self, messages: Any, add_generation_prompt: bool = True,
-               extra: Optional[dict[str, Any]] = None) -> str:
+    def render(self, messages: Any, add_generation_prompt: bool = True, extra: Optional[dict[str, Any]] = None) -> str:
         messages = normalize_messages(messages)
         if self.template is None:
             return plain_chat_prompt(messages, add_generation_prompt)
         context = dict(extra or {})
-        context.update(messages=messages, add_generation_prompt=add_generation_prompt,
-                       bos_token=self.bos_token, eos_token=self.eos_token)
+        context.update(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
         try:
             return self.template.render(**context)
         except jinja2.TemplateError as exc:  # raise_exception("roles must alternate"), sandbox refusals

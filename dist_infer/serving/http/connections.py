@@ -35,10 +35,18 @@ REFUSAL_LOG_INTERVAL_S = 10.0  # one warning at most this often while refusing (
 def _refusal(max_connections: int) -> bytes:
     """The raw 503 a connection past the cap gets: it is sent before any request is read, so
     not through h11, which answers only a request it has parsed."""
-    body = json.dumps(error_body(503, f"the server has its maximum of {max_connections} connections open; "
-                                      "retry later", None, "too_many_connections")).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\nretry-after: 1\r\n\r\n")
+    body = json.dumps(
+        error_body(
+            503,
+            f"the server has its maximum of {max_connections} connections open; retry later",
+            None,
+            "too_many_connections",
+        )
+    ).encode()
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\nretry-after: 1\r\n\r\n"
+    )
     return head.encode("latin-1") + body
 
 
@@ -87,8 +95,9 @@ class BoundedH11Protocol(H11Protocol):
     def _header_timed_out(self) -> None:
         self.header_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.logger.debug("closing a connection whose request head did not arrive within %g s",
-                              self.header_timeout_s)
+            self.logger.debug(
+                "closing a connection whose request head did not arrive within %g s", self.header_timeout_s
+            )
             self.transport.close()
 
     def _refuse(self) -> None:
@@ -99,8 +108,11 @@ class BoundedH11Protocol(H11Protocol):
         cls = type(self)
         if now - cls._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
             cls._last_refusal_log = now
-            self.logger.warning("%d connections open (--max-connections): refusing more with 503 "
-                                "(logged at most every %g s)", self.max_connections, REFUSAL_LOG_INTERVAL_S)
+            self.logger.warning(
+                "%d connections open (--max-connections): refusing more with 503 (logged at most every %g s)",
+                self.max_connections,
+                REFUSAL_LOG_INTERVAL_S,
+            )
         self.transport.write(_refusal(self.max_connections))
         self.transport.close()
 
@@ -108,16 +120,24 @@ class BoundedH11Protocol(H11Protocol):
 def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[BoundedH11Protocol]:
     """A BoundedH11Protocol subclass with these settings (uvicorn makes each connection's protocol
     from a class and its Config alone)."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "max_connections": max_connections,
-                 "_last_refusal_log": -REFUSAL_LOG_INTERVAL_S})
+    return type(
+        "BoundedH11Protocol",
+        (BoundedH11Protocol,),
+        {
+            "header_timeout_s": header_timeout_s,
+            "max_connections": max_connections,
+            "_last_refusal_log": -REFUSAL_LOG_INTERVAL_S,
+        },
+    )
 
 
 def uvicorn_connection_options(guard: "HttpGuard") -> dict[str, Any]:
     """uvicorn.Config's keyword arguments for the guard's connection bounds."""
-    return {"http": bounded_protocol(guard.header_timeout_s, guard.max_connections),
-            "timeout_keep_alive": guard.keep_alive_timeout_s,
-            # uvicorn refuses a request while len(connections) >= limit, counting the asking connection
-            # itself: + 1 lets every admitted connection be answered. It still bounds the running
-            # requests (which can outlive their connections) at max_connections + 1.
-            "limit_concurrency": guard.max_connections + 1}
+    return {
+        "http": bounded_protocol(guard.header_timeout_s, guard.max_connections),
+        "timeout_keep_alive": guard.keep_alive_timeout_s,
+        # uvicorn refuses a request while len(connections) >= limit, counting the asking connection
+        # itself: + 1 lets every admitted connection be answered. It still bounds the running
+        # requests (which can outlive their connections) at max_connections + 1.
+        "limit_concurrency": guard.max_connections + 1,
+    }

@@ -76,16 +76,16 @@ class IncrementalDetokenizer:
         end = len(self.text)
         if not final and self.stop is None:
             end = max(self._emitted, end - self._hold)
-        out, self._emitted = self.text[self._emitted:end], end
+        out, self._emitted = self.text[self._emitted : end], end
         return out
 
     def _advance(self, force: bool) -> None:
         """Move the window's new text into `text` once it ends in a whole character."""
-        prefix = self._decode(self._ids[self._prefix:self._read])
-        window = self._decode(self._ids[self._prefix:])
+        prefix = self._decode(self._ids[self._prefix : self._read])
+        window = self._decode(self._ids[self._prefix :])
         pending = len(self._ids) - self._read
         if len(window) > len(prefix) and (force or not window.endswith(REPLACEMENT) or pending >= MAX_PENDING_TOKENS):
-            self.text += window[len(prefix):]
+            self.text += window[len(prefix) :]
             self._prefix, self._read = self._read, len(self._ids)
         elif force:
             self._read = len(self._ids)
@@ -110,10 +110,17 @@ def detokenize_output(detok: IncrementalDetokenizer, out: RequestOutput) -> Requ
     for k, token in enumerate(tokens):
         if detok.add(token):
             cut = len(tokens) - (k + 1)
-            return replace(out, new_token_ids=tokens[:k + 1], new_logprobs=out.new_logprobs[:k + 1],
-                           new_top_logprobs=out.new_top_logprobs[:k + 1], text_delta=detok.take(final=True),
-                           finished=True, finish_reason="stop", stop_reason=detok.stop,
-                           num_generated_tokens=out.num_generated_tokens - cut)
+            return replace(
+                out,
+                new_token_ids=tokens[: k + 1],
+                new_logprobs=out.new_logprobs[: k + 1],
+                new_top_logprobs=out.new_top_logprobs[: k + 1],
+                text_delta=detok.take(final=True),
+                finished=True,
+                finish_reason="stop",
+                stop_reason=detok.stop,
+                num_generated_tokens=out.num_generated_tokens - cut,
+            )
     if out.finished:
         detok.finish()
         if detok.stop is not None:  # the final flush completed a stop string

@@ -35,6 +35,7 @@ def api_error_of(exc: BaseException) -> ApiError:
 
 def add_error_handlers(app: FastAPI) -> None:
     """Errors in OpenAI's shape, never FastAPI's 422; unexpected ones as a generic 500 with an id."""
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
         return error_response(exc)
@@ -53,8 +54,9 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        return error_response(ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}",
-                                       loc[0] if loc else None))
+        return error_response(
+            ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", loc[0] if loc else None)
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):

@@ -28,10 +28,18 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 1024  # open at once; more are answered 503 (serving/http/connections.py)
 DEFAULT_HEADER_TIMEOUT_S = 30.0  # a request's whole head must arrive within this
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle connection is closed after this (uvicorn's default)
-ERROR_TYPES = {400: "BadRequestError", 401: "invalid_request_error", 403: "PermissionDeniedError",
-               421: "MisdirectedRequestError",
-               404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-               415: "UnsupportedMediaTypeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "invalid_request_error",
+    403: "PermissionDeniedError",
+    421: "MisdirectedRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 BODY_METHODS = ("POST", "PUT", "PATCH")
 STATE_METHODS = BODY_METHODS + ("DELETE",)  # what a cross-site browser request may not do
 OPEN_PATHS = ("/health", "/metrics")  # open (as in vLLM) unless protect_metrics
@@ -39,12 +47,19 @@ OPEN_PATHS = ("/health", "/metrics")  # open (as in vLLM) unless protect_metrics
 
 # -- errors ---------------------------------------------------------------------------------------
 
+
 class ApiError(Exception):
     """An error response: status, message, the offending field (`param`), extra headers, and
     optionally OpenAI's `code` string (default: the status)."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None, code: Optional[str] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+        code: Optional[str] = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -55,15 +70,22 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Any = None) -> dict:
     """OpenAI's error shape."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
-                      "code": status if code is None else code}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status if code is None else code,
+        }
+    }
 
 
 def error_response(err: ApiError) -> JSONResponse:
     from starlette.responses import JSONResponse
 
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
+    return JSONResponse(
+        error_body(err.status, err.message, err.param, err.code), status_code=err.status, headers=err.headers
+    )
 
 
 def internal_error(exc: BaseException, where: str = "request") -> ApiError:
@@ -74,6 +96,7 @@ def internal_error(exc: BaseException, where: str = "request") -> ApiError:
 
 
 # -- the settings -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class HttpGuard:
@@ -115,10 +138,12 @@ class HttpGuard:
     def __post_init__(self):
         for name in ("api_keys", "admin_keys", "allowed_origins"):
             object.__setattr__(self, name, tuple(v for v in getattr(self, name) if v))
-        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts
-                                                        if h.strip()))
-        object.__setattr__(self, "prefix_cache_isolation",
-                           isolation_mode(self.prefix_cache_isolation, bool(self.api_keys)))
+        object.__setattr__(
+            self, "allowed_hosts", tuple(h.strip().lower().strip("[]") for h in self.allowed_hosts if h.strip())
+        )
+        object.__setattr__(
+            self, "prefix_cache_isolation", isolation_mode(self.prefix_cache_isolation, bool(self.api_keys))
+        )
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_connections < 1:
@@ -145,8 +170,12 @@ class HttpGuard:
         """uvicorn.Config's TLS keyword arguments (empty without TLS)."""
         if not self.tls:
             return {}
-        return {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile,
-                "ssl_ca_certs": self.ssl_ca_certs, "ssl_cert_reqs": self.ssl_cert_reqs}
+        return {
+            "ssl_keyfile": self.ssl_keyfile,
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_ca_certs": self.ssl_ca_certs,
+            "ssl_cert_reqs": self.ssl_cert_reqs,
+        }
 
 
 def key_matches(token: Optional[str], keys: tuple[str, ...]) -> bool:
@@ -180,10 +209,16 @@ def is_loopback(client) -> bool:
 
 # -- the middleware ---------------------------------------------------------------------------------
 
+
 class BodyTooLarge(ApiError):
     def __init__(self, limit: int):
-        super().__init__(413, f"the request body is larger than the server's limit of {limit} bytes", None,
-                         {"Connection": "close"}, "request_too_large")
+        super().__init__(
+            413,
+            f"the request body is larger than the server's limit of {limit} bytes",
+            None,
+            {"Connection": "close"},
+            "request_too_large",
+        )
 
 
 class GuardMiddleware:
@@ -207,9 +242,11 @@ class GuardMiddleware:
 
     def refusal(self, scope, headers: dict[str, str]) -> Optional[ApiError]:
         """Why this request is refused before its body is read; None if it is not."""
-        refusal = (host_refusal(headers, self.guard.allowed_hosts)
-                   or browser_refusal(scope["method"], headers, self.guard.allowed_origins)
-                   or self.access_refusal(scope["path"], scope.get("client"), headers))
+        refusal = (
+            host_refusal(headers, self.guard.allowed_hosts)
+            or browser_refusal(scope["method"], headers, self.guard.allowed_origins)
+            or self.access_refusal(scope["path"], scope.get("client"), headers)
+        )
         if refusal is not None or scope["method"] not in BODY_METHODS:
             return refusal
         length = headers.get("content-length")
@@ -225,8 +262,13 @@ class GuardMiddleware:
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if has_body and media_type != "application/json":
             shown = headers.get("content-type") or "none"
-            return ApiError(415, f"the request body must be JSON (Content-Type: application/json), "
-                                 f"got Content-Type {shown[:80]!r}", None, None, "unsupported_media_type")
+            return ApiError(
+                415,
+                f"the request body must be JSON (Content-Type: application/json), got Content-Type {shown[:80]!r}",
+                None,
+                None,
+                "unsupported_media_type",
+            )
         return None
 
     def access_refusal(self, path: str, client, headers: dict[str, str]) -> Optional[ApiError]:
@@ -236,11 +278,20 @@ class GuardMiddleware:
                 return None if key_matches(bearer_token(headers), guard.admin_keys) else _invalid_key("an admin")
             if is_loopback(client) and not PROXIED.intersection(headers):
                 return None  # (a proxy on this machine makes every client look local: not trusted so)
-            return ApiError(403, "the admin routes answer clients on this machine only; start the server with "
-                                 "--admin-key to allow others (Authorization: Bearer <admin key>)", None, None,
-                            "admin_loopback_only")
-        needs_key = (path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
-                     or (guard.protect_metrics and path in OPEN_PATHS))
+            return ApiError(
+                403,
+                "the admin routes answer clients on this machine only; start the server with "
+                "--admin-key to allow others (Authorization: Bearer <admin key>)",
+                None,
+                None,
+                "admin_loopback_only",
+            )
+        needs_key = (
+            path == "/v1"
+            or path.startswith("/v1/")
+            or path in ("/tokenize", "/detokenize")
+            or (guard.protect_metrics and path in OPEN_PATHS)
+        )
         if needs_key and guard.api_keys and not key_matches(bearer_token(headers), guard.api_keys):
             return _invalid_key("an API")
         return None
@@ -289,9 +340,14 @@ def host_refusal(headers: dict[str, str], allowed_hosts: tuple[str, ...]) -> Opt
     name = host_name(headers.get("host", ""))
     if name in allowed_hosts:
         return None
-    return ApiError(421, f"the Host header {headers.get('host', '')[:80]!r} is not one of this server's names "
-                         f"({', '.join(allowed_hosts)}); start it with --allowed-hosts to add one", None, None,
-                    "invalid_host")
+    return ApiError(
+        421,
+        f"the Host header {headers.get('host', '')[:80]!r} is not one of this server's names "
+        f"({', '.join(allowed_hosts)}); start it with --allowed-hosts to add one",
+        None,
+        None,
+        "invalid_host",
+    )
 
 
 def same_origin(origin: str, host_header: str) -> bool:
@@ -310,16 +366,29 @@ def browser_refusal(method: str, headers: dict[str, str], allowed_origins: tuple
     if origin is not None and ("*" in allowed_origins or origin in allowed_origins):
         return None
     cross = headers.get("sec-fetch-site", "").strip().lower() == "cross-site"
-    if (origin is None and not cross) or (origin is not None and not cross and same_origin(origin, headers.get("host", ""))):
+    if (origin is None and not cross) or (
+        origin is not None and not cross and same_origin(origin, headers.get("host", ""))
+    ):
         return None
     shown = origin if origin is not None else "a cross-site page"
-    return ApiError(403, f"a browser request from {shown[:80]!r} may not change this server's state; allow "
-                         f"its origin with --allowed-origins", None, None, "cross_origin_refused")
+    return ApiError(
+        403,
+        f"a browser request from {shown[:80]!r} may not change this server's state; allow "
+        f"its origin with --allowed-origins",
+        None,
+        None,
+        "cross_origin_refused",
+    )
 
 
 def _invalid_key(which: str) -> ApiError:
-    return ApiError(401, f"missing or invalid API key: send {which} key as 'Authorization: Bearer <key>'", None,
-                    {"WWW-Authenticate": "Bearer"}, "invalid_api_key")
+    return ApiError(
+        401,
+        f"missing or invalid API key: send {which} key as 'Authorization: Bearer <key>'",
+        None,
+        {"WWW-Authenticate": "Bearer"},
+        "invalid_api_key",
+    )
 
 
 def install_guard(app, guard: HttpGuard) -> None:
@@ -330,5 +399,10 @@ def install_guard(app, guard: HttpGuard) -> None:
     if guard.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials="*" not in guard.allowed_origins)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(guard.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in guard.allowed_origins,
+        )

@@ -98,5 +98,8 @@ def _check_text(text: str, field: Optional[str]) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         code = ord(text[exc.start])
-        raise ProtocolError(field, f"{field or 'the request body'} holds a lone UTF-16 surrogate (\\u{code:04x}), "
-                                   f"which is not a Unicode character") from None
+        raise ProtocolError(
+            field,
+            f"{field or 'the request body'} holds a lone UTF-16 surrogate (\\u{code:04x}), "
+            f"which is not a Unicode character",
+        ) from None

@@ -25,12 +25,74 @@ from prometheus_client.core import (
 from dist_infer.engine.request import RequestOutput
 
 PREFIX = "dist_infer:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def buckets_1_2_5(limit: int) -> tuple[float, ...]:
@@ -78,52 +140,85 @@ class EngineStatsCollector:
             for s in per:
                 g.add_metric([self.model_name, s["engine"]], float(s.get(key, 0.0)))
             families.append(g)
-        c = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted (KV blocks taken back) so far.",
-                                labels=["model_name", "engine"])
+        c = CounterMetricFamily(
+            PREFIX + "num_preemptions",
+            "Requests preempted (KV blocks taken back) so far.",
+            labels=["model_name", "engine"],
+        )
         for s in per:
             c.add_metric([self.model_name, s["engine"]], float(s.get("num_preemptions_total", 0)))
         families.append(c)
         if self.prefix_cache_counters:
-            for key, doc in (("prefix_cache_queries", "Prefix cache queries: tokens of admitted requests looked up."),
-                             ("prefix_cache_hits", "Prefix cache hits: queried tokens found cached, not computed.")):
+            for key, doc in (
+                ("prefix_cache_queries", "Prefix cache queries: tokens of admitted requests looked up."),
+                ("prefix_cache_hits", "Prefix cache hits: queried tokens found cached, not computed."),
+            ):
                 c = CounterMetricFamily(PREFIX + key, doc, labels=["model_name", "engine"])
                 for s in per:
                     c.add_metric([self.model_name, s["engine"]], float(s.get(key, 0)))
                 families.append(c)
-        m = CounterMetricFamily(PREFIX + "migrations", "Live request migrations between instances, by outcome "
-                                "(ok, or why not: no_room, source_ended, source_preempted, dest_failed, ...).",
-                                labels=["model_name", "outcome"])
+        m = CounterMetricFamily(
+            PREFIX + "migrations",
+            "Live request migrations between instances, by outcome "
+            "(ok, or why not: no_room, source_ended, source_preempted, dest_failed, ...).",
+            labels=["model_name", "outcome"],
+        )
         for outcome, n in sorted((stats or {}).get("migrations_total", {}).items()):
             m.add_metric([self.model_name, outcome], float(n))
         families.append(m)
         families.append(self._step_histogram(per))
-        families.append(self._histogram(stats, "migration_downtime", "migration_downtime_seconds",
-                                        "Time a migrated request did not run: from its pause on the source to its "
-                                        "commit on the destination (seconds)."))
-        families.append(self._histogram(stats, "requests_recovered", "request_recovery_seconds",
-                                        "Requests whose instance died and that streamed on from another: time from "
-                                        "the death to their next token (seconds)."))
-        for key, name, doc in (("instance_failures_total", "instance_failures", "Instances that died."),
-                               ("requests_lost_total", "requests_lost",
-                                "Requests that ended with an error because their instance died and no other "
-                                "could take them over."),
-                               ("requests_quarantined_total", "requests_quarantined",
-                                "Requests failed instead of dispatched again: the instances running them died more "
-                                "than --max-request-failovers times.")):
+        families.append(
+            self._histogram(
+                stats,
+                "migration_downtime",
+                "migration_downtime_seconds",
+                "Time a migrated request did not run: from its pause on the source to its "
+                "commit on the destination (seconds).",
+            )
+        )
+        families.append(
+            self._histogram(
+                stats,
+                "requests_recovered",
+                "request_recovery_seconds",
+                "Requests whose instance died and that streamed on from another: time from "
+                "the death to their next token (seconds).",
+            )
+        )
+        for key, name, doc in (
+            ("instance_failures_total", "instance_failures", "Instances that died."),
+            (
+                "requests_lost_total",
+                "requests_lost",
+                "Requests that ended with an error because their instance died and no other could take them over.",
+            ),
+            (
+                "requests_quarantined_total",
+                "requests_quarantined",
+                "Requests failed instead of dispatched again: the instances running them died more "
+                "than --max-request-failovers times.",
+            ),
+        ):
             if stats is None or key in stats:
                 c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
                 c.add_metric([self.model_name], float((stats or {}).get(key, 0)))
                 families.append(c)
         if stats is None or "autoscale_decisions_total" in stats:
-            c = CounterMetricFamily(PREFIX + "autoscale_decisions", "The autoscaler's decisions, by action (up, down; "
-                                    "_failed: decided but not done).", labels=["model_name", "action"])
+            c = CounterMetricFamily(
+                PREFIX + "autoscale_decisions",
+                "The autoscaler's decisions, by action (up, down; _failed: decided but not done).",
+                labels=["model_name", "action"],
+            )
             for action, n in sorted((stats or {}).get("autoscale_decisions_total", {}).items()):
                 c.add_metric([self.model_name, action], float(n))
             families.append(c)
         if stats is None or "frontend_entries" in stats:
-            g = GaugeMetricFamily(PREFIX + "frontend_entries", "Entries the API process holds for requests and "
-                                  "migrations in flight, by kind (all 0 when idle: nothing outlives its request).",
-                                  labels=["model_name", "kind"])
+            g = GaugeMetricFamily(
+                PREFIX + "frontend_entries",
+                "Entries the API process holds for requests and "
+                "migrations in flight, by kind (all 0 when idle: nothing outlives its request).",
+                labels=["model_name", "kind"],
+            )
             for kind, n in sorted((stats or {}).get("frontend_entries", {}).items()):
                 g.add_metric([self.model_name, kind], float(n))
             families.append(g)
@@ -132,8 +227,11 @@ class EngineStatsCollector:
     def _step_histogram(self, per: list[dict]) -> HistogramMetricFamily:
         """Each instance's forward-step durations by kind: decode (decodes only), mixed (a prompt
         chunk beside decodes: what --itl-target-ms sizes) and prefill (prompts only)."""
-        h = HistogramMetricFamily(PREFIX + "step_duration_seconds", "Forward steps of each instance by kind "
-                                  "(decode, mixed, prefill): seconds per step.", labels=["model_name", "engine", "kind"])
+        h = HistogramMetricFamily(
+            PREFIX + "step_duration_seconds",
+            "Forward steps of each instance by kind (decode, mixed, prefill): seconds per step.",
+            labels=["model_name", "engine", "kind"],
+        )
         for s in per:
             for kind, (bounds, counts, total) in sorted((s.get("step_seconds") or {}).items()):
                 h.add_metric([self.model_name, s["engine"], kind], cumulative_buckets(bounds, counts), total)
@@ -163,8 +261,9 @@ class EngineStatsCollector:
 class ServingMetrics:
     """The app's registry and the request-level series; `request()` gives one request's clock."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict], max_model_len: int,
-                 prefix_cache_counters: bool = True):
+    def __init__(
+        self, model_name: str, stats: Callable[[], dict], max_model_len: int, prefix_cache_counters: bool = True
+    ):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(stats, model_name, prefix_cache_counters))
@@ -172,20 +271,48 @@ class ServingMetrics:
         reg = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels, registry=reg)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=reg)
-        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
-                                       labels + ["finished_reason"], registry=reg)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to the first token (seconds).",
-                              labels, buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens of a request (seconds).",
-                             labels, buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last token (seconds).",
-                             labels, buckets=E2E_BUCKETS, registry=reg)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to the first token (seconds).",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between tokens of a request (seconds).",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to the last token (seconds).",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
         token_buckets = buckets_1_2_5(max(1, max_model_len))
-        self.request_prompt_tokens = Histogram(PREFIX + "request_prompt_tokens", "Prompt length of finished requests.",
-                                               labels, buckets=token_buckets, registry=reg)
-        self.request_generation_tokens = Histogram(PREFIX + "request_generation_tokens",
-                                                   "Tokens generated by finished requests.", labels,
-                                                   buckets=token_buckets, registry=reg)
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens",
+            "Prompt length of finished requests.",
+            labels,
+            buckets=token_buckets,
+            registry=reg,
+        )
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens",
+            "Tokens generated by finished requests.",
+            labels,
+            buckets=token_buckets,
+            registry=reg,
+        )
 
     def request(self, arrival: Optional[float] = None, num_prompt_tokens: int = 0) -> "RequestClock":
         return RequestClock(self, time.monotonic() if arrival is None else arrival, num_prompt_tokens)

@@ -41,17 +41,26 @@ class PromptLimits:
         limit = self.max_chars
         if limit is not None and chars > limit:
             noun = "messages have" if field == "messages" else f"{field} has"
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens, and no token "
-                                f"of its tokenizer covers more than {self.chars_per_token} characters, so at most "
-                                f"{limit:,} characters can fit. However, your {noun} {chars:,} characters. "
-                                f"Please reduce the length of the {field}.", field, code=CONTEXT_LENGTH_EXCEEDED)
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, and no token "
+                f"of its tokenizer covers more than {self.chars_per_token} characters, so at most "
+                f"{limit:,} characters can fit. However, your {noun} {chars:,} characters. "
+                f"Please reduce the length of the {field}.",
+                field,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def check_tokens(self, count: int, field: str) -> None:
         """Refuse a prompt of `count` tokens (or token ids) that cannot fit."""
         if count > self.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                f"{field} has {count:,} tokens. Please reduce the length of the {field}.", field,
-                           code=CONTEXT_LENGTH_EXCEEDED)
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"{field} has {count:,} tokens. Please reduce the length of the {field}.",
+                field,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def check_completion_prompt(self, value: Any) -> None:
         """A completions `prompt` as sent (a string, token ids, or a list of one of those), checked

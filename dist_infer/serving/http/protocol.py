@@ -39,7 +39,7 @@ def _json_number(value: Any) -> Any:
 
 
 # integers as the engine can hold them (a 400-digit seed is a 400, not an overflow deep inside)
-Int64 = Annotated[int, BeforeValidator(_json_number), Field(ge=-2 ** 63, le=2 ** 63 - 1)]
+Int64 = Annotated[int, BeforeValidator(_json_number), Field(ge=-(2**63), le=2**63 - 1)]
 Float = Annotated[float, BeforeValidator(_json_number), Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]  # `true` or `false` only, not "yes" or 1
 
@@ -85,7 +85,9 @@ class _GenerationRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and (self.stream_options.include_usage or self.stream_options.continuous_usage_stats))
+        return bool(
+            self.stream_options and (self.stream_options.include_usage or self.stream_options.continuous_usage_stats)
+        )
 
     @property
     def continuous_usage(self) -> bool:
@@ -215,8 +217,9 @@ def default_chat_max_tokens(prompt_len: int, max_model_len: int) -> int:
     return max(0, min(max_model_len - prompt_len, CHAT_MAX_TOKENS_CAP))
 
 
-def sampling_params_of(req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int,
-                       has_tokenizer: bool) -> SamplingParams:
+def sampling_params_of(
+    req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int, has_tokenizer: bool
+) -> SamplingParams:
     """The engine's SamplingParams for a validated body; a ProtocolError naming the API field
     (not SamplingParams' own names) when a value is out of range."""
     num_logprobs = req.num_logprobs
@@ -232,8 +235,11 @@ def sampling_params_of(req: Union[CompletionRequest, ChatCompletionRequest], max
         raise ProtocolError("top_k", f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise ProtocolError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-                                    f"characters each, got {len(stop)} of up to {max(map(len, stop))} characters")
+        raise ProtocolError(
+            "stop",
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            f"characters each, got {len(stop)} of up to {max(map(len, stop))} characters",
+        )
     if any(stop) and not has_tokenizer:
         raise ProtocolError("stop", "stop strings need a tokenizer and this model has none; use stop_token_ids")
     temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
@@ -243,9 +249,18 @@ def sampling_params_of(req: Union[CompletionRequest, ChatCompletionRequest], max
             raise ProtocolError(name, f"{name} must be a finite number, got {value}")
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
-            stop_at_eos=not req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()), stop=tuple(stop),
-            logprobs=num_logprobs, min_tokens=req.min_tokens or 0, cache_salt=req.cache_salt)
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=req.seed,
+            stop_at_eos=not req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop=tuple(stop),
+            logprobs=num_logprobs,
+            min_tokens=req.min_tokens or 0,
+            cache_salt=req.cache_salt,
+        )
     except SamplingParamsError as exc:
         field = _API_NAME.get(exc.field, exc.field)
         message = str(exc)
@@ -255,6 +270,7 @@ def sampling_params_of(req: Union[CompletionRequest, ChatCompletionRequest], max
 
 
 # -- the bodies in /openapi.json ---------------------------------------------------------------------
+
 
 class MigrateBody(BaseModel):
     """POST /admin/migrate."""
@@ -280,7 +296,7 @@ def openapi_body(model_cls: type[BaseModel]) -> dict:
         if isinstance(node, dict):
             ref = node.get("$ref", "")
             if ref.startswith("#/$defs/"):
-                return inline(defs[ref[len("#/$defs/"):]])
+                return inline(defs[ref[len("#/$defs/") :]])
             return {key: inline(child) for key, child in node.items()}
         if isinstance(node, list):
             return [inline(child) for child in node]

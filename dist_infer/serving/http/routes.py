@@ -33,8 +33,13 @@ from dist_infer.serving.http.streams import SSE_DONE, EngineStream, EventStream,
 # -- generation ---------------------------------------------------------------------------------------
 
 
-async def sse_events(stream: EngineStream, shaper: ResponseShaper, first: Optional[RequestOutput],
-                     include_usage: bool, continuous_usage: bool) -> AsyncGenerator[str, None]:
+async def sse_events(
+    stream: EngineStream,
+    shaper: ResponseShaper,
+    first: Optional[RequestOutput],
+    include_usage: bool,
+    continuous_usage: bool,
+) -> AsyncGenerator[str, None]:
     try:
         for opening in shaper.opening_chunks():
             yield sse(opening)
@@ -100,8 +105,11 @@ def chat_params(state: ServingState, body: ChatCompletionRequest, prompt_ids: li
     max_len = state.engine.max_model_len
     max_tokens = default_chat_max_tokens(len(prompt_ids), max_len)
     if max_tokens < 1:
-        raise ApiError(400, f"the messages make a prompt of {len(prompt_ids)} tokens; the model has "
-                            f"{max_len} positions", "messages")
+        raise ApiError(
+            400,
+            f"the messages make a prompt of {len(prompt_ids)} tokens; the model has {max_len} positions",
+            "messages",
+        )
     return state.fit_default_max_tokens(prompt_ids, sampling_params_of(body, max_tokens, True))
 
 
@@ -130,14 +138,23 @@ def add_generation_routes(app: FastAPI, state: ServingState) -> None:
 
 # -- the rest -----------------------------------------------------------------------------------------
 
+
 def add_info_routes(app: FastAPI, state: ServingState) -> None:
     """/v1/models, /health and /metrics."""
     engine = state.engine
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": state.served_name, "object": "model", "created": int(time.time()), "owned_by": "dist_infer",
-                "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len, "permission": []}
+        card = {
+            "id": state.served_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "dist_infer",
+            "root": engine.model_name,
+            "parent": None,
+            "max_model_len": engine.max_model_len,
+            "permission": [],
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

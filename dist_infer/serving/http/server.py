@@ -26,15 +26,28 @@ class DrainingServer(uvicorn.Server):
     abort what is left; return instead of re-raising the signal, so the caller can exit 0.
     A second signal aborts at once."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
-                 on_ready: Optional[Callable[[str, int], None]] = None,
-                 on_shutdown: Optional[Callable[[], None]] = None, guard: Optional[HttpGuard] = None):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+        on_ready: Optional[Callable[[str, int], None]] = None,
+        on_shutdown: Optional[Callable[[], None]] = None,
+        guard: Optional[HttpGuard] = None,
+    ):
         guard = guard or getattr(getattr(app, "state", None), "http_guard", None) or HttpGuard()
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                # (uvicorn annotates it int; it is asyncio.wait_for's timeout, a float)
-                                timeout_graceful_shutdown=grace_s + ABORT_SLACK_S,  # type: ignore[arg-type]
-                                **guard.uvicorn_ssl(),
-                                **uvicorn_connection_options(guard))
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            # (uvicorn annotates it int; it is asyncio.wait_for's timeout, a float)
+            timeout_graceful_shutdown=grace_s + ABORT_SLACK_S,  # type: ignore[arg-type]
+            **guard.uvicorn_ssl(),
+            **uvicorn_connection_options(guard),
+        )
         super().__init__(config)
         self.asgi_app = app
         self.grace_s = grace_s
@@ -84,7 +97,9 @@ class DrainingServer(uvicorn.Server):
         serving = self.serving
         if serving is not None:
             serving.begin_drain()
-            asyncio.get_running_loop().call_later(self.grace_s, serving.abort_all, f"shutdown grace period of {self.grace_s:g} s over")
+            asyncio.get_running_loop().call_later(
+                self.grace_s, serving.abort_all, f"shutdown grace period of {self.grace_s:g} s over"
+            )
         if self.on_shutdown is not None:
             try:
                 self.on_shutdown()
@@ -93,9 +108,15 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve_http(app: FastAPI, host: str, port: int, on_shutdown: Optional[Callable[[], None]] = None,
-               on_ready: Optional[Callable[[str, int], None]] = None,
-               grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, guard: Optional[HttpGuard] = None) -> None:
+def serve_http(
+    app: FastAPI,
+    host: str,
+    port: int,
+    on_shutdown: Optional[Callable[[], None]] = None,
+    on_ready: Optional[Callable[[str, int], None]] = None,
+    grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+    guard: Optional[HttpGuard] = None,
+) -> None:
     """Serve `app` until SIGTERM/SIGINT, then drain (see DrainingServer) and return.
 
     on_ready(host, port) runs once the socket listens (port 0 picks a free one: this says which);

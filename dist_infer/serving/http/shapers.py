@@ -84,10 +84,24 @@ class ResponseShaper:
     def logprobs(self, out: RequestOutput) -> Optional[dict]:
         return None if self.num_logprobs is None else self.delta_logprobs(out)
 
-    def choice(self, text: str, logprobs: Optional[dict], finish_reason: Optional[str], stop_reason: Any,
-               token_ids: list[int], final: bool) -> dict:
-        choice = {"index": 0, **self.text_fields(text, final), "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason, **(self.final_choice_extras if final else {}), "token_ids": token_ids}
+    def choice(
+        self,
+        text: str,
+        logprobs: Optional[dict],
+        finish_reason: Optional[str],
+        stop_reason: Any,
+        token_ids: list[int],
+        final: bool,
+    ) -> dict:
+        choice = {
+            "index": 0,
+            **self.text_fields(text, final),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+            **(self.final_choice_extras if final else {}),
+            "token_ids": token_ids,
+        }
         if self.prompt_ids_in_choice:
             choice["prompt_token_ids"] = self.prompt_ids if final else self.prompt_ids_once()
         return choice
@@ -97,8 +111,14 @@ class ResponseShaper:
         if not out.new_token_ids and not out.text_delta and not out.finished:
             return None
         self.num_generated += len(out.new_token_ids)
-        choice = self.choice(out.text_delta, self.logprobs(out), out.finish_reason if out.finished else None,
-                             out.stop_reason if out.finished else None, list(out.new_token_ids), final=False)
+        choice = self.choice(
+            out.text_delta,
+            self.logprobs(out),
+            out.finish_reason if out.finished else None,
+            out.stop_reason if out.finished else None,
+            list(out.new_token_ids),
+            final=False,
+        )
         chunk = {**self.head(self.chunk_object_name), "choices": [choice]}
         if not self.prompt_ids_in_choice:
             chunk["prompt_token_ids"] = self.prompt_ids_once()
@@ -115,10 +135,16 @@ class ResponseShaper:
         if self.num_logprobs is not None:
             parts = [self.delta_logprobs(o) for o in outputs]
             logprobs = {key: [v for p in parts for v in p[key]] for key in parts[0]}
-        choice = self.choice("".join(o.text_delta for o in outputs), logprobs, last.finish_reason, last.stop_reason,
-                             ids, final=True)
-        return {**self.head(self.object_name), "choices": [choice], "usage": self.usage(),
-                "system_fingerprint": None, "prompt_token_ids": self.prompt_ids}
+        choice = self.choice(
+            "".join(o.text_delta for o in outputs), logprobs, last.finish_reason, last.stop_reason, ids, final=True
+        )
+        return {
+            **self.head(self.object_name),
+            "choices": [choice],
+            "usage": self.usage(),
+            "system_fingerprint": None,
+            "prompt_token_ids": self.prompt_ids,
+        }
 
 
 class CompletionShaper(ResponseShaper):
@@ -146,8 +172,12 @@ class CompletionShaper(ResponseShaper):
             tops = [self.top_dict(entry) for entry in out.new_top_logprobs]
         else:  # logprobs=0: the chosen token only
             tops = [{tok: _logprob(lp)} for tok, lp in zip(tokens, out.new_logprobs)]
-        return {"tokens": tokens, "token_logprobs": [_logprob(lp) for lp in out.new_logprobs],
-                "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_logprob(lp) for lp in out.new_logprobs],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 class ChatShaper(ResponseShaper):
@@ -166,8 +196,12 @@ class ChatShaper(ResponseShaper):
         content = []
         tops = out.new_top_logprobs or [[] for _ in out.new_token_ids]
         for token_id, lp, top in zip(out.new_token_ids, out.new_logprobs, tops):
-            content.append({**self._entry(token_id, lp),
-                            "top_logprobs": [self._entry(t, tlp) for t, tlp in top[: self.num_logprobs]]})
+            content.append(
+                {
+                    **self._entry(token_id, lp),
+                    "top_logprobs": [self._entry(t, tlp) for t, tlp in top[: self.num_logprobs]],
+                }
+            )
         return {"content": content}
 
     def _entry(self, token_id: int, lp: float) -> dict:
@@ -175,6 +209,11 @@ class ChatShaper(ResponseShaper):
         return {"token": text, "logprob": _logprob(lp), "bytes": list(text.encode("utf-8"))}
 
     def opening_chunks(self) -> list[dict]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
-                  "token_ids": []}
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": [],
+        }
         return [{**self.head(self.chunk_object_name), "choices": [choice], "prompt_token_ids": self.prompt_ids_once()}]

@@ -34,8 +34,9 @@ class ServingState:
         self.engine = engine
         self.served_name = served_model_name or engine.model_name
         self.model_names = {self.served_name, engine.model_name}
-        self.metrics = ServingMetrics(self.served_name, engine.stats, engine.max_model_len,
-                                      prefix_cache_counters=guard.open_prefix_cache_metrics)
+        self.metrics = ServingMetrics(
+            self.served_name, engine.stats, engine.max_model_len, prefix_cache_counters=guard.open_prefix_cache_metrics
+        )
         self.cache_isolation = CacheIsolation(guard.cache_isolation_mode)  # its secret: this serve job's
         self.renderer = ChatRenderer.for_tokenizer(engine.chat_template, engine.tokenizer)
         self.limits = PromptLimits.of(engine.max_model_len, engine.tokenizer)
@@ -43,8 +44,10 @@ class ServingState:
         self.active: dict[str, EngineStream] = {}
         self.draining = False
         if self.limits.max_chars is not None:
-            logger.info(f"prompts over {self.limits.max_chars:,} characters ({engine.max_model_len} tokens of at most "
-                        f"{self.limits.chars_per_token} characters) are refused before tokenizing")
+            logger.info(
+                f"prompts over {self.limits.max_chars:,} characters ({engine.max_model_len} tokens of at most "
+                f"{self.limits.chars_per_token} characters) are refused before tokenizing"
+            )
 
     @property
     def tokenizer(self):
@@ -56,8 +59,12 @@ class ServingState:
 
     def check_accepting(self) -> None:
         if self.draining:
-            raise ApiError(503, "the server is shutting down and takes no new requests", None,
-                           {"Retry-After": str(int(DRAINING_RETRY_AFTER_S))})
+            raise ApiError(
+                503,
+                "the server is shutting down and takes no new requests",
+                None,
+                {"Retry-After": str(int(DRAINING_RETRY_AFTER_S))},
+            )
 
     def need_tokenizer(self, field: str, what: str) -> Any:
         if self.tokenizer is None:
@@ -86,9 +93,15 @@ class ServingState:
             self.limits.check_tokens(len(ids), field)
         return ids
 
-    async def render_chat(self, messages: Any, add_generation_prompt: bool,
-                          extra: Optional[dict[str, Any]] = None, check_size: bool = True) -> str:
+    async def render_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool,
+        extra: Optional[dict[str, Any]] = None,
+        check_size: bool = True,
+    ) -> str:
         """The chat prompt's text, rendered in a thread; refused first if its contents alone cannot fit."""
+
         def render() -> str:
             if check_size:
                 self.limits.check_messages(messages)

@@ -46,8 +46,9 @@ class EngineStream:
     text (the engine sends token ids only), the metrics clock fed on each delta, and an abort if
     it ends before the engine finished it (a client gone, or a stop string the engine cannot see)."""
 
-    def __init__(self, state: "ServingState", request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 clock: RequestClock):
+    def __init__(
+        self, state: "ServingState", request_id: str, prompt_ids: list[int], params: SamplingParams, clock: RequestClock
+    ):
         self.state = state
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -55,7 +56,9 @@ class EngineStream:
         self.finished = False
         self.closed = False
         tokenizer = state.tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.min_tokens) if tokenizer is not None else None
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, params.stop, params.min_tokens) if tokenizer is not None else None
+        )
         self._gen = state.engine.generate(request_id, prompt_ids, params)
 
     async def next(self) -> Optional[RequestOutput]:
@@ -66,8 +69,9 @@ class EngineStream:
         try:
             out = await self._gen.__anext__()
         except StopAsyncIteration:
-            out = RequestOutput(self.request_id, [], [], [], "", True, "abort", None, len(self.prompt_ids),
-                                self.clock.num_generated)
+            out = RequestOutput(
+                self.request_id, [], [], [], "", True, "abort", None, len(self.prompt_ids), self.clock.num_generated
+            )
         except Exception:
             self.finished = True  # raised by the engine (queue full, dead): nothing of it is left to abort
             self.state.active.pop(self.request_id, None)
@@ -139,8 +143,11 @@ class EventStream(StreamingResponse):
     the client gone (Starlette cancels the sender), or the server cancelling it at shutdown."""
 
     def __init__(self, events: AsyncGenerator[str, None], stream: EngineStream, headers: dict[str, str]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
         self.events = events  # (Starlette's body_iterator, typed there as any async iterable)
         self.engine_stream = stream
 

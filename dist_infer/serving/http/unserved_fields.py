@@ -117,10 +117,14 @@ UNSERVED: dict[str, Unserved] = {
 
 # add_special_tokens, whose default differs by endpoint in vLLM (completions: add a BOS; chat: leave
 # special tokens to the template). Ours: the tokenizer's BOS, unless the rendered prompt starts with it.
-COMPLETIONS_UNSERVED = {**UNSERVED, "add_special_tokens": Unserved("a text prompt always gets the tokenizer's BOS",
-                                                                   (True,))}
-CHAT_UNSERVED = {**UNSERVED, "add_special_tokens": Unserved("no special tokens are added to the template's but "
-                                                            "a missing BOS", (False,))}
+COMPLETIONS_UNSERVED = {
+    **UNSERVED,
+    "add_special_tokens": Unserved("a text prompt always gets the tokenizer's BOS", (True,)),
+}
+CHAT_UNSERVED = {
+    **UNSERVED,
+    "add_special_tokens": Unserved("no special tokens are added to the template's but a missing BOS", (False,)),
+}
 
 
 def first_unserved(body: Mapping[str, Any], table: Mapping[str, Unserved]) -> Optional[tuple[str, str]]:

@@ -82,8 +82,12 @@ class WorkerPool:
     def _running(self) -> ProcessPoolExecutor:
         if self._executor is None:
             logger.info(f"starting {self.processes} worker processes for large bodies and long prompts")
-            self._executor = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_load, initargs=(self._pickled_backend,))
+            self._executor = ProcessPoolExecutor(
+                self.processes,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_load,
+                initargs=(self._pickled_backend,),
+            )
         return self._executor
 
     async def _run(self, fn, *args) -> Any:
@@ -102,8 +106,9 @@ class WorkerPool:
                 self._executor = None
                 executor.shutdown(wait=False, cancel_futures=True)
             logger.error("a worker process died; the next large request starts new ones")
-            raise ApiError(503, "the worker process handling this request died; try again", None,
-                           {"Retry-After": "1"}) from None
+            raise ApiError(
+                503, "the worker process handling this request died; try again", None, {"Retry-After": "1"}
+            ) from None
 
     def warm(self) -> None:
         """Start the workers now, in the background (a server at start-up): a worker's start (its

@@ -90,8 +90,11 @@ class InstanceServer:
                 self.engine.add_request(request_id, message.prompt_token_ids, message.params)
         except RequestError as exc:
             self.engine.call_soon(self.engine.count_rejected)  # the API counts it as seen, not as queued here
-            self.send(StepOutputs([RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc),
-                                                 error_status=400)]))
+            self.send(
+                StepOutputs(
+                    [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc), error_status=400)]
+                )
+            )
 
     def _call(self, call_id: int, op: MigrationOp) -> None:
         def reply(value: object) -> None:
@@ -104,8 +107,11 @@ class InstanceServer:
 
         if not isinstance(op, MigrationOp) or self.engine.migration is None:
             what = op.name if isinstance(op, MigrationOp) else type(op).__name__
-            return reply(ValueError(f"instance {self.index} takes no call {what!r} "
-                                    f"(a context-parallel instance does not migrate)"))
+            return reply(
+                ValueError(
+                    f"instance {self.index} takes no call {what!r} (a context-parallel instance does not migrate)"
+                )
+            )
         endpoint = self.engine.migration
 
         def run() -> None:
@@ -136,8 +142,12 @@ class InstanceServer:
         key = lambda s: (s.num_requests_running, s.num_requests_waiting, s.requests_added)  # noqa: E731
         now = time.monotonic()
         idle = not stats.num_requests_running and not stats.num_requests_waiting
-        if self._last_stats is None or key(stats) != key(self._last_stats) or idle \
-                or now - self._last_stats_at >= STATS_EVERY_S:
+        if (
+            self._last_stats is None
+            or key(stats) != key(self._last_stats)
+            or idle
+            or now - self._last_stats_at >= STATS_EVERY_S
+        ):
             self.send(stats)
             self._last_stats, self._last_stats_at = stats, now
 

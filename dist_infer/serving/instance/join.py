@@ -68,9 +68,16 @@ def dial_hub(address: tuple, key: bytes, timeout: float) -> Connection:
     return conn
 
 
-def join_hub(address: tuple, key: bytes, index: int, retry: JoinRetry = JoinRetry(),
-             dial: Callable[[tuple, bytes, float], Connection] = dial_hub, clock: Callable[[], float] = time.monotonic,
-             sleep: Callable[[float], None] = time.sleep, rng: Optional[random.Random] = None) -> Connection:
+def join_hub(
+    address: tuple,
+    key: bytes,
+    index: int,
+    retry: JoinRetry = JoinRetry(),
+    dial: Callable[[tuple, bytes, float], Connection] = dial_hub,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: Optional[random.Random] = None,
+) -> Connection:
     """The driver's authenticated connection to the hub, retried (JoinRetry) while the hub is
     unreachable, busy or closes the try; ConnectionError saying how long it tried and why the
     last try failed. A hub that does not hold the key (AuthenticationError) is not retried."""
@@ -88,8 +95,10 @@ def join_hub(address: tuple, key: bytes, index: int, retry: JoinRetry = JoinRetr
         pause = retry_pause(tries, retry, rng)
         spent = clock() - began
         if spent + pause >= retry.budget_s:
-            raise ConnectionError(f"instance {index}: could not join the API's hub at {where} in {spent:.1f} s "
-                                  f"({tries} tries, up to {retry.budget_s:g} s); the last failed with {last}") from None
+            raise ConnectionError(
+                f"instance {index}: could not join the API's hub at {where} in {spent:.1f} s "
+                f"({tries} tries, up to {retry.budget_s:g} s); the last failed with {last}"
+            ) from None
         logger.info(f"instance {index}: joining the hub at {where} failed ({last}); trying again in {pause:.2f} s")
         sleep(pause)
 
@@ -99,7 +108,9 @@ def hub_to_join(join: Optional[str], key_file: Optional[str]) -> tuple[tuple, by
     host, _, port = (join or "").rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [IPv6]:PORT
     if not host or not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(f"--join {join!r}: expected HOST:PORT with a port in 1..65535 (the hub address the server logs)")
+        raise ValueError(
+            f"--join {join!r}: expected HOST:PORT with a port in 1..65535 (the hub address the server logs)"
+        )
     key = os.environ.get(HUB_KEY_ENV)
     if not key and key_file:
         key = Path(key_file).read_text().strip()
@@ -117,7 +128,7 @@ def share_hub_address(world, address: Optional[tuple], key: Optional[bytes]) -> 
         if key is None:
             raise ValueError("share_hub_address: the hub's address comes with its key")
         raw = json.dumps({"host": address[0], "port": address[1], "key": key.decode()}).encode()
-        buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     if world.size > 1:
         world.broadcast(buf, 0)
     info = json.loads(bytes(buf[buf != 0].tolist()).decode())
@@ -162,7 +173,14 @@ def block_bytes(stage, block_size: int) -> int:
     import torch
 
     cfg = stage.cfg
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=stage.dtype).element_size()
+    return (
+        cfg.num_layers
+        * 2
+        * block_size
+        * cfg.num_kv_heads
+        * cfg.head_dim
+        * torch.empty((), dtype=stage.dtype).element_size()
+    )
 
 
 def run_instance(engine, index: int, address: tuple, key: bytes, hello) -> None:

@@ -30,8 +30,15 @@ Redispatch = Callable[[str, str], None]  # (request id, why): send a request who
 class MigrationControl:
     """Moves requests between instances; keeps what each migration did (outcomes, downtimes)."""
 
-    def __init__(self, fleet: FleetState, control: ControlLoop, calls: InstanceCalls, router: Router,
-                 config: FleetConfig, redispatch: Redispatch):
+    def __init__(
+        self,
+        fleet: FleetState,
+        control: ControlLoop,
+        calls: InstanceCalls,
+        router: Router,
+        config: FleetConfig,
+        redispatch: Redispatch,
+    ):
         self.fleet, self.control, self.calls, self.router = fleet, control, calls, router
         self.migrate_interval, self.migration_timeout = config.migrate_interval, config.migration_timeout
         self.cooldown_s = config.cooldown
@@ -56,8 +63,9 @@ class MigrationControl:
             except OSError:
                 pass
 
-    async def migrate(self, request_id: str, src: int, dst: int, reason: str, mode: str = "live",
-                      max_stages: int = MAX_STAGES) -> MigrationResult:
+    async def migrate(
+        self, request_id: str, src: int, dst: int, reason: str, mode: str = "live", max_stages: int = MAX_STAGES
+    ) -> MigrationResult:
         """(control loop) Move one request; what happened is counted and kept in `history`."""
         fleet, mid = self.fleet, secrets.randbits(62)
         with fleet.lock:
@@ -100,7 +108,8 @@ class MigrationControl:
         """(lock held) A request on its way to `dst` counts in its load until the move is over, so
         moves chosen in the same instant spread out instead of all picking the same instance."""
         self.fleet.instances[dst].incoming[request_id] = self.fleet.blocks_at_full_length(
-            len(rec.progress.prompt_token_ids), rec.progress.params.max_new_tokens)
+            len(rec.progress.prompt_token_ids), rec.progress.params.max_new_tokens
+        )
 
     def hand_to_decode(self, request_id: str, src: int) -> None:
         """(control loop) A request has its first token on a prefill instance: move it, KV and all,
@@ -113,8 +122,9 @@ class MigrationControl:
             if rec.owner != src or rec.moving is not None:
                 rec.pd_next = time.monotonic() + PD_RETRY_S  # moved or moving meanwhile: looked at again later
                 return
-            dst = self.router.choose(len(rec.progress.prompt_token_ids), rec.progress.params,
-                                     (Role.DECODE, Role.MIXED), queued=False)
+            dst = self.router.choose(
+                len(rec.progress.prompt_token_ids), rec.progress.params, (Role.DECODE, Role.MIXED), queued=False
+            )
             if dst is None or dst == src:
                 rec.pd_next = time.monotonic() + PD_RETRY_S
                 return

@@ -81,8 +81,9 @@ class MigrationOrder:
     max_stages: int = MAX_STAGES
 
 
-async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder, on_moved: Moved,
-                  timeout: float = CALL_TIMEOUT_S) -> MigrationResult:
+async def migrate(
+    calls: InstanceCalls, fleet: FleetState, order: MigrationOrder, on_moved: Moved, timeout: float = CALL_TIMEOUT_S
+) -> MigrationResult:
     """Make `order` through `calls` (the instances' drivers); `on_moved` once the destination has
     the request, before the source lets go of it."""
     mid, request_id, src, dst = order.migration_id, order.request_id, order.src, order.dst
@@ -90,8 +91,9 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
     started = time.perf_counter()
 
     def stage_done(inst: int, stage: int):
-        return calls.wait_stage(inst, mid, stage, timeout, SOURCE_FAILED if inst == src else DEST_FAILED,
-                                watch=(src, dst))
+        return calls.wait_stage(
+            inst, mid, stage, timeout, SOURCE_FAILED if inst == src else DEST_FAILED, watch=(src, dst)
+        )
 
     reserved = committing = False
     pause_at = paused_at = posted_at = 0.0
@@ -102,8 +104,12 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
         reserved = True  # from here on a failure cancels on the destination (a no-op if it reserved nothing;
         # a reserve that answers too late is undone by the cancel queued behind it)
         live = order.mode == "live"
-        held = await calls.call(dst, ReserveIn(mid, calls.peer(src), info["blocks"] + FEW_BLOCKS if live else 0,
-                                               info.get("hashes", [])), timeout, DEST_FAILED)
+        held = await calls.call(
+            dst,
+            ReserveIn(mid, calls.peer(src), info["blocks"] + FEW_BLOCKS if live else 0, info.get("hashes", [])),
+            timeout,
+            DEST_FAILED,
+        )
         while live and stage < order.max_stages:
             first, count = await calls.call(src, SendOut(mid, stage, held), timeout)
             if count == 0 and stage > 0:
@@ -138,8 +144,11 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
         # to the destination's that it has taken it over; the wait for the source's current step
         # before that is not downtime (the request is computing its next token in it)
         result.downtime_s = time.perf_counter() - paused_at
-        phases = {"pause": 1e3 * (paused_at - pause_at), "transfer": 1e3 * (posted_at - paused_at),
-                  "commit": 1e3 * (time.perf_counter() - posted_at)}
+        phases = {
+            "pause": 1e3 * (paused_at - pause_at),
+            "transfer": 1e3 * (posted_at - paused_at),
+            "commit": 1e3 * (time.perf_counter() - posted_at),
+        }
         result.phases_ms = phases
         result.stages, result.blocks, result.held_blocks = stage + 1, sent, held
         result.bytes = sent * fleet.block_bytes
@@ -151,14 +160,18 @@ async def migrate(calls: InstanceCalls, fleet: FleetState, order: MigrationOrder
             logger.warning(f"migration {mid}: the source did not release {request_id}'s blocks: {exc}")
     result.total_s = time.perf_counter() - started
     if result.outcome == MigrationOutcome.OK:
-        logger.info(f"migrated {request_id} instance {src} -> {dst} ({order.reason}): {result.blocks} blocks "
-                    f"({result.held_blocks} held there already) in "
-                    f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
-                    f"{phases['transfer']:.1f}, commit {phases['commit']:.1f}), total "
-                    f"{result.total_s * 1e3:.0f} ms")
+        logger.info(
+            f"migrated {request_id} instance {src} -> {dst} ({order.reason}): {result.blocks} blocks "
+            f"({result.held_blocks} held there already) in "
+            f"{result.stages} stage(s), downtime {result.downtime_s * 1e3:.1f} ms (transfer "
+            f"{phases['transfer']:.1f}, commit {phases['commit']:.1f}), total "
+            f"{result.total_s * 1e3:.0f} ms"
+        )
     else:
-        logger.info(f"migration of {request_id} instance {src} -> {dst} ({order.reason}) did not happen: "
-                    f"{result.outcome}: {result.message}")
+        logger.info(
+            f"migration of {request_id} instance {src} -> {dst} ({order.reason}) did not happen: "
+            f"{result.outcome}: {result.message}"
+        )
     return result
 
 
@@ -178,4 +191,3 @@ async def _undo(calls: InstanceCalls, mid: int, src: int, dst: int, reserved: bo
     for outcome in await asyncio.gather(*undo, return_exceptions=True):
         if isinstance(outcome, BaseException):
             logger.warning(f"undoing migration {mid}: {outcome}")
-

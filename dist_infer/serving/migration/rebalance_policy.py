@@ -39,9 +39,15 @@ class PlannedMove:
     reason: str
 
 
-def plan_moves(loads: list[InstanceLoad], candidates: dict[int, list[MoveCandidate]], busy: set[int],
-               cooling: set[str], draining: set[int], out_below: float = OUT_BELOW,
-               in_above: float = IN_ABOVE) -> list[PlannedMove]:
+def plan_moves(
+    loads: list[InstanceLoad],
+    candidates: dict[int, list[MoveCandidate]],
+    busy: set[int],
+    cooling: set[str],
+    draining: set[int],
+    out_below: float = OUT_BELOW,
+    in_above: float = IN_ABOVE,
+) -> list[PlannedMove]:
     """This round's migrations. `candidates[i]`: the requests on instance i; `busy`: instances in
     a migration already; `cooling`: requests that moved recently; `draining`: instances to empty."""
     by_index = {x.index: x for x in loads}
@@ -53,8 +59,10 @@ def plan_moves(loads: list[InstanceLoad], candidates: dict[int, list[MoveCandida
     taken: set[int] = set()
     for src in sources:
         reason = "drain" if src.index in draining else ("queue" if src.waiting else "load")
-        pick = sorted((c for c in candidates.get(src.index, []) if c.request_id not in cooling),
-                      key=lambda c: (c.running, c.blocks))
+        pick = sorted(
+            (c for c in candidates.get(src.index, []) if c.request_id not in cooling),
+            key=lambda c: (c.running, c.blocks),
+        )
         for dst in dests:
             if dst.index in taken or dst.index == src.index:
                 continue

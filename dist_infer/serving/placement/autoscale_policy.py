@@ -141,11 +141,19 @@ class AutoscalePolicy:
         decision = None
         if up is not None:
             decision = Decision(s.now, "up", up, fleet)
-        elif (low_since is not None and fleet > self.min_instances and s.starting == 0  # (set: it is low)
-              and s.now - low_since >= self.low_for_s):
-            decision = Decision(s.now, "down", f"p90 latency under {self.low_water:g} x the SLO, nothing queued and "
-                                               f"{s.running} request(s) running for {s.now - low_since:.0f} s",
-                                fleet)
+        elif (
+            low_since is not None
+            and fleet > self.min_instances
+            and s.starting == 0  # (set: it is low)
+            and s.now - low_since >= self.low_for_s
+        ):
+            decision = Decision(
+                s.now,
+                "down",
+                f"p90 latency under {self.low_water:g} x the SLO, nothing queued and "
+                f"{s.running} request(s) running for {s.now - low_since:.0f} s",
+                fleet,
+            )
         if decision is not None:
             self._last_action, self._low_since = s.now, None
         return decision
@@ -157,7 +165,9 @@ class AutoscalePolicy:
         if slo.ttft_s is not None and s.oldest_wait_s > slo.ttft_s:
             return f"a request has waited {s.oldest_wait_s:.3g} s for its first token (SLO {slo.ttft_s:g} s)"
         if slo.ttft_s is not None and s.predicted_wait_s > slo.ttft_s:
-            return f"the queued prompts predict a {s.predicted_wait_s:.3g} s wait for a first token (SLO {slo.ttft_s:g} s)"
+            return (
+                f"the queued prompts predict a {s.predicted_wait_s:.3g} s wait for a first token (SLO {slo.ttft_s:g} s)"
+            )
         if slo.tpot_s is not None and s.tpot_p90 is not None and s.tpot_p90 > slo.tpot_s:
             return f"p90 time per output token {s.tpot_p90 * 1e3:.3g} ms over the SLO's {slo.tpot_s * 1e3:g} ms"
         return None

@@ -42,7 +42,9 @@ class Autoscaler:
         decision = self.policy.decide(sample)
         self._note_rank_bound(sample)
         if decision is not None:
-            threading.Thread(target=self.act, args=(decision,), daemon=True, name=f"autoscale-{decision.action}").start()
+            threading.Thread(
+                target=self.act, args=(decision,), daemon=True, name=f"autoscale-{decision.action}"
+            ).start()
         return decision
 
     def sample(self, now: float) -> FleetSample:
@@ -53,12 +55,20 @@ class Autoscaler:
         recent = c.latency.p90s(now, self.policy.low_for_s)
         waiting = c.first_token_waits(now)
         backlogs = [x.stats.prefill_backlog_s or 0.0 for x in c.instances if x.accepting]
-        return FleetSample(now=now, serving=len(backlogs),
-                           starting=states.count(InstanceState.STARTING), ttft_p90=ttft, tpot_p90=tpot,
-                           oldest_wait_s=max(waiting, default=0.0), queued=len(waiting), running=c.num_open(),
-                           recent_ttft_p90=recent[0], recent_tpot_p90=recent[1],
-                           predicted_wait_s=min(backlogs, default=0.0),  # where dispatch would put a new one
-                           can_grow=self._next_fits())
+        return FleetSample(
+            now=now,
+            serving=len(backlogs),
+            starting=states.count(InstanceState.STARTING),
+            ttft_p90=ttft,
+            tpot_p90=tpot,
+            oldest_wait_s=max(waiting, default=0.0),
+            queued=len(waiting),
+            running=c.num_open(),
+            recent_ttft_p90=recent[0],
+            recent_tpot_p90=recent[1],
+            predicted_wait_s=min(backlogs, default=0.0),  # where dispatch would put a new one
+            can_grow=self._next_fits(),
+        )
 
     def _next_ranks(self) -> int:
         """The ranks of the instance an up would start: the first stopped one, else one of the layout."""
@@ -79,10 +89,20 @@ class Autoscaler:
         if self.policy.held_back is None or self.at_rank_bound:
             return
         self.at_rank_bound = True
-        outcome = (f"not done: the next instance needs {self._next_ranks()} ranks and "
-                   f"{self.cluster.ranks_free()} are free under --max-ranks; none is started until ranks free up")
-        self.decisions.append({"at": time.time(), "action": "up", "reason": self.policy.held_back, "instance": None,
-                               "instances_before": sample.serving + sample.starting, "outcome": outcome})
+        outcome = (
+            f"not done: the next instance needs {self._next_ranks()} ranks and "
+            f"{self.cluster.ranks_free()} are free under --max-ranks; none is started until ranks free up"
+        )
+        self.decisions.append(
+            {
+                "at": time.time(),
+                "action": "up",
+                "reason": self.policy.held_back,
+                "instance": None,
+                "instances_before": sample.serving + sample.starting,
+                "outcome": outcome,
+            }
+        )
         self.counts["up_at_rank_bound"] += 1
         logger.warning(f"autoscale up: {self.policy.held_back}; {outcome}")
 
@@ -93,8 +113,14 @@ class Autoscaler:
             index, outcome = None, f"not done: {exc}"
         else:
             outcome = "no instance to act on" if index is None else "done"
-        entry = {"at": time.time(), "action": decision.action, "reason": decision.reason, "instance": index,
-                 "instances_before": decision.instances, "outcome": outcome}
+        entry = {
+            "at": time.time(),
+            "action": decision.action,
+            "reason": decision.reason,
+            "instance": index,
+            "instances_before": decision.instances,
+            "outcome": outcome,
+        }
         self.decisions.append(entry)
         self.counts[decision.action if outcome == "done" else f"{decision.action}_failed"] += 1
         log = logger.info if outcome == "done" else logger.warning
@@ -115,7 +141,15 @@ class Autoscaler:
 
     def describe(self) -> dict:
         p = self.policy
-        return {"min": p.min_instances, "max": p.max_instances, "slo": p.slo.describe(), "cooldown_s": p.cooldown_s,
-                "low_water": p.low_water, "low_for_s": p.low_for_s, "low_running": p.low_running,
-                "at_rank_bound": self.at_rank_bound, "decisions": list(self.decisions),
-                "counts": dict(self.counts)}
+        return {
+            "min": p.min_instances,
+            "max": p.max_instances,
+            "slo": p.slo.describe(),
+            "cooldown_s": p.cooldown_s,
+            "low_water": p.low_water,
+            "low_for_s": p.low_for_s,
+            "low_running": p.low_running,
+            "at_rank_bound": self.at_rank_bound,
+            "decisions": list(self.decisions),
+            "counts": dict(self.counts),
+        }

@@ -43,8 +43,9 @@ class RankBudget:
         if need + (held or 0) <= self.limit:
             return
         running = "" if held is None else f" ({held} running)"
-        raise RankBudgetError(f"{what} needs {need} rank{'s' * (need != 1)}; {self.describe()}{running}",
-                              ever_fits=need <= self.limit)
+        raise RankBudgetError(
+            f"{what} needs {need} rank{'s' * (need != 1)}; {self.describe()}{running}", ever_fits=need <= self.limit
+        )
 
     def room(self, held: int) -> int:
         """Ranks still free beside the `held` ones."""
@@ -90,5 +91,6 @@ def slurm_capacity(env: Mapping[str, str]) -> Optional[RankBudget]:
         return None
     per_task = env.get("SRUN_CPUS_PER_TASK") or env.get("SLURM_CPUS_PER_TASK") or "1"
     per_task_n = int(per_task) if per_task.isdigit() and int(per_task) > 0 else 1
-    return RankBudget(max(1, cpus // per_task_n),
-                      f"the default: the Slurm allocation's {cpus} CPUs / {per_task_n} per task")
+    return RankBudget(
+        max(1, cpus // per_task_n), f"the default: the Slurm allocation's {cpus} CPUs / {per_task_n} per task"
+    )

@@ -53,8 +53,9 @@ def keep_ray_on_loopback(address: str) -> None:
     if _host_of(address) not in LOOPBACK:
         return
     if "ray" in sys.modules and RAY_CLUSTER_ENV not in os.environ:
-        logger.warning(f"Ray was imported before --ray-address {address} was seen: if the driver hangs, "
-                       f"export {RAY_CLUSTER_ENV}=0")
+        logger.warning(
+            f"Ray was imported before --ray-address {address} was seen: if the driver hangs, export {RAY_CLUSTER_ENV}=0"
+        )
     os.environ.setdefault(RAY_CLUSTER_ENV, "0")
 
 
@@ -157,8 +158,15 @@ class RaySpawner:
 
     CAPACITY_TTL_S = 1.0  # the cluster's resources are asked at most this often (describe and the autoscaler ask too)
 
-    def __init__(self, argv: list[str], hub: tuple, key: bytes, cpus_per_rank: int = 1, gpus_per_rank: int = 0,
-                 place_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        argv: list[str],
+        hub: tuple,
+        key: bytes,
+        cpus_per_rank: int = 1,
+        gpus_per_rank: int = 0,
+        place_timeout_s: float = 60.0,
+    ):
         self.argv, self.hub, self.key = argv, hub, key
         self.cpus_per_rank, self.gpus_per_rank, self.place_timeout_s = cpus_per_rank, gpus_per_rank, place_timeout_s
         self.runner_class = _runner_class()
@@ -172,16 +180,22 @@ class RaySpawner:
         bundle = {"CPU": float(self.cpus_per_rank)}
         if self.gpus_per_rank:
             bundle["GPU"] = float(self.gpus_per_rank)
-        group = placement_group([dict(bundle) for _ in range(spec.size)], strategy="STRICT_PACK",
-                                name=f"dist-infer-instance-{index}-{os.getpid()}-{time.monotonic_ns()}")
+        group = placement_group(
+            [dict(bundle) for _ in range(spec.size)],
+            strategy="STRICT_PACK",
+            name=f"dist-infer-instance-{index}-{os.getpid()}-{time.monotonic_ns()}",
+        )
         try:
             ray.get(group.ready(), timeout=self.place_timeout_s)
         except Exception as exc:  # noqa: BLE001 - GetTimeoutError, or the group was removed
             ray.util.remove_placement_group(group)
-            raise PlacementError(f"instance {index} ({spec.describe()}): no Ray node had {spec.size} x {bundle} "
-                                 f"free within {self.place_timeout_s:g} s ({exc.__class__.__name__})") from None
-        runner = self.runner_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=0)).remote()
+            raise PlacementError(
+                f"instance {index} ({spec.describe()}): no Ray node had {spec.size} x {bundle} "
+                f"free within {self.place_timeout_s:g} s ({exc.__class__.__name__})"
+            ) from None
+        runner = self.runner_class.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        ).remote()
         command = [sys.executable, "-m", "dist_infer", *instance_argv(self.argv, index, spec, self.hub)]
         env = without_launcher_env(os.environ)
         env[HUB_KEY_ENV] = self.key.decode()

@@ -29,9 +29,24 @@ from dist_infer.topology.network import local_address_towards
 
 # what srun sets for one step's tasks: an srun started from inside a step (say the front end's own,
 # `srun -n 1 --overlap dist-infer serve ...`) must not take them for its own options
-STEP_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEPID",
-                  "SLURM_STEP_", "SLURM_SRUN_COMM_", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_CPU_BIND", "SLURM_DISTRIBUTION",
-                  "SLURM_EXACT", "SLURM_OVERLAP", "SLURM_CPUS_ON_NODE", "SLURM_UMASK", "SLURM_PRIO_PROCESS")
+STEP_VARIABLES = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_GTIDS",
+    "SLURM_TASK_PID",
+    "SLURM_STEPID",
+    "SLURM_STEP_",
+    "SLURM_SRUN_COMM_",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_CPU_BIND",
+    "SLURM_DISTRIBUTION",
+    "SLURM_EXACT",
+    "SLURM_OVERLAP",
+    "SLURM_CPUS_ON_NODE",
+    "SLURM_UMASK",
+    "SLURM_PRIO_PROCESS",
+)
 
 
 class SlurmPlacementError(ValueError):
@@ -41,15 +56,19 @@ class SlurmPlacementError(ValueError):
 def check_allocation(env: Mapping[str, str]) -> str:
     """The allocation's job id, or a SlurmPlacementError saying why instances cannot be placed."""
     if not env.get("SLURM_JOB_ID"):
-        raise SlurmPlacementError("--placement slurm starts each instance as a job step of the allocation it runs in, "
-                                  "and there is none (no $SLURM_JOB_ID): run serve in an sbatch script or under salloc")
+        raise SlurmPlacementError(
+            "--placement slurm starts each instance as a job step of the allocation it runs in, "
+            "and there is none (no $SLURM_JOB_ID): run serve in an sbatch script or under salloc"
+        )
     if shutil.which("srun", path=env.get("PATH")) is None:
         raise SlurmPlacementError("--placement slurm: srun is not on PATH")
     info = discover(env)
     if info is not None and info.world_size > 1:
-        raise SlurmPlacementError(f"--placement slurm runs one front end, and this is rank {info.rank} of "
-                                  f"{info.world_size} ({info.launcher}): run serve once (in the batch script, or "
-                                  f"srun --ntasks 1 --overlap)")
+        raise SlurmPlacementError(
+            f"--placement slurm runs one front end, and this is rank {info.rank} of "
+            f"{info.world_size} ({info.launcher}): run serve once (in the batch script, or "
+            f"srun --ntasks 1 --overlap)"
+        )
     return env["SLURM_JOB_ID"]
 
 
@@ -82,8 +101,21 @@ def srun_command(spec, name: str, instance: list[str]) -> list[str]:
     variables, which the front end passes on.
     --exact: the step takes only the CPUs it asks for, so the next instance's step finds the rest;
     --kill-on-bad-exit: a rank that fails ends the step (the instance dies whole, as a local job)."""
-    return ["srun", "--nodes", "1", "--ntasks", str(spec.size), "--exact", "--kill-on-bad-exit=1",
-            "--job-name", name, sys.executable, "-m", "dist_infer", *instance]
+    return [
+        "srun",
+        "--nodes",
+        "1",
+        "--ntasks",
+        str(spec.size),
+        "--exact",
+        "--kill-on-bad-exit=1",
+        "--job-name",
+        name,
+        sys.executable,
+        "-m",
+        "dist_infer",
+        *instance,
+    ]
 
 
 class SlurmStep(subprocess.Popen):
@@ -107,8 +139,13 @@ class SlurmStep(subprocess.Popen):
 def step_node(job_id: str, name: str, env: Mapping[str, str]) -> Optional[str]:
     """The node of the job's step called `name`, from squeue; None if it is not (yet) listed."""
     try:
-        out = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", job_id, "--format", "%j|%N"], env=dict(env),
-                             capture_output=True, text=True, timeout=5.0).stdout
+        out = subprocess.run(
+            ["squeue", "--steps", "--noheader", "--jobs", job_id, "--format", "%j|%N"],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=5.0,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     for line in out.splitlines():
@@ -131,8 +168,9 @@ class SlurmSpawner:
     def __call__(self, index: int, spec) -> SlurmStep:
         name = f"dist-infer-instance-{index}-{time.monotonic_ns() % 10**9}"  # a restart's step is told apart
         command = srun_command(spec, name, instance_argv(self.argv, index, spec, self.hub))
-        logger.info(f"instance {index} ({spec.describe()}): job step {name} of Slurm job {self.job_id}: "
-                    f"{' '.join(command)}")
+        logger.info(
+            f"instance {index} ({spec.describe()}): job step {name} of Slurm job {self.job_id}: {' '.join(command)}"
+        )
         return SlurmStep(command, self.base, name, self.job_id, self.nodes)
 
     def rank_capacity(self) -> RankBudget:

@@ -32,26 +32,69 @@ from dist_infer.topology.discovery import without_launcher_env
 HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
 HUB_FILE_ENV = "DIST_INFER_HUB_FILE"  # --frontend-only writes its hub's address here for the job's rank 0
 # flags of the API process that an instance started as a job of its own does not take
-API_ONLY_FLAGS = ("--instances", "--host", "--port", "--ready-file", "--nproc", "--dispatch", "--migrate-interval",
-                  "--migration-timeout", "--max-queue", "--served-model-name", "--join", "--instance-index",
-                  "--hub-key-file", "--backend", "--hostfile", "--hub-host", "--max-request-failovers",
-                  "--max-instances", "--max-ranks", "--api-key", "--admin-key", "--allowed-origins",
-                  "--max-body-bytes", "--max-connections", "--header-timeout", "--keep-alive-timeout", "--allowed-hosts",
-                  "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--placement", "--ray-address",
-                  "--auto-restart", "--ray-cpus-per-rank", "--autoscale", "--slo", "--autoscale-cooldown",
-                  "--autoscale-down-after", "--autoscale-window", "--prefix-cache-isolation")
+API_ONLY_FLAGS = (
+    "--instances",
+    "--host",
+    "--port",
+    "--ready-file",
+    "--nproc",
+    "--dispatch",
+    "--migrate-interval",
+    "--migration-timeout",
+    "--max-queue",
+    "--served-model-name",
+    "--join",
+    "--instance-index",
+    "--hub-key-file",
+    "--backend",
+    "--hostfile",
+    "--hub-host",
+    "--max-request-failovers",
+    "--max-instances",
+    "--max-ranks",
+    "--api-key",
+    "--admin-key",
+    "--allowed-origins",
+    "--max-body-bytes",
+    "--max-connections",
+    "--header-timeout",
+    "--keep-alive-timeout",
+    "--allowed-hosts",
+    "--ssl-keyfile",
+    "--ssl-certfile",
+    "--ssl-ca-certs",
+    "--ssl-cert-reqs",
+    "--placement",
+    "--ray-address",
+    "--auto-restart",
+    "--ray-cpus-per-rank",
+    "--autoscale",
+    "--slo",
+    "--autoscale-cooldown",
+    "--autoscale-down-after",
+    "--autoscale-window",
+    "--prefix-cache-isolation",
+)
 API_ONLY_SWITCHES = ("--frontend-only", "--protect-metrics")  # the same, for flags that take no value
 
 
 def instance_argv(argv: list[str], index: int, spec, hub: tuple, drop=API_ONLY_FLAGS) -> list[str]:
     """The command line of a job that runs instance `index` alone and joins the hub: the serve
     command's own model and engine flags, without the API's (pure; unit tested)."""
-    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
+    args = list(argv[argv.index("serve") + 1 :] if "serve" in argv else argv)
     for flag in drop:
         args = strip_flag(args, flag)
     args = [a for a in args if a not in API_ONLY_SWITCHES]
-    return ["serve", *args, "--instances", spec.describe(), "--join", f"{hub[0]}:{hub[1]}",
-            "--instance-index", str(index)]
+    return [
+        "serve",
+        *args,
+        "--instances",
+        spec.describe(),
+        "--join",
+        f"{hub[0]}:{hub[1]}",
+        "--instance-index",
+        str(index),
+    ]
 
 
 class LocalSpawner:
@@ -85,7 +128,7 @@ def start_frontend_child(argv: list[str], hub_host: str, key: bytes, timeout: fl
     """World rank 0 of a launched job: start the front end as a process of its own and wait for its
     hub's address. -> (the process, (host, port))."""
     hub_file = Path(tempfile.mkdtemp(prefix="dist-infer-hub-")) / "hub.json"
-    args = list(argv[argv.index("serve") + 1:] if "serve" in argv else argv)
+    args = list(argv[argv.index("serve") + 1 :] if "serve" in argv else argv)
     command = [sys.executable, "-m", "dist_infer", "serve", *args, "--frontend-only", "--hub-host", hub_host]
     env = without_launcher_env(os.environ)
     env[HUB_KEY_ENV], env[HUB_FILE_ENV] = key.decode(), str(hub_file)

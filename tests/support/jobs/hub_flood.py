@@ -49,8 +49,10 @@ def flood(address: tuple, clients: int, seconds: float, mode: str) -> int:
     until = time.monotonic() + seconds
     counts = [0] * clients
     modes = [("wrongkey" if i % 2 else "close") if mode == "mixed" else mode for i in range(clients)]
-    threads = [threading.Thread(target=_stranger, args=(address, modes[i], until, counts, i), daemon=True)
-               for i in range(clients)]
+    threads = [
+        threading.Thread(target=_stranger, args=(address, modes[i], until, counts, i), daemon=True)
+        for i in range(clients)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -73,9 +75,22 @@ def measure(args) -> dict:
     hub = Hub("127.0.0.1", KEY)
     joined = threading.Event()
     hub.start(lambda conn, hello: joined.set())
-    strangers = subprocess.Popen([sys.executable, __file__, "--flood", f"{hub.address[0]}:{hub.address[1]}",
-                                  "--clients", str(args.clients), "--seconds", str(args.seconds), "--mode", args.mode],
-                                 stdout=subprocess.PIPE, text=True)
+    strangers = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--flood",
+            f"{hub.address[0]}:{hub.address[1]}",
+            "--clients",
+            str(args.clients),
+            "--seconds",
+            str(args.seconds),
+            "--mode",
+            args.mode,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(args.join_at)
     began, error = time.monotonic(), None
     try:
@@ -93,17 +108,30 @@ def measure(args) -> dict:
         data = f.read()
     if not args.log:
         os.unlink(log_path)
-    return {"mode": args.mode, "clients": args.clients, "seconds": args.seconds,
-            "connections": int(out.strip() or 0), "refused": hub.refused, "log_lines": data.count(b"\n"),
-            "log_bytes": len(data), "joined": ok, "join_s": round(join_s, 2), "join_error": error}
+    return {
+        "mode": args.mode,
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "connections": int(out.strip() or 0),
+        "refused": hub.refused,
+        "log_lines": data.count(b"\n"),
+        "log_bytes": len(data),
+        "joined": ok,
+        "join_s": round(join_s, 2),
+        "join_error": error,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the strangers reconnect")
     parser.add_argument("--clients", type=int, default=20, help="strangers reconnecting at once")
-    parser.add_argument("--mode", choices=("wrongkey", "close", "garbage", "silent", "mixed"), default="wrongkey",
-                        help="how each stranger fails the handshake")
+    parser.add_argument(
+        "--mode",
+        choices=("wrongkey", "close", "garbage", "silent", "mixed"),
+        default="wrongkey",
+        help="how each stranger fails the handshake",
+    )
     parser.add_argument("--join-at", type=float, default=5.0, help="seconds into the flood the driver joins")
     parser.add_argument("--log", help="keep the hub's log in this file (default: a temporary file, removed)")
     parser.add_argument("--flood", help="HOST:PORT: be the strangers' process (internal)")

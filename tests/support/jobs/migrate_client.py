@@ -38,8 +38,9 @@ def main() -> None:
                 if move and "migration" not in out and len(ids) >= 3:
                     insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
                     src = next(i["index"] for i in insts if event["id"] in i["requests"])
-                    out["migration"] = httpx.post(url + "/admin/migrate", timeout=120, json={
-                        "request_id": event["id"], "to_instance": 1 - src}).json()
+                    out["migration"] = httpx.post(
+                        url + "/admin/migrate", timeout=120, json={"request_id": event["id"], "to_instance": 1 - src}
+                    ).json()
         return ids
 
     out["moved"] = stream(True)

@@ -54,7 +54,7 @@ def reference(q, k, v, q_pos, k_pos, causal, q_seq=None, k_seq=None):
     """fp64 attention by the definition: query i sees key j iff same sequence and (not causal or pos_j <= pos_i)."""
     g = q.shape[1] // k.shape[1]
     kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * HEAD_DIM ** -0.5
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * HEAD_DIM**-0.5
     keep = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
     if causal:
         keep &= torch.tensor(q_pos)[:, None] >= torch.tensor(k_pos)[None, :]
@@ -155,9 +155,11 @@ def time_ring(cp, tokens: int, device: str, dtype: torch.dtype) -> None:
     cp.all_gather(everyone, mine)
     if cp.rank == 0:
         for r, (w, c, f) in enumerate(everyone.tolist()):
-            print(f"cp rank {r}: {tokens} tokens over cp={cp.size}, {device} {dtype}: one ring {w * 1e3:.0f} ms wall, "
-                  f"{c * 1e3:.0f} ms CPU, {f / 1e9:.1f} GFLOP -> {f / w / 1e12:.4f} TFLOP/s of wall, "
-                  f"{f / c / 1e12:.4f} TFLOP/s of CPU time")
+            print(
+                f"cp rank {r}: {tokens} tokens over cp={cp.size}, {device} {dtype}: one ring {w * 1e3:.0f} ms wall, "
+                f"{c * 1e3:.0f} ms CPU, {f / 1e9:.1f} GFLOP -> {f / w / 1e12:.4f} TFLOP/s of wall, "
+                f"{f / c / 1e12:.4f} TFLOP/s of CPU time"
+            )
 
 
 def main() -> int:
@@ -191,7 +193,7 @@ def main() -> int:
             for causal in (True, False):
                 for dtype in (torch.float64, torch.float32):
                     cases += fresh_case(cp, seq_lens, causal, dtype, rope)
-        for cached, new in ([(50, 13)] if args.quick else [(50, 13), (96, 7), (3, 40)]):
+        for cached, new in [(50, 13)] if args.quick else [(50, 13), (96, 7), (3, 40)]:
             for dtype in (torch.float64, torch.float32):
                 cases += cached_case(cp, cached, new, dtype)
         world.barrier()

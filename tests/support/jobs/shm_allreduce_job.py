@@ -19,8 +19,10 @@ from dist_infer.parallel.ring.lse import merge_across_ranks, merge_many
 from dist_infer.topology import Layout, Mesh
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "shm"
-KIND, FLAG, IN_FLIGHT = {"shm": (ShmAllReduceCommunicator, "auto", NBUF),
-                         "socket": (SocketLinksCommunicator, "socket", 16)}[MODE]
+KIND, FLAG, IN_FLIGHT = {
+    "shm": (ShmAllReduceCommunicator, "auto", NBUF),
+    "socket": (SocketLinksCommunicator, "socket", 16),
+}[MODE]
 world = init_world("gloo", timeout=60)
 n = world.size
 groups = build_groups(world, Mesh.build(Layout(tp=n), n), FLAG)
@@ -85,7 +87,7 @@ h1 = tp.all_reduce(other, async_op=True)
 h2 = tp.reduce_scatter(mine, full, async_op=True)
 h2.wait()
 h1.wait()
-assert torch.equal(mine, expected(6 * n, 13, torch.float32)[6 * me:6 * (me + 1)]), "reduce_scatter chunk wrong"
+assert torch.equal(mine, expected(6 * n, 13, torch.float32)[6 * me : 6 * (me + 1)]), "reduce_scatter chunk wrong"
 assert torch.equal(other, expected(50, 14, torch.float32))
 
 # an all-gather among all-reduces in flight

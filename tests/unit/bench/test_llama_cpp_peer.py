@@ -47,7 +47,7 @@ BATCHED_JSONL = (
     '{"n_kv_max": 512, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, '
     '"n_threads": 2, "n_threads_batch": 2, "pp": 8, "tg": 4, "pl": 2, "n_kv": 24, "t_pp": 1.156029, '
     '"speed_pp": 13.840484, "t_tg": 0.965592, "speed_tg": 8.285072, "t": 2.121621, "speed": 11.312104}\n'
-    '\n'
+    "\n"
 )
 
 VERSION = "version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0 for Linux x86_64\n"
@@ -76,10 +76,41 @@ def test_parse_version():
 
 def test_argv():
     assert bench_argv("llama-bench", "m.gguf", 128, 32, 2, 3) == [
-        "llama-bench", "-m", "m.gguf", "-p", "128", "-n", "32", "-t", "2", "-r", "3", "-o", "json"]
+        "llama-bench",
+        "-m",
+        "m.gguf",
+        "-p",
+        "128",
+        "-n",
+        "32",
+        "-t",
+        "2",
+        "-r",
+        "3",
+        "-o",
+        "json",
+    ]
     assert batched_argv("llama-batched-bench", "m.gguf", 4, 128, 32, 8, 2) == [
-        "llama-batched-bench", "-m", "m.gguf", "-c", "640", "-b", "2048", "-ub", "512", "-npp", "128,128",
-        "-ntg", "32", "-npl", "4", "-t", "8", "--output-format", "jsonl"]
+        "llama-batched-bench",
+        "-m",
+        "m.gguf",
+        "-c",
+        "640",
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        "128,128",
+        "-ntg",
+        "32",
+        "-npl",
+        "4",
+        "-t",
+        "8",
+        "--output-format",
+        "jsonl",
+    ]
     assert (llama_repeats(1), llama_repeats(5)) == (3, 5)
     assert "llama.cpp" in COMPARABLE and parse_compare("hf, llama.cpp") == ["hf", "llama.cpp"]
 
@@ -102,8 +133,10 @@ def _stand_in(tmp_path: Path, name: str, stdout: str, rc: int = 0) -> Path:
     """A script named like the binary: prints the recorded output (and the version to stderr)."""
     (tmp_path / "out.txt").write_text(stdout)
     script = tmp_path / name
-    script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then printf "{VERSION}" >&2; exit 0; fi\n'
-                      f'cat {tmp_path / "out.txt"}\nexit {rc}\n')
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = --version ]; then printf "{VERSION}" >&2; exit 0; fi\n'
+        f"cat {tmp_path / 'out.txt'}\nexit {rc}\n"
+    )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
 
@@ -118,7 +151,9 @@ def test_whole_peer_through_stand_in(tmp_path):
     assert m["versions"]["llama.cpp"].startswith("0.5.0-dev") and m["command"].endswith("-r 3 -o json")
     exe = _stand_in(tmp_path, BATCHED, BATCHED_JSONL)
     m = run_llama_cpp(str(gguf), 2, 8, 4, threads=2, repeats=2, timeout_s=10, which=lambda name: str(exe))
-    assert m["ok"] is True and m["ttft_s"] == pytest.approx(16 / 17.371044) and m["tpot_s"] == pytest.approx(2 / 8.285072)
+    assert (
+        m["ok"] is True and m["ttft_s"] == pytest.approx(16 / 17.371044) and m["tpot_s"] == pytest.approx(2 / 8.285072)
+    )
     exe = _stand_in(tmp_path, BATCHED, "error: unable to load model\n", rc=1)
     m = run_llama_cpp(str(gguf), 2, 8, 4, threads=2, timeout_s=10, which=lambda name: str(exe))
     assert m["ok"] is False and "exited with code 1" in m["error"] and "unable to load model" in m["stderr_tail"]

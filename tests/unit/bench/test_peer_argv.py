@@ -35,7 +35,8 @@ def test_variant_peers_are_refused_where_they_compare_nothing():
     assert variant_refusal(SimpleNamespace(ladder_residual=None), "ladder") is None
     assert "needs --max-batched-tokens" in variant_refusal(SimpleNamespace(max_batched_tokens=None), "layered")
     assert "without --prefill-schedule layered" in variant_refusal(
-        SimpleNamespace(prefill_schedule="layered", max_batched_tokens=64), "layered")
+        SimpleNamespace(prefill_schedule="layered", max_batched_tokens=64), "layered"
+    )
     assert variant_refusal(SimpleNamespace(prefill_schedule="chunked", max_batched_tokens=64), "layered") is None
 
 
@@ -50,6 +51,22 @@ def test_the_hf_peer_runs_where_and_in_the_dtype_ours_did(tmp_path):
     hf = peer_argv("hf", "/m", 1, 1, 8, 2, "/o.json", 1, device="cuda", dtype="bfloat16")
     assert hf[-4:] == ["--device", "cuda", "--dtype", "bfloat16"]
     out = tmp_path / "o.json"
-    rc = main(["--peer", "deepspeed", "--model", "/m", "--batch", "1", "--prompt-len", "8", "--gen-len", "2",
-               "--json-out", str(out), "--dtype", "bfloat16"])
+    rc = main(
+        [
+            "--peer",
+            "deepspeed",
+            "--model",
+            "/m",
+            "--batch",
+            "1",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "2",
+            "--json-out",
+            str(out),
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     assert rc == 2 and "fp32 on the CPU only" in json.loads(out.read_text())["error"]

@@ -32,8 +32,11 @@ def test_serve_refuses_a_start_up_fleet_past_the_budget_before_anything_starts()
 
     args = SimpleNamespace(max_ranks=None, frontend_only=False, autoscale=None, slo=None)
     spawn = SimpleNamespace(rank_capacity=lambda: local_capacity(2))  # a placement that only says what it holds
-    with pytest.raises(RankBudgetError, match=r"^--instances 'tp=2; tp=1' needs 3 ranks; --max-ranks is 2, the "
-                                              r"default: this host's 2 usable cores$"):
+    with pytest.raises(
+        RankBudgetError,
+        match=r"^--instances 'tp=2; tp=1' needs 3 ranks; --max-ranks is 2, the "
+        r"default: this host's 2 usable cores$",
+    ):
         rank_capacity_for(args, spawn, [InstanceSpec(2), InstanceSpec(1)])
     assert rank_capacity_for(args, spawn, [InstanceSpec(2)])().limit == 2, "the placement's, asked at each start"
     args.max_ranks = 3
@@ -42,15 +45,35 @@ def test_serve_refuses_a_start_up_fleet_past_the_budget_before_anything_starts()
     assert rank_capacity_for(args, spawn, [InstanceSpec(4)])().limit == 3
 
 
-@pytest.mark.parametrize("flags, figure", [
-    ([], "--max-ranks is {cores}, the default: this host's {cores} usable cores"),
-    (["--max-ranks", "8"], "--max-ranks is 8"),
-])
+@pytest.mark.parametrize(
+    "flags, figure",
+    [
+        ([], "--max-ranks is {cores}, the default: this host's {cores} usable cores"),
+        (["--max-ranks", "8"], "--max-ranks is 8"),
+    ],
+)
 def test_serve_with_a_fleet_past_max_ranks_exits_2_naming_it_and_starts_no_instance(flags, figure):
     from dist_infer.topology.cores import usable_cores
 
-    run = subprocess.run([sys.executable, "-m", "dist_infer", "serve", "--model", "tiny", "--instances", "tp=99999",
-                          "--port", "0", *flags], env=checkout_env(), capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dist_infer",
+            "serve",
+            "--model",
+            "tiny",
+            "--instances",
+            "tp=99999",
+            "--port",
+            "0",
+            *flags,
+        ],
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     assert f"needs 99999 ranks; {figure.format(cores=usable_cores())}" in run.stderr, run.stderr[-3000:]
     assert "instance 0:" not in run.stderr, "no instance's job was started"

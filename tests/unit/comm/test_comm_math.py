@@ -60,12 +60,12 @@ def simulate(op, cases):
             total = torch.zeros_like(srcs[0])
             for s in srcs:
                 total += s
-            out.copy_(total[me * chunk:(me + 1) * chunk].reshape(out.shape))
+            out.copy_(total[me * chunk : (me + 1) * chunk].reshape(out.shape))
         elif op == "all_to_all":
             pieces = []
             for src in range(n):
                 start = sum(cases[src].in_splits[:me])
-                pieces.append(srcs[src][start:start + cases[src].in_splits[me]])
+                pieces.append(srcs[src][start : start + cases[src].in_splits[me]])
             assert [p.shape[0] for p in pieces] == case.out_splits
             out.copy_(torch.cat(pieces))
         elif op == "broadcast":

@@ -87,8 +87,14 @@ def test_bf16_and_int_dtypes(world):
 def test_batch_p2p_with_itself(world):
     a, b = torch.arange(4.0), torch.arange(4.0) * 10
     ra, rb = torch.zeros(4), torch.zeros(2, 2)
-    h = world.batch_isend_irecv([P2POp("send", a, 0, tag=1), P2POp("send", b, 0, tag=2),
-                                 P2POp("recv", rb, 0, tag=2), P2POp("recv", ra, 0, tag=1)])
+    h = world.batch_isend_irecv(
+        [
+            P2POp("send", a, 0, tag=1),
+            P2POp("send", b, 0, tag=2),
+            P2POp("recv", rb, 0, tag=2),
+            P2POp("recv", ra, 0, tag=1),
+        ]
+    )
     h.wait(5)
     assert h.is_completed()
     assert torch.equal(ra, a) and torch.equal(rb.view(-1), b)

@@ -64,8 +64,9 @@ def _links(size: int, timeout: float = 10.0) -> Iterator[list[SocketLinksCommuni
     """A connected group of `size` threads' communicators, closed after the block."""
     group = _ThreadGroup(size)
     with ThreadPoolExecutor(size) as pool:
-        comms = list(pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1"),
-                              range(size)))
+        comms = list(
+            pool.map(lambda r: SocketLinksCommunicator(_ThreadInner(group, r, timeout), "127.0.0.1"), range(size))
+        )
     try:
         yield comms
     finally:
@@ -123,8 +124,12 @@ def test_a_stranger_during_set_up_is_refused_and_the_group_still_forms(monkeypat
 
 def test_the_handshake():
     key = b"k" * 32
-    cases = {HELLO + key + struct.pack("<i", 2): 2, HELLO + b"x" * 32 + struct.pack("<i", 2): -1,
-             b"GET / HTTP/1.1\r\n" + b"\0" * 40: -1, HELLO[:5]: -1}
+    cases = {
+        HELLO + key + struct.pack("<i", 2): 2,
+        HELLO + b"x" * 32 + struct.pack("<i", 2): -1,
+        b"GET / HTTP/1.1\r\n" + b"\0" * 40: -1,
+        HELLO[:5]: -1,
+    }
     for sent, want in cases.items():
         a, b = socket.socketpair()
         try:
@@ -161,19 +166,20 @@ def test_a_part_is_taken_when_posted():
     """The caller may overwrite its tensor after an async post, or reduce-scatter into its own
     chunk of the input: the sum uses what was posted."""
     with _links(3) as comms:
+
         def body(c):
             full = torch.arange(6, dtype=torch.float32) + 10 * c.rank
-            handle = c.reduce_scatter(full[2 * c.rank:2 * c.rank + 2], full, async_op=True)
+            handle = c.reduce_scatter(full[2 * c.rank : 2 * c.rank + 2], full, async_op=True)
             other = torch.full((4,), float(c.rank))
             h2 = c.all_reduce(other, async_op=True)
             other.fill_(100.0)  # after the post: not what the others get
             handle.wait()
             h2.wait()
-            return full[2 * c.rank:2 * c.rank + 2].clone(), other
+            return full[2 * c.rank : 2 * c.rank + 2].clone(), other
 
         want = sum(torch.arange(6, dtype=torch.float32) + 10 * r for r in range(3))
         for rank, (chunk, other) in enumerate(_each(comms, body)):
-            assert torch.equal(chunk, want[2 * rank:2 * rank + 2])
+            assert torch.equal(chunk, want[2 * rank : 2 * rank + 2])
             assert torch.equal(other, torch.full((4,), 3.0))
 
 
@@ -209,8 +215,9 @@ def test_sends_past_the_buffers_read_the_peer_meanwhile(monkeypatch):
     waits: each blocked send reads what the other sent, so neither waits forever."""
     sent_the_slow_way = []
     send = SocketLinksCommunicator._send
-    monkeypatch.setattr(SocketLinksCommunicator, "_send",
-                        lambda self, *a: (sent_the_slow_way.append(self.rank), send(self, *a))[1])
+    monkeypatch.setattr(
+        SocketLinksCommunicator, "_send", lambda self, *a: (sent_the_slow_way.append(self.rank), send(self, *a))[1]
+    )
 
     def body(c):
         c.budget = 1 << 40

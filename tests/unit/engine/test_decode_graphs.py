@@ -113,6 +113,7 @@ def host_reads_forbidden():
             if not caller.startswith("triton"):
                 raise AssertionError(f"host read inside the decode step: Tensor.{name} from {caller}")
             return original(*args, **kwargs)
+
         return call
 
     for owner, name, original in saved:
@@ -139,8 +140,11 @@ def test_a_bucketed_step_reads_nothing_back(checkpoints, world, kernels):
         if not triton_interpreting():
             pytest.skip("the Triton kernels take CPU tensors in Triton's interpreter only (tests/conftest.py)")
         use_gpu_kernels(stage, load_gpu_kernels())
-    engine = Engine(stage, world, EngineConfig(block_size=16, num_blocks=16, max_num_seqs=4,
-                                        worker=WorkerOptions(cuda_graphs="padded")))
+    engine = Engine(
+        stage,
+        world,
+        EngineConfig(block_size=16, num_blocks=16, max_num_seqs=4, worker=WorkerOptions(cuda_graphs="padded")),
+    )
     graphs = engine.worker.graphs
     step = graphs.prepare([5, 6, 7], [40, 9, 70], [[0, 1, 2], [3], [4, 5, 6, 7, 8]])
     assert step.bucket == 4 and step.rows == 3

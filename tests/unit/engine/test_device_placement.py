@@ -42,16 +42,32 @@ _NO_FAKE_CUDA = load_fake_cuda_guard()  # None: fake CUDA tensors index and move
 pytestmark = pytest.mark.skipif(_NO_FAKE_CUDA is not None, reason=str(_NO_FAKE_CUDA))
 
 FIXED_TOKEN = 5
-_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=128, max_position_embeddings=128, eos_token_id=2, rope_theta=10000.0)
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=128,
+    eos_token_id=2,
+    rope_theta=10000.0,
+)
 FAMILIES = {
     "llama-gqa": dict(model_type="llama"),
     "llama-tied-mqa": dict(model_type="llama", tie_word_embeddings=True, num_key_value_heads=1),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
-    "qwen2-moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, mlp_only_layers=[0]),  # a dense layer first, then experts
-    "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True),
+    "qwen2-moe": dict(
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+    ),  # a dense layer first, then experts
+    "qwen3-moe": dict(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
 }
 # name -> (layout, worker options)
 LAYOUTS = {
@@ -66,9 +82,11 @@ LAYOUTS = {
     "cp2-pass-q": (Layout(cp=2), {"cp_variant": "pass-q"}),
 }
 DENSE_CASES = [("llama-gqa", name) for name in LAYOUTS if name != "ep2"] + [
-    ("llama-tied-mqa", name) for name in ("tp1", "tp2", "pp2")]
-MOE_CASES = [(family, name) for family in ("mixtral", "qwen2-moe", "qwen3-moe")
-             for name in ("tp1", "tp2", "pp2", "ep2", "cp2")]
+    ("llama-tied-mqa", name) for name in ("tp1", "tp2", "pp2")
+]
+MOE_CASES = [
+    (family, name) for family in ("mixtral", "qwen2-moe", "qwen3-moe") for name in ("tp1", "tp2", "pp2", "ep2", "cp2")
+]
 PROMPTS = [[7, 8, 9, 10, 11, 12], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 # the first request also asks for top logprobs and bans EOS for a while: the sampler's other device paths
 PARAMS = [SamplingParams(max_new_tokens=6, logprobs=2, min_tokens=3)] + [SamplingParams(max_new_tokens=6)] * 2
@@ -90,8 +108,12 @@ class FixedTokenSampler:
             got = getattr(real, name)
             assert got.device == logits.device, f"sampled {name} on {got.device}, the logits on {logits.device}"
         n, k = len(rows), max((r.logprobs for r in rows), default=0)
-        values = (torch.full((n,), FIXED_TOKEN, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
-                  torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k, dtype=torch.float64))
+        values = (
+            torch.full((n,), FIXED_TOKEN, dtype=torch.long),
+            torch.zeros(n, dtype=torch.float64),
+            torch.zeros(n, k, dtype=torch.long),
+            torch.zeros(n, k, dtype=torch.float64),
+        )
         return SampledTokens(*(self.mode.with_values(v, logits.device.type) for v in values))
 
 
@@ -138,8 +160,9 @@ def fake_instance(family: str, layout_name: str, mode: FakeCudaMode, num_blocks:
     for g in groups:
         stage = on_fake_device(build_stage(config(family), g, torch.float32), mode)  # native CPU kernels on: unused
         with mode:
-            settings = EngineConfig(block_size=4, num_blocks=num_blocks, max_batched_tokens=budget,
-                                    worker=WorkerOptions(**options))
+            settings = EngineConfig(
+                block_size=4, num_blocks=num_blocks, max_batched_tokens=budget, worker=WorkerOptions(**options)
+            )
             engines.append(Engine(stage, g, settings, sampler=FixedTokenSampler(mode)))
     for rank, engine in enumerate(engines[1:], 1):
         channel = ("bcast", engine.stage_comm.name) if engine.pp.rank == 0 else ("p2p", "pp", TAG_FORWARD)
@@ -214,7 +237,9 @@ def test_dense_steps_keep_every_tensor_on_the_device(family, layout, problems):
     assert driver.scheduler.num_preemptions >= 1
     assert driver.step_driver.completed_steps > 3
     samplers = [e.sampler for e in engines if e.is_sampler]
-    assert len(samplers) == 1 and samplers[0].calls >= driver.step_driver.completed_steps  # the real sampler ran every step
+    assert (
+        len(samplers) == 1 and samplers[0].calls >= driver.step_driver.completed_steps
+    )  # the real sampler ran every step
 
 
 @pytest.mark.parametrize("family,layout", MOE_CASES)
@@ -228,8 +253,9 @@ def test_moe_steps_reach_the_routing_counts_on_the_device(family, layout, proble
     assert "routing_counts" in frames, frames
 
 
-@pytest.mark.parametrize("family,tp,ep", [("mixtral", 1, 2), ("qwen2-moe", 2, 1), ("qwen2-moe", 1, 2),
-                                          ("qwen3-moe", 2, 2)])
+@pytest.mark.parametrize(
+    "family,tp,ep", [("mixtral", 1, 2), ("qwen2-moe", 2, 1), ("qwen2-moe", 1, 2), ("qwen3-moe", 2, 2)]
+)
 def test_moe_layer_after_its_routing_counts_stays_on_the_device(family, tp, ep):
     """The rest of a sparse layer (dispatch, this rank's experts, combine, shared expert, the ep
     gather) with routing counts given on the host, as the all-gather of real ones would."""
@@ -271,8 +297,9 @@ def test_the_device_path_of_usable_logits_gives_the_host_paths_values():
     """Dead rows (all NaN, all banned) replaced without a host read: the same values as with one."""
     logits = torch.tensor([[1.0, float("nan"), 3.0], [float("nan")] * 3, [0.5, 2.0, -1.0], [4.0, 5.0, 6.0]])
     banned = torch.tensor([[False, False, True], [False, True, False], [True, True, True], [False, False, False]])
-    torch.testing.assert_close(usable_logits(logits, banned, read_host=False), usable_logits(logits, banned,
-                                                                                             read_host=True))
+    torch.testing.assert_close(
+        usable_logits(logits, banned, read_host=False), usable_logits(logits, banned, read_host=True)
+    )
 
 
 def test_the_native_cpu_kernels_serve_host_tensors_only():

@@ -22,42 +22,67 @@ from dist_infer.models.cp_attention import ContextParallelError
 def test_the_defaults_are_the_engines_keywords_defaults():
     """What `Engine(stage, groups)` ran with before the config existed, field by field."""
     assert dataclasses.asdict(EngineConfig()) == {
-        "block_size": 16, "num_blocks": None, "max_batched_tokens": None, "max_num_seqs": 256,
-        "chunked_prefill": True, "watermark": 0.01, "static_batching": False, "itl_target": None,
-        "prefix_caching": False, "prefill_schedule": "chunked", "layer_groups": None, "heartbeat_s": HEARTBEAT_S,
-        "worker": {"overlap": "off", "overlap_threshold": DEFAULT_OVERLAP_THRESHOLD, "sequence_parallel": "off",
-                   "sequence_parallel_threshold": DEFAULT_SEQUENCE_PARALLEL_THRESHOLD, "cp_variant": "auto",
-                   "cuda_graphs": "auto"}}
+        "block_size": 16,
+        "num_blocks": None,
+        "max_batched_tokens": None,
+        "max_num_seqs": 256,
+        "chunked_prefill": True,
+        "watermark": 0.01,
+        "static_batching": False,
+        "itl_target": None,
+        "prefix_caching": False,
+        "prefill_schedule": "chunked",
+        "layer_groups": None,
+        "heartbeat_s": HEARTBEAT_S,
+        "worker": {
+            "overlap": "off",
+            "overlap_threshold": DEFAULT_OVERLAP_THRESHOLD,
+            "sequence_parallel": "off",
+            "sequence_parallel_threshold": DEFAULT_SEQUENCE_PARALLEL_THRESHOLD,
+            "cp_variant": "auto",
+            "cuda_graphs": "auto",
+        },
+    }
     assert HEARTBEAT_S == 2.0 and EngineConfig().itl is None
 
 
-@pytest.mark.parametrize("fields,error,match", [
-    ({"overlap": "sometimes"}, ValueError, "overlap mode must be on, off or auto, got 'sometimes'"),
-    ({"sequence_parallel": "yes"}, ValueError, "sequence-parallel mode must be on, off or auto"),
-    ({"cp_variant": "ring"}, ContextParallelError, "cp variant 'ring' is not one of"),
-    ({"cuda_graphs": "always"}, ValueError, "--cuda-graphs 'always'"),
-    ({"overlap_threshold": 0}, ValueError, r"overlap_threshold \(--overlap-threshold\) must be at least 1, got 0"),
-    ({"sequence_parallel_threshold": -5}, ValueError, r"sequence_parallel_threshold \(--sequence-parallel-threshold\)"),
-])
+@pytest.mark.parametrize(
+    "fields,error,match",
+    [
+        ({"overlap": "sometimes"}, ValueError, "overlap mode must be on, off or auto, got 'sometimes'"),
+        ({"sequence_parallel": "yes"}, ValueError, "sequence-parallel mode must be on, off or auto"),
+        ({"cp_variant": "ring"}, ContextParallelError, "cp variant 'ring' is not one of"),
+        ({"cuda_graphs": "always"}, ValueError, "--cuda-graphs 'always'"),
+        ({"overlap_threshold": 0}, ValueError, r"overlap_threshold \(--overlap-threshold\) must be at least 1, got 0"),
+        (
+            {"sequence_parallel_threshold": -5},
+            ValueError,
+            r"sequence_parallel_threshold \(--sequence-parallel-threshold\)",
+        ),
+    ],
+)
 def test_a_bad_worker_option_is_refused_by_name(fields, error, match):
     with pytest.raises(error, match=match):
         WorkerOptions(**fields)
 
 
-@pytest.mark.parametrize("fields,match", [
-    ({"block_size": 0}, "block_size must be at least 1, got 0"),
-    ({"num_blocks": 0}, "num_blocks must be at least 1"),
-    ({"max_batched_tokens": -1}, "max_batched_tokens must be at least 1"),
-    ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
-    ({"layer_groups": 0}, "layer_groups must be at least 1"),
-    ({"watermark": 1.0}, "watermark must be a fraction"),
-    ({"watermark": -0.1}, "watermark must be a fraction"),
-    ({"heartbeat_s": 0.0}, "heartbeat_s must be positive"),
-    ({"heartbeat_s": float("nan")}, "heartbeat_s must be positive"),
-    ({"prefill_schedule": "sideways"}, "prefill schedule 'sideways' is not one of"),
-    ({"itl_target": "fast"}, "--itl-target 'fast'"),
-    ({"itl_target": "1x"}, "must be above 1"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"block_size": 0}, "block_size must be at least 1, got 0"),
+        ({"num_blocks": 0}, "num_blocks must be at least 1"),
+        ({"max_batched_tokens": -1}, "max_batched_tokens must be at least 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be at least 1"),
+        ({"layer_groups": 0}, "layer_groups must be at least 1"),
+        ({"watermark": 1.0}, "watermark must be a fraction"),
+        ({"watermark": -0.1}, "watermark must be a fraction"),
+        ({"heartbeat_s": 0.0}, "heartbeat_s must be positive"),
+        ({"heartbeat_s": float("nan")}, "heartbeat_s must be positive"),
+        ({"prefill_schedule": "sideways"}, "prefill schedule 'sideways' is not one of"),
+        ({"itl_target": "fast"}, "--itl-target 'fast'"),
+        ({"itl_target": "1x"}, "must be above 1"),
+    ],
+)
 def test_a_bad_setting_is_refused_by_name(fields, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**fields)
@@ -84,8 +109,9 @@ def test_the_itl_target_parses_as_the_pacing_takes_it():
 
 
 def test_the_scheduler_config_follows_the_settings():
-    config = EngineConfig(block_size=4, max_batched_tokens=64, max_num_seqs=8, watermark=0.05, static_batching=True,
-                          prefix_caching=True)
+    config = EngineConfig(
+        block_size=4, max_batched_tokens=64, max_num_seqs=8, watermark=0.05, static_batching=True, prefix_caching=True
+    )
     s = config.scheduler_config(100, 2048, cp=1, layered=None)
     assert (s.num_blocks, s.block_size, s.max_batched_tokens, s.max_num_seqs, s.watermark) == (100, 4, 64, 8, 0.05)
     assert s.chunked_prefill and not s.whole_prompt_steps and s.static_batching and s.prefix_caching
@@ -116,8 +142,22 @@ def test_the_cli_builds_the_config_from_its_flags():
     add_model_flags(p)
     add_scheduler_flags(p, offline=False)
     add_overlap_flags(p)
-    args = p.parse_args(["--overlap", "on", "--overlap-threshold", "512", "--block-size", "8", "--kv-blocks", "40",
-                         "--cp-variant", "pass-q", "--cuda-graphs", "off"])
+    args = p.parse_args(
+        [
+            "--overlap",
+            "on",
+            "--overlap-threshold",
+            "512",
+            "--block-size",
+            "8",
+            "--kv-blocks",
+            "40",
+            "--cp-variant",
+            "pass-q",
+            "--cuda-graphs",
+            "off",
+        ]
+    )
     config = engine_config(args, heartbeat_s=1.5, **scheduler_options(args))
     assert (config.block_size, config.num_blocks, config.heartbeat_s) == (8, 40, 1.5)
     assert (config.worker.overlap, config.worker.overlap_threshold) == ("on", 512)

@@ -36,6 +36,7 @@ def _finish_step(scheduler: Scheduler, out, token: int = 7) -> None:
 
 # -- the scheduler ------------------------------------------------------------------------------
 
+
 def test_decodes_go_first_then_prompt_chunks_fill_the_budget():
     s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=10))
     a, b = _request(0, 3), _request(1, 25)
@@ -46,14 +47,18 @@ def test_decodes_go_first_then_prompt_chunks_fill_the_budget():
     s.add(b)
     out = s.schedule()
     assert [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in out.chunks] == [
-        ("r0", 3, 1, True), ("r1", 0, 9, False)]
+        ("r0", 3, 1, True),
+        ("r1", 0, 9, False),
+    ]
     _finish_step(s, out)
     out = s.schedule()
     assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("r0", 4, 1), ("r1", 9, 9)]
     _finish_step(s, out)
     out = s.schedule()
     assert [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in out.chunks] == [
-        ("r0", 5, 1, True), ("r1", 18, 7, True)], "the last chunk samples the first token"
+        ("r0", 5, 1, True),
+        ("r1", 18, 7, True),
+    ], "the last chunk samples the first token"
     assert len(b.block_table) == blocks_for(25, 4)
 
 
@@ -162,11 +167,21 @@ def test_cp_rows_bound_covers_every_ranks_shard(cp):
 
 # -- the step plan ------------------------------------------------------------------------------
 
+
 def test_step_plan_round_trips():
-    plan = StepPlan(kind=KIND_WORK, step=12, seq_ids=[4, 9], num_tokens=[1, 5], starts=[17, 0],
-                    block_tables=[[3, 8], [1]], sample=[True, False],
-                    rows=[RowSampling(0.7, 5, 0.9, 2 ** 52 + 1, 3, 2)], input_ids=[5, 6, 7, 8, 9, 10],
-                    freed=[2, 3], return_logits=True)
+    plan = StepPlan(
+        kind=KIND_WORK,
+        step=12,
+        seq_ids=[4, 9],
+        num_tokens=[1, 5],
+        starts=[17, 0],
+        block_tables=[[3, 8], [1]],
+        sample=[True, False],
+        rows=[RowSampling(0.7, 5, 0.9, 2**52 + 1, 3, 2)],
+        input_ids=[5, 6, 7, 8, 9, 10],
+        freed=[2, 3],
+        return_logits=True,
+    )
     back = decode(*encode(plan))
     assert back == plan
     empty = StepPlan(kind=0, step=3)
@@ -175,11 +190,12 @@ def test_step_plan_round_trips():
 
 # -- sampling -------------------------------------------------------------------------------------
 
+
 def test_seeded_rows_draw_the_same_token_in_any_batch():
     torch.manual_seed(0)
     logits = torch.randn(5, 50)
     rows = [RowSampling(temperature=1.3, top_k=20, top_p=0.95, seed=11 + i, index=i) for i in range(5)]
-    alone = [int(sample_rows(logits[i:i + 1], [rows[i]]).tokens[0]) for i in range(5)]
+    alone = [int(sample_rows(logits[i : i + 1], [rows[i]]).tokens[0]) for i in range(5)]
     together = sample_rows(logits, rows).tokens.tolist()
     shuffled = sample_rows(logits[[4, 2, 0, 3, 1]], [rows[i] for i in (4, 2, 0, 3, 1)]).tokens.tolist()
     assert together == alone and shuffled == [alone[i] for i in (4, 2, 0, 3, 1)]
@@ -194,9 +210,17 @@ def test_top_logprobs_are_the_best_alternatives():
     assert torch.allclose(s.top_logprobs[0, 0], torch.log_softmax(logits.double(), -1)[0, 1])
 
 
-@pytest.mark.parametrize("kwargs,field", [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -0.1}, "temperature"),
-                                          ({"top_p": 0.0}, "top_p"), ({"logprobs": 21}, "logprobs"),
-                                          ({"seed": -1}, "seed"), ({"min_tokens": 9, "max_new_tokens": 4}, "min_tokens")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"seed": -1}, "seed"),
+        ({"min_tokens": 9, "max_new_tokens": 4}, "min_tokens"),
+    ],
+)
 def test_sampling_params_name_the_bad_field(kwargs, field):
     with pytest.raises(SamplingParamsError, match=field) as info:
         SamplingParams(**kwargs)
@@ -258,8 +282,10 @@ def test_random_arrivals_chunks_and_preemption_give_hfs_tokens(llama, budget, bl
 def test_seeded_sampling_is_the_same_alone_and_batched(llama):
     _, model = llama
     prompts = prompts_for([5, 11, 8, 3], seed=5)
-    params = [SamplingParams(max_new_tokens=8, temperature=0.9, top_k=30, top_p=0.95, seed=100 + i, stop_at_eos=False)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=0.9, top_k=30, top_p=0.95, seed=100 + i, stop_at_eos=False)
+        for i in range(len(prompts))
+    ]
     (groups,) = thread_groups(1, 1)
 
     def run(indices, budget, blocks):
@@ -301,8 +327,11 @@ def test_requests_the_engine_cannot_take_name_the_field(llama):
     _, model = llama
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, num_blocks=8)
-    cases = [([], "prompt", "empty"), ([1, 10 ** 6], "prompt", "outside the vocabulary"),
-             ([5] * 10, "max_tokens", "KV blocks")]
+    cases = [
+        ([], "prompt", "empty"),
+        ([1, 10**6], "prompt", "outside the vocabulary"),
+        ([5] * 10, "max_tokens", "KV blocks"),
+    ]
     for prompt, field, needle in cases:
         with pytest.raises(RequestError, match=needle) as info:
             engine.add_request("x", prompt, SamplingParams(max_new_tokens=30))
@@ -313,8 +342,11 @@ def test_requests_the_engine_cannot_take_name_the_field(llama):
 
 
 def test_static_batching_admits_only_when_the_batch_is_done():
-    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=None, static_batching=True,
-                                  chunked_prefill=False))
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=100, block_size=4, max_batched_tokens=None, static_batching=True, chunked_prefill=False
+        )
+    )
     s.add(_request(0, 3, max_new=2))
     s.add(_request(1, 4, max_new=2))
     out = s.schedule()
@@ -330,8 +362,7 @@ def test_static_batching_admits_only_when_the_batch_is_done():
 
 
 def test_context_parallel_steps_alternate_so_new_prompts_join():
-    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=None, whole_prompt_steps=True),
-                  cp=2)
+    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=None, whole_prompt_steps=True), cp=2)
     a = _request(0, 9, max_new=50)
     s.add(a)
     out = s.schedule()
@@ -342,8 +373,9 @@ def test_context_parallel_steps_alternate_so_new_prompts_join():
     for _ in range(4):
         out = s.schedule()
         kinds.append(sorted((c.request.request_id, c.num_tokens) for c in out.chunks))
-        assert all(c.num_tokens == 1 for c in out.chunks) or all(c.start == 0 for c in out.chunks), \
+        assert all(c.num_tokens == 1 for c in out.chunks) or all(c.start == 0 for c in out.chunks), (
             "a cp step is all decodes or all fresh prompts"
+        )
         _finish_step(s, out)
     assert kinds[0] == [("r1", 6)] or kinds[1] == [("r1", 6)], f"r1 must join early, not after r0 ends: {kinds}"
 
@@ -373,8 +405,9 @@ def test_min_tokens_holds_back_eos(llama):
 
 
 def test_context_parallel_decodes_go_on_while_a_prompt_waits_for_blocks():
-    s = Scheduler(SchedulerConfig(num_blocks=9, block_size=4, max_batched_tokens=7, whole_prompt_steps=True,
-                                  watermark=0.0), cp=2)
+    s = Scheduler(
+        SchedulerConfig(num_blocks=9, block_size=4, max_batched_tokens=7, whole_prompt_steps=True, watermark=0.0), cp=2
+    )
     for i in range(3):
         s.add(_request(i, 16, max_new=6))
     steps = 0

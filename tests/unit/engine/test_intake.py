@@ -49,7 +49,7 @@ def test_registering_numbers_sequences_and_forgetting_ends_them():
 
 def test_a_request_without_a_seed_draws_its_own():
     seeds = {new_request(f"r{i}", [1], SamplingParams(seed=None)).seed for i in range(8)}
-    assert len(seeds) == 8 and all(0 <= s < 2 ** 52 for s in seeds)
+    assert len(seeds) == 8 and all(0 <= s < 2**52 for s in seeds)
 
 
 def test_a_command_wakes_an_idle_loop():
@@ -68,8 +68,13 @@ def test_a_command_wakes_an_idle_loop():
 
 
 def test_a_resumed_request_goes_on_from_what_its_client_has():
-    progress = SimpleNamespace(token_ids=[7, 8], logprobs=[-0.1, -0.2], top_logprobs=[[[7, -0.1]], [[8, -0.2]]],
-                               age_s=3.0, first_token_age_s=2.0)
+    progress = SimpleNamespace(
+        token_ids=[7, 8],
+        logprobs=[-0.1, -0.2],
+        top_logprobs=[[[7, -0.1]], [[8, -0.2]]],
+        age_s=3.0,
+        first_token_age_s=2.0,
+    )
     r = resume(new_request("r", [1, 2, 3], SamplingParams(seed=5, logprobs=1)), progress, now=100.0)
     assert r.output_token_ids == [7, 8] and r.output_logprobs == [-0.1, -0.2] and r.emitted_tokens == 2
     assert r.output_top_logprobs == [[(7, -0.1)], [(8, -0.2)]]

@@ -49,23 +49,38 @@ def test_charge_and_group_count_follow_the_budget():
 
 
 def test_step_plan_carries_the_layered_sequence():
-    plan = StepPlan(seq_ids=[3, 9], num_tokens=[1, 5], starts=[7, 0], block_tables=[[0, 1], [2, 3]],
-                    sample=[True, False], input_ids=[1, 2, 3, 4, 5, 6], layered=[(1, 2, 4)])
+    plan = StepPlan(
+        seq_ids=[3, 9],
+        num_tokens=[1, 5],
+        starts=[7, 0],
+        block_tables=[[0, 1], [2, 3]],
+        sample=[True, False],
+        input_ids=[1, 2, 3, 4, 5, 6],
+        layered=[(1, 2, 4)],
+    )
     back = decode(*encode(plan))
     assert back.layered == [(1, 2, 4)] and back.seq_ids == [3, 9] and back.input_ids == plan.input_ids
-    assert decode(*encode(StepPlan(seq_ids=[1], num_tokens=[1], starts=[0], block_tables=[[0]], sample=[True],
-                                   input_ids=[5]))).layered == []
+    assert (
+        decode(
+            *encode(StepPlan(seq_ids=[1], num_tokens=[1], starts=[0], block_tables=[[0]], sample=[True], input_ids=[5]))
+        ).layered
+        == []
+    )
 
 
 # -- the scheduler --------------------------------------------------------------------------------
+
 
 def _request(i: int, prompt_len: int, max_new: int = 4) -> Request:
     return Request(f"r{i}", list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=max_new), seed=0, seq_id=i)
 
 
 def _layered_scheduler(num_blocks=100, budget=10, layers=4, groups=None, **kw) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_batched_tokens=budget,
-                                     layered=LayeredPrefill(layers, groups), **kw))
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks, block_size=4, max_batched_tokens=budget, layered=LayeredPrefill(layers, groups), **kw
+        )
+    )
 
 
 def _finish_step(scheduler, out, token=7):
@@ -84,8 +99,9 @@ def test_a_long_prompt_runs_whole_group_by_group_beside_decodes():
     seen = []
     for _ in range(3):
         out = s.schedule()
-        seen.append([(c.request.request_id, c.start, c.num_tokens, c.sample, c.layers, c.work_tokens)
-                     for c in out.chunks])
+        seen.append(
+            [(c.request.request_id, c.start, c.num_tokens, c.sample, c.layers, c.work_tokens) for c in out.chunks]
+        )
         assert b.num_computed == (25 if out.chunks[-1].sample else 0), "computed only after its last group"
         _finish_step(s, out)
     # 25 tokens beside one decode: 9 tokens of room -> ceil(25 / 9) = 3 groups of 4 layers (2, 1, 1)
@@ -104,8 +120,7 @@ def test_a_prompt_within_the_budget_is_not_layered_and_one_prompt_is_in_its_laye
     for i, n in enumerate((6, 30, 20, 3)):
         s.add(_request(i, n))
     out = s.schedule()
-    assert [(c.request.request_id, c.num_tokens, c.layers) for c in out.chunks] == [("r0", 6, None),
-                                                                                    ("r1", 30, (0, 1))]
+    assert [(c.request.request_id, c.num_tokens, c.layers) for c in out.chunks] == [("r0", 6, None), ("r1", 30, (0, 1))]
     assert [r.request_id for r in s.waiting] == ["r2", "r3"], "r2 waits for r1's layers (first come, first served)"
 
 
@@ -162,8 +177,11 @@ def _serve(model, groups, prompts, arrivals, groups_flag=None, abort=None, **kw)
     from dist_infer.engine.engine_core import Engine, EngineConfig
     from dist_infer.models.loader import stage_from_hf_model
 
-    engine = Engine(stage_from_hf_model(model, groups), groups,
-                    EngineConfig(block_size=4, prefill_schedule="layered", layer_groups=groups_flag, **kw))
+    engine = Engine(
+        stage_from_hf_model(model, groups),
+        groups,
+        EngineConfig(block_size=4, prefill_schedule="layered", layer_groups=groups_flag, **kw),
+    )
     if groups.world.rank != 0:
         engine.follow()
         return None
@@ -207,8 +225,10 @@ def _assert_like_hf(model, prompts, reqs, what, skip=()):
         torch.testing.assert_close(got, want_logits[:steps], atol=ATOL, rtol=RTOL, msg=f"{what} prompt {i}")
 
 
-@pytest.mark.parametrize("arch,tp,ep", [("llama-gqa", 1, 1), ("qwen2-moe", 1, 1), ("llama-gqa", 2, 1),
-                                        ("qwen2-moe", 2, 1), ("qwen2-moe", 1, 2)])
+@pytest.mark.parametrize(
+    "arch,tp,ep",
+    [("llama-gqa", 1, 1), ("qwen2-moe", 1, 1), ("llama-gqa", 2, 1), ("qwen2-moe", 2, 1), ("qwen2-moe", 1, 2)],
+)
 def test_long_prompts_amid_decodes_give_hfs_tokens_and_logits(models, arch, tp, ep):
     model = models[arch]
     prompts = prompts_for([5, 37, 3, 29, 41], seed=tp * 10 + ep)
@@ -227,8 +247,17 @@ def test_fixed_groups_preemption_and_abort_mid_layers(models):
     model = models["llama-gqa"]
     prompts = prompts_for([10, 4, 20, 18], seed=7)
     (groups,) = thread_groups(1, 1)
-    reqs, ran, free = _serve(model, groups, prompts, [0, 1, 1, 5], groups_flag=4, abort="q3", num_blocks=10,
-                             max_batched_tokens=10, watermark=0.0)
+    reqs, ran, free = _serve(
+        model,
+        groups,
+        prompts,
+        [0, 1, 1, 5],
+        groups_flag=4,
+        abort="q3",
+        num_blocks=10,
+        max_batched_tokens=10,
+        watermark=0.0,
+    )
     assert free == 10
     assert reqs[3].finish_reason == "abort"
     assert "preempted mid-layers" in ran, "the cache was meant to be too small: a prompt preempted in its layers"
@@ -260,10 +289,13 @@ def test_layered_reads_each_experts_weights_once_per_prompt_where_chunks_read_th
     for schedule in ("chunked", "layered"):
         (groups,) = thread_groups(1, 1)
         stage = stage_from_hf_model(model, groups)
-        engine = Engine(stage, groups, EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=12,
-                                                   prefill_schedule=schedule))
-        reqs = [engine.add_request(f"m{i}", p, SamplingParams(max_new_tokens=3, stop_at_eos=False))
-                for i, p in enumerate(prompts)]
+        engine = Engine(
+            stage, groups, EngineConfig(block_size=4, num_blocks=64, max_batched_tokens=12, prefill_schedule=schedule)
+        )
+        reqs = [
+            engine.add_request(f"m{i}", p, SamplingParams(max_new_tokens=3, stop_at_eos=False))
+            for i, p in enumerate(prompts)
+        ]
         while engine.has_unfinished():
             engine.step()
         engine.stop_followers()

@@ -116,7 +116,7 @@ def test_the_destination_claims_its_cached_prefix_and_only_the_tail_is_sent():
     assert held == 6, "every prefix block dst caches is claimed"
     sent = sent_blocks(src, TransferOp.SEND)
     assert set(sent).isdisjoint(r.block_table[:6]), "no held block is sent"
-    assert sent == r.block_table[6:len(sent) + 6], "the tail goes, in order"
+    assert sent == r.block_table[6 : len(sent) + 6], "the tail goes, in order"
 
     cold_dst = FakeInstance()
     assert migrate(cold, cold_dst, twin)[0] == 0, "nothing cached: nothing held"
@@ -126,7 +126,7 @@ def test_the_destination_claims_its_cached_prefix_and_only_the_tail_is_sent():
     moved = dst.find("r")
     cached_prefix = dst.scheduler.allocator.match(r.block_hashes[:6])
     assert moved.block_table[:6] == cached_prefix, "the held blocks are the cached ones"
-    assert moved.block_table[6:] == sent_blocks(dst, TransferOp.RECV)[:len(moved.block_table) - 6]
+    assert moved.block_table[6:] == sent_blocks(dst, TransferOp.RECV)[: len(moved.block_table) - 6]
     src.call("release_out", 1)
     assert "r" not in src.requests
     for _ in range(30):

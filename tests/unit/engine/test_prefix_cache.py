@@ -32,6 +32,7 @@ BS = 4
 
 # -- hashes ------------------------------------------------------------------------------------------
 
+
 def test_block_hashes_chain_over_the_prefix():
     a = list(range(3, 3 + 4 * BS))
     b = a[:]
@@ -39,21 +40,24 @@ def test_block_hashes_chain_over_the_prefix():
     ha, hb = extend_hashes([], a, BS, 4), extend_hashes([], b, BS, 4)
     assert ha[0] == hb[0], "same first block, same hash"
     assert all(x != y for x, y in zip(ha[1:], hb[1:])), "one token different: every hash from its block on differs"
-    assert ha[2] != hash_block(ROOT_HASH, a[2 * BS:3 * BS]), "a block's hash covers its parents, not only its tokens"
+    assert ha[2] != hash_block(ROOT_HASH, a[2 * BS : 3 * BS]), "a block's hash covers its parents, not only its tokens"
     assert extend_hashes(ha[:2], a, BS, 4) == ha, "extending goes on from the hashes there are"
     with pytest.raises(ValueError, match="not full"):
-        extend_hashes([], a[:BS + 1], BS, 2)
+        extend_hashes([], a[: BS + 1], BS, 2)
 
 
 def test_block_hashes_are_stable_across_processes():
     """Not Python's salted hash(): another process with another hash seed names the block alike."""
-    code = "from dist_infer.engine.prefix_cache import ROOT_HASH, hash_block; print(hash_block(ROOT_HASH, [5, 6, 7, 8]))"
+    code = (
+        "from dist_infer.engine.prefix_cache import ROOT_HASH, hash_block; print(hash_block(ROOT_HASH, [5, 6, 7, 8]))"
+    )
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert int(out.stdout) == hash_block(ROOT_HASH, [5, 6, 7, 8])
 
 
 # -- the block pool ----------------------------------------------------------------------------------
+
 
 def test_pool_matches_the_longest_cached_run_and_counts_references():
     pool = BlockPool(8)
@@ -99,6 +103,7 @@ def test_pool_evicts_the_least_recently_freed_and_only_when_needed():
 
 # -- the scheduler -------------------------------------------------------------------------------
 
+
 def _req(name: str, tokens: list[int], max_new: int = 3) -> Request:
     return Request(name, list(tokens), SamplingParams(max_new_tokens=max_new), seed=0)
 
@@ -111,8 +116,11 @@ def _run(s: Scheduler, out, token: int = 7) -> None:
 
 
 def _cached_scheduler(blocks: int = 32, budget=None, **kw) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=blocks, block_size=BS, max_batched_tokens=budget,
-                                     prefix_caching=True, watermark=0.0, **kw))
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=blocks, block_size=BS, max_batched_tokens=budget, prefix_caching=True, watermark=0.0, **kw
+        )
+    )
 
 
 def test_a_request_starts_after_its_cached_prefix():
@@ -182,7 +190,7 @@ def test_context_parallel_refuses_prefix_caching():
 
 def _kv(tokens: list[int], pos: int) -> int:
     """What a token's keys and values are a function of: its position and every token up to it."""
-    return hash(tuple(tokens[:pos + 1]))
+    return hash(tuple(tokens[: pos + 1]))
 
 
 def _check_step(s: Scheduler, out, kv: dict) -> None:
@@ -195,15 +203,22 @@ def _check_step(s: Scheduler, out, kv: dict) -> None:
             assert s.allocator.refcount(block) == 1, f"{r.request_id} writes block {block} someone else holds"
             assert not s.allocator.is_cached(block), f"{r.request_id} writes cached block {block}"
         for pos in range(c.start):
-            assert kv.get((r.block_table[pos // BS], pos % BS)) == _kv(toks, pos), f"{r.request_id} reads stale KV at {pos}"
+            assert kv.get((r.block_table[pos // BS], pos % BS)) == _kv(toks, pos), (
+                f"{r.request_id} reads stale KV at {pos}"
+            )
     for c in out.chunks:
         toks = c.request.all_token_ids
         for pos in range(c.start, c.start + c.num_tokens):
             kv[(c.request.block_table[pos // BS], pos % BS)] = _kv(toks, pos)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "step", "abort", "finish"]),
-                         st.integers(0, 10 ** 6)), min_size=5, max_size=80)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add", "step", "step", "step", "step", "abort", "finish"]), st.integers(0, 10**6)
+    ),
+    min_size=5,
+    max_size=80,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -235,8 +250,9 @@ def test_random_sequences_conserve_blocks_and_never_share_a_written_block(ops, b
         live = [r for r in live if r.status is not RequestStatus.FINISHED]
         assert s.allocator.check() is None
         held = Counter(b for r in s.running for b in r.block_table)
-        assert held == {b: s.allocator.refcount(b) for b in range(blocks) if s.allocator.refcount(b)}, \
+        assert held == {b: s.allocator.refcount(b) for b in range(blocks) if s.allocator.refcount(b)}, (
             "a block's reference count is the number of running requests holding it"
+        )
     for r in list(live):
         s.finish(r, "abort")
     assert s.allocator.check() is None and s.num_free_blocks == blocks, "idle: free + cached-evictable == total"
@@ -300,8 +316,7 @@ def test_caching_on_and_off_give_hfs_tokens_and_the_same_logits(llama, blocks):
     (groups,) = thread_groups(1, 1)
     runs = {}
     for caching in (True, False):
-        engine = _engine(model, groups, num_blocks=blocks, max_batched_tokens=6, max_num_seqs=3,
-                         prefix_caching=caching)
+        engine = _engine(model, groups, num_blocks=blocks, max_batched_tokens=6, max_num_seqs=3, prefix_caching=caching)
         reqs = _serve(engine, prompts, params)
         stats = engine.stats()
         engine.stop_followers()
@@ -339,13 +354,14 @@ def test_a_wholly_cached_prompt_samples_its_first_token_from_the_last_one(llama)
 def test_seeded_sampling_is_the_same_with_caching_on_and_off(llama):
     _, model = llama
     prompts = _shared_prompts()
-    params = [SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=30, top_p=0.95, seed=50 + i, stop_at_eos=False)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=30, top_p=0.95, seed=50 + i, stop_at_eos=False)
+        for i in range(len(prompts))
+    ]
     (groups,) = thread_groups(1, 1)
     got = {}
     for caching, blocks in ((True, 64), (False, 64), (True, 7), (False, 7)):
-        engine = _engine(model, groups, num_blocks=blocks, max_batched_tokens=6, max_num_seqs=3,
-                         prefix_caching=caching)
+        engine = _engine(model, groups, num_blocks=blocks, max_batched_tokens=6, max_num_seqs=3, prefix_caching=caching)
         got[caching, blocks] = [r.output_token_ids for r in _serve(engine, prompts, params)]
         assert not caching or engine.stats()["prefix_cache_hits"] > 0
         engine.stop_followers()

@@ -29,7 +29,7 @@ def test_different_salts_give_disjoint_hashes_and_equal_salts_share():
     b = extend_hashes([], tokens, BS, 6, "tenant-b")
     assert extend_hashes([], tokens, BS, 6, "tenant-a") == a, "equal salts: the same blocks"
     assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain), "every block differs"
-    assert a[1] == hash_block(a[0], tokens[BS:2 * BS]), "only the first block takes the salt; the rest chain"
+    assert a[1] == hash_block(a[0], tokens[BS : 2 * BS]), "only the first block takes the salt; the rest chain"
     assert extend_hashes(a[:2], tokens, BS, 6, "tenant-a") == a, "extending goes on from the salted chain"
     assert extend_hashes([], tokens, BS, 6, "") != plain, "an empty salt is a salt (the API refuses it anyway)"
     assert prompt_block_hashes(tokens + [1], BS, "tenant-a") == a, "the front end's dispatch hashes alike"
@@ -37,8 +37,8 @@ def test_different_salts_give_disjoint_hashes_and_equal_salts_share():
 
 def test_hashes_are_128_bits():
     hashes = extend_hashes([], list(range(3, 3 + 64 * BS)), BS, 64) + [ROOT_HASH]
-    assert HASH_BYTES == 16 and all(0 <= h < 2 ** 128 for h in hashes)
-    assert sum(h >= 2 ** 64 for h in hashes) > 48, "the upper 64 bits are used (a 64-bit hash would leave them 0)"
+    assert HASH_BYTES == 16 and all(0 <= h < 2**128 for h in hashes)
+    assert sum(h >= 2**64 for h in hashes) > 48, "the upper 64 bits are used (a 64-bit hash would leave them 0)"
 
 
 def test_sampling_params_check_the_salt():
@@ -85,8 +85,9 @@ def test_the_engine_shares_blocks_only_within_a_salt_and_the_tokens_are_the_same
     from dist_infer.models.loader import stage_from_hf_model
 
     (groups,) = thread_groups(1, 1)
-    engine = Engine(stage_from_hf_model(llama, groups), groups,
-                    EngineConfig(block_size=BS, num_blocks=64, prefix_caching=True))
+    engine = Engine(
+        stage_from_hf_model(llama, groups), groups, EngineConfig(block_size=BS, num_blocks=64, prefix_caching=True)
+    )
     prompt = prompts_for([5 * BS + 2], seed=11)[0]
     outputs, hits = {}, {}
     for name, salt in (("a", "A"), ("b", "B"), ("a-again", "A"), ("plain", None)):

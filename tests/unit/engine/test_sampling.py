@@ -30,19 +30,57 @@ from dist_infer.engine.sampling import (
 )
 
 EOS = 2
-SPECIAL_FLOATS = [0.0, -0.0, 5e-324, 2.2e-308, 1e-300, 1e-50, 1e-40, 1e-6, 9.99e-6, GREEDY_BELOW, 1.0000001e-5, 0.5,
-                  1.0, 1.0000001, 100.0, 100.0000001, 1e300, -1e-300, -1.0, math.inf, -math.inf, math.nan]
-SPECIAL_INTS = [0, 1, 2, 5, 2 ** 31 - 1, 2 ** 31, 2 ** 63, 10 ** 400, -1, -(10 ** 400)]
+SPECIAL_FLOATS = [
+    0.0,
+    -0.0,
+    5e-324,
+    2.2e-308,
+    1e-300,
+    1e-50,
+    1e-40,
+    1e-6,
+    9.99e-6,
+    GREEDY_BELOW,
+    1.0000001e-5,
+    0.5,
+    1.0,
+    1.0000001,
+    100.0,
+    100.0000001,
+    1e300,
+    -1e-300,
+    -1.0,
+    math.inf,
+    -math.inf,
+    math.nan,
+]
+SPECIAL_INTS = [0, 1, 2, 5, 2**31 - 1, 2**31, 2**63, 10**400, -1, -(10**400)]
 
 # every float and a 400-digit int can come, with the in-range ones (and their edges) drawn most
-temperatures = st.one_of(st.sampled_from(SPECIAL_FLOATS), st.floats(0, 100), st.floats(0, 2e-5), st.floats(0, 100),
-                         st.floats(0, 100),
-                         st.floats(), st.integers(-(10 ** 400), 10 ** 400))
-top_ps = st.one_of(st.sampled_from(SPECIAL_FLOATS), st.floats(0, 1), st.floats(0, 1e-30, exclude_min=True),
-                   st.floats(0, 1, exclude_min=True), st.floats(0, 1, exclude_min=True),
-                   st.floats(), st.integers(-(10 ** 400), 10 ** 400))
-top_ks = st.one_of(st.sampled_from(SPECIAL_INTS), st.integers(-10, 10 ** 400), st.integers(0, 300),
-                   st.sampled_from([3.0, 2.5, math.inf, math.nan]))
+temperatures = st.one_of(
+    st.sampled_from(SPECIAL_FLOATS),
+    st.floats(0, 100),
+    st.floats(0, 2e-5),
+    st.floats(0, 100),
+    st.floats(0, 100),
+    st.floats(),
+    st.integers(-(10**400), 10**400),
+)
+top_ps = st.one_of(
+    st.sampled_from(SPECIAL_FLOATS),
+    st.floats(0, 1),
+    st.floats(0, 1e-30, exclude_min=True),
+    st.floats(0, 1, exclude_min=True),
+    st.floats(0, 1, exclude_min=True),
+    st.floats(),
+    st.integers(-(10**400), 10**400),
+)
+top_ks = st.one_of(
+    st.sampled_from(SPECIAL_INTS),
+    st.integers(-10, 10**400),
+    st.integers(0, 300),
+    st.sampled_from([3.0, 2.5, math.inf, math.nan]),
+)
 
 
 def _logits(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -69,17 +107,32 @@ def _logits(kind: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(temperature=temperatures, top_k=top_ks, top_p=top_ps,
-       kind=st.sampled_from(["normal", "minus-inf", "huge", "extremes", "nan-and-inf", "all-minus-inf", "all-nan",
-                             "all-equal", "only-eos"]),
-       vocab=st.integers(3, 64), seed=st.integers(0, 2 ** 53 - 1),
-       index=st.one_of(st.integers(0, 3), st.integers(0, 10 ** 6)),
-       ban_eos=st.booleans(), logprobs=st.integers(0, 20))
-def test_any_parameters_are_refused_by_name_or_give_a_valid_token(temperature, top_k, top_p, kind, vocab, seed, index,
-                                                                  ban_eos, logprobs):
+@given(
+    temperature=temperatures,
+    top_k=top_ks,
+    top_p=top_ps,
+    kind=st.sampled_from(
+        ["normal", "minus-inf", "huge", "extremes", "nan-and-inf", "all-minus-inf", "all-nan", "all-equal", "only-eos"]
+    ),
+    vocab=st.integers(3, 64),
+    seed=st.integers(0, 2**53 - 1),
+    index=st.one_of(st.integers(0, 3), st.integers(0, 10**6)),
+    ban_eos=st.booleans(),
+    logprobs=st.integers(0, 20),
+)
+def test_any_parameters_are_refused_by_name_or_give_a_valid_token(
+    temperature, top_k, top_p, kind, vocab, seed, index, ban_eos, logprobs
+):
     try:
-        params = SamplingParams(max_new_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                logprobs=logprobs, min_tokens=4 if ban_eos else 0)
+        params = SamplingParams(
+            max_new_tokens=4,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            logprobs=logprobs,
+            min_tokens=4 if ban_eos else 0,
+        )
     except SamplingParamsError as exc:
         assert exc.field in ("temperature", "top_k", "top_p") and exc.field in str(exc)
         assert len(str(exc)) < 200, "the message stays short even for a 400-digit value"
@@ -102,6 +155,7 @@ def test_any_parameters_are_refused_by_name_or_give_a_valid_token(temperature, t
 
 
 # --- temperature ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 1e-6, 9.99e-6])
 def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
@@ -132,6 +186,7 @@ def test_hot_temperature_with_a_tiny_top_p_is_the_argmax():
 
 # --- top-p and top-k --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-50, 1e-30])
 def test_top_p_below_fp32_keeps_the_most_likely_token(top_p):
     logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(4))
@@ -142,7 +197,7 @@ def test_top_p_below_fp32_keeps_the_most_likely_token(top_p):
 
 
 def test_a_400_digit_top_k_is_no_limit():
-    params = SamplingParams(temperature=0.8, top_k=10 ** 400, seed=11)
+    params = SamplingParams(temperature=0.8, top_k=10**400, seed=11)
     assert params.top_k == TOP_K_LIMIT and pickle.loads(pickle.dumps(params)) == params
     unlimited = SamplingParams(temperature=0.8, top_k=0, seed=11)
     logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(5))
@@ -150,11 +205,12 @@ def test_a_400_digit_top_k_is_no_limit():
         got = sample_rows(logits, [RowSampling.of(params, 11 + b, index) for b in range(2)]).tokens
         want = sample_rows(logits, [RowSampling.of(unlimited, 11 + b, index) for b in range(2)]).tokens
         assert torch.equal(got, want)
-    assert torch.equal(filter_logits(logits, 10 ** 400, 1.0), logits)
+    assert torch.equal(filter_logits(logits, 10**400, 1.0), logits)
 
 
-@pytest.mark.parametrize("top_k", [-1, -(10 ** 5000), 2.5, math.inf, math.nan],
-                         ids=["-1", "minus-5000-digits", "2.5", "inf", "nan"])
+@pytest.mark.parametrize(
+    "top_k", [-1, -(10**5000), 2.5, math.inf, math.nan], ids=["-1", "minus-5000-digits", "2.5", "inf", "nan"]
+)
 def test_a_bad_top_k_is_refused_by_name(top_k):
     with pytest.raises(SamplingParamsError, match="top_k") as info:
         SamplingParams(top_k=top_k)
@@ -166,6 +222,7 @@ def test_a_whole_float_top_k_is_an_int():
 
 
 # --- stop token ids ---------------------------------------------------------------------------------
+
 
 def test_more_stop_token_ids_than_the_limit_are_refused_by_name():
     # a 16 MiB body carries millions: each would be checked per token and pickled with every move
@@ -188,9 +245,11 @@ def test_the_limit_of_stop_token_ids_is_taken_as_a_tuple_and_a_set():
     assert SamplingParams().stop_token_set == frozenset()
 
 
-@pytest.mark.parametrize("ids", [[-1], [3, 2.5], [math.nan], [math.inf], ["7"], [None], [-(10 ** 5000)], "12", 7],
-                         ids=["negative", "fraction", "nan", "inf", "string-id", "none", "minus-5000-digits",
-                              "a-string", "an-int"])
+@pytest.mark.parametrize(
+    "ids",
+    [[-1], [3, 2.5], [math.nan], [math.inf], ["7"], [None], [-(10**5000)], "12", 7],
+    ids=["negative", "fraction", "nan", "inf", "string-id", "none", "minus-5000-digits", "a-string", "an-int"],
+)
 def test_a_bad_stop_token_id_is_refused_by_name(ids):
     with pytest.raises(SamplingParamsError, match="stop_token_ids") as info:
         SamplingParams(stop_token_ids=ids)
@@ -198,6 +257,7 @@ def test_a_bad_stop_token_id_is_refused_by_name(ids):
 
 
 # --- hostile logits ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["all-minus-inf", "all-nan", "nan-and-inf", "extremes", "all-equal"])
 @pytest.mark.parametrize("temperature", [0.0, 1e-5, 0.7, 100.0])
@@ -222,17 +282,29 @@ def test_more_logprobs_than_the_vocabulary_are_all_of_it():
 
 # --- ordinary parameters are unchanged ----------------------------------------------------------------
 
+
 def test_seeded_draws_are_the_ones_drawn_before_the_fix():
     """Tokens recorded from the sampler as it was before these guards: the same random draws."""
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2024)) * 2
     settings_ = [(0.7, 0, 1.0), (1.0, 40, 0.9), (1.3, 5, 1.0), (0.5, 0, 0.95)]
-    got = [sample_rows(logits, [RowSampling(t, k, p, 40 + b, i) for b, (t, k, p) in enumerate(settings_)])
-           .tokens.tolist() for i in range(8)]
-    assert got == [[26, 154, 4, 202], [152, 147, 4, 202], [15, 5, 49, 202], [87, 92, 278, 202], [168, 11, 278, 202],
-                   [32, 246, 32, 80], [100, 11, 28, 156], [2, 154, 278, 24]]
+    got = [
+        sample_rows(logits, [RowSampling(t, k, p, 40 + b, i) for b, (t, k, p) in enumerate(settings_)]).tokens.tolist()
+        for i in range(8)
+    ]
+    assert got == [
+        [26, 154, 4, 202],
+        [152, 147, 4, 202],
+        [15, 5, 49, 202],
+        [87, 92, 278, 202],
+        [168, 11, 278, 202],
+        [32, 246, 32, 80],
+        [100, 11, 28, 156],
+        [2, 154, 278, 24],
+    ]
 
 
 # --- the ordinary filters and draws -----------------------------------------------------------------
+
 
 def test_filter_logits_top_k():
     logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0], [0.0, -1.0, 2.0, 1.0, 3.0]])
@@ -269,7 +341,9 @@ def test_sample_greedy_and_logprobs():
     logits = torch.randn(3, 50, generator=gen)
     out = sample_rows(logits, [RowSampling() for _ in range(3)])
     assert out.tokens.tolist() == logits.argmax(-1).tolist()
-    torch.testing.assert_close(out.logprobs.float(), torch.log_softmax(logits, -1).gather(-1, out.tokens[:, None])[:, 0])
+    torch.testing.assert_close(
+        out.logprobs.float(), torch.log_softmax(logits, -1).gather(-1, out.tokens[:, None])[:, 0]
+    )
 
 
 def test_sample_seeded_is_deterministic_and_per_sequence():
@@ -279,15 +353,18 @@ def test_sample_seeded_is_deterministic_and_per_sequence():
 
     def draw(rows, seed=7, steps=6):
         """Tokens 0..steps-1 of each row's request (the row index is its own seed offset)."""
-        return [[int(sample_rows(logits[[b]], [RowSampling.of(params, seed + b, i)]).tokens[0]) for i in range(steps)]
-                for b in rows]
+        return [
+            [int(sample_rows(logits[[b]], [RowSampling.of(params, seed + b, i)]).tokens[0]) for i in range(steps)]
+            for b in rows
+        ]
 
     full = draw([0, 1, 2, 3])
     assert full == draw([0, 1, 2, 3]), "same seed, same tokens"
     assert [full[1], full[3]] == draw([1, 3]), "a sequence's draws do not depend on the rest of the batch"
     assert full != draw([0, 1, 2, 3], seed=8), "another seed, other tokens"
-    batched = [sample_rows(logits, [RowSampling.of(params, 7 + b, i) for b in range(4)]).tokens.tolist()
-               for i in range(6)]
+    batched = [
+        sample_rows(logits, [RowSampling.of(params, 7 + b, i) for b in range(4)]).tokens.tolist() for i in range(6)
+    ]
     assert [list(col) for col in zip(*batched)] == full, "the same draws in one batched call"
     allowed = torch.isfinite(filter_logits(logits / 0.8, 20, 0.9))
     for b, row in enumerate(full):
@@ -297,8 +374,16 @@ def test_sample_seeded_is_deterministic_and_per_sequence():
     assert tokens.tolist() == logits.argmax(-1).tolist(), "top_k=1 is greedy"
 
 
-@pytest.mark.parametrize("kwargs,field", [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1}, "temperature"),
-                                          ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

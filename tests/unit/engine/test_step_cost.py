@@ -37,8 +37,12 @@ def _random_shape(rng: random.Random) -> StepShape:
     decodes = 0 if kind == "prefill" else rng.randint(1, 32)
     n = 0 if kind == "decode" else rng.randint(16, 512)
     start = rng.randint(0, 2000)
-    return StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(start, n) if n else 0.0, decodes=decodes,
-                     decode_context=decodes * rng.randint(10, 1500))
+    return StepShape(
+        prompt_tokens=n,
+        prompt_pairs=chunk_pairs(start, n) if n else 0.0,
+        decodes=decodes,
+        decode_context=decodes * rng.randint(10, 1500),
+    )
 
 
 def _fitted(truth=TRUE, seed=5) -> StepCostModel:
@@ -73,8 +77,9 @@ def test_the_chunk_it_picks_fills_the_target_and_no_more():
     for decodes, context, start, target in [(8, 3000, 0, 0.03), (32, 40000, 1500, 0.05), (1, 10, 4000, 0.2)]:
         n = model.prompt_tokens_within(target, decodes, context, start)
         at = StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(start, n), decodes=decodes, decode_context=context)
-        over = StepShape(prompt_tokens=n + 2, prompt_pairs=chunk_pairs(start, n + 2), decodes=decodes,
-                         decode_context=context)
+        over = StepShape(
+            prompt_tokens=n + 2, prompt_pairs=chunk_pairs(start, n + 2), decodes=decodes, decode_context=context
+        )
         assert true_seconds(at) <= target * 1.01 and true_seconds(over) > target * 0.99, (decodes, start, n)
 
 
@@ -112,14 +117,32 @@ def test_bad_durations_are_ignored():
     assert model.seen == {"decode": 0, "mixed": 0, "prefill": 0}
 
 
-@pytest.mark.parametrize("text,want", [("auto", ("auto", AUTO_FACTOR)), ("off", None), (None, None), ("3x", ("x", 3.0)),
-                                       ("50", ("ms", 50.0)), ("12.5ms", ("ms", 12.5))])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("auto", ("auto", AUTO_FACTOR)),
+        ("off", None),
+        (None, None),
+        ("3x", ("x", 3.0)),
+        ("50", ("ms", 50.0)),
+        ("12.5ms", ("ms", 12.5)),
+    ],
+)
 def test_itl_target_forms(text, want):
     assert parse_itl_target(text) == want
 
 
-@pytest.mark.parametrize("text,says", [("fast", "expected auto"), ("1x", "above 1"), ("0", "positive"),
-                                       ("-5", "positive"), ("nan", "positive"), ("infx", "above 1")])
+@pytest.mark.parametrize(
+    "text,says",
+    [
+        ("fast", "expected auto"),
+        ("1x", "above 1"),
+        ("0", "positive"),
+        ("-5", "positive"),
+        ("nan", "positive"),
+        ("infx", "above 1"),
+    ],
+)
 def test_bad_itl_targets_say_what_is_expected(text, says):
     with pytest.raises(ValueError, match=says):
         parse_itl_target(text)
@@ -137,6 +160,7 @@ def test_step_times_count_per_kind_into_buckets():
 
 
 # -- the scheduler under the cap, with steps timed by the truth above -------------------------------
+
 
 def _request(i: int, prompt_len: int, max_new: int) -> Request:
     return Request(f"r{i}", [5] * prompt_len, SamplingParams(max_new_tokens=max_new), seed=0, seq_id=i)
@@ -157,8 +181,12 @@ def _run(scheduler: Scheduler, model: StepCostModel, target_factor: float, steps
         out = scheduler.schedule(prefill_cap=cap)
         prompts = [c for c in out.chunks if c.num_tokens > 1]
         decodes = [c for c in out.chunks if c.num_tokens == 1]
-        shape = StepShape(sum(c.num_tokens for c in prompts), sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
-                          len(decodes), sum(c.start + 1 for c in decodes))
+        shape = StepShape(
+            sum(c.num_tokens for c in prompts),
+            sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
+            len(decodes),
+            sum(c.start + 1 for c in decodes),
+        )
         seconds = true_seconds(shape)
         if out.chunks:
             model.observe(shape, seconds)
@@ -179,7 +207,9 @@ def test_steps_beside_decodes_keep_the_target_once_learned():
     model = StepCostModel()
     chats = [_request(i, 32, 400) for i in range(8)]
     longs = {20 + 5 * k: _request(100 + k, 1500, 4) for k in range(10)}
-    history = _run(s, model, 2.0, 120, lambda step: (chats if step == 0 else []) + ([longs[step]] if step in longs else []))
+    history = _run(
+        s, model, 2.0, 120, lambda step: (chats if step == 0 else []) + ([longs[step]] if step in longs else [])
+    )
     mixed = [(shape, sec) for shape, sec in history[30:] if shape.kind == "mixed"]
     assert mixed, "long prompts arrived amid running decodes"
     for shape, sec in mixed:
@@ -199,8 +229,9 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     chats = [_request(i, 16, 100_000) for i in range(4)]
     long = _request(999, 2000, 1)
     shorts = iter(_request(1000 + i, 24, 2) for i in range(10_000))
-    history = _run(s, model, 1.5, 400,
-                   lambda step: (chats if step == 0 else []) + ([long] if step == 3 else []) + [next(shorts)])
+    history = _run(
+        s, model, 1.5, 400, lambda step: (chats if step == 0 else []) + ([long] if step == 3 else []) + [next(shorts)]
+    )
     assert long.output_token_ids, "the long prompt got its first token"
     assert all(shape.prompt_tokens >= MIN_CHUNK or shape.kind == "decode" for shape, _ in history[4:200])
     # it advanced by at least MIN_CHUNK every step once admitted: its first token within 2000 / 16
@@ -216,10 +247,13 @@ def test_auto_is_twice_the_decode_step_but_never_below_the_floor():
     small = true_seconds(StepShape(decodes=4, decode_context=400))  # ~5 ms: under the floor when doubled
     big = true_seconds(StepShape(decodes=400, decode_context=400_000))  # ~144 ms: doubled, above it
     assert AUTO_FACTOR * small < AUTO_FLOOR_S < AUTO_FACTOR * big
-    for pp, itl, decodes, context, want in [(1, "auto", 4, 400, AUTO_FLOOR_S),
-                                            (1, "auto", 400, 400_000, AUTO_FACTOR * big),
-                                            (2, "auto", 4, 400, AUTO_FLOOR_S / 2), (1, "2x", 4, 400, 2 * small),
-                                            (2, "50", 4, 400, 0.025)]:
+    for pp, itl, decodes, context, want in [
+        (1, "auto", 4, 400, AUTO_FLOOR_S),
+        (1, "auto", 400, 400_000, AUTO_FACTOR * big),
+        (2, "auto", 4, 400, AUTO_FLOOR_S / 2),
+        (1, "2x", 4, 400, 2 * small),
+        (2, "50", 4, 400, 0.025),
+    ]:
         got = StepPacer(parse_itl_target(itl), pp, model).step_target_s(decodes, context)
         assert got == pytest.approx(want, rel=0.02), (pp, itl, decodes, got)
 
@@ -245,8 +279,12 @@ def _serve(scheduler: Scheduler, model: StepCostModel, truth: np.ndarray, cap, a
         prompts = [c for c in out.chunks if c.num_tokens > 1]
         for c in prompts:
             c.request.__dict__.setdefault("admitted_s", clock)
-        shape = StepShape(sum(c.num_tokens for c in prompts), sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
-                          len(out.chunks) - len(prompts), sum(c.start + 1 for c in out.chunks if c.num_tokens == 1))
+        shape = StepShape(
+            sum(c.num_tokens for c in prompts),
+            sum(chunk_pairs(c.start, c.num_tokens) for c in prompts),
+            len(out.chunks) - len(prompts),
+            sum(c.start + 1 for c in out.chunks if c.num_tokens == 1),
+        )
         seconds_taken = float(truth @ shape.features())
         clock += seconds_taken
         model.observe(shape, seconds_taken)
@@ -269,12 +307,19 @@ def test_the_floor_keeps_a_chunked_prompts_wait_near_its_whole_step():
     """The floor's reason: on CPU costs a 256-token prompt beside 8 decodes gets its first token
     within 1.3x the step that would have run it whole beside them. Under a 100 ms target (the old
     floor) it was cut into slivers that each paid the decodes and fixed cost again."""
+
     def prompt_time(itl):
         s = Scheduler(SchedulerConfig(num_blocks=4000, block_size=16, max_batched_tokens=256, max_num_seqs=64))
         model = _fitted(CPU)
         prompt = _request(999, 256, 1)
-        _serve(s, model, CPU, _driver(model, itl), [(0.0, _request(i, 32, 10_000)) for i in range(8)] + [(1.0, prompt)],
-               5.0)
+        _serve(
+            s,
+            model,
+            CPU,
+            _driver(model, itl),
+            [(0.0, _request(i, 32, 10_000)) for i in range(8)] + [(1.0, prompt)],
+            5.0,
+        )
         whole = float(CPU @ StepShape(256, chunk_pairs(0, 256), 8, 8 * 100).features())
         return (prompt.first_token_s - prompt.admitted_s) / whole
 
@@ -298,8 +343,15 @@ def test_pipeline_steps_are_timed_by_their_slot():
     assert pacer.step_costs.seen["decode"] == 2
 
 
-@pytest.mark.parametrize("argv,want", [(["--itl-target-ms", "50"], "50"), (["--decode-stall-limit", "2"], "2.0x"),
-                                       (["--decode-stall-limit", "0"], "off"), ([], "auto")])
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (["--itl-target-ms", "50"], "50"),
+        (["--decode-stall-limit", "2"], "2.0x"),
+        (["--decode-stall-limit", "0"], "off"),
+        ([], "auto"),
+    ],
+)
 def test_the_serve_flags_give_the_engine_its_target(argv, want):
     import argparse
 
@@ -310,8 +362,16 @@ def test_the_serve_flags_give_the_engine_its_target(argv, want):
     assert itl_target(p.parse_args(argv)) == want
 
 
-@pytest.mark.parametrize("argv", [["--itl-target-ms", "fast"], ["--itl-target-ms", "1x"], ["--decode-stall-limit", "0.5"],
-                                  ["--decode-stall-limit", "nan"], ["--decode-stall-limit", "x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--itl-target-ms", "fast"],
+        ["--itl-target-ms", "1x"],
+        ["--decode-stall-limit", "0.5"],
+        ["--decode-stall-limit", "nan"],
+        ["--decode-stall-limit", "x"],
+    ],
+)
 def test_bad_targets_are_refused_when_the_flags_are_read(argv, capsys):
     import argparse
 
@@ -364,11 +424,14 @@ def test_a_step_with_a_prompt_pays_a_fixed_cost_of_its_own():
         model.observe(shape, true_seconds(shape))
     fixed, prompt_step = model.coefficients()[:2]
     assert fixed == pytest.approx(TRUE[0], rel=0.02) and prompt_step == pytest.approx(TRUE[1], rel=0.02)
-    assert model.decode_step_s(8, 4000) == pytest.approx(true_seconds(StepShape(decodes=8, decode_context=4000)),
-                                                         rel=0.01)
+    assert model.decode_step_s(8, 4000) == pytest.approx(
+        true_seconds(StepShape(decodes=8, decode_context=4000)), rel=0.01
+    )
     n = model.prompt_tokens_within(0.05, 8, 4000, 0)
-    assert true_seconds(StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(0, n), decodes=8,
-                                  decode_context=4000)) <= 0.05 * 1.01
+    assert (
+        true_seconds(StepShape(prompt_tokens=n, prompt_pairs=chunk_pairs(0, n), decodes=8, decode_context=4000))
+        <= 0.05 * 1.01
+    )
 
 
 def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():

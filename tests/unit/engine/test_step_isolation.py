@@ -97,14 +97,17 @@ def logs():
     logger.disable("dist_infer")
 
 
-def _assert_failed(outs: list[RequestOutput], rid: str, where: str, logs: list[str], exc_type: str,
-                   exc_text: str) -> str:
+def _assert_failed(
+    outs: list[RequestOutput], rid: str, where: str, logs: list[str], exc_type: str, exc_text: str
+) -> str:
     """`rid` ended with a 500 that names it, `where` and an error id, and nothing of the exception;
     the log has the exception (text and traceback) under that id. Returns the id."""
     last = outs[-1]
     assert last.finished and last.finish_reason == "abort" and last.error_status == 500, last
-    shape = rf"request {re.escape(rid)} failed in {re.escape(where)} \(error id (err-[0-9a-f]{{12}}); " \
-            r"the instance's log has the details\)"
+    shape = (
+        rf"request {re.escape(rid)} failed in {re.escape(where)} \(error id (err-[0-9a-f]{{12}}); "
+        r"the instance's log has the details\)"
+    )
     found = re.fullmatch(shape, last.error or "")
     assert found, last.error
     assert exc_type not in last.error and exc_text not in last.error, "the exception stays in the log"
@@ -125,10 +128,12 @@ def _assert_idle_and_conserved(engine) -> None:
 def _sampler(fail_row):
     """The real sampler, raising (as torch.multinomial does on bad probabilities) when any row
     is one `fail_row(row)` picks."""
+
     def sample(logits, rows, eos_ids=()):
         if any(fail_row(r) for r in rows):
             raise RuntimeError(BOOM)
         return sample_rows(logits, rows, eos_ids)
+
     return sample
 
 
@@ -137,8 +142,9 @@ def test_one_request_failing_in_sampling_fails_alone(model, alone, monkeypatch, 
     monkeypatch.setattr(stage_runner, "sample_rows", _sampler(lambda r: r.seed == MARKER and r.index >= 2))
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, max_batched_tokens=8)  # prompts chunked: the failure meets mixed steps
-    got = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
-                        "c": (PROMPTS[2], _params())})
+    got = _run(
+        engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)), "c": (PROMPTS[2], _params())}
+    )
     _assert_failed(got["bad"], "bad", "sampling", logs, "RuntimeError", BOOM)
     assert _tokens(got["bad"]) == alone[1][:2], "what it had before the failure is what it got alone"
     for rid, i in (("a", 0), ("c", 2)):
@@ -191,7 +197,7 @@ def test_a_resumed_request_with_a_bad_token_fails_at_planning(model, alone, logs
     # a resume's tokens come from the API; one outside the vocabulary would raise in every rank's embedding
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
-    progress = ResumeProgress(token_ids=[10 ** 6], logprobs=[0.0], top_logprobs=[[]], age_s=0.0)
+    progress = ResumeProgress(token_ids=[10**6], logprobs=[0.0], top_logprobs=[[]], age_s=0.0)
     engine.resume_request("resumed", PROMPTS[1], _params(), progress)
     engine.add_request("a", PROMPTS[0], _params())
     got: dict[str, list] = {"resumed": [], "a": []}
@@ -209,12 +215,12 @@ def test_a_stop_token_id_among_the_most_allowed_still_ends_the_request(model, al
 
     want = alone[0]
     k = max(k for k in range(len(want)) if want[k] not in want[:k])  # the last token not seen before it
-    others = [10 ** 6 + i for i in range(MAX_STOP_TOKEN_IDS - 1)]  # never sampled
+    others = [10**6 + i for i in range(MAX_STOP_TOKEN_IDS - 1)]  # never sampled
     params = SamplingParams(max_new_tokens=NEW, stop_at_eos=False, seed=0, stop_token_ids=others + [want[k]])
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups)
     got = _run(engine, {"s": (PROMPTS[0], params)})["s"]
-    assert _tokens(got) == want[:k + 1], "the stop id is kept in the output"
+    assert _tokens(got) == want[: k + 1], "the stop id is kept in the output"
     assert (got[-1].finish_reason, got[-1].stop_reason) == ("stop", want[k])
     _assert_idle_and_conserved(engine)
 
@@ -232,8 +238,10 @@ def test_a_plan_the_metadata_check_rejects_never_leaves_the_driver(model, alone,
 
     monkeypatch.setattr(engine.worker, "prepare", prepare)
     got = _run(engine, {"r0": (PROMPTS[0], _params()), "r1": (PROMPTS[1], _params())})
-    ids = {_assert_failed(got[rid], rid, "checking its step", logs, "ValueError", "inconsistent plan")
-           for rid in ("r0", "r1")}
+    ids = {
+        _assert_failed(got[rid], rid, "checking its step", logs, "ValueError", "inconsistent plan")
+        for rid in ("r0", "r1")
+    }
     assert len(ids) == 1, "one exception, logged once, under one id both quote"
     _assert_idle_and_conserved(engine)
     got = _run(engine, {"later": (PROMPTS[2], _params())})
@@ -261,8 +269,14 @@ def test_one_rank_serves_on_after_a_forward_failure_but_not_after_many(model, al
     # a forward that keeps failing is the instance's fault, not a request's: it ends the instance
     failing["steps"] = MAX_FORWARD_FAILURES
     for i in range(MAX_FORWARD_FAILURES - 1):
-        _assert_failed(_run(engine, {f"x{i}": (PROMPTS[i], _params())})[f"x{i}"], f"x{i}", "its step's forward",
-                       logs, "RuntimeError", "kernel failed")
+        _assert_failed(
+            _run(engine, {f"x{i}": (PROMPTS[i], _params())})[f"x{i}"],
+            f"x{i}",
+            "its step's forward",
+            logs,
+            "RuntimeError",
+            "kernel failed",
+        )
     with pytest.raises(ForwardFailures, match=f"{MAX_FORWARD_FAILURES} steps in a row.*kernel failed"):
         _run(engine, {"last": (PROMPTS[3], _params())})
 
@@ -275,8 +289,9 @@ def test_tp2_on_threads_a_sampling_failure_fails_alone(model, alone, monkeypatch
         if groups.world.rank != 0:
             engine.follow()
             return None
-        first = _run(engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)),
-                              "c": (PROMPTS[2], _params())})
+        first = _run(
+            engine, {"a": (PROMPTS[0], _params()), "bad": (PROMPTS[1], _params(MARKER)), "c": (PROMPTS[2], _params())}
+        )
         _assert_idle_and_conserved(engine)
         later = _run(engine, {"d": (PROMPTS[3], _params())})
         _assert_idle_and_conserved(engine)

@@ -29,19 +29,35 @@ def test_byte_level_bpe_is_its_longest_token():
 
 
 def test_sentencepiece_style_adds_what_its_decoder_strips():
-    llama2 = spec(normalizer={"type": "Sequence", "normalizers": [
-        {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
-        decoder={"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"},
-                                                  {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        byte_fallback=True)
+    llama2 = spec(
+        normalizer={
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ],
+        },
+        decoder={
+            "type": "Sequence",
+            "decoders": [
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        byte_fallback=True,
+    )
     assert chars_per_token(llama2, TEXTS) == (8 + 1, "")
     metaspace = spec(pre_tokenizer={"type": "Metaspace"}, decoder={"type": "Metaspace"}, byte_fallback=True)
     assert chars_per_token(metaspace, TEXTS) == (8 + 1, "")
 
 
 def test_composing_normalizers_multiply_the_bound():
-    qwen2 = spec(normalizer={"type": "NFC"}, pre_tokenizer={"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "behavior": "Isolated"}, BYTE_LEVEL]}, decoder=BYTE_LEVEL)
+    qwen2 = spec(
+        normalizer={"type": "NFC"},
+        pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Isolated"}, BYTE_LEVEL]},
+        decoder=BYTE_LEVEL,
+    )
     assert chars_per_token(qwen2, TEXTS) == (COMPOSE_FACTOR * 8, "")
     assert chars_per_token(spec(normalizer={"type": "NFD"}, pre_tokenizer=BYTE_LEVEL), TEXTS) == (8, "")
 
@@ -51,22 +67,36 @@ def test_two_spaces_replaced_by_one_halve_the_text():
     assert chars_per_token(spec(normalizer=squeeze, pre_tokenizer=BYTE_LEVEL), TEXTS) == (16, "")
 
 
-@pytest.mark.parametrize("tokenizer, needle", [
-    (spec(normalizer={"type": "BertNormalizer"}, pre_tokenizer=BYTE_LEVEL), "normalizer BertNormalizer"),
-    (spec(normalizer={"type": "StripAccents"}, pre_tokenizer=BYTE_LEVEL), "normalizer StripAccents"),
-    (spec(normalizer={"type": "Replace", "pattern": {"Regex": " +"}, "content": " "}, pre_tokenizer=BYTE_LEVEL),
-     "replaces a pattern"),
-    (spec(normalizer={"type": "Replace", "pattern": {"String": "x"}, "content": ""}, pre_tokenizer=BYTE_LEVEL),
-     "replaces a pattern"),
-    (spec(pre_tokenizer={"type": "Whitespace"}, byte_fallback=True), "pre-tokenizer Whitespace"),
-    (spec(pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Removed"}]},
-          byte_fallback=True), "pre-tokenizer Split"),
-    (spec(), "BPE model"),  # no unknown token, no byte fallback: unknown characters vanish
-    (spec(unk_token="<unk>", fuse_unk=True), "BPE model"),
-    ({"model": {"type": "WordPiece", "unk_token": "[UNK]"}, "pre_tokenizer": {"type": "BertPreTokenizer"}},
-     "BertPreTokenizer"),
-    ({"model": {"type": "Unigram", "byte_fallback": False}}, "Unigram model"),
-])
+@pytest.mark.parametrize(
+    "tokenizer, needle",
+    [
+        (spec(normalizer={"type": "BertNormalizer"}, pre_tokenizer=BYTE_LEVEL), "normalizer BertNormalizer"),
+        (spec(normalizer={"type": "StripAccents"}, pre_tokenizer=BYTE_LEVEL), "normalizer StripAccents"),
+        (
+            spec(normalizer={"type": "Replace", "pattern": {"Regex": " +"}, "content": " "}, pre_tokenizer=BYTE_LEVEL),
+            "replaces a pattern",
+        ),
+        (
+            spec(normalizer={"type": "Replace", "pattern": {"String": "x"}, "content": ""}, pre_tokenizer=BYTE_LEVEL),
+            "replaces a pattern",
+        ),
+        (spec(pre_tokenizer={"type": "Whitespace"}, byte_fallback=True), "pre-tokenizer Whitespace"),
+        (
+            spec(
+                pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Removed"}]},
+                byte_fallback=True,
+            ),
+            "pre-tokenizer Split",
+        ),
+        (spec(), "BPE model"),  # no unknown token, no byte fallback: unknown characters vanish
+        (spec(unk_token="<unk>", fuse_unk=True), "BPE model"),
+        (
+            {"model": {"type": "WordPiece", "unk_token": "[UNK]"}, "pre_tokenizer": {"type": "BertPreTokenizer"}},
+            "BertPreTokenizer",
+        ),
+        ({"model": {"type": "Unigram", "byte_fallback": False}}, "Unigram model"),
+    ],
+)
 def test_tokenizers_that_drop_or_merge_characters_have_no_bound(tokenizer, needle):
     bound, why = chars_per_token(tokenizer, TEXTS)
     assert bound is None and needle in why, why

@@ -120,16 +120,18 @@ def test_a_read_only_or_full_cache_dir_falls_back(tmp_path, real_library, monkey
     first.chmod(0o755)
     assert kernels is not None and Path(kernels.library_path).parent == tmp_path / "fallback"
     assert len(warnings) == 1 and str(first) in warnings[0]
-    assert {"read-only": "Read-only file system", "full": "MiB free", "chmod 555": "Permission denied"}[cause] \
-        in warnings[0]
+    assert {"read-only": "Read-only file system", "full": "MiB free", "chmod 555": "Permission denied"}[
+        cause
+    ] in warnings[0]
     assert [Path(p).parent for p in runs(log)] == [tmp_path / "fallback"]
 
 
 def test_no_usable_dir_at_all_is_one_warning_and_torch_ops(tmp_path, real_library):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    spec = KernelBuild("auto", copying_compiler(tmp_path, tmp_path / "runs.log", real_library),
-                       (blocker / "a", blocker / "b"))
+    spec = KernelBuild(
+        "auto", copying_compiler(tmp_path, tmp_path / "runs.log", real_library), (blocker / "a", blocker / "b")
+    )
     with warnings_logged() as warnings:
         assert load_native_kernels(spec) is None
     assert len(warnings) == 1 and "no usable cache directory" in warnings[0] and str(blocker / "b") in warnings[0]
@@ -239,8 +241,11 @@ def test_builders_waiting_on_a_failed_build_do_not_run_it_again(tmp_path, failur
     ranks behind a hung compiler would otherwise take eight timeouts): they raise what it raised."""
     log, target = tmp_path / "runs.log", tmp_path / "c" / "lib.so"
     target.parent.mkdir()
-    cc = (failing_compiler(tmp_path, log, "kernels.c:9: error: boom", delay_s=2) if failure == "fails"
-          else hanging_compiler(tmp_path, log, tmp_path / "sleep.pid"))  # both well past the builders' arrival
+    cc = (
+        failing_compiler(tmp_path, log, "kernels.c:9: error: boom", delay_s=2)
+        if failure == "fails"
+        else hanging_compiler(tmp_path, log, tmp_path / "sleep.pid")
+    )  # both well past the builders' arrival
     start, raised, timeout_s = threading.Barrier(3), [], 2 if failure == "hangs" else 30
 
     def builder():
@@ -287,8 +292,13 @@ def test_the_mode_comes_from_the_flag_then_the_environment():
     with pytest.raises(ValueError, match="'on': one of auto, require, off"):
         kernel_mode("on", {})
     # --native-kernels: not given defers; on and layers build as auto
-    assert [native_kernel_mode(f) for f in (None, "on", "layers", "require", "off")] == \
-        [True, "auto", "auto", "require", "off"]
+    assert [native_kernel_mode(f) for f in (None, "on", "layers", "require", "off")] == [
+        True,
+        "auto",
+        "auto",
+        "require",
+        "off",
+    ]
 
 
 def test_the_compiler_and_the_cache_dirs_come_from_the_environment(tmp_path):

@@ -33,13 +33,19 @@ def test_the_header_is_checked_against_the_definitions_by_the_compiler():
     assert '#include "cpu_kernels.h"' in STACK_TEXT
 
 
-@pytest.mark.parametrize("edit, problem", [
-    (("long K, int threads);", "long K, long threads);"), "skinny_linear: parameter 6 is c_long in C, c_int"),
-    (("void rms_norm(", "int rms_norm("), "rms_norm: returns c_int in C, void in Python"),
-    (("long K, int threads);", "long K, int threads, int extra);"), "skinny_linear: 8 parameters in C, 7 in Python"),
-    (("float eps);", "double eps);"), "rms_norm: parameter 6 is c_double in C, c_float"),
-    (("int dequantize_rows(", "int dequantize_rows_v2("), "dequantize_rows: no C prototype"),
-])
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (("long K, int threads);", "long K, long threads);"), "skinny_linear: parameter 6 is c_long in C, c_int"),
+        (("void rms_norm(", "int rms_norm("), "rms_norm: returns c_int in C, void in Python"),
+        (
+            ("long K, int threads);", "long K, int threads, int extra);"),
+            "skinny_linear: 8 parameters in C, 7 in Python",
+        ),
+        (("float eps);", "double eps);"), "rms_norm: parameter 6 is c_double in C, c_float"),
+        (("int dequantize_rows(", "int dequantize_rows_v2("), "dequantize_rows: no C prototype"),
+    ],
+)
 def test_a_prototype_that_drifts_is_named(edit, problem):
     """The check is not vacuous: each way a prototype can drift from Python's declaration is found."""
     old, new = edit
@@ -53,7 +59,8 @@ def test_a_drift_in_decode_stack_c_is_named():
     assert old in STACK_TEXT
     drifted = STACK_TEXT.replace(old, "int decode_stack(const StackLayer *layers, int n_layers,")
     assert mismatches(C_SIGNATURES, c_prototypes(stack=drifted)) == [
-        "decode_stack: parameter 1 is c_int in C, c_long in Python"]
+        "decode_stack: parameter 1 is c_int in C, c_long in Python"
+    ]
 
 
 def test_the_loaded_functions_carry_the_declared_signatures():

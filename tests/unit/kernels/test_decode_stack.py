@@ -22,12 +22,18 @@ def test_each_structure_matches_its_c_layout(c_name):
     assert c_structs()[c_name] == list(MIRRORS[c_name]._fields_)
 
 
-@pytest.mark.parametrize("old, new", [
-    ("double eps, scale;", "float eps, scale;"),  # retyped
-    ("long n_runs; ", "int n_runs; "),  # retyped to a narrower integer
-    ("long table_width, window, block_size, threads;", "long table_width, block_size, window, threads;"),  # reordered
-    ("    long sgemm_row_major; ", "    long sgemm_row_major, spare; "),  # a field added in C only
-])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("double eps, scale;", "float eps, scale;"),  # retyped
+        ("long n_runs; ", "int n_runs; "),  # retyped to a narrower integer
+        (
+            "long table_width, window, block_size, threads;",
+            "long table_width, block_size, window, threads;",
+        ),  # reordered
+        ("    long sgemm_row_major; ", "    long sgemm_row_major, spare; "),  # a field added in C only
+    ],
+)
 def test_a_drifted_c_structure_is_seen(old, new):
     assert old in STACK_TEXT
     assert c_structs(STACK_TEXT.replace(old, new, 1))["StackStep"] != list(_Step._fields_)

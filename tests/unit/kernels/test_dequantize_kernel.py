@@ -34,8 +34,9 @@ def _weight(rows: int, cols: int, group: int, bits: int, zeros: bool, seed: int 
 def _dequantize(layer: GroupQuantLinear, start: int, stop: int) -> Optional[torch.Tensor]:
     out = torch.full((stop - start, layer.in_features), float("nan"))
     zeros = None if layer.zeros is None else layer.zeros[start:stop]
-    ok = kernels.dequantize_rows(layer.q[start:stop], layer.scales[start:stop], zeros, out, layer.group_size,
-                                 layer.bits)
+    ok = kernels.dequantize_rows(
+        layer.q[start:stop], layer.scales[start:stop], zeros, out, layer.group_size, layer.bits
+    )
     return out if ok else None
 
 
@@ -103,7 +104,9 @@ def _refused(q, scales, zeros, out, group, bits) -> None:
 def test_refuses_what_it_does_not_take():
     q8, q4 = torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 32, dtype=torch.uint8)
     s, z, out = torch.ones(4, 2), torch.zeros(4, 2), torch.zeros(4, 64)
-    assert kernels.dequantize_rows(q8, s, z, out.clone(), 32, 8) and kernels.dequantize_rows(q4, s, z, out.clone(), 32, 4)
+    assert kernels.dequantize_rows(q8, s, z, out.clone(), 32, 8) and kernels.dequantize_rows(
+        q4, s, z, out.clone(), 32, 4
+    )
     _refused(q8, s, z, out, 32, 3)  # bits
     _refused(q8, s, z, out, 32, 4)  # int8 bytes as packed 4-bit (and too many columns)
     _refused(q4, s, z, out, 32, 8)  # packed bytes as int8

@@ -122,8 +122,14 @@ def test_decode_step_matches_the_torch_path(q_heads, kv_heads, window):
 
     q, k, v = split(qkv.clone())
     caches = k_cache.clone(), v_cache.clone()
-    ref = paged_attention(apply_rotary(q.reshape(3, q_heads, d), cos, sin), apply_rotary(k.reshape(3, kv_heads, d), cos, sin),
-                          v.reshape(3, kv_heads, d), *caches, meta, 0.3)
+    ref = paged_attention(
+        apply_rotary(q.reshape(3, q_heads, d), cos, sin),
+        apply_rotary(k.reshape(3, kv_heads, d), cos, sin),
+        v.reshape(3, kv_heads, d),
+        *caches,
+        meta,
+        0.3,
+    )
     q, k, v = split(qkv.clone())
     native_caches = k_cache.clone(), v_cache.clone()
     out = attention_native(q, k, v, cos, sin, *native_caches, meta, 0.3, kernels)
@@ -134,8 +140,9 @@ def test_decode_step_matches_the_torch_path(q_heads, kv_heads, window):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("q_heads,kv_heads,d,window", [(8, 4, 32, None), (20, 2, 24, None), (3, 3, 64, 700),
-                                                        (9, 3, 7, None)])
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,d,window", [(8, 4, 32, None), (20, 2, 24, None), (3, 3, 64, 700), (9, 3, 7, None)]
+)
 def test_decode_attention_over_many_chunks_matches_float64(q_heads, kv_heads, d, window, threads):
     """Long contexts split in chunks (256 keys) over the threads, merged by LSE: the output and
     the LSE against float64 softmax attention, with lengths that end mid-block and mid-chunk, a
@@ -152,14 +159,14 @@ def test_decode_attention_over_many_chunks_matches_float64(q_heads, kv_heads, d,
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = kernels.decode_attention(q, k_cache, v_cache, blocks, torch.tensor(lens), window, d ** -0.5, lse)
+        out = kernels.decode_attention(q, k_cache, v_cache, blocks, torch.tensor(lens), window, d**-0.5, lse)
     finally:
         torch.set_num_threads(before)
     for b, n in enumerate(lens):
         start = n - window if window and n > window else 0
         keys = k_cache[blocks[b]].reshape(-1, kv_heads, d)[start:n].double().repeat_interleave(q_heads // kv_heads, 1)
         vals = v_cache[blocks[b]].reshape(-1, kv_heads, d)[start:n].double().repeat_interleave(q_heads // kv_heads, 1)
-        scores = torch.einsum("hd,khd->hk", q[b].view(q_heads, d).double(), keys) * d ** -0.5
+        scores = torch.einsum("hd,khd->hk", q[b].view(q_heads, d).double(), keys) * d**-0.5
         ref = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vals)
         torch.testing.assert_close(out[b].view(q_heads, d), ref.float(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1).float(), rtol=1e-5, atol=1e-5)
@@ -183,8 +190,14 @@ def test_prefill_rotary_in_place_then_sdpa_matches_the_torch_path(q_lens, seq_le
 
     q, k, v = split(qkv.clone())
     caches = k_cache.clone(), v_cache.clone()
-    ref = paged_attention(apply_rotary(q.reshape(T, q_heads, d), cos, sin), apply_rotary(k.reshape(T, kv_heads, d), cos, sin),
-                          v.reshape(T, kv_heads, d), *caches, meta, 0.3)
+    ref = paged_attention(
+        apply_rotary(q.reshape(T, q_heads, d), cos, sin),
+        apply_rotary(k.reshape(T, kv_heads, d), cos, sin),
+        v.reshape(T, kv_heads, d),
+        *caches,
+        meta,
+        0.3,
+    )
     q, k, v = split(qkv.clone())
     native_caches = k_cache.clone(), v_cache.clone()
     out = attention_native(q, k, v, cos, sin, *native_caches, meta, 0.3, kernels)

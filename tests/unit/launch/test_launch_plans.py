@@ -73,8 +73,11 @@ def test_plan_local_hostfile_node_rank_offsets():
         assert p.env["WORLD_SIZE"] == "6" and p.env["LOCAL_WORLD_SIZE"] == "3" and p.env["GROUP_RANK"] == "1"
         assert p.env["MASTER_ADDR"] == "10.0.0.1"  # first host
         assert p.env["MASTER_PORT"] == str(DEFAULT_MASTER_PORT)  # nodes agree without talking
-    last = plan(LaunchOptions(command=["p"], hosts=H_UNEQUAL, hostfile="hf", node_rank=2,
-                              master_addr="127.0.0.1", master_port=4000))
+    last = plan(
+        LaunchOptions(
+            command=["p"], hosts=H_UNEQUAL, hostfile="hf", node_rank=2, master_addr="127.0.0.1", master_port=4000
+        )
+    )
     assert [p.env["RANK"] for p in last] == ["5"]
     assert last[0].env["GROUP_RANK"] == "2" and last[0].env["MASTER_ADDR"] == "127.0.0.1"
     assert last[0].env["MASTER_PORT"] == "4000"
@@ -103,20 +106,36 @@ def test_plan_local_with_hosts_needs_node_rank():
 
 
 def test_plan_torchrun_local(venv_path):
-    procs = plan(LaunchOptions(command=["dist-infer", "comm-test"], nproc_per_node=4, launcher="torchrun",
-                               master_port=1234))
+    procs = plan(
+        LaunchOptions(command=["dist-infer", "comm-test"], nproc_per_node=4, launcher="torchrun", master_port=1234)
+    )
     assert len(procs) == 1
     argv = procs[0].argv
     assert os.path.basename(argv[0]) == "torchrun"
-    assert argv[1:] == ["--nnodes=1", "--node-rank=0", "--nproc-per-node=4", "--master-addr=127.0.0.1",
-                        "--master-port=1234", "--no-python", "dist-infer", "comm-test"]
+    assert argv[1:] == [
+        "--nnodes=1",
+        "--node-rank=0",
+        "--nproc-per-node=4",
+        "--master-addr=127.0.0.1",
+        "--master-port=1234",
+        "--no-python",
+        "dist-infer",
+        "comm-test",
+    ]
 
 
 def test_plan_torchrun_hostfile_node(venv_path):
     procs = plan(LaunchOptions(command=["x"], hosts=H2, hostfile="hf", node_rank=1, launcher="torchrun"))
     assert procs[0].label == "torchrun node 1"
-    assert procs[0].argv[1:] == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--master-addr=10.0.0.1",
-                                 f"--master-port={DEFAULT_MASTER_PORT}", "--no-python", "x"]
+    assert procs[0].argv[1:] == [
+        "--nnodes=2",
+        "--node-rank=1",
+        "--nproc-per-node=2",
+        "--master-addr=10.0.0.1",
+        f"--master-port={DEFAULT_MASTER_PORT}",
+        "--no-python",
+        "x",
+    ]
 
 
 def test_plan_torchrun_refuses_unequal_slots():
@@ -136,14 +155,22 @@ def test_plan_mpirun_local(venv_path):
 
 
 def test_plan_mpirun_host_list(venv_path):
-    procs = plan(LaunchOptions(command=["x", "y"], hosts=H_UNEQUAL, hostfile="hf", launcher="mpirun",
-                               master_addr="10.0.0.1", master_port=4444))
+    procs = plan(
+        LaunchOptions(
+            command=["x", "y"],
+            hosts=H_UNEQUAL,
+            hostfile="hf",
+            launcher="mpirun",
+            master_addr="10.0.0.1",
+            master_port=4444,
+        )
+    )
     argv = procs[0].argv
     assert argv[1:3] == ["-np", "6"]
     i = argv.index("--host")
     assert argv[i + 1] == "10.0.0.1:2,10.0.0.2:3,10.0.0.3:1"
     j = argv.index("MASTER_ADDR=10.0.0.1")
-    assert argv[j - 1] == "-x" and argv[j + 1:j + 3] == ["-x", "MASTER_PORT=4444"]
+    assert argv[j - 1] == "-x" and argv[j + 1 : j + 3] == ["-x", "MASTER_PORT=4444"]
     assert argv[-2:] == ["x", "y"]
 
 
@@ -160,8 +187,13 @@ def test_plan_mpirun_missing(monkeypatch, tmp_path):
 
 def test_plan_ssh_fanout(tmp_path):
     hostfile = tmp_path / "hosts"
-    opts = LaunchOptions(command=["dist-infer", "comm-test", "--tp", "2"], hosts=H2, hostfile=str(hostfile),
-                         ssh_command="tests/support/jobs/netns_ssh.sh", iface="veth0")
+    opts = LaunchOptions(
+        command=["dist-infer", "comm-test", "--tp", "2"],
+        hosts=H2,
+        hostfile=str(hostfile),
+        ssh_command="tests/support/jobs/netns_ssh.sh",
+        iface="veth0",
+    )
     procs = plan(opts)
     assert [p.label for p in procs] == ["node 0 (10.0.0.1)", "node 1 (10.0.0.2)"]
     for k, (p, host) in enumerate(zip(procs, H2)):
@@ -171,15 +203,40 @@ def test_plan_ssh_fanout(tmp_path):
         line = p.argv[2]
         assert line.startswith(f"cd {shlex.quote(os.getcwd())} && exec ")
         remote = shlex.split(line.split(" && exec ", 1)[1])
-        assert remote == [sys.executable, "-m", "dist_infer", "launch", "--hostfile", str(hostfile),
-                          "--node-rank", str(k), "--master-addr", "10.0.0.1",
-                          "--master-port", str(DEFAULT_MASTER_PORT), "--launcher", "local",
-                          "--iface", "veth0", "--", "dist-infer", "comm-test", "--tp", "2"]
+        assert remote == [
+            sys.executable,
+            "-m",
+            "dist_infer",
+            "launch",
+            "--hostfile",
+            str(hostfile),
+            "--node-rank",
+            str(k),
+            "--master-addr",
+            "10.0.0.1",
+            "--master-port",
+            str(DEFAULT_MASTER_PORT),
+            "--launcher",
+            "local",
+            "--iface",
+            "veth0",
+            "--",
+            "dist-infer",
+            "comm-test",
+            "--tp",
+            "2",
+        ]
 
 
 def test_plan_ssh_command_with_options(tmp_path):
-    opts = LaunchOptions(command=["true"], hosts=H2, hostfile=str(tmp_path / "h"), ssh_command="ssh -p 2222 -o BatchMode=yes",
-                         master_port=3000, master_addr="10.0.0.9")
+    opts = LaunchOptions(
+        command=["true"],
+        hosts=H2,
+        hostfile=str(tmp_path / "h"),
+        ssh_command="ssh -p 2222 -o BatchMode=yes",
+        master_port=3000,
+        master_addr="10.0.0.9",
+    )
     procs = plan(opts)
     assert procs[1].argv[:5] == ["ssh", "-p", "2222", "-o", "BatchMode=yes"]
     assert procs[1].argv[5] == "10.0.0.2"

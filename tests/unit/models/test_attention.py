@@ -39,7 +39,7 @@ class _PagedRun:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.free = torch.randperm(num_blocks, generator=self.gen).tolist()  # non-contiguous tables
         self.tables, self.hist_k, self.hist_v = {}, {}, {}
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
 
     def _rand(self, *shape):
         return torch.randn(*shape, generator=self.gen, dtype=torch.float64)
@@ -64,8 +64,13 @@ class _PagedRun:
         start = 0
         for s, n, q in zip(seqs, q_lens, qs):
             want = _naive(q, self.hist_k[s], self.hist_v[s], self.scale, self.window)
-            torch.testing.assert_close(out[start:start + n], want, atol=1e-10, rtol=1e-10,
-                                       msg=lambda m, s=s: f"sequence {s} (q_lens {q_lens}, seq_lens {seq_lens}): {m}")
+            torch.testing.assert_close(
+                out[start : start + n],
+                want,
+                atol=1e-10,
+                rtol=1e-10,
+                msg=lambda m, s=s: f"sequence {s} (q_lens {q_lens}, seq_lens {seq_lens}): {m}",
+            )
             start += n
         for s, table in zip(seqs, tables):  # the cache holds every key at its slot
             flat = self.k_cache.view(-1, self.KV, self.d)

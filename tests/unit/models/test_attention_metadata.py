@@ -53,7 +53,7 @@ def test_metadata_mask_causal_with_cached_context(window):
     want = _want_mask(q_lens, seq_lens, window)
     for b, q in enumerate(q_lens):
         assert torch.equal(mask[b, :q], want[b, :q]), f"sequence {b}"
-        assert not mask[b, :q, seq_lens[b]:].any(), "never beyond the sequence's own context"
+        assert not mask[b, :q, seq_lens[b] :].any(), "never beyond the sequence's own context"
         for i in range(q, meta.max_q):  # padded rows: exactly one key, so no NaN
             assert mask[b, i].sum() == 1
 

@@ -314,20 +314,31 @@ def test_text_tokenizer_missing_file(tmp_path):
     assert issubclass(TokenizerError, CheckpointError)
 
 
-@pytest.mark.parametrize("field, value, says", [
-    ("num_attention_heads", 0, "num_attention_heads must be a whole number"),
-    ("num_key_value_heads", 0, "num_key_value_heads must be a whole number"),
-    ("num_key_value_heads", 3, "not a multiple of num_key_value_heads 3"),
-    ("hidden_size", 30, "hidden_size 30 is not a multiple"),
-    ("max_position_embeddings", 2 ** 40, "max_position_embeddings must be"),
-    ("vocab_size", "lots", "vocab_size must be"),
-])
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("num_attention_heads", 0, "num_attention_heads must be a whole number"),
+        ("num_key_value_heads", 0, "num_key_value_heads must be a whole number"),
+        ("num_key_value_heads", 3, "not a multiple of num_key_value_heads 3"),
+        ("hidden_size", 30, "hidden_size 30 is not a multiple"),
+        ("max_position_embeddings", 2**40, "max_position_embeddings must be"),
+        ("vocab_size", "lots", "vocab_size must be"),
+    ],
+)
 def test_a_hostile_config_json_is_refused_naming_the_field(field, value, says):
     """The HF twin of the hostile GGUF files (models/gguf/test_gguf.py): a config.json field that would
     divide by zero or ask for terabytes."""
     from dist_infer.models.config import ModelConfig, ModelConfigError
 
-    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100, field: value}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        field: value,
+    }
     with pytest.raises(ModelConfigError, match=says):
         ModelConfig.from_hf(cfg, "bad/config.json")

@@ -25,9 +25,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_model_config_from_each_arch(checkpoints):
-    cfgs = {arch: ModelConfig.from_hf(json.loads((path / "config.json").read_text())) for arch, path in checkpoints.items()}
+    cfgs = {
+        arch: ModelConfig.from_hf(json.loads((path / "config.json").read_text())) for arch, path in checkpoints.items()
+    }
     for arch, cfg in cfgs.items():
-        assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size) == (64, 2, 4, 16, 128), arch
+        assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size) == (64, 2, 4, 16, 128), (
+            arch
+        )
         assert cfg.intermediate_size == 128 and cfg.rms_norm_eps == 1e-6 and cfg.rope_theta == 10000.0, arch
         assert cfg.eos_token_ids == (2,) and cfg.bos_token_id == 1, arch
         assert not cfg.mlp_bias and not cfg.o_bias, arch
@@ -80,16 +84,32 @@ def test_config_mixtral():
 
 
 def test_config_qwen2_moe_layers_and_shared_expert():
-    cfg = ModelConfig.from_hf({**MOE_CONFIG, "model_type": "qwen2_moe", "num_experts": 8, "moe_intermediate_size": 32,
-                               "shared_expert_intermediate_size": 48, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    cfg = ModelConfig.from_hf(
+        {
+            **MOE_CONFIG,
+            "model_type": "qwen2_moe",
+            "num_experts": 8,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+        }
+    )
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     assert cfg.shared_expert_intermediate_size == 48
     assert (cfg.norm_topk_prob, cfg.qkv_bias, cfg.o_bias) == (False, True, False)
 
 
 def test_config_qwen3_moe():
-    cfg = ModelConfig.from_hf({**MOE_CONFIG, "model_type": "qwen3_moe", "num_local_experts": 8,
-                               "moe_intermediate_size": 32, "norm_topk_prob": True})
+    cfg = ModelConfig.from_hf(
+        {
+            **MOE_CONFIG,
+            "model_type": "qwen3_moe",
+            "num_local_experts": 8,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        }
+    )
     assert (cfg.num_experts, cfg.qk_norm, cfg.norm_topk_prob, cfg.qkv_bias) == (8, True, True, False)
 
 
@@ -98,10 +118,13 @@ def test_config_dense_has_no_experts():
     assert cfg.num_experts == 0 and not cfg.is_moe_layer(0)
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 must be between 1 and the 8 experts"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 must be between 1 and the 8 experts"),
+    ],
+)
 def test_config_errors(extra, needle):
     with pytest.raises(ModelConfigError, match=needle):
         ModelConfig.from_hf({**MOE_CONFIG, "model_type": "mixtral", "num_local_experts": 8, **extra})

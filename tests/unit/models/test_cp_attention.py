@@ -49,9 +49,11 @@ def test_prefill_metadata_splits_every_prompt_exactly_once(cp):
 
 def test_auto_variant_for_a_fresh_prefill():
     table = [list(range(100))]
-    for heads, kv_heads, prompt, want in ((4, 2, 40, "pass-kv"),  # GQA: Q is as large as K+V
-                                          (4, 4, 40, "pass-q"),  # MHA, 20 tokens per rank: K+V too big to hide
-                                          (4, 4, 1000, "pass-kv")):  # MHA, 500 per rank: its transfer hides
+    for heads, kv_heads, prompt, want in (
+        (4, 2, 40, "pass-kv"),  # GQA: Q is as large as K+V
+        (4, 4, 40, "pass-q"),  # MHA, 20 tokens per rank: K+V too big to hide
+        (4, 4, 1000, "pass-kv"),
+    ):  # MHA, 500 per rank: its transfer hides
         meta, _ = cp_prefill_metadata([prompt], 2, 0, table, 16, q_heads=heads, kv_heads=kv_heads)
         assert meta.cp.variant == want, (heads, kv_heads, prompt)
     assert cp_prefill_metadata([40], 2, 0, table, 16, "pass-q", 4, 2)[0].cp.variant == "pass-q", "forced"
@@ -92,7 +94,7 @@ def test_sharded_decode_merges_to_attention_over_the_whole_cache(native):
                 k_cache.view(-1, kv_heads, d)[slot] = keys[b][r][i]
                 v_cache.view(-1, kv_heads, d)[slot] = vals[b][r][i]
         meta = cp_decode_metadata([40, 41], [False, False], [lens[0][r], lens[1][r]], tables, bs)
-        o, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d ** -0.5, kernels)
+        o, lse = shard_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, d**-0.5, kernels)
         if lens[0][r] == 0:
             assert torch.isneginf(lse[0]).all() and (o[0] == 0).all()
         parts_o.append(o), parts_l.append(lse)
@@ -100,7 +102,7 @@ def test_sharded_decode_merges_to_attention_over_the_whole_cache(native):
     for b in range(2):
         k_all = torch.cat(keys[b]).repeat_interleave(heads // kv_heads, 1)
         v_all = torch.cat(vals[b]).repeat_interleave(heads // kv_heads, 1)
-        probs = torch.softmax(torch.einsum("hd,khd->hk", q[b], k_all) * d ** -0.5, -1)
+        probs = torch.softmax(torch.einsum("hd,khd->hk", q[b], k_all) * d**-0.5, -1)
         torch.testing.assert_close(got[b], torch.einsum("hk,khd->hd", probs, v_all), atol=1e-6, rtol=1e-6)
 
 

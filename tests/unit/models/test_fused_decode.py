@@ -29,7 +29,8 @@ def _generate(stage, group, prompts, fused: bool, **config):
     stage.native_decode_stack = fused
     stage.decode_stack_cache = None
     outs = Engine(stage, group, EngineConfig(**config)).generate(
-        prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), return_logits=True)
+        prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), return_logits=True
+    )
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
 
 
@@ -38,8 +39,9 @@ def _fused_ran(stage) -> bool:
     return cached is not None and cached.plan is not None
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama-gqa", "none"), ("llama-mqa", "int4"), ("llama-tied", "int8"),
-                                         ("llama31-rope", "int4")])
+@pytest.mark.parametrize(
+    "arch,scheme", [("llama-gqa", "none"), ("llama-mqa", "int4"), ("llama-tied", "int8"), ("llama31-rope", "int4")]
+)
 def test_fused_decode_equals_layer_by_layer_and_transformers(arch, scheme, tmp_path):
     hf = load_hf_model(write_hf_checkpoint(tmp_path, arch))
     group = thread_groups(1, 1)[0]
@@ -119,10 +121,13 @@ def _use_gemm(monkeypatch, choice: str) -> None:
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "blas"])
-@pytest.mark.parametrize("arch,scheme,extra", [("llama-gqa", "none", {}), ("llama-mqa", "int4", {}),
-                                               ("mistral", "none", {"sliding_window": 8})])
-def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch, scheme, extra, gemm, tmp_path,
-                                                                           monkeypatch):
+@pytest.mark.parametrize(
+    "arch,scheme,extra",
+    [("llama-gqa", "none", {}), ("llama-mqa", "int4", {}), ("mistral", "none", {"sliding_window": 8})],
+)
+def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(
+    arch, scheme, extra, gemm, tmp_path, monkeypatch
+):
     """A budget of 12 tokens a step: prompts cut into chunks that attend to their own earlier
     chunks, beside decodes (a window shorter than the context under Mistral). Steps of more than
     MAX_ROWS rows run in the native stack (the products through oneDNN's GEMM or BLAS's, the
@@ -134,8 +139,9 @@ def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(arch
     off = _generate(stage, group, LONG_PROMPTS, fused=False, max_batched_tokens=12)
     rows = []
     step = KERNELS.decode_step
-    monkeypatch.setattr(KERNELS, "decode_step",
-                        lambda plan, batch, *a, **k: rows.append(batch) or step(plan, batch, *a, **k))
+    monkeypatch.setattr(
+        KERNELS, "decode_step", lambda plan, batch, *a, **k: rows.append(batch) or step(plan, batch, *a, **k)
+    )
     on = _generate(stage, group, LONG_PROMPTS, fused=True, max_batched_tokens=12)
     assert max(rows) == 12 and 3 in rows  # chunks (12 rows a step, decodes among them), then 3 decodes
     assert on[0] == off[0]
@@ -188,8 +194,10 @@ def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path, monkeypatch):
     caches = PagedKVCache(len(stage.layers), 16, 16, stage.kv_heads_local, stage.cfg.head_dim).layers
     hidden = stage.cfg.hidden_size
     with torch.inference_mode():
-        assert fused_decode(stage, torch.randn(1, hidden), build_attention_metadata([1], [3], [[0]], 16), caches) \
-            is not None  # planned against these caches
+        assert (
+            fused_decode(stage, torch.randn(1, hidden), build_attention_metadata([1], [3], [[0]], 16), caches)
+            is not None
+        )  # planned against these caches
         plan, kernels = stage.decode_stack_cache.plan, stage.layers[0].self_attn.kernels
         meta = build_attention_metadata([1] * 9, [3] * 9, [[b] for b in range(9)], 16)
         x = torch.randn(9, hidden)
@@ -211,12 +219,39 @@ def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path, monkeypatch):
         assert torch.equal(caches[0][0], k_before)
         assert fused_decode(stage, x, meta, caches) is None  # over MAX_ROWS without BLAS: layer by layer
         with pytest.raises(ValueError, match="decode_layer_part"):  # a layer the plan has not got
-            kernels.decode_layer_part(plan, kernels.decode_step(plan, 1, cos[:1], sin[:1], meta.slot_mapping[:1],
-                                                                meta.block_tables[:1], meta.seq_lens_t[:1], None, 16),
-                                      len(plan.layers), 0, x[:1].clone(), None, torch.empty(1, hidden))
+            kernels.decode_layer_part(
+                plan,
+                kernels.decode_step(
+                    plan,
+                    1,
+                    cos[:1],
+                    sin[:1],
+                    meta.slot_mapping[:1],
+                    meta.block_tables[:1],
+                    meta.seq_lens_t[:1],
+                    None,
+                    16,
+                ),
+                len(plan.layers),
+                0,
+                x[:1].clone(),
+                None,
+                torch.empty(1, hidden),
+            )
         with pytest.raises(ValueError, match="runs must be"):
-            plan.step(9, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens_t, None, 16, 1, None,
-                      torch.tensor([0, 5, 4, 9]))
+            plan.step(
+                9,
+                cos,
+                sin,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens_t,
+                None,
+                16,
+                1,
+                None,
+                torch.tensor([0, 5, 4, 9]),
+            )
 
 
 @pytest.mark.parametrize("tp,ladder,span", [(1, "all", (0, 3)), (2, "all", (0, 3)), (2, "1:2", (1, 2))])

@@ -26,12 +26,14 @@ PROMPTS = prompts_for([5, 9, 3], seed=21)
 
 # -- ours, in the engine ------------------------------------------------------------------------
 
+
 def _serve(hf, groups, ladder, **worker_kw):
     from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
     from dist_infer.models.loader import stage_from_hf_model
 
-    config = EngineConfig(block_size=BS, num_blocks=24, max_batched_tokens=6, max_num_seqs=3,
-                          worker=WorkerOptions(**worker_kw))
+    config = EngineConfig(
+        block_size=BS, num_blocks=24, max_batched_tokens=6, max_num_seqs=3, worker=WorkerOptions(**worker_kw)
+    )
     engine = Engine(stage_from_hf_model(hf, groups, ladder=ladder), groups, config)
     if groups.world.rank != 0:
         engine.follow()
@@ -112,8 +114,9 @@ def test_a_ladder_sub_range_matches_the_reference_and_differs_from_the_standard_
 
 
 def test_token_split_and_sequence_parallel_steps_run_the_ladder_unchanged(llama):
-    got = _ours(llama, 2, "all", overlap="on", overlap_threshold=1, sequence_parallel="on",
-                sequence_parallel_threshold=1)
+    got = _ours(
+        llama, 2, "all", overlap="on", overlap_threshold=1, sequence_parallel="on", sequence_parallel_threshold=1
+    )
     _assert_matches(got, llama, (0, 3), "tp=2, --overlap on, --sequence-parallel on")
 
 
@@ -123,6 +126,7 @@ def test_moe_ladder_matches_the_reference(tmp_path):
 
 
 # -- pp: two stages, each handing the next what it needs ---------------------------------------
+
 
 def _stage(hf, cfg, layers, first, last, kernels=None):
     from dist_infer.kernels import use_native_kernels
@@ -147,8 +151,10 @@ def test_pp2_stages_are_the_one_stage_model(llama, ladder, cut, width, native):
     if native and kernels is None:
         pytest.skip("no C compiler: the native kernels are not built")
     cfg = with_ladder(ModelConfig.from_hf(llama.config.to_dict()), ladder)
-    stages = [_stage(llama, cfg, range(0, cut), True, False, kernels),
-              _stage(llama, cfg, range(cut, 4), False, True, kernels)]
+    stages = [
+        _stage(llama, cfg, range(0, cut), True, False, kernels),
+        _stage(llama, cfg, range(cut, 4), False, True, kernels),
+    ]
     assert stages[1].input_width == width * cfg.hidden_size
     prompt = PROMPTS[1]
     want = reference_logits(llama, prompt + [7], cfg.ladder_layers)
@@ -167,6 +173,7 @@ def test_pp2_stages_are_the_one_stage_model(llama, ladder, cut, width, native):
 
 # -- selection ----------------------------------------------------------------------------------
 
+
 def test_the_flag_parses_and_names_itself():
     assert parse_ladder_residual("all") == "all" and parse_ladder_residual(" OFF ") == "off"
     assert parse_ladder_residual("3:5") == (3, 5) and parse_ladder_residual(None) is None
@@ -182,8 +189,15 @@ def test_config_json_and_the_override():
     for bad in (4, [2, 1], [0, 4], "some", [1], 1.5):
         with pytest.raises(ModelConfigError, match="ladder_residual"):
             ladder_from_json(bad, 4, "c")
-    hf = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              vocab_size=128, ladder_residual=[1, 3])
+    hf = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=128,
+        ladder_residual=[1, 3],
+    )
     cfg = ModelConfig.from_hf(hf)
     assert cfg.ladder_layers == (1, 3)
     assert with_ladder(cfg, None).ladder_layers == (1, 3) and with_ladder(cfg, "off").ladder_layers is None
@@ -208,8 +222,17 @@ def test_the_cli_flag_is_checked_when_parsed():
 def test_context_parallelism_is_refused():
     from dist_infer.models.ladder import LadderPlan
 
-    cfg = ModelConfig.from_hf(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                   num_attention_heads=4, vocab_size=128, ladder_residual=True))
+    cfg = ModelConfig.from_hf(
+        dict(
+            model_type="llama",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            vocab_size=128,
+            ladder_residual=True,
+        )
+    )
     with pytest.raises(LadderError, match="--cp 2"):
         LadderPlan(cfg, range(4), cp_size=2)
     assert not LadderPlan(cfg, range(0), cp_size=2).active

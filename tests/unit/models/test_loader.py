@@ -35,10 +35,20 @@ def test_resolve_quantization():
 
 # -- whole models, ranks as threads, against transformers on the dequantized weights -----------------
 
-@pytest.mark.parametrize("arch,scheme,tp,ep,native", [
-    ("llama-gqa", "int8", 2, 1, True), ("llama-gqa", "int8", 2, 1, False), ("qwen2", "int4", 2, 1, True),
-    ("qwen2", "int4", 2, 1, False), ("mixtral", "int8", 1, 2, True),
-    ("qwen3-moe", "int4", 2, 1, True), ("qwen3-moe", "int8", 2, 1, False), ("mixtral", "int4", 2, 1, "disk")])
+
+@pytest.mark.parametrize(
+    "arch,scheme,tp,ep,native",
+    [
+        ("llama-gqa", "int8", 2, 1, True),
+        ("llama-gqa", "int8", 2, 1, False),
+        ("qwen2", "int4", 2, 1, True),
+        ("qwen2", "int4", 2, 1, False),
+        ("mixtral", "int8", 1, 2, True),
+        ("qwen3-moe", "int4", 2, 1, True),
+        ("qwen3-moe", "int8", 2, 1, False),
+        ("mixtral", "int4", 2, 1, "disk"),
+    ],
+)
 def test_model_over_threads_equals_hf_on_dequantized_weights(arch, scheme, tp, ep, native, tmp_path):
     """native "disk": load_stage from the checkpoint's files (per-expert tensors, lazily sliced),
     the others from transformers' in-memory model (fused experts). Tied models: below."""
@@ -79,8 +89,11 @@ def _float_tables(stage) -> list[str]:
     found = []
     for module in (stage.embed_tokens, stage.lm_head):
         size = module.local * module.hidden // 4
-        found += [f"{module.name}.{n}" for n, t in chain(module.named_parameters(), module.named_buffers())
-                  if t.is_floating_point() and t.numel() >= size]
+        found += [
+            f"{module.name}.{n}"
+            for n, t in chain(module.named_parameters(), module.named_buffers())
+            if t.is_floating_point() and t.numel() >= size
+        ]
     return found
 
 
@@ -116,8 +129,9 @@ def test_tied_model_over_threads_equals_hf_on_the_dequantized_tied_table(scheme,
     def body(g):
         stage = stage_from_hf_model(hf, g, quantization=scheme, native_kernels=native)
         assert stage.embed_tokens.weight is None and stage.lm_head.quantized is not None
-        return Engine(stage, g).generate(VOCAB_PROMPTS, SamplingParams(max_new_tokens=4, stop_at_eos=False),
-                                         return_logits=True)
+        return Engine(stage, g).generate(
+            VOCAB_PROMPTS, SamplingParams(max_new_tokens=4, stop_at_eos=False), return_logits=True
+        )
 
     results = run_ranks(thread_groups(2, 1), body)
     ref_ids, ref_logits = hf_reference(None, VOCAB_PROMPTS, 4, model=dequantize_hf_model(hf, scheme, tp=2))
@@ -146,8 +160,9 @@ def test_tied_gguf_auto_keeps_the_files_table_and_equals_hf(qtype, native, tmp_p
         else:
             assert embed.weight is None and head.weight is None and _float_tables(stage) == []
             assert (head.quantized is embed.quantized) == native
-        return Engine(stage, g).generate(VOCAB_PROMPTS, SamplingParams(max_new_tokens=4, stop_at_eos=False),
-                                         return_logits=True)
+        return Engine(stage, g).generate(
+            VOCAB_PROMPTS, SamplingParams(max_new_tokens=4, stop_at_eos=False), return_logits=True
+        )
 
     results = run_ranks(thread_groups(2, 1), body)
     ref_ids, ref_logits = hf_reference(path, VOCAB_PROMPTS, 4)

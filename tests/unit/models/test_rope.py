@@ -12,8 +12,13 @@ import torch
 from dist_infer.models.config import ModelConfig, ModelConfigError
 from dist_infer.models.rope import Rotary, apply_rotary, inverse_frequencies
 
-LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _hf_llama_config(**kw):
@@ -22,17 +27,36 @@ def _hf_llama_config(**kw):
     return LlamaConfig(**kw)
 
 
-@pytest.mark.parametrize("hidden,heads,theta,scaling", [
-    (4096, 32, 500000.0, LLAMA31_SCALING),  # Llama 3.1 8B
-    (64, 4, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32}),  # the test checkpoint's
-    (256, 2, 10000.0, {"rope_type": "linear", "factor": 4.0}),
-])
+@pytest.mark.parametrize(
+    "hidden,heads,theta,scaling",
+    [
+        (4096, 32, 500000.0, LLAMA31_SCALING),  # Llama 3.1 8B
+        (
+            64,
+            4,
+            10000.0,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),  # the test checkpoint's
+        (256, 2, 10000.0, {"rope_type": "linear", "factor": 4.0}),
+    ],
+)
 def test_inverse_frequencies_match_transformers(hidden, heads, theta, scaling):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf_cfg = _hf_llama_config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
-                              max_position_embeddings=131072, rope_theta=theta, rope_scaling=dict(scaling))
+    hf_cfg = _hf_llama_config(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=131072,
+        rope_theta=theta,
+        rope_scaling=dict(scaling),
+    )
     want, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_cfg, "cpu")
     assert attention_factor == 1.0
     cfg = ModelConfig.from_hf(hf_cfg.to_dict())
@@ -51,10 +75,14 @@ def test_inverse_frequencies_match_transformers(hidden, heads, theta, scaling):
 def test_rotary_cos_sin_match_transformers():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
-    hf_cfg = _hf_llama_config(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
-                              rope_scaling=scaling)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    hf_cfg = _hf_llama_config(hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_scaling=scaling)
     cfg = ModelConfig.from_hf(hf_cfg.to_dict())
     ours = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
     positions = torch.tensor([0, 1, 5, 31, 32, 33, 100, 255])

@@ -59,8 +59,13 @@ def test_vocab_parallel_embedding_looks_up_quantized_rows(scheme):
     dequantized table's rows."""
     w = rand_weight(100, 64)
     if scheme == "auto":  # a source's own blocks, kept as they are
-        qw = QuantizedWeight(torch.randint(0, 16, (100, 64), dtype=torch.int8), torch.rand(100, 2) * 0.01,
-                             torch.rand(100, 2) * -0.05, 32, 4)  # Q4_1-like
+        qw = QuantizedWeight(
+            torch.randint(0, 16, (100, 64), dtype=torch.int8),
+            torch.rand(100, 2) * 0.01,
+            torch.rand(100, 2) * -0.05,
+            32,
+            4,
+        )  # Q4_1-like
         source, table = BlocksSource(qw), qw.dequantize()
     else:  # each rank quantizes its own rows: rows are independent, so the table as a whole is the same
         source, table = w, quantize_as(w, scheme).dequantize()

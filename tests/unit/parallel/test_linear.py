@@ -35,8 +35,10 @@ from dist_infer.parallel.quantized_linear import GroupQuantLinear, Int4Linear, I
 def test_column_merged_qkv_layers_equal_dequantized_plain_layers(scheme, rank, native):
     tp = tp_group(2, rank)
     H, x = 64, rand_input(3, 64)
-    weights = {name: rand_weight(n, H, seed=s) for s, (name, n) in enumerate({"up": 96, "gate": 96, "q": 64, "k": 32,
-                                                                      "v": 32}.items())}
+    weights = {
+        name: rand_weight(n, H, seed=s)
+        for s, (name, n) in enumerate({"up": 96, "gate": 96, "q": 64, "k": 32, "v": 32}.items())
+    }
     deq = {name: quantize_as(t, scheme).dequantize() for name, t in weights.items()}
     builds = [
         (lambda: ColumnParallelLinear(H, 96, tp, bias=True), lambda w: [(w["up"],), (torch.ones(96), "bias")]),
@@ -49,8 +51,9 @@ def test_column_merged_qkv_layers_equal_dequantized_plain_layers(scheme, rank, n
         assert_quantized_params_gone(quant)
         assert isinstance(quant.quantized, GroupQuantLinear if native else (Int8Linear, Int4Linear))
         got, want = quant(x), plain(x)
-        for g, w in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want],
-                        strict=True):
+        for g, w in zip(
+            got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want], strict=True
+        ):
             assert_close_relative(g, w, rtol=1e-4)
 
 
@@ -61,9 +64,12 @@ def test_row_parallel_quantizes_its_own_column_shard(scheme, native):
     for rank in (0, 1):
         layer = load_layer(RowParallelLinear(128, 48, tp_group(2, rank)), [(w,)], scheme, NATIVE if native else None)
         assert_quantized_params_gone(layer)
-        shard = w[:, 64 * rank:64 * (rank + 1)]
-        assert_close_relative(layer.partial(x[:, 64 * rank:64 * (rank + 1)]),
-               x[:, 64 * rank:64 * (rank + 1)] @ quantize_as(shard, scheme).dequantize().T, rtol=1e-4)
+        shard = w[:, 64 * rank : 64 * (rank + 1)]
+        assert_close_relative(
+            layer.partial(x[:, 64 * rank : 64 * (rank + 1)]),
+            x[:, 64 * rank : 64 * (rank + 1)] @ quantize_as(shard, scheme).dequantize().T,
+            rtol=1e-4,
+        )
 
 
 class FakeQuantizedSource:
@@ -85,8 +91,9 @@ class FakeQuantizedSource:
 
 
 def test_auto_keeps_a_sources_blocks_and_reads_only_the_shard():
-    qw = QuantizedWeight(torch.randint(0, 16, (64, 64), dtype=torch.int8), torch.rand(64, 2) * 0.01,
-                         torch.rand(64, 2) * -0.05, 32, 4)  # Q4_1-like
+    qw = QuantizedWeight(
+        torch.randint(0, 16, (64, 64), dtype=torch.int8), torch.rand(64, 2) * 0.01, torch.rand(64, 2) * -0.05, 32, 4
+    )  # Q4_1-like
     src = FakeQuantizedSource(qw)
     layer = load_layer(ColumnParallelLinear(64, 64, tp_group(2, 1)), [(src,)], "auto")
     assert isinstance(layer.quantized, Int4Linear)

@@ -45,7 +45,9 @@ def test_int4_kernel_takes_gguf_style_blocks():
     q4_0 = QuantizedWeight(torch.randint(0, 16, (32, 128), dtype=torch.int8), d, -8 * d, 32, 4)
     signed = QuantizedWeight(torch.randint(-8, 8, (32, 128), dtype=torch.int8), d, None, 32, 4)
     for qw in (q4_0, signed):
-        assert_close_relative(pack_block(qw, torch.float32, "t")(rand_input(2, 128)), rand_input(2, 128) @ qw.dequantize().T, rtol=1e-4)
+        assert_close_relative(
+            pack_block(qw, torch.float32, "t")(rand_input(2, 128)), rand_input(2, 128) @ qw.dequantize().T, rtol=1e-4
+        )
 
 
 def test_bfloat16_kernels():
@@ -58,10 +60,14 @@ def test_bfloat16_kernels():
 
 def _gguf_like() -> dict[str, QuantizedWeight]:
     d = torch.rand(200, 6, generator=torch.Generator().manual_seed(3)) * 0.01
-    return {"int8 per channel": quantize_int8(rand_weight(200, 192)), "int8 g32 (Q8_0)": quantize_int8(rand_weight(200, 192), 32),
-            "int4 g32": quantize_int4(rand_weight(200, 192)), "int4 g64": quantize_int4(rand_weight(200, 192), 64),
-            "Q4_0": QuantizedWeight(torch.randint(0, 16, (200, 192), dtype=torch.int8), d, -8 * d, 32, 4),
-            "signed 4-bit": QuantizedWeight(torch.randint(-8, 8, (200, 192), dtype=torch.int8), d, None, 32, 4)}
+    return {
+        "int8 per channel": quantize_int8(rand_weight(200, 192)),
+        "int8 g32 (Q8_0)": quantize_int8(rand_weight(200, 192), 32),
+        "int4 g32": quantize_int4(rand_weight(200, 192)),
+        "int4 g64": quantize_int4(rand_weight(200, 192), 64),
+        "Q4_0": QuantizedWeight(torch.randint(0, 16, (200, 192), dtype=torch.int8), d, -8 * d, 32, 4),
+        "signed 4-bit": QuantizedWeight(torch.randint(-8, 8, (200, 192), dtype=torch.int8), d, None, 32, 4),
+    }
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
@@ -78,7 +84,11 @@ def test_group_quant_linear_equals_dequantized_product(native, rows):
 
 def test_no_kernel_falls_back_to_the_dequantized_weight():
     """Group-wise int8 (GGUF Q8_0), 4-bit groups of 16, columns not in whole groups: float, exact."""
-    cases = [quantize_int8(rand_weight(16, 64), 32), quantize_int4(rand_weight(16, 64), 16), quantize_int4(rand_weight(16, 80), 32)]
+    cases = [
+        quantize_int8(rand_weight(16, 64), 32),
+        quantize_int4(rand_weight(16, 64), 16),
+        quantize_int4(rand_weight(16, 80), 32),
+    ]
     for qw in cases:
         m = pack_block(qw, torch.float32, "t")
         assert isinstance(m, FloatLinear)
@@ -90,9 +100,12 @@ def test_no_kernel_falls_back_to_the_dequantized_weight():
 
 def _tables() -> dict[str, QuantizedWeight]:
     d = torch.rand(100, 2, generator=torch.Generator().manual_seed(3)) * 0.01
-    return {"int8 per row": quantize_int8(rand_weight(100, 64)), "int8 g32 (Q8_0)": quantize_int8(rand_weight(100, 64), 32),
-            "int4 g32": quantize_int4(rand_weight(100, 64)),
-            "Q4_0": QuantizedWeight(torch.randint(0, 16, (100, 64), dtype=torch.int8), d, -8 * d, 32, 4)}
+    return {
+        "int8 per row": quantize_int8(rand_weight(100, 64)),
+        "int8 g32 (Q8_0)": quantize_int8(rand_weight(100, 64), 32),
+        "int4 g32": quantize_int4(rand_weight(100, 64)),
+        "Q4_0": QuantizedWeight(torch.randint(0, 16, (100, 64), dtype=torch.int8), d, -8 * d, 32, 4),
+    }
 
 
 @pytest.mark.parametrize("name", list(_tables()))

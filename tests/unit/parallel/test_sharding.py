@@ -18,6 +18,7 @@ from dist_infer.parallel.sharding import (
 
 # --- shard_range ---------------------------------------------------------------------------------
 
+
 def test_shard_range_even_split():
     assert [shard_range(12, 4, i) for i in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 3)]
     assert shard_range(7, 1, 0) == (0, 7)
@@ -52,6 +53,7 @@ def test_padded_shard_range_covers_vocab_once():
 
 
 # --- HeadLayout ----------------------------------------------------------------------------------
+
 
 def _check_layout(h: int, kv: int, tp: int) -> list[HeadLayout]:
     """Every rank's q heads read exactly the kv heads it holds, in the order SDPA's GQA expects,
@@ -106,8 +108,9 @@ def test_head_layout_uneven_smollm2_at_tp2_and_tp3():
     assert [(l.q_heads, l.kv_heads) for l in three] == [(3, 1)] * 3
 
 
-@pytest.mark.parametrize("h,kv,tp", [(9, 3, 4), (9, 3, 5), (9, 3, 9), (4, 2, 3), (12, 4, 6), (6, 1, 4), (12, 4, 3),
-                                     (10, 5, 3), (14, 7, 4)])
+@pytest.mark.parametrize(
+    "h,kv,tp", [(9, 3, 4), (9, 3, 5), (9, 3, 9), (4, 2, 3), (12, 4, 6), (6, 1, 4), (12, 4, 3), (10, 5, 3), (14, 7, 4)]
+)
 def test_head_layout_any_tp_up_to_the_query_heads(h, kv, tp):
     layouts = _check_layout(h, kv, tp)
     if tp > kv:  # each KV head on a balanced run of ranks, which split its query heads as evenly as they go
@@ -124,6 +127,7 @@ def test_head_layout_errors_name_the_numbers():
 
 
 # --- pipeline partitions -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layers,stages", [(2, 2), (3, 2), (10, 4), (32, 3), (7, 7), (5, 1), (13, 5)])
 def test_balanced_partition(layers, stages):
@@ -156,8 +160,9 @@ def test_stage_layers_explicit_split():
     assert [stage_layers(2, 2, s, (1, 1)) for s in range(2)] == [range(0, 1), range(1, 2)]
 
 
-@pytest.mark.parametrize("split,why", [([1, 2], "sums to 3"), ([1, 1, 1], "must give 2"), ([2, 0], "positive"),
-                                       ([3, -1], "positive")])
+@pytest.mark.parametrize(
+    "split,why", [([1, 2], "sums to 3"), ([1, 1, 1], "must give 2"), ([2, 0], "positive"), ([3, -1], "positive")]
+)
 def test_stage_layers_explicit_split_errors(split, why):
     with pytest.raises(ShardingError) as info:
         stage_layers(2, 2, 0, split)

@@ -18,10 +18,16 @@ def test_a_profile_at_another_speed_scales_rates_and_fixed_costs():
     """A shared machine's speed moves (the same GEMM timing by a third within minutes here): bench
     --sweep times calibrate's reference again before each layout and predicts for the machine at
     that speed: FLOP rates times the compute ratio, fixed costs divided by it, bytes at the memory ratio."""
-    hw = gemm_only_profile(rate=1e9, device="cpu", memory_bandwidth={"2": [[512, 4e9], [4096, 2e9]]},
-                           attention_flops={"fp32": {"2": {"64": [[128, 1e9]]}}}, per_layer_s=1e-3,
-                           decode_fixed={"tp=2": {"per_layer_s": 2e-3, "per_step_s": 4e-3}},
-                           links={"intra": Link(1e-4, 1e9)}, reference={"gemm_flops": 1e11, "stream_bandwidth": 2e10})
+    hw = gemm_only_profile(
+        rate=1e9,
+        device="cpu",
+        memory_bandwidth={"2": [[512, 4e9], [4096, 2e9]]},
+        attention_flops={"fp32": {"2": {"64": [[128, 1e9]]}}},
+        per_layer_s=1e-3,
+        decode_fixed={"tp=2": {"per_layer_s": 2e-3, "per_step_s": 4e-3}},
+        links={"intra": Link(1e-4, 1e9)},
+        reference={"gemm_flops": 1e11, "stream_bandwidth": 2e10},
+    )
     speed = machine_speed(hw.reference, {"gemm_flops": 5e10, "stream_bandwidth": 3e10})
     assert speed == {"compute": 0.5, "memory": 1.5}
     slow = hw.at_speed(**speed)
@@ -31,7 +37,8 @@ def test_a_profile_at_another_speed_scales_rates_and_fixed_costs():
     assert slow.links["intra"] == Link(2e-4, 1.5e9)
     work = Workload(batch=1, prompt_len=64, gen_len=2)
     assert predict(SMALL, Layout(), work, slow).prefill["gemm"] == pytest.approx(
-        2 * predict(SMALL, Layout(), work, hw).prefill["gemm"])
+        2 * predict(SMALL, Layout(), work, hw).prefill["gemm"]
+    )
     assert hw.at_speed(1.0, 1.0) == hw
 
 

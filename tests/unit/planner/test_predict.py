@@ -72,10 +72,12 @@ def test_tensor_parallel_all_reduces_and_overlap():
 def test_ring_transfer_hidden_or_exposed():
     """A cp step costs the longer of its K/V transfer and its compute, plus the LSE merge."""
     work = Workload(batch=1, prompt_len=4096, gen_len=2)
-    fast_link = gemm_only_profile(attention_flops={"fp32": 1e9}, memory_bandwidth=1e12,
-                                  links={"intra": Link(0.0, 1e15), "inter": Link(0.0, 1e15)})
-    slow_link = gemm_only_profile(attention_flops={"fp32": 1e9}, memory_bandwidth=1e12,
-                                  links={"intra": Link(0.0, 1e5), "inter": Link(0.0, 1e5)})
+    fast_link = gemm_only_profile(
+        attention_flops={"fp32": 1e9}, memory_bandwidth=1e12, links={"intra": Link(0.0, 1e15), "inter": Link(0.0, 1e15)}
+    )
+    slow_link = gemm_only_profile(
+        attention_flops={"fp32": 1e9}, memory_bandwidth=1e12, links={"intra": Link(0.0, 1e5), "inter": Link(0.0, 1e5)}
+    )
     hidden = predict(SMALL, Layout(cp=2), work, fast_link)
     exposed = predict(SMALL, Layout(cp=2), work, slow_link)
     # every layer but the last (which attends the last token only, merged by one small gather)
@@ -97,8 +99,7 @@ def test_decode_counts_a_layout_s_measured_fixed_costs_instead_of_latencies():
     fixed costs plus only the bytes over the links; the link latencies (and the single rank's
     fixed costs) are left out, as the measurement holds them. Prefill is unchanged."""
     work = Workload(batch=1, prompt_len=32, gen_len=3)
-    base = dict(rate=BIG, links={"intra": Link(5e-3, BIG), "inter": Link(5e-3, BIG)}, per_layer_s=1e-4,
-                per_step_s=2e-3)
+    base = dict(rate=BIG, links={"intra": Link(5e-3, BIG), "inter": Link(5e-3, BIG)}, per_layer_s=1e-4, per_step_s=2e-3)
     estimated = predict(SMALL, Layout(tp=2), work, gemm_only_profile(**base), Schedule(overlap="off"))
     # every decode all-reduce (2 per layer, the embedding's) and the logits' gather pay the 5 ms latency
     assert estimated.decode["tp_comm"] == pytest.approx((2 * SMALL.layers + 2) * 5e-3)
@@ -110,7 +111,8 @@ def test_decode_counts_a_layout_s_measured_fixed_costs_instead_of_latencies():
     assert p.ttft_s == pytest.approx(estimated.ttft_s)
     # another layout, and one rank, keep the per-op estimates
     assert predict(SMALL, Layout(pp=2), work, timed).tpot_s == pytest.approx(
-        predict(SMALL, Layout(pp=2), work, gemm_only_profile(**base)).tpot_s)
+        predict(SMALL, Layout(pp=2), work, gemm_only_profile(**base)).tpot_s
+    )
     assert predict(SMALL, Layout(), work, timed).tpot_s == pytest.approx(SMALL.layers * 1e-4 + 2e-3)
     # a pipeline of one sequence: the measured step (its hand-overs) once, every layer once
     piped = gemm_only_profile(**base, decode_fixed={"pp=2": {"per_layer_s": 3e-3, "per_step_s": 7e-3}})
@@ -122,8 +124,14 @@ def test_node_reads_kv_at_its_ranks_rates_together():
     sequence (calibrate measured 3.3 GB/s with 1 thread, 3.1 with 2 here), but two ranks read
     their halves side by side: the node bound counts the ranks' own rates together."""
     kv_rates = {"1": [[16, 1e9]], "2": [[16, 1e9]]}  # one process: 1 GB/s, however many threads
-    hw = gemm_only_profile(rate=BIG, device="cpu", shared_node=True, devices_per_node=2,
-                           memory_bandwidth={"1": 1e12, "2": 2e12}, decode_attention_bandwidth=kv_rates)
+    hw = gemm_only_profile(
+        rate=BIG,
+        device="cpu",
+        shared_node=True,
+        devices_per_node=2,
+        memory_bandwidth={"1": 1e12, "2": 2e12},
+        decode_attention_bandwidth=kv_rates,
+    )
     work = Workload(batch=1, prompt_len=4096, gen_len=2)
     kv = 4096 * SMALL.layers * SMALL.kv_bytes_per_token(1, 1, 4)  # the whole cache, read once per token
     one = predict(SMALL, Layout(), work, hw, Schedule(ranks_per_node=1, cores_per_node=2))
@@ -144,9 +152,14 @@ def test_a_shared_node_pays_a_layout_s_fixed_costs_and_its_ranks_bytes_one_after
     trip = SMALL.layers * 1e-3 + 5e-3
 
     def profile(fixed: dict, node_bw: float = 1e9) -> HardwareProfile:
-        return gemm_only_profile(rate=BIG, device="cpu", shared_node=True, devices_per_node=2,
-                                 memory_bandwidth={"1": 1e9, "2": node_bw},  # one thread's rate, the node bus's
-                                 decode_fixed={"cp=2": fixed, "tp=2,pp=2": fixed})
+        return gemm_only_profile(
+            rate=BIG,
+            device="cpu",
+            shared_node=True,
+            devices_per_node=2,
+            memory_bandwidth={"1": 1e9, "2": node_bw},  # one thread's rate, the node bus's
+            decode_fixed={"cp=2": fixed, "tp=2,pp=2": fixed},
+        )
 
     timed, free = profile({"per_layer_s": 1e-3, "per_step_s": 5e-3}), profile({"per_layer_s": 0, "per_step_s": 0})
     one_token = Workload(batch=1, prompt_len=8, gen_len=2)
@@ -182,10 +195,12 @@ def test_prefill_counts_a_layout_s_measured_fixed_costs_and_unmasked_ring_blocks
     masked = 2 * causal_attention_flops(SMALL.heads, SMALL.head_dim, L // (2 * cp))  # two chunks' triangles
     layers = SMALL.layers - 1  # (the last layer attends the sampled row only)
     assert causal_only.prefill["attention"] - split.prefill["attention"] == pytest.approx(
-        layers * (per_rank - masked) * (1 / 1e9 - 1 / 4e9))
+        layers * (per_rank - masked) * (1 / 1e9 - 1 / 4e9)
+    )
     assert split.prefill["cp_ring"] > layers * 5e-3  # every ring step pays the link's 5 ms latency
-    timed = gemm_only_profile(**base, attention_flops_full={"fp32": 4e9},
-                              prefill_fixed={"cp=2": {"per_layer_s": 2e-3, "per_step_s": 9e-3}})
+    timed = gemm_only_profile(
+        **base, attention_flops_full={"fp32": 4e9}, prefill_fixed={"cp=2": {"per_layer_s": 2e-3, "per_step_s": 9e-3}}
+    )
     p = predict(SMALL, Layout(cp=cp), work, timed, Schedule(overlap="off"))
     assert p.prefill["overhead"] == pytest.approx(SMALL.layers * 2e-3 + 9e-3)
     assert p.prefill.get("cp_ring", 0.0) < 1e-6  # the latencies are in the measured costs
@@ -232,8 +247,7 @@ def test_a_small_matrix_streams_at_the_rate_measured_for_its_size():
     """A decode's products on small matrices stream slower than calibrate's large ones (the call,
     the second thread's wake, the prefetchers' start, paid per matrix): each matrix at its size's
     factor of the large matrices' rate."""
-    hw = gemm_only_profile(rate=BIG, memory_bandwidth=1e9,
-                           stream_size_factor={"1": [[1024.0, 0.5], [1 << 20, 1.0]]})
+    hw = gemm_only_profile(rate=BIG, memory_bandwidth=1e9, stream_size_factor={"1": [[1024.0, 0.5], [1 << 20, 1.0]]})
     assert hw.size_factor(1, 1024) == 0.5 and hw.size_factor(1, 1 << 22) == 1.0
     assert hw.size_factor(1, 32 * 1024) == pytest.approx(0.75)  # halfway in log(bytes)
     assert gemm_only_profile().size_factor(1, 10) == 1.0  # a profile without it: every size alike
@@ -255,17 +269,19 @@ def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
     hw = gemm_only_profile(rate=BIG, memory_bandwidth=rates)
     work = Workload(batch=1, prompt_len=1, gen_len=2)
     p = predict(SMALL, Layout(), work, hw)
-    per_layer = (64 * 16 * (4 + 2 * 2) * 4 / 4e9  # q, k, v: rows of hidden = 64
-                 + 64 * 4 * 16 * 4 / 4e9  # o_proj: rows of 4 heads x 16 = 64
-                 + 2 * 64 * 128 * 4 / 4e9  # gate, up: rows of 64
-                 + 128 * 64 * 4 / 1e9)  # down_proj: rows of 128
+    per_layer = (
+        64 * 16 * (4 + 2 * 2) * 4 / 4e9  # q, k, v: rows of hidden = 64
+        + 64 * 4 * 16 * 4 / 4e9  # o_proj: rows of 4 heads x 16 = 64
+        + 2 * 64 * 128 * 4 / 4e9  # gate, up: rows of 64
+        + 128 * 64 * 4 / 1e9
+    )  # down_proj: rows of 128
     head = 100 * 64 * 4 / 4e9
     assert p.decode["gemm"] == pytest.approx(SMALL.layers * per_layer + head)
     # tp=2: down_proj's rows are 64 long, o_proj's 32 (flat below the first point)
     two = predict(SMALL, Layout(tp=2), work, hw)
     per_layer2 = (64 * 16 * (2 + 2 * 1) + 2 * 16 * 64 + 2 * 64 * 64 + 64 * 64) * 4 / 4e9
     assert two.decode["gemm"] == pytest.approx(SMALL.layers * per_layer2 + 50 * 64 * 4 / 4e9)
-    assert hw.bandwidth(1, 64 * 2 ** 0.5) == pytest.approx(2.5e9)  # halfway in log(row length)
+    assert hw.bandwidth(1, 64 * 2**0.5) == pytest.approx(2.5e9)  # halfway in log(row length)
     assert hw.bandwidth(1) == 1e9  # no row length: the widest rows' rate
 
 
@@ -283,8 +299,11 @@ def test_prefill_attention_at_the_rate_for_its_head_size():
 
 # -- against Meta's published context-parallel prefill (arXiv 2411.01783) -------------------------
 META_CASES = [  # layout, prompt tokens, measured seconds (the paper's tables and text)
-    (Layout(tp=8), 131072, 42.01), (Layout(tp=8, cp=2), 131072, 21.04), (Layout(tp=8, cp=4), 131072, 10.95),
-    (Layout(tp=8, cp=16), 1_000_000, 77.0)]
+    (Layout(tp=8), 131072, 42.01),
+    (Layout(tp=8, cp=2), 131072, 21.04),
+    (Layout(tp=8, cp=4), 131072, 10.95),
+    (Layout(tp=8, cp=16), 1_000_000, 77.0),
+]
 
 
 @pytest.mark.parametrize("layout,tokens,measured", META_CASES, ids=lambda v: str(v))
@@ -292,8 +311,9 @@ def test_meta_llama3_405b_prefill_from_hardware_figures(layout, tokens, measured
     """The built-in profile of Meta's hosts (published figures only, nothing fitted to these
     results) predicts these cases within 15% (docs/benchmarks.md has all of them, misses too)."""
     hw = load_profile("h100-meta-gtt")
-    work = Workload(1, tokens, 1, weight_dtype="bf16", mlp_dtype="fp8", act_dtype="bf16", attention_dtype="bf16",
-                    kv_dtype="bf16")
+    work = Workload(
+        1, tokens, 1, weight_dtype="bf16", mlp_dtype="fp8", act_dtype="bf16", attention_dtype="bf16", kv_dtype="bf16"
+    )
     p = predict(LLAMA3_405B, layout, work, hw, Schedule(overlap="off", ranks_per_node=8))
     assert abs(p.ttft_s / measured - 1) < 0.15, (p.ttft_s, measured, p.prefill)
     assert p.fits
@@ -304,8 +324,12 @@ def test_meta_llama3_405b_prefill_from_hardware_figures(layout, tokens, measured
 def test_meta_ranking_context_parallel_before_multi_host_tensor_parallel():
     """Where Meta compared them (their table 7), CP over hosts beat TP across hosts: so does the plan."""
     hw = load_profile("h100-meta-gtt")
-    work = Workload(1, 131072, 1, weight_dtype="bf16", mlp_dtype="fp8", act_dtype="bf16", attention_dtype="bf16",
-                    kv_dtype="bf16")
+    work = Workload(
+        1, 131072, 1, weight_dtype="bf16", mlp_dtype="fp8", act_dtype="bf16", attention_dtype="bf16", kv_dtype="bf16"
+    )
     sched = Schedule(overlap="off", ranks_per_node=8)
     for cp_layout, tp_layout in ((Layout(tp=8, cp=2), Layout(tp=16)), (Layout(tp=8, cp=4), Layout(tp=32))):
-        assert predict(LLAMA3_405B, cp_layout, work, hw, sched).ttft_s < predict(LLAMA3_405B, tp_layout, work, hw, sched).ttft_s
+        assert (
+            predict(LLAMA3_405B, cp_layout, work, hw, sched).ttft_s
+            < predict(LLAMA3_405B, tp_layout, work, hw, sched).ttft_s
+        )

@@ -24,7 +24,7 @@ def _setup(shape, layout=Layout(), rate=1e9):
 def test_experts_touched_by_hand():
     assert experts_touched(0, 8, 2) == 0 and experts_touched(5, 0, 0) == 0
     assert experts_touched(1, 8, 2) == pytest.approx(2.0), "one token: its top-2"
-    assert experts_touched(2, 8, 2) == pytest.approx(8 * (1 - 0.75 ** 2))
+    assert experts_touched(2, 8, 2) == pytest.approx(8 * (1 - 0.75**2))
     assert experts_touched(10_000, 8, 2) == pytest.approx(8.0)
 
 
@@ -32,7 +32,9 @@ def test_layered_reads_each_expert_once_where_chunks_read_them_per_chunk():
     preds = predict_prefill_schedules(_setup(MOE), prompt=1000, budget=108, decodes=8)
     chunked, layered = preds["chunked"], preds["layered"]
     assert chunked.steps == 10, "1000 tokens, 100 a step beside 8 decodes"
-    assert layered.steps == LayeredPrefill(MOE.layers).groups_for(1000, 100) == 4, "the engine's rule: one per layer at most"
+    assert layered.steps == LayeredPrefill(MOE.layers).groups_for(1000, 100) == 4, (
+        "the engine's rule: one per layer at most"
+    )
     expert = 3 * MOE.hidden * MOE.expert_intermediate * 4  # fp32 bytes
     assert layered.expert_bytes == pytest.approx(MOE.moe_layers * 8 * expert)
     assert chunked.expert_bytes == pytest.approx(10 * layered.expert_bytes, rel=1e-6), "every chunk touches all 8"

@@ -36,7 +36,9 @@ def test_parameter_count_equals_a_real_checkpoint(tmp_path):
 
 
 def test_heads_and_shards_per_rank_follow_the_engine_split():
-    smol = ModelShape(hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152, tied=True)
+    smol = ModelShape(
+        hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64, vocab=49152, tied=True
+    )
     assert smol.heads_per_rank(1) == (9, 3)
     assert smol.heads_per_rank(2) == (6, 2)  # 6 + 3 query heads, 2 + 1 KV heads: the busiest rank
     assert smol.heads_per_rank(4) == (3, 1)  # tp > KV heads: one KV head each, its query heads split

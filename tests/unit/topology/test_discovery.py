@@ -18,18 +18,40 @@ from dist_infer.topology.discovery import (
 
 
 def test_torchrun_all_variables():
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29555"}
+    env = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29555",
+    }
     info = discover(env)
-    assert info == RankInfo(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
-                            master_addr="10.0.0.1", master_port=29555, launcher="torchrun")
+    assert info == RankInfo(
+        rank=5,
+        world_size=8,
+        local_rank=1,
+        local_world_size=4,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=29555,
+        launcher="torchrun",
+    )
     assert info.num_nodes == 2
     assert not needs_mpi(info)
 
 
 def test_torchrun_env_roundtrip():
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-           "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "h0",
+        "MASTER_PORT": "1234",
+    }
     assert discover(env).env() == env
 
 
@@ -53,16 +75,27 @@ def test_torchrun_node_rank_fallback():
 
 
 def test_openmpi():
-    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_COMM_WORLD_NODE_RANK": "1",
+    }
     info = discover(env)
     assert info == RankInfo(3, 4, 1, 2, 1, None, None, "openmpi")
     assert needs_mpi(info)  # nobody set a rendezvous: rank 0 must broadcast one through MPI
 
 
 def test_openmpi_node_rank_derived_and_master_taken():
-    env = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
-           "OMPI_COMM_WORLD_LOCAL_SIZE": "3", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "4000"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "6",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "3",
+        "MASTER_ADDR": "10.1.1.1",
+        "MASTER_PORT": "4000",
+    }
     info = discover(env)
     assert info.node_rank == 1
     assert (info.master_addr, info.master_port) == ("10.1.1.1", 4000)
@@ -75,8 +108,12 @@ def test_mpich_pmi():
 
 
 def test_mvapich2():
-    env = {"MV2_COMM_WORLD_RANK": "7", "MV2_COMM_WORLD_SIZE": "8", "MV2_COMM_WORLD_LOCAL_RANK": "3",
-           "MV2_COMM_WORLD_LOCAL_SIZE": "4"}
+    env = {
+        "MV2_COMM_WORLD_RANK": "7",
+        "MV2_COMM_WORLD_SIZE": "8",
+        "MV2_COMM_WORLD_LOCAL_RANK": "3",
+        "MV2_COMM_WORLD_LOCAL_SIZE": "4",
+    }
     info = discover(env)
     assert info == RankInfo(7, 8, 3, 4, 1, None, None, "mvapich2")
     assert needs_mpi(info)
@@ -86,16 +123,29 @@ def test_mvapich2():
 
 
 def test_slurm_srun():
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-           "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "gpu[07-09,12]"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_NNODES": "4",
+        "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+    }
     info = discover(env)
     assert info == RankInfo(5, 8, 1, 2, 2, "gpu07", DEFAULT_MASTER_PORT, "slurm")
     assert not needs_mpi(info)
 
 
 def test_slurm_master_is_first_host_of_mixed_list_and_port_kept():
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "login3,gpu[01-02]", "MASTER_PORT": "31000"}
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "login3,gpu[01-02]",
+        "MASTER_PORT": "31000",
+    }
     info = discover(env)
     assert (info.master_addr, info.master_port) == ("login3", 31000)
 
@@ -106,19 +156,45 @@ def test_slurm_explicit_master_wins_over_nodelist():
 
 
 def test_slurm_tasks_per_node():
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_LOCALID": "1",
-           "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "a,b"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_JOB_NODELIST": "a,b",
+    }
     info = discover(env)
     assert (info.local_world_size, info.num_nodes, info.master_addr) == (2, 2, "a")
 
 
 # What srun 22.05 leaves in a task of a step on part of a two-node allocation, and in the batch script.
-_STEP = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
-         "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_STEP_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n[1-2]",
-         "SLURM_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n2", "SLURM_STEP_TASKS_PER_NODE": "2",
-         "SLURM_NTASKS_PER_NODE": "4", "SLURM_TASKS_PER_NODE": "2"}
-_BATCH = {"SLURM_JOB_ID": "41", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-          "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+_STEP = {
+    "SLURM_JOB_ID": "41",
+    "SLURM_STEP_ID": "3",
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NNODES": "1",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_NODELIST": "n[1-2]",
+    "SLURM_STEP_NODELIST": "n2",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_NTASKS_PER_NODE": "4",
+    "SLURM_TASKS_PER_NODE": "2",
+}
+_BATCH = {
+    "SLURM_JOB_ID": "41",
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+}
 
 
 def test_slurm_step_meets_on_its_own_first_node_with_its_own_task_counts():
@@ -147,13 +223,24 @@ def test_slurm_batch_script_is_no_rank(step):
 
 # -- precedence and errors -----------------------------------------------------------------
 
-_SLURM_ALLOC = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-                "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2"}
+_SLURM_ALLOC = {
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_NNODES": "2",
+}
 
 
 def test_mpirun_inside_slurm_allocation_is_openmpi():
-    env = {**_SLURM_ALLOC, "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
-           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    env = {
+        **_SLURM_ALLOC,
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
     info = discover(env)
     assert info.launcher == "openmpi"
     assert (info.rank, info.world_size) == (3, 4)
@@ -178,14 +265,18 @@ def test_unrelated_env_is_none():
     assert discover({"HOME": "/root", "PATH": "/bin", "RANK": "0"}) is None  # RANK without WORLD_SIZE
 
 
-@pytest.mark.parametrize("env", [
-    {"RANK": "4", "WORLD_SIZE": "4"},
-    {"RANK": "-1", "WORLD_SIZE": "4"},
-    {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"},
-    {"PMI_RANK": "9", "PMI_SIZE": "3"},
-    {"MV2_COMM_WORLD_RANK": "8", "MV2_COMM_WORLD_SIZE": "8"},
-    {"SLURM_PROCID": "5", "SLURM_NTASKS": "5"},
-], ids=["torchrun", "torchrun-negative", "openmpi", "mpich", "mvapich2", "slurm"])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"RANK": "4", "WORLD_SIZE": "4"},
+        {"RANK": "-1", "WORLD_SIZE": "4"},
+        {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2"},
+        {"PMI_RANK": "9", "PMI_SIZE": "3"},
+        {"MV2_COMM_WORLD_RANK": "8", "MV2_COMM_WORLD_SIZE": "8"},
+        {"SLURM_PROCID": "5", "SLURM_NTASKS": "5"},
+    ],
+    ids=["torchrun", "torchrun-negative", "openmpi", "mpich", "mvapich2", "slurm"],
+)
 def test_rank_outside_world(env):
     with pytest.raises(DiscoveryError, match="outside world size"):
         discover(env)
@@ -201,14 +292,17 @@ def test_local_rank_outside_local_world():
         discover({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"})
 
 
-@pytest.mark.parametrize("env,name", [
-    ({"RANK": "one", "WORLD_SIZE": "4"}, "RANK"),
-    ({"RANK": "0", "WORLD_SIZE": "4.0"}, "WORLD_SIZE"),
-    ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "http"}, "MASTER_PORT"),
-    ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK"),
-    ({"PMI_RANK": "0", "PMI_SIZE": "two"}, "PMI_SIZE"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "?"}, "SLURM_LOCALID"),
-])
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        ({"RANK": "one", "WORLD_SIZE": "4"}, "RANK"),
+        ({"RANK": "0", "WORLD_SIZE": "4.0"}, "WORLD_SIZE"),
+        ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "http"}, "MASTER_PORT"),
+        ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "two"}, "PMI_SIZE"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "?"}, "SLURM_LOCALID"),
+    ],
+)
 def test_non_integer_values_name_the_variable(env, name):
     with pytest.raises(DiscoveryError, match=rf"{name}=.* is not an integer"):
         discover(env)
@@ -217,19 +311,22 @@ def test_non_integer_values_name_the_variable(env, name):
 # -- Slurm host lists ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nodelist,hosts", [
-    ("node1", ["node1"]),
-    ("a,b,c", ["a", "b", "c"]),
-    ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
-    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("x[1,3],y[2-3]", ["x1", "x3", "y2", "y3"]),
-    ("node[1-2]-ib", ["node1-ib", "node2-ib"]),
-    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
-    ("host.example.com", ["host.example.com"]),
-    ("c[5]", ["c5"]),
-    ("", []),
-])
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("node1", ["node1"]),
+        ("a,b,c", ["a", "b", "c"]),
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("x[1,3],y[2-3]", ["x1", "x3", "y2", "y3"]),
+        ("node[1-2]-ib", ["node1-ib", "node2-ib"]),
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("host.example.com", ["host.example.com"]),
+        ("c[5]", ["c5"]),
+        ("", []),
+    ],
+)
 def test_expand_slurm_nodelist(nodelist, hosts):
     assert expand_slurm_nodelist(nodelist) == hosts
 
@@ -263,8 +360,16 @@ def test_mpi4py_only_local_rank_from_processor_names():
     names = ["hostA", "hostA", "hostB", "hostB", "hostB"]
     comm = FakeComm(3, names, bcast_answer=("10.0.0.1", 4321))
     info = resolve_with_mpi(None, comm)
-    assert info == RankInfo(rank=3, world_size=5, local_rank=1, local_world_size=3, node_rank=1,
-                            master_addr="10.0.0.1", master_port=4321, launcher="mpi4py")
+    assert info == RankInfo(
+        rank=3,
+        world_size=5,
+        local_rank=1,
+        local_world_size=3,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=4321,
+        launcher="mpi4py",
+    )
     assert comm.bcast_payloads == [None]  # only rank 0 proposes the rendezvous
 
 
@@ -291,8 +396,14 @@ def test_rank0_multi_node_broadcasts_a_reachable_address():
 
 
 def test_openmpi_info_gets_rendezvous_from_rank0():
-    info = discover({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-                     "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    info = discover(
+        {
+            "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        }
+    )
     out = resolve_with_mpi(info, FakeComm(1, ["h", "h"], bcast_answer=("127.0.0.1", 7777)))
     assert out == RankInfo(1, 2, 1, 2, 0, "127.0.0.1", 7777, "openmpi")
 
@@ -314,11 +425,14 @@ def test_complete_info_does_not_talk_to_mpi():
     assert resolve_with_mpi(info, NoCallComm()) is info
 
 
-@pytest.mark.parametrize("env,missing", [
-    ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE"),
-    ({"RANK": "0", "WORLD_SIZE": ""}, "WORLD_SIZE"),
-    ({"PMI_RANK": "1", "PMI_SIZE": ""}, "PMI_SIZE"),
-])
+@pytest.mark.parametrize(
+    "env,missing",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE"),
+        ({"RANK": "0", "WORLD_SIZE": ""}, "WORLD_SIZE"),
+        ({"PMI_RANK": "1", "PMI_SIZE": ""}, "PMI_SIZE"),
+    ],
+)
 def test_half_set_launcher_variables_name_the_missing_one(env, missing):
     with pytest.raises(DiscoveryError, match=missing):
         discover(env)
@@ -331,8 +445,15 @@ def test_slurm_tasks_per_node_with_repeats():
     assert parse_slurm_tasks_per_node("4") == [4]
     with pytest.raises(DiscoveryError, match="'2x3'"):
         parse_slurm_tasks_per_node("2x3")
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_NNODES": "4", "SLURM_NODEID": "3",
-           "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2(x3),1", "SLURM_JOB_ID": "1",
-           "SLURM_STEP_ID": "0"}  # a task of a step (srun sets the step id; the batch script has none)
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "7",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "3",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS_PER_NODE": "2(x3),1",
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_ID": "0",
+    }  # a task of a step (srun sets the step id; the batch script has none)
     info = discover(env)
     assert info.local_world_size == 1 and info.world_size == 7

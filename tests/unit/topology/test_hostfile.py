@@ -27,16 +27,7 @@ def test_colon_and_bare_forms(tmp_path):
 
 
 def test_mixed_forms_comments_blank_lines_and_spacing(tmp_path):
-    text = (
-        "# cluster\n"
-        "\n"
-        "   node-a   slots = 3   # trailing comment\n"
-        "\t\n"
-        "node_b:2\n"
-        "  # indented comment\n"
-        "node.c\n"
-        "\n"
-    )
+    text = "# cluster\n\n   node-a   slots = 3   # trailing comment\n\t\nnode_b:2\n  # indented comment\nnode.c\n\n"
     assert parse_hostfile(write(tmp_path, text)) == [Host("node-a", 3), Host("node_b", 2), Host("node.c", 1)]
 
 
@@ -70,31 +61,48 @@ def _error(tmp_path, text) -> tuple[str, str]:
     return str(info.value), str(path)
 
 
-@pytest.mark.parametrize("text,line,what", [
-    ("a slots=2\nb slots=2\na slots=1\n", 3, r"host 'a' appears twice \(first on line 1\)"),
-    ("a:2\n# c\n\na\n", 4, r"host 'a' appears twice \(first on line 1\)"),
-    ("a slots=2\nb slots 2\n", 2, r"malformed line 'b slots 2'"),
-    ("a slots=2\nb c\n", 2, r"malformed line 'b c'"),
-    ("a:\n", 1, r"malformed line 'a:'"),
-    ("host name with spaces\n", 1, r"malformed line"),
-    ("a slots=1\n\nb slots=0\n", 3, r"slots must be a positive integer, got '0'"),
-    ("a slots=-2\n", 1, r"slots must be a positive integer, got '-2'"),
-    ("a slots=two\n", 1, r"slots must be a positive integer, got 'two'"),
-    ("a slots=2.5\n", 1, r"slots must be a positive integer, got '2.5'"),
-    ("# first\na:0\n", 2, r"slots must be a positive integer, got '0'"),
-    ("a:-1\n", 1, r"slots must be a positive integer, got '-1'"),
-    ("a:x\n", 1, r"slots must be a positive integer, got 'x'"),
-], ids=["duplicate", "duplicate-mixed-forms", "malformed-no-equals", "malformed-two-words", "malformed-colon",
-        "malformed-spaces", "slots-zero", "slots-negative", "slots-word", "slots-float", "colon-zero",
-        "colon-negative", "colon-word"])
+@pytest.mark.parametrize(
+    "text,line,what",
+    [
+        ("a slots=2\nb slots=2\na slots=1\n", 3, r"host 'a' appears twice \(first on line 1\)"),
+        ("a:2\n# c\n\na\n", 4, r"host 'a' appears twice \(first on line 1\)"),
+        ("a slots=2\nb slots 2\n", 2, r"malformed line 'b slots 2'"),
+        ("a slots=2\nb c\n", 2, r"malformed line 'b c'"),
+        ("a:\n", 1, r"malformed line 'a:'"),
+        ("host name with spaces\n", 1, r"malformed line"),
+        ("a slots=1\n\nb slots=0\n", 3, r"slots must be a positive integer, got '0'"),
+        ("a slots=-2\n", 1, r"slots must be a positive integer, got '-2'"),
+        ("a slots=two\n", 1, r"slots must be a positive integer, got 'two'"),
+        ("a slots=2.5\n", 1, r"slots must be a positive integer, got '2.5'"),
+        ("# first\na:0\n", 2, r"slots must be a positive integer, got '0'"),
+        ("a:-1\n", 1, r"slots must be a positive integer, got '-1'"),
+        ("a:x\n", 1, r"slots must be a positive integer, got 'x'"),
+    ],
+    ids=[
+        "duplicate",
+        "duplicate-mixed-forms",
+        "malformed-no-equals",
+        "malformed-two-words",
+        "malformed-colon",
+        "malformed-spaces",
+        "slots-zero",
+        "slots-negative",
+        "slots-word",
+        "slots-float",
+        "colon-zero",
+        "colon-negative",
+        "colon-word",
+    ],
+)
 def test_line_errors_name_file_and_line(tmp_path, text, line, what):
     message, path = _error(tmp_path, text)
     assert message.startswith(f"{path}:{line}: "), message
     assert re.search(what, message), message
 
 
-@pytest.mark.parametrize("text", ["", "\n\n   \n", "# nothing here\n   # still nothing\n"],
-                         ids=["empty", "blank-lines", "comments-only"])
+@pytest.mark.parametrize(
+    "text", ["", "\n\n   \n", "# nothing here\n   # still nothing\n"], ids=["empty", "blank-lines", "comments-only"]
+)
 def test_no_hosts_names_file(tmp_path, text):
     message, path = _error(tmp_path, text)
     assert message.startswith(f"{path}: "), message

@@ -17,10 +17,18 @@ from dist_infer.topology.mesh import RANK_ORDER
 # -- parse_layout ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("canonical, compact", [
-    ("tp=2,pp=2", "tp2pp2"), ("tp=2", "tp2"), ("pp=2", "pp2"), ("tp=2,cp=2,ep=2", "tp2cp2ep2"),
-    ("tp=8,cp=2", "cp2tp8"), ("tp=1", "tp1"), ("tp=2,dp=3", "tp2dp3"),
-])
+@pytest.mark.parametrize(
+    "canonical, compact",
+    [
+        ("tp=2,pp=2", "tp2pp2"),
+        ("tp=2", "tp2"),
+        ("pp=2", "pp2"),
+        ("tp=2,cp=2,ep=2", "tp2cp2ep2"),
+        ("tp=8,cp=2", "cp2tp8"),
+        ("tp=1", "tp1"),
+        ("tp=2,dp=3", "tp2dp3"),
+    ],
+)
 def test_both_syntaxes_give_the_same_layout(canonical, compact):
     assert parse_layout(canonical) == parse_layout(compact)
     assert parse_layout(canonical.replace(",", " ")) == parse_layout(canonical)  # spaces for commas
@@ -47,16 +55,19 @@ def test_parse_describe_round_trip(tp, pp, cp, ep, dp):
     assert parse_layout(compact) == layout
 
 
-@pytest.mark.parametrize("text, named, why", [
-    ("tp=two", "'tp=two'", "'two' is not an integer"),
-    ("tp=2,xp=2", "'xp=2'", "unknown axis 'xp'"),
-    ("tp=0", "'tp=0'", "positive"),
-    ("tp2pp", "'tp2pp'", "write e.g. tp=2,pp=2"),
-    ("tp2 pp=-1", "'pp=-1'", "positive"),
-    ("tp=2,tp=4", "'tp=4'", "tp is given twice"),
-    ("tp2tp4", "'tp2tp4'", "tp is given twice"),
-    ("", "''", "empty layout"),
-])
+@pytest.mark.parametrize(
+    "text, named, why",
+    [
+        ("tp=two", "'tp=two'", "'two' is not an integer"),
+        ("tp=2,xp=2", "'xp=2'", "unknown axis 'xp'"),
+        ("tp=0", "'tp=0'", "positive"),
+        ("tp2pp", "'tp2pp'", "write e.g. tp=2,pp=2"),
+        ("tp2 pp=-1", "'pp=-1'", "positive"),
+        ("tp=2,tp=4", "'tp=4'", "tp is given twice"),
+        ("tp2tp4", "'tp2tp4'", "tp is given twice"),
+        ("", "''", "empty layout"),
+    ],
+)
 def test_errors_name_the_bad_part(text, named, why):
     with pytest.raises(LayoutError) as info:
         parse_layout(text)
@@ -76,13 +87,16 @@ def spec(role: str = "mixed", **axes) -> InstanceSpec:
     return InstanceSpec(Layout(**axes), Role(role))
 
 
-@pytest.mark.parametrize("text", [
-    "prefill:tp=2,pp=2; decode:tp=1; decode:tp=1",
-    "prefill:tp=2,pp=2 decode:tp=1 decode:tp=1",        # spaces separate items too
-    " prefill: tp=2, pp=2 ;decode:tp=1;  decode:tp=1 ",  # spaces around the punctuation are fine
-    "prefill:tp2pp2,decode:tp1,decode:tp1",             # the older comma list of compact layouts
-    "prefill:tp2pp2; decode:tp=1, decode:tp1",          # mixed forms
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "prefill:tp=2,pp=2; decode:tp=1; decode:tp=1",
+        "prefill:tp=2,pp=2 decode:tp=1 decode:tp=1",  # spaces separate items too
+        " prefill: tp=2, pp=2 ;decode:tp=1;  decode:tp=1 ",  # spaces around the punctuation are fine
+        "prefill:tp2pp2,decode:tp1,decode:tp1",  # the older comma list of compact layouts
+        "prefill:tp2pp2; decode:tp=1, decode:tp1",  # mixed forms
+    ],
+)
 def test_instances_both_forms(text):
     assert parse_instances(text) == [spec("prefill", tp=2, pp=2), spec("decode"), spec("decode")]
 
@@ -126,21 +140,24 @@ def test_instance_spec_mixed_forms_are_refused():
         InstanceSpec(2, "decode")  # a role where the pp goes
 
 
-@pytest.mark.parametrize("text, named", [
-    ("tp2,,tp1", "empty item"),
-    ("tp=2;;tp=1", "empty item"),
-    ("tpx", "'tpx'"),
-    ("tp=2; tp=x", "'tp=x'"),
-    ("0", "from 1 to 1024 instances"),
-    ("100000000000", "from 1 to 1024 instances"),
-    ("tp0", "'tp0'"),
-    ("prefil:tp1", "unknown role 'prefil'"),
-    ("prefill:", "empty layout"),
-    ("tp=2,tp=1", "tp is given twice"),
-    ("dp2", "dp=2"),
-    ("tp=2,cp=2", "cp=2"),
-    ("decode:tp2ep4", "ep=4"),
-])
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("tp2,,tp1", "empty item"),
+        ("tp=2;;tp=1", "empty item"),
+        ("tpx", "'tpx'"),
+        ("tp=2; tp=x", "'tp=x'"),
+        ("0", "from 1 to 1024 instances"),
+        ("100000000000", "from 1 to 1024 instances"),
+        ("tp0", "'tp0'"),
+        ("prefil:tp1", "unknown role 'prefil'"),
+        ("prefill:", "empty layout"),
+        ("tp=2,tp=1", "tp is given twice"),
+        ("dp2", "dp=2"),
+        ("tp=2,cp=2", "cp=2"),
+        ("decode:tp2ep4", "ep=4"),
+    ],
+)
 def test_instances_errors_name_the_bad_part(text, named):
     with pytest.raises(InstancesError) as info:
         parse_instances(text)

@@ -51,9 +51,16 @@ def test_explicit_dp_too_small():
         Layout(tp=2, dp=1).sizes(4)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"tp": 0}, "tp=0"), ({"pp": -1}, "pp=-1"), ({"ep": 0}, "ep=0"), ({"cp": 1.5}, "cp=1.5"), ({"dp": 0}, "dp=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"tp": 0}, "tp=0"),
+        ({"pp": -1}, "pp=-1"),
+        ({"ep": 0}, "ep=0"),
+        ({"cp": 1.5}, "cp=1.5"),
+        ({"dp": 0}, "dp=0"),
+    ],
+)
 def test_non_positive_sizes(kwargs, name):
     with pytest.raises(LayoutError, match=rf"{name}.*positive integer"):
         Layout(**kwargs).sizes(4)
@@ -143,14 +150,17 @@ def test_coords_outside_world_and_unknown_axis():
         mesh.groups("xp")
 
 
-@pytest.mark.parametrize("tp,world,local,crosses", [
-    (2, 4, 2, False),
-    (2, 8, 4, False),
-    (4, 8, 4, False),
-    (4, 8, 2, True),
-    (2, 6, 3, True),   # ranks 2,3 straddle nodes 0 and 1
-    (1, 4, 1, False),
-    (8, 8, 8, False),
-])
+@pytest.mark.parametrize(
+    "tp,world,local,crosses",
+    [
+        (2, 4, 2, False),
+        (2, 8, 4, False),
+        (4, 8, 4, False),
+        (4, 8, 2, True),
+        (2, 6, 3, True),  # ranks 2,3 straddle nodes 0 and 1
+        (1, 4, 1, False),
+        (8, 8, 8, False),
+    ],
+)
 def test_tp_crosses_nodes(tp, world, local, crosses):
     assert Mesh.build(Layout(tp=tp), world).tp_crosses_nodes(local) is crosses

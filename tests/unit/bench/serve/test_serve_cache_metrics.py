@@ -33,8 +33,11 @@ def test_cache_counters_absent_and_the_summary_of_two_scrapes():
     assert parse_cache_counters("# nothing\nvllm:num_requests_running 2\nprefix_cache_queries_total 5\n") is None
     assert parse_cache_counters("dist_infer:prefix_cache_queries_total 7\n") == CacheCounters(7.0, 0.0)
     before, after = CacheCounters(1000, 300), CacheCounters(1800, 900)
-    assert cache_summary(before, after) == {"prefix_cache_hit_rate": 0.75, "prefix_cache_queries": 800,
-                                            "prefix_cache_hits": 600}
+    assert cache_summary(before, after) == {
+        "prefix_cache_hit_rate": 0.75,
+        "prefix_cache_queries": 800,
+        "prefix_cache_hits": 600,
+    }
     empty = {"prefix_cache_hit_rate": None, "prefix_cache_queries": None, "prefix_cache_hits": None}
     assert cache_summary(None, after) == empty and cache_summary(before, None) == empty
     assert cache_summary(after, before) == empty  # counters went back: the server restarted
@@ -46,9 +49,28 @@ def test_cache_counters_absent_and_the_summary_of_two_scrapes():
 def test_prefix_dataset_run_reports_the_hit_rate(capsys):
     app, seen, counters = make_chat_server(key=lambda body: tuple(body["prompt"][:8]))
     with serving(app) as url:
-        code = main(["--url", url, "--dataset", "prefix", "--prompt-ids", "--num-prompts", "8", "--num-prefixes",
-                     "2", "--prefix-len", "8", "--suffix-len", "4", "--output-len", "2", "--max-concurrency", "1",
-                     "--json"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--dataset",
+                "prefix",
+                "--prompt-ids",
+                "--num-prompts",
+                "8",
+                "--num-prefixes",
+                "2",
+                "--prefix-len",
+                "8",
+                "--suffix-len",
+                "4",
+                "--output-len",
+                "2",
+                "--max-concurrency",
+                "1",
+                "--json",
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0, out
     summary = last_json(out)

@@ -39,8 +39,9 @@ def test_chunk_content_of_completions_chat_token_ids_usage_and_errors():
     assert (usage.tokens, usage.completion_tokens, usage.prompt_tokens) == (0, 12, 7)
     continuous = chunk_content({"choices": [{"text": "xy"}], "usage": {"completion_tokens": 5}}, 3)
     assert continuous.tokens == 2
-    whole = chunk_content({"choices": [{"message": {"role": "assistant", "content": "all of it"}}],
-                           "usage": {"completion_tokens": 3}})
+    whole = chunk_content(
+        {"choices": [{"message": {"role": "assistant", "content": "all of it"}}], "usage": {"completion_tokens": 3}}
+    )
     assert (whole.text, whole.completion_tokens) == ("all of it", 3)
     error = chunk_content({"error": {"message": "out of memory", "code": 500}})
     assert error.error == "error in stream: out of memory"

@@ -27,7 +27,9 @@ def test_bad_dataset_exits_2_with_a_message_naming_it(tmp_path, capsys):
 
 def test_output_in_a_missing_directory_exits_2_before_the_run(tmp_path, capsys):
     assert main(["--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "no" / "cdf.png")]) == 2
-    assert f"--plot {tmp_path / 'no' / 'cdf.png'}: directory {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert (
+        f"--plot {tmp_path / 'no' / 'cdf.png'}: directory {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    )
 
 
 def test_unreachable_server_without_model_exits_2(capsys):
@@ -42,9 +44,32 @@ def test_end_to_end_completions_json_plot_and_results(tmp_path, capsys):
     app, seen = make_fake_server()
     plot, results = tmp_path / "cdf.png", tmp_path / "records.json"
     with serving(app) as url:
-        code = main(["--url", url, "--num-prompts", "20", "--request-rate", "200", "--burstiness", "0.5",
-                     "--input-len", "16", "--output-len", "12", "--ignore-eos", "--slo", "ttft=60,e2e=120",
-                     "--json", "--plot", str(plot), "--save-results", str(results), "--seed", "3"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--num-prompts",
+                "20",
+                "--request-rate",
+                "200",
+                "--burstiness",
+                "0.5",
+                "--input-len",
+                "16",
+                "--output-len",
+                "12",
+                "--ignore-eos",
+                "--slo",
+                "ttft=60,e2e=120",
+                "--json",
+                "--plot",
+                str(plot),
+                "--save-results",
+                str(results),
+                "--seed",
+                "3",
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0, out
     summary = last_json(out)
@@ -58,9 +83,15 @@ def test_end_to_end_completions_json_plot_and_results(tmp_path, capsys):
 
     bodies = seen["bodies"]
     assert len(bodies) == 20
-    assert all(b["model"] == "fake-model" and b["stream"] is True and b["ignore_eos"] is True
-               and b["stream_options"] == {"include_usage": True} and b["temperature"] == 0
-               and isinstance(b["prompt"], str) for b in bodies)
+    assert all(
+        b["model"] == "fake-model"
+        and b["stream"] is True
+        and b["ignore_eos"] is True
+        and b["stream_options"] == {"include_usage": True}
+        and b["temperature"] == 0
+        and isinstance(b["prompt"], str)
+        for b in bodies
+    )
 
     records = json.loads(results.read_text())["requests"]
     assert len(records) == 20
@@ -78,13 +109,36 @@ def test_end_to_end_chat_with_failures_and_no_usage(tmp_path, capsys):
     app, seen = make_fake_server(fail_every=4, usage=False)
     results, share = tmp_path / "records.json", tmp_path / "share.json"
     answers = {f"question number {i} " + "why " * i: "answer " * (1 + i % 9) for i in range(25)}
-    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": question},
-                                                    {"from": "gpt", "value": answer}]}
-                                 for question, answer in answers.items()]))
+    share.write_text(
+        json.dumps(
+            [
+                {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
+                for question, answer in answers.items()
+            ]
+        )
+    )
     with serving(app) as url:
-        code = main(["--url", url + "/v1/", "--model", "chat-model", "--endpoint", "chat", "--num-prompts", "20",
-                     "--request-rate", "300", "--dataset", str(share), "--max-input-len", "30", "--json",
-                     "--save-results", str(results)])
+        code = main(
+            [
+                "--url",
+                url + "/v1/",
+                "--model",
+                "chat-model",
+                "--endpoint",
+                "chat",
+                "--num-prompts",
+                "20",
+                "--request-rate",
+                "300",
+                "--dataset",
+                str(share),
+                "--max-input-len",
+                "30",
+                "--json",
+                "--save-results",
+                str(results),
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 1  # the run finishes, and says some requests failed
     summary = last_json(out)
@@ -116,9 +170,26 @@ def test_end_to_end_trace_with_prompt_ids_and_max_concurrency(tmp_path, capsys):
     trace.write_text("Timestamp,Request tokens,Response tokens\n" + "\n".join(rows) + "\n")
     app, seen = make_fake_server()
     with serving(app) as url:
-        code = main(["--url", url, "--dataset", str(trace), "--time-scale", "0.05", "--num-prompts", "50",
-                     "--prompt-ids", "--vocab-size", "50", "--max-input-len", "20", "--max-concurrency", "3",
-                     "--json"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--dataset",
+                str(trace),
+                "--time-scale",
+                "0.05",
+                "--num-prompts",
+                "50",
+                "--prompt-ids",
+                "--vocab-size",
+                "50",
+                "--max-input-len",
+                "20",
+                "--max-concurrency",
+                "3",
+                "--json",
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0, out
     summary = last_json(out)

@@ -37,17 +37,31 @@ def test_synthetic_lengths_have_a_long_tail_clipped_to_four_times_the_mean():
 
 def test_sharegpt_prompt_is_first_human_turn_and_output_is_first_gpt_reply(tmp_path):
     path = tmp_path / "share.json"
-    path.write_text(json.dumps([
-        {"id": "a", "conversations": [
-            {"from": "human", "value": "tell me a story about cats"},
-            {"from": "gpt", "value": "once upon a time there were ten cats"},
-            {"from": "human", "value": "more"}, {"from": "gpt", "value": "no"}]},
-        {"id": "b", "conversations": [{"from": "human", "value": "only a question"}]},
-        {"id": "c", "conversations": [
-            {"from": "gpt", "value": "greeting first"},
-            {"from": "human", "value": "why"}, {"from": "gpt", "value": "because"}]},
-        {"id": "d"},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "id": "a",
+                    "conversations": [
+                        {"from": "human", "value": "tell me a story about cats"},
+                        {"from": "gpt", "value": "once upon a time there were ten cats"},
+                        {"from": "human", "value": "more"},
+                        {"from": "gpt", "value": "no"},
+                    ],
+                },
+                {"id": "b", "conversations": [{"from": "human", "value": "only a question"}]},
+                {
+                    "id": "c",
+                    "conversations": [
+                        {"from": "gpt", "value": "greeting first"},
+                        {"from": "human", "value": "why"},
+                        {"from": "gpt", "value": "because"},
+                    ],
+                },
+                {"id": "d"},
+            ]
+        )
+    )
     entries = load_sharegpt(path)
     assert [e.prompt for e in entries] == ["tell me a story about cats", "why"]
     assert entries[0].output_len == round(8 * 1.3) == approx_token_count("once upon a time there were ten cats")
@@ -76,10 +90,12 @@ def test_sharegpt_errors_name_the_file(tmp_path):
 
 def test_azure_trace_csv(tmp_path):
     path = tmp_path / "azure.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    "2023-11-16 18:15:46.6805900,374,44\n"
-                    "2023-11-16 18:15:50.9951690,396,109\n"
-                    "2023-11-16 18:15:47.1805900,879,0\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:47.1805900,879,0\n"
+    )
     entries = load_trace_csv(path)
     assert [(e.input_len, e.output_len) for e in entries] == [(374, 44), (879, 1), (396, 109)]  # sorted by time
     offsets = trace_offsets([e.timestamp for e in entries])
@@ -88,13 +104,18 @@ def test_azure_trace_csv(tmp_path):
 
 def test_burstgpt_trace_csv(tmp_path):
     path = tmp_path / "burst.csv"
-    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                    "5,ChatGPT,472,18,490,Conversation log\n"
-                    "45,ChatGPT,1087,0,1087,Conversation log\n"
-                    "118,GPT-4,417,276,693,API log\n")
+    path.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n"
+        "45,ChatGPT,1087,0,1087,Conversation log\n"
+        "118,GPT-4,417,276,693,API log\n"
+    )
     entries = load_trace_csv(path)
     assert [(e.timestamp, e.input_len, e.output_len) for e in entries] == [
-        (5.0, 472, 18), (45.0, 1087, 1), (118.0, 417, 276)]
+        (5.0, 472, 18),
+        (45.0, 1087, 1),
+        (118.0, 417, 276),
+    ]
     assert trace_offsets([e.timestamp for e in entries], 0.1).tolist() == pytest.approx([0.0, 4.0, 11.3])
 
 
@@ -129,8 +150,23 @@ def test_tokenizer_file_counts_and_encodes(tmp_path):
 
 
 def test_prefix_dataset_requests_share_exactly_the_prefix_in_k_groups():
-    args = bench_serve_args("--dataset", "prefix", "--prompt-ids", "--num-prompts", "14", "--num-prefixes", "4",
-                 "--prefix-len", "16", "--suffix-len", "6", "--output-len", "9", "--request-rate", "5")
+    args = bench_serve_args(
+        "--dataset",
+        "prefix",
+        "--prompt-ids",
+        "--num-prompts",
+        "14",
+        "--num-prefixes",
+        "4",
+        "--prefix-len",
+        "16",
+        "--suffix-len",
+        "6",
+        "--output-len",
+        "9",
+        "--request-rate",
+        "5",
+    )
     requests, arrivals = build_requests(args, np.random.default_rng(0))
     assert len(requests) == 14 and arrivals == "Poisson at 5 req/s"
     assert all(len(r.prompt) == 22 and r.input_len == 22 and r.output_len == 9 for r in requests)
@@ -149,8 +185,19 @@ def test_prefix_dataset_requests_share_exactly_the_prefix_in_k_groups():
 
 def test_prefix_dataset_is_reproducible_by_seed():
     for extra in ((), ("--prompt-ids",)):
-        args = bench_serve_args("--dataset", "prefix", "--num-prompts", "6", "--num-prefixes", "2", "--prefix-len", "12",
-                     "--suffix-len", "3", *extra)
+        args = bench_serve_args(
+            "--dataset",
+            "prefix",
+            "--num-prompts",
+            "6",
+            "--num-prefixes",
+            "2",
+            "--prefix-len",
+            "12",
+            "--suffix-len",
+            "3",
+            *extra,
+        )
         a, _ = build_requests(args, np.random.default_rng(5))
         b, _ = build_requests(args, np.random.default_rng(5))
         c, _ = build_requests(args, np.random.default_rng(6))
@@ -164,15 +211,16 @@ def test_text_prefix_tokenizes_the_same_before_any_suffix():
     from dist_infer.models.tiny_model import ensure_tiny_model
 
     tokenizer = Tokenizer.from_file(str(ensure_tiny_model() / "tokenizer.json"))
-    args = bench_serve_args("--dataset", "prefix", "--num-prompts", "9", "--num-prefixes", "3", "--prefix-len", "40",
-                 "--suffix-len", "8")
+    args = bench_serve_args(
+        "--dataset", "prefix", "--num-prompts", "9", "--num-prefixes", "3", "--prefix-len", "40", "--suffix-len", "8"
+    )
     requests, _ = build_requests(args, np.random.default_rng(1))
     prefixes = [sentence_text_prompt(40, np.random.default_rng(1)) for _ in range(1)]
     assert requests[0].prompt.startswith(prefixes[0] + " ")  # the first prefix is drawn first
     for group in range(3):
         prompts = [r.prompt for r in requests if r.index % 3 == group]
-        prefix = prompts[0][:prompts[0].rindex(".") + 1]
+        prefix = prompts[0][: prompts[0].rindex(".") + 1]
         assert prefix.endswith(".") and all(p.startswith(prefix + " ") for p in prompts)
         prefix_ids = tokenizer.encode(prefix, add_special_tokens=False).ids
         for prompt in prompts:
-            assert tokenizer.encode(prompt, add_special_tokens=False).ids[:len(prefix_ids)] == prefix_ids
+            assert tokenizer.encode(prompt, add_special_tokens=False).ids[: len(prefix_ids)] == prefix_ids

@@ -13,14 +13,17 @@ def test_parse_slo():
     assert parse_slo(" E2E = 10 ") == {"e2e": 10.0}
 
 
-@pytest.mark.parametrize("text, named", [
-    ("ttft=abc", "ttft=abc"),
-    ("ttft=0.5,foo=1", "foo=1"),
-    ("tpot", "tpot"),
-    ("e2e=-1", "e2e=-1"),
-    ("ttft=1,ttft=2", "ttft=2"),
-    ("ttft=nan", "ttft=nan"),
-])
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("ttft=abc", "ttft=abc"),
+        ("ttft=0.5,foo=1", "foo=1"),
+        ("tpot", "tpot"),
+        ("e2e=-1", "e2e=-1"),
+        ("ttft=1,ttft=2", "ttft=2"),
+        ("ttft=nan", "ttft=nan"),
+    ],
+)
 def test_parse_slo_errors_name_the_bad_item(text, named):
     with pytest.raises(InputError, match=f"'{named}'"):
         parse_slo(text)

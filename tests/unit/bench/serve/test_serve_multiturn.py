@@ -21,8 +21,14 @@ def test_ttft_by_turn_takes_medians_of_successful_turns():
     def record(turn, ttft, success=True):
         return RequestRecord(index=0, input_len=1, output_len=1, ttft=ttft, success=success, turn=turn)
 
-    records = [record(1, 0.1), record(1, 0.3), record(1, 0.2), record(2, 0.4), record(2, 9.0, success=False),
-               record(3, None, success=False)]
+    records = [
+        record(1, 0.1),
+        record(1, 0.3),
+        record(1, 0.2),
+        record(2, 0.4),
+        record(2, 9.0, success=False),
+        record(3, None, success=False),
+    ]
     by_turn = ttft_by_turn(records)
     assert by_turn["ttft_ms_by_turn"] == {"1": pytest.approx(200.0), "2": pytest.approx(400.0), "3": None}
     assert by_turn["completed_by_turn"] == {"1": 3, "2": 1, "3": 0}
@@ -46,14 +52,37 @@ def _turns_are_sequential(seen) -> None:
 
 def test_synthetic_multiturn_with_ids_sends_whole_conversations_turn_by_turn(tmp_path, capsys):
     prefix_len, suffix_len, output_len, turns = 12, 5, 4, 4
-    app, seen, _ = make_chat_server(key=lambda body: tuple(body["prompt"][:prefix_len + suffix_len]),
-                                    ttft_step_s=0.03)
+    app, seen, _ = make_chat_server(key=lambda body: tuple(body["prompt"][: prefix_len + suffix_len]), ttft_step_s=0.03)
     results = tmp_path / "records.json"
     with serving(app) as url:
-        code = main(["--url", url, "--dataset", "multiturn", "--prompt-ids", "--num-prompts", "5", "--turns",
-                     str(turns), "--prefix-len", str(prefix_len), "--suffix-len", str(suffix_len), "--output-len",
-                     str(output_len), "--num-prefixes", "2", "--request-rate", "50", "--max-concurrency", "3",
-                     "--json", "--save-results", str(results)])
+        code = main(
+            [
+                "--url",
+                url,
+                "--dataset",
+                "multiturn",
+                "--prompt-ids",
+                "--num-prompts",
+                "5",
+                "--turns",
+                str(turns),
+                "--prefix-len",
+                str(prefix_len),
+                "--suffix-len",
+                str(suffix_len),
+                "--output-len",
+                str(output_len),
+                "--num-prefixes",
+                "2",
+                "--request-rate",
+                "50",
+                "--max-concurrency",
+                "3",
+                "--json",
+                "--save-results",
+                str(results),
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0, out
     summary = last_json(out)
@@ -68,14 +97,14 @@ def test_synthetic_multiturn_with_ids_sends_whole_conversations_turn_by_turn(tmp
     assert all(b["return_token_ids"] is True and b["max_tokens"] == output_len for b in bodies)
     by_number = {}
     for number, body in enumerate(bodies):
-        by_number.setdefault(tuple(body["prompt"][:prefix_len + suffix_len]), []).append(number)
+        by_number.setdefault(tuple(body["prompt"][: prefix_len + suffix_len]), []).append(number)
     assert sorted(len(numbers) for numbers in by_number.values()) == [turns] * 5
     systems = {tuple(bodies[numbers[0]]["prompt"][:prefix_len]) for numbers in by_number.values()}
     assert len(systems) == 2  # --num-prefixes system prompts shared by the conversations
     for numbers in by_number.values():
         for k, (this, following) in enumerate(zip(numbers, numbers[1:]), start=1):
             grown = bodies[this]["prompt"] + answers[this]["ids"]  # the conversation so far, the answer's ids
-            assert bodies[following]["prompt"][:len(grown)] == grown
+            assert bodies[following]["prompt"][: len(grown)] == grown
             assert len(bodies[following]["prompt"]) == len(grown) + suffix_len
         assert len(bodies[numbers[0]]["prompt"]) == prefix_len + suffix_len
     _turns_are_sequential(seen)
@@ -86,8 +115,9 @@ def test_synthetic_multiturn_with_ids_sends_whole_conversations_turn_by_turn(tmp
     assert summary["prefix_cache_hit_rate"] == pytest.approx(summary["prefix_cache_hits"] / queries)
     assert 0.5 < summary["prefix_cache_hit_rate"] < 1.0
     records = json.loads(results.read_text())["requests"]
-    assert sorted((r["conversation"], r["turn"]) for r in records) == [(c, t) for c in range(5)
-                                                                        for t in range(1, turns + 1)]
+    assert sorted((r["conversation"], r["turn"]) for r in records) == [
+        (c, t) for c in range(5) for t in range(1, turns + 1)
+    ]
     assert sorted(r["index"] for r in records) == list(range(20))
     for r in records:  # input_len: the server's usage (this fake counts the prompt's ids)
         assert r["prompt_tokens"] == prefix_len + r["turn"] * suffix_len + (r["turn"] - 1) * output_len
@@ -99,8 +129,22 @@ def test_sharegpt_multiturn_on_chat_sends_the_growing_message_list(tmp_path, cap
 
     app, seen, _ = make_chat_server(key=first_user, metrics="vllm")
     with serving(app) as url:
-        code = main(["--url", url, "--endpoint", "chat", "--dataset", write_multiturn_sharegpt(tmp_path), "--multiturn",
-                     "--turns", "4", "--num-prompts", "10", "--json"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--endpoint",
+                "chat",
+                "--dataset",
+                write_multiturn_sharegpt(tmp_path),
+                "--multiturn",
+                "--turns",
+                "4",
+                "--num-prompts",
+                "10",
+                "--json",
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0, out
     summary = last_json(out)
@@ -113,8 +157,9 @@ def test_sharegpt_multiturn_on_chat_sends_the_growing_message_list(tmp_path, cap
         turn = sum(m["role"] == "user" for m in messages)
         assert messages[-1]["role"] == "user" and messages[-1]["content"].startswith(f"question {turn - 1} of chat")
         assert body["max_tokens"] == round((turn + 1) * 1.3)  # the dataset's reply: words x 1.3
-        assert (messages[0] == {"role": "system", "content": "You are terse."}) == ("chat 1" in messages[-1]["content"]
-                                                                                    or "chat 3" in messages[-1]["content"])
+        assert (messages[0] == {"role": "system", "content": "You are terse."}) == (
+            "chat 1" in messages[-1]["content"] or "chat 3" in messages[-1]["content"]
+        )
         assert "return_token_ids" not in body
         for message in messages:  # every earlier answer is what the server streamed, not the dataset's
             if message["role"] == "assistant":
@@ -125,8 +170,27 @@ def test_sharegpt_multiturn_on_chat_sends_the_growing_message_list(tmp_path, cap
 def test_text_completions_multiturn_appends_the_answer_text(capsys):
     app, seen, _ = make_chat_server(key=lambda body: body["prompt"].split(TEXT_SEPARATOR)[1][:40], metrics=None)
     with serving(app) as url:
-        code = main(["--url", url, "--dataset", "multiturn", "--num-prompts", "3", "--turns", "3", "--prefix-len",
-                     "16", "--suffix-len", "6", "--output-len", "3", "--num-prefixes", "1", "--json"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--dataset",
+                "multiturn",
+                "--num-prompts",
+                "3",
+                "--turns",
+                "3",
+                "--prefix-len",
+                "16",
+                "--suffix-len",
+                "6",
+                "--output-len",
+                "3",
+                "--num-prefixes",
+                "1",
+                "--json",
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0, out
     summary = last_json(out)
@@ -144,17 +208,54 @@ def test_text_completions_multiturn_appends_the_answer_text(capsys):
 def test_answers_without_ids_end_an_ids_conversation_and_max_input_len_ends_long_ones(capsys):
     app, seen, _ = make_chat_server(key=lambda body: tuple(body["prompt"][:10]), token_ids=False, metrics="none")
     with serving(app) as url:
-        code = main(["--url", url, "--dataset", "multiturn", "--prompt-ids", "--num-prompts", "3", "--turns", "3",
-                     "--prefix-len", "5", "--suffix-len", "5", "--output-len", "2", "--json"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--dataset",
+                "multiturn",
+                "--prompt-ids",
+                "--num-prompts",
+                "3",
+                "--turns",
+                "3",
+                "--prefix-len",
+                "5",
+                "--suffix-len",
+                "5",
+                "--output-len",
+                "2",
+                "--json",
+            ]
+        )
         out = capsys.readouterr().out
         assert code == 0, out
         assert last_json(out)["completed_by_turn"] == {"1": 3}  # no ids to append: each stops after turn 1
         assert last_json(out)["prefix_cache_hit_rate"] is None  # /metrics without the counters
         app2, seen2, _ = make_chat_server(key=lambda body: tuple(body["prompt"][:10]))
     with serving(app2) as url:
-        code = main(["--url", url, "--dataset", "multiturn", "--prompt-ids", "--num-prompts", "2", "--turns", "5",
-                     "--prefix-len", "5", "--suffix-len", "5", "--output-len", "2", "--max-input-len", "24",
-                     "--json"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--dataset",
+                "multiturn",
+                "--prompt-ids",
+                "--num-prompts",
+                "2",
+                "--turns",
+                "5",
+                "--prefix-len",
+                "5",
+                "--suffix-len",
+                "5",
+                "--output-len",
+                "2",
+                "--max-input-len",
+                "24",
+                "--json",
+            ]
+        )
     summary = last_json(capsys.readouterr().out)
     assert code == 0
     # turn k's prompt: 5 + 5k + 2(k - 1) ids: 10, 17, 24, 31: turn 4 would pass 24

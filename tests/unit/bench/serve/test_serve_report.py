@@ -10,8 +10,17 @@ from dist_infer.bench.serve.report import latency_stats, meets_slo, summarize
 
 
 def _record(index, ttft, e2e, tokens, success=True, error="", itl=(), input_len=10):
-    return RequestRecord(index=index, input_len=input_len, output_len=tokens, ttft=ttft, e2e=e2e,
-                         output_tokens=tokens, success=success, error=error, itl=list(itl))
+    return RequestRecord(
+        index=index,
+        input_len=input_len,
+        output_len=tokens,
+        ttft=ttft,
+        e2e=e2e,
+        output_tokens=tokens,
+        success=success,
+        error=error,
+        itl=list(itl),
+    )
 
 
 def test_latency_stats_and_tpot():
@@ -29,8 +38,8 @@ def test_latency_stats_and_tpot():
 
 def test_summarize_counts_throughput_and_goodput():
     records = [
-        _record(0, ttft=0.1, e2e=1.0, tokens=10, itl=[0.1] * 9),   # tpot 0.1
-        _record(1, ttft=0.2, e2e=0.6, tokens=5, itl=[0.1] * 4),    # tpot 0.1
+        _record(0, ttft=0.1, e2e=1.0, tokens=10, itl=[0.1] * 9),  # tpot 0.1
+        _record(1, ttft=0.2, e2e=0.6, tokens=5, itl=[0.1] * 4),  # tpot 0.1
         _record(2, ttft=0.9, e2e=1.9, tokens=11, itl=[0.1] * 10),  # tpot 0.1, ttft too slow for 0.5
         _record(3, ttft=None, e2e=0.01, tokens=0, success=False, error="HTTP 400: bad"),
     ]

@@ -374,8 +374,11 @@ def test_a_full_link_refuses_only_while_every_connection_is_busy():
     a = PeerLink(timeout=1.0, key=KEY)
     busy = [_busy_connection(b, ("127.0.0.1", port)) for port in (1, 2)]
     try:
-        wait_until(lambda: len(b._admitted) == 2 and all(c.busy for c in b._admitted), 10.0,
-                   "two admitted connections, both busy")
+        wait_until(
+            lambda: len(b._admitted) == 2 and all(c.busy for c in b._admitted),
+            10.0,
+            "two admitted connections, both busy",
+        )
         with pytest.raises(PeerLinkError):
             a.send(torch.ones(4), b.address, (1, 0, 0))  # refused until a's timeout
         busy[0].sendall(bytes(990))  # its message is in: that connection is idle now
@@ -414,8 +417,9 @@ def test_a_flood_of_bad_connections_writes_a_few_lines_with_counts(links, warnin
         return [line for line in warnings_logged if "failed handshake" in line or "dropped a connection" in line]
 
     def told() -> int:  # the first in full, the rest counted in summaries (the accept loop flushes each second)
-        return len(dropped()) and 1 + sum(int(line.split(": ")[1].split(" more")[0]) for line in dropped()
-                                          if " more from " in line)
+        return len(dropped()) and 1 + sum(
+            int(line.split(": ")[1].split(" more")[0]) for line in dropped() if " more from " in line
+        )
 
     wait_until(lambda: told() == 200, 10.0, lambda: f"200 refusals told in {dropped()}")
     assert len(dropped()) <= 6, dropped()

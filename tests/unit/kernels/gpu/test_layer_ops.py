@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is not installed (the dev extra installs it)")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                                reason="CPU tensors need Triton's interpreter (tests/conftest.py sets it where no GPU is seen)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="CPU tensors need Triton's interpreter (tests/conftest.py sets it where no GPU is seen)",
+)
 
 from dist_infer.kernels.gpu import layer_ops  # noqa: E402
 from dist_infer.models.rope import apply_rotary  # noqa: E402
@@ -62,7 +64,9 @@ def test_rms_norm_with_and_without_the_residual(dtype):
     summed, normed = layer_ops.rms_norm(x, w, 1e-6, res)
     assert torch.equal(summed, x + res)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(normed, w * F.rms_norm((x + res).float(), (300,), eps=1e-6).to(dtype), atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        normed, w * F.rms_norm((x + res).float(), (300,), eps=1e-6).to(dtype), atol=tol, rtol=tol
+    )
     same, normed = layer_ops.rms_norm(x, w, 1e-6)
     assert same is x
     torch.testing.assert_close(normed, w * F.rms_norm(x.float(), (300,), eps=1e-6).to(dtype), atol=tol, rtol=tol)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (the dev extra installs it)")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                                reason="CPU tensors need Triton's interpreter (tests/conftest.py sets it where no GPU is seen)")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="CPU tensors need Triton's interpreter (tests/conftest.py sets it where no GPU is seen)",
+)
 
 from dist_infer.kernels.gpu.paged_decode import (  # noqa: E402
     PARTITION,
@@ -26,7 +28,7 @@ def _case(dtype, B=3, heads=8, kv_heads=2, dim=64, bs=16, blocks=48, width=12, s
     k = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(dtype)
     v = torch.randn(blocks, bs, kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(B, heads, dim, generator=gen).to(dtype)
-    tables = torch.randperm(blocks, generator=gen)[:B * width].view(B, width)
+    tables = torch.randperm(blocks, generator=gen)[: B * width].view(B, width)
     return q, k, v, tables
 
 
@@ -35,8 +37,8 @@ def _case(dtype, B=3, heads=8, kv_heads=2, dim=64, bs=16, blocks=48, width=12, s
 def test_matches_the_reference(dtype, window):
     q, k, v, tables = _case(dtype)
     lens = torch.tensor([1, PARTITION + 7, 12 * 16])  # one key; past a partition's end; every slot of the table
-    out = paged_decode_attention(q, k, v, tables, lens, 64 ** -0.5, window)
-    ref = paged_decode_attention_reference(q, k, v, tables, lens, 64 ** -0.5, window)
+    out = paged_decode_attention(q, k, v, tables, lens, 64**-0.5, window)
+    ref = paged_decode_attention_reference(q, k, v, tables, lens, 64**-0.5, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -46,8 +48,9 @@ def test_mqa_and_odd_head_dim():
     q, k, v, tables = _case(torch.float32, heads=6, kv_heads=1, dim=40)
     lens = torch.tensor([33, 5, 100])
     out = paged_decode_attention(q, k, v, tables, lens, 0.2)
-    torch.testing.assert_close(out.double(), paged_decode_attention_reference(q, k, v, tables, lens, 0.2),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), paged_decode_attention_reference(q, k, v, tables, lens, 0.2), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_a_wider_block_table_changes_no_bit():
@@ -66,7 +69,11 @@ def test_strided_lengths_and_tables_as_the_graph_buffers_hold_them():
     buffer = torch.zeros(3 + 3 * 12 + 5, dtype=torch.long)
     lens = buffer[:3]
     lens.copy_(torch.tensor([17, 3, 64]))
-    view = buffer[3:3 + 36].view(3, 12)
+    view = buffer[3 : 3 + 36].view(3, 12)
     view.copy_(tables)
-    torch.testing.assert_close(paged_decode_attention(q, k, v, view, lens, 0.125),
-                               paged_decode_attention(q, k, v, tables.clone(), lens.clone(), 0.125), atol=0, rtol=0)
+    torch.testing.assert_close(
+        paged_decode_attention(q, k, v, view, lens, 0.125),
+        paged_decode_attention(q, k, v, tables.clone(), lens.clone(), 0.125),
+        atol=0,
+        rtol=0,
+    )

@@ -31,6 +31,7 @@ def files(tmp_path_factory) -> dict:
 
 # --- pure parts ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("rows,heads", [(96, 6), (48, 3), (64, 1), (576, 9)])
 def test_unpermute_rows_inverts_llamacpp_permute(rows, heads):
     w = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
@@ -87,13 +88,20 @@ def test_a_parse_is_shared_inside_the_block_and_dropped_after_it(files):
 
 # --- the trained default model -----------------------------------------------------------------------
 
+
 def test_default_model_is_smollm2_from_the_wheel():
     path = Path(resolve_model("default"))
     assert path == smollm2_path() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     ck = GGUFCheckpoint(path)
     cfg = ck.config
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["vocab_size"], cfg["tie_word_embeddings"]) == (30, 576, 9, 3, 49152, True)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["vocab_size"],
+        cfg["tie_word_embeddings"],
+    ) == (30, 576, 9, 3, 49152, True)
     assert ck.tensor("model.layers.0.self_attn.q_proj.weight").type_name == "Q4_1"
 
 
@@ -105,8 +113,14 @@ def test_tokenizer_from_gguf_metadata_equals_transformers():
     path = smollm2_path()
     ours = TextTokenizer(path)
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    texts = ["The capital of France is", "Hello,  world!\n\nNew line\t tab 12345 678",
-             "<|im_start|>user\nHi<|im_end|>\n", "Ünïcödé — 日本語 🙂 don't I'll", "   spaces   ", "x=1+2; y = [3,4]"]
+    texts = [
+        "The capital of France is",
+        "Hello,  world!\n\nNew line\t tab 12345 678",
+        "<|im_start|>user\nHi<|im_end|>\n",
+        "Ünïcödé — 日本語 🙂 don't I'll",
+        "   spaces   ",
+        "x=1+2; y = [3,4]",
+    ]
     for text in texts:
         ids = ours.encode(text)
         assert ids == hf(text)["input_ids"], text
@@ -116,6 +130,7 @@ def test_tokenizer_from_gguf_metadata_equals_transformers():
 
 
 # --- hostile files (support/gguf_hostile.py): each header claim checked before anything is allocated ---
+
 
 @pytest.fixture(scope="module")
 def small_base(tmp_path_factory) -> Path:

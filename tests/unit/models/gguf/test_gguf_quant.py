@@ -28,8 +28,18 @@ from dist_infer.models.gguf.quant import EXACT_BITS, REQUANT_BITS, quantization_
 from dist_infer.models.gguf.reader import ArrayField
 
 ROWS, COLS, HEADS = 96, 512, 6  # 512 columns: two K-quant blocks of 256, sixteen groups of 32
-FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
-           "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # where each block keeps its fp16 scales
+FP16_AT = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q6_K": (208,),
+}  # where each block keeps its fp16 scales
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 
 
@@ -39,7 +49,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     for at in FP16_AT[type_name]:
-        raw[..., at:at + 2] = (0.01 * rng.standard_normal((rows, cols // block, 1))).astype(np.float16).view(np.uint8)
+        raw[..., at : at + 2] = (0.01 * rng.standard_normal((rows, cols // block, 1))).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
@@ -75,16 +85,26 @@ def files(tmp_path_factory) -> dict:
     rng = np.random.default_rng(1)
     floats = (0.05 * rng.standard_normal((ROWS, COLS))).astype(np.float32)
     random = {t: (t, random_blocks(t, ROWS, COLS, seed=i)) for i, t in enumerate(FP16_AT)}
-    quantized = {f"quantized.{t}": (t, gguf.quants.quantize(floats, gguf.GGMLQuantizationType[t]))
-                 for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
+    quantized = {
+        f"quantized.{t}": (t, gguf.quants.quantize(floats, gguf.GGMLQuantizationType[t]))
+        for t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+    }
     plain = {t: (t, floats) for t in FLOAT_DTYPES}
-    return {"random": write_tensors(root / "random.gguf", random),
-            "quantized": write_tensors(root / "quantized.gguf", quantized),
-            "float": write_tensors(root / "float.gguf", plain)}
+    return {
+        "random": write_tensors(root / "random.gguf", random),
+        "quantized": write_tensors(root / "quantized.gguf", quantized),
+        "float": write_tensors(root / "float.gguf", plain),
+    }
 
 
-SLICES = [(slice(None), slice(None)), (slice(16, 80), slice(32, 100)), (slice(0, 1), slice(256, 512)),
-          (slice(40, 96), slice(64, 288)), (slice(None), slice(480, 512)), (slice(5, 6), slice(224, 257))]
+SLICES = [
+    (slice(None), slice(None)),
+    (slice(16, 80), slice(32, 100)),
+    (slice(0, 1), slice(256, 512)),
+    (slice(40, 96), slice(64, 288)),
+    (slice(None), slice(480, 512)),
+    (slice(5, 6), slice(224, 257)),
+]
 
 
 @pytest.mark.parametrize("type_name", sorted(EXACT_BITS))
@@ -162,6 +182,7 @@ def test_sub_block_types_are_requantized_within_half_a_step(files, type_name):
 
 # --- requantize: pure -----------------------------------------------------------------------------------
 
+
 def test_requantize_int8_is_symmetric_per_group():
     v = torch.randn(5, 70, generator=torch.Generator().manual_seed(0))  # 70: a short last group of 6
     w = requantize(v, 8, 32)
@@ -196,13 +217,16 @@ def test_requantize_constant_groups_come_back_exactly_and_bad_arguments_are_refu
 
 # --- the default model ----------------------------------------------------------------------------------
 
+
 def test_default_model_tensors_convert_bit_for_bit():
     ck = GGUFCheckpoint(smollm2_path())
     assert ck.quantization == "int4"  # Q4_1 matrices, a Q8_0 embedding
-    cases = [("model.layers.0.self_attn.q_proj.weight", slice(64, 192), slice(None)),
-             ("model.layers.7.self_attn.k_proj.weight", slice(None), slice(288, 576)),
-             ("model.layers.3.mlp.down_proj.weight", slice(None), slice(768, 1536)),
-             ("model.embed_tokens.weight", slice(1000, 1400), slice(None))]
+    cases = [
+        ("model.layers.0.self_attn.q_proj.weight", slice(64, 192), slice(None)),
+        ("model.layers.7.self_attn.k_proj.weight", slice(None), slice(288, 576)),
+        ("model.layers.3.mlp.down_proj.weight", slice(None), slice(768, 1536)),
+        ("model.embed_tokens.weight", slice(1000, 1400), slice(None)),
+    ]
     for name, rows, cols in cases:
         t = ck.tensor(name)
         w = t.quantized_slice(rows, cols)
@@ -217,25 +241,46 @@ def test_checkpoint_reports_its_dominant_quantization_and_requantization(tmp_pat
     names what was requantized."""
     h, ff, vocab = 256, 512, 64
     f = np.random.default_rng(2).standard_normal
-    t = {"token_embd.weight": ("Q8_0", gguf.quants.quantize((0.1 * f((vocab, h))).astype(np.float32),
-                                                             gguf.GGMLQuantizationType.Q8_0)),
-         "output_norm.weight": ("F32", np.ones(h)), "blk.0.attn_norm.weight": ("F32", np.ones(h)),
-         "blk.0.ffn_norm.weight": ("F32", np.ones(h))}
-    shapes = {"attn_q": (h, h), "attn_k": (128, h), "attn_v": (128, h), "attn_output": (h, h), "ffn_gate": (ff, h),
-              "ffn_up": (ff, h), "ffn_down": (h, ff)}
+    t = {
+        "token_embd.weight": (
+            "Q8_0",
+            gguf.quants.quantize((0.1 * f((vocab, h))).astype(np.float32), gguf.GGMLQuantizationType.Q8_0),
+        ),
+        "output_norm.weight": ("F32", np.ones(h)),
+        "blk.0.attn_norm.weight": ("F32", np.ones(h)),
+        "blk.0.ffn_norm.weight": ("F32", np.ones(h)),
+    }
+    shapes = {
+        "attn_q": (h, h),
+        "attn_k": (128, h),
+        "attn_v": (128, h),
+        "attn_output": (h, h),
+        "ffn_gate": (ff, h),
+        "ffn_up": (ff, h),
+        "ffn_down": (h, ff),
+    }
     for i, (n, (rows, cols)) in enumerate(shapes.items()):
         qt = "Q6_K" if n in ("attn_v", "ffn_down") else "Q4_K"
         t[f"blk.0.{n}.weight"] = (qt, random_blocks(qt, rows, cols, seed=10 + i))
     path = tmp_path / "k.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    for add, value in [(w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, h),
-                       (w.add_feed_forward_length, ff), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_vocab_size, vocab)]:
+    for add, value in [
+        (w.add_block_count, 1),
+        (w.add_context_length, 64),
+        (w.add_embedding_length, h),
+        (w.add_feed_forward_length, ff),
+        (w.add_head_count, 4),
+        (w.add_head_count_kv, 2),
+        (w.add_vocab_size, vocab),
+    ]:
         add(value)
     w.add_token_list([f"t{i}" for i in range(vocab)])
     for name, (qt, data) in t.items():
-        w.add_tensor(name, data.astype(np.float32) if qt == "F32" else data,
-                     raw_dtype=None if qt == "F32" else gguf.GGMLQuantizationType[qt])
+        w.add_tensor(
+            name,
+            data.astype(np.float32) if qt == "F32" else data,
+            raw_dtype=None if qt == "F32" else gguf.GGMLQuantizationType[qt],
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -245,11 +290,15 @@ def test_checkpoint_reports_its_dominant_quantization_and_requantization(tmp_pat
     assert ck.tensor("model.layers.0.self_attn.q_proj.weight").quantized_slice().bits == 4  # Q4_K: exact
     assert ck.tensor("model.layers.0.mlp.down_proj.weight").quantized_slice(slice(0, 64)).bits == 8  # Q6_K
     report = ck.requantization_report()
-    assert re.match(r"1 tensors requantized per 32 values: largest abs error \S+, largest relative RMS error \S+ "
-                    r"\(blk\.0\.ffn_down\.weight\)", report), report
+    assert re.match(
+        r"1 tensors requantized per 32 values: largest abs error \S+, largest relative RMS error \S+ "
+        r"\(blk\.0\.ffn_down\.weight\)",
+        report,
+    ), report
 
 
 # --- the lean reader ------------------------------------------------------------------------------------
+
 
 def test_reader_gives_gguf_metadata_without_per_item_arrays():
     """Every metadata field reads as gguf's own reader reads it; the vocabulary arrays stay undecoded
@@ -261,7 +310,7 @@ def test_reader_gives_gguf_metadata_without_per_item_arrays():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 16 * 2 ** 20, f"opening the default model allocated {peak / 2 ** 20:.0f} MiB"
+    assert peak < 16 * 2**20, f"opening the default model allocated {peak / 2**20:.0f} MiB"
     assert isinstance(ours.fields["tokenizer.ggml.tokens"], ArrayField)
     assert len(ours.fields["tokenizer.ggml.tokens"]) == 49152
     theirs = gguf.GGUFReader(str(path))
@@ -284,8 +333,13 @@ def _array_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("part,value,error", [(4, 2 ** 40, r"metadata array test\.strings claims 1099511627776 items"),
-                                              (5, 2 ** 40, r"test\.strings: item 0 claims 1099511627776 bytes")])
+@pytest.mark.parametrize(
+    "part,value,error",
+    [
+        (4, 2**40, r"metadata array test\.strings claims 1099511627776 items"),
+        (5, 2**40, r"test\.strings: item 0 claims 1099511627776 bytes"),
+    ],
+)
 def test_reader_refuses_arrays_that_claim_more_than_the_file(tmp_path, part, value, error):
     path = _array_file(tmp_path)
     assert read_field(open_reader(path), "test.strings") == ["a", "bc", "déf"]

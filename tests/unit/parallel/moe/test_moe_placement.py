@@ -24,11 +24,14 @@ def test_contiguous_placement():
     assert p.rank_loads([1, 2, 3, 4, 5, 6, 7, 8]) == [3, 7, 11, 15]
 
 
-@pytest.mark.parametrize("owner,ep,needle", [
-    ((0, 0, 1), 2, "3 experts cannot be split evenly over ep=2 (3 % 2 = 1)"),
-    ((0, 0, 0, 1), 2, "gives the 2 ranks [3, 1] experts; each must own 2"),
-    ((0, 2, 1, 1), 2, "names ranks [2] outside ep=2"),
-])
+@pytest.mark.parametrize(
+    "owner,ep,needle",
+    [
+        ((0, 0, 1), 2, "3 experts cannot be split evenly over ep=2 (3 % 2 = 1)"),
+        ((0, 0, 0, 1), 2, "gives the 2 ranks [3, 1] experts; each must own 2"),
+        ((0, 2, 1, 1), 2, "names ranks [2] outside ep=2"),
+    ],
+)
 def test_placement_errors_name_the_numbers(owner, ep, needle):
     with pytest.raises(ShardingError) as exc:
         ExpertPlacement(owner, ep)

@@ -34,8 +34,10 @@ def test_zigzag_balances_causal_work(cp):
     seq_len = 2 * cp * 16
     work = [sum(p + 1 for p in zigzag_chunks(seq_len, cp, r).positions) for r in range(cp)]
     assert len(set(work)) == 1, f"causal query-key pairs per rank {work} should be equal"
-    steps = [[ring_step_flops(blocks, 1, 1) for blocks in RingLayout.zigzag([seq_len], cp).steps(r, "pass-kv")]
-             for r in range(cp)]
+    steps = [
+        [ring_step_flops(blocks, 1, 1) for blocks in RingLayout.zigzag([seq_len], cp).steps(r, "pass-kv")]
+        for r in range(cp)
+    ]
     for i in range(1, cp):  # every off-diagonal ring step is half a block on every rank
         assert len({s[i] for s in steps}) == 1, f"step {i}: work per rank {[s[i] for s in steps]}"
 

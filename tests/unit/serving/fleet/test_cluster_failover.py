@@ -32,8 +32,20 @@ VANISHED: set[str] = set()  # requests that made an instance vanish already (tak
 
 
 def _hello(index: int) -> Hello:
-    return Hello.from_fields(index=index, tp=1, pp=1, role="mixed", total_blocks=64, block_size=4, max_positions=256,
-                             vocab_size=100, block_bytes=1024, cp=1, pids=[], addresses=[])
+    return Hello.from_fields(
+        index=index,
+        tp=1,
+        pp=1,
+        role="mixed",
+        total_blocks=64,
+        block_size=4,
+        max_positions=256,
+        vocab_size=100,
+        block_bytes=1024,
+        cp=1,
+        pids=[],
+        addresses=[],
+    )
 
 
 class FakeDriver:
@@ -52,8 +64,10 @@ class FakeDriver:
             except (EOFError, OSError):
                 return
             match message:
-                case AddRequest(request_id=request_id, prompt_token_ids=prompt) | \
-                        ResumeRequest(request_id=request_id, prompt_token_ids=prompt):
+                case (
+                    AddRequest(request_id=request_id, prompt_token_ids=prompt)
+                    | ResumeRequest(request_id=request_id, prompt_token_ids=prompt)
+                ):
                     self.seen.append(request_id)
                     if prompt == VANISH and request_id not in VANISHED:
                         VANISHED.add(request_id)
@@ -65,7 +79,9 @@ class FakeDriver:
                         return
                     have = len(message.progress.token_ids) if isinstance(message, ResumeRequest) else 0
                     ids = [prompt[-1] + i + 1 for i in range(have, message.params.max_new_tokens)]
-                    self.end.send(StepOutputs([RequestOutput(request_id, ids, [0.0] * len(ids), [], "", True, "length")]))
+                    self.end.send(
+                        StepOutputs([RequestOutput(request_id, ids, [0.0] * len(ids), [], "", True, "length")])
+                    )
                 case StopInstance():
                     self.end.close()
                     return
@@ -74,8 +90,13 @@ class FakeDriver:
 def _cluster(count: int, spawner=None, rank_capacity=None, **config) -> tuple[Cluster, list[FakeDriver]]:
     drivers = [FakeDriver(i) for i in range(count)]
     clients = [InstanceClient(i, d.api_end, _hello(i)) for i, d in enumerate(drivers)]
-    cluster = Cluster(clients, "fake", config=FleetConfig(migrate_interval=0, dispatch="rr", **config),
-                      spawner=spawner, rank_capacity=rank_capacity)
+    cluster = Cluster(
+        clients,
+        "fake",
+        config=FleetConfig(migrate_interval=0, dispatch="rr", **config),
+        spawner=spawner,
+        rank_capacity=rank_capacity,
+    )
     cluster.start()
     return cluster, drivers
 
@@ -115,6 +136,7 @@ def test_a_driver_joining_as_the_next_index_adds_an_instance_that_serves():
 def test_a_poison_request_is_quarantined_after_max_failovers_and_the_rest_serve_on():
     cluster, drivers = _cluster(4, max_request_failovers=1)
     try:
+
         async def go():
             poison = await _run(cluster, "poison", POISON)
             fine = await asyncio.gather(*(_run(cluster, f"r{i}", [1, i]) for i in range(6)))
@@ -228,6 +250,7 @@ def test_without_auto_restart_a_dead_instance_stays_dead():
 def test_a_failed_automatic_restart_ends_the_requests_that_waited_for_it():
     """The last instance vanishes and its restart cannot even start (no node has room): the request
     parked for the restart ends with an error its client sees; it does not wait forever."""
+
     def spawner(index, spec):
         raise RuntimeError("no Ray node had room")
 
@@ -260,6 +283,7 @@ def _admin(cluster, method: str, path: str, **kw):
 
 def _recording_spawner(started: list):
     """A spawner that lists what it started, as (index, layout, job); its jobs run until killed."""
+
     def spawn(index, spec):
         started.append((index, spec.describe(), FakeJob()))
         return started[-1][2]
@@ -289,8 +313,11 @@ def test_admin_scale_up_past_max_ranks_gets_400_naming_it_and_starts_nothing():
         assert long.status_code == 400 and "--max-ranks" in long.json()["error"]["message"], long.text[:300]
         assert started == [] and len(cluster.instances) == 2, "refused before any instance was made or started"
         assert len(psutil.Process().children(recursive=True)) == children, "no process was spawned"
-        assert _admin(cluster, "GET", "/admin/instances").json()["ranks"] == \
-            {"running": 2, "max": 8, "origin": "--max-ranks"}
+        assert _admin(cluster, "GET", "/admin/instances").json()["ranks"] == {
+            "running": 2,
+            "max": 8,
+            "origin": "--max-ranks",
+        }
     finally:
         cluster.stop(timeout=5)
 
@@ -299,8 +326,9 @@ def test_ranks_starting_count_and_a_start_that_fits_later_gets_409():
     from dist_infer.serving.placement.rank_budget import RankBudget
 
     started = []
-    cluster, _ = _cluster(2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(5),
-                          join_timeout_s=30)
+    cluster, _ = _cluster(
+        2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(5), join_timeout_s=30
+    )
     try:
         assert _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=2"}).status_code == 202
         assert cluster.instances[2].state == InstanceState.STARTING and cluster.ranks_held() == 4
@@ -322,8 +350,9 @@ def test_a_restart_past_max_ranks_is_refused_by_the_operator_and_by_auto_restart
     from dist_infer.serving.placement.rank_budget import RankBudget
 
     started, limit = [], {"now": 2}
-    cluster, _ = _cluster(2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(limit["now"]),
-                          join_timeout_s=30)
+    cluster, _ = _cluster(
+        2, spawner=_recording_spawner(started), rank_capacity=lambda: RankBudget(limit["now"]), join_timeout_s=30
+    )
     try:
         asyncio.run(_run(cluster, "r0", [1, 2]))  # rr: the next goes to instance 1, which vanishes
         assert asyncio.run(_run(cluster, "lost-budget", VANISH)) == [9, 10, 11, 12]
@@ -339,8 +368,9 @@ def test_a_restart_past_max_ranks_is_refused_by_the_operator_and_by_auto_restart
         _stop(cluster, started)
 
     started = []
-    cluster, _ = _cluster(1, spawner=_recording_spawner(started), auto_restart=True,
-                          rank_capacity=lambda: RankBudget(limit["now"]))
+    cluster, _ = _cluster(
+        1, spawner=_recording_spawner(started), auto_restart=True, rank_capacity=lambda: RankBudget(limit["now"])
+    )
     limit["now"] = 0  # the node went with the instance: no rank left anywhere
     try:
         out = asyncio.run(asyncio.wait_for(_run(cluster, "lost-budget-2", VANISH), timeout=10))

@@ -57,7 +57,7 @@ def test_hostile_connections_leave_the_hub_accepting(hub):
     garbage.sendall(b"\x00\xff" * 1000)
     socks.append(garbage)
     huge = socket.create_connection(hub.address)
-    huge.sendall(struct.pack("!i", 2 ** 30))  # a length prefix of 1 GiB, then silence
+    huge.sendall(struct.pack("!i", 2**30))  # a length prefix of 1 GiB, then silence
     socks.append(huge)
     reset = socket.create_connection(hub.address)
     reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -73,7 +73,7 @@ def test_hostile_connections_leave_the_hub_accepting(hub):
     conn = _join(hub.address, 0)
     assert hub.got.wait(10), "an honest driver could not join after the hostile connections"
     assert hub.joined[0][1].index == 0
-    assert psutil.Process().memory_info().rss - rss < 200 * 2 ** 20  # the 1 GiB prefix allocated nothing
+    assert psutil.Process().memory_info().rss - rss < 200 * 2**20  # the 1 GiB prefix allocated nothing
     conn.close()
 
 
@@ -155,8 +155,13 @@ def test_connections_past_the_per_source_cap_wait_their_turn():
     closed at accept (as before) but waits, and starts once a stranger's deadline frees a slot.
     A waiting stranger that speaks before the challenge is dropped without a handshake."""
     lines: list[str] = []
-    h = Hub("127.0.0.1", KEY, handshake_timeout_s=1.0, limits=AdmissionLimits(per_source=4),
-            log=RateLimitedLog(emit=lines.append))
+    h = Hub(
+        "127.0.0.1",
+        KEY,
+        handshake_timeout_s=1.0,
+        limits=AdmissionLimits(per_source=4),
+        log=RateLimitedLog(emit=lines.append),
+    )
     joined = []
     h.start(lambda conn, hello: joined.append(hello.index))
     silent = [socket.create_connection(h.address) for _ in range(4)]
@@ -164,7 +169,9 @@ def test_connections_past_the_per_source_cap_wait_their_turn():
         wait_until(lambda: h._admission.running == 4, 10.0, "4 handshakes running")
         eager = socket.create_connection(h.address)
         eager.sendall(b"\x00\x00\x00\x05hello")  # a client of multiprocessing waits for the challenge
-        wait_until(lambda: any("spoke first" in line for line in lines), 10.0, lambda: f"the eager one dropped: {lines}")
+        wait_until(
+            lambda: any("spoke first" in line for line in lines), 10.0, lambda: f"the eager one dropped: {lines}"
+        )
         conn = dial_hub(h.address, KEY, 10.0)  # waits for a slot, then the key challenge
         conn.send(_hello(5))
         wait_until(lambda: joined == [5], 10.0, "the driver joined")

@@ -82,8 +82,16 @@ def test_prefix_dispatch_spreads_distinct_prefixes_and_groups_equal_ones():
     for r in range(48):
         p = r % 8
         hashes = prompt_block_hashes(_tokens(p, 1024, tail=8), BS)
-        loads = [InstanceLoad(i, free_blocks=2000 - used[i], total_blocks=2000, running=used[i] // 68,
-                              cached_blocks=indexes[i].matched_blocks(hashes)) for i in range(2)]
+        loads = [
+            InstanceLoad(
+                i,
+                free_blocks=2000 - used[i],
+                total_blocks=2000,
+                running=used[i] // 68,
+                cached_blocks=indexes[i].matched_blocks(hashes),
+            )
+            for i in range(2)
+        ]
         i = d.choose(loads, 68, len(hashes))
         hits += loads[i].cached_blocks == len(hashes)
         first += p not in homes

@@ -21,8 +21,9 @@ from dist_infer.engine.sampling import RowSampling, sample_rows
 from dist_infer.serving.http.api_server import build_app
 
 GREEDY = {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
-FUZZ_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = settings(
+    max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 
 
 class SamplingFakeEngine(FakeEngine):
@@ -81,6 +82,7 @@ def test_after_fuzzing_the_server_is_healthy_and_unchanged():
 
 
 # -- sampling parameters across their whole domain (support/sampling_bodies.py) -------------------
+
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(body=sampling_bodies())

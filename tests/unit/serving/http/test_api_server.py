@@ -38,8 +38,9 @@ def start_in_thread(engine: FakeEngine, grace_s: float = 5.0) -> tuple[Served, t
     app = build_app(engine, MODEL)
     ready = threading.Event()
     port = {}
-    server = DrainingServer(app, "127.0.0.1", 0, grace_s=grace_s,
-                            on_ready=lambda host, p: (port.update(p=p), ready.set()))
+    server = DrainingServer(
+        app, "127.0.0.1", 0, grace_s=grace_s, on_ready=lambda host, p: (port.update(p=p), ready.set())
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     assert ready.wait(30), "the server did not start"
@@ -76,7 +77,7 @@ def sse_events(response: httpx.Response) -> list:
     events = []
     for block in text.split("\n\n")[:-1]:
         assert block.startswith("data: ") and "\n" not in block, block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     assert events and events[-1] == "[DONE]", events[-3:]
     assert "[DONE]" not in events[:-1]
@@ -84,6 +85,7 @@ def sse_events(response: httpx.Response) -> list:
 
 
 # -- the official client ------------------------------------------------------------------------------
+
 
 def test_openai_client_completions(served):
     c = client(served)
@@ -95,8 +97,11 @@ def test_openai_client_completions(served):
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL
     assert choice.token_ids == want and choice.text == "".join(map(chr, want))
     assert choice.finish_reason == "length"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt_ids), 7,
-                                                                                         len(prompt_ids) + 7)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(prompt_ids),
+        7,
+        len(prompt_ids) + 7,
+    )
     assert r.model_extra["prompt_token_ids"] == prompt_ids
 
     by_ids = c.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=7)
@@ -105,8 +110,9 @@ def test_openai_client_completions(served):
     assert default_len.usage.completion_tokens == 16
 
     text, ids, usage, chunks = "", [], None, 0
-    for chunk in c.completions.create(model=MODEL, prompt="Hello there", max_tokens=7, stream=True,
-                                      stream_options={"include_usage": True}):
+    for chunk in c.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=7, stream=True, stream_options={"include_usage": True}
+    ):
         chunks += 1
         if chunk.choices:
             text += chunk.choices[0].text
@@ -135,8 +141,11 @@ def test_openai_client_chat(served):
     defaulted = c.chat.completions.create(model=MODEL, messages=messages)  # fills the positions
     assert defaulted.usage.total_tokens == MAX_MODEL_LEN and defaulted.choices[0].finish_reason == "length"
 
-    pieces = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True,
-                                            stream_options={"include_usage": True}))
+    pieces = list(
+        c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert pieces[0].choices[0].delta.role == "assistant" and pieces[0].choices[0].delta.content == ""
     assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == msg.content
     assert [t for p in pieces if p.choices for t in p.choices[0].token_ids] == want
@@ -146,10 +155,17 @@ def test_openai_client_chat(served):
 
 # -- raw HTTP: wire format ---------------------------------------------------------------------------
 
+
 def test_completion_stream_wire_format(served):
     prompt = [1, 40, 41, 42]
     want = fake_tokens(prompt, 4)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with http() as h, h.stream("POST", served.v1 + "/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -163,8 +179,13 @@ def test_completion_stream_wire_format(served):
 
 
 def test_chat_stream_wire_format_and_logprobs(served):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}], "max_tokens": 3,
-            "stream": True, "logprobs": True, "top_logprobs": 2}
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hey"}]}],
+        "max_tokens": 3,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     with http() as h, h.stream("POST", served.v1 + "/chat/completions", json=body) as r:
         assert r.status_code == 200
         events = sse_events(r)
@@ -186,15 +207,26 @@ def test_completion_logprobs_shape(served):
     ids = r["choices"][0]["token_ids"]
     assert lp["tokens"] == [chr(t) for t in ids] and lp["text_offset"] == [0, 1, 2]
     assert len(lp["token_logprobs"]) == 3 and all(isinstance(x, float) for x in lp["token_logprobs"])
-    assert all(len(d) == 2 for d in lp["top_logprobs"]) and all(lp["tokens"][i] in d for i, d in enumerate(lp["top_logprobs"]))
+    assert all(len(d) == 2 for d in lp["top_logprobs"]) and all(
+        lp["tokens"][i] in d for i, d in enumerate(lp["top_logprobs"])
+    )
     assert [list(d) for d in zero["choices"][0]["logprobs"]["top_logprobs"]] == [[chr(t)] for t in ids]
 
 
 def test_stop_token_ids_and_ignored_fields(served):
     prompt = [1, 20, 30]
     want = fake_tokens(prompt, 6)
-    body = {"prompt": prompt, "max_tokens": 6, "stop_token_ids": [want[2]], "ignore_eos": True, "top_k": -1,
-            "min_tokens": 0, "return_token_ids": True, "some_future_field": {"x": 1}, "user": "u"}
+    body = {
+        "prompt": prompt,
+        "max_tokens": 6,
+        "stop_token_ids": [want[2]],
+        "ignore_eos": True,
+        "top_k": -1,
+        "min_tokens": 0,
+        "return_token_ids": True,
+        "some_future_field": {"x": 1},
+        "user": "u",
+    }
     with http() as h:
         r = h.post(served.v1 + "/completions", json=body)
     assert r.status_code == 200, r.text
@@ -219,7 +251,7 @@ BAD = [
     ("completions", "[1, 2]", None, "object"),
     ("completions", "", None, "empty"),
     ("completions", {"prompt": "hi", "model": "nope"}, "model", "nope"),
-    ("completions", {"prompt": [1, 10 ** 7]}, "prompt", "vocabulary"),
+    ("completions", {"prompt": [1, 10**7]}, "prompt", "vocabulary"),
     ("completions", {"prompt": [1, 2], "max_tokens": 5000}, "max_tokens", str(MAX_MODEL_LEN)),
     ("completions", {"prompt": [1, 2], "max_tokens": -1}, "max_tokens", ">= 1"),
     ("completions", {"prompt": [1, 2], "max_tokens": "lots"}, "max_tokens", None),
@@ -246,8 +278,12 @@ BAD = [
     ("chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, "messages", "user turn"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", None),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
-     "top_logprobs", "20"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+        "top_logprobs",
+        "20",
+    ),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, "max_tokens", None),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, "model", "gpt-4"),
 ]
@@ -272,8 +308,10 @@ def test_bad_requests_leave_the_server_serving(served):
     async def go():
         async with httpx.AsyncClient(trust_env=False, timeout=30) as h:
             good = [h.post(served.v1 + "/completions", json={"prompt": [1, i], "max_tokens": 5}) for i in range(4)]
-            bad = [h.post(served.v1 + "/completions", content=b"{", headers={"content-type": "application/json"}),
-                   h.post(served.v1 + "/completions", json={"prompt": [1, 2], "top_p": 0})]
+            bad = [
+                h.post(served.v1 + "/completions", content=b"{", headers={"content-type": "application/json"}),
+                h.post(served.v1 + "/completions", json={"prompt": [1, 2], "top_p": 0}),
+            ]
             return await asyncio.gather(*good), await asyncio.gather(*bad)
 
     good, bad = asyncio.run(go())
@@ -303,7 +341,9 @@ def test_engine_death_is_500_or_an_error_event(served):
     engine = served.engine
     engine.die_after = 2
     with http() as h:
-        with h.stream("POST", served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 9, "stream": True}) as r:
+        with h.stream(
+            "POST", served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 9, "stream": True}
+        ) as r:
             assert r.status_code == 200
             events = sse_events(r)
         assert [len(e["choices"][0]["token_ids"]) for e in events[:-1]] == [1, 1]
@@ -315,7 +355,9 @@ def test_engine_death_is_500_or_an_error_event(served):
         engine.dead_reason = "rank 3 exited with SIGKILL"
         health = h.get(served.url + "/health")
         assert health.status_code == 503 and "SIGKILL" in health.json()["error"]["message"]
-        r = h.post(served.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        r = h.post(
+            served.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        )
         assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
         engine.dead_reason = None
         assert h.get(served.url + "/health").status_code == 200
@@ -323,6 +365,7 @@ def test_engine_death_is_500_or_an_error_event(served):
 
 
 # -- metrics ------------------------------------------------------------------------------------------
+
 
 def scrape(served: Served) -> dict[str, float]:
     """name{labels} -> value."""
@@ -341,7 +384,9 @@ def test_metrics_names_and_token_counts(served):
     before = scrape(served)
     with http() as h:
         h.post(served.v1 + "/completions", json={"prompt": [1, 2, 3], "max_tokens": 5}).raise_for_status()
-        with h.stream("POST", served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 4, "stream": True}) as r:
+        with h.stream(
+            "POST", served.v1 + "/completions", json={"prompt": [1, 2], "max_tokens": 4, "stream": True}
+        ) as r:
             sse_events(r)
     after = scrape(served)
 
@@ -370,6 +415,7 @@ def test_two_apps_in_one_process_have_their_own_registries():
 
 # -- clients that leave ----------------------------------------------------------------------------------
 
+
 def test_client_leaving_a_stream_aborts_its_request(served):
     engine = served.engine
     engine.token_delay = 0.05
@@ -377,7 +423,7 @@ def test_client_leaving_a_stream_aborts_its_request(served):
     with http() as h, h.stream("POST", served.v1 + "/completions", json=body) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        request_id = json.loads(first[len("data: "):])["id"]
+        request_id = json.loads(first[len("data: ") :])["id"]
     # the connection is closed with the request still generating
     wait_until(lambda: request_id in engine.aborted, 15.0, f"abort({request_id})")
     wait_until(lambda: engine.free_blocks == engine.total_blocks, 15.0, "every block free again")
@@ -397,6 +443,7 @@ def test_client_leaving_a_pending_answer_aborts_its_request(served):
 
 
 # -- shutdown -------------------------------------------------------------------------------------------
+
 
 def test_shutdown_lets_running_streams_finish():
     engine = FakeEngine()

@@ -26,6 +26,7 @@ PROMPT = list(range(40, 40 + 33))  # 8 full blocks of 4 before the last token
 
 # -- the salts -------------------------------------------------------------------------------------------
 
+
 def test_none_passes_the_requests_own_salt_through():
     iso = CacheIsolation("none")
     assert iso.cache_salt("key-alice", None) is None and iso.cache_salt("key-bob", "s") == "s"
@@ -65,6 +66,7 @@ def test_the_mode_defaults_to_key_with_keys_and_refuses_key_without():
 
 # -- through HTTP ----------------------------------------------------------------------------------------
 
+
 class CachingEngine(FakeEngine):
     """The fake engine with a prefix cache named as the engine names it (salted block hashes): each
     prompt counts the leading blocks found as hit tokens, then its blocks are cached."""
@@ -91,8 +93,14 @@ class CachingEngine(FakeEngine):
 def serve(guard: HttpGuard):
     engine = CachingEngine()
     ready, port = threading.Event(), {}
-    server = DrainingServer(build_app(engine, MODEL, guard), "127.0.0.1", 0, grace_s=1.0, guard=guard,
-                            on_ready=lambda host, p: (port.update(p=p), ready.set()))
+    server = DrainingServer(
+        build_app(engine, MODEL, guard),
+        "127.0.0.1",
+        0,
+        grace_s=1.0,
+        guard=guard,
+        on_ready=lambda host, p: (port.update(p=p), ready.set()),
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-isolation-test", daemon=True)
     thread.start()
     assert ready.wait(30), "the server did not start"
@@ -112,8 +120,11 @@ def hit_tokens(engine: CachingEngine, url: str, key: str, endpoint: str = "compl
     before = engine.hits
     payload = {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x" * 40}]}
     with httpx.Client(trust_env=False, timeout=30) as h:
-        r = h.post(f"{url}/v1/{endpoint}", json={**payload, "max_tokens": 2, **body},
-                   headers={"Authorization": f"Bearer {key}"})
+        r = h.post(
+            f"{url}/v1/{endpoint}",
+            json={**payload, "max_tokens": 2, **body},
+            headers={"Authorization": f"Bearer {key}"},
+        )
     assert r.status_code == 200, r.text
     return engine.hits - before
 
@@ -142,10 +153,17 @@ def test_with_isolation_none_keys_share_unless_their_salts_differ(served):
 
 # -- /metrics ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("guard,shown", [(HttpGuard(), True), (HttpGuard(api_keys=KEYS), False),
-                                         (HttpGuard(api_keys=KEYS, prefix_cache_isolation="none"), False),
-                                         (HttpGuard(api_keys=KEYS, protect_metrics=True), True)],
-                         ids=["no-keys", "keys-open-metrics", "keys-isolation-none", "protected-metrics"])
+
+@pytest.mark.parametrize(
+    "guard,shown",
+    [
+        (HttpGuard(), True),
+        (HttpGuard(api_keys=KEYS), False),
+        (HttpGuard(api_keys=KEYS, prefix_cache_isolation="none"), False),
+        (HttpGuard(api_keys=KEYS, protect_metrics=True), True),
+    ],
+    ids=["no-keys", "keys-open-metrics", "keys-isolation-none", "protected-metrics"],
+)
 def test_metrics_show_the_hit_counters_only_where_no_key_can_read_another_keys(guard, shown):
     _, url, (server, thread) = serve(guard)
     try:

@@ -33,8 +33,14 @@ SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200 
 def serve(guard: HttpGuard):
     """The API in front of the fake engine, on uvicorn on 127.0.0.1 in a thread; (port, server, thread)."""
     ready, port = threading.Event(), {}
-    server = DrainingServer(build_app(FakeEngine(), MODEL, guard), "127.0.0.1", 0, grace_s=1.0, guard=guard,
-                            on_ready=lambda host, p: (port.update(p=p), ready.set()))
+    server = DrainingServer(
+        build_app(FakeEngine(), MODEL, guard),
+        "127.0.0.1",
+        0,
+        grace_s=1.0,
+        guard=guard,
+        on_ready=lambda host, p: (port.update(p=p), ready.set()),
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-connections-test", daemon=True)
     thread.start()
     assert ready.wait(30), "the server did not start"
@@ -67,7 +73,7 @@ def closed_by_server(sock: socket.socket, trickle: bytes = b"", every_s: float =
                     return True, answer
                 answer += data
             elif sent < len(trickle):
-                sock.sendall(trickle[sent:sent + 1])
+                sock.sendall(trickle[sent : sent + 1])
                 sent += 1
         except (ConnectionResetError, BrokenPipeError):
             return True, answer
@@ -93,6 +99,7 @@ def held_connection(port: int, head: bytes = SLOW_HEAD[:20]) -> socket.socket:
 
 # -- the flags ----------------------------------------------------------------------------------------
 
+
 def test_connection_flags_make_the_guard():
     parser = argparse.ArgumentParser()
     add_http_flags(parser)
@@ -109,13 +116,19 @@ def test_connection_flags_make_the_guard():
                 parser.parse_args([flag, bad])
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-connections", "2.5"])
-    for bad in ({"max_connections": 0}, {"header_timeout_s": 0.0}, {"header_timeout_s": math.inf},
-                {"keep_alive_timeout_s": math.nan}, {"keep_alive_timeout_s": -1.0}):
+    for bad in (
+        {"max_connections": 0},
+        {"header_timeout_s": 0.0},
+        {"header_timeout_s": math.inf},
+        {"keep_alive_timeout_s": math.nan},
+        {"keep_alive_timeout_s": -1.0},
+    ):
         with pytest.raises(ValueError):
             HttpGuard(**bad)
 
 
 # -- the header deadline ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("served", [HttpGuard(header_timeout_s=1.5)], indirect=True)
 def test_slow_request_heads_are_closed_and_normal_requests_answered(served):
@@ -156,13 +169,15 @@ def test_idle_keep_alive_connections_close(served):
 
 # -- the connection cap ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("served", [HttpGuard(max_connections=3, header_timeout_s=120.0)], indirect=True)
 def test_connections_past_the_cap_get_503_at_once(served):
     served, server = served
 
     def open_now(count: int):
-        return wait_until(lambda: len(server.server_state.connections) == count, DEADLINE_S,
-                          f"{count} connections open at the server")
+        return wait_until(
+            lambda: len(server.server_state.connections) == count, DEADLINE_S, f"{count} connections open at the server"
+        )
 
     held = [held_connection(served) for _ in range(2)]
     try:

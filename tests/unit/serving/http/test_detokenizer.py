@@ -60,8 +60,9 @@ def test_stop_strings_span_tokens_and_are_cut_off():
 
 def test_a_stop_before_min_tokens_does_not_count():
     assert feed(CharDecoder(), ids_of("xqrst"), stop=("x",), min_tokens=3) == ("xqrst", None)
-    assert feed(CharDecoder(), ids_of("qxrxs"), stop=("x",), min_tokens=3) == ("qxr", "x"), \
+    assert feed(CharDecoder(), ids_of("qxrxs"), stop=("x",), min_tokens=3) == ("qxr", "x"), (
         "a stop completed from min_tokens on counts, even if an earlier one did not"
+    )
 
 
 def test_text_that_could_start_a_stop_string_is_held_back():
@@ -124,9 +125,9 @@ def test_stop_string_on_real_text_matches_a_search_of_the_whole_decode(smollm2):
     ids = smollm2.encode(text, add_bos=False)
     for _ in range(20):
         at = rng.randrange(1, len(text) - 4)
-        stop = text[at:at + rng.randrange(1, 4)]
+        stop = text[at : at + rng.randrange(1, 4)]
         got, hit = feed(smollm2, ids, stop=(stop,))
-        assert hit == stop and got == text[:text.find(stop)], stop
+        assert hit == stop and got == text[: text.find(stop)], stop
 
 
 def test_the_detokenize_benchmark_compares_both_ways(smollm2):

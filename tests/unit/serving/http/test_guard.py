@@ -59,8 +59,9 @@ def bearer(key: str) -> dict:
 def serve(app, guard=None):
     """uvicorn on 127.0.0.1 in a thread; returns (port, server, thread)."""
     ready, port = threading.Event(), {}
-    server = DrainingServer(app, "127.0.0.1", 0, grace_s=1.0, guard=guard,
-                            on_ready=lambda host, p: (port.update(p=p), ready.set()))
+    server = DrainingServer(
+        app, "127.0.0.1", 0, grace_s=1.0, guard=guard, on_ready=lambda host, p: (port.update(p=p), ready.set())
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-guard-test", daemon=True)
     thread.start()
     assert ready.wait(30), "the server did not start"
@@ -88,10 +89,15 @@ def assert_error(r: httpx.Response, status: int, code=None, needle=None, param="
 
 # -- keys ----------------------------------------------------------------------------------------------
 
+
 def test_api_key_guards_v1_and_tokenize_but_not_health():
     app = build_app(FakeEngine(), MODEL, HttpGuard(api_keys=KEYS))
-    for path, method, body in (("/v1/models", "GET", None), ("/v1/completions", "POST", {"prompt": [1, 2]}),
-                               ("/tokenize", "POST", {"prompt": "hi"}), ("/detokenize", "POST", {"tokens": [65]})):
+    for path, method, body in (
+        ("/v1/models", "GET", None),
+        ("/v1/completions", "POST", {"prompt": [1, 2]}),
+        ("/tokenize", "POST", {"prompt": "hi"}),
+        ("/detokenize", "POST", {"tokens": [65]}),
+    ):
         for headers in ({}, bearer("wrong"), {"Authorization": "Basic a2V5LW9uZQ=="}, bearer("key-one2")):
             r = call(app, method, path, json=body, headers=headers)
             err = assert_error(r, 401, "invalid_api_key")
@@ -114,12 +120,14 @@ def test_openai_client_with_api_key_works_unchanged():
     port, server, thread = serve(build_app(FakeEngine(), MODEL, HttpGuard(api_keys=KEYS)))
     try:
         base = f"http://127.0.0.1:{port}/v1"
-        good = openai.OpenAI(base_url=base, api_key="key-two", max_retries=0,
-                             http_client=httpx.Client(trust_env=False, timeout=30))
+        good = openai.OpenAI(
+            base_url=base, api_key="key-two", max_retries=0, http_client=httpx.Client(trust_env=False, timeout=30)
+        )
         r = good.completions.create(model=MODEL, prompt=[1, 5], max_tokens=4, temperature=0)
         assert r.choices[0].token_ids == fake_tokens([1, 5], 4)
-        bad = openai.OpenAI(base_url=base, api_key="nope", max_retries=0,
-                            http_client=httpx.Client(trust_env=False, timeout=30))
+        bad = openai.OpenAI(
+            base_url=base, api_key="nope", max_retries=0, http_client=httpx.Client(trust_env=False, timeout=30)
+        )
         with pytest.raises(openai.AuthenticationError) as info:
             bad.models.list()
         assert info.value.code == "invalid_api_key"
@@ -128,6 +136,7 @@ def test_openai_client_with_api_key_works_unchanged():
 
 
 # -- admin -------------------------------------------------------------------------------------------
+
 
 def test_admin_answers_loopback_only_without_an_admin_key():
     app = build_app(AdminEngine(), MODEL, HttpGuard(api_keys=KEYS))
@@ -154,11 +163,17 @@ def test_admin_key_opens_admin_to_remote_clients_and_only_it():
 
 # -- JSON only, CORS ------------------------------------------------------------------------------------
 
+
 def test_non_json_posts_get_415():
     app = build_app(FakeEngine(), MODEL)
     body = json.dumps({"prompt": [1, 2], "max_tokens": 2})
-    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                         "application/jsonp", None):
+    for content_type in (
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonp",
+        None,
+    ):
         headers = {}
         if content_type:
             headers["Content-Type"] = content_type
@@ -167,8 +182,13 @@ def test_non_json_posts_get_415():
             assert "content-type" not in r.request.headers
         assert_error(r, 415, "unsupported_media_type")
         assert "access-control-allow-origin" not in r.headers
-    ok = call(app, "POST", "/v1/completions", content=body.encode(),
-              headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    ok = call(
+        app,
+        "POST",
+        "/v1/completions",
+        content=body.encode(),
+        headers={"Content-Type": "Application/JSON; charset=utf-8"},
+    )
     assert ok.status_code == 200, ok.text
 
 
@@ -178,16 +198,23 @@ def test_a_cross_site_browser_cannot_change_state():
     are not browsers (no Origin, no Sec-Fetch-Site) are not concerned; reads stay CORS's business."""
     app = build_app(AdminEngine(), MODEL, HttpGuard(allowed_origins=("https://ok.example",)))
     drain = "/admin/instances/0/drain"
-    for headers in ({"Origin": "https://evil.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
-                    {"Origin": "http://testserver:81"},  # another port is another origin
-                    {"Origin": "https://evil.example", "Content-Type": "application/json"}):
+    for headers in (
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Origin": "http://testserver:81"},  # another port is another origin
+        {"Origin": "https://evil.example", "Content-Type": "application/json"},
+    ):
         assert_error(call(app, "POST", drain, headers=headers), 403, "cross_origin_refused")
         assert_error(call(app, "DELETE", "/admin/instances/0", headers=headers), 403, "cross_origin_refused")
     form = {"Origin": "http://testserver", "Content-Type": "application/x-www-form-urlencoded"}
     assert_error(call(app, "POST", drain, headers=form), 415, "unsupported_media_type")
     assert_error(call(app, "POST", drain, headers={"Sec-Fetch-Site": "same-origin"}), 415, "unsupported_media_type")
-    for headers in ({"Origin": "http://testserver", "Content-Type": "application/json"}, {},
-                    {"Origin": "https://ok.example", "Content-Type": "application/json"}):
+    for headers in (
+        {"Origin": "http://testserver", "Content-Type": "application/json"},
+        {},
+        {"Origin": "https://ok.example", "Content-Type": "application/json"},
+    ):
         assert call(app, "POST", drain, headers=headers).status_code not in (403, 415), headers
     assert call(app, "GET", "/admin/instances", headers={"Origin": "https://evil.example"}).status_code == 200
 
@@ -206,15 +233,41 @@ def test_allowed_hosts_from_the_flags(tmp_path):
     from dist_infer.cli.http_flags import allowed_hosts_of
 
     key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "2", "-subj", "/CN=api.example", "-addext", "subjectAltName=DNS:api.example,IP:10.9.8.7"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=api.example",
+            "-addext",
+            "subjectAltName=DNS:api.example,IP:10.9.8.7",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     add_http_flags(parser)
     assert allowed_hosts_of(parser.parse_args([])) == ("localhost", "127.0.0.1", "::1")
     assert allowed_hosts_of(parser.parse_args(["--host", "10.0.0.5", "--allowed-hosts", "a.example,b.example"])) == (
-        "a.example", "b.example", "localhost", "127.0.0.1", "::1", "10.0.0.5")
+        "a.example",
+        "b.example",
+        "localhost",
+        "127.0.0.1",
+        "::1",
+        "10.0.0.5",
+    )
     assert allowed_hosts_of(parser.parse_args(["--host", "0.0.0.0"])) == ()  # every interface, none given: unchecked
     assert "c.example" in allowed_hosts_of(parser.parse_args(["--host", "::", "--allowed-hosts", "c.example"]))
     assert allowed_hosts_of(parser.parse_args(["--allowed-hosts", "*"])) == ("*",)
@@ -225,9 +278,16 @@ def test_allowed_hosts_from_the_flags(tmp_path):
 
 def test_cors_only_for_allowed_origins():
     app = build_app(FakeEngine(), MODEL, HttpGuard(api_keys=KEYS, allowed_origins=("https://ok.example",)))
-    pre = call(app, "OPTIONS", "/v1/completions", headers={
-        "Origin": "https://ok.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type"})
+    pre = call(
+        app,
+        "OPTIONS",
+        "/v1/completions",
+        headers={
+            "Origin": "https://ok.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ok.example"
     r = call(app, "GET", "/v1/models", headers={"Origin": "https://ok.example", **bearer("key-one")})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ok.example"
@@ -248,10 +308,13 @@ def test_openapi_describes_every_post_body():
         body = op["requestBody"]["content"]["application/json"]["schema"]
         assert body["type"] == "object" and body["properties"], path
         assert "$defs" not in json.dumps(body), path
-    assert "max_tokens" in posts["/v1/completions"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert (
+        "max_tokens" in posts["/v1/completions"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    )
 
 
 # -- bounded bodies -------------------------------------------------------------------------------------
+
 
 def asgi_post(app, headers: list, chunks):
     """POST straight into the ASGI app; returns (status, body, how many chunks it read)."""
@@ -266,10 +329,20 @@ def asgi_post(app, headers: list, chunks):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
     asyncio.run(app(scope, receive, send))
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -279,8 +352,9 @@ def asgi_post(app, headers: list, chunks):
 def test_content_length_over_the_limit_is_413_unread():
     app = build_app(FakeEngine(), MODEL)
     fifty_mb = 50 * 1024 * 1024
-    status, body, reads = asgi_post(app, [(b"content-length", str(fifty_mb).encode())],
-                                    (b" " * 65536 for _ in range(800)))
+    status, body, reads = asgi_post(
+        app, [(b"content-length", str(fifty_mb).encode())], (b" " * 65536 for _ in range(800))
+    )
     assert status == 413 and body["error"]["code"] == "request_too_large" and reads == 0
 
 
@@ -325,13 +399,17 @@ def test_fifty_megabytes_over_real_http_are_refused_without_being_kept():
     port, server, thread = serve(app)
     rss_before = psutil.Process().memory_info().rss
     try:
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {fifty_mb}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {fifty_mb}\r\n\r\n"
+        ).encode()
         answer, sent = _http_exchange(port, head, b" " * 65536, fifty_mb)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert sent < fifty_mb
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
-               b"Transfer-Encoding: chunked\r\n\r\n"
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         chunk = b"10000\r\n" + b" " * 65536 + b"\r\n"
         answer, sent = _http_exchange(port, head, chunk, fifty_mb)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
@@ -370,7 +448,7 @@ def test_hostile_json_is_a_400_without_internals(body, param, needle):
         err = assert_error(r, 400, needle=needle)
         if path == "/v1/completions":
             assert err["param"] == param, err
-        for leak in ("RecursionError", "ValueError", "UnicodeEncodeError", "File \"", "line "):
+        for leak in ("RecursionError", "ValueError", "UnicodeEncodeError", 'File "', "line "):
             assert leak not in err["message"] or "line 1 column" in err["message"], err
 
 
@@ -397,6 +475,7 @@ def test_unexpected_exception_is_a_generic_500_with_an_id():
 
 
 # -- tokenizing off the event loop -------------------------------------------------------------------------
+
 
 class GatedTokenizer:
     """Wraps a tokenizer: a long encode waits on a gate the test opens (at most 60 s)."""
@@ -445,13 +524,34 @@ def test_health_answers_while_a_large_prompt_is_tokenized():
 
 # -- TLS and the flags -----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def self_signed(tmp_path_factory) -> tuple[str, str]:
     d = tmp_path_factory.mktemp("tls")
     key, cert = d / "key.pem", d / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(key), str(cert)
 
 
@@ -465,8 +565,20 @@ def test_tls_serves_https_and_bench_serve_speaks_it(self_signed, capsys):
             assert h.get(url + "/v1/models", headers=bearer("k")).json()["data"][0]["id"] == MODEL
         with httpx.Client(trust_env=False, timeout=30) as h, pytest.raises(httpx.ConnectError):
             h.get(url + "/health")  # the system's CAs do not know a self-signed certificate
-        common = ["--url", url, "--num-prompts", "2", "--prompt-ids", "--input-len", "4", "--output-len", "3",
-                  "--json", "--max-concurrency", "2"]
+        common = [
+            "--url",
+            url,
+            "--num-prompts",
+            "2",
+            "--prompt-ids",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--json",
+            "--max-concurrency",
+            "2",
+        ]
         assert bench_serve.main(common + ["--ca-cert", cert, "--api-key", "k"]) == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 2
         assert bench_serve.main(common + ["--insecure", "--api-key", "k"]) == 0
@@ -488,14 +600,40 @@ def test_http_flags_make_the_guard(self_signed):
     add_http_flags(parser)
     for action in parser._actions:
         assert action.help, action.dest
-    args = parser.parse_args(["--api-key", "a", "--api-key", "b", "--admin-key", "z", "--allowed-origins",
-                              "https://x.example,https://y.example", "--allowed-origins", "*",
-                              "--max-body-bytes", "2M", "--protect-metrics", "--ssl-keyfile", key,
-                              "--ssl-certfile", cert, "--ssl-cert-reqs", "1"])
+    args = parser.parse_args(
+        [
+            "--api-key",
+            "a",
+            "--api-key",
+            "b",
+            "--admin-key",
+            "z",
+            "--allowed-origins",
+            "https://x.example,https://y.example",
+            "--allowed-origins",
+            "*",
+            "--max-body-bytes",
+            "2M",
+            "--protect-metrics",
+            "--ssl-keyfile",
+            key,
+            "--ssl-certfile",
+            cert,
+            "--ssl-cert-reqs",
+            "1",
+        ]
+    )
     guard = http_options_of(args, {"DIST_INFER_API_KEY": "c, d,,a"})
-    assert guard == HttpGuard(api_keys=("a", "b", "c", "d"), admin_keys=("z",), protect_metrics=True,
-                              allowed_origins=("https://x.example", "https://y.example", "*"),
-                              max_body_bytes=2 * 1024 * 1024, ssl_keyfile=key, ssl_certfile=cert, ssl_cert_reqs=1)
+    assert guard == HttpGuard(
+        api_keys=("a", "b", "c", "d"),
+        admin_keys=("z",),
+        protect_metrics=True,
+        allowed_origins=("https://x.example", "https://y.example", "*"),
+        max_body_bytes=2 * 1024 * 1024,
+        ssl_keyfile=key,
+        ssl_certfile=cert,
+        ssl_cert_reqs=1,
+    )
     assert http_options_of(parser.parse_args([]), {}) == HttpGuard()
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-body-bytes", "lots"])

@@ -31,14 +31,24 @@ def test_limits_refuse_what_cannot_fit_and_name_the_field_and_bound():
     limits.check_tokens(100, "prompt")
     with pytest.raises(ApiError, match="your prompt has 101 tokens"):
         limits.check_tokens(101, "prompt")
-    PromptLimits(100, None).check_chars(10 ** 9, "prompt")  # a tokenizer without a bound: no refusal by length
+    PromptLimits(100, None).check_chars(10**9, "prompt")  # a tokenizer without a bound: no refusal by length
 
 
-@pytest.mark.parametrize("prompt, refused", [
-    ("x" * 400, False), ("x" * 401, True), (["x" * 401], True), (list(range(100)), False),
-    (list(range(101)), True), ([list(range(101))], True), (["a", "b"] * 300, False),  # a batch: prompt_of's to refuse
-    (None, False), (5, False), ([], False),
-])
+@pytest.mark.parametrize(
+    "prompt, refused",
+    [
+        ("x" * 400, False),
+        ("x" * 401, True),
+        (["x" * 401], True),
+        (list(range(100)), False),
+        (list(range(101)), True),
+        ([list(range(101))], True),
+        (["a", "b"] * 300, False),  # a batch: prompt_of's to refuse
+        (None, False),
+        (5, False),
+        ([], False),
+    ],
+)
 def test_completion_prompts_are_checked_in_every_form(prompt, refused):
     limits = PromptLimits(100, 4)
     if refused:
@@ -49,9 +59,13 @@ def test_completion_prompts_are_checked_in_every_form(prompt, refused):
 
 
 def test_message_chars_sums_text_contents_and_ignores_the_rest():
-    messages = [{"role": "system", "content": "abc"},
-                {"role": "user", "content": [{"type": "text", "text": "de"}, "f"]},
-                {"role": "assistant", "content": None}, "junk", {"role": "user", "content": [{"type": "image"}, 7]}]
+    messages = [
+        {"role": "system", "content": "abc"},
+        {"role": "user", "content": [{"type": "text", "text": "de"}, "f"]},
+        {"role": "assistant", "content": None},
+        "junk",
+        {"role": "user", "content": [{"type": "image"}, 7]},
+    ]
     assert message_chars(messages) == 6
     assert message_chars("not a list") == 0 and message_chars(None) == 0
 
@@ -116,8 +130,12 @@ def test_oversize_chat_messages_are_refused_before_templating():
     rendered = []
     app.state.serving.renderer.render = lambda *a, **k: rendered.append(a) or "never"
     half = BOUND // 2 + 1
-    body = {"messages": [{"role": "system", "content": "s" * half},
-                         {"role": "user", "content": [{"type": "text", "text": "u" * half}]}]}
+    body = {
+        "messages": [
+            {"role": "system", "content": "s" * half},
+            {"role": "user", "content": [{"type": "text", "text": "u" * half}]},
+        ]
+    }
     assert_context_error(call(app, "/v1/chat/completions", body), "messages", "your messages have")
     assert rendered == [] and engine.tokenizer.encoded == 0
 
@@ -125,9 +143,12 @@ def test_oversize_chat_messages_are_refused_before_templating():
 def test_oversize_token_id_prompts_are_refused_before_any_scan():
     engine = SpyEngine()
     app = build_app(engine, MODEL)
-    for prompt in ([5] * (MAX_MODEL_LEN + 1), [[5] * (MAX_MODEL_LEN + 1)], [10 ** 9] * 100_000):
-        assert_context_error(call(app, "/v1/completions", {"prompt": prompt, "max_tokens": 1}), "prompt",
-                             f"maximum context length is {MAX_MODEL_LEN} tokens")
+    for prompt in ([5] * (MAX_MODEL_LEN + 1), [[5] * (MAX_MODEL_LEN + 1)], [10**9] * 100_000):
+        assert_context_error(
+            call(app, "/v1/completions", {"prompt": prompt, "max_tokens": 1}),
+            "prompt",
+            f"maximum context length is {MAX_MODEL_LEN} tokens",
+        )
     assert engine.checked == 0
     r = call(app, "/v1/completions", {"prompt": [5] * 100, "max_tokens": 1})
     assert r.status_code == 200 and engine.checked >= 1  # the spy does see a prompt that fits

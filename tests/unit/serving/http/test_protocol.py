@@ -14,30 +14,70 @@ from dist_infer.serving.http.unserved_fields import ANY, CHAT_UNSERVED, COMPLETI
 
 ENDPOINTS = {  # endpoint -> (a body it serves, the tokens that body gets, the endpoint's table)
     "completions": ({"prompt": [1, 20, 30], "max_tokens": 3}, fake_tokens([1, 20, 30], 3), COMPLETIONS_UNSERVED),
-    "chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-                         fake_tokens(FakeTokenizer().encode("<s><|user|>hi\n<|assistant|>"), 3), CHAT_UNSERVED),
+    "chat/completions": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        fake_tokens(FakeTokenizer().encode("<s><|user|>hi\n<|assistant|>"), 3),
+        CHAT_UNSERVED,
+    ),
 }
 
 # a value of each unserved field that asks for something (a request a client could really make)
 ASKING = {
-    "n": 2, "best_of": 3, "echo": True, "suffix": "the end", "presence_penalty": 0.5, "frequency_penalty": -0.5,
-    "logit_bias": {"50": 5}, "response_format": {"type": "json_object"},
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-    "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": "yes",
-    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
-    "web_search_options": {}, "moderation": {"model": "omni-moderation-latest"}, "store": True,
-    "metadata": {"k": "v"}, "service_tier": "flex", "use_beam_search": True, "length_penalty": 2.0, "min_p": 0.1,
-    "repetition_penalty": 1.2, "include_stop_str_in_output": True, "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10, "prompt_logprobs": 1,
-    "allowed_token_ids": [50, 51], "bad_words": ["x"], "logits_processors": ["pkg.Processor"],
-    "return_tokens_as_token_ids": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "structural_tag": "{}", "structured_outputs": {"json": {}},
-    "prompt_embeds": "AAAA", "continue_final_message": True, "documents": [{"title": "t", "text": "x"}],
-    "chat_template": "{{ messages }}", "include_reasoning": False, "mm_processor_kwargs": {"x": 1},
-    "media_io_kwargs": {"x": 1}, "priority": 1, "request_id": "mine",
-    "kv_transfer_params": {"x": 1}, "vllm_xargs": {"x": 1},
+    "n": 2,
+    "best_of": 3,
+    "echo": True,
+    "suffix": "the end",
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "logit_bias": {"50": 5},
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "parallel_tool_calls": "yes",
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+    "moderation": {"model": "omni-moderation-latest"},
+    "store": True,
+    "metadata": {"k": "v"},
+    "service_tier": "flex",
+    "use_beam_search": True,
+    "length_penalty": 2.0,
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 10,
+    "prompt_logprobs": 1,
+    "allowed_token_ids": [50, 51],
+    "bad_words": ["x"],
+    "logits_processors": ["pkg.Processor"],
+    "return_tokens_as_token_ids": True,
+    "guided_json": {"type": "object"},
+    "guided_regex": "a+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": 'root ::= "a"',
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "structural_tag": "{}",
+    "structured_outputs": {"json": {}},
+    "prompt_embeds": "AAAA",
+    "continue_final_message": True,
+    "documents": [{"title": "t", "text": "x"}],
+    "chat_template": "{{ messages }}",
+    "include_reasoning": False,
+    "mm_processor_kwargs": {"x": 1},
+    "media_io_kwargs": {"x": 1},
+    "priority": 1,
+    "request_id": "mine",
+    "kv_transfer_params": {"x": 1},
+    "vllm_xargs": {"x": 1},
 }
 ADD_SPECIAL_TOKENS_ASKING = {"completions": False, "chat/completions": True}
 
@@ -119,8 +159,18 @@ def test_cache_salt_is_served_and_must_be_a_short_non_empty_string(api, endpoint
 
 
 NOT_NUMBERS = [True, False, "4", "", "0.5", [4], {"v": 4}]
-NUMBER_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_tokens", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"]
+NUMBER_FIELDS = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+]
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -130,8 +180,10 @@ def test_a_number_must_be_a_json_number(api, endpoint, field):
         assert_400(post(api, endpoint, **{field: value})[0], field)
 
 
-@pytest.mark.parametrize("endpoint,field", [("completions", "logprobs"), ("chat/completions", "top_logprobs"),
-                                            ("chat/completions", "max_completion_tokens")])
+@pytest.mark.parametrize(
+    "endpoint,field",
+    [("completions", "logprobs"), ("chat/completions", "top_logprobs"), ("chat/completions", "max_completion_tokens")],
+)
 def test_endpoint_numbers_must_be_json_numbers(api, endpoint, field):
     for value in NOT_NUMBERS:
         extra = {"logprobs": True} if field == "top_logprobs" else {}
@@ -150,8 +202,11 @@ def test_max_tokens_true_string_and_fraction_are_400_and_integral_float_is_an_in
 
 def test_a_number_too_large_for_a_double_is_400():
     with TestClient(build_app(FakeEngine(), MODEL), raise_server_exceptions=False) as c:
-        r = c.post("/v1/completions", content=b'{"prompt": [1, 2], "temperature": 1e400}',
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/completions",
+            content=b'{"prompt": [1, 2], "temperature": 1e400}',
+            headers={"content-type": "application/json"},
+        )
     assert_400(r, "temperature")
 
 
@@ -170,8 +225,19 @@ def test_chat_logprobs_and_completion_echo_must_be_booleans(api):
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_served_fields_and_fields_of_neither_schema_answer_as_before(api, endpoint):
-    body = {"temperature": 0.0, "top_p": 1, "top_k": -1, "seed": 7, "min_tokens": 1, "ignore_eos": False,
-            "stop_token_ids": [], "return_token_ids": True, "user": "u", "stream": False, "some_future_field": {"x": 1},
-            "max_tokens": 3}
+    body = {
+        "temperature": 0.0,
+        "top_p": 1,
+        "top_k": -1,
+        "seed": 7,
+        "min_tokens": 1,
+        "ignore_eos": False,
+        "stop_token_ids": [],
+        "return_token_ids": True,
+        "user": "u",
+        "stream": False,
+        "some_future_field": {"x": 1},
+        "max_tokens": 3,
+    }
     response, want = post(api, endpoint, **body)
     assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == want, response.text

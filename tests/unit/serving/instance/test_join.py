@@ -26,7 +26,6 @@ def test_join_addresses(monkeypatch):
             hub_to_join(bad, None)
 
 
-
 class FakeTime:
     def __init__(self):
         self.now = 0.0
@@ -72,9 +71,12 @@ def test_join_gives_up_after_its_budget_saying_how_long_and_why():
         t.now += 0.5
         raise ConnectionResetError("connection reset by peer")
 
-    with pytest.raises(ConnectionError, match=r"instance 3: could not join the API's hub at 10.0.0.1:7 in (5[0-9]|60)\.\d s "
-                                              r"\(\d+ tries, up to 60 s\); the last failed with ConnectionResetError: "
-                                              r"connection reset by peer"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"instance 3: could not join the API's hub at 10.0.0.1:7 in (5[0-9]|60)\.\d s "
+        r"\(\d+ tries, up to 60 s\); the last failed with ConnectionResetError: "
+        r"connection reset by peer",
+    ):
         join_hub(("10.0.0.1", 7), b"k", 3, dial=dial, clock=t.clock, sleep=t.sleep, rng=random.Random(7))
     # no pause starts past the budget; the last try itself may end up to its own length (0.5 s) after
     assert 15 <= len(tries) <= 30 and t.now <= 60 + 0.5

@@ -43,6 +43,7 @@ class RecordingEndpoint:
         def method(*args, reply):
             self.seen.append((name, args))
             reply(name)
+
         return method
 
 
@@ -102,8 +103,10 @@ def test_the_driver_refuses_a_method_name_and_a_call_it_cannot_take():
     server._call(1, "start_out")  # the old wire's shape: a name to look up
     server._call(2, MigrationCall(3, StartOut(7, "r", PEER)))  # not an op either
     assert endpoint.seen == []
-    assert [(r.call_id, r.ok, r.value[0]) for r in conn.sent] == [(1, False, MigrationOutcome.ERROR),
-                                                                  (2, False, MigrationOutcome.ERROR)]
+    assert [(r.call_id, r.ok, r.value[0]) for r in conn.sent] == [
+        (1, False, MigrationOutcome.ERROR),
+        (2, False, MigrationOutcome.ERROR),
+    ]
     assert "takes no call 'str'" in conn.sent[0].value[1] and "'MigrationCall'" in conn.sent[1].value[1]
     cp, cp_conn = _server(None)  # a context-parallel instance has no migration endpoint
     cp._call(5, StartOut(7, "r", PEER))
@@ -124,8 +127,10 @@ def test_stage_reports_are_typed_on_the_wire():
     server, conn = _server(RecordingEndpoint())
     server._notify("stage_done", 7, 0)
     server._notify("stage_failed", 7, 1)
-    assert conn.sent == [MigrationEvent(MigrationEventKind.STAGE_DONE, 7, 0),
-                         MigrationEvent(MigrationEventKind.STAGE_FAILED, 7, 1)]
+    assert conn.sent == [
+        MigrationEvent(MigrationEventKind.STAGE_DONE, 7, 0),
+        MigrationEvent(MigrationEventKind.STAGE_FAILED, 7, 1),
+    ]
     assert conn.sent[0].kind == "stage_done", "the enum's values are the strings the engine reports"
     with pytest.raises(ValueError):
         server._notify("stage_started", 7, 0)

@@ -36,8 +36,20 @@ BLOCK_BYTES = 1024
 
 
 def _hello(index: int) -> Hello:
-    return Hello.from_fields(index=index, tp=1, pp=1, role="mixed", total_blocks=64, block_size=4, max_positions=256,
-                             vocab_size=100, block_bytes=BLOCK_BYTES, cp=1, pids=[], addresses=[["127.0.0.1", 1]])
+    return Hello.from_fields(
+        index=index,
+        tp=1,
+        pp=1,
+        role="mixed",
+        total_blocks=64,
+        block_size=4,
+        max_positions=256,
+        vocab_size=100,
+        block_bytes=BLOCK_BYTES,
+        cp=1,
+        pids=[],
+        addresses=[["127.0.0.1", 1]],
+    )
 
 
 def _output(request_id: str, token: int, finished: bool) -> RequestOutput:

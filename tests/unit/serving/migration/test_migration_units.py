@@ -39,8 +39,19 @@ def _layout(tp, pp=1, layers=4, heads=8, kv=2):
     return KVLayout(tp, pp, layers, heads, kv)
 
 
-PAIRS = [((1, 1), (2, 1)), ((2, 1), (1, 1)), ((2, 1), (4, 1)), ((4, 1), (2, 1)), ((1, 1), (4, 1)),
-         ((4, 1), (1, 1)), ((2, 2), (1, 1)), ((1, 1), (2, 2)), ((1, 2), (2, 1)), ((2, 1), (1, 3)), ((8, 1), (2, 2))]
+PAIRS = [
+    ((1, 1), (2, 1)),
+    ((2, 1), (1, 1)),
+    ((2, 1), (4, 1)),
+    ((4, 1), (2, 1)),
+    ((1, 1), (4, 1)),
+    ((4, 1), (1, 1)),
+    ((2, 2), (1, 1)),
+    ((1, 1), (2, 2)),
+    ((1, 2), (2, 1)),
+    ((2, 1), (1, 3)),
+    ((8, 1), (2, 2)),
+]
 
 
 @pytest.mark.parametrize("src,dst", PAIRS)
@@ -62,21 +73,33 @@ def test_replicated_heads_spread_over_their_owners():
     pieces = transfer_map(_layout(4), _layout(4))
     assert sorted((p.src, p.dst) for p in pieces) == [(0, 0), (1, 1), (2, 2), (3, 3)]
     # tp2 -> tp4: each destination rank gets its one head from the single owner
-    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(2), _layout(4))) == \
-        [(0, 0, (0,)), (0, 1, (0,)), (1, 2, (1,)), (1, 3, (1,))]
+    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(2), _layout(4))) == [
+        (0, 0, (0,)),
+        (0, 1, (0,)),
+        (1, 2, (1,)),
+        (1, 3, (1,)),
+    ]
 
 
 def test_tp2_to_tp1_sends_two_half_messages_and_tp1_to_tp2_one_each():
-    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(2), _layout(1))) == \
-        [(0, 0, (0,)), (1, 0, (1,))]
-    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(1), _layout(2))) == \
-        [(0, 0, (0,)), (0, 1, (1,))]
+    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(2), _layout(1))) == [
+        (0, 0, (0,)),
+        (1, 0, (1,)),
+    ]
+    assert sorted((p.src, p.dst, tuple(p.heads)) for p in transfer_map(_layout(1), _layout(2))) == [
+        (0, 0, (0,)),
+        (0, 1, (1,)),
+    ]
 
 
 def test_pipeline_stages_split_by_layer_range():
     pieces = transfer_map(_layout(1, pp=2, layers=6), _layout(1, pp=3, layers=6))
-    assert sorted((p.src, p.dst, (p.layers.start, p.layers.stop)) for p in pieces) == \
-        [(0, 0, (0, 2)), (0, 1, (2, 3)), (1, 1, (3, 4)), (1, 2, (4, 6))]
+    assert sorted((p.src, p.dst, (p.layers.start, p.layers.stop)) for p in pieces) == [
+        (0, 0, (0, 2)),
+        (0, 1, (2, 3)),
+        (1, 1, (3, 4)),
+        (1, 2, (4, 6)),
+    ]
 
 
 def test_different_models_do_not_exchange_blocks():
@@ -86,10 +109,22 @@ def test_different_models_do_not_exchange_blocks():
 
 def test_plan_carries_transfer_ops():
     peer = PeerInstance(2, 2, 1, (("127.0.0.1", 40001), ("10.0.0.7", 65535)))
-    ops = [TransferOp(TransferOp.SEND, 7, 2, peer, [5, 9, 11]), TransferOp(TransferOp.COMMIT, 8),
-           TransferOp(TransferOp.RECV, 9, 0, PeerInstance(0, 1, 2, (("192.168.1.2", 5),)), [3])]
-    plan = StepPlan(seq_ids=[4], num_tokens=[1], starts=[10], block_tables=[[1, 2, 3]], sample=[True],
-                    rows=[RowSampling(0.0, 0, 1.0, 3, 4, 0, 0)], input_ids=[42], freed=[6], transfers=ops)
+    ops = [
+        TransferOp(TransferOp.SEND, 7, 2, peer, [5, 9, 11]),
+        TransferOp(TransferOp.COMMIT, 8),
+        TransferOp(TransferOp.RECV, 9, 0, PeerInstance(0, 1, 2, (("192.168.1.2", 5),)), [3]),
+    ]
+    plan = StepPlan(
+        seq_ids=[4],
+        num_tokens=[1],
+        starts=[10],
+        block_tables=[[1, 2, 3]],
+        sample=[True],
+        rows=[RowSampling(0.0, 0, 1.0, 3, 4, 0, 0)],
+        input_ids=[42],
+        freed=[6],
+        transfers=ops,
+    )
     back = decode(*encode(plan))
     assert back.transfers == ops and back.freed == [6] and back.input_ids == [42] and back.block_tables == [[1, 2, 3]]
     idle = decode(*encode(StepPlan(kind=KIND_IDLE, transfers=ops[:1])))
@@ -153,12 +188,48 @@ def test_peer_link_fails_receives_when_the_sender_goes_away():
 
 def test_instance_argv_keeps_the_model_flags_and_drops_the_apis():
     spec = parse_instances("decode:tp2")[0]
-    argv = ["serve", "--model", "/m", "--instances", "tp2,tp1", "--port=8001", "--kv-blocks", "64",
-            "--ready-file", "/r.json", "--dispatch", "rr", "--backend", "mpi", "--protect-metrics", "--max-num-seqs",
-            "8", "--api-key", "k1", "--api-key=k2", "--admin-key", "a", "--frontend-only", "--hub-host", "10.0.0.1"]
+    argv = [
+        "serve",
+        "--model",
+        "/m",
+        "--instances",
+        "tp2,tp1",
+        "--port=8001",
+        "--kv-blocks",
+        "64",
+        "--ready-file",
+        "/r.json",
+        "--dispatch",
+        "rr",
+        "--backend",
+        "mpi",
+        "--protect-metrics",
+        "--max-num-seqs",
+        "8",
+        "--api-key",
+        "k1",
+        "--api-key=k2",
+        "--admin-key",
+        "a",
+        "--frontend-only",
+        "--hub-host",
+        "10.0.0.1",
+    ]
     assert instance_argv(argv, 3, spec, ("10.0.0.1", 4242)) == [
-        "serve", "--model", "/m", "--kv-blocks", "64", "--max-num-seqs", "8", "--instances", "decode:tp=2",
-        "--join", "10.0.0.1:4242", "--instance-index", "3"]
+        "serve",
+        "--model",
+        "/m",
+        "--kv-blocks",
+        "64",
+        "--max-num-seqs",
+        "8",
+        "--instances",
+        "decode:tp=2",
+        "--join",
+        "10.0.0.1:4242",
+        "--instance-index",
+        "3",
+    ]
 
 
 def test_spawned_instances_share_the_host_s_cores(monkeypatch):
@@ -171,8 +242,9 @@ def test_spawned_instances_share_the_host_s_cores(monkeypatch):
     monkeypatch.setattr(spawn_module, "threads_per_rank", lambda ranks: max(1, 8 // ranks))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     spec = parse_instances("tp2,tp1,tp1")
-    spawn = spawn_module.LocalSpawner(["serve", "--model", "m"], ("127.0.0.1", 1), b"k",
-                                      local_ranks=sum(x.size for x in spec))
+    spawn = spawn_module.LocalSpawner(
+        ["serve", "--model", "m"], ("127.0.0.1", 1), b"k", local_ranks=sum(x.size for x in spec)
+    )
     spawn(0, spec[0])
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     spawn(1, spec[1])
@@ -184,8 +256,11 @@ def test_parse_instances():
     assert parse_instances("3", tp=2) == [InstanceSpec(2)] * 3
     assert parse_instances("tp2pp2, pp2") == [InstanceSpec(2, 2), InstanceSpec(1, 2)]
     assert base_ranks(parse_instances("tp2,tp1,tp4")) == [0, 2, 3]
-    assert parse_instances("prefill:tp2,decode:tp1,decode:tp1") == \
-        [InstanceSpec(2, 1, "prefill"), InstanceSpec(1, 1, "decode"), InstanceSpec(1, 1, "decode")]
+    assert parse_instances("prefill:tp2,decode:tp1,decode:tp1") == [
+        InstanceSpec(2, 1, "prefill"),
+        InstanceSpec(1, 1, "decode"),
+        InstanceSpec(1, 1, "decode"),
+    ]
     assert parse_instances("prefill:tp2,tp1")[1].role == "mixed"
     assert [s.describe() for s in parse_instances("prefill:tp2pp2,mixed:tp1")] == ["prefill:tp=2,pp=2", "tp=1"]
     for bad in ("tp2,,tp1", "tpx", "dp2", "0", "tp0", "prefil:tp1", "prefill:"):
@@ -265,28 +340,56 @@ def test_drain_moves_everything_even_when_balanced():
 
 
 def test_a_migration_carries_only_what_the_destination_needs():
-    r = Request("r1", [1, 2, 3], SamplingParams(max_new_tokens=8), seed=5, num_computed=4,
-                output_token_ids=[9], output_logprobs=[-0.5], output_top_logprobs=[[(9, -0.5)]],
-                block_table=[3, 4], in_flight=True, logits=[object()], emitted_tokens=1)
+    r = Request(
+        "r1",
+        [1, 2, 3],
+        SamplingParams(max_new_tokens=8),
+        seed=5,
+        num_computed=4,
+        output_token_ids=[9],
+        output_logprobs=[-0.5],
+        output_top_logprobs=[[(9, -0.5)]],
+        block_table=[3, 4],
+        in_flight=True,
+        logits=[object()],
+        emitted_tokens=1,
+    )
     r.arrival_time, r.first_token_time = time.monotonic() - 2.0, time.monotonic() - 1.0
     state = MigratingRequest.of(r)
     assert pickle.loads(pickle.dumps(state)) == state  # the wire: no block table, no logits, times as ages
     assert not {"block_table", "logits", "in_flight", "seq_id"} & {f.name for f in dataclasses.fields(state)}
     assert 1.9 < state.age_s < 2.5 and MigratingRequest.of(r, send_kv=False).num_computed == 0
     back = state.to_request()
-    assert (back.output_token_ids, back.num_computed, back.emitted_tokens, back.block_table,
-            back.in_flight, back.logits, back.seed) == ([9], 4, 1, [], False, [], 5)
+    assert (
+        back.output_token_ids,
+        back.num_computed,
+        back.emitted_tokens,
+        back.block_table,
+        back.in_flight,
+        back.logits,
+        back.seed,
+    ) == ([9], 4, 1, [], False, [], 5)
     assert abs((time.monotonic() - back.arrival_time) - 2.0) < 0.5
 
 
 def test_instance_stats_and_peers_read_the_typed_wire():
-    stats = InstanceStats.from_dict({"num_requests_running": 2, "running_ids": ["a", "b"], "free_blocks": 3,
-                                     "not_a_stat": 1})
+    stats = InstanceStats.from_dict(
+        {"num_requests_running": 2, "running_ids": ["a", "b"], "free_blocks": 3, "not_a_stat": 1}
+    )
     assert stats.running_ids == ("a", "b") and stats.watermark_blocks == 0
     assert stats.as_dict()["running_ids"] == ["a", "b"] and "not_a_stat" not in stats.as_dict()
     assert InstanceStats.empty(64).free_blocks == 64
-    hello = Hello.from_fields(index=2, tp=2, pp=1, total_blocks=8, block_size=4, max_positions=64, vocab_size=10,
-                              role="decode", addresses=[["10.0.0.1", 5], ["10.0.0.1", 6]])
+    hello = Hello.from_fields(
+        index=2,
+        tp=2,
+        pp=1,
+        total_blocks=8,
+        block_size=4,
+        max_positions=64,
+        vocab_size=10,
+        role="decode",
+        addresses=[["10.0.0.1", 5], ["10.0.0.1", 6]],
+    )
     assert hello.role is Role.DECODE and PeerInstance.from_hello(hello).addresses == (("10.0.0.1", 5), ("10.0.0.1", 6))
     assert json.dumps([InstanceState.SERVING, MigrationOutcome.NO_ROOM]) == '["serving", "no_room"]'
     assert MigrationAborted("no_room", "x").outcome is MigrationOutcome.NO_ROOM

@@ -44,8 +44,9 @@ def test_p90_and_the_window_forget_old_samples():
     assert w.p90s(105.0) == (4.0, None) and w.p90s(105.0, span=2.0) == (0.5, None)
 
 
-def _sample(now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0, recent=None,
-            predicted=0.0):
+def _sample(
+    now, serving=1, starting=0, ttft=None, tpot=None, wait=0.0, queued=0, running=0, recent=None, predicted=0.0
+):
     """`recent`: the p90s of the last low_for_s seconds (default: the window's)."""
     recent = (ttft, tpot) if recent is None else recent
     return FleetSample(now, serving, starting, ttft, tpot, wait, queued, running, *recent, predicted_wait_s=predicted)
@@ -104,12 +105,18 @@ def test_an_up_looks_only_at_first_tokens_since_the_last_decision():
     from dist_infer.serving.placement.autoscaler import Autoscaler
 
     def instance(backlog):
-        return SimpleNamespace(state=InstanceState.SERVING, accepting=True,
-                               stats=SimpleNamespace(prefill_backlog_s=backlog))
+        return SimpleNamespace(
+            state=InstanceState.SERVING, accepting=True, stats=SimpleNamespace(prefill_backlog_s=backlog)
+        )
 
     window = LatencyWindow(window_s=10.0)
-    cluster = SimpleNamespace(instances=[instance(0.4), instance(None)], latency=window, num_open=lambda: 1,
-                              first_token_waits=lambda now: [], ranks_free=lambda: None)
+    cluster = SimpleNamespace(
+        instances=[instance(0.4), instance(None)],
+        latency=window,
+        num_open=lambda: 1,
+        first_token_waits=lambda now: [],
+        ranks_free=lambda: None,
+    )
     policy = AutoscalePolicy(1, 2, SLO(ttft_s=0.3), cooldown_s=1.5, low_for_s=1.5)
     scaler = Autoscaler(cluster, policy, "tp1")
     for t in (100.0, 100.5, 101.0):
@@ -145,12 +152,17 @@ def test_the_autoscaler_stops_at_max_ranks_and_says_so_once():
     from dist_infer.serving.placement.autoscaler import Autoscaler
 
     added, free = [], {"ranks": 1}
-    serving = SimpleNamespace(state=InstanceState.SERVING, accepting=True, spec=None,
-                              stats=SimpleNamespace(prefill_backlog_s=0.0))
-    cluster = SimpleNamespace(instances=[serving], latency=LatencyWindow(), num_open=lambda: 3,
-                              first_token_waits=lambda now: [9.0, 9.0, 9.0],  # waited past the 1 s SLO
-                              ranks_free=lambda: free["ranks"],
-                              add_instance=lambda layout: added.append(layout) or {"index": 1})
+    serving = SimpleNamespace(
+        state=InstanceState.SERVING, accepting=True, spec=None, stats=SimpleNamespace(prefill_backlog_s=0.0)
+    )
+    cluster = SimpleNamespace(
+        instances=[serving],
+        latency=LatencyWindow(),
+        num_open=lambda: 3,
+        first_token_waits=lambda now: [9.0, 9.0, 9.0],  # waited past the 1 s SLO
+        ranks_free=lambda: free["ranks"],
+        add_instance=lambda layout: added.append(layout) or {"index": 1},
+    )
     scaler = Autoscaler(cluster, AutoscalePolicy(1, 8, SLO(ttft_s=1.0), cooldown_s=0.0), "tp=2")
     lines = []
     logger.enable("dist_infer")  # the library is quiet unless enabled

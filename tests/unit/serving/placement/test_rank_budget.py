@@ -34,27 +34,34 @@ def test_a_start_fits_beside_the_ranks_running_or_is_refused_naming_the_figures(
 
 
 def test_a_default_budget_says_where_it_came_from():
-    with pytest.raises(RankBudgetError, match=r"needs 3 ranks; --max-ranks is 2, the default: this host's 2 usable "
-                                              r"cores \(0 running\)"):
+    with pytest.raises(
+        RankBudgetError,
+        match=r"needs 3 ranks; --max-ranks is 2, the default: this host's 2 usable "
+        r"cores \(0 running\)",
+    ):
         local_capacity(2).check("layout tp=3", 3, held=0)
     assert local_capacity(0).limit == 1
 
 
-@pytest.mark.parametrize("resources, cpus, gpus, limit, names", [
-    ({"CPU": 8.0, "memory": 1e9}, 1, 0, 8, "8 CPUs / 1 per rank"),
-    ({"CPU": 8.0}, 3, 0, 2, "8 CPUs / 3 per rank"),
-    ({"CPU": 8.0}, 0, 0, 8, "8 CPUs / 1 per rank"),  # a rank that reserves no CPU still runs on one
-    ({"CPU": 64.0, "GPU": 4.0}, 1, 1, 4, "4 GPUs / 1 per rank"),  # the scarcer one bounds
-    ({"CPU": 2.0, "GPU": 8.0}, 1, 1, 2, "2 CPUs / 1 per rank"),
-    ({"CPU": 16.0}, 1, 1, 0, "0 GPUs / 1 per rank"),  # GPU ranks and no GPU: nothing fits, said so
-])
+@pytest.mark.parametrize(
+    "resources, cpus, gpus, limit, names",
+    [
+        ({"CPU": 8.0, "memory": 1e9}, 1, 0, 8, "8 CPUs / 1 per rank"),
+        ({"CPU": 8.0}, 3, 0, 2, "8 CPUs / 3 per rank"),
+        ({"CPU": 8.0}, 0, 0, 8, "8 CPUs / 1 per rank"),  # a rank that reserves no CPU still runs on one
+        ({"CPU": 64.0, "GPU": 4.0}, 1, 1, 4, "4 GPUs / 1 per rank"),  # the scarcer one bounds
+        ({"CPU": 2.0, "GPU": 8.0}, 1, 1, 2, "2 CPUs / 1 per rank"),
+        ({"CPU": 16.0}, 1, 1, 0, "0 GPUs / 1 per rank"),  # GPU ranks and no GPU: nothing fits, said so
+    ],
+)
 def test_ray_capacity_is_the_clusters_cpus_or_gpus_over_a_ranks(resources, cpus, gpus, limit, names):
     budget = ray_capacity(resources, cpus, gpus)
     assert budget.limit == limit and names in budget.origin, budget
 
 
-@pytest.mark.parametrize("text, total", [("8", 8), ("36(x2),72", 144), ("4(x3)", 12), ("", None), ("x", None),
-                                         ("4,(x2)", None)])
+@pytest.mark.parametrize(
+    "text, total", [("8", 8), ("36(x2),72", 144), ("4(x3)", 12), ("", None), ("x", None), ("4,(x2)", None)]
+)
 def test_slurm_cpus_per_node_reads(text, total):
     assert slurm_cpus(text) == total
 
@@ -90,4 +97,3 @@ def test_the_parser_refuses_a_long_or_absurd_text_unread():
         parse_instances("9" * 5000)  # past int()'s digit limit: an InstancesError, not a ValueError from int
     with pytest.raises(InstancesError, match=r"item 'tp=1(,pp=1){5}': .*pp is given twice"):
         parse_instances("tp=1," + "pp=1," * 1000 + "pp=1")  # an item grows to one part per axis (and one), no further
-

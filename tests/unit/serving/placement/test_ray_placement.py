@@ -12,9 +12,19 @@ import pytest
 from dist_infer.serving.placement.ray_placement import RAY_CLUSTER_ENV, RayInstanceJob, _host_of, keep_ray_on_loopback
 
 
-@pytest.mark.parametrize("address, host", [("127.0.0.1:6379", "127.0.0.1"), ("localhost:6379", "localhost"),
-                                           ("[::1]:6379", "::1"), ("::1", "::1"), ("ray://127.0.0.1:10001", "127.0.0.1"),
-                                           ("10.0.0.5:6379", "10.0.0.5"), ("auto", "auto"), ("head", "head")])
+@pytest.mark.parametrize(
+    "address, host",
+    [
+        ("127.0.0.1:6379", "127.0.0.1"),
+        ("localhost:6379", "localhost"),
+        ("[::1]:6379", "::1"),
+        ("::1", "::1"),
+        ("ray://127.0.0.1:10001", "127.0.0.1"),
+        ("10.0.0.5:6379", "10.0.0.5"),
+        ("auto", "auto"),
+        ("head", "head"),
+    ],
+)
 def test_host_of_a_ray_address(address, host):
     assert _host_of(address) == host
 
