@@ -1,18 +1,17 @@
-"""The suite's set-up: tests/support on sys.path, the tiny model by default, and `slow` by folder.
+"""The suite's set-up: the tiny model by default, and `slow` by folder.
 
 tests/unit/<package>/ holds the tests that run in this one process (threads at most), by the
 package of the code they test; tests/integration/ the tests that start processes (ranks under our
 launcher, torchrun or mpirun, `dist-infer` commands, servers, peers, network namespaces). Every
 test under tests/integration/ is marked `slow`, so `-m "not slow"` selects exactly tests/unit/.
 tests/gpu/ (`gpu` and `slow`) holds the CUDA paths on a real device: `make gpu-check`.
-Shared helpers live in tests/support/ (`from processes import run`, `from checkpoints import ...`);
+Shared helpers live in the package tests.support (`from tests.support.processes import run`);
 the scripts the tests run as processes in tests/support/jobs/.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ import torch
 TESTS = Path(__file__).resolve().parent
 INTEGRATION = TESTS / "integration"
 GPU = TESTS / "gpu"  # the CUDA paths on a real device (make gpu-check); skipped where torch sees none
-sys.path.insert(0, str(TESTS / "support"))
 
 # Triton kernels (dist_infer/kernels/gpu) run in Triton's interpreter on CPU tensors where no GPU is
 # seen; it must be set before their module is imported (each `triton.jit` decides then).

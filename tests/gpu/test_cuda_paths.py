@@ -15,8 +15,9 @@ import sys
 
 import pytest
 import torch
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA device visible to torch (make gpu-check needs a GPU)")

@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import httpx
-from paths import SUPPORT
-from polling import wait_until
+
+from tests.support.paths import REPO
+from tests.support.polling import wait_until
 
 
 def http() -> httpx.Client:
@@ -21,8 +22,8 @@ def http() -> httpx.Client:
 def test_sigterm_drains_and_exits_0(tmp_path):
     ready_file = tmp_path / "ready.json"
     code = (
-        f"import sys; sys.path.insert(0, {str(SUPPORT)!r}); "
-        f"from fake_engine import serve_fake_engine_main; "
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+        f"from tests.support.fake_engine import serve_fake_engine_main; "
         f"serve_fake_engine_main({str(ready_file)!r}, 0.02, 20.0)"
     )
     proc = subprocess.Popen(

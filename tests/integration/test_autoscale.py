@@ -11,11 +11,19 @@ import json
 import subprocess
 
 import httpx
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
-from paths import VENV_BIN
-from processes import venv_env
-from serving_helpers import ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_until
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
+from tests.support.paths import VENV_BIN
+from tests.support.processes import venv_env
+from tests.support.serving_helpers import (
+    ServerJob,
+    assert_live_blocks_free,
+    instances,
+    run_async,
+    stream_tokens,
+    wait_until,
+)
 
 LONG = 600
 ROUNDS = 8  # pairs of streams at most while waiting for the scale-down

@@ -13,8 +13,6 @@ import time
 
 import httpx
 import pytest
-from fake_engine import MODEL, FakeEngine
-from gil_tokenizer import GilHoldingTokenizer
 
 from dist_infer.models.tiny_model import build_tokenizer
 from dist_infer.serving.http import worker_pool
@@ -22,6 +20,8 @@ from dist_infer.serving.http.api_server import DrainingServer, build_app
 from dist_infer.serving.http.guard import ApiError
 from dist_infer.serving.http.json_body import ProtocolError, json_of
 from dist_infer.serving.http.worker_pool import WorkerPool
+from tests.support.fake_engine import MODEL, FakeEngine
+from tests.support.gil_tokenizer import GilHoldingTokenizer
 
 HOLD_S = 1.5  # each encode holds the GIL this long
 

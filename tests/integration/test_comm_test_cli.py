@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-from processes import COMM_TEST_FAST, assert_comm_test_ok, run
+
+from tests.support.processes import COMM_TEST_FAST, assert_comm_test_ok, run
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])

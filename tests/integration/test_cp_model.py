@@ -18,8 +18,9 @@ import json
 
 import pytest
 import torch
-from hf_compare import CheckpointStore, assert_matches_hf, prompts_for
-from processes import run
+
+from tests.support.hf_compare import CheckpointStore, assert_matches_hf, prompts_for
+from tests.support.processes import run
 
 NEW_TOKENS = 6
 TIMEOUT_S = 180  # a healthy run takes 10-20 s on 2 cores; this only bounds a hang
@@ -84,7 +85,7 @@ def test_a_64k_prompt_with_cp2_matches_the_single_process_flash_reference(tmp_pa
     CPU flash kernel (the reference that can afford this length: HF's eager attention would build
     a 64K x 64K score matrix per head). The single-process path is itself checked against HF at
     every length above. Greedy ids identical, each step's logits within fp32 tolerance."""
-    from checkpoints import write_hf_checkpoint
+    from tests.support.checkpoints import write_hf_checkpoint
 
     model = write_hf_checkpoint(
         tmp_path,

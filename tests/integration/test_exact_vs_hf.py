@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_compare import ATOL, RTOL, CheckpointStore, assert_matches_hf, prompts_for
-from paths import VENV_BIN
-from processes import run
+
+from tests.support.hf_compare import ATOL, RTOL, CheckpointStore, assert_matches_hf, prompts_for
+from tests.support.paths import VENV_BIN
+from tests.support.processes import run
 
 TIMEOUT_S = 120
 NEW_TOKENS = 8
@@ -176,7 +177,7 @@ def test_generate_matches_hf(case, store, tmp_path):
 def test_torch_ops_path_matches_hf(store, tmp_path):
     """The same exactness with the native CPU kernels switched off (--native-kernels off): the
     torch path stays the fallback on machines without a compiler, so it must stay exact too."""
-    from processes import venv_env
+    from tests.support.processes import venv_env
 
     model = store.model("llama-gqa")
     prompts = prompts_for(SHORT)

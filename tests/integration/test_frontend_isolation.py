@@ -15,10 +15,11 @@ import time
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from hf_compare import prompts_for
-from polling import wait_until
-from serving_helpers import (
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import prompts_for
+from tests.support.polling import wait_until
+from tests.support.serving_helpers import (
     ServerJob,
     assert_all_blocks_free,
     force_migrate,
@@ -244,7 +245,8 @@ def test_sampling_parameters_across_their_domain_never_hurt_a_real_instance(chec
     instances): each answer is 200 or 400, never 5xx; afterwards both instances serve, a greedy
     completion equals the one before, every KV block is free and the front end holds nothing."""
     from hypothesis import HealthCheck, given, settings
-    from sampling_bodies import sampling_bodies
+
+    from tests.support.sampling_bodies import sampling_bodies
 
     args = ["--model", checkpoint, "--instances", "tp1,tp1", "--kv-blocks", "96", "--timeout", "60"]
     with ServerJob(tmp_path, args) as job:

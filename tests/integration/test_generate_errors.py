@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import write_hf_checkpoint
-from paths import REPO, VENV_BIN
-from processes import venv_env
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.paths import REPO, VENV_BIN
+from tests.support.processes import venv_env
 
 TIMEOUT_S = 60
 BAD_TENSOR = "model.layers.1.mlp.up_proj.weight"

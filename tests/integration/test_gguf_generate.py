@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_files import write_llama_gguf, write_qtype_files
-from gguf_hostile import hostile_file, small_gguf
-from hf_compare import CheckpointStore, assert_matches_hf, prompts_for
-from paths import VENV_BIN
-from processes import run
 
 from dist_infer.models.builtin import smollm2_path
 from dist_infer.models.checkpoint import CheckpointError
 from dist_infer.models.gguf.checkpoint import GGUFCheckpoint
+from tests.support.gguf_files import write_llama_gguf, write_qtype_files
+from tests.support.gguf_hostile import hostile_file, small_gguf
+from tests.support.hf_compare import CheckpointStore, assert_matches_hf, prompts_for
+from tests.support.paths import VENV_BIN
+from tests.support.processes import run
 
 NEW_TOKENS = 6
 TIMEOUT_S = 240
@@ -118,7 +118,7 @@ PARIS_TOKENS = 8
 @pytest.fixture(scope="module")
 def smollm2_reference():
     """transformers on the same GGUF (it dequantizes to fp32 itself), computed once for the module."""
-    from checkpoints import hf_reference
+    from tests.support.checkpoints import hf_reference
 
     return hf_reference(smollm2_path(), [PARIS_PROMPT], PARIS_TOKENS)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-from paths import JOBS
-from processes import checkout_env, last_json, run
+
+from tests.support.paths import JOBS
+from tests.support.processes import checkout_env, last_json, run
 
 
 @pytest.mark.parametrize("mode, seconds, at_least", [("mixed", 6, 500), ("silent", 15, 20)])

@@ -8,9 +8,10 @@ import sys
 import time
 
 import pytest
-from fake_compilers import counting_compiler, runs
-from paths import JOBS
-from processes import checkout_env, finish, start
+
+from tests.support.fake_compilers import counting_compiler, runs
+from tests.support.paths import JOBS
+from tests.support.processes import checkout_env, finish, start
 
 PROCESSES = 3
 

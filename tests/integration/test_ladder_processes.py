@@ -24,11 +24,12 @@ import shutil
 import httpx
 import pytest
 import torch
-from checkpoints import load_hf_model, write_hf_checkpoint
-from hf_compare import assert_matches_hf, prompts_for
-from ladder_reference import reference_greedy
-from processes import checkout_env, one_torch_thread, run, venv_exe  # noqa: F401 (a fixture)
-from serving_helpers import ServerJob, complete_ids, run_async, stream_ids
+
+from tests.support.checkpoints import load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import assert_matches_hf, prompts_for
+from tests.support.ladder_reference import reference_greedy
+from tests.support.processes import checkout_env, one_torch_thread, run, venv_exe  # noqa: F401 (a fixture)
+from tests.support.serving_helpers import ServerJob, complete_ids, run_async, stream_ids
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -21,9 +21,18 @@ import signal
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
-from serving_helpers import ServerJob, assert_all_blocks_free, force_migrate, instances, run_async, stream_tokens, where
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
+from tests.support.serving_helpers import (
+    ServerJob,
+    assert_all_blocks_free,
+    force_migrate,
+    instances,
+    run_async,
+    stream_tokens,
+    where,
+)
 
 LONG = 400  # tokens per request: long enough that a forced migration lands mid-decode
 HF_CHECKED = 40  # tokens compared with HF (the migration points are within them)
@@ -372,12 +381,12 @@ def test_migration_over_mpi(checkpoint, tmp_path):
     """The KV blocks travel over MPI (mpi4py) when the job runs on it: under mpirun, --backend mpi."""
     import shutil
 
-    from processes import venv_env
+    from tests.support.processes import venv_env
 
     mpirun = shutil.which("mpirun", path=venv_env()["PATH"])
     if mpirun is None:
         pytest.skip("no mpirun")
-    from serving_helpers import DIST
+    from tests.support.serving_helpers import DIST
 
     prompt = prompts_for([14], seed=51)[0]
     with ServerJob(

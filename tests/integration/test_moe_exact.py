@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_compare import CheckpointStore, assert_matches_hf, prompts_for
-from processes import last_json, run
 
 from dist_infer.topology import free_port
+from tests.support.hf_compare import CheckpointStore, assert_matches_hf, prompts_for
+from tests.support.processes import last_json, run
 
 JOB_TIMEOUT = 180  # a case takes 5-20 s here; this only bounds a hang
 NEW_TOKENS = 6

@@ -8,10 +8,10 @@ import sys
 import textwrap
 
 import pytest
-from paths import JOBS
-from processes import COMM_TEST_FAST, assert_comm_test_ok, run
 
 from dist_infer.topology import free_port
+from tests.support.paths import JOBS
+from tests.support.processes import COMM_TEST_FAST, assert_comm_test_ok, run
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 JOB_TIMEOUT = 180  # a healthy job takes ~5 s here; this only bounds a hang

@@ -12,10 +12,10 @@ import sys
 from typing import Optional
 
 import pytest
-from plan_profiles import SMALL, gemm_only_profile
 
 from dist_infer.planner.hardware import Link, load_profile, save_profile
 from dist_infer.planner.layout import candidate_layouts
+from tests.support.plan_profiles import SMALL, gemm_only_profile
 
 SMALL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -15,10 +15,10 @@ import textwrap
 
 import pytest
 import torch
-from hf_compare import ATOL, RTOL, CheckpointStore, assert_matches_hf, prompts_for
-from processes import run
 
 from dist_infer.topology import free_port
+from tests.support.hf_compare import ATOL, RTOL, CheckpointStore, assert_matches_hf, prompts_for
+from tests.support.processes import run
 
 JOB_TIMEOUT = 120  # a case takes about 10 s here; this only bounds a hang
 NEW_TOKENS = 5

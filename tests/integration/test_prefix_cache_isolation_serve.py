@@ -13,8 +13,9 @@ import asyncio
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from serving_helpers import ServerJob, assert_all_blocks_free, run_async, stream_tokens
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.serving_helpers import ServerJob, assert_all_blocks_free, run_async, stream_tokens
 
 PREFIX = 64  # 4 blocks of 16
 KEYS = {"alice": "key-alice", "bob": "key-bob"}

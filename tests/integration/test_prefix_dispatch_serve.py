@@ -15,9 +15,10 @@ import signal
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf
-from serving_helpers import (
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf
+from tests.support.serving_helpers import (
     ServerJob,
     assert_all_blocks_free,
     assert_live_blocks_free,

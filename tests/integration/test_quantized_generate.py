@@ -13,11 +13,12 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from hf_compare import prompts_for, steps_agreeing_with_hf
-from paths import VENV_BIN
-from processes import run
-from quantized_reference import dequantize_hf_model
+
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import prompts_for, steps_agreeing_with_hf
+from tests.support.paths import VENV_BIN
+from tests.support.processes import run
+from tests.support.quantized_reference import dequantize_hf_model
 
 NEW_TOKENS = 6
 ATOL, RTOL = 2e-4, 1e-4

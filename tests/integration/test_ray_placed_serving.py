@@ -19,10 +19,19 @@ import sys
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
-from processes import checkout_env, run, venv_env
-from serving_helpers import ServerJob, assert_live_blocks_free, instances, run_async, stream_tokens, wait_state, where
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
+from tests.support.processes import checkout_env, run, venv_env
+from tests.support.serving_helpers import (
+    ServerJob,
+    assert_live_blocks_free,
+    instances,
+    run_async,
+    stream_tokens,
+    wait_state,
+    where,
+)
 
 ray = pytest.importorskip(
     "ray", reason="Ray is an optional extra (pip install 'dist_infer[ray]'); make test installs it"

@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-from paths import JOBS
-from processes import run
+
+from tests.support.paths import JOBS
+from tests.support.processes import run
 
 JOB = JOBS / "ring_attention_job.py"
 JOB_TIMEOUT = 180  # a healthy job takes 10-20 s on 2 cores; this only bounds a hang

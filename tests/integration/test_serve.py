@@ -17,10 +17,11 @@ import time
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
-from processes import venv_env
-from serving_helpers import DIST, ServerJob, complete_ids, run_async, stream_ids
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
+from tests.support.processes import venv_env
+from tests.support.serving_helpers import DIST, ServerJob, complete_ids, run_async, stream_ids
 
 NEW = 6
 
@@ -397,7 +398,7 @@ def test_sigterm_finishes_running_requests_and_exits_0(default_server):
 def test_a_dead_rank_ends_the_server_naming_it(models, tmp_path):
     """A single instance whose follower rank dies: its job's launcher names the rank, and the API
     process (which runs no rank) exits non-zero because no instance is left."""
-    from serving_helpers import instances
+    from tests.support.serving_helpers import instances
 
     args = ["--model", models["llama"], "--tp", "2", "--nproc", "2", "--timeout", "20"]
     with ServerJob(tmp_path, args) as server:

@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from checkpoints import hf_reference, write_hf_checkpoint
-from paths import JOBS
-from processes import last_json, run
+
+from tests.support.checkpoints import hf_reference, write_hf_checkpoint
+from tests.support.paths import JOBS
+from tests.support.processes import last_json, run
 
 
 @pytest.mark.parametrize("path", ["shm", "socket"])

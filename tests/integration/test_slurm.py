@@ -21,12 +21,13 @@ import time
 import httpx
 import pytest
 import torch
-from checkpoints import hf_reference, write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, assert_matches_hf, prompts_for
-from paths import REPO, VENV_BIN
-from processes import finish, run, start, venv_env
-from serving_helpers import ServerJob, instances
-from slurm_cluster import OneHostSlurm, SlurmUnavailable
+
+from tests.support.checkpoints import hf_reference, write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, assert_matches_hf, prompts_for
+from tests.support.paths import REPO, VENV_BIN
+from tests.support.processes import finish, run, start, venv_env
+from tests.support.serving_helpers import ServerJob, instances
+from tests.support.slurm_cluster import OneHostSlurm, SlurmUnavailable
 
 NEW = 6
 PROMPTS = prompts_for([5, 11], seed=81)

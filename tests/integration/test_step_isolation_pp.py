@@ -8,9 +8,9 @@ import re
 import sys
 import textwrap
 
-from checkpoints import write_hf_checkpoint
-from paths import SUPPORT
-from processes import last_json, run
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.paths import REPO
+from tests.support.processes import last_json, run
 
 NEW = 6
 BLOCKS = 32
@@ -20,7 +20,7 @@ BOOM = "probability tensor contains either inf, nan or element < 0"
 
 PP_JOB = textwrap.dedent("""
     import json, sys
-    sys.path.insert(0, {support!r})
+    sys.path.insert(0, {repo!r})
     from loguru import logger
     import dist_infer.engine.stage_runner as stage_runner
     import dist_infer.engine.engine_core as engine_core
@@ -28,7 +28,7 @@ PP_JOB = textwrap.dedent("""
     from dist_infer.engine.sampling import SamplingParams, sample_rows
     from dist_infer.models.loader import load_stage
     from dist_infer.topology import Mesh, Layout
-    from hf_compare import prompts_for
+    from tests.support.hf_compare import prompts_for
 
     def exploding(logits, rows, eos_ids=()):  # on the sampler rank: the last stage, not the driver
         if any(r.seed == {marker} and r.index >= 1 for r in rows):
@@ -71,7 +71,7 @@ def test_pp2_processes_a_failure_on_the_last_stages_sampler_fails_alone(tmp_path
     """pp=2 through the launcher: the sampler rank is not the driver; the failed row travels back."""
     path = write_hf_checkpoint(tmp_path / "ckpt", "llama-gqa")
     script = tmp_path / "pp_job.py"
-    script.write_text(PP_JOB.format(support=str(SUPPORT), marker=MARKER, boom=BOOM, blocks=BLOCKS, new=NEW))
+    script.write_text(PP_JOB.format(repo=str(REPO), marker=MARKER, boom=BOOM, blocks=BLOCKS, new=NEW))
     result = run(["dist-infer", "launch", "--nproc-per-node", "2", "--", sys.executable, str(script), str(path)], 240)
     assert result.returncode == 0
     got = last_json(result.stdout)

@@ -17,9 +17,10 @@ import time
 
 import httpx
 import pytest
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
-from serving_helpers import (
+
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
+from tests.support.serving_helpers import (
     ServerJob,
     assert_all_blocks_free,
     assert_live_blocks_free,
@@ -290,8 +291,8 @@ def test_chaos_every_request_completes_exactly_or_was_cancelled(checkpoint, tmp_
     import random
     import subprocess
 
-    from processes import venv_env
-    from serving_helpers import DIST
+    from tests.support.processes import venv_env
+    from tests.support.serving_helpers import DIST
 
     rng = random.Random(CHAOS_SEED)
     n = 20
@@ -431,8 +432,8 @@ def test_an_instance_joins_as_a_torchrun_job_of_its_own(checkpoint, tmp_path):
     import json
     import subprocess
 
-    from paths import VENV_BIN
-    from processes import venv_env
+    from tests.support.paths import VENV_BIN
+    from tests.support.processes import venv_env
 
     key_file = tmp_path / "hub.key"
     prompts = prompts_for([16, 26], seed=91)

@@ -10,9 +10,9 @@ import textwrap
 import time
 
 import pytest
-from processes import finish, start
 
 from dist_infer.topology import free_port
+from tests.support.processes import finish, start
 
 psutil = pytest.importorskip("psutil")
 JOB_TIMEOUT = 120

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from paths import REPO
 
 from dist_infer.models.tiny_model import FILES, NAME, ensure_tiny_model
+from tests.support.paths import REPO
 
 
 def _digests(path: Path) -> dict[str, str]:

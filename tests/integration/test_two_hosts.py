@@ -14,8 +14,9 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-from paths import JOBS, REPO, VENV_BIN
-from processes import COMM_TEST_FAST, assert_comm_test_ok, finish, run, start, venv_env
+
+from tests.support.paths import JOBS, REPO, VENV_BIN
+from tests.support.processes import COMM_TEST_FAST, assert_comm_test_ok, finish, run, start, venv_env
 
 JOB_TIMEOUT = 180
 _counter = itertools.count()
@@ -152,8 +153,8 @@ def test_live_migration_between_instances_on_two_hosts(two_hosts, tmp_path):
     import json
     import signal
 
-    from checkpoints import write_hf_checkpoint
-    from hf_compare import prompts_for
+    from tests.support.checkpoints import write_hf_checkpoint
+    from tests.support.hf_compare import prompts_for
 
     ckpt = write_hf_checkpoint(
         tmp_path,

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Union
 
-from gguf_files import write_llama_gguf
+from tests.support.gguf_files import write_llama_gguf
 
 SMALL = dict(qtype="F32", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, vocab=64, context=64)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from fake_engine import FakeTokenizer
+from tests.support.fake_engine import FakeTokenizer
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoints import hf_reference, write_hf_checkpoint
+
+from tests.support.checkpoints import hf_reference, write_hf_checkpoint
 
 TIE_GAP = 1e-4
 ATOL = RTOL = 1e-4
@@ -117,7 +118,7 @@ def assert_outputs_match_hf(outputs, prompts, ids, logits, what: str, eos: int =
 def assert_ids_match_hf(path, prompts, got: list[list[int]], n: int, what: str) -> None:
     """Ids only (a server's answers carry no logits): the first `n` of each prompt's generated ids
     equal HF's greedy ones, up to a near tie in HF's logits, which is printed."""
-    from checkpoints import load_hf_model
+    from tests.support.checkpoints import load_hf_model
 
     model = load_hf_model(path)
     for i, (p, ids) in enumerate(zip(prompts, got)):

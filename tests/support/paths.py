@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-SUPPORT = Path(__file__).resolve().parent  # tests/support: the root conftest puts it on sys.path
+SUPPORT = Path(__file__).resolve().parent  # tests/support, the package tests.support
 TESTS = SUPPORT.parent
 REPO = TESTS.parent
 JOBS = SUPPORT / "jobs"  # scripts the tests run as processes (ranks of a job, a client, the netns ssh stand-in)

@@ -11,9 +11,9 @@ import time
 from typing import Mapping, Optional, Sequence
 
 import pytest
-from paths import REPO, VENV_BIN
 
 from dist_infer.topology.discovery import without_launcher_env
+from tests.support.paths import REPO, VENV_BIN
 
 
 def venv_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from threads import thread_groups
 
 from dist_infer.kernels import load_cpu_kernels
+from tests.support.threads import thread_groups
 
 NATIVE = load_cpu_kernels()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no C compiler: the native CPU kernels are not built")

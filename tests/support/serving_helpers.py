@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import httpx
-from paths import REPO, VENV_BIN
-from polling import wait_until
-from processes import end_tree, venv_env
+
+from tests.support.paths import REPO, VENV_BIN
+from tests.support.polling import wait_until
+from tests.support.processes import end_tree, venv_env
 
 DIST = [str(VENV_BIN / "dist-infer")]
 LOCAL_TEST_MAX_RANKS = 8  # --max-ranks of a local-placement test server that names none

@@ -8,9 +8,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from processes import checkout_env
 
 from dist_infer.serving.placement.rank_budget import RankBudget, RankBudgetError, local_capacity
+from tests.support.processes import checkout_env
 
 
 def test_the_hub_key_file_is_private_even_over_an_open_file(tmp_path):

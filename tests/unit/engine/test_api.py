@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from gguf_files import write_llama_gguf
-from hf_compare import assert_outputs_match_hf, prompts_for
-from quantized_helpers import VOCAB_PROMPTS
-from threads import thread_groups
 
 from dist_infer.engine.api import ShardedModel, load, shard
 from dist_infer.topology import Layout
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.gguf_files import write_llama_gguf
+from tests.support.hf_compare import assert_outputs_match_hf, prompts_for
+from tests.support.quantized_helpers import VOCAB_PROMPTS
+from tests.support.threads import thread_groups
 
 
 @pytest.mark.parametrize(

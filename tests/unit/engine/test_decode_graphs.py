@@ -14,8 +14,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from checkpoints import write_hf_checkpoint
-from hf_compare import assert_ids_match_hf, prompts_for
 
 import dist_infer
 from dist_infer.engine.decode_graphs import GraphCaptureError, graph_buckets, graphs_wanted
@@ -24,6 +22,8 @@ from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.kernels import use_native_kernels
 from dist_infer.kernels.gpu import triton_interpreting
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.hf_compare import assert_ids_match_hf, prompts_for
 
 
 def test_buckets_and_modes():

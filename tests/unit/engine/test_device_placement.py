@@ -22,8 +22,6 @@ from typing import Optional
 
 import pytest
 import torch
-from fake_devices import FakeCudaMode, NeedsRealValues, load_fake_cuda_guard, on_fake_device
-from fake_world import FakeLink, fake_groups
 from loguru import logger
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
@@ -37,6 +35,8 @@ from dist_infer.models.config import ModelConfig
 from dist_infer.models.loader import build_stage
 from dist_infer.parallel.moe.routing import token_chunk
 from dist_infer.topology import Layout
+from tests.support.fake_devices import FakeCudaMode, NeedsRealValues, load_fake_cuda_guard, on_fake_device
+from tests.support.fake_world import FakeLink, fake_groups
 
 _NO_FAKE_CUDA = load_fake_cuda_guard()  # None: fake CUDA tensors index and move like real ones here
 pytestmark = pytest.mark.skipif(_NO_FAKE_CUDA is not None, reason=str(_NO_FAKE_CUDA))

@@ -9,9 +9,6 @@ import random
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from hf_compare import prompts_for, steps_agreeing_with_hf
-from threads import run_ranks, thread_groups
 
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.request import Request, RequestError
@@ -20,6 +17,9 @@ from dist_infer.engine.scheduler import Scheduler, cp_rows_needed
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_plan import KIND_WORK, StepPlan, decode, encode
 from dist_infer.parallel.ring.shards import zigzag_chunks
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import prompts_for, steps_agreeing_with_hf
+from tests.support.threads import run_ranks, thread_groups
 
 
 def _request(i: int, prompt_len: int, max_new: int = 4) -> Request:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
-from threads import run_ranks, thread_groups
 
 from dist_infer.engine.layered_prefill import LayeredPrefill, LayerProgress, group_bounds, group_charge
 from dist_infer.engine.request import Request
@@ -18,6 +15,9 @@ from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_plan import StepPlan, decode, encode
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
+from tests.support.threads import run_ranks, thread_groups
 
 # -- the pure parts -------------------------------------------------------------------------------
 

@@ -15,10 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
 from hypothesis import HealthCheck, given, settings, strategies as st
-from threads import run_ranks, thread_groups
 
 from dist_infer.engine.block_pool import BlockPool, CacheFullError
 from dist_infer.engine.prefix_cache import ROOT_HASH, extend_hashes, hash_block
@@ -26,6 +23,9 @@ from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_config import SchedulerConfig
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
+from tests.support.threads import run_ranks, thread_groups
 
 BS = 4
 

@@ -8,9 +8,6 @@ again, never what comes out)."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import load_hf_model, write_hf_checkpoint
-from hf_compare import prompts_for
-from threads import thread_groups
 
 from dist_infer.engine.prefix_cache import HASH_BYTES, ROOT_HASH, extend_hashes, hash_block
 from dist_infer.engine.request import Request
@@ -18,6 +15,9 @@ from dist_infer.engine.sampling import MAX_CACHE_SALT_CHARS, SamplingParams, Sam
 from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.serving.fleet.prefix_index import prompt_block_hashes
+from tests.support.checkpoints import load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import prompts_for
+from tests.support.threads import thread_groups
 
 BS = 4
 

@@ -11,10 +11,7 @@ import re
 
 import pytest
 import torch
-from checkpoints import load_hf_model, write_hf_checkpoint
-from hf_compare import prompts_for
 from loguru import logger
-from threads import run_ranks, thread_groups
 
 import dist_infer.engine.stage_runner as stage_runner
 from dist_infer.engine.engine_core import Engine, EngineConfig
@@ -29,6 +26,9 @@ from dist_infer.engine.step_guard import (
     sample_guarded,
 )
 from dist_infer.serving.fleet.wire import ResumeProgress
+from tests.support.checkpoints import load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import prompts_for
+from tests.support.threads import run_ranks, thread_groups
 
 NEW = 6
 BLOCKS = 32

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_compilers import copying_compiler, failing_compiler, hanging_compiler, runs
 from loguru import logger
 
 from dist_infer.kernels import build, load_cpu_kernels
@@ -34,6 +33,7 @@ from dist_infer.kernels.build import (
     prepare_cache_dir,
 )
 from dist_infer.launch.model_options import native_kernel_mode
+from tests.support.fake_compilers import copying_compiler, failing_compiler, hanging_compiler, runs
 
 
 @pytest.fixture(scope="module")

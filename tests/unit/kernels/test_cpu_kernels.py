@@ -7,10 +7,10 @@ import ctypes
 
 import pytest
 import torch
-from c_declarations import function_signatures, mismatches
 
 from dist_infer.kernels import build, load_cpu_kernels
 from dist_infer.kernels.cpu_kernels import C_SIGNATURES
+from tests.support.c_declarations import function_signatures, mismatches
 
 HEADER_TEXT = build.HEADER.read_text()
 STACK_TEXT = build.SOURCES[1].read_text()

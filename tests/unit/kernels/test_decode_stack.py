@@ -4,10 +4,10 @@ a field added, dropped, reordered or retyped on one side only would read the wro
 from __future__ import annotations
 
 import pytest
-from c_declarations import struct_fields
 
 from dist_infer.kernels import build
 from dist_infer.kernels.decode_stack import _Layer, _Linear, _Step
+from tests.support.c_declarations import struct_fields
 
 STACK_TEXT = build.SOURCES[1].read_text()
 MIRRORS = {"StackLinear": _Linear, "StackLayer": _Layer, "StackStep": _Step}

@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import hf_reference, write_hf_checkpoint
-from hf_compare import assert_outputs_match_hf, prompts_for
 from torch.profiler import ProfilerActivity, profile
 
 from dist_infer.engine.api import load
@@ -23,6 +21,8 @@ from dist_infer.models.attention import attention_native, last_token_attention_n
 from dist_infer.models.attention_metadata import build_attention_metadata
 from dist_infer.models.rope import Rotary, apply_rotary
 from dist_infer.parallel.linear import skinny_linear
+from tests.support.checkpoints import hf_reference, write_hf_checkpoint
+from tests.support.hf_compare import assert_outputs_match_hf, prompts_for
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the native kernels are not built")

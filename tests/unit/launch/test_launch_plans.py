@@ -8,7 +8,6 @@ import shlex
 import sys
 
 import pytest
-from paths import VENV_BIN
 
 from dist_infer.launch.launcher import (
     LaunchError,
@@ -21,6 +20,7 @@ from dist_infer.launch.launcher import (
 from dist_infer.topology.cores import threads_per_rank
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT
 from dist_infer.topology.hostfile import Host
+from tests.support.paths import VENV_BIN
 
 # -- plans -------------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import ARCHS, hf_reference, load_hf_model, write_hf_checkpoint
 
 from dist_infer.engine.tokenizer import TextTokenizer, TokenizerError
 from dist_infer.models.checkpoint import (
@@ -23,6 +22,7 @@ from dist_infer.models.checkpoint import (
     source_shape,
 )
 from dist_infer.models.tiny_model import NAME, ensure_tiny_model
+from tests.support.checkpoints import ARCHS, hf_reference, load_hf_model, write_hf_checkpoint
 
 
 def _digests(path: Path) -> dict[str, str]:

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from checkpoints import write_hf_checkpoint
-from moe_reference import MOE_CONFIG
 
 from dist_infer.models.config import ModelConfig, ModelConfigError
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.moe_reference import MOE_CONFIG
 
 # --- ModelConfig.from_hf -------------------------------------------------------------------------
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from quantized_reference import dequantize_hf_model
-from threads import run_ranks, thread_groups
 
 from dist_infer.engine.engine_core import Engine, EngineConfig
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.kernels import load_cpu_kernels
 from dist_infer.kernels.gemm import blas_sgemm, onednn_sgemm
 from dist_infer.models.loader import stage_from_hf_model
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.quantized_reference import dequantize_hf_model
+from tests.support.threads import run_ranks, thread_groups
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the native kernels are not built")
@@ -258,7 +258,7 @@ def test_the_kernel_refuses_a_batch_it_cannot_take(tmp_path, monkeypatch):
 def test_a_ladder_stage_runs_its_halves_with_the_ladder_wiring(tp, ladder, span, tmp_path):
     """The ladder's decode steps in C (models/ladder.py's wiring over decode_layer_part): the
     layer-by-layer ladder's logits and ids, and the plain reference of the ladder forward's."""
-    from ladder_reference import reference_greedy
+    from tests.support.ladder_reference import reference_greedy
 
     hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa", num_hidden_layers=4))
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import load_hf_model, write_hf_checkpoint
-from hf_compare import ATOL, RTOL, prompts_for
-from ladder_reference import reference_greedy, reference_logits
-from threads import ThreadComm, run_ranks, thread_groups
 
 from dist_infer.arg_types import parse_ladder_residual
 from dist_infer.comm.base import Handle
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.config import ModelConfig, ModelConfigError, ladder_from_json, with_ladder
 from dist_infer.models.ladder import LadderError
+from tests.support.checkpoints import load_hf_model, write_hf_checkpoint
+from tests.support.hf_compare import ATOL, RTOL, prompts_for
+from tests.support.ladder_reference import reference_greedy, reference_logits
+from tests.support.threads import ThreadComm, run_ranks, thread_groups
 
 NEW, BS = 4, 4
 PROMPTS = prompts_for([5, 9, 3], seed=21)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from checkpoints import hf_reference, write_hf_checkpoint
-from hf_compare import assert_outputs_match_hf, prompts_for
-
 from dist_infer.engine.api import load
 from dist_infer.models.llama import LlamaMLP
+from tests.support.checkpoints import hf_reference, write_hf_checkpoint
+from tests.support.hf_compare import assert_outputs_match_hf, prompts_for
 
 
 def test_mlp_in_row_slices_matches_hf(world_groups, tmp_path, monkeypatch):

@@ -11,16 +11,16 @@ from itertools import chain
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from gguf_files import write_llama_gguf
-from quantized_helpers import NATIVE, VOCAB_PROMPTS
-from quantized_reference import dequantize_hf_model
-from threads import run_ranks, thread_groups
 
 from dist_infer.engine.engine_core import Engine
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.loader import load_stage, resolve_quantization, stage_from_hf_model
 from dist_infer.parallel.quantized_linear import GroupQuantLinear, Int4Linear, Int8Linear, QuantizationError
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.gguf_files import write_llama_gguf
+from tests.support.quantized_helpers import NATIVE, VOCAB_PROMPTS
+from tests.support.quantized_reference import dequantize_hf_model
+from tests.support.threads import run_ranks, thread_groups
 
 
 def test_resolve_quantization():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
-from threads import run_ranks, thread_groups
 
 from dist_infer.engine.engine_core import Engine
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.loader import stage_from_hf_model
+from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.threads import run_ranks, thread_groups
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe", "qwen3-moe"])

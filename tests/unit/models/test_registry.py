@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_reference import MOE_CONFIG
-from threads import thread_groups
 
 from dist_infer.models.config import ModelConfig, ModelConfigError
 from dist_infer.models.registry import builder_for
+from tests.support.moe_reference import MOE_CONFIG
+from tests.support.threads import thread_groups
 
 
 def test_dense_model_refuses_expert_options():

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quantized_helpers import (
+
+from dist_infer.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from dist_infer.parallel.quantized import QuantizedWeight
+from dist_infer.parallel.quantized_linear import GroupQuantLinear, quantize_as
+from tests.support.quantized_helpers import (
     NATIVE,
     assert_close_relative,
     assert_quantized_params_gone,
@@ -17,11 +21,7 @@ from quantized_helpers import (
     rand_weight,
     tp_group,
 )
-from threads import run_ranks, thread_groups
-
-from dist_infer.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
-from dist_infer.parallel.quantized import QuantizedWeight
-from dist_infer.parallel.quantized_linear import GroupQuantLinear, quantize_as
+from tests.support.threads import run_ranks, thread_groups
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])

@@ -8,16 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_helpers import (
-    NATIVE,
-    assert_close_relative,
-    assert_quantized_params_gone,
-    load_layer,
-    needs_native,
-    rand_input,
-    rand_weight,
-    tp_group,
-)
 
 from dist_infer.parallel.linear import (
     ColumnParallelLinear,
@@ -27,6 +17,16 @@ from dist_infer.parallel.linear import (
 )
 from dist_infer.parallel.quantized import QuantizedWeight, quantize_int4, quantize_int8
 from dist_infer.parallel.quantized_linear import GroupQuantLinear, Int4Linear, Int8Linear, quantize_as
+from tests.support.quantized_helpers import (
+    NATIVE,
+    assert_close_relative,
+    assert_quantized_params_gone,
+    load_layer,
+    needs_native,
+    rand_input,
+    rand_weight,
+    tp_group,
+)
 
 
 @pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])

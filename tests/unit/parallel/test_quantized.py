@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quantized_helpers import rand_weight
 
 from dist_infer.parallel.quantized import QuantizedWeight, quantize_int4, quantize_int8, stack_rows
+from tests.support.quantized_helpers import rand_weight
 
 
 @pytest.mark.parametrize("group", [None, 32])

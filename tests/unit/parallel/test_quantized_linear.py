@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quantized_helpers import NATIVE, assert_close_relative, needs_native, rand_input, rand_weight
 
 from dist_infer.parallel.quantized import QuantizedWeight, quantize_int4, quantize_int8
 from dist_infer.parallel.quantized_linear import (
@@ -20,6 +19,7 @@ from dist_infer.parallel.quantized_linear import (
     pack_lookup,
     pack_tied,
 )
+from tests.support.quantized_helpers import NATIVE, assert_close_relative, needs_native, rand_input, rand_weight
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -5,13 +5,13 @@ line and the field."""
 from __future__ import annotations
 
 import pytest
-from plan_profiles import SMALL, gemm_only_profile
 
 from dist_infer.bench.sweep import machine_speed
 from dist_infer.planner.hardware import HardwareProfile, Link, ProfileError, interpolate_log, load_profile
 from dist_infer.planner.layout import Layout
 from dist_infer.planner.predict import predict
 from dist_infer.planner.workload import Workload
+from tests.support.plan_profiles import SMALL, gemm_only_profile
 
 
 def test_a_profile_at_another_speed_scales_rates_and_fixed_costs():

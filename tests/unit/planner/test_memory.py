@@ -4,13 +4,13 @@ collectives' segments on a CPU node."""
 from __future__ import annotations
 
 import pytest
-from plan_profiles import SMALL, gemm_only_profile
 
 from dist_infer.comm.shm import DEFAULT_SLOT_BYTES, NBUF
 from dist_infer.planner.layout import Layout
 from dist_infer.planner.memory import memory_per_rank, shm_segment_bytes
 from dist_infer.planner.predict import predict
 from dist_infer.planner.workload import Workload
+from tests.support.plan_profiles import SMALL, gemm_only_profile
 
 
 def test_memory_per_rank_by_hand():

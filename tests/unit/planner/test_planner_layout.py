@@ -4,9 +4,9 @@ and the candidates: exactly the layouts the engine runs, with why each other one
 from __future__ import annotations
 
 import pytest
-from plan_profiles import SMALL
 
 from dist_infer.planner.layout import Layout, LayoutError, candidate_layouts, parse_layout, parse_sweep, why_not
+from tests.support.plan_profiles import SMALL
 
 
 def test_layout_parsing_and_errors():

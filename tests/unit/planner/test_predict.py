@@ -8,13 +8,13 @@ processes: tests/integration/test_planner_cli.py.)"""
 from __future__ import annotations
 
 import pytest
-from plan_profiles import BIG, LLAMA3_405B, SMALL, gemm_only_profile
 
 from dist_infer.planner.hardware import HardwareProfile, Link, load_profile
 from dist_infer.planner.layout import Layout
 from dist_infer.planner.predict import predict
 from dist_infer.planner.shapes import causal_attention_flops
 from dist_infer.planner.workload import Schedule, Workload, micro_batches
+from tests.support.plan_profiles import BIG, LLAMA3_405B, SMALL, gemm_only_profile
 
 
 # -- schedule arithmetic ------------------------------------------------------------------------

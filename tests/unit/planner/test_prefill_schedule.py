@@ -7,12 +7,12 @@ import dataclasses
 import math
 
 import pytest
-from plan_profiles import SMALL, gemm_only_profile
 
 from dist_infer.engine.layered_prefill import LayeredPrefill
 from dist_infer.planner.layout import Layout
 from dist_infer.planner.prefill_schedule import experts_touched, format_prefill_schedules, predict_prefill_schedules
 from dist_infer.planner.workload import Setup, Workload
+from tests.support.plan_profiles import SMALL, gemm_only_profile
 
 MOE = dataclasses.replace(SMALL, experts=8, top_k=2, expert_intermediate=32, moe_layers=4)
 

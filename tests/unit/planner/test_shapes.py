@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from checkpoints import write_hf_checkpoint
-from plan_profiles import LLAMA3_405B, SMALL
 from safetensors import safe_open
 
 from dist_infer.planner.plan import model_shape
 from dist_infer.planner.shapes import ModelShape, causal_attention_flops
+from tests.support.checkpoints import write_hf_checkpoint
+from tests.support.plan_profiles import LLAMA3_405B, SMALL
 
 
 def test_parameter_counts_by_hand():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from paths import REPO
 
 from dist_infer.topology.hostfile import Host, HostfileError, node_rank_offsets, parse_hostfile, parse_hostfile_text
+from tests.support.paths import REPO
 
 
 def write(tmp_path, text, name="hosts"):

@@ -5,11 +5,11 @@ fake server that counts hits (tests/support/fake_openai_servers.py)."""
 from __future__ import annotations
 
 import pytest
-from bench_serve_inputs import last_json
-from fake_openai_servers import make_chat_server, serving
 
 from dist_infer.bench.serve.cache_metrics import CacheCounters, cache_report_line, cache_summary, parse_cache_counters
 from dist_infer.bench.serve.command import main
+from tests.support.bench_serve_inputs import last_json
+from tests.support.fake_openai_servers import make_chat_server, serving
 
 METRICS_TEXT = """# HELP {p}:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
 # TYPE {p}:prefix_cache_queries_total counter

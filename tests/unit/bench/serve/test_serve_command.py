@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import socket
 
-from bench_serve_inputs import last_json
-from fake_openai_servers import make_fake_server, serving
-
 from dist_infer.bench.serve.command import main
 from dist_infer.bench.serve.datasets import approx_token_count
+from tests.support.bench_serve_inputs import last_json
+from tests.support.fake_openai_servers import make_fake_server, serving
 
 
 def test_bad_dataset_exits_2_with_a_message_naming_it(tmp_path, capsys):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bench_serve_inputs import bench_serve_args, write_multiturn_sharegpt
 
 from dist_infer.bench.serve.command import main
 from dist_infer.bench.serve.conversations import build_conversations, sharegpt_turns
 from dist_infer.bench.serve.flags import InputError
+from tests.support.bench_serve_inputs import bench_serve_args, write_multiturn_sharegpt
 
 
 def test_sharegpt_turns_pairs_users_with_replies():

@@ -9,7 +9,6 @@ import json
 
 import numpy as np
 import pytest
-from bench_serve_inputs import bench_serve_args
 
 from dist_infer.bench.serve.arrivals import trace_offsets
 from dist_infer.bench.serve.datasets import (
@@ -22,6 +21,7 @@ from dist_infer.bench.serve.datasets import (
 )
 from dist_infer.bench.serve.flags import InputError
 from dist_infer.bench.serve.prompts import sentence_text_prompt
+from tests.support.bench_serve_inputs import bench_serve_args
 
 
 def test_synthetic_lengths_have_a_long_tail_clipped_to_four_times_the_mean():

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_serve_inputs import last_json, write_multiturn_sharegpt
-from fake_openai_servers import make_chat_server, serving
 
 from dist_infer.bench.serve.client import RequestRecord
 from dist_infer.bench.serve.command import main
 from dist_infer.bench.serve.multiturn import TEXT_SEPARATOR, ttft_by_turn, turn_report_lines
+from tests.support.bench_serve_inputs import last_json, write_multiturn_sharegpt
+from tests.support.fake_openai_servers import make_chat_server, serving
 
 
 def test_ttft_by_turn_takes_medians_of_successful_turns():

@@ -18,11 +18,11 @@ import time
 import pytest
 import torch
 from loguru import logger
-from polling import wait_until
 
 from dist_infer.comm.base import CommTimeoutError
 from dist_infer.comm.peer.auth import MAGIC, HandshakeError, client_handshake
 from dist_infer.comm.peer.link import PeerLink, PeerLinkError
+from tests.support.polling import wait_until
 
 KEY = secrets.token_hex(16).encode()
 RSS_BOUND = 200 << 20

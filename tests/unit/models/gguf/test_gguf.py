@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_files import QTYPES, llamacpp_permute, write_qtype_files
-from gguf_hostile import HOSTILE, hostile_file, small_gguf
 
 from dist_infer.models.builtin import resolve_model, smollm2_path
 from dist_infer.models.checkpoint import CheckpointError
 from dist_infer.models.gguf.checkpoint import GGUFCheckpoint, unpermute_rows
+from tests.support.gguf_files import QTYPES, llamacpp_permute, write_qtype_files
+from tests.support.gguf_hostile import HOSTILE, hostile_file, small_gguf
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_unpermute_rows_inverts_llamacpp_permute(rows, heads):
 def test_every_tensor_and_shard_equals_transformers_dequantized(files, qtype):
     """Whole tensors, row shards of q (the head interleave undone) and column shards that start and
     end inside a 32-wide block: all equal what transformers dequantizes from the same file, bit for bit."""
-    from checkpoints import load_hf_model
+    from tests.support.checkpoints import load_hf_model
 
     path = files[qtype]
     hf = load_hf_model(path).state_dict()

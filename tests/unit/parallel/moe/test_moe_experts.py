@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import torch
-from moe_reference import E, H, I, K, expert_weights
-from threads import run_ranks, thread_groups
 
 from dist_infer.parallel.moe.layer import ExpertParallelMoE
 from dist_infer.parallel.moe.placement import ExpertPlacement
+from tests.support.moe_reference import E, H, I, K, expert_weights
+from tests.support.threads import run_ranks, thread_groups
 
 
 class _Recording:

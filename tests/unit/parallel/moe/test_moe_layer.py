@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_reference import E, H, I, K, dense_reference, expert_weights
-from threads import run_ranks, thread_groups
 
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.parallel.moe.layer import ExpertParallelMoE
 from dist_infer.parallel.moe.placement import ExpertPlacement
 from dist_infer.parallel.sharding import ShardingError
+from tests.support.moe_reference import E, H, I, K, dense_reference, expert_weights
+from tests.support.threads import run_ranks, thread_groups
 
 
 def build_layer(g: ParallelGroups, w, placement=None, fused=False, renormalize=True) -> ExpertParallelMoE:

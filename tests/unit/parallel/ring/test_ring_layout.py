@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_reference import exact_attention
 
 from dist_infer.parallel.ring.layout import RingLayout
 from dist_infer.parallel.ring.lse import merge_many
 from dist_infer.parallel.ring.ring_loops import _attend_blocks
 from dist_infer.parallel.ring.shards import zigzag_chunks
+from tests.support.attention_reference import exact_attention
 
 
 def simulate(q, k, v, layout: RingLayout, q_rows, k_rows, variant, causal):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_reference import exact_attention
 
 from dist_infer.parallel.ring.errors import RingAttentionError
 from dist_infer.parallel.ring.local_attention import attention_with_lse, attention_with_lse_reference
+from tests.support.attention_reference import exact_attention
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])

@@ -13,13 +13,13 @@ from multiprocessing.connection import Client
 
 import psutil
 import pytest
-from polling import wait_until
 
 from dist_infer.comm.rate_limited_log import RateLimitedLog
 from dist_infer.serving.fleet.hub import Hub, StartupWaiter
 from dist_infer.serving.fleet.hub_admission import AdmissionLimits
 from dist_infer.serving.fleet.wire import Hello, StepOutputs
 from dist_infer.serving.instance.join import dial_hub
+from tests.support.polling import wait_until
 
 KEY = b"k" * 32
 

@@ -12,13 +12,13 @@ import json
 
 import schemathesis
 import torch
-from fake_engine import MODEL, FakeEngine, fake_tokens
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
-from sampling_bodies import sampling_bodies
 
 from dist_infer.engine.sampling import RowSampling, sample_rows
 from dist_infer.serving.http.api_server import build_app
+from tests.support.fake_engine import MODEL, FakeEngine, fake_tokens
+from tests.support.sampling_bodies import sampling_bodies
 
 GREEDY = {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
 FUZZ_SETTINGS = settings(

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine, FakeTokenizer, fake_tokens
-from polling import wait_until
 
 from dist_infer.serving.http.api_server import DrainingServer, build_app
+from tests.support.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine, FakeTokenizer, fake_tokens
+from tests.support.polling import wait_until
 
 
 @dataclass

@@ -12,13 +12,13 @@ import threading
 
 import httpx
 import pytest
-from fake_engine import MODEL, FakeEngine
 
 from dist_infer.cli.http_flags import add_http_flags, http_options_of
 from dist_infer.serving.fleet.prefix_index import prompt_block_hashes
 from dist_infer.serving.http.api_server import DrainingServer, build_app
 from dist_infer.serving.http.cache_isolation import CacheIsolation, isolation_mode
 from dist_infer.serving.http.guard import HttpGuard
+from tests.support.fake_engine import MODEL, FakeEngine
 
 KEYS = ("key-alice", "key-bob")
 PROMPT = list(range(40, 40 + 33))  # 8 full blocks of 4 before the last token

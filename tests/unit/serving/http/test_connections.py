@@ -19,12 +19,12 @@ import time
 
 import httpx
 import pytest
-from fake_engine import MODEL, FakeEngine
-from polling import wait_until
 
 from dist_infer.cli.http_flags import add_http_flags, http_options_of
 from dist_infer.serving.http.api_server import DrainingServer, build_app
 from dist_infer.serving.http.guard import HttpGuard
+from tests.support.fake_engine import MODEL, FakeEngine
+from tests.support.polling import wait_until
 
 DEADLINE_S = 20.0  # how long a test waits for a connection to close; the timeouts under test are 1-2 s
 SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200  # never ends in the tests

@@ -21,12 +21,12 @@ import httpx
 import openai
 import psutil
 import pytest
-from fake_engine import MODEL, FakeEngine, fake_tokens
 
 from dist_infer.bench.serve import client as bench_serve_client, command as bench_serve
 from dist_infer.cli.http_flags import add_http_flags, http_options_of
 from dist_infer.serving.http.api_server import DrainingServer, build_app
 from dist_infer.serving.http.guard import HttpGuard
+from tests.support.fake_engine import MODEL, FakeEngine, fake_tokens
 
 KEYS = ("key-one", "key-two")
 

@@ -9,12 +9,12 @@ import json
 
 import httpx
 import pytest
-from fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine, FakeTokenizer
 
 from dist_infer.serving.http.api_server import build_app
 from dist_infer.serving.http.guard import ApiError
 from dist_infer.serving.http.json_body import ProtocolError, json_of
 from dist_infer.serving.http.prompt_size import CONTEXT_LENGTH_EXCEEDED, PromptLimits, message_chars
+from tests.support.fake_engine import MAX_MODEL_LEN, MODEL, FakeEngine, FakeTokenizer
 
 CHARS_PER_TOKEN = 3
 BOUND = MAX_MODEL_LEN * CHARS_PER_TOKEN

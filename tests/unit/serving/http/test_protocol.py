@@ -6,11 +6,11 @@ fields the server serves, and fields of neither schema, answer as before."""
 from __future__ import annotations
 
 import pytest
-from fake_engine import MODEL, FakeEngine, FakeTokenizer, fake_tokens
 from fastapi.testclient import TestClient
 
 from dist_infer.serving.http.api_server import build_app
 from dist_infer.serving.http.unserved_fields import ANY, CHAT_UNSERVED, COMPLETIONS_UNSERVED
+from tests.support.fake_engine import MODEL, FakeEngine, FakeTokenizer, fake_tokens
 
 ENDPOINTS = {  # endpoint -> (a body it serves, the tokens that body gets, the endpoint's table)
     "completions": ({"prompt": [1, 20, 30], "max_tokens": 3}, fake_tokens([1, 20, 30], 3), COMPLETIONS_UNSERVED),

@@ -9,12 +9,12 @@ import time
 from multiprocessing import AuthenticationError
 
 import pytest
-from polling import wait_until
 
 from dist_infer.serving.fleet.hub import Hub
 from dist_infer.serving.fleet.wire import Hello
 from dist_infer.serving.instance.join import JoinRetry, dial_hub, hub_to_join, join_hub, retry_pause
 from dist_infer.serving.placement.spawn import HUB_KEY_ENV
+from tests.support.polling import wait_until
 
 
 def test_join_addresses(monkeypatch):

@@ -9,8 +9,6 @@ import asyncio
 import threading
 from multiprocessing import Pipe
 
-from polling import wait_until
-
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.serving.fleet.cluster import Cluster, FleetConfig, InstanceClient
@@ -31,6 +29,7 @@ from dist_infer.serving.fleet.wire import (
     StepOutputs,
     StopInstance,
 )
+from tests.support.polling import wait_until
 
 BLOCK_BYTES = 1024
 

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests, and the scripts they run as processes (jobs/)."""
