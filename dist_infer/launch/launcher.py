@@ -25,11 +25,12 @@ from typing import Optional, Sequence
 from loguru import logger
 
 from dist_infer.arg_types import strip_flag
+from dist_infer.launch.forked_start import RankForker, RankStartError, own_command_args, start_method
 from dist_infer.topology.cores import threads_per_rank
 from dist_infer.topology.discovery import DEFAULT_MASTER_PORT, free_port
 from dist_infer.topology.hostfile import Host, node_rank_offsets
 from dist_infer.topology.network import set_socket_interface
-from dist_infer.topology.processes import die_with_parent, stop_process_groups
+from dist_infer.topology.processes import ChildProcess, die_with_parent, stop_process_groups
 
 
 class LaunchError(ValueError):
@@ -219,17 +220,27 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _stop(children: Sequence[tuple[Proc, subprocess.Popen]]) -> None:
+def _stop(children: Sequence[tuple[Proc, ChildProcess]]) -> None:
     stop_process_groups([p for _, p in children])
 
 
-def _signal_all(children: Sequence[tuple[Proc, subprocess.Popen]], signum: int) -> None:
+def _signal_all(children: Sequence[tuple[Proc, ChildProcess]], signum: int) -> None:
     for _, child in children:
         if child.poll() is None:
             try:
                 os.killpg(child.pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def _start(proc: Proc, forker: Optional[RankForker]) -> ChildProcess:
+    """Start one process in its own session (signals go to its group) that dies with this launcher:
+    forked from here when it runs this package and fork is safe (forked_start.py), else by exec."""
+    args = own_command_args(proc.argv) if forker is not None else None
+    if forker is not None and args is not None and forker.ready():
+        return forker.fork(args, proc.env)
+    env = {**os.environ, **proc.env}
+    return subprocess.Popen(proc.argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 30.0) -> int:
@@ -240,8 +251,13 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
     its requests and stops its followers); ranks still running `shutdown_grace_s` later, or
     at a second signal, are killed. All ranks exiting 0 after the signal is a clean exit (0).
     """
-    children: list[tuple[Proc, subprocess.Popen]] = []
+    children: list[tuple[Proc, ChildProcess]] = []
     interrupted: list[int] = []
+    try:
+        forker = RankForker() if start_method() == "fork" else None
+    except RankStartError as exc:
+        logger.error(f"{exc}; no rank was started")
+        return 2
 
     def forward(signum, _frame):
         interrupted.append(signum)
@@ -249,10 +265,8 @@ def run(procs: Sequence[Proc], poll_s: float = 0.05, shutdown_grace_s: float = 3
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for proc in procs:
-            env = {**os.environ, **proc.env}
             try:
-                # its own session (signals go to its group), but it dies with this launcher
-                child = subprocess.Popen(proc.argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
+                child = _start(proc, forker)
             except OSError as exc:
                 logger.error(f"{proc.label}: cannot start {proc.argv[0]!r}: {exc.strerror or exc}")
                 _stop(children)

@@ -9,10 +9,20 @@ import signal
 import subprocess
 import sys
 import time
-from typing import NoReturn, Sequence
+from typing import NoReturn, Optional, Protocol, Sequence
 
 
-def stop_process_groups(procs: Sequence[subprocess.Popen], grace: float = 3.0) -> None:
+class ChildProcess(Protocol):
+    """A started child as a launcher watches it: subprocess.Popen, or a rank forked from the launcher."""
+
+    pid: int
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+
+
+def stop_process_groups(procs: Sequence[ChildProcess], grace: float = 3.0) -> None:
     """TERM each process group (started with start_new_session), KILL what is left after `grace` s."""
     for p in procs:
         if p.poll() is None:

@@ -1,0 +1,66 @@
+"""Local ranks forked from the launcher (dist_infer/launch/forked_start.py): which commands can be
+forked and when forking is refused. Forking itself needs a process with one thread, which this
+test process is not once torch has computed: tests/integration/test_forked_ranks.py forks from a
+fresh process, and every integration test of generate and serve starts its ranks that way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+from dist_infer.launch.forked_start import (
+    START_ENV,
+    RankForker,
+    RankStartError,
+    own_command_args,
+    start_method,
+    thread_count,
+)
+
+
+def test_start_method_defaults_to_fork_on_linux_and_names_a_bad_value():
+    assert start_method({}) == ("fork" if sys.platform.startswith("linux") else "exec")
+    assert start_method({START_ENV: " EXEC "}) == "exec"
+    with pytest.raises(RankStartError, match=f"{START_ENV}='spawn'.*fork, exec"):
+        start_method({START_ENV: "spawn"})
+
+
+def test_only_this_interpreter_running_this_package_is_forked():
+    assert own_command_args([sys.executable, "-m", "dist_infer", "generate", "--tp", "2"]) == ["generate", "--tp", "2"]
+    assert own_command_args([sys.executable, "-m", "dist_infer"]) == []
+    assert own_command_args(["/other/python", "-m", "dist_infer", "generate"]) is None  # another venv's
+    assert own_command_args([sys.executable, "-m", "other_package"]) is None
+    assert own_command_args([sys.executable]) is None
+
+
+def test_a_launcher_with_another_thread_starts_ranks_by_exec_not_fork():
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
+    worker.start()
+    try:
+        assert thread_count() >= 2 and not RankForker(preload=()).ready()
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_a_preload_that_fails_falls_back_to_exec():
+    assert not RankForker(preload=("no_such_module_here",)).ready()
+
+
+def _script(path, interpreter, body="from dist_infer.cli.main import run\n"):
+    path.write_text(f"#!{interpreter}\nimport sys\n{body}")
+    return str(path)
+
+
+def test_this_environments_dist_infer_script_is_forked_and_another_one_is_not(tmp_path):
+    here = os.path.join(os.path.dirname(sys.executable), "python3")  # pip writes the version's name
+    assert own_command_args([_script(tmp_path / "dist-infer", here), "serve", "--tp", "2"]) == ["serve", "--tp", "2"]
+    assert own_command_args([_script(tmp_path / "other-venv", "/elsewhere/bin/python3"), "serve"]) is None
+    assert own_command_args([_script(tmp_path / "not-ours", here, "from other.cli import run\n")]) is None
+    assert own_command_args([str(tmp_path / "missing"), "serve"]) is None
+    assert own_command_args(["no-such-program-on-path", "serve"]) is None
