@@ -164,7 +164,7 @@ def _serve_as_rank(args, world, index: int, specs, groups, address: tuple, key: 
     groups.world.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.long))
     link, addresses = open_kv_link(engine, groups, address[0], key, args.cp, args.migration_timeout)
     if quiet:  # a rank of a launched job other than world rank 0: the front end stops the job in order
-        _ignore_stop_signals("the API process")
+        _ignore_stop_signals("the front end")
     if not driver:
         _ignore_stop_signals("the instance's driver")
         engine.follow()
@@ -229,7 +229,7 @@ def _forward_stop_signals(frontend) -> None:
     """World rank 0's SIGTERM/SIGINT go to the front end, which stops the instances in order."""
 
     def forward(signum, _):
-        logger.info(f"{signal.Signals(signum).name}: passed on to the API process (pid {frontend.pid})")
+        logger.info(f"{signal.Signals(signum).name}: passed on to the front end (pid {frontend.pid})")
         if frontend.poll() is None:
             frontend.send_signal(signum)
 
@@ -238,5 +238,5 @@ def _forward_stop_signals(frontend) -> None:
 
 
 def _ignore_stop_signals(who: str) -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the API process shuts the job down in order and tells us
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the front end shuts the job down in order and tells us
         signal.signal(sig, lambda signum, _: logger.info(f"{signal.Signals(signum).name}: waiting for {who} to stop"))

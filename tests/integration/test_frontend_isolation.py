@@ -1,4 +1,4 @@
-"""The API process runs no model, so no rank's death can end it: real `dist-infer
+"""The front end runs no model, so no rank's death can end it: real `dist-infer
 serve` jobs on 127.0.0.1. Instance 0's one rank is SIGKILLed mid-stream with three instances up:
 every request ends exactly as it does alone and the API serves on; hostile connections to the
 hub leave it taking a restarted instance; and a thousand requests with live migrations leave
@@ -94,7 +94,7 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
     with ServerJob(tmp_path, args) as job:
         insts = instances(job)
         victim = insts[0]["pids"][0]
-        assert job.api_pid not in [p for i in insts for p in i["pids"]], "the API process hosts a rank"
+        assert job.api_pid not in [p for i in insts for p in i["pids"]], "the front end hosts a rank"
 
         async def go():
             async with httpx.AsyncClient() as client:

@@ -43,9 +43,9 @@ def venv_exe(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """In-process references (HF's tiny matmuls) in one thread beside a job's ranks: two intra-op threads
-    beside them on a loaded 2-core machine made them 10-30 times slower. A test module takes it with
-    `from processes import one_torch_thread` and `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    """In-process references (HF's tiny matmuls) in one thread beside a job's ranks: intra-op threads
+    competing with the ranks for a few cores make them many times slower. A test module takes it with
+    `from tests.support.processes import one_torch_thread` and `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
     import torch
 
     before = torch.get_num_threads()

@@ -1,11 +1,11 @@
-"""The API process's view of the model instances: dispatch, streams, and live migration.
+"""The front end's view of the model instances: dispatch, streams, and live migration.
 
 It is what the HTTP server talks to (the EngineClient interface, serving/fleet/interface.py), for
 one instance or many. Each instance's driver is connected over one authenticated connection
 (serving/instance/driver_loop.py); a reader thread per instance routes step outputs straight to
 the client streams, and a control thread runs an asyncio loop for everything that waits on
 instances: migration calls (serving/migration/live_migration.py) and the migration controller
-(serving/migration/rebalance_policy.py). The API process owns every client's stream, so a request that moves
+(serving/migration/rebalance_policy.py). The front end owns every client's stream, so a request that moves
 keeps streaming to its client without a break: its outputs simply start coming from another
 instance.
 

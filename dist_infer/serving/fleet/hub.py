@@ -356,7 +356,7 @@ class StartupWaiter:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(self.count)) - set(self.conns))
-                    raise TimeoutError(f"instances {missing} did not connect to the API process within {timeout:g} s")
+                    raise TimeoutError(f"instances {missing} did not connect to the front end within {timeout:g} s")
                 self._cond.wait(min(left, 0.5))
             return [self.conns[i] for i in range(self.count)]
 

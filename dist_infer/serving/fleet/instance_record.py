@@ -64,7 +64,7 @@ class RequestRecord:
 
 
 class InstanceJob(Protocol):
-    """The job the API process started for an instance, as the spawners return it (a local or
+    """The job the front end started for an instance, as the spawners return it (a local or
     srun subprocess.Popen, a Ray job); some also say their `node`."""
 
     def poll(self) -> Optional[int]: ...
@@ -78,7 +78,7 @@ PREFIX_INDEX_PER_BLOCK = 4  # hashes the front end keeps per KV block of an inst
 
 
 class InstanceClient:
-    """One instance as the API process sees it: its connection, its last reported load, the
+    """One instance as the front end sees it: its connection, its last reported load, the
     requests sent to it that it has not reported yet, and where it is in its life:
     starting -> serving -> (stopping -> stopped | dead), and from stopped or dead, starting again."""
 
@@ -102,7 +102,7 @@ class InstanceClient:
         self.dead: Optional[str] = None  # why it died (the last time)
         self.restarts = 0
         self.auto_restarts = 0  # --auto-restart's attempts since it last joined
-        self.process: Optional[InstanceJob] = None  # the job this API process started for it (restart, scale-up)
+        self.process: Optional[InstanceJob] = None  # the job this front end started for it (restart, scale-up)
         self.stop_sent = False
         self._lock = threading.Lock()
         self.stats = InstanceStats()  # its last report (all zero: it never joined, its hello is None)

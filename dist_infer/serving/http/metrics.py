@@ -215,7 +215,7 @@ class EngineStatsCollector:
         if stats is None or "frontend_entries" in stats:
             g = GaugeMetricFamily(
                 PREFIX + "frontend_entries",
-                "Entries the API process holds for requests and "
+                "Entries the front end holds for requests and "
                 "migrations in flight, by kind (all 0 when idle: nothing outlives its request).",
                 labels=["model_name", "kind"],
             )

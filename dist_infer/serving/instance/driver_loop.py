@@ -1,6 +1,6 @@
-"""An instance's driver: its step loop, fed over one connection by the API process.
+"""An instance's driver: its step loop, fed over one connection by the front end.
 
-The API process (serving/fleet/cluster.py) owns the clients' streams and decides which instance runs
+The front end (serving/fleet/cluster.py) owns the clients' streams and decides which instance runs
 each request; every instance's driver (its first rank) connects to it and then only does what
 it is told: add and abort requests, and the calls of a migration (engine/migration.py). After
 every step it sends the step's outputs and its load back. The messages are serving/fleet/wire.py's
@@ -54,7 +54,7 @@ class InstanceServer:
                 self.conn.send(message)
             except (OSError, EOFError, BrokenPipeError) as exc:
                 if not self._stop.is_set():
-                    logger.error(f"instance {self.index}: the API process is gone ({exc}); stopping")
+                    logger.error(f"instance {self.index}: the front end is gone ({exc}); stopping")
                 self._stop.set()
                 self.engine.wake()
 
@@ -65,7 +65,7 @@ class InstanceServer:
                 message = self.conn.recv()
             except (OSError, EOFError):
                 if not self._stop.is_set():
-                    logger.error(f"instance {self.index}: lost the connection to the API process; stopping")
+                    logger.error(f"instance {self.index}: lost the connection to the front end; stopping")
                 break
             match message:
                 case AddRequest() | ResumeRequest():

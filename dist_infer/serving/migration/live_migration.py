@@ -1,4 +1,4 @@
-"""One live migration, driven from the API process: reserve, copy in stages, pause, commit.
+"""One live migration, driven from the front end: reserve, copy in stages, pause, commit.
 
 As in Llumnix, the request keeps decoding on the source while its KV blocks are copied to the
 destination in stages, each stage carrying the blocks completed since the last; when few are

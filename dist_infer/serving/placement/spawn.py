@@ -31,7 +31,7 @@ from dist_infer.topology.discovery import without_launcher_env
 
 HUB_KEY_ENV = "DIST_INFER_HUB_KEY"  # the API's connection key, for instances that join it
 HUB_FILE_ENV = "DIST_INFER_HUB_FILE"  # --frontend-only writes its hub's address here for the job's rank 0
-# flags of the API process that an instance started as a job of its own does not take
+# flags of the front end that an instance started as a job of its own does not take
 API_ONLY_FLAGS = (
     "--instances",
     "--host",
@@ -136,10 +136,10 @@ def start_frontend_child(argv: list[str], hub_host: str, key: bytes, timeout: fl
     deadline = time.monotonic() + timeout
     while not (hub_file.is_file() and hub_file.read_text().strip()):
         if process.poll() is not None:
-            raise RuntimeError(f"the API process exited with code {process.returncode} before it listened")
+            raise RuntimeError(f"the front end exited with code {process.returncode} before it listened")
         if time.monotonic() > deadline:
             process.kill()
-            raise TimeoutError(f"the API process did not listen within {timeout:g} s")
+            raise TimeoutError(f"the front end did not listen within {timeout:g} s")
         time.sleep(0.05)
     info = json.loads(hub_file.read_text())
     hub_file.unlink()

@@ -1,4 +1,4 @@
-"""The API process's own files: the hub key readable by its owner only; and its start-up refusing
+"""The front end's own files: the hub key readable by its owner only; and its start-up refusing
 an --instances fleet past --max-ranks before any instance starts."""
 
 from __future__ import annotations

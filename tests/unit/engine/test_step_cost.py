@@ -298,8 +298,8 @@ def _serve(scheduler: Scheduler, model: StepCostModel, truth: np.ndarray, cap, a
                     scheduler.finish(r, "length")
 
 
-# a CPU like this project's 2-core VM (docs/benchmarks.md, "The floor: 200 ms"): a prompt token 1.6 ms, a
-# decode 2.7 ms (the skinny kernels), 9 ms fixed and 5 ms more for a step with a prompt
+# costs of the shape a small CPU shows (docs/benchmarks.md, "The floor: 200 ms"): per prompt token, per
+# decode (the skinny kernels), fixed per step and more for a step with a prompt; made-up round values
 CPU = np.array([9e-3, 5e-3, 1.6e-3, 2e-5, 2.7e-3, 5e-5])
 
 

@@ -9,8 +9,8 @@ from dist_infer.planner import kernel_rates
 
 
 def test_calibrate_times_memory_at_its_sustained_rate(monkeypatch):
-    """The best pass overstates how fast memory streams on this VM (45 GB/s for a second after an
-    idle spell, 30 after): a memory-bound timing is the median after a warm-up, on a fake clock here."""
+    """The best pass overstates how fast memory streams (a VM streams faster for a second after an
+    idle spell than after): a memory-bound timing is the median after a warm-up, on a fake clock here."""
     clock = [0.0]
     monkeypatch.setattr(kernel_rates.time, "perf_counter", lambda: clock[0])
     calls = []

@@ -262,8 +262,8 @@ def test_a_small_matrix_streams_at_the_rate_measured_for_its_size():
 
 def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
     """A decode step's products are bound by how fast the weights stream, and the native kernel's
-    speed depends on the row length (31 GB/s for rows of 576 floats, 24 GB/s for 4096 on the 2-core
-    machine): q/k/v, gate/up and the LM head read rows of `hidden`, o_proj of the rank's heads x
+    speed depends on the row length (short rows stream faster than long ones; calibrate measures the
+    curve, docs/benchmarks.md, "Choosing the layout"): q/k/v, gate/up and the LM head read rows of `hidden`, o_proj of the rank's heads x
     head_dim, down_proj of its share of the intermediate size."""
     rates = {"1": [[64, 4e9], [128, 1e9]]}  # interpolated in log(row length) between the points
     hw = gemm_only_profile(rate=BIG, memory_bandwidth=rates)
@@ -287,7 +287,7 @@ def test_decode_streams_each_matrix_at_the_rate_for_its_row_length():
 
 def test_prefill_attention_at_the_rate_for_its_head_size():
     """calibrate times attention per head size (a head of 32 has half the arithmetic per byte of one
-    of 64: 121 against 147 GFLOP/s at 8192 tokens on the 2-core machine); the model picks its own."""
+    of 64, and runs at a lower rate); the model picks its own."""
     rates = {"1": {"16": [[1, 1e9]], "64": [[1, 4e9]]}}
     hw = gemm_only_profile(rate=BIG, attention_flops={"fp32": rates})
     assert hw.attention_rate("fp32", 1, 100, head_dim=32) == pytest.approx(2.5e9)  # halfway in log(head size)

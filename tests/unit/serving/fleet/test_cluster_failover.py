@@ -25,6 +25,7 @@ from dist_infer.serving.fleet.wire import (
     StepOutputs,
     StopInstance,
 )
+from tests.support.polling import wait_until
 
 POISON = [7, 7, 7]  # the prompt that "crashes" whichever fake instance runs it
 VANISH = [8, 8, 8]  # the first instance to run this vanishes without a word (its node lost: the connection drops)
@@ -178,24 +179,24 @@ class FakeJob:
     """What a spawner returns: a job that runs until killed."""
 
     def __init__(self):
-        self.killed = False
+        self._killed = threading.Event()
+
+    @property
+    def killed(self) -> bool:
+        return self._killed.is_set()
 
     def poll(self):
         return -9 if self.killed else None
 
     def wait(self, timeout=None):
         import subprocess
-        import time
 
-        deadline = time.monotonic() + (timeout or 0)
-        while not self.killed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self.killed:
+        if not self._killed.wait(timeout or 0):
             raise subprocess.TimeoutExpired("fake job", timeout)
         return -9
 
     def kill(self):
-        self.killed = True
+        self._killed.set()
 
     terminate = kill
 
@@ -203,7 +204,6 @@ class FakeJob:
 def test_auto_restart_places_a_dead_instance_again_and_the_last_one_s_death_ends_nothing():
     """--auto-restart: the only instance's driver goes away (its node lost): the server does not stop,
     the spawner starts it again, and once its new driver joins it serves."""
-    import time
 
     spawned, jobs = [], []
 
@@ -219,10 +219,11 @@ def test_auto_restart_places_a_dead_instance_again_and_the_last_one_s_death_ends
     try:
         assert asyncio.run(_run(cluster, "before", [1, 2])) == [3, 4, 5, 6]
         lost = asyncio.run(_run(cluster, "lost-1", VANISH))  # its node is gone mid-request: the connection drops
-        deadline = time.monotonic() + 10
-        while cluster.instances[0].state != InstanceState.SERVING or not spawned:
-            assert time.monotonic() < deadline, cluster.instances[0].describe()
-            time.sleep(0.02)
+        wait_until(
+            lambda: cluster.instances[0].state == InstanceState.SERVING and spawned,
+            10,
+            lambda: str(cluster.instances[0].describe()),
+        )
         assert cluster.dead_reason is None and spawned == [0] and first.killed, "the dead job was cleaned up"
         assert cluster.instances[0].restarts == 1 and cluster.instances[0].auto_restarts == 0
         assert lost == [9, 10, 11, 12], "the request went on on the restarted instance"
@@ -236,12 +237,7 @@ def test_without_auto_restart_a_dead_instance_stays_dead():
     try:
         asyncio.run(_run(cluster, "r0", [1, 2]))  # rr: the next goes to instance 1
         assert asyncio.run(_run(cluster, "lost-2", VANISH)) == [9, 10, 11, 12], "it went on on instance 0"
-        import time
-
-        deadline = time.monotonic() + 10
-        while cluster.instances[1].state != InstanceState.DEAD:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: cluster.instances[1].state == InstanceState.DEAD, 10, "instance 1 dead")
         assert cluster.instances[0].state == InstanceState.SERVING
     finally:
         cluster.stop(timeout=5)
@@ -345,8 +341,6 @@ def test_a_restart_past_max_ranks_is_refused_by_the_operator_and_by_auto_restart
     """A dead instance's ranks are free: another instance may take them, and then neither an operator's
     restart nor --auto-restart starts the dead one (the budget is asked at each start: a Ray cluster
     that lost a node has fewer ranks)."""
-    import time
-
     from dist_infer.serving.placement.rank_budget import RankBudget
 
     started, limit = [], {"now": 2}
@@ -356,10 +350,7 @@ def test_a_restart_past_max_ranks_is_refused_by_the_operator_and_by_auto_restart
     try:
         asyncio.run(_run(cluster, "r0", [1, 2]))  # rr: the next goes to instance 1, which vanishes
         assert asyncio.run(_run(cluster, "lost-budget", VANISH)) == [9, 10, 11, 12]
-        deadline = time.monotonic() + 10
-        while cluster.instances[1].state != InstanceState.DEAD:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: cluster.instances[1].state == InstanceState.DEAD, 10, "instance 1 dead")
         assert _admin(cluster, "POST", "/admin/instances", json={"layout": "tp=1"}).status_code == 202
         r = _admin(cluster, "POST", "/admin/instances/1/restart")
         assert r.status_code == 409 and "--max-ranks is 2 (2 running)" in r.json()["error"]["message"], r.text
