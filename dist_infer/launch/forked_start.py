@@ -119,6 +119,7 @@ class RankForker:
     def __init__(self, preload: Sequence[str] = PRELOAD):
         self.preload = tuple(preload)
         self._loaded: Optional[bool] = None
+        self._said_exec = False
 
     def ready(self) -> bool:
         """Whether a rank can be forked now: the modules imported (once) and one thread."""
@@ -128,8 +129,14 @@ class RankForker:
             return False
         threads = thread_count()
         if threads != 1:
-            logger.debug(f"ranks start by exec: this launcher has {threads or 'an unknown number of'} threads")
+            self._say_exec(f"this launcher has {threads or 'an unknown number of'} threads")
         return threads == 1
+
+    def _say_exec(self, why: str) -> None:
+        """Tell once, where the user sees it, that ranks pay their own imports (and why)."""
+        if not self._said_exec:
+            self._said_exec = True
+            logger.info(f"local ranks start by exec, each importing torch: {why}")
 
     def _import_preload(self) -> bool:
         """Import the ranks' modules here. numpy's OpenBLAS starts a thread pool as it loads unless
@@ -141,7 +148,7 @@ class RankForker:
                 importlib.import_module(name)
             return True
         except Exception as exc:  # noqa: BLE001 - the ranks will report it themselves, by exec
-            logger.debug(f"ranks start by exec: importing their modules here failed ({exc})")
+            self._say_exec(f"importing their modules here failed ({exc})")
             return False
         finally:
             if blas_threads is None:

@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+from loguru import logger
 
 from dist_infer.launch.forked_start import (
     START_ENV,
@@ -41,11 +42,19 @@ def test_a_launcher_with_another_thread_starts_ranks_by_exec_not_fork():
     stop = threading.Event()
     worker = threading.Thread(target=stop.wait, daemon=True)
     worker.start()
+    said: list[str] = []
+    logger.enable("dist_infer")  # the library is quiet unless enabled
+    sink = logger.add(lambda message: said.append(str(message)), level="INFO")
     try:
-        assert thread_count() >= 2 and not RankForker(preload=()).ready()
+        forker = RankForker(preload=())
+        assert thread_count() >= 2 and not forker.ready() and not forker.ready()
     finally:
+        logger.remove(sink)
+        logger.disable("dist_infer")
         stop.set()
         worker.join()
+    # the user is told once per job, not once per rank, that the ranks pay their own imports
+    assert len(said) == 1 and "local ranks start by exec" in said[0] and "threads" in said[0], said
 
 
 def test_a_preload_that_fails_falls_back_to_exec():
