@@ -81,10 +81,14 @@ def end_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
 
 
 def start(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd=REPO) -> subprocess.Popen:
-    """Start `cmd` in its own process group, output captured (use `finish` to collect it)."""
+    """Start `cmd` in its own process group, output captured (use `finish` to collect it). A
+    `dist-infer` command is forked from the suite's zygote (tests/support/zygote.py)."""
+    from tests.support.zygote import command
+
+    env = dict(env) if env is not None else venv_env()
     return subprocess.Popen(
-        [str(c) for c in cmd],
-        env=dict(env) if env is not None else venv_env(),
+        command(cmd, env),
+        env=env,
         cwd=str(cwd),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -17,6 +17,7 @@ import httpx
 from tests.support.paths import REPO, VENV_BIN
 from tests.support.polling import wait_until
 from tests.support.processes import end_tree, venv_env
+from tests.support.zygote import command
 
 DIST = [str(VENV_BIN / "dist-infer")]
 LOCAL_TEST_MAX_RANKS = 8  # --max-ranks of a local-placement test server that names none
@@ -45,9 +46,10 @@ class ServerJob:
         cmd = list(prefix or DIST) + ["serve", *args, "--port", "0", "--ready-file", str(self.ready_file)]
         self.cmd = cmd
         self._log = open(self.log_path, "w")
+        env = env or venv_env()
         self.proc = subprocess.Popen(
-            cmd,
-            env=env or venv_env(),
+            command(cmd, env),  # forked from the suite's zygote when it can be
+            env=env,
             cwd=str(REPO),
             stdout=self._log,
             stderr=subprocess.STDOUT,
