@@ -26,6 +26,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from dist_infer.serving.http.tools import ToolPlan, generic_tool_messages, messages_for_template, template_uses_tools
+
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -92,6 +94,7 @@ class ChatRenderer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.template = None
+        self.renders_tools = template_uses_tools(chat_template)
         if chat_template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -109,11 +112,24 @@ class ChatRenderer:
         """bos_token/eos_token as the template expects them: the tokenizer's strings for its BOS/EOS ids."""
         return cls(chat_template, _token_text(tokenizer, "bos_id"), _token_text(tokenizer, "eos_id"))
 
-    def render(self, messages: Any, add_generation_prompt: bool = True, extra: Optional[dict[str, Any]] = None) -> str:
+    def render(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        extra: Optional[dict[str, Any]] = None,
+        tools: Optional[ToolPlan] = None,
+    ) -> str:
+        """The prompt; with `tools`, shown as the template shows them, or generically (tools.py)."""
         messages = normalize_messages(messages)
+        context = dict(extra or {})
+        if self.renders_tools:
+            messages = messages_for_template(messages)
+            if tools is not None:
+                context["tools"] = tools.template_tools()
+        elif tools is not None:
+            messages = generic_tool_messages(messages, tools)
         if self.template is None:
             return plain_chat_prompt(messages, add_generation_prompt)
-        context = dict(extra or {})
         context.update(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
