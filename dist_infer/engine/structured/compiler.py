@@ -61,7 +61,7 @@ def ll_tokenizer(tokenizer: Any, n_vocab: int, eos_ids: Iterable[int]):
     spec = json.loads(backend.to_str())
     spec["padding"], spec["truncation"] = None, None
     width = max(n_vocab, backend.get_vocab_size(with_added_tokens=True))
-    return LLTokenizer(json.dumps(spec), n_vocab=width, eos_token=sorted(set(eos_ids)))
+    return LLTokenizer(json.dumps(spec), n_vocab=width, eos_token=sorted(set(eos_ids)) or None)  # None: its own
 
 
 def _short(message: str) -> str:

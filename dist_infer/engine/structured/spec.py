@@ -5,8 +5,10 @@ A spec is plain data (a kind and a text), so it pickles with SamplingParams wher
 (an instance, a migration, a failover) and hashes to a key the grammar cache goes by. Its text is
 canonical (a schema or a choice list is re-serialized without whitespace), so equal requests share a
 key whatever their spacing. Key order is kept, not sorted: llguidance writes an object's properties
-in the order its schema lists them, so two orders are two different grammars. The HTTP layer builds one from a body with `from_kind` and reports a
-StructuredSpecError as a 400 naming `field`. Nothing here needs a tokenizer: the compiler
+in the order its schema lists them, so two orders are two different grammars.
+
+The HTTP layer builds a spec from a body with `from_kind`; a StructuredSpecError is a RequestError,
+which it already reports as a 400 naming `field`. Nothing here needs a tokenizer: the compiler
 (compiler.py) checks the grammar against the model's vocabulary.
 """
 
@@ -17,6 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Union
 
+from dist_infer.engine.request_error import RequestError
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "ebnf")
 MAX_SPEC_CHARS = 256 * 1024  # a schema or grammar larger than this is refused before any parse
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema (llama.cpp's converter overflowed its stack on deep ones)
@@ -24,13 +28,9 @@ MAX_CHOICES = 4096
 COMPACT_JSON = {"whitespace_flexible": False}  # no free whitespace: greedy decoding cannot loop on it
 
 
-class StructuredSpecError(ValueError):
-    """A structured-output spec the engine cannot use; `field` names the part at fault (the spec's
-    kind, or "structured" for the spec as a whole) for an HTTP 400."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
+class StructuredSpecError(RequestError):
+    """A structured-output spec the engine cannot use (a ValueError and a RequestError: an HTTP 400);
+    `field` names the part at fault: the spec's kind, or "structured" for the spec as a whole."""
 
 
 def _depth(value: Any) -> int:

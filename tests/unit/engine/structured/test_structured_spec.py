@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 
+from dist_infer.engine.request import RequestError
 from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
 from dist_infer.engine.structured.spec import (
     MAX_CHOICES,
@@ -58,7 +59,7 @@ def test_bad_specs_are_refused_naming_the_field(kind, value, field, needle):
     with pytest.raises(StructuredSpecError, match=needle) as info:
         StructuredSpec(kind, value)
     assert info.value.field == field
-    assert isinstance(info.value, ValueError), "a ValueError: a 400 wherever ValueErrors are"
+    assert isinstance(info.value, RequestError), "a RequestError: a 400 naming its field wherever those are"
 
 
 def test_from_kind_refuses_what_a_body_cannot_hold():
