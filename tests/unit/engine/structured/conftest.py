@@ -1,5 +1,5 @@
-"""Fixtures of the structured-output tests: the tiny model's byte-level BPE tokenizer (what
-llguidance reads a vocabulary from), and a small random Llama checkpoint with it."""
+"""Fixtures of the structured-output tests: a small random Llama with the tiny model's byte-level
+BPE tokenizer (what llguidance reads a vocabulary from), and that tokenizer."""
 
 from __future__ import annotations
 
@@ -7,17 +7,13 @@ from pathlib import Path
 
 import pytest
 
-SMALL_ARCH = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
-
 
 @pytest.fixture(scope="session")
 def small_checkpoint(tmp_path_factory) -> Path:
-    """The tiny model's tokenizer (1000 tokens, EOS "</s>" = 1) over a 1024-wide LM head, 2 small layers."""
-    from dist_infer.models.tiny_model import write_tiny_model
+    """1000 tokens ("</s>" = 1, EOS) over a 1024-wide LM head (tests/support/structured_checkpoints.py)."""
+    from tests.support.structured_checkpoints import write_structured_checkpoint
 
-    return write_tiny_model(tmp_path_factory.mktemp("structured"), **SMALL_ARCH)
+    return write_structured_checkpoint(tmp_path_factory.mktemp("structured"))
 
 
 @pytest.fixture(scope="session")
