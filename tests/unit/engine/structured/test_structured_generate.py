@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dist_infer.engine.engine_core import Engine, EngineConfig
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.step_plan import KIND_WORK
 from dist_infer.engine.structured.spec import StructuredSpec, StructuredSpecError
 from dist_infer.engine.tokenizer import TextTokenizer
 from dist_infer.models.loader import load_stage
@@ -111,7 +112,7 @@ SCHEMAS = st.recursive(leaf_schemas(), containers, max_leaves=6)
 
 
 @settings(
-    max_examples=6,
+    max_examples=8,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -240,3 +241,67 @@ def test_tp2_on_threads_gives_the_single_rank_output(small_checkpoint, engine):
         return got
 
     assert run_ranks(thread_groups(2, 1), body)[0] == want
+
+
+def test_only_steps_that_sample_a_constrained_row_carry_masks(engine, monkeypatch):
+    plans = []
+    run = engine.runner.run
+
+    def spy(plan, *args, **kwargs):
+        if plan.kind == KIND_WORK:
+            plans.append((list(plan.sample), list(plan.mask_rows), plan.masks))
+        return run(plan, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    spec = StructuredSpec.from_kind("choice", ["snow"])
+    serve(engine, [(PROMPTS[0], SamplingParams(max_new_tokens=8)), (PROMPTS[1], SamplingParams(structured=spec))])
+    masked = [p for p in plans if p[1]]
+    assert masked and all(p[2] is not None and p[2].shape[0] == len(p[1]) for p in masked)
+    assert any(not p[1] and p[2] is None for p in plans), "once the constrained request ended: no masks"
+
+
+def test_a_failing_mask_fails_its_request_alone(engine, monkeypatch):
+    def boom(matchers):
+        raise RuntimeError("mask exploded")
+
+    monkeypatch.setattr(engine.masks, "fill", boom)
+    spec = StructuredSpec.from_kind("json_object")
+    plain, constrained = serve(
+        engine, [(PROMPTS[0], SamplingParams(max_new_tokens=8)), (PROMPTS[1], SamplingParams(structured=spec))]
+    )
+    assert constrained.finish_reason == "abort" and plain.finish_reason == "length"
+    monkeypatch.undo()
+    (alone,) = serve(engine, [(PROMPTS[0], SamplingParams(max_new_tokens=8))])
+    assert plain.output_token_ids == alone.output_token_ids
+    assert engine.stats()["free_blocks"] == engine.num_blocks, "every block back"
+
+
+def test_a_token_the_grammar_rejects_fails_the_request_with_the_reason_in_the_log(small_checkpoint):
+    from loguru import logger
+
+    from dist_infer.engine.sampling import sample_rows
+
+    def ignores_masks(logits, rows, eos_ids=()):
+        out = sample_rows(logits, rows, eos_ids)
+        out.tokens[:] = 7  # whatever the grammar allows
+        return out
+
+    (groups,) = thread_groups(1, 1)
+    stage, _ = load_stage(small_checkpoint, groups)
+    eng = Engine(
+        stage,
+        groups,
+        EngineConfig(block_size=4, num_blocks=32),
+        sampler=ignores_masks,
+        tokenizer=lambda: TextTokenizer(small_checkpoint),
+    )
+    logs = []
+    sink = logger.add(logs.append, level="ERROR")
+    logger.enable("dist_infer")
+    try:
+        (r,) = serve(eng, [(PROMPTS[0], SamplingParams(structured=StructuredSpec.from_kind("regex", "[0-9]+")))])
+    finally:
+        logger.remove(sink)
+        logger.disable("dist_infer")
+    assert r.finish_reason == "abort" and r.output_token_ids == []
+    assert any("token 7 is not allowed by the grammar" in str(m) for m in logs)
