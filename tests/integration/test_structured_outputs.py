@@ -1,7 +1,9 @@
-"""Structured outputs in real multi-rank jobs under our launcher: tp=2 (the driver samples) and pp=2
-(the last stage samples, so every grammar mask crosses the pipeline in the step plan) give exactly
-the single-process constrained output, greedy and seeded, beside an unconstrained request, with
-the prompts chunked. (One rank, tp=2 on threads, preemption: tests/unit/engine/structured/.)"""
+"""Structured outputs in real multi-rank jobs under our launcher: tp=2 (the driver samples), pp=2
+(the last stage samples, so every grammar mask crosses the pipeline in the step plan), cp=2 (ring
+attention, whole prompts) and ep=2 (a Mixtral's experts split) give exactly the single-process
+constrained output, greedy and seeded, beside an unconstrained request, with the prompts chunked
+where the layout chunks them; and `dist-infer generate --json-schema` on tp=2. (One rank, tp=2 on
+threads, preemption, resumption: tests/unit/engine/structured/.)"""
 
 from __future__ import annotations
 
@@ -94,18 +96,28 @@ def single_process(path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = write_structured_checkpoint(tmp_path_factory.mktemp("ckpt"))
-    return path, single_process(path)
+def checkpoints(tmp_path_factory):
+    """arch -> (its checkpoint, the single-process outputs), each made once."""
+    made: dict = {}
+
+    def get(arch: str):
+        if arch not in made:
+            path = write_structured_checkpoint(tmp_path_factory.mktemp("ckpt"), arch)
+            made[arch] = (path, single_process(path))
+        return made[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("layout", ["tp=2", "pp=2"])
-def test_a_two_rank_job_gives_the_single_process_constrained_output(checkpoint, tmp_path, layout):
+@pytest.mark.parametrize(
+    "arch,layout", [("llama-gqa", "tp=2"), ("llama-gqa", "pp=2"), ("llama-gqa", "cp=2"), ("mixtral", "ep=2")]
+)
+def test_a_two_rank_job_gives_the_single_process_constrained_output(checkpoints, tmp_path, arch, layout):
     import jsonschema
 
     from dist_infer.engine.tokenizer import TextTokenizer
 
-    path, want = checkpoint
+    path, want = checkpoints(arch)
     assert want["reasons"] == ["stop", "stop", "length"], "both constrained outputs complete"
     tokenizer = TextTokenizer(path)
     for ids in want["ids"][:2]:
@@ -118,11 +130,11 @@ def test_a_two_rank_job_gives_the_single_process_constrained_output(checkpoint, 
     assert last_json(result.stdout) == want, layout
 
 
-def test_dist_infer_generate_takes_a_json_schema(checkpoint):
+def test_dist_infer_generate_takes_a_json_schema(checkpoints):
     """The CLI's --json-schema on tp=2: the greedy request's ids, its text valid JSON of the schema."""
     import jsonschema
 
-    path, want = checkpoint
+    path, want = checkpoints("llama-gqa")
     ids = ",".join(map(str, PROMPTS[0]))
     cmd = ["dist-infer", "generate", "--model", str(path), "--tp", "2", "--prompt-ids", ids]
     result = run(cmd + ["--max-new-tokens", "120", "--json-schema", json.dumps(SCHEMA), "--json"], 240)

@@ -1,7 +1,7 @@
-"""A small random Llama with a real tokenizer, for structured outputs (which need every token's bytes).
+"""A small random model with a real tokenizer, for structured outputs (which need every token's bytes).
 
-The tiny model's byte-level BPE (1000 tokens, "<s>" = 0, "</s>" = 1) over a seeded llama-gqa
-checkpoint of checkpoints.py, 1024 ids wide: the LM head is wider than the tokenizer, as padded
+The tiny model's byte-level BPE (1000 tokens, "<s>" = 0, "</s>" = 1) over a seeded checkpoint of
+checkpoints.py (llama-gqa, or another of its architectures: mixtral for expert parallel), 1024 ids wide: the LM head is wider than the tokenizer, as padded
 vocabularies are. Its weights have the std 0.1 of checkpoints.py, so greedy choices are not near
 ties and a layout that computes the same logits to rounding picks the same tokens.
 """
@@ -18,15 +18,16 @@ VOCAB = 1024
 EOS = 1
 
 
-def write_structured_checkpoint(tmpdir: Union[str, os.PathLike], seed: int = 0) -> Path:
-    """Write the checkpoint (config, weights, tokenizer.json) into tmpdir/structured; returns its path."""
+def write_structured_checkpoint(tmpdir: Union[str, os.PathLike], arch: str = "llama-gqa", seed: int = 0) -> Path:
+    """Write the checkpoint of `arch` (checkpoints.ARCHS: config, weights, tokenizer.json) into
+    tmpdir/structured-<arch>; returns its path."""
     from dist_infer.models.tiny_model import build_tokenizer
 
     path = write_hf_checkpoint(
         tmpdir,
-        "llama-gqa",
+        arch,
         seed=seed,
-        subdir="structured",
+        subdir=f"structured-{arch}",
         vocab_size=VOCAB,
         max_position_embeddings=512,
         bos_token_id=0,
