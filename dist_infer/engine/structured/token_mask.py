@@ -40,6 +40,8 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[i
     if not len(rows):
         return logits
     allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+    if list(rows) == list(range(logits.shape[0])):  # every row, in order: no gather and scatter
+        return logits.masked_fill_(~allowed, float("-inf"))
     index = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits

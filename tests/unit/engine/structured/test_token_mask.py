@@ -68,6 +68,17 @@ def test_apply_sets_disallowed_logits_to_minus_inf_on_the_masked_rows_only(dtype
     assert torch.equal(apply_bitmask_(before.clone(), mask[:0], []), before), "no rows: nothing"
 
 
+def test_every_row_masked_in_order_is_the_same_as_row_by_row():
+    rng = random.Random(3)
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    mask = random_bitmask(rng, 3, 2, 0.5)
+    one_by_one = logits.clone()
+    for r in range(3):
+        apply_bitmask_(one_by_one, mask[r : r + 1], [r])
+    assert torch.equal(apply_bitmask_(logits.clone(), mask, [0, 1, 2]), one_by_one)
+    assert torch.equal(apply_bitmask_(logits.clone(), mask[[2, 0, 1]], [2, 0, 1]), one_by_one), "any order"
+
+
 def test_a_mask_wider_than_the_logits_ignores_its_extra_bits():
     logits = torch.zeros(1, 40)
     mask = torch.tensor([[0, -1, -1]], dtype=torch.int32)  # allows 32..95; the logits stop at 40
