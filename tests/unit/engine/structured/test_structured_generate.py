@@ -145,6 +145,20 @@ def test_outputs_are_the_same_alone_batched_chunked_and_preempted(small_checkpoi
     tight.stop_followers()
 
 
+def test_prefix_cache_hits_and_layered_prefill_give_the_same_outputs(small_checkpoint, engine):
+    params = [structured(SCHEMA), structured(SCHEMA, temperature=1.0, seed=9)]
+    want = [r.output_token_ids for r in serve(engine, list(zip(PROMPTS[1:], params)))]
+    (groups,) = thread_groups(1, 1)
+    cached = build(small_checkpoint, groups, prefix_caching=True)
+    for _ in range(2):  # the second time from the cached prompt blocks
+        assert [r.output_token_ids for r in serve(cached, list(zip(PROMPTS[1:], params)))] == want
+    assert cached.scheduler.allocator.num_evictable > 0, "blocks were cached"
+    layered = build(small_checkpoint, groups, prefill_schedule="layered", max_batched_tokens=4)
+    assert [r.output_token_ids for r in serve(layered, list(zip(PROMPTS[1:], params)))] == want
+    for eng in (cached, layered):
+        eng.stop_followers()
+
+
 def test_a_resumed_request_goes_on_from_its_ids(engine):
     params = structured(SCHEMA, temperature=0.8, seed=11)
     (whole,) = serve(engine, [(PROMPTS[2], params)])
