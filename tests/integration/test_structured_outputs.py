@@ -142,3 +142,26 @@ def test_dist_infer_generate_takes_a_json_schema(checkpoints):
     (out,) = last_json(result.stdout)["outputs"]
     assert out["token_ids"] == want["ids"][0] and out["finish_reason"] == "stop"
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+def test_dist_infer_generate_refuses_a_bad_spec_on_every_rank_without_hanging(checkpoints, tmp_path):
+    """A spec that is not JSON fails before any rank starts; one the model's vocabulary cannot take,
+    or any spec on a checkpoint without tokenizer.json, fails on every rank of a tp=2 job alike."""
+    import shutil
+
+    path, _ = checkpoints("llama-gqa")
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(path, bare)
+    (bare / "tokenizer.json").unlink()
+    base = ["dist-infer", "generate", "--prompt-ids", "0,5,6", "--max-new-tokens", "4"]
+    cases = [
+        (["--model", str(path), "--json-schema", "{oops"], ["--json-schema: json_schema is not valid JSON"]),
+        (["--model", str(path), "--tp", "2", "--regex", "a(b"], ["invalid regex", "unclosed group"]),
+        (["--model", str(bare), "--tp", "2", "--json-object"], ["structured outputs need a tokenizer"]),
+    ]
+    for flags, needles in cases:
+        result = run(base + flags, 120)
+        assert result.returncode not in (0, None), flags
+        for needle in needles:
+            assert needle in result.stderr, (flags, needle, result.stderr[-3000:])
+        assert "Traceback (most recent call last)" not in result.stderr, result.stderr[-3000:]
