@@ -9,6 +9,7 @@ from typing import Sequence
 
 from loguru import logger
 
+from dist_infer.cli.structured_flags import add_structured_flags, structured_spec
 from dist_infer.launch.model_options import (
     add_model_flags,
     add_scheduler_flags,
@@ -49,6 +50,7 @@ def add_generate_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one JSON object as the last stdout line on rank 0: outputs, parallel layout, timing",
     )
+    add_structured_flags(p)
 
 
 def parse_prompt_ids(values: list[str]) -> list[list[int]]:
@@ -102,6 +104,7 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from dist_infer.cli.cp_auto import resolve_cp_auto
     from dist_infer.launch.rank import run_rank_command, spawn_local
 
+    structured_spec(args)  # a spec that cannot be made fails here, once, not on every rank
     if args.cp == "auto":
         argv = resolve_cp_auto(args, list(argv), longest_prompt(args))
     code = spawn_local(args, list(argv))
@@ -110,10 +113,24 @@ def cmd_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return run_rank_command(lambda: run_generate(args))
 
 
+def sampling_params(args):
+    """The batch's SamplingParams from the flags (a structured-output spec included)."""
+    from dist_infer.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        stop_at_eos=not args.no_eos_stop,
+        structured=structured_spec(args),
+    )
+
+
 def run_generate(args) -> int:
     import torch
 
-    from dist_infer.engine.sampling import SamplingParams
     from dist_infer.engine.tokenizer import TextTokenizer
     from dist_infer.launch.rank import join_job
     from dist_infer.models.checkpoint import peak_rss_mb
@@ -121,9 +138,7 @@ def run_generate(args) -> int:
     from dist_infer.models.moe import moe_report
     from dist_infer.topology import Layout
 
-    params = SamplingParams(
-        args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop_at_eos=not args.no_eos_stop
-    )
+    params = sampling_params(args)
     groups = join_job(
         args.backend,
         Layout(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from dist_infer.comm import ParallelGroups, build_groups, init_world
 from dist_infer.engine.engine_core import Engine, EngineConfig, GenerationOutput
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.structured.spec import StructuredSpec
+from dist_infer.engine.tokenizer import TextTokenizer
 from dist_infer.models.loader import load_stage, resolve_device, stage_from_hf_model
 from dist_infer.topology import Layout, Mesh
 
@@ -29,8 +31,11 @@ class ShardedModel:
         top_p: float = 1.0,
         seed: int = 0,
         return_logits: bool = False,
+        structured: Optional[StructuredSpec] = None,
     ) -> list[GenerationOutput]:
-        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
+        """`structured`: what every output must look like (StructuredSpec.from_kind("json_schema",
+        schema), ...); it needs the model's tokenizer (load's, or the one given to shard)."""
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, structured=structured)
         return self.engine.generate([list(p) for p in prompts], params, return_logits)
 
 
@@ -51,16 +56,25 @@ def shard(
     device: str = "cpu",
     quantization: str = "auto",
     ladder: Optional[str] = None,
+    tokenizer: Optional[Any] = None,
 ) -> ShardedModel:
     """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference);
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization
     (auto: float weights for an in-memory model; int8 / int4: each rank quantizes its shard, CPU only).
-    `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as the model's config says)."""
+    `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as the model's config says).
+    `tokenizer`: the model's TextTokenizer, or its checkpoint path, for structured outputs (None: none)."""
     groups = join(parallel, backend, groups)
     stage = stage_from_hf_model(
         hf_model, groups, pp_split=pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
     )
-    return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)
+    if tokenizer is None:
+        load_tokenizer = None
+    elif isinstance(tokenizer, TextTokenizer):
+        load_tokenizer = lambda: tokenizer  # noqa: E731
+    else:
+        load_tokenizer = lambda: TextTokenizer(tokenizer)  # noqa: E731
+    engine = Engine(stage, groups, EngineConfig(block_size=block_size), tokenizer=load_tokenizer)
+    return ShardedModel(engine, groups)
 
 
 def load(
@@ -83,4 +97,5 @@ def load(
     stage, _ = load_stage(
         path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
     )
-    return ShardedModel(Engine(stage, groups, EngineConfig(block_size=block_size)), groups)
+    engine = Engine(stage, groups, EngineConfig(block_size=block_size), tokenizer=lambda: TextTokenizer(path))
+    return ShardedModel(engine, groups)

@@ -2,7 +2,9 @@
 
 With pipeline parallelism up to pp steps are in flight at once, each on about 1/pp of the live
 requests, so every stage stays busy. Completing a step hands each sampled row to its request
-(request_progress.py); a request that fails in its step fails alone (step_guard.py).
+(request_progress.py); a request that fails in its step fails alone (step_guard.py). A row whose
+request has a grammar (structured outputs) gets its token bitmask here, as the step is planned: the
+request is in no other step, so its grammar state is the one this step samples from.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard, failed_error_id
 from dist_infer.engine.step_pacing import StepPacer
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan
+from dist_infer.engine.structured.matcher import MaskFiller, only_ending
 from dist_infer.engine.worker import StageWorker
 
 
@@ -43,7 +46,8 @@ class StepDriver:
     and runs the driver's own share (`runner`), and hands the sampled rows to their requests
     (`progress`); `guard` fails what fails. `model_cfg`: the model's limits a plan is checked
     against; `world_size`: the instance's ranks (one alone may survive a failed forward);
-    `heartbeat_s`: the idle plan's period; `first_step`: the number of the next plan."""
+    `heartbeat_s`: the idle plan's period; `first_step`: the number of the next plan; `masks`: fills
+    the grammar masks of constrained rows (structured outputs; None: one of its own)."""
 
     def __init__(
         self,
@@ -60,8 +64,10 @@ class StepDriver:
         world_size: int,
         heartbeat_s: float,
         first_step: int = 0,
+        masks: Optional[MaskFiller] = None,
     ):
         self.scheduler, self.worker, self.runner, self.transport = scheduler, worker, runner, transport
+        self.masks = masks if masks is not None else MaskFiller()
         self.registry, self.progress, self.pacer, self.guard = registry, progress, pacer, guard
         self.model_cfg, self.world_size, self.heartbeat_s = model_cfg, world_size, heartbeat_s
         self.next_step = first_step
@@ -156,6 +162,7 @@ class StepDriver:
         )
         if not chunks:
             return failed
+        failed += self._grammar_masks(plan, chunks)
         requests = [c.request for c in chunks]
         try:
             meta = self.worker.prepare(plan)  # before the plan leaves: a bad plan stops here, on the driver
@@ -172,6 +179,27 @@ class StepDriver:
         self.guard.forward_ok()
         self._inflight.append(InFlightStep(plan, chunks, launched, result))
         return failed
+
+    def _grammar_masks(self, plan: StepPlan, chunks: list) -> list[RequestOutput]:
+        """The token bitmasks of the plan's rows whose requests have a grammar (a step with none
+        gets none). Where the grammar can only end, EOS is allowed below min_tokens too. A fill
+        that raises fails those requests alone (their rows' tokens are then dropped)."""
+        sampled = [c.request for c in chunks if c.sample]
+        constrained = [(b, r) for b, r in enumerate(sampled) if r.grammar is not None]
+        if not constrained:
+            return []
+        try:
+            masks = self.masks.fill([r.grammar for _, r in constrained])
+        except Exception as exc:  # noqa: BLE001 - these requests' own grammars
+            return self.guard.fail_all([r for _, r in constrained], "computing its grammar mask", exc)
+        banned = [i for i, (b, _) in enumerate(constrained) if plan.rows[b].ban_eos]
+        if banned:
+            ending = only_ending(masks[banned], self.model_cfg.eos_token_ids)
+            for i, only_eos in zip(banned, ending):
+                if only_eos:
+                    plan.rows[constrained[i][0]].ban_eos = 0
+        plan.mask_rows, plan.masks = [b for b, _ in constrained], masks
+        return []
 
     def _complete(self, flight: InFlightStep) -> list[RequestOutput]:
         """The oldest step's tokens to their requests (a failed row fails its request alone)."""

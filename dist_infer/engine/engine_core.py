@@ -15,7 +15,9 @@ an executor): it builds one object per job, each with its own state, handed what
 - stage_runner.py `StageRunner`: this rank's share of each plan; the follower loop;
 - request_progress.py `RequestProgress`: a sampled token to its request: stops, output deltas;
 - driver_step.py `StepDriver`: planning, launching and completing a step;
-- offline_generate.py `OfflineGenerator`: `generate`, "submit everything, run the loop", timed.
+- offline_generate.py `OfflineGenerator`: `generate`, "submit everything, run the loop", timed;
+- structured/compiler.py `GrammarCompiler`: structured outputs' grammars for this model's tokenizer
+  (a request's grammar state is made when it is added or adopted, from its output ids).
 
 The KV cache, the worker and the scheduler are made when the cache's size is known (at once,
 or per offline batch), and with them the objects that use them; the rest live as long as the
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from loguru import logger
 
@@ -58,6 +60,9 @@ from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.step_pacing import StepPacer
+from dist_infer.engine.structured.compiler import GrammarCompiler
+from dist_infer.engine.structured.matcher import GrammarRejected, MaskFiller
+from dist_infer.engine.structured.spec import StructuredSpecError
 from dist_infer.engine.worker import StageWorker
 from dist_infer.models.cp_attention import ContextParallelError
 
@@ -74,10 +79,13 @@ class Engine:
         config: Optional[EngineConfig] = None,
         *,
         sampler: Optional[Callable[..., SampledTokens]] = None,
+        tokenizer: Optional[Callable[[], Any]] = None,
     ):
         """`config`: EngineConfig's defaults when None. `sampler`: logits, rows, EOS ids ->
         SampledTokens on the sampler rank (None: sampling.sample_rows); the seam where a check
-        without a device's values puts a fixed token."""
+        without a device's values puts a fixed token. `tokenizer`: returns the checkpoint's
+        TextTokenizer, called once, when the first structured request comes (None: structured
+        outputs are refused); every rank gets the same, since every rank checks an offline batch."""
         config = config if config is not None else EngineConfig()
         check_layout(stage, groups)
         tune_malloc()
@@ -97,6 +105,8 @@ class Engine:
         self.guard = StepGuard(self._fail)
         self.transport = PipelineTransport(groups.pp, self.stage_comm, self.cfg.vocab_size)
         self.timing = Timing()
+        self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.masks = MaskFiller()
         self.mover: Optional[BlockMover] = None
         self.migration: Optional[MigrationEndpoint] = None
         # made with the KV cache (_allocate): at once for a fixed size, else per offline batch
@@ -149,6 +159,7 @@ class Engine:
             world_size=self.groups.world.size,
             heartbeat_s=config.heartbeat_s,
             first_step=first_step,
+            masks=self.masks,
         )
         self.offline = OfflineGenerator(self.step_driver, self.registry, self.scheduler, self.add_request)
 
@@ -220,20 +231,35 @@ class Engine:
 
     # -- requests (driver; thread-safe where said) ----------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, name: str = "prompt") -> None:
-        """Raise RequestError naming the field if the engine can never serve this request."""
+        """Raise RequestError naming the field if the engine can never serve this request, or
+        StructuredSpecError if its structured-output spec is not one this model can generate."""
         check_servable(prompt_token_ids, params, self.cfg.vocab_size, self.cfg.max_positions, self.scheduler, name)
+        if params.structured is not None:
+            self.grammars.validate(params.structured)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request (thread-safe); it joins the batch at the next step."""
         self.check_request(prompt_token_ids, params)
-        return self.registry.submit(new_request(request_id, prompt_token_ids, params))
+        r = new_request(request_id, prompt_token_ids, params)
+        self.start_grammar(r)
+        return self.registry.submit(r)
 
     def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, progress) -> Request:
         """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
         already has (intake.resume; `progress` a serving/fleet/wire.ResumeProgress)."""
         self.check_request(prompt_token_ids, params)
-        r = new_request(request_id, prompt_token_ids, params)
-        return self.registry.submit(resume(r, progress, time.monotonic()))
+        r = resume(new_request(request_id, prompt_token_ids, params), progress, time.monotonic())
+        try:
+            self.start_grammar(r)
+        except GrammarRejected as exc:
+            raise StructuredSpecError("structured", f"the output so far does not fit the spec: {exc}") from exc
+        return self.registry.submit(r)
+
+    def start_grammar(self, request: Request) -> None:
+        """Give a structured request its grammar state after the output ids it has (none for a new
+        one; a resumed or migrated request's so far). GrammarRejected if they do not fit its spec."""
+        if request.params.structured is not None:
+            request.grammar = self.grammars.matcher(request.params.structured, request.output_token_ids)
 
     def abort(self, request_id: str) -> None:
         """End a request wherever it is (thread-safe, idempotent); its blocks are freed."""
@@ -274,7 +300,8 @@ class Engine:
         self.registry.forget(request.request_id)
 
     def adopt(self, request: Request, blocks: list[int]) -> None:
-        """Driver: a request that migrated here, its computed tokens' KV in `blocks`."""
+        """Driver: a request that migrated here, its computed tokens' KV in `blocks` (its grammar
+        state made already: start_grammar)."""
         self.registry.register(request)
         self.scheduler.install(request, blocks)
 
@@ -343,6 +370,8 @@ class Engine:
         if not prompts:
             raise PromptError("no prompts given")
         fixed = self.config.num_blocks is not None
+        if params.structured is not None:
+            self.grammars.validate(params.structured)  # on every rank, so all refuse it alike
         for i, p in enumerate(prompts):
             if fixed:
                 self.check_request(p, params, name=f"prompt {i}")

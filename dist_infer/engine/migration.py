@@ -310,8 +310,10 @@ class MigrationEndpoint:
         if got is None:
             return reply(MigrationAborted("dest_failed", f"migration {mid} is not known on the destination"))
         need = blocks_for(state.num_computed, self.block_size)
+        request = state.to_request()
         try:
             self._grow(got, need)
+            self._start_grammar(request)
         except MigrationAborted as exc:
             self._cancel(mid)
             return reply(exc)
@@ -319,8 +321,18 @@ class MigrationEndpoint:
         self._committed.append(mid)
         self.scheduler.allocator.free(got.blocks[need:])
         self.engine.queue_transfer(TransferOp(TransferOp.COMMIT, mid))
-        self.engine.adopt(state.to_request(), got.blocks[:need])
+        self.engine.adopt(request, got.blocks[:need])
         reply(True)
+
+    def _start_grammar(self, request: Request) -> None:
+        """A structured request's grammar state, rebuilt here from its output ids before it is
+        committed; MigrationAborted if that fails (the request stays on the source)."""
+        if request.params.structured is None:
+            return
+        try:
+            self.engine.start_grammar(request)
+        except Exception as exc:  # noqa: BLE001 - a spec or output this instance cannot take
+            raise MigrationAborted("dest_failed", f"its grammar cannot be rebuilt here: {exc}") from exc
 
     def cancel_in(self, mid: int, reply: Reply) -> None:
         """Let go of a migration's blocks; answers "committed" if it was already taken over (a

@@ -5,19 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from dist_infer.engine.layered_prefill import LayerProgress
+from dist_infer.engine.request_error import RequestError
 from dist_infer.engine.sampling import SamplingParams
 
-
-class RequestError(ValueError):
-    """A request the engine cannot take (empty prompt, ids outside the vocabulary, too long);
-    `field` names the offending input (the HTTP API reports it as `param`)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
+if TYPE_CHECKING:
+    from dist_infer.engine.structured.matcher import RequestMatcher
 
 
 class PromptError(RequestError):
@@ -84,6 +79,9 @@ class Request:
     num_cached_blocks: int = 0
     cacheable: bool = True
     layer_progress: Optional[LayerProgress] = None  # in the middle of a layered prefill (layered_prefill.py)
+    # structured outputs: its grammar state after its output ids (engine/structured/matcher.py), the
+    # driver's own; made when the request is added or adopted, never sent anywhere (rebuilt from the ids)
+    grammar: Optional["RequestMatcher"] = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

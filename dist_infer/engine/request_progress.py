@@ -1,8 +1,9 @@
 """What a sampled token does to its request: append it, check the stops, report.
 
-The engine deals in token ids only: EOS, stop token ids and the length end a request here; the
-text and the stop strings are the front end's (serving/http/detokenizer.py), which aborts a request
-whose stop string it sees, so a request moved to another instance carries no text state.
+The engine deals in token ids only: EOS, stop token ids, a finished grammar (structured outputs)
+and the length end a request here; the text and the stop strings are the front end's
+(serving/http/detokenizer.py), which aborts a request whose stop string it sees, so a request moved
+to another instance carries no text state.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ class RequestProgress:
         self.eos_token_ids, self.max_positions = eos_token_ids, max_positions
 
     def take_token(self, r: Request, sampled: SampledTokens, i: int, return_logits: bool, now: float) -> RequestOutput:
-        """Row `i` of a step's tokens to its request: append it, check the stops, report."""
+        """Row `i` of a step's tokens to its request: append it, check the stops, report. A
+        request with a grammar feeds it the token first (GrammarRejected if it does not fit: the
+        caller fails the request) and ends with "stop" once the grammar is finished."""
         self.scheduler.on_sampled(r)
         token = int(sampled.tokens[i])
+        grammar_done = r.grammar is not None and r.grammar.advance(token)
         r.output_token_ids.append(token)
         r.output_logprobs.append(float(sampled.logprobs[i]))
         if r.params.logprobs:
@@ -59,6 +63,8 @@ class RequestProgress:
         if r.first_token_time is None:
             r.first_token_time = now
         reason = self.stop_reason(r)
+        if grammar_done and reason != "stop":
+            reason = "stop"  # the output is complete: nothing more could follow it
         return self.finish(r, reason) if reason is not None else delta_output(r)
 
     def stop_reason(self, r: Request) -> Optional[str]:

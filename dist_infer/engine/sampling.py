@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import torch
 
+from dist_infer.engine.structured.spec import StructuredSpec
+
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (vLLM's default limit)
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily, as vLLM's _SAMPLING_EPS
@@ -88,6 +90,9 @@ class SamplingParams:
     # not a sampling choice, but it travels wherever the request does (add, resume, migration): requests
     # share cached prefix blocks only when their salts are equal (engine/prefix_cache.py; vLLM's cache_salt)
     cache_salt: Optional[str] = field(default=None, repr=False)
+    # what the output must look like (a JSON schema, regex, choice, grammar: engine/structured); the
+    # engine checks it against the model's tokenizer when the request is made (StructuredSpecError)
+    structured: Optional[StructuredSpec] = None
     # stop_token_ids as a set, made once here: the step loop checks every decoded token against it
     stop_token_set: frozenset[int] = field(default=frozenset(), init=False, compare=False, repr=False)
 
@@ -117,6 +122,8 @@ class SamplingParams:
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
         ):
             bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            bad("structured", "must be a StructuredSpec (engine/structured/spec.py) or None")
         object.__setattr__(self, "stop_token_ids", _stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))

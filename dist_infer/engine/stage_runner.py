@@ -4,7 +4,8 @@ Every rank runs every plan: it forgets the sequences the plan freed, makes the p
 moves (live migration), and on a work step runs its stage of the model, then passes the plan on
 to the next stage or, on the last stage's sampler rank, samples the flagged rows. The driver
 runs its share as it sends a plan (driver_step.py); every other rank runs `follow` until a stop
-plan. The messages themselves are pipeline.py's.
+plan. The messages themselves are pipeline.py's. A row with a grammar (structured outputs) is
+masked by its bitmask from the plan before it is sampled, so its logprobs are the masked ones.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dist_infer.engine.pipeline import PipelineTransport
 from dist_infer.engine.sampling import SampledTokens, sample_rows
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.step_plan import KIND_STOP, KIND_WORK, StepPlan
+from dist_infer.engine.structured.token_mask import apply_bitmask_
 from dist_infer.engine.worker import StageWorker
 
 
@@ -93,7 +95,10 @@ class StageRunner:
         # sample_index is sorted and distinct: as many rows as out has is every row (a decode step), no gather
         logits = out if len(rows) == out.shape[0] else out[host_index(rows, out.device)]
         sample = self.sampler or sample_rows  # looked up here: a test may replace the module's sampler
-        sampled = self.guard.sample(sample, logits, plan, tuple(self.stage.cfg.eos_token_ids))
+        allowed = logits
+        if plan.mask_rows:  # a copy: the model's own logits stay what return_logits gives
+            allowed = apply_bitmask_(logits.clone(), plan.masks, plan.mask_rows)
+        sampled = self.guard.sample(sample, allowed, plan, tuple(self.stage.cfg.eos_token_ids))
         sampled = sampled_to_host(sampled)  # the driver reads them, and a pipeline sends them, from the host
         if plan.return_logits:
             sampled.logits = to_host(logits.float())

@@ -4,13 +4,16 @@ Which sequences, how many new tokens each, where their context starts, their blo
 the token ids (for the first pipeline stage), which rows to sample and how, and which
 sequences were freed since the last plan (context-parallel ranks keep their own shard
 bookkeeping), and the KV block transfers of live migrations (engine/kv_transfer.py), which every
-rank runs before the step's forward. Nothing else is coordinated. Encoded as one int64 and one float64 tensor so it
+rank runs before the step's forward. Rows of requests with structured outputs carry their grammar's
+token bitmask (engine/structured), which the sampler rank applies; a step without any carries
+none. Nothing else is coordinated. Encoded as one int64 and one float64 tensor so it
 travels as two messages; `encode`/`decode` are pure and tested without processes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -18,8 +21,8 @@ from dist_infer.engine.kv_transfer import TransferOp
 from dist_infer.engine.sampling import RowSampling
 
 KIND_STOP, KIND_IDLE, KIND_WORK = 0, 1, 2
-_HEAD = 11  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs, transfer ints,
-# layered sequences
+_HEAD = 13  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs, transfer ints,
+# layered sequences, masked rows, words per mask row
 _PER_SEQ = 5  # seq id, new tokens, context before, table length, sample flag
 _PER_ROW = 7  # temperature, top_k, top_p, seed, index, logprobs, ban_eos
 
@@ -41,6 +44,10 @@ class StepPlan:
     # layered prefill (engine/layered_prefill.py): (index of the sequence in this plan, first layer, end
     # layer) of each sequence that runs only layers [first, end); the others run every layer
     layered: list[tuple[int, int, int]] = field(default_factory=list)
+    # structured outputs: the rows (indices into `rows`) whose grammar limits the tokens, and their
+    # bitmasks [len(mask_rows), words] int32 (engine/structured/token_mask.py); None when no row has one
+    mask_rows: list[int] = field(default_factory=list)
+    masks: Optional[torch.Tensor] = None
 
     @property
     def total_tokens(self) -> int:
@@ -73,15 +80,19 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         plan.top_logprobs,
     ]
     transfers = [x for op in plan.transfers for x in op.encode()]
-    head += [len(transfers), len(plan.layered)]
+    words = plan.masks.shape[1] if plan.mask_rows else 0
+    head += [len(transfers), len(plan.layered), len(plan.mask_rows), words]
     per_seq = []
     for i in range(n):
         per_seq += [plan.seq_ids[i], plan.num_tokens[i], plan.starts[i], len(plan.block_tables[i]), int(plan.sample[i])]
     tables = [b for t in plan.block_tables for b in t]
     layered = [x for entry in plan.layered for x in entry]
     ints = torch.tensor(
-        head + per_seq + tables + list(plan.input_ids) + list(plan.freed) + transfers + layered, dtype=torch.long
+        head + per_seq + tables + list(plan.input_ids) + list(plan.freed) + transfers + layered + list(plan.mask_rows),
+        dtype=torch.long,
     )
+    if plan.mask_rows:
+        ints = torch.cat([ints, pack_masks(plan.masks)])
     floats = torch.tensor(
         [[r.temperature, r.top_k, r.top_p, r.seed, r.index, r.logprobs, r.ban_eos] for r in plan.rows],
         dtype=torch.float64,
@@ -89,9 +100,24 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     return ints, floats
 
 
+def pack_masks(masks: torch.Tensor) -> torch.Tensor:
+    """[M, W] int32 -> the same bytes as int64 (rows padded to an even W), for the plan's int64 tensor."""
+    m, w = masks.shape
+    padded = torch.zeros(m, w + w % 2, dtype=torch.int32)
+    padded[:, :w] = masks
+    return padded.view(torch.int64).reshape(-1)
+
+
+def unpack_masks(packed: torch.Tensor, rows: int, words: int) -> torch.Tensor:
+    """pack_masks' inverse: [rows, words] int32 from the int64 tail of a plan."""
+    return packed.contiguous().view(torch.int32).view(rows, words + words % 2)[:, :words].contiguous()
+
+
 def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
-    v = ints.tolist()
-    kind, step, n, tokens, table_entries, rows, freed, logits, _, transfer_ints, layered = v[:_HEAD]
+    head = ints[:_HEAD].tolist()
+    kind, step, n, tokens, table_entries, rows, freed, logits, _, transfer_ints, layered, masked, words = head
+    mask_ints = masked * ((words + 1) // 2)
+    v = ints[: ints.numel() - mask_ints].tolist()  # the masks stay a tensor: no Python int per word
     at = _HEAD
     per_seq = [v[at + i * _PER_SEQ : at + (i + 1) * _PER_SEQ] for i in range(n)]
     at += n * _PER_SEQ
@@ -108,6 +134,9 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
         op, at = TransferOp.decode(v, at)
         transfers.append(op)
     layered_entries = [tuple(v[at + 3 * i : at + 3 * i + 3]) for i in range(layered)]
+    at += 3 * layered
+    mask_rows = v[at : at + masked]
+    masks = unpack_masks(ints[ints.numel() - mask_ints :], masked, words) if masked else None
     f = floats.view(-1, _PER_ROW).tolist() if rows else []
     return StepPlan(
         kind=kind,
@@ -123,6 +152,8 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
         return_logits=bool(logits),
         transfers=transfers,
         layered=layered_entries,
+        mask_rows=mask_rows,
+        masks=masks,
     )
 
 

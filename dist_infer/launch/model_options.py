@@ -333,10 +333,12 @@ def load_model(args, groups):
 
 
 def build_engine(args, stage, groups, **fields):
-    """The engine over `stage` with the config of `args` plus `fields` (engine_config)."""
+    """The engine over `stage` with the config of `args` plus `fields` (engine_config); --model's
+    tokenizer is read only if a structured request comes."""
     from dist_infer.engine.engine_core import Engine
+    from dist_infer.engine.tokenizer import TextTokenizer
 
-    return Engine(stage, groups, engine_config(args, **fields))
+    return Engine(stage, groups, engine_config(args, **fields), tokenizer=lambda: TextTokenizer(model_path(args)))
 
 
 def build_bench_engine(args, stage, groups):
