@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.migration import MigrationEndpoint
 from dist_infer.engine.request import Request, RequestStatus
@@ -171,3 +173,33 @@ def test_no_room_counts_only_the_blocks_it_would_take():
     dst.accounted()
     src.call("resume_out", 1)
     src.finish(r)
+
+
+def test_a_grammar_the_destination_cannot_rebuild_cancels_the_commit_and_frees_its_blocks():
+    """A structured request's grammar state is rebuilt on the destination before the commit; if that
+    fails, the migration aborts (dest_failed), the destination frees what it reserved, and the
+    request goes on at the source."""
+    from dist_infer.engine.migration import MigrationAborted
+    from dist_infer.engine.structured.spec import StructuredSpec
+
+    class NoGrammars(FakeInstance):
+        def start_grammar(self, request):
+            raise RuntimeError("this instance cannot take the spec")
+
+    src, dst = FakeInstance(), NoGrammars()
+    r = Request("r", PREFIX + [1, 2], SamplingParams(max_new_tokens=8, structured=StructuredSpec("regex", "[0-9]+")), 1)
+    src.requests["r"] = r
+    src.scheduler.add(r)
+    for _ in range(3):
+        src.step()
+    _, state = migrate(src, dst, r)
+    with pytest.raises(MigrationAborted, match="grammar cannot be rebuilt") as info:
+        dst.call("commit_in", 1, state)
+    assert info.value.outcome == "dest_failed"
+    assert dst.find("r") is None
+    dst.accounted()
+    assert dst.scheduler.num_free_blocks == dst.scheduler.config.num_blocks
+    src.call("resume_out", 1)
+    assert r.status is RequestStatus.RUNNING
+    src.finish(r)
+    src.accounted()

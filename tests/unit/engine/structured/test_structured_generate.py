@@ -172,6 +172,32 @@ def test_a_resumed_request_goes_on_from_its_ids(engine):
     assert r.output_token_ids == ids and r.finish_reason == whole.finish_reason
 
 
+def test_a_migrated_request_rebuilds_its_grammar_and_goes_on_identically(small_checkpoint, engine):
+    """The destination's side of a migration (engine/migration.py commit_in) without the KV transfer:
+    what travels is MigratingRequest (no grammar state), the destination rebuilds it from the ids."""
+    from dist_infer.engine.migration import MigratingRequest
+
+    params = structured(SCHEMA, temperature=0.7, seed=21)
+    (whole,) = serve(engine, [(PROMPTS[0], params)])
+    (groups,) = thread_groups(1, 1)
+    source, destination = build(small_checkpoint, groups), build(small_checkpoint, groups)
+    r = source.add_request("moving", PROMPTS[0], params)
+    while len(r.output_token_ids) < 6:
+        source.step()
+    source.scheduler.pause(r)
+    state = MigratingRequest.of(r, send_kv=False)
+    source.hand_over(r)
+    moved = state.to_request()
+    assert moved.grammar is None, "the grammar state does not travel"
+    destination.start_grammar(moved)
+    destination.adopt(moved, [])
+    while destination.has_unfinished():
+        destination.step()
+    assert moved.output_token_ids == whole.output_token_ids and moved.finish_reason == "stop"
+    for eng in (source, destination):
+        eng.stop_followers()
+
+
 def test_choices_regexes_and_grammars_end_when_complete(engine, text_tokenizer):
     cases = [
         (
