@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from dist_infer.arg_types import port_number, positive_int, positive_size
+from dist_infer.serving.http.tool_call_parsing import PARSERS
 from dist_infer.serving.placement.spawn import HUB_KEY_ENV
 
 KV_CACHE_MEMORY_DEFAULT = "1G"
@@ -40,6 +41,15 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="the model id clients send and /v1/models lists (default: the checkpoint directory's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default="hermes",
+        help="how a chat reply's tool calls are written when the model chooses them (tool_choice auto): "
+        "hermes, <tool_call>{...}</tool_call> blocks (Hermes, Qwen, and the generic tool prompt for "
+        "templates without tools); llama3_json, JSON objects separated by ';' (Llama 3.1+). "
+        "required and named tool choices are forced by a grammar whatever this says (default %(default)s)",
     )
 
 

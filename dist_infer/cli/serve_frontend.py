@@ -305,7 +305,7 @@ def _serve(
     cluster.start()
     try:
         waiter.hand_over(cluster.attach)
-        app = build_app(cluster, name, guard, warm_workers=True)
+        app = build_app(cluster, name, guard, warm_workers=True, tool_parser=args.tool_call_parser)
 
         def ready(host: str, port: int) -> None:
             layouts = ", ".join(c.spec.describe() for c in clients)

@@ -95,11 +95,16 @@ __all__ = [
 
 
 def build_app(
-    engine, served_model_name: Optional[str] = None, guard: HttpGuard = HttpGuard(), warm_workers: bool = False
+    engine,
+    served_model_name: Optional[str] = None,
+    guard: HttpGuard = HttpGuard(),
+    warm_workers: bool = False,
+    tool_parser: str = "hermes",
 ) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
-    behind `guard` (keys, body limits, CORS: serving/http/guard.py)."""
-    state = ServingState(engine, served_model_name, guard)
+    behind `guard` (keys, body limits, CORS: serving/http/guard.py); `tool_choice: auto` replies
+    are read in `tool_parser`'s format (serving/http/tool_call_parsing.py)."""
+    state = ServingState(engine, served_model_name, guard, tool_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -1,8 +1,9 @@
 """The OpenAI request bodies we accept, and their translation into the engine's SamplingParams.
 
 Fields follow OpenAI's API plus vLLM's extras (top_k, min_tokens, ignore_eos, stop_token_ids,
-return_token_ids, cache_salt), so clients written for either work unchanged. A field of either schema that we
-do not serve (n > 1, echo, penalties, response_format, guided decoding, ...: the table in
+return_token_ids, cache_salt, structured outputs in vLLM's forms), so clients written for either work
+unchanged. Structured outputs and tools are read by structured_fields.py and tools.py. A field of
+either schema that we do not serve (n > 1, echo, penalties, ...: the table in
 serving/http/unserved_fields.py) is refused with a 400 naming it unless its value asks for nothing,
 rather than silently ignored, since the client would otherwise get something other than what it
 asked for. Fields in neither schema are ignored, as OpenAI-compatible servers (vLLM) do: a newer
@@ -20,7 +21,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from pydantic_core import PydanticCustomError
 
 from dist_infer.engine.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from dist_infer.engine.structured.spec import StructuredSpec
 from dist_infer.serving.http.json_body import ProtocolError
+from dist_infer.serving.http.structured_fields import STRUCTURED_FIELDS, structured_request_of
+from dist_infer.serving.http.tools import TOOL_FIELDS, ToolPlan, tool_plan_of
 from dist_infer.serving.http.unserved_fields import CHAT_UNSERVED, COMPLETIONS_UNSERVED, Unserved, first_unserved
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -82,6 +86,19 @@ class _GenerationRequest(BaseModel):
     logit_bias: Optional[dict[str, Float]] = None
     user: Optional[str] = None
     cache_salt: Optional[str] = None  # vLLM: requests share cached prefixes only with equal salts (sampling checks it)
+    # structured outputs (structured_fields.py reads them): OpenAI's, then vLLM's forms
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+
+    def structured(self) -> Optional[tuple[str, StructuredSpec]]:
+        """The field that asks for a structure and its spec (None: free text); a ProtocolError
+        naming the field when the ask is malformed."""
+        return structured_request_of({name: getattr(self, name) for name in STRUCTURED_FIELDS})
 
     @property
     def include_usage(self) -> bool:
@@ -119,6 +136,13 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Optional[Int64] = None  # OpenAI's newer name for max_tokens; wins over it
     add_generation_prompt: Optional[Bool] = True  # vLLM
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM: more variables for the template
+    tools: Any = None  # tools.py reads these three
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+    def tool_plan(self, parser: str) -> Optional[ToolPlan]:
+        """The body's tools and what it requires of the reply (None: no tools)."""
+        return tool_plan_of({name: getattr(self, name) for name in TOOL_FIELDS}, parser)
 
     @property
     def num_logprobs(self) -> Optional[int]:
@@ -218,10 +242,15 @@ def default_chat_max_tokens(prompt_len: int, max_model_len: int) -> int:
 
 
 def sampling_params_of(
-    req: Union[CompletionRequest, ChatCompletionRequest], max_tokens: int, has_tokenizer: bool
+    req: Union[CompletionRequest, ChatCompletionRequest],
+    max_tokens: int,
+    has_tokenizer: bool,
+    structured: Optional[StructuredSpec] = None,
 ) -> SamplingParams:
-    """The engine's SamplingParams for a validated body; a ProtocolError naming the API field
-    (not SamplingParams' own names) when a value is out of range."""
+    """The engine's SamplingParams for a validated body (with the structure its output must have);
+    a ProtocolError naming the API field (not SamplingParams' own names) when a value is out of range."""
+    if structured is not None and not has_tokenizer:
+        raise ProtocolError("response_format", "structured outputs need a tokenizer and this model has none")
     num_logprobs = req.num_logprobs
     if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
         field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
@@ -260,6 +289,7 @@ def sampling_params_of(
             logprobs=num_logprobs,
             min_tokens=req.min_tokens or 0,
             cache_salt=req.cache_salt,
+            structured=structured,
         )
     except SamplingParamsError as exc:
         field = _API_NAME.get(exc.field, exc.field)

@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse, Response
 
 from dist_infer.engine.request import RequestOutput
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.structured.spec import StructuredSpec, StructuredSpecError
 from dist_infer.serving.http.error_responses import api_error_of
 from dist_infer.serving.http.guard import ApiError, error_body, error_response
+from dist_infer.serving.http.json_body import ProtocolError
 from dist_infer.serving.http.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -29,6 +31,7 @@ from dist_infer.serving.http.protocol import (
 from dist_infer.serving.http.shapers import ChatShaper, CompletionShaper, ResponseShaper
 from dist_infer.serving.http.state import ServingState, off_loop
 from dist_infer.serving.http.streams import SSE_DONE, EngineStream, EventStream, close_shielded, sse, until_disconnect
+from dist_infer.serving.http.tools import ToolPlan
 
 # -- generation ---------------------------------------------------------------------------------------
 
@@ -89,17 +92,22 @@ async def complete(state: ServingState, request: Request) -> Response:
     else:
         prompt_ids = prompt
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = state.isolated(sampling_params_of(body, max_tokens, state.tokenizer is not None), request)
+    field, structured = body.structured() or (None, None)
+    params = sampling_params_of(body, max_tokens, state.tokenizer is not None, structured)
+    params = state.isolated(params, request)
     state.engine.check_request(prompt_ids, params)
+    await state.check_structured(params, field)
     stream = state.open_stream("cmpl", prompt_ids, params, arrival)
     return await respond(request, stream, CompletionShaper(state, stream.request_id, prompt_ids, params.logprobs), body)
 
 
-def chat_params(state: ServingState, body: ChatCompletionRequest, prompt_ids: list[int]) -> SamplingParams:
+def chat_params(
+    state: ServingState, body: ChatCompletionRequest, prompt_ids: list[int], structured: Optional[StructuredSpec]
+) -> SamplingParams:
     """The chat request's sampling parameters, checked; a defaulted max_tokens fills the model."""
     max_tokens = body.requested_max_tokens
     if max_tokens is not None:
-        params = sampling_params_of(body, max_tokens, True)
+        params = sampling_params_of(body, max_tokens, True, structured)
         state.engine.check_request(prompt_ids, params)
         return params
     max_len = state.engine.max_model_len
@@ -110,7 +118,26 @@ def chat_params(state: ServingState, body: ChatCompletionRequest, prompt_ids: li
             f"the messages make a prompt of {len(prompt_ids)} tokens; the model has {max_len} positions",
             "messages",
         )
-    return state.fit_default_max_tokens(prompt_ids, sampling_params_of(body, max_tokens, True))
+    return state.fit_default_max_tokens(prompt_ids, sampling_params_of(body, max_tokens, True, structured))
+
+
+def chat_structure(
+    body: ChatCompletionRequest, tools: Optional[ToolPlan]
+) -> tuple[Optional[str], Optional[StructuredSpec]]:
+    """What the reply must look like, and the field that asks: the body's structured output, or
+    what its tool_choice requires (both at once is a 400: two grammars for one reply)."""
+    asked = body.structured()
+    schema = tools.output_schema() if tools is not None else None
+    if tools is None or schema is None:
+        return asked or (None, None)
+    if asked is not None:
+        raise ProtocolError(
+            "tool_choice", f"tool_choice {tools.choice!r} and a structured output each ask for a structure; send one"
+        )
+    try:
+        return "tools", StructuredSpec.from_kind("json_schema", schema)
+    except StructuredSpecError as exc:
+        raise ProtocolError("tools", f"tools: {exc}") from None
 
 
 async def chat_complete(state: ServingState, request: Request) -> Response:
@@ -119,11 +146,17 @@ async def chat_complete(state: ServingState, request: Request) -> Response:
     body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await state.read_json(request))
     state.check_model(body.model)
     state.need_tokenizer("messages", "chat")
-    text = await state.render_chat(body.messages, bool(body.add_generation_prompt), body.chat_template_kwargs)
+    tools = body.tool_plan(state.tool_parser)
+    field, structured = chat_structure(body, tools)
+    text = await state.render_chat(
+        body.messages, bool(body.add_generation_prompt), body.chat_template_kwargs, tools=tools
+    )
     prompt_ids = await state.encode(text, True, "messages", state.engine.max_model_len)
-    params = state.isolated(chat_params(state, body, prompt_ids), request)
+    params = state.isolated(chat_params(state, body, prompt_ids, structured), request)
+    await state.check_structured(params, field)
     stream = state.open_stream("chatcmpl", prompt_ids, params, arrival)
-    return await respond(request, stream, ChatShaper(state, stream.request_id, prompt_ids, params.logprobs), body)
+    shaper = ChatShaper(state, stream.request_id, prompt_ids, params.logprobs, tools=tools)
+    return await respond(request, stream, shaper, body)
 
 
 def add_generation_routes(app: FastAPI, state: ServingState) -> None:

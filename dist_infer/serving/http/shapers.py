@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
 from dist_infer.engine.request import RequestOutput
+from dist_infer.serving.http.tool_call_parsing import ToolCall, ToolCallDelta, ToolCallStream
+from dist_infer.serving.http.tools import ToolPlan
 
 if TYPE_CHECKING:
     from dist_infer.serving.http.state import ServingState
@@ -182,15 +185,79 @@ class CompletionShaper(ResponseShaper):
 
 class ChatShaper(ResponseShaper):
     """/v1/chat/completions: the text as the assistant's message (a delta in a chunk), the
-    chat logprobs shape; a stream opens with the assistant's role."""
+    chat logprobs shape; a stream opens with the assistant's role. With tools, the reply's calls
+    are the message's `tool_calls` (streamed as OpenAI's deltas: the name with the call's id
+    first, then argument fragments) and a reply that called ends with finish_reason
+    "tool_calls"."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args, tools: Optional[ToolPlan] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        parser = tools.stream_parser() if tools is not None else None
+        self.call_stream = ToolCallStream(parser) if parser is not None else None
+        self.call_ids: list[str] = []
+        self.called = False
+        self.last_delta = False
+
     def text_fields(self, text: str, final: bool) -> dict:
+        if self.tools is None:
+            if final:
+                return {"message": {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}}
+            return {"delta": {"content": text}}
         if final:
-            return {"message": {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}}
-        return {"delta": {"content": text}}
+            reply = self.tools.read_reply(text)
+            self.called = bool(reply.calls)
+            calls = [self._call(i, call) for i, call in enumerate(reply.calls)]
+            return {"message": {"role": "assistant", "content": reply.content, "refusal": None, "tool_calls": calls}}
+        content, deltas = self._stream_deltas(text)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if deltas:
+            self.called = True
+            delta["tool_calls"] = [self._delta(d) for d in deltas]
+        return {"delta": delta}
+
+    def _stream_deltas(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        assert self.tools is not None
+        if self.tools.choice == "named":  # the whole reply is the arguments
+            deltas = [] if self.call_ids else [ToolCallDelta(0, name=self.tools.named)]
+            return "", deltas + ([ToolCallDelta(0, arguments=text)] if text else [])
+        if self.call_stream is None:  # tool_choice none: text
+            return text, []
+        content, deltas = self.call_stream.feed(text)
+        if self.last_delta:
+            more, rest = self.call_stream.finish()
+            content, deltas = content + more, deltas + rest
+        if not self.tools.parallel:
+            deltas = [d for d in deltas if d.index == 0]
+        return content, deltas
+
+    def _call_id(self, index: int) -> str:
+        while len(self.call_ids) <= index:
+            self.call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self.call_ids[index]
+
+    def _call(self, index: int, call: ToolCall) -> dict:
+        function = {"name": call.name, "arguments": call.arguments}
+        return {"id": self._call_id(index), "type": "function", "function": function}
+
+    def _delta(self, delta: ToolCallDelta) -> dict:
+        if delta.name is not None:
+            function = {"name": delta.name, "arguments": delta.arguments}
+            return {"index": delta.index, "id": self._call_id(delta.index), "type": "function", "function": function}
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+
+    def chunk(self, out: RequestOutput, include_usage: bool, continuous_usage: bool) -> Optional[dict]:
+        self.last_delta = out.finished
+        return super().chunk(out, include_usage, continuous_usage)
+
+    def choice(self, text, logprobs, finish_reason, stop_reason, token_ids, final) -> dict:
+        choice = super().choice(text, logprobs, finish_reason, stop_reason, token_ids, final)
+        if self.called and choice["finish_reason"] == "stop":
+            choice["finish_reason"] = "tool_calls"  # OpenAI's reason for a reply that called
+        return choice
 
     def delta_logprobs(self, out: RequestOutput) -> dict:
         content = []

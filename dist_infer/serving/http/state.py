@@ -12,17 +12,32 @@ from loguru import logger
 
 from dist_infer.engine.request import RequestError
 from dist_infer.engine.sampling import SamplingParams, SamplingParamsError
+from dist_infer.engine.structured.compiler import GrammarCompiler
+from dist_infer.engine.structured.spec import StructuredSpecError
 from dist_infer.serving.http.cache_isolation import CacheIsolation
 from dist_infer.serving.http.chat import ChatRenderer
 from dist_infer.serving.http.guard import ApiError, HttpGuard, bearer_token
-from dist_infer.serving.http.json_body import json_of
+from dist_infer.serving.http.json_body import ProtocolError, json_of
 from dist_infer.serving.http.metrics import ServingMetrics
 from dist_infer.serving.http.prompt_size import PromptLimits
 from dist_infer.serving.http.streams import EngineStream
+from dist_infer.serving.http.tools import ToolPlan
 from dist_infer.serving.http.worker_pool import POOL_MIN_BODY_BYTES, POOL_MIN_CHARS, WorkerPool, WorkersUnavailable
 
 DRAINING_RETRY_AFTER_S = 5.0
 OFF_LOOP_JSON_BYTES = 1 << 16  # a body from this size is parsed off the loop (a thread; a worker from 2 MiB)
+
+
+def grammars_of(engine) -> GrammarCompiler:
+    """The engine's own grammar compiler (an in-process Engine), else one for the front end, built
+    from the tokenizer the first time a structured request comes."""
+    own = getattr(engine, "grammars", None)
+    if isinstance(own, GrammarCompiler):
+        return own
+    tokenizer = engine.tokenizer
+    eos = [i for i in (getattr(tokenizer, "eos_id", None),) if isinstance(i, int)]
+    vocab_size: int = getattr(engine, "vocab_size", None) or getattr(tokenizer, "vocab_size", None) or 0
+    return GrammarCompiler(None if tokenizer is None else (lambda: tokenizer), vocab_size, eos)
 
 
 class ServingState:
@@ -30,8 +45,11 @@ class ServingState:
     the metrics, the prefix cache's isolation, the requests in flight, and whether the server is
     draining for shutdown."""
 
-    def __init__(self, engine, served_model_name: Optional[str], guard: HttpGuard = HttpGuard()):
+    def __init__(
+        self, engine, served_model_name: Optional[str], guard: HttpGuard = HttpGuard(), tool_parser: str = "hermes"
+    ):
         self.engine = engine
+        self.tool_parser = tool_parser  # the format `tool_choice: auto` replies are read in
         self.served_name = served_model_name or engine.model_name
         self.model_names = {self.served_name, engine.model_name}
         self.metrics = ServingMetrics(
@@ -41,6 +59,7 @@ class ServingState:
         self.renderer = ChatRenderer.for_tokenizer(engine.chat_template, engine.tokenizer)
         self.limits = PromptLimits.of(engine.max_model_len, engine.tokenizer)
         self.workers = WorkerPool(getattr(engine.tokenizer, "backend", None))
+        self.grammars = grammars_of(engine)
         self.active: dict[str, EngineStream] = {}
         self.draining = False
         if self.limits.max_chars is not None:
@@ -99,15 +118,26 @@ class ServingState:
         add_generation_prompt: bool,
         extra: Optional[dict[str, Any]] = None,
         check_size: bool = True,
+        tools: Optional[ToolPlan] = None,
     ) -> str:
         """The chat prompt's text, rendered in a thread; refused first if its contents alone cannot fit."""
 
         def render() -> str:
             if check_size:
                 self.limits.check_messages(messages)
-            return self.renderer.render(messages, add_generation_prompt, extra)
+            return self.renderer.render(messages, add_generation_prompt, extra, tools)
 
         return await off_loop(render)
+
+    async def check_structured(self, params: SamplingParams, field: Optional[str]) -> None:
+        """A structured request's grammar checked against the model's vocabulary (compiled once per
+        spec, in a thread): a 400 naming the body's `field`, before anything is queued."""
+        if params.structured is None:
+            return
+        try:
+            await off_loop(self.grammars.validate, params.structured)
+        except StructuredSpecError as exc:
+            raise ProtocolError(field, f"{field}: {exc}") from None
 
     async def read_json(self, request: Request) -> Any:
         """The body's JSON, parsed where the event loop does not wait on it when it is large: in a

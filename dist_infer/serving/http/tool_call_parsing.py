@@ -138,7 +138,9 @@ def _call_in(text: str, start: int) -> tuple[Optional[ToolCall], Optional[int]]:
 def _parse_hermes(text: str, final: bool) -> tuple[list[str], list[ToolCall]]:
     """Outside pieces and calls. While the text grows, a block that has not named its call yet
     and a suffix that may be the start of a tag are held back; at the end both are text."""
-    outside, calls, pos = [], [], 0
+    outside: list[str] = []
+    calls: list[ToolCall] = []
+    pos = 0
     while True:
         tag = text.find(HERMES_OPEN, pos)
         if tag < 0:
@@ -175,7 +177,8 @@ def _llama3_calls(text: str) -> tuple[list[str], list[ToolCall]]:
         return [], []  # may be the tag, still arriving
     if text[begin] != "{":
         return [text], []
-    calls, pos = [], begin
+    calls: list[ToolCall] = []
+    pos: Optional[int] = begin
     while pos is not None and pos < len(text) and text[pos] == "{":
         call, end = _call_in(text, pos)
         if call is not None:

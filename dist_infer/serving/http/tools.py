@@ -28,6 +28,7 @@ from typing import Any, Mapping, Optional
 from dist_infer.serving.http.json_body import ProtocolError
 from dist_infer.serving.http.tool_call_parsing import PARSERS, ParsedReply, ToolCall, parse_reply
 
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # the body fields read here
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
@@ -159,12 +160,10 @@ def required_calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict:
     for tool in tools:
         params = copy.deepcopy(parameters_of(tool.function))
         for key in ("$defs", "definitions"):
-            for name, schema in (params.pop(key, None) or {}).items():
-                if name in defs and defs[name] != schema:
-                    raise ProtocolError(
-                        "tools", f"tools define ${key[1:] if key[0] == '$' else key} {name!r} differently"
-                    )
-                defs[name] = schema
+            for name, definition in (params.pop(key, None) or {}).items():
+                if name in defs and defs[name] != definition:
+                    raise ProtocolError("tools", f"tools define {key} {name!r} differently")
+                defs[name] = definition
         options.append(
             {
                 "type": "object",

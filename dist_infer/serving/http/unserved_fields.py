@@ -1,9 +1,9 @@
 """The request fields of OpenAI's and vLLM's schemas that this server does not serve, as one table.
 
-A client that asks for one of them (a JSON schema, banned words, a second choice, ...) gets a 400
+A client that asks for one of them (banned words, a second choice, ...) gets a 400
 naming the field (`param`), not a 200 that silently ignored it: the answer would be other than the
 one it asked for. A value that asks for nothing is accepted, as vLLM accepts its own defaults:
-null, and each row's `noop` values (`n: 1`, `logit_bias: {}`, `response_format: {"type": "text"}`).
+null, and each row's `noop` values (`n: 1`, `logit_bias: {}`, `echo: false`).
 Rows whose `noop` is ANY are hints that change no answer (caching keys, abuse-monitoring ids):
 they are listed so the decision is written down, and any value is accepted.
 
@@ -41,8 +41,8 @@ def _same_json(a: Any, b: Any) -> bool:
 
 
 _NO_PENALTIES = "the sampler applies no penalties"
-_NO_GUIDED = "no guided or structured decoding: the output is free text"
-_NO_TOOLS = "no tool or function calling"
+_NO_GUIDED = "not this form of structured output (response_format, structured_outputs and guided_json/regex/choice/grammar are served)"
+_NO_TOOLS = "the legacy function-calling fields are not served; send tools and tool_choice"
 _NOT_STORED = "nothing is stored"
 _CACHE_HINT = "a prompt-caching hint; prefixes are cached on their own, the answer is the same"
 
@@ -57,12 +57,8 @@ UNSERVED: dict[str, Unserved] = {
     "frequency_penalty": Unserved(_NO_PENALTIES, (0,)),
     "logit_bias": Unserved("the sampler does not bias logits", ({},)),
     # OpenAI, chat
-    "response_format": Unserved(_NO_GUIDED, ({"type": "text"},)),
-    "tools": Unserved(_NO_TOOLS, ([],)),
-    "tool_choice": Unserved(_NO_TOOLS, ("none",)),
     "functions": Unserved(_NO_TOOLS, ([],)),
     "function_call": Unserved(_NO_TOOLS, ("none",)),
-    "parallel_tool_calls": Unserved("no tool calling, so it changes nothing", (True, False)),
     "audio": Unserved("text output only"),
     "modalities": Unserved("text output only", (["text"],)),
     "prediction": Unserved("no predicted outputs"),
@@ -92,14 +88,8 @@ UNSERVED: dict[str, Unserved] = {
     "logits_processors": Unserved("no custom logits processors", ([],)),
     "return_tokens_as_token_ids": Unserved("logprobs' tokens are text (token_ids holds the ids)", (False,)),
     # vLLM's guided decoding
-    "guided_json": Unserved(_NO_GUIDED),
-    "guided_regex": Unserved(_NO_GUIDED),
-    "guided_choice": Unserved(_NO_GUIDED),
-    "guided_grammar": Unserved(_NO_GUIDED),
-    "guided_decoding_backend": Unserved(_NO_GUIDED),
     "guided_whitespace_pattern": Unserved(_NO_GUIDED),
     "structural_tag": Unserved(_NO_GUIDED),
-    "structured_outputs": Unserved(_NO_GUIDED),
     # vLLM's prompt and chat extras
     "prompt_embeds": Unserved("prompts are text or token ids"),
     "continue_final_message": Unserved("the last message is never continued", (False,)),
