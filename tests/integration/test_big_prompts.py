@@ -8,8 +8,10 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
-import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,8 +24,7 @@ from dist_infer.serving.http.json_body import ProtocolError, json_of
 from dist_infer.serving.http.worker_pool import WorkerPool
 from tests.support.fake_engine import MODEL, FakeEngine
 from tests.support.gil_tokenizer import GilHoldingTokenizer
-
-HOLD_S = 1.5  # each encode holds the GIL this long
+from tests.support.paths import JOBS
 
 
 def test_workers_parse_and_encode_as_this_process_does():
@@ -79,54 +80,54 @@ def serve(engine: FakeEngine):
     return f"http://127.0.0.1:{port['p']}", server, thread
 
 
-def health_while_tokenizing(prompts: int, chars: int) -> tuple[list[float], list[httpx.Response], float]:
-    """Post `prompts` prompts of `chars` characters at once; probe /health every 20 ms until all are
-    answered. (/health latencies, the answers, seconds the prompts took)."""
+def health_while_tokenizing(gate: Path, prompts: int, chars: int, started: int, probe_timeout: float):
+    """Post `prompts` prompts of `chars` characters at once, each encode held until a prober in
+    another process has seen `started` of them begin and asked /health once (with
+    `probe_timeout`): (what the probe got, the answers)."""
     engine = FakeEngine()
     engine.max_model_len = 10 * chars
-    engine.tokenizer = GilHoldingTokenizer(HOLD_S)
+    engine.tokenizer = GilHoldingTokenizer(gate)
     url, server, thread = serve(engine)
+    probe = subprocess.Popen(
+        [sys.executable, str(JOBS / "health_probe.py"), url, str(gate), str(started), str(probe_timeout)]
+    )
     answers: list = [None] * prompts
 
     def post(i: int) -> None:
-        with httpx.Client(trust_env=False, timeout=120) as h:
+        with httpx.Client(trust_env=False, timeout=300) as h:
             answers[i] = h.post(url + "/v1/completions", json={"prompt": "a" * chars, "max_tokens": 1})
 
     posters = [threading.Thread(target=post, args=(i,)) for i in range(prompts)]
-    start = time.monotonic()
-    latencies = []
     try:
         for t in posters:
             t.start()
-        with httpx.Client(trust_env=False, timeout=60) as h:
-            while any(t.is_alive() for t in posters):
-                sent = time.monotonic()
-                assert h.get(url + "/health").status_code == 200
-                latencies.append(time.monotonic() - sent)
-                time.sleep(0.02)
-        took = time.monotonic() - start
-    finally:
         for t in posters:
-            t.join(120)
+            t.join(300)
+        assert probe.wait(300) == 0
+    finally:
+        (gate / "released").touch()  # whatever happened, no encode waits on
+        if probe.poll() is None:
+            probe.kill()
         server.request_shutdown()
         thread.join(30)
-    return latencies, answers, took
+    return (gate / "probe").read_text(), answers
 
 
-def test_health_answers_while_gil_holding_encodes_run_in_workers():
-    latencies, answers, took = health_while_tokenizing(3, worker_pool.POOL_MIN_CHARS)
+def test_health_answers_while_gil_holding_encodes_run_in_workers(tmp_path):
+    # two workers: two encodes hold theirs while /health is asked, the third waits its turn
+    outcome, answers = health_while_tokenizing(tmp_path, 3, worker_pool.POOL_MIN_CHARS, started=2, probe_timeout=60)
+    assert outcome == "answered 200"
     assert all(
         r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == worker_pool.POOL_MIN_CHARS + 1 for r in answers
     ), [r.text for r in answers]
-    assert took >= 2 * HOLD_S  # 3 encodes of HOLD_S on 2 workers
-    assert len(latencies) >= 10 and max(latencies) < HOLD_S / 2, sorted(latencies)[-5:]
 
 
-def test_the_same_encodes_in_a_thread_stop_health(monkeypatch):
-    """The control: what the test above would see without workers (the prompts stay under the
-    pool's threshold), so its bound does tell the two apart."""
+def test_the_same_encodes_in_a_thread_stop_health(monkeypatch, tmp_path):
+    """The control: without workers (the prompts stay under the pool's threshold) an encode holds
+    this process's GIL, and /health cannot answer until it is let go (the probe lets it go only
+    after its own timeout), so the test above does tell the two apart."""
     monkeypatch.setattr(worker_pool, "POOL_MIN_CHARS", 10**9)
     monkeypatch.setattr("dist_infer.serving.http.state.POOL_MIN_CHARS", 10**9)
-    latencies, answers, _ = health_while_tokenizing(3, 8192)
+    outcome, answers = health_while_tokenizing(tmp_path, 3, 8192, started=1, probe_timeout=2)
+    assert outcome == "timed out"
     assert all(r.status_code == 200 for r in answers)
-    assert max(latencies) >= HOLD_S / 2, sorted(latencies)[-5:]

@@ -104,7 +104,7 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
         "--dispatch",
         "rr",
         "--timeout",
-        "60",
+        "180",  # also how long an instance may take to join: Ray starting its process and torch beside other work
         "--placement",
         "ray",
         "--ray-address",

@@ -1,12 +1,15 @@
-"""A tokenizer whose encode holds the GIL for a set time, as `tokenizers`' Rust encode of a long
-prompt does (a thread running it stops every other thread of the process), with no CPU spent:
-the wait is libc's usleep called through ctypes.PyDLL, which keeps the GIL. Picklable, so the
-API's worker processes can load it."""
+"""A tokenizer whose encode holds the GIL until the test lets it go, as `tokenizers`' Rust encode of
+a long prompt holds it (a thread running it stops every other thread of its process), with no CPU
+spent: the encode waits inside one libc `system()` call made through ctypes.PyDLL, which keeps the
+GIL. The shell it runs first marks the encode as started (`started.<pid>` in the gate folder), then
+waits for `released` there. Picklable, so the API's worker processes can load it."""
 
 from __future__ import annotations
 
 import ctypes
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.support.fake_engine import FakeTokenizer
 
@@ -18,21 +21,24 @@ class Encoding:
 
 @dataclass
 class GilHoldingBackend:
-    hold_s: float
+    gate: str  # a folder: the encodes mark themselves started in it and wait for `released`
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Encoding:
-        ctypes.PyDLL(None).usleep(int(self.hold_s * 1_000_000))
+        gate = shlex.quote(self.gate)
+        ctypes.PyDLL(None).system(
+            f"touch {gate}/started.$$; while [ ! -e {gate}/released ]; do sleep 0.02; done".encode()
+        )
         return Encoding(FakeTokenizer().encode(text, add_bos=False))
 
 
 class GilHoldingTokenizer(FakeTokenizer):
     """FakeTokenizer's ids (one per character, so one character per token), encoded by a backend
-    that holds the GIL for `hold_s`: in this process (encode) or in a worker (backend)."""
+    that holds the GIL until the gate opens: in this process (encode) or in a worker (backend)."""
 
     max_chars_per_token = 1
 
-    def __init__(self, hold_s: float):
-        self.backend = GilHoldingBackend(hold_s)
+    def __init__(self, gate: Path):
+        self.backend = GilHoldingBackend(str(gate))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.with_bos(self.backend.encode(text).ids, add_bos)
