@@ -166,10 +166,15 @@ class RankForker:
         return ForkedRank(pid, ["dist_infer", *args])
 
 
-def _exit_code(exc: SystemExit) -> int:
+def exit_code_of(exc: SystemExit) -> int:
+    """What the interpreter does with an uncaught SystemExit: its code, or 1 after printing its
+    message to stderr (`raise SystemExit("why")`, the CLI's way of refusing input)."""
     if exc.code is None:
         return 0
-    return exc.code if isinstance(exc.code, int) else 1
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 def _become_fresh_rank(env: dict[str, str]) -> None:
@@ -201,7 +206,7 @@ def _run_rank(args: list[str], env: dict[str, str]) -> NoReturn:
 
         code = main(args)
     except SystemExit as exc:
-        code = _exit_code(exc)
+        code = exit_code_of(exc)
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 - a child must never fall back into the launcher's code

@@ -89,6 +89,7 @@ def test_ray_stays_on_the_loopback_without_the_variable_in_the_environment():
     assert result.returncode == 0 and result.stdout.split() == ["False", LOCAL], result.stdout
 
 
+@pytest.mark.timeout(900)  # a Ray cluster, two instances and a restart: minutes beside other work
 def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, cluster, tmp_path):
     prompts = prompts_for([12, 19, 7], seed=71)
     env = without_ray_cluster_env(venv_env())

@@ -41,6 +41,14 @@ def test_a_forked_command_prints_and_exits_as_the_execd_one(tmp_path):
     execd = finish(start(GENERATE, _exec_env()), timeout=120)
     assert forked.returncode == execd.returncode == 0, forked.stderr[-3000:]
     assert _token_ids(forked.stdout) == _token_ids(execd.stdout)
+    refused = [DIST, "generate", "--prompt-ids", "1,2,x"]  # `raise SystemExit(message)`: printed, exit 1
+    forked, execd = finish(start(refused, env), timeout=60), finish(start(refused, _exec_env()), timeout=60)
+    assert forked.returncode == execd.returncode == 1
+    assert (
+        forked.stderr.splitlines()[-1]
+        == execd.stderr.splitlines()[-1]
+        == "dist-infer generate: --prompt-ids '1,2,x' must be comma-separated integers"
+    )
     missing = [DIST, "generate", "--model", str(tmp_path / "no-such-model")]
     forked, execd = finish(start(missing, env), timeout=60), finish(start(missing, _exec_env()), timeout=60)
     assert forked.returncode == execd.returncode != 0

@@ -192,7 +192,7 @@ def _become_command(request: dict, fds: list[int], keep_closed: list[socket.sock
 
 
 def _run_command(request: dict, fds: list[int], keep_closed: list[socket.socket]) -> NoReturn:
-    from dist_infer.launch.forked_start import own_command_args
+    from dist_infer.launch.forked_start import exit_code_of, own_command_args
     from dist_infer.topology.processes import exit_now
 
     code = 1
@@ -205,7 +205,7 @@ def _run_command(request: dict, fds: list[int], keep_closed: list[socket.socket]
 
         code = main(args)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exit_code_of(exc)
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 - a child must never fall back into the zygote's loop

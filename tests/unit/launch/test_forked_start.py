@@ -17,6 +17,7 @@ from dist_infer.launch.forked_start import (
     START_ENV,
     RankForker,
     RankStartError,
+    exit_code_of,
     own_command_args,
     start_method,
     thread_count,
@@ -73,3 +74,10 @@ def test_this_environments_dist_infer_script_is_forked_and_another_one_is_not(tm
     assert own_command_args([_script(tmp_path / "not-ours", here, "from other.cli import run\n")]) is None
     assert own_command_args([str(tmp_path / "missing"), "serve"]) is None
     assert own_command_args(["no-such-program-on-path", "serve"]) is None
+
+
+def test_a_forked_commands_exit_message_reaches_stderr_as_the_interpreters_would(capsys):
+    assert exit_code_of(SystemExit()) == 0 and exit_code_of(SystemExit(3)) == 3
+    assert capsys.readouterr().err == ""
+    assert exit_code_of(SystemExit("dist-infer generate: --json-schema: not JSON")) == 1
+    assert capsys.readouterr().err == "dist-infer generate: --json-schema: not JSON\n"
