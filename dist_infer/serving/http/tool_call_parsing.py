@@ -177,17 +177,21 @@ def _llama3_calls(text: str) -> tuple[list[str], list[ToolCall]]:
         return [], []  # may be the tag, still arriving
     if text[begin] != "{":
         return [text], []
+    return [], _calls_separated_by(text, begin, ";")
+
+
+def _calls_separated_by(text: str, pos: Optional[int], separator: str) -> list[ToolCall]:
+    """The call objects from text[pos] on, one after another with `separator` between them."""
     calls: list[ToolCall] = []
-    pos: Optional[int] = begin
-    while pos is not None and pos < len(text) and text[pos] == "{":
+    while pos is not None and text[pos] == "{":
         call, end = _call_in(text, pos)
         if call is not None:
             calls.append(call)
         if end is None:
             break
         after = _first_non_space(text, end)
-        pos = _first_non_space(text, after + 1) if after is not None and text[after] == ";" else None
-    return [], calls
+        pos = _first_non_space(text, after + 1) if after is not None and text[after] == separator else None
+    return calls
 
 
 def _first_non_space(text: str, pos: int) -> Optional[int]:
@@ -207,20 +211,10 @@ def _without_partial_tag(piece: str, tag: str) -> str:
 def _parse_json_array(text: str, final: bool) -> tuple[list[str], list[ToolCall]]:
     """`[{"name": ..., "parameters": {...}}, ...]`: what `tool_choice: required` makes the model
     write (its grammar forces the shape), so there is never text outside the calls."""
-    calls: list[ToolCall] = []
     pos = _first_non_space(text, 0)
     if pos is None or text[pos] != "[":
-        return ([text] if final and pos is not None else []), calls
-    pos = _first_non_space(text, pos + 1)
-    while pos is not None and text[pos] == "{":
-        call, end = _call_in(text, pos)
-        if call is not None:
-            calls.append(call)
-        if end is None:
-            break
-        after = _first_non_space(text, end)
-        pos = _first_non_space(text, after + 1) if after is not None and text[after] == "," else None
-    return [], calls
+        return ([text] if final and pos is not None else []), []
+    return [], _calls_separated_by(text, _first_non_space(text, pos + 1), ",")
 
 
 _PARSE = {"hermes": _parse_hermes, "llama3_json": _parse_llama3, "json_array": _parse_json_array}
