@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Mapping, NoReturn, Optional, Sequence
+from typing import Callable, Mapping, NoReturn, Optional, Sequence
 
 from loguru import logger
 
@@ -177,31 +177,45 @@ def exit_code_of(exc: SystemExit) -> int:
     return 1
 
 
-def _become_fresh_rank(env: dict[str, str]) -> None:
-    """What an exec'd rank would have had: its own session, death with the launcher, default
-    signal handlers, its environment, its own random state and its share of the cores."""
-    os.setsid()
-    die_with_parent()
+def reset_inherited_state(threads_when_unset: Optional[int] = None) -> None:
+    """What a forked child takes over from its parent but an exec'd program would not have had:
+    the parent's signal handlers, its random state, and its share of the cores (OpenMP read
+    OMP_NUM_THREADS when the parent loaded it; `threads_when_unset` where the variable is absent)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.update(env)
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:  # OpenMP read the variable when the launcher loaded it
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(given) if given.isdigit() and int(given) > 0 else threads_when_unset
+    if threads:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
+
+
+def _become_fresh_rank(env: dict[str, str]) -> None:
+    """What an exec'd rank would have had: its own session, death with the launcher, its
+    environment, and nothing inherited it should not have."""
+    os.setsid()
+    die_with_parent()
+    os.environ.update(env)
+    reset_inherited_state()
 
 
 def _run_rank(args: list[str], env: dict[str, str]) -> NoReturn:
     """The forked child: become a rank, run the command, end without returning to the launcher."""
+    run_forked_command(args, lambda: _become_fresh_rank(env), sys.argv[0])
+
+
+def run_forked_command(args: list[str], become: Callable[[], None], program: str) -> NoReturn:
+    """A forked child's life: `become` what an exec'd `program ARGS` would be, run the CLI, and
+    end as the interpreter would (exit code, SystemExit's message), never returning to the parent."""
     code = 1
     try:
-        _become_fresh_rank(env)
-        sys.argv = [sys.argv[0], *args]
+        become()
+        sys.argv = [program, *args]
         from dist_infer.cli.main import main
 
         code = main(args)
@@ -209,7 +223,7 @@ def _run_rank(args: list[str], env: dict[str, str]) -> NoReturn:
         code = exit_code_of(exc)
     except KeyboardInterrupt:
         code = 130
-    except BaseException:  # noqa: BLE001 - a child must never fall back into the launcher's code
+    except BaseException:  # noqa: BLE001 - a child must never fall back into its parent's code
         traceback.print_exc()
         code = 1
     try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import selectors
 import signal
 import socket
@@ -31,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Mapping, NoReturn, Optional, Sequence
 
@@ -164,6 +162,7 @@ def _program_name(argv: list[str]) -> str:
 def _become_command(request: dict, fds: list[int], keep_closed: list[socket.socket]) -> None:
     """What the exec'd command would have had: its own session, its streams, directory and
     environment, default signal handlers, its own random state and its share of the cores."""
+    from dist_infer.launch.forked_start import reset_inherited_state
     from dist_infer.topology.processes import die_with_parent
 
     os.setsid()
@@ -178,42 +177,17 @@ def _become_command(request: dict, fds: list[int], keep_closed: list[socket.sock
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-    import torch
-
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else len(os.sched_getaffinity(0)))
+    reset_inherited_state(threads_when_unset=len(os.sched_getaffinity(0)))
 
 
 def _run_command(request: dict, fds: list[int], keep_closed: list[socket.socket]) -> NoReturn:
-    from dist_infer.launch.forked_start import exit_code_of, own_command_args
-    from dist_infer.topology.processes import exit_now
+    from dist_infer.launch.forked_start import own_command_args, run_forked_command
 
-    code = 1
-    try:
-        _become_command(request, fds, keep_closed)
-        argv = request["argv"]
-        args = own_command_args(argv) or []
-        sys.argv = [_program_name(argv), *args]
-        from dist_infer.cli.main import main
-
-        code = main(args)
-    except SystemExit as exc:
-        code = exit_code_of(exc)
-    except KeyboardInterrupt:
-        code = 130
-    except BaseException:  # noqa: BLE001 - a child must never fall back into the zygote's loop
-        traceback.print_exc()
-    try:
-        exit_now(code)
-    finally:
-        os._exit(code)
+    argv = request["argv"]
+    run_forked_command(
+        own_command_args(argv) or [], lambda: _become_command(request, fds, keep_closed), _program_name(argv)
+    )
 
 
 class _Server:
