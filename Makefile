@@ -26,8 +26,11 @@ run: setup
 
 # The tests run the peers too (DeepSpeed and transformers side by side with ours), so they install them,
 # and Slurm where they can (tests/integration/test_slurm.py starts a one-host Slurm of its own).
+# Two pytest workers (pytest-xdist), a test file each at a time (`loadfile`: a file's module fixtures, its
+# checkpoints, are made once): most of a test's time is its processes starting and waiting on each other.
+TEST_WORKERS ?= 2
 test: setup peers slurm lint
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q tests
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # Lint (pyproject.toml's [tool.ruff] and [tool.mypy]): ruff's checks, ruff's formatting (`ruff format .`
 # fixes it) and the type checker on the packages typed so far. `make test` runs it first;

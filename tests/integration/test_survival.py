@@ -102,6 +102,7 @@ def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkp
                     if n >= 25 and not killed:
                         killed["at"] = n
                         assert where(job, request_id) == 1
+                        killed["on_victim"] = len(instances(job)[1]["requests"])
                         os.kill(victim, signal.SIGKILL)
 
                 # rr: 0 -> instance 0, 1 -> instance 1, 2 -> instance 0, 3 (sampled) -> instance 1
@@ -129,7 +130,9 @@ def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkp
         insts = instances(job)
         assert insts[1]["state"] == "dead" and insts[1]["dead"] and insts[0]["state"] == "serving", insts
         metrics = job.metrics()
-        assert metrics["dist_infer:request_recovery_seconds_count"] >= 2, metrics
+        # Every request on instance 1 at the kill that had not ended by then is recovered: at least the
+        # one whose stream triggered it; under load the other may already have ended on the server.
+        assert 1 <= metrics["dist_infer:request_recovery_seconds_count"] <= killed["on_victim"], (killed, metrics)
         assert metrics["dist_infer:requests_lost_total"] == 0 and metrics["dist_infer:instance_failures_total"] == 1
         log = job.log()
         assert "go on on the other instances" in log and "streams again" in log, log[-4000:]
