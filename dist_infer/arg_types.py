@@ -49,6 +49,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number of at least 0 (a temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of at least 0")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """A finite number of seconds above 0 (--header-timeout): unlike positive_float, inf is refused,
     since a timeout of inf is no bound at all."""

@@ -3,8 +3,9 @@
 With pipeline parallelism up to pp steps are in flight at once, each on about 1/pp of the live
 requests, so every stage stays busy. Completing a step hands each sampled row to its request
 (request_progress.py); a request that fails in its step fails alone (step_guard.py). A row whose
-request has a grammar (structured outputs) gets its token bitmask here, as the step is planned: the
-request is in no other step, so its grammar state is the one this step samples from.
+request has a grammar (structured outputs) gets its token bitmask as the step is planned: the
+request is in no other step, so its grammar state is the one this step samples from. Where the
+driver samples, the masks are computed while the forward runs (structured/mask_filler.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard, failed_error_id
 from dist_infer.engine.step_pacing import StepPacer
 from dist_infer.engine.step_plan import KIND_IDLE, KIND_STOP, KIND_WORK, StepPlan
-from dist_infer.engine.structured.matcher import MaskFiller, only_ending
+from dist_infer.engine.structured.mask_filler import MaskFiller, lift_eos_bans
 from dist_infer.engine.worker import StageWorker
 
 
@@ -162,18 +163,20 @@ class StepDriver:
         )
         if not chunks:
             return failed
-        failed += self._grammar_masks(plan, chunks)
         requests = [c.request for c in chunks]
         try:
             meta = self.worker.prepare(plan)  # before the plan leaves: a bad plan stops here, on the driver
         except Exception as exc:  # noqa: BLE001
             return failed + self.guard.fail_all(requests, "checking its step", exc)
+        failed += self._grammar_masks(plan, chunks)
         plan.freed, plan.transfers = self._take_freed(), self._take_transfers()
         self.next_step += 1
         launched = time.perf_counter()
         try:
             result = self._send_plan(plan, meta)
         except Exception as exc:  # noqa: BLE001
+            if plan.pending_masks is not None:
+                plan.pending_masks.settle()  # the fill ends before its grammar states are touched again
             self.guard.forward_failed(exc, self.world_size)  # re-raises unless this is the only rank
             return failed + self.guard.fail_all(requests, "its step's forward", exc)
         self.guard.forward_ok()
@@ -182,23 +185,24 @@ class StepDriver:
 
     def _grammar_masks(self, plan: StepPlan, chunks: list) -> list[RequestOutput]:
         """The token bitmasks of the plan's rows whose requests have a grammar (a step with none
-        gets none). Where the grammar can only end, EOS is allowed below min_tokens too. A fill
-        that raises fails those requests alone (their rows' tokens are then dropped)."""
+        gets none). Where the driver samples they are started on the mask filler's thread, to be
+        taken by the sampler after the forward; else filled now, into the plan. Where the grammar
+        can only end, EOS is allowed below min_tokens too. A fill that raises fails those
+        requests alone (their rows' tokens are then dropped)."""
         sampled = [c.request for c in chunks if c.sample]
         constrained = [(b, r) for b, r in enumerate(sampled) if r.grammar is not None]
         if not constrained:
             return []
+        rows, matchers = [b for b, _ in constrained], [r.grammar for _, r in constrained]
+        if self.runner.is_sampler and self.transport.stages == 1:
+            plan.pending_masks = self.masks.start(rows, matchers)
+            return []
         try:
-            masks = self.masks.fill([r.grammar for _, r in constrained])
+            masks = self.masks.fill(matchers)
         except Exception as exc:  # noqa: BLE001 - these requests' own grammars
             return self.guard.fail_all([r for _, r in constrained], "computing its grammar mask", exc)
-        banned = [i for i, (b, _) in enumerate(constrained) if plan.rows[b].ban_eos]
-        if banned:
-            ending = only_ending(masks[banned], self.model_cfg.eos_token_ids)
-            for i, only_eos in zip(banned, ending):
-                if only_eos:
-                    plan.rows[constrained[i][0]].ban_eos = 0
-        plan.mask_rows, plan.masks = [b for b, _ in constrained], masks
+        lift_eos_bans(plan.rows, rows, masks, self.model_cfg.eos_token_ids)
+        plan.mask_rows, plan.masks = rows, masks
         return []
 
     def _complete(self, flight: InFlightStep) -> list[RequestOutput]:

@@ -61,7 +61,9 @@ from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.step_pacing import StepPacer
 from dist_infer.engine.structured.compiler import GrammarCompiler
-from dist_infer.engine.structured.matcher import GrammarRejected, MaskFiller
+from dist_infer.engine.structured.counters import StructuredCounters
+from dist_infer.engine.structured.mask_filler import MaskFiller
+from dist_infer.engine.structured.matcher import GrammarRejected
 from dist_infer.engine.structured.spec import StructuredSpecError
 from dist_infer.engine.worker import StageWorker
 from dist_infer.models.cp_attention import ContextParallelError
@@ -105,8 +107,11 @@ class Engine:
         self.guard = StepGuard(self._fail)
         self.transport = PipelineTransport(groups.pp, self.stage_comm, self.cfg.vocab_size)
         self.timing = Timing()
-        self.grammars = GrammarCompiler(tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
-        self.masks = MaskFiller()
+        self.structured = StructuredCounters()  # grammars and masks: what they cost, for the metrics
+        self.grammars = GrammarCompiler(
+            tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids, counters=self.structured
+        )
+        self.masks = MaskFiller(counters=self.structured)
         self.mover: Optional[BlockMover] = None
         self.migration: Optional[MigrationEndpoint] = None
         # made with the KV cache (_allocate): at once for a fixed size, else per offline batch
@@ -187,7 +192,9 @@ class Engine:
             self.migration = MigrationEndpoint(self, notify)
 
     def close(self) -> None:
-        """Release the stage group this engine made (pp > 1); the caller owns the others."""
+        """Release the stage group this engine made (pp > 1; the caller owns the others) and the
+        mask filler's thread."""
+        self.masks.close()
         if self.stage_comm is not self.groups.world:
             self.stage_comm.destroy()
 
@@ -282,7 +289,7 @@ class Engine:
         return self.registry.has_unfinished()
 
     def stats(self) -> dict:
-        return engine_stats(self.scheduler, self.registry.requests_added, self.pacer)
+        return engine_stats(self.scheduler, self.registry.requests_added, self.pacer, self.structured.snapshot())
 
     def prefix_events(self) -> tuple[list[int], list[int]]:
         """Driver: the block hashes the prefix cache stored and evicted since the last call."""

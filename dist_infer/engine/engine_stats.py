@@ -7,6 +7,8 @@ exists (offline, before the first batch) it is all zeros.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dist_infer.engine.step_pacing import StepPacer
 
 EMPTY = {
@@ -22,12 +24,13 @@ EMPTY = {
 }
 
 
-def engine_stats(scheduler, requests_added: int, pacer: StepPacer) -> dict:
+def engine_stats(scheduler, requests_added: int, pacer: StepPacer, structured: Optional[dict] = None) -> dict:
     """The stats of an engine whose scheduler is `scheduler` (None: no cache yet), which applied
-    `requests_added` adds and paces its steps with `pacer`."""
+    `requests_added` adds and paces its steps with `pacer`; `structured`: its structured-output
+    counters (engine/structured/counters.py)."""
     s = scheduler
     if s is None:
-        return dict(EMPTY)
+        return dict(EMPTY, structured=structured)
     return {
         "num_requests_running": len(s.running),
         "num_requests_waiting": len(s.waiting),
@@ -47,4 +50,5 @@ def engine_stats(scheduler, requests_added: int, pacer: StepPacer) -> dict:
         "requests_added": requests_added,
         "step_seconds": pacer.step_times.snapshot(),
         "prefill_backlog_s": pacer.prefill_backlog_s(s.waiting, s.running),
+        "structured": structured,
     }

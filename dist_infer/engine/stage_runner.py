@@ -5,7 +5,8 @@ moves (live migration), and on a work step runs its stage of the model, then pas
 to the next stage or, on the last stage's sampler rank, samples the flagged rows. The driver
 runs its share as it sends a plan (driver_step.py); every other rank runs `follow` until a stop
 plan. The messages themselves are pipeline.py's. A row with a grammar (structured outputs) is
-masked by its bitmask from the plan before it is sampled, so its logprobs are the masked ones.
+masked by its bitmask before it is sampled, so its logprobs are the masked ones: from the plan, or
+(the driver samples) taken from the mask filler once the forward is done.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from dist_infer.engine.device_io import host_index, sampled_to_host, to_host
 from dist_infer.engine.kv_transfer import BlockMover
 from dist_infer.engine.pipeline import PipelineTransport
 from dist_infer.engine.sampling import SampledTokens, sample_rows
-from dist_infer.engine.step_guard import StepGuard
+from dist_infer.engine.step_guard import StepGuard, failed_token, log_exception
 from dist_infer.engine.step_plan import KIND_STOP, KIND_WORK, StepPlan
+from dist_infer.engine.structured.mask_filler import lift_eos_bans
 from dist_infer.engine.structured.token_mask import apply_bitmask_
 from dist_infer.engine.worker import StageWorker
 
@@ -95,16 +97,35 @@ class StageRunner:
         # sample_index is sorted and distinct: as many rows as out has is every row (a decode step), no gather
         logits = out if len(rows) == out.shape[0] else out[host_index(rows, out.device)]
         sample = self.sampler or sample_rows  # looked up here: a test may replace the module's sampler
+        eos_ids = tuple(self.stage.cfg.eos_token_ids)
+        unmasked, error_id = self._take_pending_masks(plan, eos_ids)
         allowed = logits
         if plan.mask_rows:  # a copy: the model's own logits stay what return_logits gives
             allowed = apply_bitmask_(logits.clone(), plan.masks, plan.mask_rows)
-        sampled = self.guard.sample(sample, allowed, plan, tuple(self.stage.cfg.eos_token_ids))
+        sampled = self.guard.sample(sample, allowed, plan, eos_ids)
         sampled = sampled_to_host(sampled)  # the driver reads them, and a pipeline sends them, from the host
+        for b in unmasked:  # their grammar failed: so do they
+            sampled.tokens[b] = failed_token(error_id)
         if plan.return_logits:
             sampled.logits = to_host(logits.float())
         if self.transport.stages > 1:
             self.transport.send_sampled(sampled, plan)
         return sampled
+
+    @staticmethod
+    def _take_pending_masks(plan: StepPlan, eos_ids: tuple[int, ...]) -> tuple[list[int], str]:
+        """The masks the driver started before the forward, into the plan (`mask_rows`, `masks`).
+        If their fill raised: the rows it was for (they fail) and the error id it is logged under."""
+        pending, plan.pending_masks = plan.pending_masks, None
+        if pending is None:
+            return [], ""
+        try:
+            masks = pending.result()
+        except Exception as exc:  # noqa: BLE001 - these rows' own grammars
+            return pending.rows, log_exception(exc, f"step {plan.step}: grammar masks of rows {pending.rows} failed")
+        lift_eos_bans(plan.rows, pending.rows, masks, eos_ids)
+        plan.mask_rows, plan.masks = pending.rows, masks
+        return [], ""
 
     def follow(self, time_prefill: bool = False) -> tuple[float, float]:
         """Every rank but the driver: run the plans as they come, until the driver says stop.

@@ -13,7 +13,7 @@ travels as two messages; `encode`/`decode` are pure and tested without processes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -48,6 +48,9 @@ class StepPlan:
     # bitmasks [len(mask_rows), words] int32 (engine/structured/token_mask.py); None when no row has one
     mask_rows: list[int] = field(default_factory=list)
     masks: Optional[torch.Tensor] = None
+    # the driver's own, never sent: masks still being computed while the forward runs (the driver
+    # samples: engine/structured/mask_filler.py); the sampler moves them into mask_rows and masks
+    pending_masks: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def total_tokens(self) -> int:

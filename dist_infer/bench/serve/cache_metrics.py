@@ -25,7 +25,7 @@ class CacheCounters(NamedTuple):
     hits: float
 
 
-def _sample_value(line: str, name: str) -> Optional[float]:
+def sample_value(line: str, name: str) -> Optional[float]:
     """The value of one exposition line if it is a sample of `name` (any labels), else None."""
     if not line.startswith(name):
         return None
@@ -56,25 +56,31 @@ def parse_cache_counters(text: str) -> Optional[CacheCounters]:
         sums = {}
         for counter in ("queries", "hits"):
             name = f"{prefix}:prefix_cache_{counter}_total"
-            values = [v for v in (_sample_value(line, name) for line in lines) if v is not None]
+            values = [v for v in (sample_value(line, name) for line in lines) if v is not None]
             sums[counter] = sum(values) if values else None
         if sums["queries"] is not None:
             return CacheCounters(sums["queries"], sums["hits"] or 0.0)
     return None
 
 
-async def scrape_cache_counters(client: Any, base_url: str) -> Optional[CacheCounters]:
-    """GET base_url/metrics with the run's client (so the same key and TLS settings); None if the
-    server has no /metrics, refuses it, or exports no prefix cache counters."""
+async def scrape_metrics_text(client: Any, base_url: str) -> Optional[str]:
+    """GET base_url/metrics with the run's client (so the same key and TLS settings): the exposition
+    text, or None if the server has no /metrics or refuses it."""
     try:
         response = await client.get(base_url + "/metrics", timeout=SCRAPE_TIMEOUT_S)
         if response.status_code != 200:
-            logger.debug(f"{base_url}/metrics: HTTP {response.status_code}, no prefix cache hit rate")
+            logger.debug(f"{base_url}/metrics: HTTP {response.status_code}, no server counters")
             return None
-        return parse_cache_counters(response.text)
-    except Exception as exc:  # any transport or decoding error: the hit rate is optional
-        logger.debug(f"{base_url}/metrics unreadable ({type(exc).__name__}: {exc}), no prefix cache hit rate")
+        return response.text
+    except Exception as exc:  # any transport or decoding error: the counters are optional
+        logger.debug(f"{base_url}/metrics unreadable ({type(exc).__name__}: {exc}), no server counters")
         return None
+
+
+async def scrape_cache_counters(client: Any, base_url: str) -> Optional[CacheCounters]:
+    """The prefix cache counters of base_url/metrics; None if there are none (see scrape_metrics_text)."""
+    text = await scrape_metrics_text(client, base_url)
+    return None if text is None else parse_cache_counters(text)
 
 
 def cache_summary(before: Optional[CacheCounters], after: Optional[CacheCounters]) -> dict[str, Optional[float]]:

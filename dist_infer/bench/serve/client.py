@@ -22,12 +22,16 @@ from loguru import logger
 
 from dist_infer.bench.serve.datasets import BenchRequest
 from dist_infer.bench.serve.flags import ENDPOINT_PATHS, InputError
+from dist_infer.bench.serve.json_schemas import check_answer, response_format
 
 API_KEY_ENVS = ("OPENAI_API_KEY", "DIST_INFER_API_KEY")  # where --api-key comes from when not given
 
 
-def request_payload(request: BenchRequest, model: str, endpoint: str, ignore_eos: bool) -> dict[str, Any]:
-    """The JSON body: streamed, greedy, max_tokens = the request's output length."""
+def request_payload(
+    request: BenchRequest, model: str, endpoint: str, ignore_eos: bool, temperature: float = 0.0
+) -> dict[str, Any]:
+    """The JSON body: streamed, at `temperature` (greedy by default), max_tokens = the request's
+    output length, and its schema as a strict json_schema response_format if it has one."""
     body: dict[str, Any] = {"model": model}
     if endpoint == "chat":  # a list prompt on chat is a whole conversation's messages (multi-turn)
         body["messages"] = (
@@ -38,13 +42,15 @@ def request_payload(request: BenchRequest, model: str, endpoint: str, ignore_eos
     body.update(
         {
             "max_tokens": request.output_len,
-            "temperature": 0.0,
+            "temperature": temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
     )
     if ignore_eos:
         body["ignore_eos"] = True
+    if request.schema is not None:
+        body["response_format"] = response_format(request.schema)
     return body
 
 
@@ -84,6 +90,7 @@ class ChunkContent(NamedTuple):
     prompt_tokens: Optional[int]
     error: Optional[str]
     token_ids: Optional[list[int]] = None  # the new ids, when the server sends them (vLLM's return_token_ids)
+    finish_reason: Optional[str] = None  # on the chunk that ends the choice
 
 
 def chunk_content(event: dict, completion_tokens_so_far: Optional[int] = None) -> ChunkContent:
@@ -95,10 +102,11 @@ def chunk_content(event: dict, completion_tokens_so_far: Optional[int] = None) -
     usage = event.get("usage") if isinstance(event.get("usage"), dict) else {}
     completion = usage.get("completion_tokens")
     prompt = usage.get("prompt_tokens")
-    text, token_ids = "", None
+    text, token_ids, finish = "", None, None
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):
             continue
+        finish = choice.get("finish_reason") or finish
         delta = choice.get("delta") or choice.get("message")  # message: a whole non-streamed chat answer
         delta = delta if isinstance(delta, dict) else {}
         piece = choice.get("text") if "text" in choice else (delta.get("content") or delta.get("reasoning_content"))
@@ -119,6 +127,7 @@ def chunk_content(event: dict, completion_tokens_so_far: Optional[int] = None) -
         prompt if isinstance(prompt, int) else None,
         None,
         token_ids,
+        finish if isinstance(finish, str) else None,
     )
 
 
@@ -152,6 +161,9 @@ class RequestRecord:
     error: str = ""
     conversation: Optional[int] = None  # multi-turn runs: which conversation (0-based) and turn (1-based)
     turn: Optional[int] = None
+    finish_reason: Optional[str] = None  # as the last chunk says
+    schema_valid: Optional[bool] = None  # --dataset json-schema: the answer is an instance of its schema
+    schema_error: str = ""  # why not
 
     @property
     def tpot(self) -> Optional[float]:
@@ -261,6 +273,7 @@ async def stream_request(
                 record.prompt_tokens = content.prompt_tokens
             if answer is not None:
                 answer.add(content)
+            record.finish_reason = content.finish_reason or record.finish_reason
             if content.tokens or content.text:
                 if record.ttft is None:
                     record.ttft = now - sent
@@ -364,15 +377,22 @@ async def run_requests(
     endpoint: str,
     ignore_eos: bool,
     progress: Optional[Callable[[RequestRecord], None]] = None,
+    temperature: float = 0.0,
 ) -> list[RequestRecord]:
-    """Send every request at its arrival time (relative to session.start); the records in request order."""
+    """Send every request at its arrival time (relative to session.start); the records in request
+    order. A request with a schema has its answer checked against it (`schema_error`)."""
 
     async def one(request: BenchRequest) -> RequestRecord:
         record = RequestRecord(request.index, request.input_len, request.output_len)
         delay = request.arrival_s - session.now()
         if delay > 0:
             await asyncio.sleep(delay)
-        await send_request(session, request_payload(request, session.model, endpoint, ignore_eos), record)
+        answer = Answer() if request.schema is not None else None
+        payload = request_payload(request, session.model, endpoint, ignore_eos, temperature)
+        await send_request(session, payload, record, answer)
+        if answer is not None and record.success:
+            record.schema_error = check_answer(answer.text, request.schema.schema) or ""
+            record.schema_valid = not record.schema_error
         if progress is not None:
             progress(record)
         return record

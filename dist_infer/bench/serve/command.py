@@ -20,7 +20,12 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 from loguru import logger
 
-from dist_infer.bench.serve.cache_metrics import cache_report_line, cache_summary, scrape_cache_counters
+from dist_infer.bench.serve.cache_metrics import (
+    cache_report_line,
+    cache_summary,
+    parse_cache_counters,
+    scrape_metrics_text,
+)
 from dist_infer.bench.serve.client import (
     RequestRecord,
     api_key_of,
@@ -32,6 +37,7 @@ from dist_infer.bench.serve.client import (
 from dist_infer.bench.serve.conversations import Conversation, build_conversations, is_multiturn
 from dist_infer.bench.serve.datasets import BenchRequest, build_requests, load_tokenizer_counter
 from dist_infer.bench.serve.flags import ENDPOINT_PATHS, InputError, add_bench_serve_flags, parse_slo
+from dist_infer.bench.serve.grammar_metrics import grammar_report_line, grammar_summary, parse_grammar_counters
 from dist_infer.bench.serve.multiturn import run_conversations, ttft_by_turn, turn_report_lines
 from dist_infer.bench.serve.report import finite_or_none, format_report, plot_cdfs, summarize, write_results
 
@@ -43,7 +49,8 @@ async def run_workload(
     progress: Callable[[RequestRecord], None],
 ) -> tuple[list[RequestRecord], float, str, dict]:
     """Send the requests (or replay the conversations) between two /metrics scrapes; the records,
-    the duration, the model and the prefix cache entries of the summary."""
+    the duration, the model and the summary's entries from the server's counters (the prefix
+    cache hit rate, the grammar's share of step time)."""
     async with open_session(
         base_url,
         args.model,
@@ -53,7 +60,7 @@ async def run_workload(
         api_key_of(args.api_key),
         tls_verify_of(args.insecure, args.ca_cert),
     ) as session:
-        before = await scrape_cache_counters(session.client, base_url)
+        before = await scrape_metrics_text(session.client, base_url)
         session.start = time.perf_counter()
         if is_multiturn(args):
             encode = load_tokenizer_counter(args.tokenizer)[1] if args.tokenizer and args.prompt_ids else None
@@ -61,17 +68,24 @@ async def run_workload(
                 session, work, args.endpoint, args.ignore_eos, args.prompt_ids, args.max_input_len, progress, encode
             )
         else:
-            records = await run_requests(session, work, args.endpoint, args.ignore_eos, progress)
+            records = await run_requests(
+                session, work, args.endpoint, args.ignore_eos, progress, temperature=args.temperature
+            )
         duration = session.now()
-        after = await scrape_cache_counters(session.client, base_url)
-    return records, duration, session.model, cache_summary(before, after)
+        after = await scrape_metrics_text(session.client, base_url)
+    counters = {
+        **cache_summary(*(parse_cache_counters(t) if t is not None else None for t in (before, after))),
+        **grammar_summary(parse_grammar_counters(before), parse_grammar_counters(after)),
+    }
+    return records, duration, session.model, counters
 
 
 def report_text(summary: dict) -> str:
     """report.format_report's table with the prefix cache hit rate and (multi-turn) the per-turn
     TTFT rows added above its closing rule."""
     table = format_report(summary).split("\n")
-    extra = [cache_report_line(summary)] + turn_report_lines(summary)
+    grammar = grammar_report_line(summary)
+    extra = [cache_report_line(summary)] + ([grammar] if grammar else []) + turn_report_lines(summary)
     return "\n".join(table[:-1] + extra + table[-1:])
 
 
@@ -119,6 +133,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
         "seed": args.seed,
         **summarize(records, duration, slo),
         **cache,

@@ -23,6 +23,7 @@ from loguru import logger
 
 from dist_infer.bench.serve.arrivals import schedule
 from dist_infer.bench.serve.flags import InputError
+from dist_infer.bench.serve.json_schemas import SchemaCase, schema_cases
 from dist_infer.bench.serve.prompts import FIRST_RANDOM_ID, random_id_prompt, random_text_prompt, shared_prefixes
 
 TOKENS_PER_WORD = 1.3  # English words -> tokens, for ShareGPT text when there is no tokenizer
@@ -210,9 +211,9 @@ def load_tokenizer_counter(path: Union[str, Path]):
 
 
 def dataset_kind(dataset: str) -> str:
-    """synthetic, prefix, multiturn, sharegpt or trace: by name, by extension, else by the file's
-    first character."""
-    if dataset in ("synthetic", "prefix", "multiturn"):
+    """synthetic, prefix, multiturn, json-schema, sharegpt or trace: by name, by extension, else by
+    the file's first character."""
+    if dataset in ("synthetic", "prefix", "multiturn", "json-schema"):
         return dataset
     path = Path(dataset)
     suffix = path.suffix.lower()
@@ -239,6 +240,21 @@ class BenchRequest:
     input_len: int
     output_len: int
     arrival_s: float
+    schema: Optional[SchemaCase] = None  # --dataset json-schema: the answer must be an instance of it
+
+
+def json_schema_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
+    """--dataset json-schema: request i asks for an instance of schema i (json_schemas.py, made
+    from --seed), sent as a strict json_schema response_format, with at most --output-len tokens."""
+    if args.prompt_ids:
+        raise InputError("--dataset json-schema sends text prompts (each names its schema): drop --prompt-ids")
+    offsets, arrivals = schedule(args.num_prompts, None, args.request_rate, args.burstiness, args.time_scale, rng)
+    cases = schema_cases(args.num_prompts, args.seed)
+    requests = [
+        BenchRequest(i, case.prompt, approx_token_count(case.prompt), args.output_len, float(offset), case)
+        for i, (case, offset) in enumerate(zip(cases, offsets))
+    ]
+    return requests, arrivals
 
 
 def prefix_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
@@ -276,6 +292,8 @@ def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[
         raise InputError("multi-turn runs are built by conversations.build_conversations")
     if kind == "prefix":
         return prefix_requests(args, rng)
+    if kind == "json-schema":
+        return json_schema_requests(args, rng)
     count_tokens, encode = approx_token_count, None
     if args.tokenizer:
         count_tokens, encode = load_tokenizer_counter(args.tokenizer)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from dist_infer.arg_types import positive_float, positive_int
+from dist_infer.arg_types import non_negative_float, positive_float, positive_int
 
 SLO_METRICS = ("ttft", "tpot", "e2e")
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -125,7 +125,10 @@ def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
         "shared-prefix prompts (--num-prefixes prefixes of --prefix-len tokens, each request one of "
         "them round robin + its own --suffix-len random tokens); multiturn: synthetic chats of "
         "--turns turns (a --prefix-len system prompt, --suffix-len user messages, --output-len "
-        "answers), each turn sending the whole conversation so far; or a ShareGPT-format .json file "
+        "answers), each turn sending the whole conversation so far; json-schema: --num-prompts JSON "
+        "schemas of varied shapes (nested objects, bounded arrays, enums, patterns, anyOf, ranges; made "
+        "from --seed), each asked for as a strict json_schema response_format and every answer checked "
+        "against its schema (the validity rate is reported); or a ShareGPT-format .json file "
         "(first human turn is the prompt, the first gpt reply's token count the output length; with "
         "--multiturn every turn is replayed); or a .csv trace with timestamp, context-token and "
         "generated-token columns (Azure LLM inference trace or BurstGPT headers)",
@@ -243,6 +246,12 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
         metavar="ttft=S,tpot=S,e2e=S",
         help="latency limits in seconds, any of ttft, tpot, e2e; goodput = completed requests per second "
         "that meet every limit given (default: no goodput)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature of every request (default %(default)s: greedy)",
     )
     p.add_argument(
         "--ignore-eos",

@@ -74,8 +74,27 @@ def summarize(
         "itl_ms": latency_stats([gap for r in done for gap in r.itl]),
         "e2e_ms": latency_stats([r.e2e for r in done if r.e2e is not None]),
         "errors": errors,
+        **schema_validity(done),
     }
     return summary
+
+
+def schema_validity(done: Sequence[RequestRecord]) -> dict[str, Any]:
+    """--dataset json-schema: of the answers that ended by themselves (finish_reason stop), how many
+    are instances of their schemas; the answers max_tokens cut short are counted apart. All None
+    when no request had a schema."""
+    checked = [r for r in done if r.schema_valid is not None]
+    if not checked:
+        return {"schema_answers": None, "schema_valid": None, "schema_truncated": None, "schema_validity_rate": None}
+    ended = [r for r in checked if r.finish_reason != "length"]
+    valid = sum(bool(r.schema_valid) for r in ended)
+    return {
+        "schema_answers": len(checked),
+        "schema_valid": valid,
+        "schema_truncated": len(checked) - len(ended),
+        "schema_validity_rate": valid / len(ended) if ended else None,
+        "schema_errors": _error_counts([r.schema_error for r in ended if not r.schema_valid]),
+    }
 
 
 def _error_counts(errors: Sequence[str], keep: int = 10) -> dict[str, int]:
@@ -115,6 +134,16 @@ def format_report(summary: dict[str, Any]) -> str:
     if summary.get("slo"):
         limits = ", ".join(f"{name} <= {limit:g} s" for name, limit in summary["slo"].items())
         rows.append(("Goodput (req/s)", f"{_number(summary['goodput'])}  ({limits})"))
+    if summary.get("schema_answers"):
+        rate = summary["schema_validity_rate"]
+        rows.append(
+            (
+                "Schema validity",
+                f"{'-' if rate is None else f'{100 * rate:.1f}%'}  ({summary['schema_valid']} valid of "
+                f"{summary['schema_answers'] - summary['schema_truncated']} that ended; "
+                f"{summary['schema_truncated']} cut by max_tokens)",
+            )
+        )
     width = max(len(label) for label, _ in rows) + 2
     lines = ["=" * 20 + " bench-serve " + "=" * 20]
     lines += [f"{label + ':':<{width}}{value}" for label, value in rows]
@@ -126,6 +155,8 @@ def format_report(summary: dict[str, Any]) -> str:
     errors = list(summary["errors"].items())  # most frequent first
     for error, count in errors[:5]:
         lines.append(f"failed x{count}: {error[:300]}")
+    for error, count in list((summary.get("schema_errors") or {}).items())[:5]:
+        lines.append(f"invalid x{count}: {error[:300]}")
     if len(errors) > 5:
         lines.append(f"failed x{sum(count for _, count in errors[5:])}: other errors (see --save-results)")
     lines.append("=" * 53)

@@ -9,19 +9,22 @@ at, so EOS is allowed exactly where the grammar may end.
 A spec is checked against that vocabulary when a request is made (a bad one is refused before it
 is queued, with llguidance's message, for a 400), under limits on the grammar's size and the
 parser's work per token, so a hostile schema costs bounded time. Checked grammars are kept in a
-bounded LRU by spec key: a schema every request repeats is checked once.
+bounded LRU by spec key: a schema every request repeats is checked once, and on an instance built
+into a matcher once (each request's state is a copy of it).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from loguru import logger
 
+from dist_infer.engine.structured.counters import StructuredCounters
 from dist_infer.engine.structured.matcher import RequestMatcher
 from dist_infer.engine.structured.spec import StructuredSpec, StructuredSpecError
 
@@ -94,11 +97,20 @@ def validate(spec: StructuredSpec, tokenizer, limits: GrammarLimits = GrammarLim
     compile_spec(spec, tokenizer, limits)
 
 
+@dataclass
+class _Compiled:
+    """A checked grammar, and (on an engine, once a request needed it) its matcher at the start."""
+
+    grammar: str
+    start: Any = None  # llguidance's LLMatcher, never advanced: each request's state is a deep copy
+
+
 class GrammarCompiler:
     """One engine's grammars (thread-safe: requests are checked on the callers' threads). The
     LLTokenizer is built on first use from `load_tokenizer()` (the checkpoint's TextTokenizer;
     None: this engine has none, and a structured request is refused); `vocab_size` and `eos_ids`
-    are the model's. Up to `cache_size` checked grammars are kept, least recently used first out."""
+    are the model's. Up to `cache_size` checked grammars are kept, least recently used first out;
+    the work is counted in `counters`."""
 
     def __init__(
         self,
@@ -107,13 +119,15 @@ class GrammarCompiler:
         eos_ids: Iterable[int],
         limits: GrammarLimits = GrammarLimits(),
         cache_size: int = 256,
+        counters: Optional[StructuredCounters] = None,
     ):
         self._load, self.vocab_size, self.eos_ids = load_tokenizer, vocab_size, frozenset(eos_ids)
         self.limits, self.cache_size = limits, cache_size
+        self.counters = counters if counters is not None else StructuredCounters()
         self._lock = threading.Lock()
         self._tokenizer = None
         self._tokenizer_error: Optional[str] = None
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._compiled: OrderedDict[str, _Compiled] = OrderedDict()
 
     def tokenizer(self):
         """The model's LLTokenizer, built once; StructuredSpecError if there is no tokenizer."""
@@ -130,24 +144,40 @@ class GrammarCompiler:
                 raise StructuredSpecError("structured", f"structured outputs need a tokenizer: {self._tokenizer_error}")
             return self._tokenizer
 
-    def grammar(self, spec: StructuredSpec) -> str:
-        """The checked grammar of `spec` (cached by its key); StructuredSpecError if it is not valid."""
+    def _entry(self, spec: StructuredSpec) -> _Compiled:
+        """`spec`'s cache entry (checked on a miss); StructuredSpecError if it is not valid."""
         key = spec.key()
         with self._lock:
-            if key in self._grammars:
-                self._grammars.move_to_end(key)
-                return self._grammars[key]
-        grammar = compile_spec(spec, self.tokenizer(), self.limits)  # outside the lock: llguidance drops the GIL
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                self.counters.add(grammar_cache_hits=1)
+                return self._compiled[key]
+        start = time.perf_counter()
+        entry = _Compiled(
+            compile_spec(spec, self.tokenizer(), self.limits)
+        )  # outside the lock: llguidance drops the GIL
+        self.counters.add(grammar_compiles=1, grammar_compile_seconds=time.perf_counter() - start)
         with self._lock:
-            self._grammars[key] = grammar
-            while len(self._grammars) > self.cache_size:
-                self._grammars.popitem(last=False)
-        return grammar
+            entry = self._compiled.setdefault(key, entry)
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return entry
+
+    def grammar(self, spec: StructuredSpec) -> str:
+        """The checked grammar of `spec` (cached by its key); StructuredSpecError if it is not valid."""
+        return self._entry(spec).grammar
 
     def validate(self, spec: StructuredSpec) -> None:
         """Raise StructuredSpecError unless this model can generate `spec`."""
-        self.grammar(spec)
+        self._entry(spec)
 
     def matcher(self, spec: StructuredSpec, token_ids: Iterable[int] = ()) -> RequestMatcher:
-        """A request's grammar state after `token_ids` (what it has generated so far)."""
-        return RequestMatcher.start(self.tokenizer(), self.grammar(spec), self.limits.parser_limits(), token_ids)
+        """A request's grammar state after `token_ids` (what it has generated so far): a copy of
+        the spec's start state, built on the first request that needs it."""
+        entry = self._entry(spec)
+        if entry.start is None:
+            begin = time.perf_counter()
+            entry.start = RequestMatcher.start(self.tokenizer(), entry.grammar, self.limits.parser_limits()).llmatcher()
+            self.counters.add(grammar_compile_seconds=time.perf_counter() - begin)
+        self.counters.add(matchers_started=1)
+        return RequestMatcher.resume(entry.start.deep_copy(), self.tokenizer().vocab_size, token_ids)

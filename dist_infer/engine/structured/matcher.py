@@ -1,20 +1,20 @@
-"""A request's grammar state, and the masks of a step's constrained rows.
+"""A request's grammar state.
 
 The state is a function of the request's output ids alone: a request preempted (recomputed),
 resumed on another instance after a failure or migrated there rebuilds it by feeding the grammar
 the ids it already has, so nothing but the spec travels with a request. The driver owns each
-state: it fills a row's mask when it plans a step that samples the request (a request is in one
-step at a time, so the state is the one that step samples from) and advances the state with the
-token that comes back. llguidance computes masks off the GIL, in parallel over the step's rows.
+state: a row's mask is filled (mask_filler.py) for a step that samples the request (a request
+is in one step at a time, so the state is the one that step samples from), and the driver
+advances the state with the token that comes back.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable
 
 import torch
 
-from dist_infer.engine.structured.token_mask import allows_only, mask_words
+from dist_infer.engine.structured.token_mask import mask_words
 
 
 class GrammarRejected(RuntimeError):
@@ -37,7 +37,12 @@ class RequestMatcher:
         if they do not fit it."""
         from llguidance import LLMatcher
 
-        state = cls(LLMatcher(tokenizer, grammar, log_level=0, limits=limits), tokenizer.vocab_size)
+        return cls.resume(LLMatcher(tokenizer, grammar, log_level=0, limits=limits), tokenizer.vocab_size, token_ids)
+
+    @classmethod
+    def resume(cls, matcher, vocab_size: int, token_ids: Iterable[int] = ()) -> "RequestMatcher":
+        """The state of llguidance's `matcher` (at its grammar's start, ours alone) after `token_ids`."""
+        state = cls(matcher, vocab_size)
         state._check("starting the grammar")
         ids = [int(t) for t in token_ids]
         if ids and not state._matcher.consume_tokens(ids):
@@ -87,36 +92,3 @@ def _check_bitmask(bitmask: torch.Tensor, words: int) -> None:
         and bitmask.is_contiguous()
     ):
         raise ValueError(f"a mask must be a contiguous host int32 [rows, {words}] tensor, got {bitmask.shape}")
-
-
-class MaskFiller:
-    """The driver's: the masks of a step's constrained rows, in parallel on llguidance's own
-    threads (`threads`; None: its default) with the GIL released. Made on first use."""
-
-    def __init__(self, threads: Optional[int] = None):
-        self.threads = threads
-        self._executor = None
-
-    def fill(self, matchers: Sequence[RequestMatcher]) -> torch.Tensor:
-        """[len(matchers), words] int32: row i the tokens matchers[i] allows next."""
-        from llguidance import LLExecutor
-
-        words = matchers[0].words
-        if any(m.words != words for m in matchers):
-            raise ValueError("the matchers of one step have vocabularies of different sizes")
-        bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
-        if len(matchers) == 1:
-            matchers[0].fill_mask(bitmask, 0)
-            return bitmask
-        if self._executor is None:
-            self._executor = LLExecutor(self.threads)
-        pairs = [(m.llmatcher(), i) for i, m in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(matchers))
-        return bitmask
-
-
-def only_ending(bitmask: torch.Tensor, eos_ids: Iterable[int]) -> list[bool]:
-    """Per row of `bitmask`: whether the grammar allows nothing but EOS (it can only end), where a
-    min_tokens ban on EOS must give way."""
-    eos = list(eos_ids)
-    return [allows_only(row, eos) for row in bitmask]

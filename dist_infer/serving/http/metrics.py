@@ -167,6 +167,7 @@ class EngineStatsCollector:
             m.add_metric([self.model_name, outcome], float(n))
         families.append(m)
         families.append(self._step_histogram(per))
+        families += self._structured_counters(per)
         families.append(
             self._histogram(
                 stats,
@@ -222,6 +223,27 @@ class EngineStatsCollector:
             for kind, n in sorted((stats or {}).get("frontend_entries", {}).items()):
                 g.add_metric([self.model_name, kind], float(n))
             families.append(g)
+        return families
+
+    STRUCTURED = {
+        "grammar_compiles": "Structured-output specs compiled into grammars (cache misses).",
+        "grammar_compile_seconds": "Seconds spent compiling grammars and building their start states.",
+        "grammar_cache_hits": "Structured-output specs found compiled already.",
+        "matchers_started": "Grammar states made for requests (new, resumed after a failure, migrated in).",
+        "mask_steps": "Steps with at least one constrained row (their masks computed together).",
+        "mask_rows": "Constrained rows whose token mask was computed (one per sampled token).",
+        "mask_seconds": "Seconds computing token masks (on the mask filler's thread, beside the forward).",
+        "mask_wait_seconds": "Seconds the sampler waited for token masks: the part the forward did not hide.",
+    }
+
+    def _structured_counters(self, per: list[dict]) -> list[Metric]:
+        """Each instance's structured-output counters (engine/structured/counters.py)."""
+        families: list[Metric] = []
+        for key, doc in self.STRUCTURED.items():
+            c = CounterMetricFamily(PREFIX + "structured_" + key, doc, labels=["model_name", "engine"])
+            for s in per:
+                c.add_metric([self.model_name, s["engine"]], float((s.get("structured") or {}).get(key, 0)))
+            families.append(c)
         return families
 
     def _step_histogram(self, per: list[dict]) -> HistogramMetricFamily:

@@ -106,3 +106,17 @@ def test_a_matcher_starts_after_the_output_so_far(text_tokenizer):
     fresh = compiler.matcher(spec)
     assert not fresh.is_accepting()
     assert compiler.matcher(spec, ids).is_finished()
+
+
+def test_a_spec_is_compiled_once_and_each_request_gets_its_own_copy_of_the_start(text_tokenizer):
+    compiler, _ = compiler_for(text_tokenizer)
+    spec = StructuredSpec.from_kind("choice", ["the river", "the town"])
+    first, second = compiler.matcher(spec), compiler.matcher(spec)
+    for token in text_tokenizer.encode("the river", add_bos=False):
+        first.advance(token)
+    assert first.is_finished() and not second.is_accepting(), "advancing one request's state left the other's"
+    third = compiler.matcher(spec)
+    assert not third.is_accepting(), "the start state itself was never advanced"
+    counts = compiler.counters.snapshot()
+    assert counts["grammar_compiles"] == 1 and counts["grammar_cache_hits"] == 2 and counts["matchers_started"] == 3
+    assert counts["grammar_compile_seconds"] > 0

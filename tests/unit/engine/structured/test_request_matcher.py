@@ -1,7 +1,6 @@
 """A request's grammar state: mask -> sample -> advance round trips on a real byte-level BPE
 vocabulary, a state rebuilt from the output ids alone equal to the one advanced token by token,
-a clear error for a token the grammar does not allow, and the step's parallel fill equal to
-filling each row alone."""
+and a clear error for a token the grammar does not allow."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from dist_infer.engine.structured.compiler import GrammarCompiler
-from dist_infer.engine.structured.matcher import GrammarRejected, MaskFiller, only_ending
+from dist_infer.engine.structured.matcher import GrammarRejected
 from dist_infer.engine.structured.spec import StructuredSpec
 from dist_infer.engine.structured.token_mask import allowed_tokens
 
@@ -92,23 +91,6 @@ def test_eos_is_allowed_exactly_where_the_grammar_may_end(compiler, text_tokeniz
     assert matcher.advance(EOS), "EOS ends it"
 
 
-def test_the_parallel_fill_equals_each_row_alone(compiler):
-    specs = [
-        StructuredSpec.from_kind("json_schema", SCHEMA),
-        StructuredSpec.from_kind("regex", "[a-z ]{1,12}"),
-        StructuredSpec.from_kind("choice", ["the river", "the town", "snow"]),
-        StructuredSpec.from_kind("json_object"),
-    ]
-    matchers = [compiler.matcher(s) for s in specs]
-    filled = MaskFiller(threads=2).fill(matchers)
-    assert filled.shape == (4, matchers[0].words)
-    for i, m in enumerate(matchers):
-        one = torch.zeros(1, m.words, dtype=torch.int32)
-        m.fill_mask(one, 0)
-        assert torch.equal(filled[i], one[0]), specs[i]
-    assert torch.equal(MaskFiller().fill(matchers[:1])[0], filled[0]), "one row: filled directly"
-
-
 def test_a_mask_of_the_wrong_shape_is_refused_before_llguidance_writes(compiler):
     matcher = compiler.matcher(StructuredSpec.from_kind("json_object"))
     for bad in (
@@ -118,11 +100,3 @@ def test_a_mask_of_the_wrong_shape_is_refused_before_llguidance_writes(compiler)
     ):
         with pytest.raises(ValueError, match="contiguous host int32"):
             matcher.fill_mask(bad, 0)
-
-
-def test_only_ending_finds_rows_that_allow_nothing_but_eos(compiler, text_tokenizer):
-    spec = StructuredSpec.from_kind("choice", ["the river"])
-    open_ = compiler.matcher(spec)
-    done = compiler.matcher(spec, text_tokenizer.encode("the river", add_bos=False))
-    masks = MaskFiller().fill([open_, done])
-    assert only_ending(masks, [EOS]) == [False, True]

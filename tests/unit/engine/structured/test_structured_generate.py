@@ -288,9 +288,13 @@ def test_only_steps_that_sample_a_constrained_row_carry_masks(engine, monkeypatc
     run = engine.runner.run
 
     def spy(plan, *args, **kwargs):
+        pending = plan.pending_masks  # the driver samples: its masks are computed beside the forward
+        assert not plan.mask_rows and plan.masks is None, "none filled before the plan leaves"
+        out = run(plan, *args, **kwargs)
         if plan.kind == KIND_WORK:
+            assert plan.pending_masks is None and (pending is not None) == bool(plan.mask_rows)
             plans.append((list(plan.sample), list(plan.mask_rows), plan.masks))
-        return run(plan, *args, **kwargs)
+        return out
 
     monkeypatch.setattr(engine.runner, "run", spy)
     spec = StructuredSpec.from_kind("choice", ["snow"])
