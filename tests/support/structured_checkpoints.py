@@ -18,9 +18,11 @@ VOCAB = 1024
 EOS = 1
 
 
-def write_structured_checkpoint(tmpdir: Union[str, os.PathLike], arch: str = "llama-gqa", seed: int = 0) -> Path:
+def write_structured_checkpoint(
+    tmpdir: Union[str, os.PathLike], arch: str = "llama-gqa", seed: int = 0, max_positions: int = 512
+) -> Path:
     """Write the checkpoint of `arch` (checkpoints.ARCHS: config, weights, tokenizer.json) into
-    tmpdir/structured-<arch>; returns its path."""
+    tmpdir/structured-<arch>, `max_positions` long; returns its path."""
     from dist_infer.models.tiny_model import build_tokenizer
 
     path = write_hf_checkpoint(
@@ -29,7 +31,7 @@ def write_structured_checkpoint(tmpdir: Union[str, os.PathLike], arch: str = "ll
         seed=seed,
         subdir=f"structured-{arch}",
         vocab_size=VOCAB,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=0,
         eos_token_id=EOS,
     )

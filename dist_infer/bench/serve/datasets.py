@@ -245,16 +245,29 @@ class BenchRequest:
 
 def json_schema_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:
     """--dataset json-schema: request i asks for an instance of schema i (json_schemas.py, made
-    from --seed), sent as a strict json_schema response_format, with at most --output-len tokens."""
+    from --seed), sent as a strict json_schema response_format (none with --unconstrained), with
+    at most --output-len tokens (or, --replay-lengths, the tokens request i had in that run)."""
     if args.prompt_ids:
         raise InputError("--dataset json-schema sends text prompts (each names its schema): drop --prompt-ids")
     offsets, arrivals = schedule(args.num_prompts, None, args.request_rate, args.burstiness, args.time_scale, rng)
     cases = schema_cases(args.num_prompts, args.seed)
-    requests = [
-        BenchRequest(i, case.prompt, approx_token_count(case.prompt), args.output_len, float(offset), case)
-        for i, (case, offset) in enumerate(zip(cases, offsets))
-    ]
+    unconstrained = getattr(args, "unconstrained", False)
+    lengths = replayed_lengths(args.replay_lengths) if getattr(args, "replay_lengths", None) else {}
+    requests = []
+    for i, (case, offset) in enumerate(zip(cases, offsets)):
+        schema = None if unconstrained else case
+        out = lengths.get(i, args.output_len)
+        requests.append(BenchRequest(i, case.prompt, approx_token_count(case.prompt), out, float(offset), schema))
     return requests, arrivals
+
+
+def replayed_lengths(path: Union[str, Path]) -> dict[int, int]:
+    """Request index -> the tokens it generated, from a --save-results file (its successful requests)."""
+    try:
+        document = json.loads(Path(path).read_text())
+        return {int(r["index"]): max(1, int(r["output_tokens"])) for r in document["requests"] if r.get("success")}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"--replay-lengths {path}: not a readable --save-results file ({exc})") from None
 
 
 def prefix_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[BenchRequest], str]:

@@ -171,6 +171,20 @@ def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
         "conversation so far, the answers being what the server returned) instead of first turns",
     )
     p.add_argument(
+        "--unconstrained",
+        action="store_true",
+        help="json-schema: send the same prompts without their response_format (the unconstrained "
+        "baseline of the same stream; the answers are not checked)",
+    )
+    p.add_argument(
+        "--replay-lengths",
+        default=None,
+        metavar="RESULTS.json",
+        help="json-schema: request i asks for exactly as many tokens as request i generated in this "
+        "--save-results file (with --unconstrained --ignore-eos: the constrained run's stream again, "
+        "token for token, unconstrained)",
+    )
+    p.add_argument(
         "--time-scale",
         type=positive_float,
         default=1.0,

@@ -224,3 +224,57 @@ def test_text_prefix_tokenizes_the_same_before_any_suffix():
         prefix_ids = tokenizer.encode(prefix, add_special_tokens=False).ids
         for prompt in prompts:
             assert tokenizer.encode(prompt, add_special_tokens=False).ids[: len(prefix_ids)] == prefix_ids
+
+
+def test_the_json_schema_dataset_asks_for_its_schemas_or_with_unconstrained_the_same_prompts_bare():
+    import argparse
+
+    from dist_infer.bench.serve.client import request_payload
+
+    parser = argparse.ArgumentParser()
+    from dist_infer.bench.serve.flags import add_bench_serve_flags
+
+    add_bench_serve_flags(parser)
+    args = parser.parse_args(["--dataset", "json-schema", "--num-prompts", "5", "--seed", "2", "--output-len", "200"])
+    strict, _ = build_requests(args, np.random.default_rng(0))
+    args.unconstrained = True
+    bare, _ = build_requests(args, np.random.default_rng(0))
+    assert [r.prompt for r in strict] == [r.prompt for r in bare] and len(strict) == 5
+    assert all(r.schema is not None and r.output_len == 200 for r in strict) and all(r.schema is None for r in bare)
+    body = request_payload(strict[0], "m", "chat", False, temperature=1.0)
+    assert body["response_format"]["json_schema"]["schema"] == strict[0].schema.schema and body["temperature"] == 1.0
+    assert "response_format" not in request_payload(bare[0], "m", "chat", False)
+    args.prompt_ids = True
+    with pytest.raises(InputError, match="drop --prompt-ids"):
+        build_requests(args, np.random.default_rng(0))
+
+
+def test_replayed_lengths_come_from_a_saved_run_and_a_bad_file_is_named(tmp_path):
+    import argparse
+
+    from dist_infer.bench.serve.flags import add_bench_serve_flags
+
+    saved = tmp_path / "run.json"
+    saved.write_text(
+        json.dumps(
+            {
+                "summary": {},
+                "requests": [
+                    {"index": 0, "success": True, "output_tokens": 17},
+                    {"index": 1, "success": False, "output_tokens": 3},
+                    {"index": 2, "success": True, "output_tokens": 0},
+                ],
+            }
+        )
+    )
+    parser = argparse.ArgumentParser()
+    add_bench_serve_flags(parser)
+    args = parser.parse_args(
+        ["--dataset", "json-schema", "--num-prompts", "3", "--unconstrained", "--replay-lengths", str(saved)]
+    )
+    requests, _ = build_requests(args, np.random.default_rng(0))
+    assert [r.output_len for r in requests] == [17, args.output_len, 1]
+    (tmp_path / "bad.json").write_text("{}")
+    args.replay_lengths = str(tmp_path / "bad.json")
+    with pytest.raises(InputError, match="bad.json: not a readable --save-results file"):
+        build_requests(args, np.random.default_rng(0))
