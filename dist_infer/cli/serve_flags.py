@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from dist_infer.arg_types import port_number, positive_int, positive_size
+from dist_infer.arg_types import port_number, positive_float, positive_int, positive_size
 from dist_infer.serving.http.tool_call_parsing import PARSERS
 from dist_infer.serving.placement.spawn import HUB_KEY_ENV
 
@@ -50,6 +50,14 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
         "hermes, <tool_call>{...}</tool_call> blocks (Hermes, Qwen, and the generic tool prompt for "
         "templates without tools); llama3_json, JSON objects separated by ';' (Llama 3.1+). "
         "required and named tool choices are forced by a grammar whatever this says (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-grammar-compile-s",
+        type=positive_float,
+        default=10.0,
+        help="a structured-output request whose grammar (JSON schema, regex, grammar, tools) takes longer "
+        "than this to check against the vocabulary is refused with a 400, and so is that spec from then "
+        "on (default %(default)s; each grammar's size and work per token are bounded as well)",
     )
 
 

@@ -277,6 +277,7 @@ def _serve(
 ) -> int:
     from dist_infer.serving.fleet.cluster import Cluster, FleetConfig, InstanceClient
     from dist_infer.serving.http.api_server import build_app, serve_http
+    from dist_infer.serving.http.state import StructuredOptions
 
     clients = [InstanceClient(i, conn, hello) for i, (conn, hello) in enumerate(joined)]
     for index, process in processes.items():
@@ -305,7 +306,8 @@ def _serve(
     cluster.start()
     try:
         waiter.hand_over(cluster.attach)
-        app = build_app(cluster, name, guard, warm_workers=True, tool_parser=args.tool_call_parser)
+        structured = StructuredOptions(args.tool_call_parser, args.max_grammar_compile_s)
+        app = build_app(cluster, name, guard, warm_workers=True, structured=structured)
 
         def ready(host: str, port: int) -> None:
             layouts = ", ".join(c.spec.describe() for c in clients)

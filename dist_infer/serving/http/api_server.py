@@ -52,7 +52,7 @@ from dist_infer.serving.http.guard import ApiError, HttpGuard, install_guard
 from dist_infer.serving.http.routes import add_generation_routes, add_info_routes, add_token_routes
 from dist_infer.serving.http.server import ABORT_SLACK_S, DEFAULT_SHUTDOWN_GRACE_S, DrainingServer, serve_http
 from dist_infer.serving.http.shapers import MIN_LOGPROB, ChatShaper, CompletionShaper, ResponseShaper
-from dist_infer.serving.http.state import DRAINING_RETRY_AFTER_S, ServingState, off_loop, read_json
+from dist_infer.serving.http.state import DRAINING_RETRY_AFTER_S, ServingState, StructuredOptions, off_loop, read_json
 from dist_infer.serving.http.streams import (
     DISCONNECT_POLL_S,
     SSE_DONE,
@@ -99,12 +99,12 @@ def build_app(
     served_model_name: Optional[str] = None,
     guard: HttpGuard = HttpGuard(),
     warm_workers: bool = False,
-    tool_parser: str = "hermes",
+    structured: StructuredOptions = StructuredOptions(),
 ) -> FastAPI:
     """The FastAPI app serving `engine` (see the module docstring for the interface it needs),
-    behind `guard` (keys, body limits, CORS: serving/http/guard.py); `tool_choice: auto` replies
-    are read in `tool_parser`'s format (serving/http/tool_call_parsing.py)."""
-    state = ServingState(engine, served_model_name, guard, tool_parser)
+    behind `guard` (keys, body limits, CORS: serving/http/guard.py), treating structured outputs
+    and tools as `structured` says (serving/http/state.py)."""
+    state = ServingState(engine, served_model_name, guard, structured)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import uuid
 from typing import Any, Callable, Optional, Union
@@ -40,16 +41,35 @@ def grammars_of(engine) -> GrammarCompiler:
     return GrammarCompiler(None if tokenizer is None else (lambda: tokenizer), vocab_size, eos)
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOptions:
+    """How the API treats structured outputs and tools: `tool_parser`, the format `tool_choice:
+    auto` replies are read in (serving/http/tool_call_parsing.py); `max_grammar_compile_s`, how
+    long checking a new spec's grammar may take before its request is refused."""
+
+    tool_parser: str = "hermes"
+    max_grammar_compile_s: float = 10.0
+
+
+SLOW_SPECS_KEPT = 1024  # specs refused for a slow compile, remembered so a repeat is refused at once
+
+
 class ServingState:
     """What the endpoints share: the engine, the names the model answers to, the chat renderer,
     the metrics, the prefix cache's isolation, the requests in flight, and whether the server is
     draining for shutdown."""
 
     def __init__(
-        self, engine, served_model_name: Optional[str], guard: HttpGuard = HttpGuard(), tool_parser: str = "hermes"
+        self,
+        engine,
+        served_model_name: Optional[str],
+        guard: HttpGuard = HttpGuard(),
+        structured: StructuredOptions = StructuredOptions(),
     ):
         self.engine = engine
-        self.tool_parser = tool_parser  # the format `tool_choice: auto` replies are read in
+        self.tool_parser = structured.tool_parser  # the format `tool_choice: auto` replies are read in
+        self.max_grammar_compile_s = structured.max_grammar_compile_s
+        self.slow_specs: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.served_name = served_model_name or engine.model_name
         self.model_names = {self.served_name, engine.model_name}
         self.metrics = ServingMetrics(
@@ -131,13 +151,30 @@ class ServingState:
 
     async def check_structured(self, params: SamplingParams, field: Optional[str]) -> None:
         """A structured request's grammar checked against the model's vocabulary (compiled once per
-        spec, in a thread): a 400 naming the body's `field`, before anything is queued."""
+        spec, in a thread): a 400 naming the body's `field`, before anything is queued. A check
+        that takes over max_grammar_compile_s is a 400 too (the compile finishes in its thread,
+        bounded by the grammar limits; the spec is remembered and refused at once from then on)."""
         if params.structured is None:
             return
+        key = params.structured.key()
+        slow = ProtocolError(
+            field,
+            f"{field}: compiling its grammar took over {self.max_grammar_compile_s:g} s (--max-grammar-compile-s)",
+        )
+        if key in self.slow_specs:
+            self.slow_specs.move_to_end(key)
+            raise slow
+        check = asyncio.ensure_future(off_loop(self.grammars.validate, params.structured))
         try:
-            await off_loop(self.grammars.validate, params.structured)
+            await asyncio.wait_for(asyncio.shield(check), self.max_grammar_compile_s)
         except StructuredSpecError as exc:
             raise ProtocolError(field, f"{field}: {exc}") from None
+        except asyncio.TimeoutError:
+            check.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: no warning
+            self.slow_specs[key] = None
+            while len(self.slow_specs) > SLOW_SPECS_KEPT:
+                self.slow_specs.popitem(last=False)
+            raise slow from None
 
     async def read_json(self, request: Request) -> Any:
         """The body's JSON, parsed where the event loop does not wait on it when it is large: in a
