@@ -197,10 +197,13 @@ class StepDriver:
         if self.runner.is_sampler and self.transport.stages == 1:
             plan.pending_masks = self.masks.start(rows, matchers)
             return []
+        began = time.perf_counter()
         try:
             masks = self.masks.fill(matchers)
         except Exception as exc:  # noqa: BLE001 - these requests' own grammars
             return self.guard.fail_all([r for _, r in constrained], "computing its grammar mask", exc)
+        finally:  # filled before the plan leaves: none of it hidden
+            self.masks.counters.add(mask_wait_seconds=time.perf_counter() - began)
         lift_eos_bans(plan.rows, rows, masks, self.model_cfg.eos_token_ids)
         plan.mask_rows, plan.masks = rows, masks
         return []
