@@ -239,10 +239,17 @@ def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return scaled
 
 
+def row_probs(logits: torch.Tensor, row: RowSampling) -> torch.Tensor:
+    """The distribution a sampled (not greedy) row draws from, for one row of usable logits: its
+    temperature (capped at MAX_TEMPERATURE), then top-k and top-p. Speculative verification
+    (engine/speculative) accepts draft tokens against this same vector."""
+    temperature = min(row.temperature, MAX_TEMPERATURE)
+    return filter_logits(scaled_logits(logits, temperature), row.top_k, row.top_p).softmax(-1)
+
+
 def draw_token(logits: torch.Tensor, row: RowSampling) -> torch.Tensor:
     """One token from one row of usable logits, with the row's own counter-based generator."""
-    temperature = min(row.temperature, MAX_TEMPERATURE)
-    probs = filter_logits(scaled_logits(logits, temperature), row.top_k, row.top_p).softmax(-1)
+    probs = row_probs(logits, row)
     token = torch.multinomial(probs, 1, generator=token_generator(row.seed, row.index, probs.device))[0]
     # only on a uniform draw of exactly 0 ahead of zero-probability tokens: on the CPU a read and a
     # rare argmax; on a device chosen there, without a host read
