@@ -18,9 +18,27 @@ from dist_infer.topology import Layout, Mesh
 class ShardedModel:
     """A model spread over this job's ranks; every rank calls `generate` with the same prompts."""
 
-    def __init__(self, engine: Engine, groups: ParallelGroups):
+    def __init__(self, engine: Engine, groups: ParallelGroups, owns_world: bool = False):
         self.engine, self.groups = engine, groups
         self.config = engine.cfg
+        self._owns_world = owns_world  # load/shard joined the job themselves: close() leaves it
+
+    def close(self) -> None:
+        """Release the engine's threads and groups, and the job's world if load/shard joined it
+        (given `groups` stay the caller's). Idempotent; `with load(...) as model:` calls it."""
+        if self.groups is None:
+            return
+        self.engine.close()
+        if self._owns_world:
+            self.groups.destroy()
+            self.groups.world.destroy()
+        self.groups = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "ShardedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,
@@ -39,11 +57,14 @@ class ShardedModel:
         return self.engine.generate([list(p) for p in prompts], params, return_logits)
 
 
-def join(parallel: Layout, backend: str = "auto", groups: Optional[ParallelGroups] = None) -> ParallelGroups:
+def join(
+    parallel: Layout, backend: str = "auto", groups: Optional[ParallelGroups] = None
+) -> tuple[ParallelGroups, bool]:
+    """The caller's groups, or the job's joined here: (groups, whether they were joined here)."""
     if groups is not None:
-        return groups
+        return groups, False
     world = init_world(backend)
-    return build_groups(world, Mesh.build(parallel, world.size))
+    return build_groups(world, Mesh.build(parallel, world.size)), True
 
 
 def shard(
@@ -63,7 +84,7 @@ def shard(
     (auto: float weights for an in-memory model; int8 / int4: each rank quantizes its shard, CPU only).
     `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as the model's config says).
     `tokenizer`: the model's TextTokenizer, or its checkpoint path, for structured outputs (None: none)."""
-    groups = join(parallel, backend, groups)
+    groups, joined = join(parallel, backend, groups)
     stage = stage_from_hf_model(
         hf_model, groups, pp_split=pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
     )
@@ -74,7 +95,7 @@ def shard(
     else:
         load_tokenizer = lambda: TextTokenizer(tokenizer)  # noqa: E731
     engine = Engine(stage, groups, EngineConfig(block_size=block_size), tokenizer=load_tokenizer)
-    return ShardedModel(engine, groups)
+    return ShardedModel(engine, groups, owns_world=joined)
 
 
 def load(
@@ -93,9 +114,9 @@ def load(
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization (auto:
     a GGUF file's quantized tensors stay quantized on the CPU, a HF checkpoint loads as floats).
     `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as config.json's ladder_residual says)."""
-    groups = join(parallel, backend, groups)
+    groups, joined = join(parallel, backend, groups)
     stage, _ = load_stage(
         path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
     )
     engine = Engine(stage, groups, EngineConfig(block_size=block_size), tokenizer=lambda: TextTokenizer(path))
-    return ShardedModel(engine, groups)
+    return ShardedModel(engine, groups, owns_world=joined)

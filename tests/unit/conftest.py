@@ -23,3 +23,15 @@ def world_groups():
     yield groups
     groups.destroy()
     world.destroy()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_world_left_behind(request):
+    """A module that initialises torch.distributed must tear it down: a world left behind makes
+    the next module on the same pytest worker skip its single-process tests (world_groups)."""
+    yield
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized()), (
+        f"{request.module.__name__} left torch.distributed initialised (close what load/shard joined)"
+    )

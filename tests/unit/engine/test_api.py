@@ -16,6 +16,18 @@ from tests.support.quantized_helpers import VOCAB_PROMPTS
 from tests.support.threads import thread_groups
 
 
+def test_a_model_that_joined_the_job_itself_leaves_it_on_close(tmp_path):
+    """First in the module (before world_groups makes the module's world): load() joins a world of
+    one, close() (here `with`) destroys it; closing again is a no-op."""
+    import torch.distributed as dist
+
+    path = write_hf_checkpoint(tmp_path, "llama-gqa")
+    with load(path) as model:
+        assert dist.is_initialized() and model.generate([[3, 4, 5]], max_new_tokens=2)[0].token_ids
+    assert not dist.is_initialized()
+    model.close()
+
+
 @pytest.mark.parametrize(
     "arch,overrides",
     [
@@ -46,6 +58,8 @@ def test_api_load_matches_shard(world_groups, tmp_path):
     model = load(path, groups=world_groups, block_size=4)
     outputs = model.generate(prompts, max_new_tokens=4, return_logits=True)
     assert_outputs_match_hf(outputs, prompts, ids, logits, "api.load qwen2")
+    model.close()
+    assert world_groups.world.size == 1 and torch.distributed.is_initialized(), "given groups stay the caller's"
 
 
 def test_api_load_and_shard_take_quantization(tmp_path):

@@ -62,8 +62,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(checkpoints):
-    model = dist_infer.load(checkpoints["llama-gqa"])
-    yield model.engine.groups
+    with dist_infer.load(checkpoints["llama-gqa"]) as model:  # joins a world of one, closed after the module
+        yield model.engine.groups
 
 
 def _ids(stage, groups, prompts, mode: str, params: SamplingParams):
