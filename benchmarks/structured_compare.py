@@ -5,7 +5,8 @@ prompt cache carries over):
 
 - ours, every request constrained (strict json_schema), at temperature 0 and 1;
 - ours, the temperature-0 stream again unconstrained, each request asking for exactly the tokens it
-  generated constrained (--replay-lengths, --ignore-eos): the throughput the grammar costs;
+  generated constrained (--replay-lengths, --ignore-eos): the throughput the grammar costs (the
+  constrained and unconstrained pair twice, in both orders);
 - llama.cpp's server, constrained, at temperature 0 and 1.
 
     python benchmarks/structured_compare.py [--num-prompts 120] [--concurrency 8] [--out FILE]
@@ -84,15 +85,20 @@ def main() -> int:
     ]
     ours_start = lambda n, port, d: ours(n, model, port, d, *args.flags.split())  # noqa: E731
     results: dict = {}
-    results["ours-strict-t0"] = run("ours-strict-t0", ours_start, common + ["--temperature", "0"], log_dir)
+    t0 = common + ["--temperature", "0"]
+    results["ours-strict-t0"] = run("ours-strict-t0", ours_start, t0, log_dir)
     replay = ["--unconstrained", "--ignore-eos", "--replay-lengths", str(log_dir / "ours-strict-t0.json")]
-    results["ours-free-t0"] = run("ours-free-t0", ours_start, common + ["--temperature", "0"] + replay, log_dir)
+    results["ours-free-t0"] = run("ours-free-t0", ours_start, t0 + replay, log_dir)
+    # the pair again in the other order (the VM drifts between runs: the ratio is of the two pairs' sums)
+    results["ours-free-t0-b"] = run("ours-free-t0-b", ours_start, t0 + replay, log_dir)
+    results["ours-strict-t0-b"] = run("ours-strict-t0-b", ours_start, t0, log_dir)
     results["ours-strict-t1"] = run("ours-strict-t1", ours_start, common + ["--temperature", "1"], log_dir)
-    strict, free = results["ours-strict-t0"], results["ours-free-t0"]
+    pairs = [(results[f"ours-strict-t0{s}"], results[f"ours-free-t0{s}"]) for s in ("", "-b")]
     ratios = {
-        "throughput_strict_over_free": strict["output_throughput"] / free["output_throughput"],
-        "req_s_strict_over_free": strict["request_throughput"] / free["request_throughput"],
-        "grammar_hidden_t0": strict["grammar_hidden"],
+        "throughput_strict_over_free": sum(a["output_throughput"] for a, _ in pairs)
+        / sum(b["output_throughput"] for _, b in pairs),
+        "throughput_strict_over_free_each": [a["output_throughput"] / b["output_throughput"] for a, b in pairs],
+        "grammar_hidden_t0": results["ours-strict-t0"]["grammar_hidden"],
         "grammar_hidden_t1": results["ours-strict-t1"]["grammar_hidden"],
     }
     if args.llama_server:
@@ -107,6 +113,7 @@ def main() -> int:
         print("no llama-server binary (make llama-cpp, or --llama-server): the peer's runs are skipped", flush=True)
     results["ratios"] = ratios
     print("ratios: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ratios.items()))
+    print(json.dumps(ratios), flush=True)
     print(f"load after: {os.getloadavg()}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -111,7 +111,7 @@ class Engine:
         self.grammars = GrammarCompiler(
             tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids, counters=self.structured
         )
-        self.masks = MaskFiller(counters=self.structured)
+        self.masks = MaskFiller(counters=self.structured, parallel=module_device(stage).type != "cpu")
         self.mover: Optional[BlockMover] = None
         self.migration: Optional[MigrationEndpoint] = None
         # made with the KV cache (_allocate): at once for a fixed size, else per offline batch

@@ -144,6 +144,19 @@ class GrammarCompiler:
                 raise StructuredSpecError("structured", f"structured outputs need a tokenizer: {self._tokenizer_error}")
             return self._tokenizer
 
+    def warm(self) -> None:
+        """Build the LLTokenizer now, on a thread of its own (a server at start: the first
+        structured request then does not pay for it); a failure is remembered as on first use."""
+
+        def build() -> None:
+            try:
+                self.tokenizer()
+            except StructuredSpecError:
+                pass  # no tokenizer: a structured request says so
+
+        if self._load is not None:
+            threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
+
     def _entry(self, spec: StructuredSpec) -> _Compiled:
         """`spec`'s cache entry (checked on a miss); StructuredSpecError if it is not valid."""
         key = spec.key()

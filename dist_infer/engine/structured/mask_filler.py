@@ -44,12 +44,17 @@ class PendingMasks:
 
 
 class MaskFiller:
-    """The driver's: fills the masks of a step's constrained rows, in parallel on llguidance's own
-    threads (`threads`; None: its default) with the GIL released; `start` does it on a thread of
-    its own, while the caller runs the forward. Counts its work in `counters`."""
+    """The driver's: fills the masks of a step's constrained rows with the GIL released; `start`
+    does it on a thread of its own, while the caller runs the forward. `parallel`: rows in parallel
+    on llguidance's own threads (`threads`; None: its default), for a forward that leaves the host's
+    cores free (a GPU's); on a CPU the forward's threads use every core, and a pool of spinning
+    workers beside them would slow it more than the masks cost, so rows go one after another.
+    Counts its work in `counters`."""
 
-    def __init__(self, threads: Optional[int] = None, counters: Optional[StructuredCounters] = None):
-        self.threads = threads
+    def __init__(
+        self, threads: Optional[int] = None, counters: Optional[StructuredCounters] = None, parallel: bool = True
+    ):
+        self.threads, self.parallel = threads, parallel
         self.counters = counters if counters is not None else StructuredCounters()
         self._executor = None  # llguidance's LLExecutor, made on first use
         self._thread: Optional[ThreadPoolExecutor] = None
@@ -80,8 +85,9 @@ class MaskFiller:
         if any(m.words != words for m in matchers):
             raise ValueError("the matchers of one step have vocabularies of different sizes")
         bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
-        if len(matchers) == 1:
-            matchers[0].fill_mask(bitmask, 0)
+        if len(matchers) == 1 or not self.parallel:
+            for i, m in enumerate(matchers):
+                m.fill_mask(bitmask, i)
             return bitmask
         if self._executor is None:
             self._executor = LLExecutor(self.threads)

@@ -80,6 +80,7 @@ class ServingState:
         self.limits = PromptLimits.of(engine.max_model_len, engine.tokenizer)
         self.workers = WorkerPool(getattr(engine.tokenizer, "backend", None))
         self.grammars = grammars_of(engine)
+        self.grammars.warm()  # the model's vocabulary for llguidance, built before the first schema comes
         self.active: dict[str, EngineStream] = {}
         self.draining = False
         if self.limits.max_chars is not None:

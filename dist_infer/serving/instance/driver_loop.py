@@ -155,6 +155,7 @@ class InstanceServer:
         """Serve until the API says stop or goes away; raises (after telling the API) if the engine fails."""
         if self.engine.migration is not None:
             self.engine.migration.notify = self._notify
+        self.engine.grammars.warm()  # structured outputs' vocabulary, built beside the first requests' wait
         self.send(hello)
         reader = threading.Thread(target=self._read, name=f"instance-{self.index}-commands", daemon=True)
         reader.start()
