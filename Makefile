@@ -42,7 +42,7 @@ lint: setup
 
 # The quick subset: tests/unit, every test that runs in one process (tests/integration is marked slow).
 test-quick: setup
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -m "not slow" tests
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 # The CUDA paths on a real GPU, one command under 10 minutes (benchmarks/gpu_session.sh): tests/gpu, the
 # decode step with and without CUDA graphs beside its HBM floor, bench beside transformers. It needs no
