@@ -22,17 +22,18 @@ class ShardedModel:
         self.engine, self.groups = engine, groups
         self.config = engine.cfg
         self._owns_world = owns_world  # load/shard joined the job themselves: close() leaves it
+        self._closed = False
 
     def close(self) -> None:
         """Release the engine's threads and groups, and the job's world if load/shard joined it
         (given `groups` stay the caller's). Idempotent; `with load(...) as model:` calls it."""
-        if self.groups is None:
+        if self._closed:
             return
+        self._closed = True
         self.engine.close()
         if self._owns_world:
             self.groups.destroy()
             self.groups.world.destroy()
-        self.groups = None  # type: ignore[assignment]
 
     def __enter__(self) -> "ShardedModel":
         return self

@@ -166,9 +166,8 @@ class GrammarCompiler:
                 self.counters.add(grammar_cache_hits=1)
                 return self._compiled[key]
         start = time.perf_counter()
-        entry = _Compiled(
-            compile_spec(spec, self.tokenizer(), self.limits)
-        )  # outside the lock: llguidance drops the GIL
+        # outside the lock: llguidance drops the GIL
+        entry = _Compiled(compile_spec(spec, self.tokenizer(), self.limits))
         self.counters.add(grammar_compiles=1, grammar_compile_seconds=time.perf_counter() - start)
         with self._lock:
             entry = self._compiled.setdefault(key, entry)
