@@ -5,7 +5,9 @@ requests, so every stage stays busy. Completing a step hands each sampled row to
 (request_progress.py); a request that fails in its step fails alone (step_guard.py). A row whose
 request has a grammar (structured outputs) gets its token bitmask as the step is planned: the
 request is in no other step, so its grammar state is the one this step samples from. Where the
-driver samples, the masks are computed while the forward runs (structured/mask_filler.py).
+driver samples, the masks are computed while the forward runs (structured/mask_filler.py). A
+speculating row's proposals are kept while the target's tokens at their positions match them
+(engine/speculative): the target drew each of those as a plain step would have.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dist_infer.engine.request_progress import RequestProgress
 from dist_infer.engine.sampling import SampledTokens
 from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_output import SchedulerOutput
+from dist_infer.engine.speculative.verification import accepted_prefix
 from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard, failed_error_id
 from dist_infer.engine.step_pacing import StepPacer
@@ -215,20 +218,35 @@ class StepDriver:
         now = time.monotonic()
         outputs = []
         rows = [c for c in flight.chunks if c.sample]
-        for i, chunk in enumerate(rows):
-            r = chunk.request
+        at = 0  # the row's first sampled position (a speculating row has 1 + its proposals)
+        for chunk in rows:
+            r, i = chunk.request, at
+            at += 1 + len(chunk.draft)
             if r.finished or not r.in_flight:
                 continue  # aborted (or preempted and requeued) while the step was on its way
-            error_id = failed_error_id(int(sampled.tokens[i]))  # logged on the sampler rank
-            if error_id is not None:
+            targets = sampled.tokens[i:at].tolist()
+            error_id = next((e for e in map(failed_error_id, targets) if e is not None), None)
+            if error_id is not None:  # logged on the sampler rank
                 outputs.append(self.guard.fail(r, "sampling", error_id))
                 continue
             try:
-                outputs.append(self.progress.take_token(r, sampled, i, flight.plan.return_logits, now))
+                outputs.append(self._take(r, chunk.draft, targets, sampled, i, flight.plan.return_logits, now))
             except Exception as exc:  # noqa: BLE001 - stop checks, detokenizing: this request's own
                 outputs += self.guard.fail_all([r], "taking its token", exc)
         self.completed_steps += 1
         return outputs
+
+    def _take(
+        self, r, draft: list[int], targets: list[int], sampled: SampledTokens, i: int, logits: bool, now: float
+    ) -> RequestOutput:
+        """Row `i` of the step's tokens to `r`; a speculating row's proposals checked against the
+        target's tokens at their positions (`targets`): the matching run and the target's next."""
+        if not draft:
+            return self.progress.take_token(r, sampled, i, logits, now)
+        accepted = accepted_prefix(draft, targets)
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.record(r, len(draft), accepted)
+        return self.progress.take_tokens(r, sampled, i, accepted, logits, now)
 
     def stop_followers(self) -> None:
         """Complete what is in flight, then tell every other rank the loop is over."""

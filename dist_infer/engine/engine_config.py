@@ -18,6 +18,7 @@ from dist_infer.arg_types import parse_itl_target
 from dist_infer.engine.decode_graphs import check_graph_mode
 from dist_infer.engine.layered_prefill import SCHEDULES, LayeredPrefill
 from dist_infer.engine.scheduler_config import SchedulerConfig
+from dist_infer.engine.speculative.config import SpeculativeConfig
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
 from dist_infer.parallel.sequence_parallel import should_sequence_parallel
 from dist_infer.parallel.token_split import should_split
@@ -83,7 +84,9 @@ class EngineConfig:
     prefill_schedule: 'chunked' cuts a prompt over the token budget into token chunks; 'layered'
     runs it whole, one group of `layer_groups` layer groups per step (None: as many as the budget
     needs; engine/layered_prefill.py). Layered needs pp=1, cp=1 and no ladder layers.
-    heartbeat_s: how often an idle driver sends an empty plan (the followers' receive timeout)."""
+    heartbeat_s: how often an idle driver sends an empty plan (the followers' receive timeout).
+    speculative: propose tokens and verify them in one step (engine/speculative); None: off. Off
+    under cp and layered prefill (their steps take one token per decode)."""
 
     block_size: int = 16
     num_blocks: Optional[int] = None
@@ -98,6 +101,7 @@ class EngineConfig:
     layer_groups: Optional[int] = None
     heartbeat_s: float = HEARTBEAT_S
     worker: WorkerOptions = field(default_factory=WorkerOptions)
+    speculative: Optional[SpeculativeConfig] = None
 
     def __post_init__(self):
         self.check()
@@ -115,6 +119,8 @@ class EngineConfig:
         parse_itl_target(self.itl_target)
         if not isinstance(self.worker, WorkerOptions):
             raise TypeError(f"worker must be WorkerOptions, got {type(self.worker).__name__}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(f"speculative must be SpeculativeConfig or None, got {type(self.speculative).__name__}")
 
     @property
     def itl(self) -> Optional[tuple[str, float]]:

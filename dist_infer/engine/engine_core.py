@@ -57,6 +57,8 @@ from dist_infer.engine.request import PromptError, Request, RequestOutput, check
 from dist_infer.engine.request_progress import RequestProgress
 from dist_infer.engine.sampling import SampledTokens, SamplingParams
 from dist_infer.engine.scheduler import Scheduler
+from dist_infer.engine.speculative.counters import SpeculativeCounters
+from dist_infer.engine.speculative.drafter import NgramDrafter
 from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.step_pacing import StepPacer
@@ -112,6 +114,8 @@ class Engine:
             tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids, counters=self.structured
         )
         self.masks = MaskFiller(counters=self.structured, parallel=module_device(stage).type != "cpu")
+        spec = config.speculative
+        self.speculative = SpeculativeCounters(spec.num_tokens if spec else 0)  # rounds, proposed, accepted
         self.mover: Optional[BlockMover] = None
         self.migration: Optional[MigrationEndpoint] = None
         # made with the KV cache (_allocate): at once for a fixed size, else per offline batch
@@ -131,7 +135,7 @@ class Engine:
         max_num_seqs), the largest decode bucket. The old cache goes before the new one is made."""
         first_step = self.step_driver.next_step if self.step_driver is not None else 0
         self.worker = self.scheduler = self.progress = self.runner = self.step_driver = self.offline = None
-        config, stage, cp = self.config, self.stage, self.groups.cp.size
+        config, stage, cp, spec = self.config, self.stage, self.groups.cp.size, self.config.speculative
         device = module_device(stage)
         graphs = graphs_wanted(config.worker.cuda_graphs, device)
         cache = PagedKVCache(
@@ -146,7 +150,10 @@ class Engine:
         )
         rows = min(config.max_num_seqs, max_rows or config.max_num_seqs)
         self.worker = StageWorker(stage, self.groups, cache, self.block_size, **asdict(config.worker), max_rows=rows)
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.cfg.max_positions, cp, self.layered), cp=cp)
+        drafter = None if spec is None else NgramDrafter(spec, self.cfg.max_positions, self.speculative)
+        self.scheduler = Scheduler(
+            config.scheduler_config(num_blocks, self.cfg.max_positions, cp, self.layered), cp=cp, drafter=drafter
+        )
         self.progress = RequestProgress(self.scheduler, self.registry, self.cfg.eos_token_ids, self.cfg.max_positions)
         self.runner = StageRunner(
             stage, self.worker, self.transport, self.guard, self.sampler, self.is_sampler, cp, self.mover
@@ -289,7 +296,13 @@ class Engine:
         return self.registry.has_unfinished()
 
     def stats(self) -> dict:
-        return engine_stats(self.scheduler, self.registry.requests_added, self.pacer, self.structured.snapshot())
+        return engine_stats(
+            self.scheduler,
+            self.registry.requests_added,
+            self.pacer,
+            self.structured.snapshot(),
+            self.speculative.snapshot(),
+        )
 
     def prefix_events(self) -> tuple[list[int], list[int]]:
         """Driver: the block hashes the prefix cache stored and evicted since the last call."""

@@ -24,13 +24,20 @@ EMPTY = {
 }
 
 
-def engine_stats(scheduler, requests_added: int, pacer: StepPacer, structured: Optional[dict] = None) -> dict:
+def engine_stats(
+    scheduler,
+    requests_added: int,
+    pacer: StepPacer,
+    structured: Optional[dict] = None,
+    speculative: Optional[dict] = None,
+) -> dict:
     """The stats of an engine whose scheduler is `scheduler` (None: no cache yet), which applied
     `requests_added` adds and paces its steps with `pacer`; `structured`: its structured-output
-    counters (engine/structured/counters.py)."""
+    counters (engine/structured/counters.py); `speculative`: speculative decoding's
+    (engine/speculative/counters.py)."""
     s = scheduler
     if s is None:
-        return dict(EMPTY, structured=structured)
+        return dict(EMPTY, structured=structured, speculative=speculative)
     return {
         "num_requests_running": len(s.running),
         "num_requests_waiting": len(s.waiting),
@@ -51,4 +58,5 @@ def engine_stats(scheduler, requests_added: int, pacer: StepPacer, structured: O
         "step_seconds": pacer.step_times.snapshot(),
         "prefill_backlog_s": pacer.prefill_backlog_s(s.waiting, s.running),
         "structured": structured,
+        "speculative": speculative,
     }

@@ -68,7 +68,7 @@ class PipelineTransport:
 
     def receive_sampled(self, plan: StepPlan) -> SampledTokens:
         """Driver, pp > 1: the last stage's tokens for `plan`."""
-        n, k, last = len(plan.rows), plan.top_logprobs, self.pp.size - 1
+        n, k, last = plan.num_sampled, plan.top_logprobs, self.pp.size - 1  # a row per sampled position
         ints = torch.empty(n * (1 + k), dtype=torch.long)
         floats = torch.empty(n * (1 + k), dtype=torch.float64)
         self.pp.recv(ints, last, TAG_BACK)

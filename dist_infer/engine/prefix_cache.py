@@ -56,3 +56,11 @@ def extend_hashes(
             raise ValueError(f"block {i} is not full ({len(tokens)} of {block_size} tokens)")
         hashes.append(hash_block(hashes[-1], tokens) if hashes else hash_block(ROOT_HASH, tokens, cache_salt))
     return hashes
+
+
+def request_block_hashes(request, num_blocks: int, block_size: int) -> list[int]:
+    """The hashes of a request's first `num_blocks` full blocks, its cache salt in them: computed once
+    and kept on it (`request.block_hashes`; its tokens only grow, so they hold across preemption)."""
+    if len(request.block_hashes) < num_blocks:
+        extend_hashes(request.block_hashes, request.all_token_ids, block_size, num_blocks, request.params.cache_salt)
+    return request.block_hashes[:num_blocks]

@@ -48,6 +48,27 @@ class RequestProgress:
         """Row `i` of a step's tokens to its request: append it, check the stops, report. A
         request with a grammar feeds it the token first (GrammarRejected if it does not fit: the
         caller fails the request) and ends with "stop" once the grammar is finished."""
+        reason = self._append(r, sampled, i, return_logits, now)
+        return self.finish(r, reason) if reason is not None else delta_output(r)
+
+    def take_tokens(
+        self, r: Request, sampled: SampledTokens, first: int, accepted: int, return_logits: bool, now: float
+    ) -> RequestOutput:
+        """A speculating row: rows first .. first + accepted of the step's tokens (the accepted
+        proposals, then the target's own token) to `r`, one at a time, each checked for the stops
+        as a plain step's is, so a stop inside the run ends it there; one report for them all. Each
+        accepted proposal's KV counts as computed as it is appended (scheduler.accept_proposed)."""
+        for j in range(accepted + 1):
+            reason = self._append(r, sampled, first + j, return_logits, now)
+            if reason is not None:
+                return self.finish(r, reason)
+            if j < accepted:
+                self.scheduler.accept_proposed(r)
+        self.scheduler.release_unverified(r)
+        return delta_output(r)
+
+    def _append(self, r: Request, sampled: SampledTokens, i: int, return_logits: bool, now: float) -> Optional[str]:
+        """Row `i`'s token appended to `r` (with its logprobs and logits); why `r` ends now, or None."""
         self.scheduler.on_sampled(r)
         token = int(sampled.tokens[i])
         grammar_done = r.grammar is not None and r.grammar.advance(token)
@@ -65,7 +86,7 @@ class RequestProgress:
         reason = self.stop_reason(r)
         if grammar_done and reason != "stop":
             reason = "stop"  # the output is complete: nothing more could follow it
-        return self.finish(r, reason) if reason is not None else delta_output(r)
+        return reason
 
     def stop_reason(self, r: Request) -> Optional[str]:
         """Why `r` ends after its newest token, or None. EOS cannot come before min_tokens (the

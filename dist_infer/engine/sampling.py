@@ -177,11 +177,13 @@ class RowSampling:
     seed: int = 0
     index: int = 0  # tokens the request has generated before this one
     logprobs: int = 0  # top alternatives wanted
-    ban_eos: int = 0  # 1: EOS may not be drawn (the request is below its min_tokens)
+    # EOS may not be drawn (the request is below its min_tokens) when > 0: the count of tokens from this
+    # one that are below it (a speculating row's later positions lift the ban: step_plan.position_rows)
+    ban_eos: int = 0
 
     @classmethod
     def of(cls, params: SamplingParams, seed: int, index: int) -> "RowSampling":
-        ban = int(params.stop_at_eos and index < params.min_tokens)
+        ban = max(0, params.min_tokens - index) if params.stop_at_eos else 0
         temperature = 0.0 if params.greedy else params.temperature
         return cls(temperature, params.top_k, params.top_p, seed, index, params.logprobs or 0, ban)
 

@@ -18,6 +18,11 @@ before has left by then; one that failed ended its requests), or when its reques
 (stop, length), is preempted or moves to another instance; an aborted or failed request's newest
 blocks are not (its step may never have run). Blocks a migration brought are never registered.
 
+Speculative decoding (engine/speculative): a decode's chunk also carries its drafter's proposals,
+as many as the budget and the free blocks allow (never preempting); they count as computed only
+once accepted (`accept_proposed`), and blocks that held only rejected ones go back
+(`release_unverified`): prefix-cache hashes cover accepted tokens only.
+
 The scheduler owns the block pool and every request's block table; the ranks only store
 keys and values where the step plan says. It is pure bookkeeping (no tensors, no processes), so
 the tests drive it directly.
@@ -32,21 +37,25 @@ from dist_infer.engine.block_demand import blocks_at_full_length, check_fits, cp
 from dist_infer.engine.block_pool import BlockPool
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.layered_prefill import LayerProgress, group_charge
-from dist_infer.engine.prefix_cache import extend_hashes
+from dist_infer.engine.prefix_cache import request_block_hashes
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from dist_infer.engine.speculative.drafter import Drafter
 
 # prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start) -> tokens
 PrefillCap = Union[None, int, Callable[[int, int, int], Optional[int]]]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cp: int = 1):
+    def __init__(self, config: SchedulerConfig, cp: int = 1, drafter: Optional[Drafter] = None):
+        """`drafter`: proposals for speculative decoding (engine/speculative/drafter.py); None, or cp
+        or layered prefill (whose steps cannot verify them): none."""
         if config.prefix_caching and cp > 1:
             raise ValueError(f"prefix caching does not support context parallel (cp={cp}): turn it off")
         self.config = config
         self.cp = cp
+        self.drafter = drafter if cp == 1 and config.layered is None else None
         self.allocator = BlockPool(config.num_blocks)
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
         self.prefix_cache_hits = 0  # of those, tokens found cached (not computed again)
@@ -77,6 +86,8 @@ class Scheduler:
                 pass
         self._release(request, cache=reason in ("stop", "length"))  # an abort may be a step that never ran
         request.status = RequestStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.forget(request)
         request.finish_reason = request.finish_reason or reason
 
     def has_unfinished(self) -> bool:
@@ -99,6 +110,8 @@ class Scheduler:
         """A paused request now lives elsewhere: free its blocks, forget it."""
         self._release(request, cache=True)
         request.status = RequestStatus.FINISHED
+        if self.drafter is not None:
+            self.drafter.forget(request)
 
     def install(self, request: Request, blocks: list[int], computed_here: bool = False) -> None:
         """A request arrives with its first `num_computed` tokens in `blocks`: it runs next step
@@ -246,9 +259,10 @@ class Scheduler:
                         or self._blocks_to_grow(request, n) > self.allocator.num_free
                     ):
                         continue
-                    self._grow(request, n)
-                    self._add_chunk(out, request, n, scheduled)
-                    budget -= n
+                    draft = self._draft(request, budget - n) if decodes else []
+                    self._grow(request, n + len(draft))
+                    self._add_chunk(out, request, n, scheduled, draft)
+                    budget -= n + len(draft)
 
         # 2. waiting requests, first come first served, while blocks and the budget last
         admitting = (
@@ -340,34 +354,21 @@ class Scheduler:
         return charge
 
     # -- prefix caching (prefix_cache.py) ---------------------------------------------------------
-    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The hashes of the request's first `num_blocks` full blocks, its cache salt in them
-        (computed once, kept on it)."""
-        if len(request.block_hashes) < num_blocks:
-            extend_hashes(
-                request.block_hashes,
-                request.all_token_ids,
-                self.config.block_size,
-                num_blocks,
-                request.params.cache_salt,
-            )
-        return request.block_hashes[:num_blocks]
-
     def computed_block_hashes(self, request: Request) -> list[int]:
         """The hashes of the request's full blocks scheduled so far (what a migration's destination
         may hold already); none under cp, whose blocks hold a shard of the tokens, not a run."""
         if self.cp > 1:
             return []
-        return list(
-            self._hashes(request, min(request.num_computed // self.config.block_size, len(request.block_table)))
-        )
+        bs = self.config.block_size
+        return list(request_block_hashes(request, min(request.num_computed // bs, len(request.block_table)), bs))
 
     def _match(self, request: Request) -> list[int]:
         """The cached blocks a waiting request starts from: the longest matching run of its full
         blocks, short of its last token (which is computed, into a block of its own, to sample from)."""
         if not self.config.prefix_caching:
             return []
-        return self.allocator.match(self._hashes(request, (request.num_tokens - 1) // self.config.block_size))
+        bs = self.config.block_size
+        return self.allocator.match(request_block_hashes(request, (request.num_tokens - 1) // bs, bs))
 
     def _cache_computed(self, request: Request) -> None:
         """Register the full blocks of `request` that launched steps computed (no step writes
@@ -377,7 +378,7 @@ class Scheduler:
         full = min(request.num_computed // self.config.block_size, len(request.block_table))
         if full <= request.num_cached_blocks:
             return
-        hashes = self._hashes(request, full)
+        hashes = request_block_hashes(request, full, self.config.block_size)
         for i in range(request.num_cached_blocks, full):
             self.allocator.register(request.block_table[i], hashes[i])
         request.num_cached_blocks = full
@@ -391,19 +392,46 @@ class Scheduler:
         """Prompt tokens allowed beside the decodes already in `out`."""
         if not callable(prefill_cap):
             return prefill_cap
-        decodes = [c for c in out.chunks if c.num_tokens == 1]
-        context = sum(c.start + 1 for c in decodes)
+        decodes = [c for c in out.chunks if c.num_tokens == 1 or c.draft]
+        context = sum(c.start + c.num_tokens for c in decodes)
         start = next((r.num_computed for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1), 0)
         cap = prefill_cap(len(decodes), context, start)
         return float("inf") if cap is None else cap
 
-    def _add_chunk(self, out: SchedulerOutput, request: Request, n: int, scheduled: set[int]) -> None:
-        start = request.num_computed
+    def _add_chunk(
+        self, out: SchedulerOutput, request: Request, n: int, scheduled: set[int], draft: Optional[list] = None
+    ) -> None:
+        """`n` of the request's tokens into the step, then `draft` (proposals, not counted computed)."""
+        start, draft = request.num_computed, list(draft or [])
         request.num_computed += n
-        sample = request.num_computed == request.num_tokens
-        request.in_flight = sample
-        out.chunks.append(ScheduledChunk(request, start, n, sample))
+        request.in_flight = sample = request.num_computed == request.num_tokens
+        out.chunks.append(ScheduledChunk(request, start, n + len(draft), sample, draft=draft))
         scheduled.add(id(request))
+
+    # -- speculative decoding (engine/speculative) ---------------------------------------------------
+    def _draft(self, request: Request, budget: float) -> list[int]:
+        """The drafter's proposals for a decode, cut to the token budget left, the request's
+        max_tokens (the step emits one token past the accepted ones) and the free blocks."""
+        if self.drafter is None or budget < 1:
+            return []
+        room = request.params.max_new_tokens - len(request.output_token_ids) - 1
+        draft = self.drafter.propose(request, int(min(budget, room)))
+        while draft and self._blocks_to_grow(request, 1 + len(draft)) > self.allocator.num_free:
+            draft.pop()
+        return draft
+
+    def accept_proposed(self, request: Request) -> None:
+        """The proposal the driver just appended to `request` was accepted: its KV counts."""
+        request.num_computed += 1
+
+    def release_unverified(self, request: Request) -> None:
+        """After a speculating step: blocks past the computed tokens (rejected proposals) go back."""
+        if request.status is not RequestStatus.RUNNING:
+            return
+        keep = blocks_for(self._tokens_held(request, request.num_computed), self.config.block_size)
+        if len(request.block_table) > keep:
+            self.allocator.free(request.block_table[keep:])
+            del request.block_table[keep:]
 
     def _newest_preemptable(self, exclude: set[int]) -> Optional[Request]:
         for request in reversed(self.running):

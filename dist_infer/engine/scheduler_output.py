@@ -18,6 +18,9 @@ class ScheduledChunk:
     sample: bool  # the chunk reaches the request's last known token: sample the next one
     layers: Optional[tuple[int, int]] = None  # layered prefill: the group of layers [first, end) it runs; None: all
     work_tokens: Optional[int] = None  # what it counts against the token budget (None: num_tokens)
+    # speculative decoding: tokens proposed after the request's last one, computed with it (in
+    # num_tokens) and checked by the step's sampled positions; only a decode chunk has them
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass

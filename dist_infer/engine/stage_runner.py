@@ -99,13 +99,16 @@ class StageRunner:
         sample = self.sampler or sample_rows  # looked up here: a test may replace the module's sampler
         eos_ids = tuple(self.stage.cfg.eos_token_ids)
         unmasked, error_id = self._take_pending_masks(plan, eos_ids)
+        # a grammar's row is one sampled position (it never speculates): where it sits among them
+        at = plan.row_offsets() if plan.speculative else None
         allowed = logits
         if plan.mask_rows:  # a copy: the model's own logits stay what return_logits gives
-            allowed = apply_bitmask_(logits.clone(), plan.masks, plan.mask_rows)
+            positions = plan.mask_rows if at is None else [at[b] for b in plan.mask_rows]
+            allowed = apply_bitmask_(logits.clone(), plan.masks, positions)
         sampled = self.guard.sample(sample, allowed, plan, eos_ids)
         sampled = sampled_to_host(sampled)  # the driver reads them, and a pipeline sends them, from the host
         for b in unmasked:  # their grammar failed: so do they
-            sampled.tokens[b] = failed_token(error_id)
+            sampled.tokens[b if at is None else at[b]] = failed_token(error_id)
         if plan.return_logits:
             sampled.logits = to_host(logits.float())
         if self.transport.stages > 1:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from loguru import logger
@@ -98,10 +98,12 @@ def check_chunk(
     num_blocks: int,
     block_size: int,
     cp: int,
+    draft: Sequence[int] = (),
 ) -> list[int]:
     """The chunk's input ids, after checking what would otherwise raise in (or corrupt) the forward
-    on every rank: ids in the vocabulary, positions within the model's, block ids within the cache."""
-    ids = r.all_token_ids[start : start + num_tokens]
+    on every rank: ids in the vocabulary, positions within the model's, block ids within the cache.
+    `draft`: proposed tokens (speculative decoding) after the request's own, counted in num_tokens."""
+    ids = r.all_token_ids[start : start + num_tokens - len(draft)] + list(draft)
     if len(ids) != num_tokens:
         raise ValueError(f"chunk of {num_tokens} tokens from {start}, the request has {r.num_tokens}")
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -180,7 +182,15 @@ class StepGuard:
             r = chunk.request
             try:
                 ids = check_chunk(
-                    r, chunk.start, chunk.num_tokens, cfg.vocab_size, cfg.max_positions, num_blocks, block_size, cp
+                    r,
+                    chunk.start,
+                    chunk.num_tokens,
+                    cfg.vocab_size,
+                    cfg.max_positions,
+                    num_blocks,
+                    block_size,
+                    cp,
+                    chunk.draft,
                 )
                 row = RowSampling.of(r.params, r.seed, len(r.output_token_ids)) if chunk.sample else None
             except Exception as exc:  # noqa: BLE001 - this request's own input: it fails alone
@@ -193,7 +203,7 @@ class StepGuard:
             plan.num_tokens.append(chunk.num_tokens)
             plan.starts.append(chunk.start)
             plan.block_tables.append(list(r.block_table))
-            plan.sample.append(chunk.sample)
+            plan.sample.append((1 + len(chunk.draft)) if chunk.sample else 0)
             plan.input_ids += ids
             if row is not None:
                 plan.rows.append(row)
@@ -204,7 +214,7 @@ class StepGuard:
     ) -> SampledTokens:
         """The sampler rank's tokens for `plan`; a failed row's token is negative and carries the
         error id its exception was logged under here (`failed_error_id` on the driver)."""
-        return sample_guarded(sample, logits, plan.rows, eos_ids, f"step {plan.step}: sampling")
+        return sample_guarded(sample, logits, plan.position_rows(), eos_ids, f"step {plan.step}: sampling")
 
     def forward_failed(self, exc: BaseException, world_size: int) -> None:
         """A step's forward raised: re-raise where the ranks may now disagree (more than one rank)

@@ -6,13 +6,16 @@ sequences were freed since the last plan (context-parallel ranks keep their own 
 bookkeeping), and the KV block transfers of live migrations (engine/kv_transfer.py), which every
 rank runs before the step's forward. Rows of requests with structured outputs carry their grammar's
 token bitmask (engine/structured), which the sampler rank applies; a step without any carries
-none. Nothing else is coordinated. Encoded as one int64 and one float64 tensor so it
+none. A speculating sequence (engine/speculative) carries its last token and K proposed ones, and
+asks for the logits of all K + 1 positions: its `sample` entry is K + 1, and the sampler draws a
+token at each position with the row's parameters at that position's token index (the driver then
+keeps what matches the proposals). Nothing else is coordinated. Encoded as one int64 and one float64 tensor so it
 travels as two messages; `encode`/`decode` are pure and tested without processes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -23,7 +26,7 @@ from dist_infer.engine.sampling import RowSampling
 KIND_STOP, KIND_IDLE, KIND_WORK = 0, 1, 2
 _HEAD = 13  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs, transfer ints,
 # layered sequences, masked rows, words per mask row
-_PER_SEQ = 5  # seq id, new tokens, context before, table length, sample flag
+_PER_SEQ = 5  # seq id, new tokens, context before, table length, positions sampled
 _PER_ROW = 7  # temperature, top_k, top_p, seed, index, logprobs, ban_eos
 
 
@@ -35,7 +38,9 @@ class StepPlan:
     num_tokens: list[int] = field(default_factory=list)  # new tokens per sequence
     starts: list[int] = field(default_factory=list)  # tokens already cached per sequence
     block_tables: list[list[int]] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
+    # positions of each sequence whose next token is drawn: 0 (a prompt chunk short of its end), 1 (its
+    # last position), K + 1 (a speculating sequence: its last token and K proposals); a bool works as 0/1
+    sample: list[int] = field(default_factory=list)
     rows: list[RowSampling] = field(default_factory=list)  # one per sampled sequence, in order
     input_ids: list[int] = field(default_factory=list)  # the new tokens, flattened
     freed: list[int] = field(default_factory=list)  # seq ids whose cache the ranks may forget
@@ -61,8 +66,49 @@ class StepPlan:
         return [s + n for s, n in zip(self.starts, self.num_tokens)]
 
     @property
+    def speculative(self) -> bool:
+        """Some sequence asks for the logits of more than its last position."""
+        return any(s > 1 for s in self.sample)
+
+    @property
+    def logit_counts(self) -> list[int]:
+        """Rows of the last stage's output per sequence: each sequence's last position, and all the
+        sampled positions of a speculating one."""
+        return [max(1, int(s)) for s in self.sample]
+
+    @property
     def sample_index(self) -> list[int]:
-        return [i for i, s in enumerate(self.sample) if s]
+        """The rows of the last stage's output that are sampled, in order (one per sampled position)."""
+        index, at = [], 0
+        for s, rows in zip(self.sample, self.logit_counts):
+            index += range(at + rows - int(s), at + rows)
+            at += rows
+        return index
+
+    @property
+    def num_sampled(self) -> int:
+        """Positions sampled in all: the rows the sampler returns."""
+        return sum(int(s) for s in self.sample)
+
+    def row_offsets(self) -> list[int]:
+        """Where each of `rows` (one per sampled sequence) starts among the sampled positions."""
+        offsets, at = [], 0
+        for s in self.sample:
+            if s:
+                offsets.append(at)
+                at += int(s)
+        return offsets
+
+    def position_rows(self) -> list[RowSampling]:
+        """One RowSampling per sampled position: a speculating sequence's row at its token index
+        + j for position j, EOS banned while that index is below the request's min_tokens
+        (`ban_eos` counts the banned positions from the first)."""
+        if not self.speculative:
+            return self.rows
+        out = []
+        for row, count in zip(self.rows, (int(s) for s in self.sample if s)):
+            out += [replace(row, index=row.index + j, ban_eos=max(0, row.ban_eos - j)) for j in range(count)]
+        return out
 
     @property
     def top_logprobs(self) -> int:
@@ -148,7 +194,7 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
         num_tokens=[r[1] for r in per_seq],
         starts=[r[2] for r in per_seq],
         block_tables=tables,
-        sample=[bool(r[4]) for r in per_seq],
+        sample=[r[4] for r in per_seq],
         rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp), int(b)) for t, k, p, s, i, lp, b in f],
         input_ids=input_ids,
         freed=freed_ids,

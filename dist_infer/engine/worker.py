@@ -117,10 +117,14 @@ class StageWorker:
         the driver calls it before the plan leaves, so a plan that raises here (as it would on
         every rank) fails its requests instead of stopping some ranks mid-step. cp: only the check."""
         if self.cp.size > 1:
+            if plan.speculative:
+                raise ContextParallelError("speculative decoding is not supported with context parallel")
             self._cp_kind(plan)
             return None
         q_lens, seq_lens = plan.num_tokens, plan.seq_lens
         if plan.layered:
+            if plan.speculative:
+                raise LayeredStepError("a layered prefill step cannot verify speculative proposals")
             return self._on_device(self._layered_step(plan))
         split = should_split(self.overlap, plan.total_tokens, self.groups.tp.size, self.overlap_threshold)
         if (
@@ -134,10 +138,14 @@ class StageWorker:
             static = self.graphs.prepare(plan.input_ids, plan.starts, plan.block_tables)
             if static is not None:
                 return static
+        counts = plan.logit_counts if plan.speculative else None
+        window = self.cfg.sliding_window
         if split:
-            split = split_token_halves(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+            split = split_token_halves(
+                q_lens, seq_lens, plan.block_tables, self.block_size, window, logit_counts=counts
+            )
             return self._on_device(split)
-        meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, self.cfg.sliding_window)
+        meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, window, counts)
         meta.sequence_parallel = should_sequence_parallel(
             self.sequence_parallel, plan.total_tokens, self.groups.tp.size, self.sequence_parallel_threshold
         )

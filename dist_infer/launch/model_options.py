@@ -61,8 +61,68 @@ def scheduler_options(args) -> dict:
         "static_batching": args.scheduling == "static",
         "itl_target": itl_target(args),
         "prefix_caching": getattr(args, "prefix_caching", "on") == "on",
+        "speculative": speculative_config(args),
         **prefill_schedule_options(args),
     }
+
+
+def speculative_config(args):
+    """--speculative and its numbers as an engine/speculative SpeculativeConfig; None when off."""
+    from dist_infer.engine.speculative.config import SpeculativeConfig
+
+    if getattr(args, "speculative", "off") == "off":
+        return None
+    return SpeculativeConfig(
+        method=args.speculative,
+        num_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        adaptive=args.speculative_adaptive == "on",
+    )
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (engine/speculative): generate, serve and bench take the same flags."""
+    from dist_infer.engine.speculative.config import MAX_SPECULATIVE_TOKENS
+
+    p.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        default="off",
+        help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence "
+        "of the output's last few tokens in the prompt and output (prompt lookup; no draft model), and "
+        "one step checks them all against the model, keeping the ones it would have produced itself: "
+        "outputs are those of plain decoding, greedy or seeded sampling alike. Pays where outputs repeat "
+        "their input (editing, extraction, code); off under --cp > 1 and --prefill-schedule layered, and "
+        "for structured-output requests (default %(default)s)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        metavar="K",
+        help=f"most tokens proposed per request per step (1..{MAX_SPECULATIVE_TOKENS}); each request's "
+        "own number adapts to how many of its proposals were kept (default %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-min",
+        type=positive_int,
+        default=2,
+        help="shortest tail of the output looked up in its history (default %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=positive_int,
+        default=4,
+        help="longest tail looked up, tried first (default %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-adaptive",
+        choices=("on", "off"),
+        default="on",
+        help="on: a request's proposal length follows its acceptance (doubled after a round kept whole, "
+        "what was kept plus one after a partial one, a pause after misses); off: always K (default %(default)s)",
+    )
 
 
 def prefill_schedule_options(args) -> dict:
@@ -232,6 +292,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
         "it shares with earlier ones and computes only the rest; freed blocks stay cached until "
         "their room is needed (least recently used first). Off under --cp > 1 (default %(default)s)",
     )
+    add_speculative_flags(p)
 
 
 def add_prefill_schedule_flags(p: argparse.ArgumentParser) -> None:
@@ -344,5 +405,10 @@ def build_engine(args, stage, groups, **fields):
 def build_bench_engine(args, stage, groups):
     """The bench's engine: offline, its prompts cut only under --max-batched-tokens (chunked or layered)."""
     return build_engine(
-        args, stage, groups, max_batched_tokens=args.max_batched_tokens, **prefill_schedule_options(args)
+        args,
+        stage,
+        groups,
+        max_batched_tokens=args.max_batched_tokens,
+        speculative=speculative_config(args),
+        **prefill_schedule_options(args),
     )

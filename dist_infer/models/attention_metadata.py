@@ -43,6 +43,9 @@ class AttentionMetadata:
     # query would cost batch x longest chunk query rows: 60 decodes beside a 256-token chunk
     # would attend 15360 rows instead of 316.
     parts: Optional[list[tuple[torch.Tensor, "AttentionMetadata"]]] = None
+    # speculative decoding: the rows of [T] whose logits the last stage returns, a sequence's last
+    # few where it verifies proposals (engine/speculative); None: each sequence's last token only
+    logit_rows: Optional[torch.Tensor] = None
 
     @property
     def decode(self) -> bool:
@@ -115,8 +118,11 @@ def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     sliding_window: Optional[int] = None,
+    logit_counts: Optional[Sequence[int]] = None,
 ) -> AttentionMetadata:
-    """Everything a step's attention needs, from the sequences' lengths and block tables."""
+    """Everything a step's attention needs, from the sequences' lengths and block tables.
+    `logit_counts`: how many of each sequence's last rows the last stage returns logits for
+    (speculative verification); None or all ones: each sequence's last row."""
     B = len(query_lens)
     max_q, max_ctx = max(query_lens), max(seq_lens)
     positions, slots, pad_index, last = [], [], [], []
@@ -164,7 +170,20 @@ def build_attention_metadata(
         fresh=fresh,
         seq_lens_t=torch.tensor(list(seq_lens), dtype=torch.long),
         window=sliding_window,
+        logit_rows=logit_rows(query_lens, logit_counts),
     )
+
+
+def logit_rows(query_lens: Sequence[int], counts: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
+    """The rows of a step's flat tokens whose logits are wanted: the last `counts[b]` of sequence b
+    (at most its new tokens); None where every count is one (the last token's, the usual step)."""
+    if counts is None or all(c <= 1 for c in counts):
+        return None
+    rows, end = [], 0
+    for q, c in zip(query_lens, counts):
+        end += q
+        rows += range(end - min(max(1, c), q), end)
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _parts(
@@ -199,6 +218,7 @@ def split_token_halves(
     block_size: int,
     sliding_window: Optional[int] = None,
     split_at: Optional[int] = None,
+    logit_counts: Optional[Sequence[int]] = None,
 ) -> TokenSplit:
     """Metadata for the two token halves of a step (TokenWeave's split).
 
@@ -225,5 +245,5 @@ def split_token_halves(
             halves[1][2].append(list(table))
         start = end
     a, b = (build_attention_metadata(ql, sl, bt, block_size, sliding_window) for ql, sl, bt in halves)
-    full = build_attention_metadata(query_lens, seq_lens, block_tables, block_size, sliding_window)
+    full = build_attention_metadata(query_lens, seq_lens, block_tables, block_size, sliding_window, logit_counts)
     return TokenSplit(a, b, cut, full)

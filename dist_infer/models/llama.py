@@ -316,6 +316,7 @@ class LlamaStage(nn.Module):
         trim = (
             self.last
             and len(self.layers) > 0
+            and meta.logit_rows is None  # verifying proposals: the last layer runs every row
             and (
                 (cp_meta is None and x.shape[0] > meta.batch)
                 or (cp_meta is not None and cp_meta.phase == "prefill" and split is None)
@@ -333,6 +334,8 @@ class LlamaStage(nn.Module):
             return x
         if cp_meta is not None and not trim:
             return self.lm_head(self.norm(cp_last_hidden(x, meta, self.cp)))
+        if meta.logit_rows is not None:  # speculative verification: a sequence's last few rows
+            return self.lm_head(self.norm(x[meta.logit_rows]))
         if trim or (meta.decode and x.shape[0] == meta.batch):  # every row is a sequence's last: no gather
             return self.lm_head(self.norm(x))
         return self.lm_head(self.norm(x[last_index]))

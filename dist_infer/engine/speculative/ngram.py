@@ -6,7 +6,9 @@ then are a good guess for what follows now. That is llama.cpp's lookup decoding 
 proposer; it needs no draft model, and a wrong guess costs only the positions the target checks.
 
 Longer matches are tried first (n_max down to n_min), as they predict better; among the
-occurrences of one n-gram the most recent wins, as the nearest context is the likeliest to go on.
+occurrences of one n-gram the most recent one that has k tokens after it wins, as the nearest
+context is the likeliest to go on (one nearer the end would propose fewer: in a run of one repeated
+token the latest occurrence is followed by a single token); where none has k, the one with the most.
 The search is one vectorised pass over the history (numpy), so a proposal over 32k tokens costs
 tens of microseconds; `TokenHistory` keeps a request's ids in a numpy buffer that grows with it,
 so a step does not copy the whole history to propose.
@@ -55,15 +57,17 @@ def _propose(ids: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     for n in range(min(n_max, len(ids) - 1), n_min - 1, -1):
         matching = ends[lengths >= n]
         if len(matching):
-            start = int(matching.max())
+            whole = matching[matching + k <= len(ids)]
+            start = int(whole.max()) if len(whole) else int(matching.min())
             return ids[start : start + k].tolist()
     return []
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens of
-    `token_ids` (the prompt and the output so far), for the largest n in [n_min, n_max] that has
-    one; fewer when that occurrence is near the end of the history, [] when no n has one.
+    """Up to k tokens that followed an earlier occurrence of the last n tokens of `token_ids` (the
+    prompt and the output so far), for the largest n in [n_min, n_max] that has one: the most recent
+    occurrence with k tokens after it, else the earliest (the most after it, fewer than k); [] when
+    no n has one.
 
     "Earlier" is any occurrence that starts before the suffix itself (it may overlap it: in a run
     of one repeated token the proposal is that token). ValueError naming k, n_min or n_max when

@@ -31,6 +31,19 @@ import torch
 from dist_infer.engine.sampling import RowSampling, draw_token, is_greedy, row_probs, token_generator, usable_logits
 
 
+def accepted_prefix(proposed: Sequence[int], targets: Sequence[int]) -> int:
+    """How many proposals the target keeps: the run of `proposed` equal to the target's own tokens
+    at their positions (`targets`, one per position, K + 1 of them: each drawn as plain decoding
+    would draw it there). The step emits targets[: accepted + 1]; for proposals with no draft
+    distribution this is the rule below (verify_greedy, verify_sampled with draft_probs None)."""
+    accepted = 0
+    for token, target in zip(proposed, targets):
+        if int(token) != int(target):
+            break
+        accepted += 1
+    return accepted
+
+
 def _check_inputs(target_logits: torch.Tensor, proposed: Sequence[int], draft_probs: Optional[torch.Tensor]) -> None:
     """ValueError unless the logits are [K + 1, V] for K proposals of ids in [0, V), and the draft's
     distributions, if any, are [K, V]."""

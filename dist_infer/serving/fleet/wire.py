@@ -323,6 +323,7 @@ class InstanceStats:
     step_seconds: Optional[dict] = None  # {kind: (bucket bounds, counts, sum)}: the engine's step times
     prefill_backlog_s: Optional[float] = None  # predicted seconds of the prompts queued (engine/step_cost.py)
     structured: Optional[dict] = None  # structured outputs' counters (engine/structured/counters.py)
+    speculative: Optional[dict] = None  # speculative decoding's counters (engine/speculative/counters.py)
 
     @classmethod
     def from_dict(cls, stats: dict) -> "InstanceStats":

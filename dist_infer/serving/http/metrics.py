@@ -168,6 +168,7 @@ class EngineStatsCollector:
         families.append(m)
         families.append(self._step_histogram(per))
         families += self._structured_counters(per)
+        families += self._speculative_counters(per)
         families.append(
             self._histogram(
                 stats,
@@ -244,6 +245,32 @@ class EngineStatsCollector:
             for s in per:
                 c.add_metric([self.model_name, s["engine"]], float((s.get("structured") or {}).get(key, 0)))
             families.append(c)
+        return families
+
+    SPECULATIVE = {
+        "num_drafts": "Speculative rounds: steps in which a request's proposed tokens were checked.",
+        "num_draft_tokens": "Proposed tokens checked by the model (speculative decoding).",
+        "num_accepted_tokens": "Proposed tokens the model kept: each saved a step.",
+    }
+
+    def _speculative_counters(self, per: list[dict]) -> list[Metric]:
+        """Each instance's speculative decoding counters (engine/speculative/counters.py), under
+        vLLM's names (spec_decode_*), and the accepted tokens by position in their round."""
+        families: list[Metric] = []
+        for key, doc in self.SPECULATIVE.items():
+            c = CounterMetricFamily(PREFIX + "spec_decode_" + key, doc, labels=["model_name", "engine"])
+            for s in per:
+                c.add_metric([self.model_name, s["engine"]], float((s.get("speculative") or {}).get(key, 0)))
+            families.append(c)
+        c = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposed tokens by their position in the round (0: the first proposal).",
+            labels=["model_name", "engine", "position"],
+        )
+        for s in per:
+            for position, n in enumerate((s.get("speculative") or {}).get("accepted_per_pos", [])):
+                c.add_metric([self.model_name, s["engine"], str(position)], float(n))
+        families.append(c)
         return families
 
     def _step_histogram(self, per: list[dict]) -> HistogramMetricFamily:

@@ -42,6 +42,7 @@ def test_the_defaults_are_the_engines_keywords_defaults():
             "cp_variant": "auto",
             "cuda_graphs": "auto",
         },
+        "speculative": None,
     }
     assert HEARTBEAT_S == 2.0 and EngineConfig().itl is None
 

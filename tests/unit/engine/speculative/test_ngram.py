@@ -1,6 +1,6 @@
-"""Prompt-lookup proposals: the longest n-gram first, its most recent earlier occurrence, never the
-suffix itself, cut where the history ends; the same as a plain reference on any history, and on a
-32k-token one; `TokenHistory` grown in any chunks proposes the same."""
+"""Prompt-lookup proposals: the longest n-gram first, its most recent earlier occurrence with k
+tokens after it (else the earliest), never the suffix itself, cut where the history ends; the same
+as a plain reference on any history, and on a 32k-token one; `TokenHistory` grown in any chunks proposes the same."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ from dist_infer.engine.speculative.ngram import TokenHistory, propose_ngram
 
 
 def reference_proposal(ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """The definition, written plainly: for n from n_max down, the latest start before the suffix's."""
+    """The definition, written plainly: for n from n_max down, the latest start before the suffix's
+    that k tokens follow, else the earliest start."""
     for n in range(n_max, n_min - 1, -1):
         if len(ids) < n + 1:
             continue
         suffix = ids[-n:]
-        for start in range(len(ids) - n - 1, -1, -1):
-            if ids[start : start + n] == suffix:
-                return ids[start + n : start + n + k]
+        starts = [s for s in range(len(ids) - n) if ids[s : s + n] == suffix]
+        if starts:
+            whole = [s for s in starts if s + n + k <= len(ids)]
+            start = max(whole) if whole else min(starts)
+            return ids[start + n : start + n + k]
     return []
 
 
@@ -50,8 +53,16 @@ def test_an_occurrence_may_overlap_the_suffix():
     assert propose_ngram([1, 5, 5, 5], k=4, n_min=2, n_max=2) == [5]
 
 
+def test_an_occurrence_with_k_followers_beats_a_later_one_with_fewer():
+    # "1 2" at 0 (followed by 3 4 5 ...) and at 5 (followed by 6 and the suffix, three tokens)
+    ids = [1, 2, 3, 4, 5, 1, 2, 6, 1, 2]
+    assert propose_ngram(ids, k=4, n_min=2, n_max=2) == [3, 4, 5, 1]
+    assert propose_ngram(ids, k=3, n_min=2, n_max=2) == [6, 1, 2], "with k=3 the later one has enough"
+
+
 def test_the_end_of_the_history_cuts_the_proposal():
-    assert propose_ngram([1, 2, 3, 1, 2, 3, 1], k=10, n_min=1, n_max=1) == [2, 3, 1]
+    # no occurrence has 10 after it: the earliest, which has the most
+    assert propose_ngram([1, 2, 3, 1, 2, 3, 1], k=10, n_min=1, n_max=1) == [2, 3, 1, 2, 3, 1]
 
 
 def test_no_n_in_range_matching_gives_nothing():
@@ -115,7 +126,7 @@ def test_a_32k_token_history():
 
 def test_a_32k_run_of_one_token():
     ids = [7] * 32_768
-    assert propose_ngram(ids, k=5, n_min=1, n_max=8) == [7]
+    assert propose_ngram(ids, k=5, n_min=1, n_max=8) == [7] * 5, "the latest occurrence with 5 tokens after it"
     history = TokenHistory(ids)
-    history.extend([8, 7, 7])  # "7 7" last occurred just before the 8
-    assert history.propose(k=5, n_min=1, n_max=8) == reference_proposal([*ids, 8, 7, 7], 5, 1, 8) == [8, 7, 7]
+    history.extend([8, 7, 7])  # "7 7" occurred just before the 8 (two tokens after it): an earlier one has 5
+    assert history.propose(k=5, n_min=1, n_max=8) == reference_proposal([*ids, 8, 7, 7], 5, 1, 8) == [7, 7, 8, 7, 7]

@@ -1,0 +1,34 @@
+"""How an engine speculates, as one value (`--speculative`, `--num-speculative-tokens`, `--ngram-min`,
+`--ngram-max`): checked when it is made, so a bad flag fails before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # proposals per step: past this a miss costs more rows than a hit saves
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`method` "ngram": prompt lookup (ngram.py), proposals from the request's own history, no
+    draft model. `num_tokens`: the most proposals a step checks per request (K); each request's
+    own K adapts to its acceptance (draft_length.py) when `adaptive`. `ngram_min`..`ngram_max`: the
+    lengths of the history's tail looked up, longest first."""
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {METHODS}")
+        for name, value, low, high in (
+            ("num_speculative_tokens", self.num_tokens, 1, MAX_SPECULATIVE_TOKENS),
+            ("ngram_min", self.ngram_min, 1, 64),
+            ("ngram_max", self.ngram_max, self.ngram_min, 64),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
