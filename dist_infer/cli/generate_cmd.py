@@ -191,6 +191,12 @@ def run_generate(args) -> int:
             from dist_infer.models.moe import format_routing_report
 
             print(format_routing_report(moe))
+        speculative = engine.speculative.snapshot() if args.speculative != "off" else None
+        if speculative is not None:
+            print(
+                f"speculative: {speculative['num_accepted_tokens']} of {speculative['num_draft_tokens']} proposed "
+                f"tokens accepted in {speculative['num_drafts']} rounds"
+            )
         if args.dump_logits:
             torch.save([torch.stack(o.logits) for o in outputs], args.dump_logits)
         if args.json:
@@ -204,6 +210,8 @@ def run_generate(args) -> int:
                 "mesh": groups.mesh.describe(),
             }
             extra = {"moe": moe} if moe is not None else {}
+            if speculative is not None:
+                extra["speculative"] = speculative
             print(
                 json.dumps(
                     {

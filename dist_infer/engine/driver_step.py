@@ -95,6 +95,7 @@ class StepDriver:
         oldest. Returns what the completed step added to each request."""
         outputs = self._apply_commands()
         while len(self._inflight) < self.transport.stages:
+            self._price_proposals()
             scheduled = self.scheduler.schedule(self._seqs_per_step(), self.pacer.prefill_cap())
             self._freed += [r.seq_id for r in scheduled.freed]
             if not scheduled.chunks:
@@ -131,6 +132,12 @@ class StepDriver:
                     request.finish_reason = "abort"
                     outputs.append(self.progress.finish(request, "abort"))
         return outputs
+
+    def _price_proposals(self) -> None:
+        """Speculative decoding: what a proposed token costs in the next step, for the drafter."""
+        drafter, running = self.scheduler.drafter, self.scheduler.running
+        if drafter is not None and running:
+            drafter.row_cost = self.pacer.draft_row_cost(len(running), sum(r.num_tokens for r in running))
 
     def _seqs_per_step(self) -> Optional[int]:
         """With pp stages, each step takes about 1/pp of the live requests, so pp steps on

@@ -4,10 +4,11 @@ Sarathi-Serve keeps decodes stall-free by sizing each step's prompt chunk to a t
 from a profile taken before serving. Here the profile is learned online from the steps the engine
 runs, so it fits any model, layout (pp included) and machine without a calibration pass:
 
-    step seconds ~ fixed + f [P > 0] + a P + c (P s + P^2 / 2) / 1000 + b D + e L / 1000
+    step seconds ~ fixed + f [P > 0] + a P + c (P s + P^2 / 2) / 1000 + b D + e L / 1000 + g R
 
 P prompt tokens in the step, s the context they start from (their attention pairs grow with it),
-D decoding sequences, L the decodes' context tokens (a decode reads its whole KV). f is what a step
+D decoding sequences, L the decodes' context tokens (a decode reads its whole KV), R the proposed
+tokens the decodes verify (speculative decoding: each a row more, attending its decode's context). f is what a step
 with prompt tokens pays on top, whatever its size: on the CPU a step of up to 8 rows runs the
 skinny kernels and one with a prompt chunk BLAS products and the chunk's attention in GEMMs
 (models/fused_decode.py), or one layer and one kernel at a time where the native stack does not
@@ -26,7 +27,7 @@ import numpy as np
 
 from dist_infer.arg_types import AUTO_FACTOR, AUTO_FLOOR_S, parse_itl_target  # noqa: F401 (defined there for the CLI)
 
-FEATURES = ("fixed", "prompt_step", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k")
+FEATURES = ("fixed", "prompt_step", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k", "draft_token")
 MIN_CHUNK = 16  # a prompt advances at least this much per step beside decodes: no starvation
 STEP_KINDS = ("decode", "mixed", "prefill")
 STEP_BUCKETS = (
@@ -62,6 +63,7 @@ class StepShape:
     prompt_pairs: float = 0.0  # sum over chunks of n (start + n / 2): attention pairs beyond the chunk's own
     decodes: int = 0
     decode_context: int = 0  # tokens the decodes attend to, summed
+    draft_tokens: int = 0  # proposed tokens the decodes verify beside their own (speculative decoding)
 
     @property
     def kind(self) -> str:
@@ -78,6 +80,7 @@ class StepShape:
                 self.prompt_pairs / 1000.0,
                 self.decodes,
                 self.decode_context / 1000.0,
+                self.draft_tokens,
             ]
         )
 
@@ -135,12 +138,16 @@ class StepCostModel:
         """The predicted time of a step of these decodes alone."""
         return self.predict(StepShape(decodes=decodes, decode_context=decode_context))
 
+    def draft_token_s(self) -> float:
+        """What one proposed token adds to a step (0 until a step with proposals is seen)."""
+        return float(self.coefficients()[FEATURES.index("draft_token")])
+
     def prompt_tokens_within(self, target_s: float, decodes: int, decode_context: int, start: int) -> Optional[int]:
         """The most prompt tokens (a chunk starting after `start` cached tokens) a step beside these
         decodes can take and still end within `target_s`; never below MIN_CHUNK. None: not known yet."""
         if not self.ready:
             return None
-        fixed, f, a, c, b, e = (float(v) for v in self.coefficients())
+        fixed, f, a, c, b, e, _ = (float(v) for v in self.coefficients())
         room = target_s - (fixed + f + b * decodes + e * decode_context / 1000.0)
         # a n + (c / 1000) (n start + n^2 / 2) <= room: the positive root of a quadratic in n
         lin = a + c * start / 1000.0
@@ -161,7 +168,7 @@ def prefill_backlog_s(model: StepCostModel, prompts) -> Optional[float]:
     the decodes beside them are left out, so it errs short. None until a prompt's cost is learned."""
     if not model.ready:
         return None
-    _, _, a, c, _, _ = (float(v) for v in model.coefficients())
+    _, _, a, c, _, _, _ = (float(v) for v in model.coefficients())
     return sum(a * left + c * chunk_pairs(done, left) / 1000.0 for done, left in prompts)
 
 

@@ -23,9 +23,9 @@ from dist_infer.engine.step_cost import (
 
 def step_shape(chunks) -> StepShape:
     """A step's shape for the cost model: its prompt chunks, and its decodes (one token each: a
-    prompt's last token costs what a decode does)."""
-    prompts = [c for c in chunks if c.num_tokens > 1]
-    decodes = [c for c in chunks if c.num_tokens == 1]
+    prompt's last token costs what a decode does) with the proposals they verify."""
+    prompts = [c for c in chunks if c.num_tokens > 1 and not c.draft]
+    decodes = [c for c in chunks if c.num_tokens == 1 or c.draft]
     # a layered prompt's group runs a fraction of the layers: it costs that fraction of its tokens
     share = [1.0 if c.work_tokens is None else c.work_tokens / c.num_tokens for c in prompts]
     return StepShape(
@@ -33,6 +33,7 @@ def step_shape(chunks) -> StepShape:
         prompt_pairs=round(sum(chunk_pairs(c.start, c.num_tokens) * f for c, f in zip(prompts, share))),
         decodes=len(decodes),
         decode_context=sum(c.start + 1 for c in decodes),
+        draft_tokens=sum(len(c.draft) for c in decodes),
     )
 
 
@@ -71,6 +72,12 @@ class StepPacer:
             return value / 1000.0 / self.pp_size
         target = value * self.step_costs.decode_step_s(decodes, decode_context)
         return max(target, AUTO_FLOOR_S / self.pp_size) if kind == "auto" else target
+
+    def draft_row_cost(self, decodes: int, decode_context: int) -> float:
+        """What a proposed token costs, as a share of the token a plain step gives each of its
+        `decodes`: a proposal pays when the chance it is accepted is above this (0 until learned)."""
+        per_token = self.step_costs.decode_step_s(decodes, decode_context) / max(1, decodes)
+        return self.step_costs.draft_token_s() / per_token if per_token > 0 else 0.0
 
     def learn(self, chunks, launched: float, now: float) -> None:
         """Feed a completed step's duration to the cost model and the step-time histogram. With pp

@@ -1,7 +1,9 @@
 """The scheduler's source of proposals: per request, its token history and its proposal length.
 
 The scheduler asks `propose(request, limit)` for each decode it schedules and the driver tells
-`record` what the target accepted. A request's state here is rebuilt from its token ids whenever
+`record` what the target accepted; before each step the driver sets `row_cost`, what a proposed
+token costs as a share of a plain step's token (engine/step_pacing.py), which each request's
+proposal length weighs against its acceptance (draft_length.py). A request's state here is rebuilt from its token ids whenever
 they disagree (a new, resumed or migrated request, or one whose history this drafter has not seen):
 nothing of it travels with a request, which carries only its ids. Structured-output requests do not
 speculate (their grammar would have to follow every proposal).
@@ -21,6 +23,8 @@ from dist_infer.engine.speculative.ngram import TokenHistory
 
 class Drafter(Protocol):
     """What the scheduler asks for proposals, and the driver tells what came of them."""
+
+    row_cost: float  # what a proposed token costs, as a share of a plain step's token (set per step)
 
     def propose(self, request: Request, limit: int) -> list[int]: ...
 
@@ -42,6 +46,7 @@ class NgramDrafter:
     def __init__(self, config: SpeculativeConfig, max_positions: int, counters: SpeculativeCounters):
         self.config, self.max_positions, self.counters = config, max_positions, counters
         self._requests: dict[str, _RequestDrafts] = {}
+        self.row_cost = 0.0  # set by the driver before each step
 
     def _state(self, request: Request) -> _RequestDrafts:
         """`request`'s history, caught up with its ids (rebuilt if it is not a prefix of them)."""
@@ -64,7 +69,7 @@ class NgramDrafter:
         if limit <= 0:
             return []
         state = self._state(request)
-        k = min(state.length.next(), limit)
+        k = min(state.length.next(self.row_cost), limit)
         if k <= 0:
             return []
         c = self.config

@@ -25,7 +25,7 @@ from dist_infer.engine.step_cost import (
 
 # a CPU-like truth: 4 ms fixed, 3 ms more for a step with a prompt, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
 # 0.05 ms per 1000 decode context tokens
-TRUE = np.array([4e-3, 3e-3, 1e-4, 2e-5, 3e-4, 5e-5])
+TRUE = np.array([4e-3, 3e-3, 1e-4, 2e-5, 3e-4, 5e-5, 2e-4])
 
 
 def true_seconds(shape: StepShape) -> float:
@@ -42,6 +42,7 @@ def _random_shape(rng: random.Random) -> StepShape:
         prompt_pairs=chunk_pairs(start, n) if n else 0.0,
         decodes=decodes,
         decode_context=decodes * rng.randint(10, 1500),
+        draft_tokens=rng.choice((0, 0, decodes * rng.randint(1, 4))),
     )
 
 
@@ -300,7 +301,7 @@ def _serve(scheduler: Scheduler, model: StepCostModel, truth: np.ndarray, cap, a
 
 # costs of the shape a small CPU shows (docs/benchmarks.md, "The floor: 200 ms"): per prompt token, per
 # decode (the skinny kernels), fixed per step and more for a step with a prompt; made-up round values
-CPU = np.array([9e-3, 5e-3, 1.6e-3, 2e-5, 2.7e-3, 5e-5])
+CPU = np.array([9e-3, 5e-3, 1.6e-3, 2e-5, 2.7e-3, 5e-5, 1.7e-3])
 
 
 def test_the_floor_keeps_a_chunked_prompts_wait_near_its_whole_step():
@@ -334,7 +335,7 @@ def test_pipeline_steps_are_timed_by_their_slot():
 
     from dist_infer.engine.step_pacing import StepPacer
 
-    chunks = [SimpleNamespace(num_tokens=1, start=10, sample=True)]
+    chunks = [SimpleNamespace(num_tokens=1, start=10, sample=True, draft=[])]
     pacer = StepPacer(None, 2)
     pacer.learn(chunks, launched=1.0, now=1.2)  # alone: 0.2 s over 2 stages
     pacer.learn(chunks, launched=1.1, now=1.25)  # behind it: its slot, 0.05 s
@@ -393,7 +394,7 @@ def test_the_prefill_backlog_is_the_learned_cost_of_the_prompt_tokens_left():
     for _ in range(200):
         shape = _random_shape(rng)
         model.observe(shape, true_seconds(shape))
-    _, _, a, c, _, _ = TRUE
+    _, _, a, c, _, _, _ = TRUE
     want = a * 500 + c * chunk_pairs(0, 500) / 1000 + a * 300 + c * chunk_pairs(200, 300) / 1000
     assert prefill_backlog_s(model, [(0, 500), (200, 300)]) == pytest.approx(want, rel=0.03)
     assert prefill_backlog_s(model, []) == 0.0

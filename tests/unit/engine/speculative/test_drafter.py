@@ -64,7 +64,9 @@ def test_rounds_feed_the_counters_and_the_length():
         "num_accepted_tokens": 1,
         "accepted_per_pos": [1, 0, 0, 0],
     }
-    assert len(drafter.propose(r, 8)) == 2, "kept 1 of 4: two next"
+    assert len(drafter.propose(r, 8)) == 4, "rows that cost nothing: K again"
+    drafter.row_cost = 0.5
+    assert len(drafter.propose(r, 8)) == 1, "kept 1 of 4 (acceptance 0.65): one pays at half a token a row"
     drafter.record(r, 2, 0)
     assert counters.acceptance_rate == pytest.approx(1 / 6)
     drafter.forget(r)
