@@ -22,6 +22,7 @@ import numpy as np
 from loguru import logger
 
 from dist_infer.bench.serve.arrivals import schedule
+from dist_infer.bench.serve.copy_tasks import copy_prompt, write_prompt
 from dist_infer.bench.serve.flags import InputError
 from dist_infer.bench.serve.json_schemas import SchemaCase, schema_cases
 from dist_infer.bench.serve.prompts import FIRST_RANDOM_ID, random_id_prompt, random_text_prompt, shared_prefixes
@@ -211,9 +212,9 @@ def load_tokenizer_counter(path: Union[str, Path]):
 
 
 def dataset_kind(dataset: str) -> str:
-    """synthetic, prefix, multiturn, json-schema, sharegpt or trace: by name, by extension, else by
-    the file's first character."""
-    if dataset in ("synthetic", "prefix", "multiturn", "json-schema"):
+    """synthetic, prefix, multiturn, json-schema, copy, write, sharegpt or trace: by name, by
+    extension, else by the file's first character."""
+    if dataset in ("synthetic", "prefix", "multiturn", "json-schema", "copy", "write"):
         return dataset
     path = Path(dataset)
     suffix = path.suffix.lower()
@@ -258,6 +259,21 @@ def json_schema_requests(args: argparse.Namespace, rng: np.random.Generator) -> 
         schema = None if unconstrained else case
         out = lengths.get(i, args.output_len)
         requests.append(BenchRequest(i, case.prompt, approx_token_count(case.prompt), out, float(offset), schema))
+    return requests, arrivals
+
+
+def task_requests(args: argparse.Namespace, rng: np.random.Generator, kind: str) -> tuple[list[BenchRequest], str]:
+    """--dataset copy / write: request i is a copy-heavy task (edit, rewrite, extract, fix: the answer
+    repeats the prompt) or a writing task (nothing to copy), made from --seed, with at most
+    --output-len tokens (copy_tasks.py)."""
+    if args.prompt_ids:
+        raise InputError(f"--dataset {kind} sends text prompts (tasks in words): drop --prompt-ids")
+    offsets, arrivals = schedule(args.num_prompts, None, args.request_rate, args.burstiness, args.time_scale, rng)
+    make = copy_prompt if kind == "copy" else write_prompt
+    requests = []
+    for i, offset in enumerate(offsets):
+        prompt = make(rng)
+        requests.append(BenchRequest(i, prompt, approx_token_count(prompt), args.output_len, float(offset)))
     return requests, arrivals
 
 
@@ -307,6 +323,8 @@ def build_requests(args: argparse.Namespace, rng: np.random.Generator) -> tuple[
         return prefix_requests(args, rng)
     if kind == "json-schema":
         return json_schema_requests(args, rng)
+    if kind in ("copy", "write"):
+        return task_requests(args, rng, kind)
     count_tokens, encode = approx_token_count, None
     if args.tokenizer:
         count_tokens, encode = load_tokenizer_counter(args.tokenizer)

@@ -128,7 +128,10 @@ def _add_dataset_flags(p: argparse.ArgumentParser) -> None:
         "answers), each turn sending the whole conversation so far; json-schema: --num-prompts JSON "
         "schemas of varied shapes (nested objects, bounded arrays, enums, patterns, anyOf, ranges; made "
         "from --seed), each asked for as a strict json_schema response_format and every answer checked "
-        "against its schema (the validity rate is reported); or a ShareGPT-format .json file "
+        "against its schema (the validity rate is reported); copy: tasks whose answers repeat their "
+        "prompt (rename a variable in code, rewrite a list as a table, copy a log's matching lines, fix "
+        "a paragraph's typos; made from --seed), the stream speculative decoding serves; write: requests "
+        "for new text on a topic, nothing to copy; or a ShareGPT-format .json file "
         "(first human turn is the prompt, the first gpt reply's token count the output length; with "
         "--multiturn every turn is replayed); or a .csv trace with timestamp, context-token and "
         "generated-token columns (Azure LLM inference trace or BurstGPT headers)",
