@@ -94,6 +94,7 @@ def _run_ours(args, peers: list[str], start: RankStart):
     world.all_reduce(peaks)
     world.barrier()
     ladder_layers = engine.cfg.ladder_layers  # (first, last) this rank's model runs as a ladder, or None
+    speculative = engine.speculative.snapshot() if engine.config.speculative is not None else None
     engine.close()
     plain_groups.destroy()
     world.destroy()
@@ -123,6 +124,7 @@ def _run_ours(args, peers: list[str], start: RankStart):
         "prefill_schedule": getattr(args, "prefill_schedule", "chunked"),
         "max_batched_tokens": args.max_batched_tokens,
         **({"moe": moe} if moe is not None else {}),
+        **({"speculative": speculative} if speculative is not None else {}),
         **({"profile": profile} if profile is not None else {}),
         **({"overlap": overlap} if overlap else {}),
     }
@@ -221,7 +223,12 @@ def _print_report(args, model: str, ours: dict, compare: dict) -> None:
         f"(peak RSS {', '.join(f'{m:.0f}' for m in ours['gen_peak_rss_mb_per_rank'])} MiB); prefill CPU time per rank "
         f"{', '.join(f'{c:.2f}' for c in ours['prefill_cpu_s_per_rank'])} s"
     )
-    moe, profile = ours.get("moe"), ours.get("profile")
+    moe, profile, speculative = ours.get("moe"), ours.get("profile"), ours.get("speculative")
+    if speculative is not None:
+        print(
+            f"speculative: {speculative['num_accepted_tokens']} of {speculative['num_draft_tokens']} proposed tokens "
+            f"accepted in {speculative['num_drafts']} rounds (all timed runs)"
+        )
     if moe is not None:
         from dist_infer.models.moe import format_routing_report
 

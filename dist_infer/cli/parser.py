@@ -199,7 +199,7 @@ def _add_generate(sub) -> None:
 
 def _add_bench(sub) -> None:
     from dist_infer.bench import add_bench_flags
-    from dist_infer.launch.model_options import add_model_flags, add_prefill_schedule_flags
+    from dist_infer.launch.model_options import add_model_flags, add_prefill_schedule_flags, add_speculative_flags
 
     p = sub.add_parser(
         "bench",
@@ -212,6 +212,7 @@ def _add_bench(sub) -> None:
     add_model_flags(p)  # the same model and layout flags as generate and serve
     add_bench_flags(p)
     add_prefill_schedule_flags(p)
+    add_speculative_flags(p)
     add_overlap_flags(p)
 
 

@@ -9,6 +9,7 @@ import torch
 from dist_infer.comm import ParallelGroups, build_groups, init_world
 from dist_infer.engine.engine_core import Engine, EngineConfig, GenerationOutput
 from dist_infer.engine.sampling import SamplingParams
+from dist_infer.engine.speculative.config import SpeculativeConfig
 from dist_infer.engine.structured.spec import StructuredSpec
 from dist_infer.engine.tokenizer import TextTokenizer
 from dist_infer.models.loader import load_stage, resolve_device, stage_from_hf_model
@@ -79,12 +80,14 @@ def shard(
     quantization: str = "auto",
     ladder: Optional[str] = None,
     tokenizer: Optional[Any] = None,
+    speculative: Optional[SpeculativeConfig] = None,
 ) -> ShardedModel:
     """Shard a transformers causal LM already in memory over the job (like deepspeed.init_inference);
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization
     (auto: float weights for an in-memory model; int8 / int4: each rank quantizes its shard, CPU only).
     `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as the model's config says).
-    `tokenizer`: the model's TextTokenizer, or its checkpoint path, for structured outputs (None: none)."""
+    `tokenizer`: the model's TextTokenizer, or its checkpoint path, for structured outputs (None: none).
+    `speculative`: speculative decoding (engine/speculative; the CLI's --speculative), None: off."""
     groups, joined = join(parallel, backend, groups)
     stage = stage_from_hf_model(
         hf_model, groups, pp_split=pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
@@ -95,7 +98,9 @@ def shard(
         load_tokenizer = lambda: tokenizer  # noqa: E731
     else:
         load_tokenizer = lambda: TextTokenizer(tokenizer)  # noqa: E731
-    engine = Engine(stage, groups, EngineConfig(block_size=block_size), tokenizer=load_tokenizer)
+    engine = Engine(
+        stage, groups, EngineConfig(block_size=block_size, speculative=speculative), tokenizer=load_tokenizer
+    )
     return ShardedModel(engine, groups, owns_world=joined)
 
 
@@ -110,14 +115,21 @@ def load(
     device: str = "cpu",
     quantization: str = "auto",
     ladder: Optional[str] = None,
+    speculative: Optional[SpeculativeConfig] = None,
 ) -> ShardedModel:
     """Load a HF checkpoint directory (or GGUF file) over the job, each rank reading only its shard;
     `device`: cpu, cuda (this rank's GPU) or auto. `quantization`: as the CLI's --quantization (auto:
     a GGUF file's quantized tensors stay quantized on the CPU, a HF checkpoint loads as floats).
-    `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as config.json's ladder_residual says)."""
+    `ladder`: as --ladder-residual (all, FIRST:LAST, off; None: as config.json's ladder_residual says).
+    `speculative`: speculative decoding (engine/speculative; the CLI's --speculative), None: off."""
     groups, joined = join(parallel, backend, groups)
     stage, _ = load_stage(
         path, groups, dtype, pp_split, device=resolve_device(device), quantization=quantization, ladder=ladder
     )
-    engine = Engine(stage, groups, EngineConfig(block_size=block_size), tokenizer=lambda: TextTokenizer(path))
+    engine = Engine(
+        stage,
+        groups,
+        EngineConfig(block_size=block_size, speculative=speculative),
+        tokenizer=lambda: TextTokenizer(path),
+    )
     return ShardedModel(engine, groups, owns_world=joined)

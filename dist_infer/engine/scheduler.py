@@ -43,8 +43,9 @@ from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from dist_infer.engine.speculative.drafter import Drafter
 
-# prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start) -> tokens
-PrefillCap = Union[None, int, Callable[[int, int, int], Optional[int]]]
+# prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start,
+# proposals the decodes verify) -> tokens
+PrefillCap = Union[None, int, Callable[[int, int, int, int], Optional[int]]]
 
 
 class Scheduler:
@@ -395,7 +396,7 @@ class Scheduler:
         decodes = [c for c in out.chunks if c.num_tokens == 1 or c.draft]
         context = sum(c.start + c.num_tokens for c in decodes)
         start = next((r.num_computed for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1), 0)
-        cap = prefill_cap(len(decodes), context, start)
+        cap = prefill_cap(len(decodes), context, start, sum(len(c.draft) for c in decodes))
         return float("inf") if cap is None else cap
 
     def _add_chunk(

@@ -142,13 +142,16 @@ class StepCostModel:
         """What one proposed token adds to a step (0 until a step with proposals is seen)."""
         return float(self.coefficients()[FEATURES.index("draft_token")])
 
-    def prompt_tokens_within(self, target_s: float, decodes: int, decode_context: int, start: int) -> Optional[int]:
+    def prompt_tokens_within(
+        self, target_s: float, decodes: int, decode_context: int, start: int, draft_tokens: int = 0
+    ) -> Optional[int]:
         """The most prompt tokens (a chunk starting after `start` cached tokens) a step beside these
-        decodes can take and still end within `target_s`; never below MIN_CHUNK. None: not known yet."""
+        decodes (verifying `draft_tokens` proposals) can take and still end within `target_s`; never
+        below MIN_CHUNK. None: not known yet."""
         if not self.ready:
             return None
-        fixed, f, a, c, b, e, _ = (float(v) for v in self.coefficients())
-        room = target_s - (fixed + f + b * decodes + e * decode_context / 1000.0)
+        fixed, f, a, c, b, e, g = (float(v) for v in self.coefficients())
+        room = target_s - (fixed + f + b * decodes + e * decode_context / 1000.0 + g * draft_tokens)
         # a n + (c / 1000) (n start + n^2 / 2) <= room: the positive root of a quadratic in n
         lin = a + c * start / 1000.0
         quad = c / 2000.0

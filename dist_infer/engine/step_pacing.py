@@ -57,10 +57,11 @@ class StepPacer:
             return None
         return self.prompt_tokens_within
 
-    def prompt_tokens_within(self, decodes: int, decode_context: int, start: int):
-        """Prompt tokens a step of these decodes can add and still meet the target (None: not learned yet)."""
+    def prompt_tokens_within(self, decodes: int, decode_context: int, start: int, draft_tokens: int = 0):
+        """Prompt tokens a step of these decodes (and the proposals they verify) can add and still
+        meet the target (None: not learned yet)."""
         return self.step_costs.prompt_tokens_within(
-            self.step_target_s(decodes, decode_context), decodes, decode_context, start
+            self.step_target_s(decodes, decode_context), decodes, decode_context, start, draft_tokens
         )
 
     def step_target_s(self, decodes: int, decode_context: int) -> float:

@@ -82,3 +82,23 @@ def test_api_load_and_shard_take_quantization(tmp_path):
     for b, out in enumerate(auto.generate(VOCAB_PROMPTS, max_new_tokens=4, return_logits=True)):
         assert out.token_ids == ref_ids[b]
         torch.testing.assert_close(torch.stack(out.logits), ref_logits[b], atol=2e-4, rtol=1e-4)
+
+
+def test_api_load_and_shard_take_speculative(world_groups, tmp_path):
+    """`speculative=SpeculativeConfig(...)`: the library's generate verifies proposals, with HF's
+    tokens and logits, and the engine counts its rounds."""
+    from dist_infer.engine import SpeculativeConfig
+
+    path = write_hf_checkpoint(tmp_path, "llama-gqa")
+    hf_model = load_hf_model(path)
+    phrase = [11, 42, 7, 93]
+    prompts = [[5] + phrase * 3 + phrase[:2], [8, 9] + phrase * 2]
+    ids, logits = hf_reference(path, prompts, 12, model=hf_model)
+    for model in (
+        load(path, groups=world_groups, speculative=SpeculativeConfig(ngram_min=1)),
+        shard(hf_model, groups=world_groups, speculative=SpeculativeConfig(ngram_min=1)),
+    ):
+        outputs = model.generate(prompts, max_new_tokens=12, return_logits=True)
+        assert_outputs_match_hf(outputs, prompts, ids, logits, "api speculative")
+        assert model.engine.speculative.snapshot()["num_draft_tokens"] > 0
+        model.close()

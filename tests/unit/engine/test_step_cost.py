@@ -14,6 +14,7 @@ from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_cost import (
     AUTO_FACTOR,
+    FEATURES,
     MIN_CHUNK,
     StepCostModel,
     StepShape,
@@ -24,7 +25,7 @@ from dist_infer.engine.step_cost import (
 )
 
 # a CPU-like truth: 4 ms fixed, 3 ms more for a step with a prompt, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
-# 0.05 ms per 1000 decode context tokens
+# 0.05 ms per 1000 decode context tokens, 0.2 ms a proposed token verified
 TRUE = np.array([4e-3, 3e-3, 1e-4, 2e-5, 3e-4, 5e-5, 2e-4])
 
 
@@ -172,9 +173,9 @@ def _run(scheduler: Scheduler, model: StepCostModel, target_factor: float, steps
     and teaching the model; `arrive(step)` returns new requests. Returns (shape, seconds) per step."""
     history = []
 
-    def cap(decodes, context, start):
+    def cap(decodes, context, start, drafts=0):
         target = target_factor * model.decode_step_s(decodes, context)
-        return model.prompt_tokens_within(target, decodes, context, start)
+        return model.prompt_tokens_within(target, decodes, context, start, drafts)
 
     for step in range(steps):
         for r in arrive(step):
@@ -458,3 +459,19 @@ def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():
     assert seen == [(1, 50, 0)]
     off = StepPacer(None, 1, model)  # the target off: the compute alone
     assert off.prefill_backlog_s([waiting], [decoding]) == pytest.approx(prefill_backlog_s(model, [(0, 600)]))
+
+
+def test_proposals_verified_beside_the_decodes_leave_less_room_for_a_prompt():
+    """A speculating decode's proposed rows cost the step time (the draft_token feature), so a chunk
+    sized to the target beside them is smaller, and a proposed row's price is a share of a token."""
+    model = _fitted(seed=3)
+    g = model.coefficients()[FEATURES.index("draft_token")]
+    assert g == pytest.approx(TRUE[FEATURES.index("draft_token")], rel=0.05)
+    plain = model.prompt_tokens_within(0.05, 8, 800, 0)
+    verifying = model.prompt_tokens_within(0.05, 8, 800, 0, draft_tokens=24)
+    assert MIN_CHUNK < verifying < plain
+    from dist_infer.engine.step_pacing import StepPacer
+
+    pacer = StepPacer(("auto", 2.0), 1, model)
+    per_token = model.decode_step_s(8, 800) / 8
+    assert pacer.draft_row_cost(8, 800) == pytest.approx(g / per_token)
