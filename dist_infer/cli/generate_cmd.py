@@ -191,12 +191,7 @@ def run_generate(args) -> int:
             from dist_infer.models.moe import format_routing_report
 
             print(format_routing_report(moe))
-        speculative = engine.speculative.snapshot() if args.speculative != "off" else None
-        if speculative is not None:
-            print(
-                f"speculative: {speculative['num_accepted_tokens']} of {speculative['num_draft_tokens']} proposed "
-                f"tokens accepted in {speculative['num_drafts']} rounds"
-            )
+        speculative = speculative_summary(engine, args)
         if args.dump_logits:
             torch.save([torch.stack(o.logits) for o in outputs], args.dump_logits)
         if args.json:
@@ -231,3 +226,14 @@ def run_generate(args) -> int:
     groups.destroy()
     world.destroy()
     return 0
+
+
+def speculative_summary(engine, args) -> dict | None:
+    """--speculative's counters (printed), None when off."""
+    if args.speculative == "off":
+        return None
+    s = engine.speculative.snapshot()
+    print(
+        f"speculative: {s['num_accepted_tokens']} of {s['num_draft_tokens']} proposed tokens accepted in {s['num_drafts']} rounds"
+    )
+    return s

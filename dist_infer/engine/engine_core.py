@@ -58,7 +58,7 @@ from dist_infer.engine.request_progress import RequestProgress
 from dist_infer.engine.sampling import SampledTokens, SamplingParams
 from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.speculative.counters import SpeculativeCounters
-from dist_infer.engine.speculative.drafter import NgramDrafter
+from dist_infer.engine.speculative.draft_model import build_drafter
 from dist_infer.engine.stage_runner import StageRunner
 from dist_infer.engine.step_guard import StepGuard
 from dist_infer.engine.step_pacing import StepPacer
@@ -116,6 +116,7 @@ class Engine:
         self.masks = MaskFiller(counters=self.structured, parallel=module_device(stage).type != "cpu")
         spec = config.speculative
         self.speculative = SpeculativeCounters(spec.num_tokens if spec else 0)  # rounds, proposed, accepted
+        self._draft: dict = {}  # the draft model, loaded once (engine/speculative/draft_model.py)
         self.mover: Optional[BlockMover] = None
         self.migration: Optional[MigrationEndpoint] = None
         # made with the KV cache (_allocate): at once for a fixed size, else per offline batch
@@ -150,7 +151,11 @@ class Engine:
         )
         rows = min(config.max_num_seqs, max_rows or config.max_num_seqs)
         self.worker = StageWorker(stage, self.groups, cache, self.block_size, **asdict(config.worker), max_rows=rows)
-        drafter = None if spec is None else NgramDrafter(spec, self.cfg.max_positions, self.speculative)
+        drafter = None
+        if spec is not None:
+            drafter = build_drafter(
+                spec, stage, self.is_driver, self.speculative, num_blocks, self.block_size, self._draft
+            )
         self.scheduler = Scheduler(
             config.scheduler_config(num_blocks, self.cfg.max_positions, cp, self.layered), cp=cp, drafter=drafter
         )

@@ -78,7 +78,17 @@ def speculative_config(args):
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         adaptive=args.speculative_adaptive == "on",
+        draft_model=resolve_draft(args.draft_model) if args.speculative == "draft" else None,
     )
+
+
+def resolve_draft(path):
+    """--draft-model as a path (the built-in names too); the flag's error when it is missing."""
+    if path is None:
+        raise SystemExit("--speculative draft needs --draft-model PATH (a smaller model of the same vocabulary)")
+    from dist_infer.models.builtin import resolve_model
+
+    return resolve_model(path)
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
@@ -87,14 +97,22 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--speculative",
-        choices=("off", "ngram"),
+        choices=("off", "ngram", "draft"),
         default="off",
         help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence "
-        "of the output's last few tokens in the prompt and output (prompt lookup; no draft model), and "
-        "one step checks them all against the model, keeping the ones it would have produced itself: "
-        "outputs are those of plain decoding, greedy or seeded sampling alike. Pays where outputs repeat "
-        "their input (editing, extraction, code); off under --cp > 1 and --prefill-schedule layered, and "
-        "for structured-output requests (default %(default)s)",
+        "of the output's last few tokens in the prompt and output (prompt lookup; no draft model); draft "
+        "proposes what --draft-model (a smaller model of the same vocabulary, run greedily on the "
+        "instance's first rank) would say. One step checks them all against the model, keeping the ones "
+        "it would have produced itself: outputs are those of plain decoding, greedy or seeded sampling "
+        "alike. ngram pays where outputs repeat their input (editing, extraction, code); off under --cp > 1 "
+        "and --prefill-schedule layered, and for structured-output requests (default %(default)s)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="--speculative draft: the draft checkpoint (HF directory or GGUF file, or a built-in name); "
+        "its vocabulary must be the model's",
     )
     p.add_argument(
         "--num-speculative-tokens",

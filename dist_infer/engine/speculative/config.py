@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16  # proposals per step: past this a miss costs more rows than a hit saves
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`method` "ngram": prompt lookup (ngram.py), proposals from the request's own history, no
-    draft model. `num_tokens`: the most proposals a step checks per request (K); each request's
+    draft model; "draft": a smaller model of the same vocabulary at `draft_model` (a checkpoint
+    directory or GGUF file), run greedily on the instance's driver (draft_model.py). `num_tokens`: the most proposals a step checks per request (K); each request's
     own K adapts to its acceptance (draft_length.py) when `adaptive`. `ngram_min`..`ngram_max`: the
     lengths of the history's tail looked up, longest first."""
 
@@ -21,10 +23,13 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
+    draft_model: Optional[str] = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not one of {METHODS}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("--draft-model goes with --speculative draft, and --speculative draft needs it")
         for name, value, low, high in (
             ("num_speculative_tokens", self.num_tokens, 1, MAX_SPECULATIVE_TOKENS),
             ("ngram_min", self.ngram_min, 1, 64),
