@@ -187,3 +187,15 @@ def parse_ladder_residual(text) -> Union[str, tuple[int, int], None]:
     if span[0] < 0 or span[1] < span[0]:
         raise ValueError(f"--ladder-residual {text!r}: need 0 <= FIRST <= LAST")
     return span
+
+
+# --num-speculative-tokens' ceiling (engine/speculative/config.py): past it a miss costs more rows than a hit saves
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def speculative_tokens(text: str) -> int:
+    """--num-speculative-tokens: an integer in 1..MAX_SPECULATIVE_TOKENS."""
+    value = positive_int(text)
+    if value > MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"{value} is more than {MAX_SPECULATIVE_TOKENS}")
+    return value

@@ -93,7 +93,7 @@ def resolve_draft(path):
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     """Speculative decoding (engine/speculative): generate, serve and bench take the same flags."""
-    from dist_infer.engine.speculative.config import MAX_SPECULATIVE_TOKENS
+    from dist_infer.arg_types import MAX_SPECULATIVE_TOKENS, speculative_tokens
 
     p.add_argument(
         "--speculative",
@@ -116,7 +116,7 @@ def add_speculative_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--num-speculative-tokens",
-        type=positive_int,
+        type=speculative_tokens,
         default=4,
         metavar="K",
         help=f"most tokens proposed per request per step (1..{MAX_SPECULATIVE_TOKENS}); each request's "

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dist_infer.arg_types import MAX_SPECULATIVE_TOKENS
+
 METHODS = ("ngram", "draft")
-MAX_SPECULATIVE_TOKENS = 16  # proposals per step: past this a miss costs more rows than a hit saves
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,9 @@ class SpeculativeConfig:
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("--draft-model goes with --speculative draft, and --speculative draft needs it")
         for name, value, low, high in (
-            ("num_speculative_tokens", self.num_tokens, 1, MAX_SPECULATIVE_TOKENS),
-            ("ngram_min", self.ngram_min, 1, 64),
-            ("ngram_max", self.ngram_max, self.ngram_min, 64),
+            ("--num-speculative-tokens", self.num_tokens, 1, MAX_SPECULATIVE_TOKENS),
+            ("--ngram-min", self.ngram_min, 1, 64),
+            ("--ngram-max (at least --ngram-min)", self.ngram_max, self.ngram_min, 64),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -76,10 +76,10 @@ def test_rounds_feed_the_counters_and_the_length():
 @pytest.mark.parametrize(
     "kw, name",
     [
-        (dict(num_tokens=0), "num_speculative_tokens"),
-        (dict(num_tokens=17), "num_speculative_tokens"),
-        (dict(ngram_min=0), "ngram_min"),
-        (dict(ngram_min=3, ngram_max=2), "ngram_max"),
+        (dict(num_tokens=0), "--num-speculative-tokens"),
+        (dict(num_tokens=17), "--num-speculative-tokens"),
+        (dict(ngram_min=0), "--ngram-min"),
+        (dict(ngram_min=3, ngram_max=2), "--ngram-max"),
         (dict(method="eagle"), "speculative method"),
     ],
 )
