@@ -125,3 +125,27 @@ def test_graphs_in_bf16_equal_the_eager_steps(llama, deterministic):
         _, graphed = _generate(model, prompts, "on", 24)
         _, eager = _generate(model, prompts, "off", 24)
         assert graphed == eager
+
+
+def test_speculative_steps_on_the_gpu_give_plain_decodings_tokens(llama, deterministic):
+    """--speculative ngram on CUDA (graphs on: decode-only steps graphed, verifying steps eager):
+    greedy and seeded sampling give the plain run's ids, proposals were made, and the verified rows'
+    sampling runs on the device (its generators are CUDA ones)."""
+    from dist_infer.engine.engine_core import Engine, EngineConfig, WorkerOptions
+    from dist_infer.engine.sampling import SamplingParams
+    from dist_infer.engine.speculative.config import SpeculativeConfig
+
+    model = _load(llama)
+    phrase = [11, 42, 7, 93, 28]
+    prompts = [[5] + phrase * 3 + phrase[:2], [8, 9] + phrase * 2, prompts_for([13])[0]]
+    for params in (
+        SamplingParams(max_new_tokens=24),
+        SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5, stop_at_eos=False),
+    ):
+        runs = []
+        for spec in (None, SpeculativeConfig(ngram_min=1)):
+            config = EngineConfig(block_size=16, worker=WorkerOptions(cuda_graphs="on"), speculative=spec)
+            engine = Engine(model.engine.stage, model.engine.groups, config)
+            runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert runs[0] == runs[1]
+        assert engine.speculative.snapshot()["num_draft_tokens"] > 0

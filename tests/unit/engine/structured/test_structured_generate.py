@@ -349,3 +349,30 @@ def test_a_token_the_grammar_rejects_fails_the_request_with_the_reason_in_the_lo
         logger.disable("dist_infer")
     assert r.finish_reason == "abort" and r.output_token_ids == []
     assert any("token 7 is not allowed by the grammar" in str(m) for m in logs)
+
+
+def test_a_structured_request_beside_speculating_ones(small_checkpoint, text_tokenizer):
+    """Speculative decoding on: structured requests do not speculate, and their masks land on their
+    own rows while other rows of the same steps verify K + 1 positions (the sampled positions shift):
+    every output is the one it has with speculation off."""
+    from dist_infer.engine.speculative.config import SpeculativeConfig
+
+    (groups,) = thread_groups(1, 1)
+    repeat = [0, 40, 41, 42, 40, 41, 42, 40, 41]
+    batch = [
+        (repeat, SamplingParams(max_new_tokens=60, stop_at_eos=False)),
+        (PROMPTS[0], structured(SCHEMA)),
+        (repeat[1:], SamplingParams(max_new_tokens=60, stop_at_eos=False, temperature=0.7, seed=3)),
+        (PROMPTS[1], structured(SCHEMA, temperature=1.0, seed=4)),
+    ]
+    runs = []
+    for spec in (None, SpeculativeConfig(ngram_min=1)):
+        eng = build(small_checkpoint, groups, speculative=spec)
+        runs.append(([r.output_token_ids for r in serve(eng, batch)], eng.speculative.snapshot()))
+        eng.stop_followers()
+    (plain, _), (spec_ids, counts) = runs
+    assert spec_ids == plain
+    assert counts["num_draft_tokens"] > 0, "the unconstrained rows speculated"
+    for r_ids, (_, params) in zip(spec_ids, batch):
+        if params.structured is not None:
+            json.loads(text_tokenizer.decode(r_ids))
