@@ -139,9 +139,7 @@ class StepDriver:
         drafter, running = self.scheduler.drafter, self.scheduler.running
         if drafter is not None and running:
             drafter.row_cost = self.pacer.draft_row_cost(len(running), sum(r.num_tokens for r in running))
-            prepare = getattr(drafter, "prepare", None)  # a draft model drafts the step's decodes at once
-            if prepare is not None:
-                prepare(running)
+            drafter.prepare(running)  # a draft model drafts the step's decodes at once
 
     def _seqs_per_step(self) -> Optional[int]:
         """With pp stages, each step takes about 1/pp of the live requests, so pp steps on

@@ -26,6 +26,8 @@ class Drafter(Protocol):
 
     row_cost: float  # what a proposed token costs, as a share of a plain step's token (set per step)
 
+    def prepare(self, requests) -> None: ...
+
     def propose(self, request: Request, limit: int) -> list[int]: ...
 
     def record(self, request: Request, proposed: int, accepted: int) -> None: ...
@@ -60,6 +62,9 @@ class NgramDrafter:
         elif len(state.history) < request.num_tokens:
             state.history.extend(request.output_token_ids[len(state.history) - prompt :])
         return state
+
+    def prepare(self, requests) -> None:
+        """Nothing to do before a step: a proposal is a look-up (a draft model drafts here)."""
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to `limit` tokens to check after `request`'s last one ([] to decode plainly)."""
