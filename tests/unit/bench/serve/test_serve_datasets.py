@@ -278,3 +278,23 @@ def test_replayed_lengths_come_from_a_saved_run_and_a_bad_file_is_named(tmp_path
     args.replay_lengths = str(tmp_path / "bad.json")
     with pytest.raises(InputError, match="bad.json: not a readable --save-results file"):
         build_requests(args, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("kind", ["copy", "write"])
+def test_the_copy_and_write_datasets_are_text_tasks_made_from_the_seed(kind):
+    import argparse
+
+    from dist_infer.bench.serve.flags import add_bench_serve_flags
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_flags(parser)
+    args = parser.parse_args(["--dataset", kind, "--num-prompts", "12", "--seed", "3", "--output-len", "128"])
+    first, _ = build_requests(args, np.random.default_rng(3))
+    again, _ = build_requests(args, np.random.default_rng(3))
+    other, _ = build_requests(args, np.random.default_rng(4))
+    assert [r.prompt for r in first] == [r.prompt for r in again], "the same seed sends the same requests"
+    assert [r.prompt for r in first] != [r.prompt for r in other], "a new seed fresh ones"
+    assert len(first) == 12 and all(isinstance(r.prompt, str) and r.output_len == 128 for r in first)
+    args.prompt_ids = True
+    with pytest.raises(InputError, match="drop --prompt-ids"):
+        build_requests(args, np.random.default_rng(0))
