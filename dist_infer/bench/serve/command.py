@@ -40,6 +40,11 @@ from dist_infer.bench.serve.flags import ENDPOINT_PATHS, InputError, add_bench_s
 from dist_infer.bench.serve.grammar_metrics import grammar_report_line, grammar_summary, parse_grammar_counters
 from dist_infer.bench.serve.multiturn import run_conversations, ttft_by_turn, turn_report_lines
 from dist_infer.bench.serve.report import finite_or_none, format_report, plot_cdfs, summarize, write_results
+from dist_infer.bench.serve.speculative_metrics import (
+    parse_speculative_counters,
+    speculative_report_line,
+    speculative_summary,
+)
 
 
 async def run_workload(
@@ -50,7 +55,7 @@ async def run_workload(
 ) -> tuple[list[RequestRecord], float, str, dict]:
     """Send the requests (or replay the conversations) between two /metrics scrapes; the records,
     the duration, the model and the summary's entries from the server's counters (the prefix
-    cache hit rate, the grammar's share of step time)."""
+    cache hit rate, the grammar's share of step time, speculation's acceptance)."""
     async with open_session(
         base_url,
         args.model,
@@ -76,6 +81,7 @@ async def run_workload(
     counters = {
         **cache_summary(*(parse_cache_counters(t) if t is not None else None for t in (before, after))),
         **grammar_summary(parse_grammar_counters(before), parse_grammar_counters(after)),
+        **speculative_summary(parse_speculative_counters(before), parse_speculative_counters(after)),
     }
     return records, duration, session.model, counters
 
@@ -84,8 +90,8 @@ def report_text(summary: dict) -> str:
     """report.format_report's table with the prefix cache hit rate and (multi-turn) the per-turn
     TTFT rows added above its closing rule."""
     table = format_report(summary).split("\n")
-    grammar = grammar_report_line(summary)
-    extra = [cache_report_line(summary)] + ([grammar] if grammar else []) + turn_report_lines(summary)
+    optional = [line for line in (grammar_report_line(summary), speculative_report_line(summary)) if line]
+    extra = [cache_report_line(summary)] + optional + turn_report_lines(summary)
     return "\n".join(table[:-1] + extra + table[-1:])
 
 
