@@ -249,6 +249,52 @@ typedef void (*quant_fn)(const float *, const void *, const float *, const float
 static const quant_fn QUANT_BY_ROWS[9] = {0, quant_1, quant_2, quant_3, quant_4,
                                           quant_5, quant_6, quant_7, quant_8};
 
+/* 4-bit, 4 to 8 rows of x: two rows of W a pass, so each vector of x loaded serves both (one row of W
+ * a pass loads every x vector once per weight row and was bound by the loads; docs/benchmarks.md,
+ * "Speculative decoding": a verifying step and a batch-8 decode step). Odd tails go to QUANT_BY_ROWS. */
+#define QUANT4_PAIRS(M)                                                                           \
+    static void quant4_pairs_##M(const float *x, const void *qv, const float *sc, const float *zr, \
+                                 float *y, long K, long G, int bits, long ldy, long n0, long n1) { \
+        long groups = K / G, row_bytes = K / 2, n = n0;                                           \
+        for (; n + 2 <= n1; n += 2) {                                                             \
+            const unsigned char *r0 = (const unsigned char *)qv + n * row_bytes, *r1 = r0 + row_bytes; \
+            vf a[M], b[M];                                                                        \
+            for (int m = 0; m < M; m++) a[m] = b[m] = (vf){0};                                    \
+            for (long g = 0; g < groups; g++) {                                                   \
+                vf s0 = (vf){0} + sc[n * groups + g], s1 = (vf){0} + sc[(n + 1) * groups + g];    \
+                vf z0 = (vf){0} + (zr ? zr[n * groups + g] : 0.0f);                               \
+                vf z1 = (vf){0} + (zr ? zr[(n + 1) * groups + g] : 0.0f);                         \
+                const float *xg = x + g * G;                                                      \
+                const unsigned char *q0 = r0 + g * (G / 2), *q1 = r1 + g * (G / 2);               \
+                for (long k = 0; k < G / 2; k += VW) {                                            \
+                    vf lo0, hi0, lo1, hi1;                                                        \
+                    widen_u4(q0 + k, &lo0, &hi0);                                                 \
+                    widen_u4(q1 + k, &lo1, &hi1);                                                 \
+                    lo0 = lo0 * s0 + z0;                                                          \
+                    hi0 = hi0 * s0 + z0;                                                          \
+                    lo1 = lo1 * s1 + z1;                                                          \
+                    hi1 = hi1 * s1 + z1;                                                          \
+                    _Pragma("GCC unroll 8") for (int m = 0; m < M; m++) {                         \
+                        vf xl = load(xg + m * K + k), xh = load(xg + m * K + k + G / 2);          \
+                        a[m] += lo0 * xl;                                                         \
+                        b[m] += lo1 * xl;                                                         \
+                        a[m] += hi0 * xh;                                                         \
+                        b[m] += hi1 * xh;                                                         \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int m = 0; m < M; m++) {                                                         \
+                y[m * ldy + n] = hsum(a[m]);                                                      \
+                y[m * ldy + n + 1] = hsum(b[m]);                                                  \
+            }                                                                                     \
+        }                                                                                         \
+        if (n < n1) QUANT_BY_ROWS[M](x, qv, sc, zr, y, K, G, bits, ldy, n, n1);                   \
+    }
+QUANT4_PAIRS(4) QUANT4_PAIRS(5) QUANT4_PAIRS(6) QUANT4_PAIRS(7) QUANT4_PAIRS(8)
+
+static const quant_fn QUANT4_PAIRS_BY_ROWS[9] = {0, 0, 0, 0, quant4_pairs_4,
+                                                 quant4_pairs_5, quant4_pairs_6, quant4_pairs_7, quant4_pairs_8};
+
 /* quant_row_impl with the GGUF blocks' group of 32 as a constant (straight-line groups), else as given. */
 static void quant_row(const float *x, const float *xs, const void *qv, const float *sc, const float *zr, float *y,
                       long K, long G, int bits, long n0, long n1) {
@@ -281,6 +327,8 @@ int quant_linear(const float *x, const void *q, const float *scales, const float
         if (a >= b) continue;
         if (M == 1)
             quant_row(x, xs, q, scales, zeros, y, K, G, bits, a, b);
+        else if (bits == 4 && M >= 4)
+            QUANT4_PAIRS_BY_ROWS[M](x, q, scales, zeros, y, K, G, bits, ldy, a, b);
         else
             QUANT_BY_ROWS[M](x, q, scales, zeros, y, K, G, bits, ldy, a, b);
     }

@@ -82,6 +82,21 @@ def test_group_quant_linear_equals_dequantized_product(native, rows):
         assert_close_relative(m(x, NATIVE if native else None), x @ qw.dequantize().T)
 
 
+@needs_native
+@pytest.mark.parametrize("rows", [4, 6, 7, 8])
+def test_int4_rows_of_w_in_pairs_with_an_odd_one_left(rows):
+    """4 to 8 rows of x take two rows of W a pass; an odd count of W's rows (per thread too) ends
+    with one through the plain kernel: the same product either way."""
+    d = torch.rand(201, 6, generator=torch.Generator().manual_seed(5)) * 0.01
+    for qw in (
+        quantize_int4(rand_weight(201, 192)),
+        QuantizedWeight(torch.randint(0, 16, (201, 192), dtype=torch.int8), d, -8 * d, 32, 4),
+    ):
+        x = rand_input(rows, 192)
+        m = pack_block(qw, torch.float32, "odd", native=True)
+        assert_close_relative(m(x, NATIVE), x @ qw.dequantize().T)
+
+
 def test_no_kernel_falls_back_to_the_dequantized_weight():
     """Group-wise int8 (GGUF Q8_0), 4-bit groups of 16, columns not in whole groups: float, exact."""
     cases = [
