@@ -138,7 +138,9 @@ class StepDriver:
         model's proposals for the step's decodes."""
         drafter, running = self.scheduler.drafter, self.scheduler.running
         if drafter is not None and running:
-            drafter.row_cost = self.pacer.draft_row_cost(len(running), sum(r.num_tokens for r in running))
+            drafter.row_cost, drafter.step_cost = self.pacer.draft_prices(
+                len(running), sum(r.num_tokens for r in running)
+            )
             drafter.prepare(running)  # a draft model drafts the step's decodes at once
 
     def _seqs_per_step(self) -> Optional[int]:

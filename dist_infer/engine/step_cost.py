@@ -4,11 +4,13 @@ Sarathi-Serve keeps decodes stall-free by sizing each step's prompt chunk to a t
 from a profile taken before serving. Here the profile is learned online from the steps the engine
 runs, so it fits any model, layout (pp included) and machine without a calibration pass:
 
-    step seconds ~ fixed + f [P > 0] + a P + c (P s + P^2 / 2) / 1000 + b D + e L / 1000 + g R
+    step seconds ~ fixed + f [P > 0] + a P + c (P s + P^2 / 2) / 1000 + b D + e L / 1000 + g R + h [R > 0]
 
 P prompt tokens in the step, s the context they start from (their attention pairs grow with it),
 D decoding sequences, L the decodes' context tokens (a decode reads its whole KV), R the proposed
-tokens the decodes verify (speculative decoding: each a row more, attending its decode's context). f is what a step
+tokens the decodes verify (speculative decoding: each a row more, attending its decode's context);
+h is what a step with proposals pays on top, whatever their number (on the CPU, past 8 rows the
+step leaves the skinny kernels, as a prompt chunk does). f is what a step
 with prompt tokens pays on top, whatever its size: on the CPU a step of up to 8 rows runs the
 skinny kernels and one with a prompt chunk BLAS products and the chunk's attention in GEMMs
 (models/fused_decode.py), or one layer and one kernel at a time where the native stack does not
@@ -27,7 +29,16 @@ import numpy as np
 
 from dist_infer.arg_types import AUTO_FACTOR, AUTO_FLOOR_S, parse_itl_target  # noqa: F401 (defined there for the CLI)
 
-FEATURES = ("fixed", "prompt_step", "prompt_token", "prompt_pair_k", "decode_seq", "decode_context_k", "draft_token")
+FEATURES = (
+    "fixed",
+    "prompt_step",
+    "prompt_token",
+    "prompt_pair_k",
+    "decode_seq",
+    "decode_context_k",
+    "draft_token",
+    "draft_step",
+)
 MIN_CHUNK = 16  # a prompt advances at least this much per step beside decodes: no starvation
 STEP_KINDS = ("decode", "mixed", "prefill")
 STEP_BUCKETS = (
@@ -81,6 +92,7 @@ class StepShape:
                 self.decodes,
                 self.decode_context / 1000.0,
                 self.draft_tokens,
+                1.0 if self.draft_tokens else 0.0,
             ]
         )
 
@@ -101,6 +113,7 @@ class StepCostModel:
     _coef: Optional[np.ndarray] = None
     seen: dict = field(default_factory=lambda: {k: 0 for k in STEP_KINDS})
     _prompt_sizes: set = field(default_factory=set)  # distinct prompt token counts seen, up to two
+    _draft_sizes: set = field(default_factory=set)  # distinct proposal counts seen, up to two
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds <= 0:
@@ -111,6 +124,8 @@ class StepCostModel:
         self.seen[shape.kind] += 1
         if shape.prompt_tokens and len(self._prompt_sizes) < 2:
             self._prompt_sizes.add(shape.prompt_tokens)
+        if shape.draft_tokens and len(self._draft_sizes) < 2:
+            self._draft_sizes.add(shape.draft_tokens)
         self._coef = None
 
     @property
@@ -126,6 +141,8 @@ class StepCostModel:
             reg[1, 1] = self.ridge * self._xtx[1, 1]  # the 0/1 prompt_step by its own scale, not the token counts
             use = np.ones(len(FEATURES), dtype=bool)
             use[1] = len(self._prompt_sizes) > 1  # it says what prompt_token says until two prompt sizes are seen
+            use[7] = len(self._draft_sizes) > 1  # the same for draft_step and draft_token
+            reg[7, 7] = self.ridge * self._xtx[7, 7]
             coef = np.zeros(len(FEATURES))
             coef[use], *_ = np.linalg.lstsq((self._xtx + reg)[np.ix_(use, use)], self._xty[use], rcond=None)
             self._coef = np.maximum(coef, 0.0)
@@ -138,9 +155,11 @@ class StepCostModel:
         """The predicted time of a step of these decodes alone."""
         return self.predict(StepShape(decodes=decodes, decode_context=decode_context))
 
-    def draft_token_s(self) -> float:
-        """What one proposed token adds to a step (0 until a step with proposals is seen)."""
-        return float(self.coefficients()[FEATURES.index("draft_token")])
+    def draft_costs_s(self) -> tuple[float, float]:
+        """What one proposed token adds to a step, and what a step with proposals pays once (0, 0
+        until a step with proposals is seen)."""
+        coef = self.coefficients()
+        return float(coef[FEATURES.index("draft_token")]), float(coef[FEATURES.index("draft_step")])
 
     def prompt_tokens_within(
         self, target_s: float, decodes: int, decode_context: int, start: int, draft_tokens: int = 0
@@ -150,8 +169,9 @@ class StepCostModel:
         below MIN_CHUNK. None: not known yet."""
         if not self.ready:
             return None
-        fixed, f, a, c, b, e, g = (float(v) for v in self.coefficients())
+        fixed, f, a, c, b, e, g, h = (float(v) for v in self.coefficients())
         room = target_s - (fixed + f + b * decodes + e * decode_context / 1000.0 + g * draft_tokens)
+        room -= h if draft_tokens else 0.0
         # a n + (c / 1000) (n start + n^2 / 2) <= room: the positive root of a quadratic in n
         lin = a + c * start / 1000.0
         quad = c / 2000.0
@@ -171,7 +191,7 @@ def prefill_backlog_s(model: StepCostModel, prompts) -> Optional[float]:
     the decodes beside them are left out, so it errs short. None until a prompt's cost is learned."""
     if not model.ready:
         return None
-    _, _, a, c, _, _, _ = (float(v) for v in model.coefficients())
+    _, _, a, c, _, _, _, _ = (float(v) for v in model.coefficients())
     return sum(a * left + c * chunk_pairs(done, left) / 1000.0 for done, left in prompts)
 
 

@@ -74,11 +74,16 @@ class StepPacer:
         target = value * self.step_costs.decode_step_s(decodes, decode_context)
         return max(target, AUTO_FLOOR_S / self.pp_size) if kind == "auto" else target
 
-    def draft_row_cost(self, decodes: int, decode_context: int) -> float:
-        """What a proposed token costs, as a share of the token a plain step gives each of its
-        `decodes`: a proposal pays when the chance it is accepted is above this (0 until learned)."""
+    def draft_prices(self, decodes: int, decode_context: int) -> tuple[float, float]:
+        """What a proposed token costs, and what a step with proposals pays once, as shares of the
+        token a plain step gives each of its `decodes`: a proposal pays when the chance it is
+        accepted is above the first, a step's proposals together when their expected tokens are
+        above the second (0, 0 until learned)."""
         per_token = self.step_costs.decode_step_s(decodes, decode_context) / max(1, decodes)
-        return self.step_costs.draft_token_s() / per_token if per_token > 0 else 0.0
+        if not per_token > 0:
+            return 0.0, 0.0
+        row, step = self.step_costs.draft_costs_s()
+        return row / per_token, step / per_token
 
     def learn(self, chunks, launched: float, now: float) -> None:
         """Feed a completed step's duration to the cost model and the step-time histogram. With pp

@@ -327,7 +327,7 @@ int quant_linear(const float *x, const void *q, const float *scales, const float
         if (a >= b) continue;
         if (M == 1)
             quant_row(x, xs, q, scales, zeros, y, K, G, bits, a, b);
-        else if (bits == 4 && M >= 4)
+        else if (bits == 4 && M >= 4 && VW == 16)  /* 2M accumulators: AVX-512's 32 registers hold them */
             QUANT4_PAIRS_BY_ROWS[M](x, q, scales, zeros, y, K, G, bits, ldy, a, b);
         else
             QUANT_BY_ROWS[M](x, q, scales, zeros, y, K, G, bits, ldy, a, b);

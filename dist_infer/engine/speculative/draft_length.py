@@ -8,7 +8,9 @@ proposal of a round is kept only if all before it are, with probability alpha^j,
 the request a step's token; it costs one row more in the step, which the step-cost model prices
 as a share `row_cost` of a plain step's token per request (engine/step_pacing.py
 `draft_row_cost`: on a GPU's decode almost 0, on a few CPU cores a third or more, and more at a
-larger batch). So the length is the largest j <= K with alpha^j > row_cost.
+larger batch). So the length is the largest j <= K with alpha^j > row_cost. A step with proposals also pays once
+for having them (past 8 rows on a CPU the products leave the skinny kernels): the drafter proposes in
+a step only if the expected gains of all its requests together (`expected_gain`) beat that.
 
 Where not even one proposal pays, the request stops proposing for a while (1, 3, 7, 15 steps as it
 happens again and again) and then tries one token, so a stream whose proposals never match spends
@@ -58,6 +60,15 @@ class DraftLength:
         else:
             self.idle_rounds = 0
         return k
+
+    def expected_gain(self, k: int, row_cost: float) -> float:
+        """Tokens `k` proposals are expected to save, net of their rows' cost (in tokens): the j-th
+        is kept with chance acceptance^j."""
+        alpha, chance, gain = self.acceptance, 1.0, 0.0
+        for _ in range(k):
+            chance *= alpha
+            gain += chance - row_cost
+        return gain
 
     def record(self, proposed: int, accepted: int) -> None:
         """A round that proposed `proposed` tokens, of which the target accepted the first `accepted`."""

@@ -83,7 +83,7 @@ class DraftModelDrafter:
         )
         self.worker = StageWorker(stage, solo_groups(), cache, block_size, "off", None, "off", None, "auto", "off")
         self.pool = BlockPool(num_blocks)
-        self.row_cost = 0.0  # set by the driver before each step
+        self.row_cost = self.step_cost = 0.0  # set by the driver before each step
         self._sequences: dict[str, _DraftSequence] = {}
         self._lengths: dict[str, DraftLength] = {}
         self._ready: dict[str, tuple[int, list[int]]] = {}  # request -> (its tokens when drafted, proposals)
@@ -170,7 +170,8 @@ class DraftModelDrafter:
     def prepare(self, requests) -> None:
         """Draft the next tokens of every decode among `requests` that may speculate next step."""
         wanted = self._wanted(requests)
-        if not wanted:
+        gain = sum(self._lengths[r.request_id].expected_gain(k, self.row_cost) for r, _, k in wanted)
+        if not wanted or gain <= self.step_cost:  # not worth the step's price: no drafting either
             return
         proposals: list[list[int]] = [[] for _ in wanted]
         with torch.inference_mode():

@@ -25,6 +25,7 @@ class Drafter(Protocol):
     """What the scheduler asks for proposals, and the driver tells what came of them."""
 
     row_cost: float  # what a proposed token costs, as a share of a plain step's token (set per step)
+    step_cost: float  # what a step with proposals pays once, the same way
 
     def prepare(self, requests) -> None: ...
 
@@ -48,7 +49,8 @@ class NgramDrafter:
     def __init__(self, config: SpeculativeConfig, max_positions: int, counters: SpeculativeCounters):
         self.config, self.max_positions, self.counters = config, max_positions, counters
         self._requests: dict[str, _RequestDrafts] = {}
-        self.row_cost = 0.0  # set by the driver before each step
+        self.row_cost = self.step_cost = 0.0  # set by the driver before each step
+        self._ready: dict[str, tuple[int, list[int]]] = {}  # request -> (its tokens when proposed, proposals)
 
     def _state(self, request: Request) -> _RequestDrafts:
         """`request`'s history, caught up with its ids (rebuilt if it is not a prefix of them)."""
@@ -64,10 +66,28 @@ class NgramDrafter:
         return state
 
     def prepare(self, requests) -> None:
-        """Nothing to do before a step: a proposal is a look-up (a draft model drafts here)."""
+        """Before a step: the proposals of every decode among `requests` that may speculate, kept
+        only if their expected gains together beat what a step with proposals pays (`step_cost`)."""
+        made = {}
+        for r in requests:
+            if not r.in_flight and r.num_tokens - r.num_computed == 1:
+                room = r.params.max_new_tokens - len(r.output_token_ids) - 1
+                made[r.request_id] = (r, self._lookup(r, room))
+        gain = sum(self._requests[rid].length.expected_gain(len(p), self.row_cost) for rid, (_, p) in made.items() if p)
+        keep = gain > self.step_cost
+        for rid, (r, proposals) in made.items():
+            self._ready[rid] = (r.num_tokens, proposals if keep else [])
 
     def propose(self, request: Request, limit: int) -> list[int]:
-        """Up to `limit` tokens to check after `request`'s last one ([] to decode plainly)."""
+        """Up to `limit` tokens to check after `request`'s last one ([] to decode plainly): what
+        `prepare` made for it at its current length, else a look-up now."""
+        at, proposals = self._ready.pop(request.request_id, (-1, None))
+        if proposals is None or at != request.num_tokens:
+            proposals = self._lookup(request, limit)
+        return proposals[: max(0, limit)]
+
+    def _lookup(self, request: Request, limit: int) -> list[int]:
+        """Up to `limit` tokens from the request's history, as many as its proposal length says."""
         if request.grammar is not None or request.params.structured is not None:
             return []
         limit = min(limit, self.max_positions - request.num_tokens)
@@ -90,6 +110,7 @@ class NgramDrafter:
     def forget(self, request: Request) -> None:
         """`request` ended or left this instance."""
         self._requests.pop(request.request_id, None)
+        self._ready.pop(request.request_id, None)
 
     def __len__(self) -> int:
         return len(self._requests)

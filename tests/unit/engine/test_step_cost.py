@@ -25,8 +25,8 @@ from dist_infer.engine.step_cost import (
 )
 
 # a CPU-like truth: 4 ms fixed, 3 ms more for a step with a prompt, 0.1 ms a prompt token, 0.02 ms per 1000 attention pairs, 0.3 ms a decode,
-# 0.05 ms per 1000 decode context tokens, 0.2 ms a proposed token verified
-TRUE = np.array([4e-3, 3e-3, 1e-4, 2e-5, 3e-4, 5e-5, 2e-4])
+# 0.05 ms per 1000 decode context tokens, 0.2 ms a proposed token verified, 1 ms more for a step with proposals
+TRUE = np.array([4e-3, 3e-3, 1e-4, 2e-5, 3e-4, 5e-5, 2e-4, 1e-3])
 
 
 def true_seconds(shape: StepShape) -> float:
@@ -302,7 +302,7 @@ def _serve(scheduler: Scheduler, model: StepCostModel, truth: np.ndarray, cap, a
 
 # costs of the shape a small CPU shows (docs/benchmarks.md, "The floor: 200 ms"): per prompt token, per
 # decode (the skinny kernels), fixed per step and more for a step with a prompt; made-up round values
-CPU = np.array([9e-3, 5e-3, 1.6e-3, 2e-5, 2.7e-3, 5e-5, 1.7e-3])
+CPU = np.array([9e-3, 5e-3, 1.6e-3, 2e-5, 2.7e-3, 5e-5, 1.7e-3, 3e-3])
 
 
 def test_the_floor_keeps_a_chunked_prompts_wait_near_its_whole_step():
@@ -395,7 +395,7 @@ def test_the_prefill_backlog_is_the_learned_cost_of_the_prompt_tokens_left():
     for _ in range(200):
         shape = _random_shape(rng)
         model.observe(shape, true_seconds(shape))
-    _, _, a, c, _, _, _ = TRUE
+    _, _, a, c, _, _, _, _ = TRUE
     want = a * 500 + c * chunk_pairs(0, 500) / 1000 + a * 300 + c * chunk_pairs(200, 300) / 1000
     assert prefill_backlog_s(model, [(0, 500), (200, 300)]) == pytest.approx(want, rel=0.03)
     assert prefill_backlog_s(model, []) == 0.0
@@ -462,11 +462,12 @@ def test_beside_decodes_the_backlog_is_paced_by_the_itl_target():
 
 
 def test_proposals_verified_beside_the_decodes_leave_less_room_for_a_prompt():
-    """A speculating decode's proposed rows cost the step time (the draft_token feature), so a chunk
-    sized to the target beside them is smaller, and a proposed row's price is a share of a token."""
+    """A speculating decode's proposed rows cost the step time (draft_token, and draft_step once a
+    step), so a chunk sized to the target beside them is smaller; both prices as shares of a token."""
     model = _fitted(seed=3)
-    g = model.coefficients()[FEATURES.index("draft_token")]
+    g, h = model.draft_costs_s()
     assert g == pytest.approx(TRUE[FEATURES.index("draft_token")], rel=0.05)
+    assert h == pytest.approx(TRUE[FEATURES.index("draft_step")], rel=0.05)
     plain = model.prompt_tokens_within(0.05, 8, 800, 0)
     verifying = model.prompt_tokens_within(0.05, 8, 800, 0, draft_tokens=24)
     assert MIN_CHUNK < verifying < plain
@@ -474,4 +475,4 @@ def test_proposals_verified_beside_the_decodes_leave_less_room_for_a_prompt():
 
     pacer = StepPacer(("auto", 2.0), 1, model)
     per_token = model.decode_step_s(8, 800) / 8
-    assert pacer.draft_row_cost(8, 800) == pytest.approx(g / per_token)
+    assert pacer.draft_prices(8, 800) == pytest.approx((g / per_token, h / per_token))
