@@ -222,7 +222,7 @@ def test_inputs_that_do_not_fit_are_refused(shape, proposed, draft_shape, messag
 
 def test_the_steps_own_draws_give_the_first_two_tokens_the_targets_distribution():
     """What the engine's step does (StepPlan.position_rows, sample_rows over the K + 1 positions,
-    accepted_prefix), on a Markov "model" over 6 tokens whose logits after token t are TABLE[t]:
+    accepted_prefix), on a Markov "model" over 6 tokens whose logits after token t are table[t]:
     over 20,000 seeds, with random proposals, the first and second emitted tokens are distributed
     as plain sampling's (a rejected first proposal leaves the second token to the next step, drawn
     at its own index as plain sampling draws it)."""
@@ -232,18 +232,18 @@ def test_the_steps_own_draws_give_the_first_two_tokens_the_targets_distribution(
     gen = torch.Generator().manual_seed(3)
     first, table = torch.randn(6, generator=gen) * 1.5, torch.randn(6, 6, generator=gen) * 1.5
     rng = random.Random(4)
-    counts = [np.zeros(6), np.zeros(6)]
-    for seed in range(DRAWS):
-        row = replace(ROW, top_k=0, top_p=1.0, seed=seed, index=0)
-        proposed = [rng.randrange(6), rng.randrange(6)]
-        logits = torch.stack([first, table[proposed[0]], table[proposed[1]]])
-        plan = StepPlan(sample=[3], rows=[row])
-        targets = sample_rows(logits, plan.position_rows()).tokens.tolist()
-        emitted = targets[: accepted_prefix(proposed, targets) + 1]
-        if len(emitted) == 1:  # the next step draws the second token after the first
-            emitted += sample_rows(table[emitted[0]][None], [replace(row, index=1)]).tokens.tolist()
-        counts[0][emitted[0]] += 1
-        counts[1][emitted[1]] += 1
+    proposals = [[rng.randrange(6), rng.randrange(6)] for _ in range(DRAWS)]
+    # every seed's step in one sample_rows call (each row still draws with its own generator)
+    rows = [replace(ROW, top_k=0, top_p=1.0, seed=seed, index=0) for seed in range(DRAWS)]
+    positions = [r for row in rows for r in StepPlan(sample=[3], rows=[row]).position_rows()]
+    logits = torch.stack([torch.stack([first, table[p[0]], table[p[1]]]) for p in proposals]).reshape(-1, 6)
+    targets = sample_rows(logits, positions).tokens.view(DRAWS, 3).tolist()
+    emitted = [t[: accepted_prefix(p, t) + 1] for p, t in zip(proposals, targets)]
+    cut = [i for i, e in enumerate(emitted) if len(e) == 1]  # the next step draws their second token
+    seconds = sample_rows(table[[emitted[i][0] for i in cut]], [replace(rows[i], index=1) for i in cut])
+    for i, token in zip(cut, seconds.tokens.tolist()):
+        emitted[i].append(token)
+    counts = [np.bincount([e[0] for e in emitted], minlength=6), np.bincount([e[1] for e in emitted], minlength=6)]
     plain = replace(ROW, top_k=0, top_p=1.0)
     p0 = row_probs(usable_logits(first[None])[0], plain).double().numpy()
     p1 = sum(p0[t] * row_probs(usable_logits(table[t][None])[0], plain).double().numpy() for t in range(6))
