@@ -47,17 +47,23 @@ def sample_value(line: str, name: str) -> Optional[float]:
     return value if math.isfinite(value) else None
 
 
+def counter_sums(text: str, names: dict[str, str]) -> dict[str, Optional[float]]:
+    """Each of `names` (key -> metric name) in a Prometheus text exposition, summed over its labels;
+    None for a name with no sample."""
+    lines = [line.strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    sums: dict[str, Optional[float]] = {}
+    for key, name in names.items():
+        values = [v for v in (sample_value(line, name) for line in lines) if v is not None]
+        sums[key] = sum(values) if values else None
+    return sums
+
+
 def parse_cache_counters(text: str) -> Optional[CacheCounters]:
     """The prefix cache counters of a Prometheus text exposition, each summed over its labels; the
     first of METRIC_PREFIXES that exports the queries counter wins. None if neither does."""
-    lines = [line.strip() for line in text.splitlines()]
-    lines = [line for line in lines if line and not line.startswith("#")]
     for prefix in METRIC_PREFIXES:
-        sums = {}
-        for counter in ("queries", "hits"):
-            name = f"{prefix}:prefix_cache_{counter}_total"
-            values = [v for v in (sample_value(line, name) for line in lines) if v is not None]
-            sums[counter] = sum(values) if values else None
+        sums = counter_sums(text, {c: f"{prefix}:prefix_cache_{c}_total" for c in ("queries", "hits")})
         if sums["queries"] is not None:
             return CacheCounters(sums["queries"], sums["hits"] or 0.0)
     return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from dist_infer.bench.serve.cache_metrics import sample_value
+from dist_infer.bench.serve.cache_metrics import counter_sums
 
 COUNTERS = {
     "mask_s": "dist_infer:structured_mask_seconds_total",
@@ -34,11 +34,7 @@ def parse_grammar_counters(text: Optional[str]) -> Optional[dict[str, float]]:
     """COUNTERS' values in an exposition text, each summed over its labels; None without the mask counter."""
     if text is None:
         return None
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    sums = {}
-    for key, name in COUNTERS.items():
-        values = [v for v in (sample_value(line, name) for line in lines) if v is not None]
-        sums[key] = sum(values) if values else None
+    sums = counter_sums(text, COUNTERS)
     if sums["mask_s"] is None or sums["step_s"] is None:
         return None
     return {k: v or 0.0 for k, v in sums.items()}

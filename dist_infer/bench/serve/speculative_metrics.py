@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from dist_infer.bench.serve.cache_metrics import sample_value
+from dist_infer.bench.serve.cache_metrics import counter_sums
 
 COUNTERS = {
     "drafts": "dist_infer:spec_decode_num_drafts_total",
@@ -26,14 +26,10 @@ def parse_speculative_counters(text: Optional[str]) -> Optional[dict[str, float]
     """COUNTERS' values in an exposition text, each summed over its labels; None without them."""
     if text is None:
         return None
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    sums = {}
-    for key, name in COUNTERS.items():
-        values = [v for v in (sample_value(line, name) for line in lines) if v is not None]
-        if not values:
-            return None
-        sums[key] = sum(values)
-    return sums
+    sums = counter_sums(text, COUNTERS)
+    if any(v is None for v in sums.values()):
+        return None
+    return {k: float(v or 0.0) for k, v in sums.items()}
 
 
 def speculative_summary(before: Optional[dict], after: Optional[dict]) -> dict[str, Any]:
