@@ -80,6 +80,19 @@ def ours(name: str, model: str, port: int, log_dir: Path, *flags: str) -> Server
     )
 
 
+def llama_server(binary: str, model: str, concurrency: int, context_per_slot: int, *flags: str):
+    """A starter of llama.cpp's server on `model`: 2 threads, `concurrency` slots of `context_per_slot`
+    tokens each, and `flags` (its speculative mode, say)."""
+
+    def start(name: str, port: int, log_dir: Path) -> Server:
+        argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2", *flags]
+        return Server(
+            name, argv + ["--parallel", str(concurrency), "-c", str(context_per_slot * concurrency)], port, log_dir
+        )
+
+    return start
+
+
 def bench(url: str, args: list[str], out: Path) -> dict:
     cmd = [str(BIN / "dist-infer"), "bench-serve", "--url", url, "--json", "--save-results", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)

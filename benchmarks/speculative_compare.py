@@ -20,27 +20,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from serve_compare import Server, bench, free_port, ours, scrape
-
-
-def llama_server(binary: str, model: str, concurrency: int, speculative: list[str]):
-    def start(name: str, port: int, log_dir: Path) -> Server:
-        argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2", *speculative]
-        return Server(name, argv + ["--parallel", str(concurrency), "-c", str(2048 * concurrency)], port, log_dir)
-
-    return start
+from serve_compare import bench, free_port, llama_server, ours
 
 
 def run(name: str, start, stream: list[str], log_dir: Path) -> dict:
     server = start(name, free_port(), log_dir)
     try:
-        result = bench(server.url, stream, log_dir / f"{name}.json")
-        metrics = scrape(server.url)
+        result = bench(server.url, stream, log_dir / f"{name}.json")  # its spec_* keys: from our /metrics
     finally:
         server.stop()
-    drafted = metrics.get("dist_infer:spec_decode_num_draft_tokens_total", 0.0)
-    accepted = metrics.get("dist_infer:spec_decode_num_accepted_tokens_total", 0.0)
-    result["spec_draft_tokens"], result["spec_accepted_tokens"] = drafted, accepted
+    drafted, accepted = result.get("spec_draft_tokens") or 0, result.get("spec_accepted_tokens") or 0
     result["decode_tok_s"] = 1000.0 / result["tpot_ms"]["mean"] if result["tpot_ms"]["mean"] else None
     print(
         f"{name:>22}: {result['completed']} ok / {result['failed']} failed, {result['request_throughput']:.3f} req/s, "
@@ -91,8 +80,8 @@ def main() -> int:
                 "ours-ngram": lambda name, port, d: ours(name, model, port, d, *flags, *args.spec_flags.split()),
             }
             if args.llama_server:
-                runs["llama-plain"] = llama_server(args.llama_server, model, n, [])
-                runs["llama-ngram"] = llama_server(args.llama_server, model, n, args.llama_spec.split())
+                runs["llama-plain"] = llama_server(args.llama_server, model, n, 2048)
+                runs["llama-ngram"] = llama_server(args.llama_server, model, n, 2048, *args.llama_spec.split())
             key = f"{dataset}@{load}"
             results[key] = {name: run(f"{name}@{key}", start, stream, log_dir) for name, start in runs.items()}
             r = results[key]

@@ -24,15 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from serve_compare import Server, bench, free_port, ours
-
-
-def llama_server(binary: str, model: str, concurrency: int):
-    def start(name: str, port: int, log_dir: Path) -> Server:
-        argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2"]
-        return Server(name, argv + ["--parallel", str(concurrency), "-c", str(1024 * concurrency)], port, log_dir)
-
-    return start
+from serve_compare import bench, free_port, llama_server, ours
 
 
 def run(name: str, start, stream: list[str], log_dir: Path) -> dict:
@@ -102,7 +94,7 @@ def main() -> int:
         "grammar_hidden_t1": results["ours-strict-t1"]["grammar_hidden"],
     }
     if args.llama_server:
-        peer = llama_server(args.llama_server, model, args.concurrency)
+        peer = llama_server(args.llama_server, model, args.concurrency, 1024)
         for t in ("0", "1"):
             results[f"llama-strict-t{t}"] = run(f"llama-strict-t{t}", peer, common + ["--temperature", t], log_dir)
             mine, theirs = results[f"ours-strict-t{t}"], results[f"llama-strict-t{t}"]
