@@ -87,7 +87,6 @@ class DraftModelDrafter:
         self._sequences: dict[str, _DraftSequence] = {}
         self._lengths: dict[str, DraftLength] = {}
         self._ready: dict[str, tuple[int, list[int]]] = {}  # request -> (its tokens when drafted, proposals)
-        self._rounds: dict[str, int] = {}  # request -> proposals it was given this round
 
     # -- the scheduler's side ------------------------------------------------------------------
     def propose(self, request: Request, limit: int) -> list[int]:
@@ -95,9 +94,7 @@ class DraftModelDrafter:
         at, proposals = self._ready.pop(request.request_id, (-1, []))
         if at != request.num_tokens or limit <= 0:
             return []
-        proposals = proposals[:limit]
-        self._rounds[request.request_id] = len(proposals)
-        return proposals
+        return proposals[:limit]
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
         """The target kept the first `accepted` of `proposed`: those proposals' keys stay."""
@@ -113,7 +110,7 @@ class DraftModelDrafter:
         seq = self._sequences.pop(request.request_id, None)
         if seq is not None and seq.table:
             self.pool.free(seq.table)
-        for table in (self._lengths, self._ready, self._rounds):
+        for table in (self._lengths, self._ready):
             table.pop(request.request_id, None)
 
     # -- the driver's side: draft before the step ------------------------------------------------
@@ -123,6 +120,8 @@ class DraftModelDrafter:
         for r in requests:
             if r.in_flight or r.num_tokens - r.num_computed != 1 or r.params.structured is not None:
                 continue
+            if self._ready.get(r.request_id, (-1, []))[0] == r.num_tokens:
+                continue  # drafted at this length already (pp: a step before this one left it out)
             length = self._lengths.setdefault(r.request_id, DraftLength(self.config.num_tokens, self.config.adaptive))
             room = min(r.params.max_new_tokens - len(r.output_token_ids) - 1, self.max_positions - r.num_tokens)
             k = min(length.next(self.row_cost), room)

@@ -70,6 +70,8 @@ class NgramDrafter:
         only if their expected gains together beat what a step with proposals pays (`step_cost`)."""
         made = {}
         for r in requests:
+            if self._ready.get(r.request_id, (-1, None))[0] == r.num_tokens:
+                continue  # proposed at this length already (pp: a step before this one left it out)
             if not r.in_flight and r.num_tokens - r.num_computed == 1:
                 room = r.params.max_new_tokens - len(r.output_token_ids) - 1
                 made[r.request_id] = (r, self._lookup(r, room))
