@@ -33,6 +33,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logger.enable("dist_infer")  # the library is silent by default (dist_infer/__init__.py)
     parser = build_parser()
     args = parser.parse_args(argv)
+    from dist_infer.launch.model_options import speculative_flags_error
+
+    if error := speculative_flags_error(args):
+        parser.error(error)
     if not args.command:
         parser.print_help()
         return 2

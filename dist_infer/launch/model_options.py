@@ -69,6 +69,7 @@ def scheduler_options(args) -> dict:
 def speculative_config(args):
     """--speculative and its numbers as an engine/speculative SpeculativeConfig; None when off."""
     from dist_infer.engine.speculative.config import SpeculativeConfig
+    from dist_infer.models.builtin import resolve_model
 
     if getattr(args, "speculative", "off") == "off":
         return None
@@ -78,17 +79,18 @@ def speculative_config(args):
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         adaptive=args.speculative_adaptive == "on",
-        draft_model=resolve_draft(args.draft_model) if args.speculative == "draft" else None,
+        draft_model=resolve_model(args.draft_model) if args.speculative == "draft" else None,
     )
 
 
-def resolve_draft(path):
-    """--draft-model as a path (the built-in names too); the flag's error when it is missing."""
-    if path is None:
-        raise SystemExit("--speculative draft needs --draft-model PATH (a smaller model of the same vocabulary)")
-    from dist_infer.models.builtin import resolve_model
-
-    return resolve_model(path)
+def speculative_flags_error(args) -> str | None:
+    """What is wrong with the speculative flags together (checked when they are parsed), or None."""
+    method = getattr(args, "speculative", "off")
+    if (method == "draft") != (getattr(args, "draft_model", None) is not None):
+        return "--speculative draft needs --draft-model PATH (a smaller model of the same vocabulary), and only it"
+    if method != "off" and args.ngram_max < args.ngram_min:
+        return f"--ngram-max {args.ngram_max} is below --ngram-min {args.ngram_min}"
+    return None
 
 
 def add_speculative_flags(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""The model options every command takes: --quantization beside --dtype."""
+"""The model options every command takes: --quantization beside --dtype; the speculative flags."""
 
 from __future__ import annotations
 
@@ -15,3 +15,25 @@ def test_quantization_flag_beside_dtype(command):
     assert parser.parse_args([command, "--quantization", "int4"]).quantization == "int4"
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--quantization", "fp8"])
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_speculative_flags_make_a_config_or_an_error_naming_them(command, capsys):
+    from dist_infer.cli.main import main
+    from dist_infer.launch.model_options import speculative_config, speculative_flags_error
+
+    parser = build_parser()
+    assert speculative_config(parser.parse_args([command])) is None
+    args = parser.parse_args([command, "--speculative", "ngram", "--num-speculative-tokens", "6", "--ngram-min", "1"])
+    assert speculative_flags_error(args) is None
+    spec = speculative_config(args)
+    assert (spec.method, spec.num_tokens, spec.ngram_min, spec.ngram_max, spec.adaptive) == ("ngram", 6, 1, 4, True)
+    for argv, needle in [
+        (["--speculative", "draft"], "--speculative draft needs --draft-model"),
+        (["--draft-model", "tiny"], "--speculative draft needs --draft-model"),
+        (["--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "2"], "--ngram-max 2 is below --ngram-min 5"),
+        (["--num-speculative-tokens", "17"], "17 is more than 16"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, *argv])
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err, argv
