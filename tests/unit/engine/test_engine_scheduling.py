@@ -18,6 +18,7 @@ from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_plan import KIND_WORK, StepPlan, decode, encode
 from dist_infer.parallel.ring.shards import zigzag_chunks
 from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.engine_streams import serve_stream
 from tests.support.hf_compare import prompts_for, steps_agreeing_with_hf
 from tests.support.threads import run_ranks, thread_groups
 
@@ -245,20 +246,6 @@ def _engine(model, groups, **kw):
     return Engine(stage_from_hf_model(model, groups), groups, EngineConfig(block_size=4, **kw))
 
 
-def _serve_stream(engine, prompts, arrivals, params):
-    """Add prompt i at step arrivals[i], step until everything finished; returns the requests."""
-    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    requests, step = {}, 0
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            requests[i] = engine.add_request(f"req-{i}", prompts[i], params)
-        engine.step()
-        step += 1
-        assert step < 2000
-    return [requests[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("budget,blocks", [(7, 64), (5, 9), (13, 7)])
 def test_random_arrivals_chunks_and_preemption_give_hfs_tokens(llama, budget, blocks):
     path, model = llama
@@ -268,7 +255,7 @@ def test_random_arrivals_chunks_and_preemption_give_hfs_tokens(llama, budget, bl
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, num_blocks=blocks, max_batched_tokens=budget, max_num_seqs=4)
     arrivals = [rng.randint(0, 8) for _ in prompts]
-    reqs = _serve_stream(engine, prompts, arrivals, SamplingParams(max_new_tokens=NEW, stop_at_eos=False))
+    reqs = serve_stream(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), arrivals)
     for i, r in enumerate(reqs):
         (want,), (want_logits,) = refs[i]
         assert r.finish_reason == "length"
@@ -313,7 +300,7 @@ def test_tp2_on_threads_with_chunks_gives_hfs_tokens(llama):
         if groups.world.rank != 0:
             engine.follow()
             return None
-        reqs = _serve_stream(engine, prompts, [0, 1, 3], SamplingParams(max_new_tokens=NEW, stop_at_eos=False))
+        reqs = serve_stream(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), [0, 1, 3])
         engine.stop_followers()
         return [r.output_token_ids for r in reqs]
 
@@ -471,7 +458,7 @@ def test_an_itl_target_cuts_prompt_chunks_beside_decodes_and_keeps_hfs_tokens(ll
         return out
 
     engine.scheduler.schedule = recording
-    reqs = _serve_stream(engine, prompts, [0, 0, 4, 5], SamplingParams(max_new_tokens=NEW, stop_at_eos=False))
+    reqs = serve_stream(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), [0, 0, 4, 5])
     for i, r in enumerate(reqs):
         (want,), (want_logits,) = refs[i]
         steps_agreeing_with_hf(r.output_token_ids, want, want_logits, f"itl target prompt {i}")

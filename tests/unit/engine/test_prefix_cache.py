@@ -24,6 +24,7 @@ from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.engine_streams import serve_stream
 from tests.support.hf_compare import ATOL, RTOL, prompts_for, steps_agreeing_with_hf
 from tests.support.threads import run_ranks, thread_groups
 
@@ -287,18 +288,9 @@ ARRIVALS = [0, 0, 3, 6, 9, 10]
 
 
 def _serve(engine, prompts, params, arrivals=ARRIVALS):
-    """Add prompt i at step arrivals[i] (params: one, or one per prompt), step until everything
-    finished; returns the requests."""
+    """serve_stream with the logits returned."""
     engine.return_logits = True
-    pending, requests, step = list(range(len(prompts))), {}, 0
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            requests[i] = engine.add_request(f"q{i}", prompts[i], params[i] if isinstance(params, list) else params)
-        engine.step()
-        step += 1
-        assert step < 2000
-    return [requests[i] for i in range(len(prompts))]
+    return serve_stream(engine, prompts, params, arrivals, max_steps=2000)
 
 
 def _assert_hf(r, ref, what: str) -> None:

@@ -16,6 +16,7 @@ import pytest
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.speculative.config import SpeculativeConfig
 from tests.support.checkpoints import hf_reference, load_hf_model, write_hf_checkpoint
+from tests.support.engine_streams import serve_stream
 from tests.support.hf_compare import assert_outputs_match_hf, steps_agreeing_with_hf
 from tests.support.threads import run_ranks, thread_groups
 
@@ -65,18 +66,6 @@ def test_greedy_equals_hf_ids_and_logits(llama):
     engine.stop_followers()
 
 
-def _serve(engine, prompts, params, arrivals):
-    pending, requests, step = sorted(range(len(prompts)), key=lambda i: arrivals[i]), {}, 0
-    while pending or engine.has_unfinished():
-        while pending and arrivals[pending[0]] <= step:
-            i = pending.pop(0)
-            requests[i] = engine.add_request(f"q{i}", prompts[i], params)
-        engine.step()
-        step += 1
-        assert step < 3000
-    return [requests[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("budget,blocks,caching", [(7, 64, True), (9, 16, True), (5, 14, False)])
 def test_arrivals_chunks_prefix_caching_and_preemption_keep_hfs_ids(llama, budget, blocks, caching):
     path, model = llama
@@ -87,7 +76,7 @@ def test_arrivals_chunks_prefix_caching_and_preemption_keep_hfs_ids(llama, budge
     (groups,) = thread_groups(1, 1)
     engine = _engine(model, groups, num_blocks=blocks, max_batched_tokens=budget, prefix_caching=caching)
     arrivals = [rng.randint(0, 10) for _ in prompts]
-    reqs = _serve(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), arrivals)
+    reqs = serve_stream(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), arrivals)
     for i, r in enumerate(reqs):
         (want,), (want_logits,) = refs[i]
         assert r.finish_reason == "length" and len(r.output_token_ids) == NEW
@@ -110,7 +99,7 @@ def test_tp2_on_threads_equals_hf(llama):
         if groups.world.rank != 0:
             engine.follow()
             return None
-        reqs = _serve(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), [0, 1, 4])
+        reqs = serve_stream(engine, prompts, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), [0, 1, 4])
         engine.stop_followers()
         return [r.output_token_ids for r in reqs], _accepted(engine)
 
