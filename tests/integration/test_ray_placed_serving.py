@@ -30,7 +30,7 @@ from tests.support.serving_helpers import (
     run_async,
     stream_tokens,
     wait_state,
-    where,
+    where_if_running,
 )
 
 ray = pytest.importorskip(
@@ -91,7 +91,6 @@ def test_ray_stays_on_the_loopback_without_the_variable_in_the_environment():
 
 @pytest.mark.timeout(900)  # a Ray cluster, two instances and a restart: minutes beside other work
 def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, cluster, tmp_path):
-    prompts = prompts_for([12, 19, 7], seed=71)
     env = without_ray_cluster_env(venv_env())
     args = [
         "--model",
@@ -124,8 +123,10 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
 
                 async def remove_at(request_id, n):
                     if n >= 20 and not removed:
-                        removed["at"] = n
-                        assert where(job, request_id) == 1
+                        removed["on"] = where_if_running(job, request_id)
+                        if removed["on"] is None:  # the client reads behind: it ended already
+                            return
+                        assert removed["on"] == 1
                         await asyncio.get_running_loop().run_in_executor(
                             None, cluster.remove_node, _node(cluster, lost)
                         )
@@ -142,8 +143,13 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
                 alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts]
                 return removed, during, alone
 
-        removed, during, alone = run_async(go())
-        assert removed, "the node was never removed"
+        for seed in (71, 72, 73):  # a round whose request ended before the removal runs again, new prompts
+            prompts = prompts_for([12, 19, 7], seed=seed)
+            removed, during, alone = run_async(go())
+            if removed.get("on") == 1:
+                break
+        else:
+            pytest.fail(f"three rounds in a row ended before the node could be removed: {removed}")
         for i, (d, a) in enumerate(zip(during, alone)):
             assert d["error"] is None and d["token_ids"] == a["token_ids"] and len(d["token_ids"]) == LONG, (i, d, a)
         assert_ids_match_hf(checkpoint, prompts, [d["token_ids"] for d in during], HF_CHECKED, "a Ray node lost")

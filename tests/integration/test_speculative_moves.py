@@ -17,14 +17,15 @@ import signal
 import httpx
 import pytest
 
-from tests.integration.test_structured_moves import ended_first, where_if_running
 from tests.support.serving_helpers import (
     ServerJob,
     assert_live_blocks_free,
+    ended_first,
     force_migrate,
     instances,
     run_async,
     stream_tokens,
+    where_if_running,
 )
 from tests.support.structured_checkpoints import write_structured_checkpoint
 

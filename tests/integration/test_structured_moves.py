@@ -22,11 +22,12 @@ import pytest
 from tests.support.serving_helpers import (
     ServerJob,
     assert_live_blocks_free,
+    ended_first,
     force_migrate,
     instances,
     run_async,
     stream_tokens,
-    where,
+    where_if_running,
 )
 from tests.support.structured_checkpoints import write_structured_checkpoint
 
@@ -56,20 +57,6 @@ def check_valid(checkpoint, ids: list[int]) -> None:
 
     text = TextTokenizer(checkpoint).decode(ids)
     jsonschema.validate(json.loads(text), LIST)
-
-
-def ended_first(response) -> bool:
-    """A move that found its request ended (None: it was on no instance already)."""
-    return response is None or (response.status_code == 404 and "is not running or waiting" in response.text)
-
-
-def where_if_running(job, request_id: str):
-    """The instance running the request, or None once it has ended."""
-    try:
-        return where(job, request_id)
-    except AssertionError as exc:
-        assert "is on no instance" in str(exc), exc
-        return None
 
 
 def test_a_structured_request_migrated_there_and_back_mid_decode_ends_as_alone(checkpoint, tmp_path):

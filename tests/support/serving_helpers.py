@@ -253,3 +253,17 @@ async def force_migrate(client, url, request_id, to_instance) -> httpx.Response:
 
 def run_async(coro):
     return asyncio.run(coro)
+
+
+def ended_first(response) -> bool:
+    """A move that found its request ended (None: it was on no instance already)."""
+    return response is None or (response.status_code == 404 and "is not running or waiting" in response.text)
+
+
+def where_if_running(job, request_id: str):
+    """The instance running the request, or None once it has ended."""
+    try:
+        return where(job, request_id)
+    except AssertionError as exc:
+        assert "is on no instance" in str(exc), exc
+        return None
