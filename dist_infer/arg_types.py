@@ -49,6 +49,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A share: above 0, at most 1."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is a share: at most 1")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A finite number of at least 0 (a temperature)."""
     try:

@@ -33,9 +33,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logger.enable("dist_infer")  # the library is silent by default (dist_infer/__init__.py)
     parser = build_parser()
     args = parser.parse_args(argv)
+    from dist_infer.cli.serve_flags import kv_mirror_flags_error
     from dist_infer.launch.model_options import speculative_flags_error
 
-    if error := speculative_flags_error(args):
+    if error := speculative_flags_error(args) or kv_mirror_flags_error(args):
         parser.error(error)
     if not args.command:
         parser.print_help()

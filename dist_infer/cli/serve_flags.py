@@ -6,8 +6,9 @@ the fleet's (its instances, where they run, how it grows) and the HTTP front end
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
-from dist_infer.arg_types import port_number, positive_float, positive_int, positive_size
+from dist_infer.arg_types import fraction, port_number, positive_float, positive_int, positive_size
 from dist_infer.serving.http.tool_call_parsing import PARSERS
 from dist_infer.serving.placement.spawn import HUB_KEY_ENV
 
@@ -157,6 +158,30 @@ def _add_failover_flags(p: argparse.ArgumentParser) -> None:
         "that crashes instances cannot walk through the fleet (counted in "
         "dist_infer:requests_quarantined_total; default %(default)s)",
     )
+    p.add_argument(
+        "--kv-mirror",
+        choices=("off", "buddy"),
+        default="off",
+        help="buddy: every instance copies its running requests' KV blocks, as they fill, into another "
+        "instance's prefix cache (its buddy, on another node where there is one; /admin/instances shows "
+        "the pairs), beside its steps; when an instance dies its requests go on at their buddy, "
+        "recomputing only the blocks not yet copied instead of their whole context. Needs prefix "
+        "caching (default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-mirror-fraction",
+        type=fraction,
+        default=0.5,
+        help="the share of an instance's KV blocks its buddies' mirrors may hold; mirrored blocks are "
+        "also the first taken back when its own requests need room (default %(default)s)",
+    )
+
+
+def kv_mirror_flags_error(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the KV mirror flags together with the rest, or None."""
+    if getattr(args, "kv_mirror", "off") == "buddy" and getattr(args, "prefix_caching", "on") == "off":
+        return "--kv-mirror buddy needs prefix caching: mirrored blocks are found by their hashes (drop --prefix-caching off)"
+    return None
 
 
 def _add_frontend_flags(p: argparse.ArgumentParser) -> None:

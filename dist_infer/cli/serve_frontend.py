@@ -295,6 +295,8 @@ def _serve(
         migration_timeout=args.migration_timeout,
         join_timeout_s=max(60.0, args.timeout),
         max_request_failovers=args.max_request_failovers,
+        kv_mirror=args.kv_mirror,
+        kv_mirror_fraction=args.kv_mirror_fraction,
         max_instances=args.max_instances,
         auto_restart=args.auto_restart == "on" or (args.auto_restart == "auto" and args.placement == "ray"),
     )

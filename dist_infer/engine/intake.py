@@ -122,7 +122,7 @@ def resume(r: Request, progress, now: float) -> Request:
     tokens = list(progress.token_ids)
     r.output_token_ids, r.output_logprobs = tokens, list(progress.logprobs)
     r.output_top_logprobs = [[tuple(x) for x in row] for row in progress.top_logprobs]
-    r.emitted_tokens = len(tokens)
+    r.emitted_tokens, r.resumed = len(tokens), True
     r.arrival_time = now - progress.age_s
     if tokens and progress.first_token_age_s is not None:
         r.first_token_time = now - progress.first_token_age_s

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
@@ -208,6 +209,7 @@ class BlockMover:
         self._applied: set[tuple[int, int]] = set()  # (migration, stage) whose ops this rank has run
         self._lock = threading.Lock()
         self.failures: set[int] = set()  # migrations a transfer of which failed on this rank (or a follower)
+        self.send_wait_s = 0.0  # time the step loop spent on sends (the inline ones: INLINE_BYTES)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
 
     def _peer_layout(self, peer: PeerInstance) -> KVLayout:
@@ -261,9 +263,10 @@ class BlockMover:
                     torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
                 self.link.send(buffer, to, (op.migration_id, op.stage, self.local))
 
-            self._posted.append(
-                _Posted("send", op.migration_id, op.stage, buffer, work=self._copy(buffer, gather_and_send))
-            )
+            started = time.perf_counter()
+            work = self._copy(buffer, gather_and_send)  # a small stage's copy and send run here and now
+            self.send_wait_s += time.perf_counter() - started
+            self._posted.append(_Posted("send", op.migration_id, op.stage, buffer, work=work))
 
     def _post_recvs(self, op: TransferOp) -> None:
         index = self._block_index(op.blocks)

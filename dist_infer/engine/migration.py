@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 from dist_infer.engine.block_pool import CacheFullError
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
+from dist_infer.engine.mirror import MirrorSource, MirrorStore
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.sampling import SamplingParams
 
@@ -152,6 +153,9 @@ class MigrationEndpoint:
         self._out: dict[int, _Out] = {}
         self._in: dict[int, _In] = {}
         self._committed: deque[int] = deque(maxlen=4096)  # recent migrations taken over here
+        # KV mirroring's two sides (engine/mirror/); they report through `notify` as it is then
+        self.mirror_out = MirrorSource(engine, lambda *event: self.notify(*event))
+        self.mirror_in = MirrorStore(engine, lambda *event: self.notify(*event))
 
     @property
     def scheduler(self):
@@ -351,7 +355,12 @@ class MigrationEndpoint:
     # -- every step ----------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return any(o.stages or o.pause_reply for o in self._out.values()) or any(i.stages for i in self._in.values())
+        return (
+            any(o.stages or o.pause_reply for o in self._out.values())
+            or any(i.stages for i in self._in.values())
+            or self.mirror_out.busy
+            or self.mirror_in.busy
+        )
 
     def poll(self) -> None:
         """Report stages whose transfers are out; pause what waited for its sampled token; drop
@@ -379,6 +388,8 @@ class MigrationEndpoint:
                     self._finish_pause(mid, out)  # (a layered prompt pauses after its last group)
         for mid, got in self._in.items():
             report(mid, got.stages)
+        self.mirror_out.poll()
+        self.mirror_in.poll()
 
     @property
     def reserved_blocks(self) -> int:

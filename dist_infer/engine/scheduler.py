@@ -2,13 +2,12 @@
 
 Running decodes go first (one token each), then chunks of prompts, so a long prompt never
 stalls the decodes (stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's
-Dynamic SplitFuse do). New requests are admitted while free KV blocks stay above a watermark.
-When a running request needs a block and none is free, the newest running request that is
-not already in this step or waiting for a sampled token (pipeline) is preempted by recompute
+Dynamic SplitFuse do). New requests are admitted while free KV blocks stay above a watermark. When
+a running request needs a block and none is free, the newest running request that is not already
+in this step or waiting for a sampled token (pipeline) is preempted by recompute
 (possibly the request itself): its blocks are freed and it waits again, first in line, with its
-prompt plus what it generated, which it recomputes when readmitted. Sampling is counter-based, so
-the tokens it goes on with are the ones it would have drawn (up to a near tie in greedy logits,
-since the recompute is a prefill, not decode steps).
+prompt plus what it generated, recomputed when readmitted. Sampling is counter-based, so it goes
+on with the tokens it would have drawn (up to a near tie: the recompute is a prefill, not decodes).
 
 With prefix caching (prefix_cache.py), an admitted request first takes the longest run of
 cached full blocks its tokens match (its own, after a preemption, or another request's) and
@@ -23,9 +22,8 @@ as many as the budget and the free blocks allow (never preempting); they count a
 once accepted (`accept_proposed`), and blocks that held only rejected ones go back
 (`release_unverified`): prefix-cache hashes cover accepted tokens only.
 
-The scheduler owns the block pool and every request's block table; the ranks only store
-keys and values where the step plan says. It is pure bookkeeping (no tensors, no processes), so
-the tests drive it directly.
+The scheduler owns the block pool and every request's block table; the ranks only store keys and
+values where the plan says. Pure bookkeeping (no tensors, no processes): the tests drive it directly.
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ class Scheduler:
         self.allocator = BlockPool(config.num_blocks)
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
         self.prefix_cache_hits = 0  # of those, tokens found cached (not computed again)
+        self.failover_recomputed_tokens = 0  # tokens resumed requests computed again (the rest: cache hits)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -319,6 +318,8 @@ class Scheduler:
                 request.block_table, request.num_computed, request.num_cached_blocks = hit, cached, len(hit)
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += cached
+            self.failover_recomputed_tokens += request.num_tokens - cached if request.resumed else 0
+            request.resumed = False
             self._grow(request, n)
             if groups > 1:
                 request.layer_progress = LayerProgress(request.num_computed, n, groups)

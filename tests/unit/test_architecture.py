@@ -108,7 +108,7 @@ def test_modules_and_functions_stay_small():
 
 # The serving layer's processes and roles: what each part of it may import from the others.
 SERVING = "dist_infer.serving"
-SERVING_PARTS = ("http", "fleet", "instance", "migration", "placement")
+SERVING_PARTS = ("http", "fleet", "instance", "migration", "mirror", "placement")
 FLEET_INTERFACE = f"{SERVING}.fleet.interface"
 
 
@@ -130,7 +130,7 @@ def serving_import_violations(importer: str, target: str) -> list[str]:
         and not (target == FLEET_INTERFACE or target.startswith(FLEET_INTERFACE + "."))
     ):
         return [f"{importer} imports {target}: the HTTP side knows the fleet only through {FLEET_INTERFACE}"]
-    if part in ("instance", "fleet", "migration", "placement") and there == "http":
+    if part in ("instance", "fleet", "migration", "mirror", "placement") and there == "http":
         return [f"{importer} imports {target}: only the HTTP side imports serving/http"]
     return []
 

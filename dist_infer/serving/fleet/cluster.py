@@ -19,6 +19,7 @@ made, and Cluster itself holds the clients' streams (generate, abort) and delega
     InstanceStarter   starting instances as jobs, bounded by --max-ranks (instance_starter.py)
     Lifecycle         readers, deaths, failover, --auto-restart (lifecycle.py)
     MigrationControl  migrations, the prefill/decode hand-over, the controller's rounds (migration/control.py)
+    MirrorControl     KV mirroring to buddies, and failover onto the mirrors (mirror/mirror_control.py)
     AdminOps          the /admin operations (admin_ops.py)
 """
 
@@ -50,6 +51,7 @@ from dist_infer.serving.fleet.lifecycle import Lifecycle, no_instance_left
 from dist_infer.serving.fleet.router import Router
 from dist_infer.serving.fleet.wire import AbortRequest, AddRequest, Hello, StopInstance
 from dist_infer.serving.migration.control import MigrationControl
+from dist_infer.serving.mirror.mirror_control import MirrorControl
 from dist_infer.serving.placement.rank_budget import RankBudget
 
 TICK_S = 0.05  # how often the control loop looks at the autoscaler, draining and stopping instances
@@ -79,7 +81,10 @@ class Cluster:
         self.calls = InstanceCalls(self.fleet, self.control)
         self.router = Router(self.fleet, Dispatcher(config.dispatch))
         self.starter = InstanceStarter(self.fleet, config, spawner, rank_capacity, self._redispatch)
-        self.migration = MigrationControl(self.fleet, self.control, self.calls, self.router, config, self._redispatch)
+        self.mirror = MirrorControl(self.fleet, self.control, self.calls, config)
+        self.migration = MigrationControl(
+            self.fleet, self.control, self.calls, self.router, config, self._redispatch, self.mirror.request_ended
+        )
         self.lifecycle = Lifecycle(
             self.fleet,
             self.control,
@@ -89,6 +94,7 @@ class Cluster:
             config,
             on_dead,
             self.migration.hand_to_decode,
+            self.mirror,
         )
         self.admin = AdminOps(self.fleet, self.control, self.starter, self.migration, config)
         self.autoscaler = None  # serving/placement/autoscaler.py, when --autoscale is given
@@ -142,6 +148,7 @@ class Cluster:
                 if self.autoscaler is not None:
                     self.autoscaler.tick()
                 self.migration.tick()
+                self.mirror.tick()
             except Exception as exc:  # noqa: BLE001 - a bad round must not end the control loop
                 logger.exception(f"migration controller: {exc}")
 
@@ -193,6 +200,7 @@ class Cluster:
             "requests_lost_total": lifecycle.requests_lost,
             "instance_failures_total": lifecycle.failures,
             "requests_quarantined_total": lifecycle.requests_quarantined,
+            "kv_mirror": self.mirror.snapshot(),
             "frontend_entries": self.held(),
             **({"autoscale_decisions_total": dict(self.autoscaler.counts)} if self.autoscaler else {}),
         }
@@ -226,7 +234,12 @@ class Cluster:
 
     # -- the admin operations (serving/http/admin_routes.py, the autoscaler) -------------------------
     def describe_instances(self) -> list[dict]:
-        return self.admin.describe_instances()
+        """/admin/instances: each instance, with its KV mirror buddy and mirroring counters (--kv-mirror)."""
+        out = self.admin.describe_instances()
+        for d in out:
+            d["kv_mirror_buddy"] = self.mirror.pairs.get(d["index"])
+            d["kv_mirror"] = self.fleet.instances[d["index"]].stats.kv_mirror
+        return out
 
     def migrate_now(self, request_id: str, to_instance: int, mode: str = "live") -> concurrent.futures.Future:
         return self.admin.migrate_now(request_id, to_instance, mode)
@@ -325,6 +338,7 @@ class Cluster:
         finally:
             with self.fleet.lock:
                 rec = self.fleet.requests.pop(request_id, None)  # the one place a request's record is removed
+            self.mirror.request_ended(request_id)
             if not finished and rec is not None and rec.owner is not None:
                 # the client went away, or an error: free its blocks. The record goes first, so a
                 # redispatch racing this sees no record and aborts the copy it sent (see Lifecycle.redispatch)

@@ -19,6 +19,8 @@ class FleetConfig:
     max_request_failovers: int = 1  # a request whose instances died more often fails (--max-request-failovers)
     max_instances: int = 16  # instances the server may have, dead and stopped ones included (--max-instances)
     auto_restart: bool = False  # a dead instance is started again, placed anew by the spawner (--auto-restart)
+    kv_mirror: str = "off"  # "buddy": running requests' KV blocks are mirrored to a buddy instance (--kv-mirror)
+    kv_mirror_fraction: float = 0.5  # the share of a buddy's KV blocks mirrors may hold (--kv-mirror-fraction)
 
     @property
     def cooldown(self) -> float:

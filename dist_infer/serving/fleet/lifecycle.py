@@ -36,6 +36,7 @@ from dist_infer.serving.fleet.wire import (
     Role,
     StepOutputs,
 )
+from dist_infer.serving.mirror.mirror_control import MirrorControl
 from dist_infer.serving.placement.autoscale_policy import LatencyWindow
 
 RESTARTABLE = (InstanceState.STARTING, InstanceState.DEAD, InstanceState.STOPPED)  # a driver may join these
@@ -60,11 +61,13 @@ class Lifecycle:
         config: FleetConfig,
         on_dead: Optional[Callable[[str], None]],
         on_prefilled: Prefilled,
+        mirror: MirrorControl,
     ):
         self.fleet, self.control, self.calls, self.router, self.starter = fleet, control, calls, router, starter
         self.max_request_failovers = config.max_request_failovers
         self.on_dead = on_dead  # the server stops: no instance is left
         self.on_prefilled = on_prefilled  # hands the request to a decode instance (on the control loop)
+        self.mirror = mirror  # where a request's KV is mirrored (--kv-mirror): its failover goes there
         self.readers: list[threading.Thread] = []
         self.latency = LatencyWindow()  # recent TTFTs and token gaps (the autoscaler's)
         self.recovery = BucketCounts(RECOVERY_BUCKETS)  # from an instance's death to its requests' next token
@@ -171,6 +174,7 @@ class Lifecycle:
                 if o.new_token_ids and rec.recovering is not None:
                     (died_at, dead), rec.recovering = rec.recovering, None
                     self._record_recovery(o.request_id, dead, now - died_at)
+                    self.mirror.request_ended(o.request_id)  # it runs on blocks of its own now
                 if (
                     client.role == Role.PREFILL
                     and not o.finished
@@ -278,6 +282,7 @@ class Lifecycle:
                     roles,
                     force=True,
                     hashes=self.router.prompt_hashes(progress.prompt_token_ids + progress.token_ids, progress.params),
+                    prefer=self.mirror.failover_target(request_id),
                 )
                 if index is None and fleet.any_starting():
                     rec.parked, rec.owner = True, None  # goes on once an instance has joined

@@ -27,17 +27,22 @@ class Router:
         force: bool = False,
         queued: bool = True,
         hashes: tuple[int, ...] = (),
+        prefer: Optional[int] = None,
     ) -> Optional[int]:
         """The instance for a request (with the lock held): among those accepting, the ones of the
         roles asked for (any, if none of them accepts); `force`: if none has room, still the least
         loaded (it queues there). `queued`: it arrives as an add the instance will count. `hashes`:
         the block hashes of what it will compute there (prompt_hashes), which the `prefix` policy
-        looks up in each instance's prefix cache."""
+        looks up in each instance's prefix cache. `prefer`: this instance if it accepts (the one
+        holding a failed-over request's KV mirror)."""
         need = self.fleet.blocks_at_full_length(prompt_len, params.max_new_tokens)
         accepting = [c for c in self.fleet.instances if c.accepting]
         pool = [c for c in accepting if c.role in roles] or accepting
         loads = [c.load(hashes) for c in pool]
-        index = self.dispatcher.choose(loads, need, len(hashes))
+        if prefer is not None and self.fleet.instances[prefer].accepting:
+            index: Optional[int] = prefer
+        else:
+            index = self.dispatcher.choose(loads, need, len(hashes))
         if index is None and force and loads:
             index = max(loads, key=lambda x: (x.freeness, -x.index)).index
         if index is not None and queued:

@@ -324,6 +324,7 @@ class InstanceStats:
     prefill_backlog_s: Optional[float] = None  # predicted seconds of the prompts queued (engine/step_cost.py)
     structured: Optional[dict] = None  # structured outputs' counters (engine/structured/counters.py)
     speculative: Optional[dict] = None  # speculative decoding's counters (engine/speculative/counters.py)
+    kv_mirror: Optional[dict] = None  # KV mirroring's counters, source and buddy sides (engine/mirror/)
 
     @classmethod
     def from_dict(cls, stats: dict) -> "InstanceStats":

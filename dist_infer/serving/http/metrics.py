@@ -23,6 +23,7 @@ from prometheus_client.core import (
 )
 
 from dist_infer.engine.request import RequestOutput
+from dist_infer.serving.http.mirror_metrics import kv_mirror_families
 
 PREFIX = "dist_infer:"
 TTFT_BUCKETS = (
@@ -169,6 +170,7 @@ class EngineStatsCollector:
         families.append(self._step_histogram(per))
         families += self._structured_counters(per)
         families += self._speculative_counters(per)
+        families += kv_mirror_families(self.model_name, per)
         families.append(
             self._histogram(
                 stats,

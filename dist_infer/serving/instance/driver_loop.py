@@ -47,6 +47,7 @@ class InstanceServer:
         self._stop = threading.Event()
         self._last_stats: Optional[InstanceStats] = None
         self._last_stats_at = 0.0
+        self._block_bytes = 0  # the KV bytes of one block over all the instance's ranks (its hello says)
 
     def send(self, message: object) -> None:
         with self._send_lock:
@@ -136,7 +137,7 @@ class InstanceServer:
         stored, removed = self.engine.prefix_events()
         if stored or removed:  # every step that changed the cache: the front end's index must not miss one
             self.send(PrefixEvents(tuple(stored), tuple(removed)))
-        stats = InstanceStats.from_dict(self.engine.stats())
+        stats = InstanceStats.from_dict(dict(self.engine.stats(), kv_mirror=self._mirror_stats()))
         if stats == self._last_stats:
             return
         key = lambda s: (s.num_requests_running, s.num_requests_waiting, s.requests_added)  # noqa: E731
@@ -151,10 +152,26 @@ class InstanceServer:
             self.send(stats)
             self._last_stats, self._last_stats_at = stats, now
 
+    def _mirror_stats(self) -> Optional[dict]:
+        """KV mirroring's counters, both sides (engine/mirror/), and what the step loop spent on it."""
+        endpoint = self.engine.migration
+        if endpoint is None:
+            return None
+        out = endpoint.mirror_out
+        snapshot = out.snapshot()
+        return {
+            **snapshot,
+            "bytes_sent": snapshot["blocks_sent"] * self._block_bytes,
+            **endpoint.mirror_in.snapshot(),
+            "step_wait_seconds": out.step_wait_s + self.engine.mover.send_wait_s,
+            "failover_recomputed_tokens": self.engine.scheduler.failover_recomputed_tokens,
+        }
+
     def run(self, hello: Hello) -> None:
         """Serve until the API says stop or goes away; raises (after telling the API) if the engine fails."""
         if self.engine.migration is not None:
             self.engine.migration.notify = self._notify
+        self._block_bytes = hello.block_bytes
         self.engine.grammars.warm()  # structured outputs' vocabulary, built beside the first requests' wait
         self.send(hello)
         reader = threading.Thread(target=self._read, name=f"instance-{self.index}-commands", daemon=True)

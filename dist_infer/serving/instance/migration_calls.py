@@ -6,6 +6,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+from dist_infer.serving.fleet.mirror_wire import (
+    MirrorCancel,
+    MirrorCommit,
+    MirrorDone,
+    MirrorForget,
+    MirrorOffer,
+    MirrorRelease,
+    MirrorReserve,
+    MirrorSend,
+)
 from dist_infer.serving.fleet.wire import (
     CancelIn,
     CommitIn,
@@ -44,5 +54,31 @@ def run_migration_op(endpoint, op: MigrationOp, reply: Reply) -> None:
             endpoint.resume_out(op.migration_id, reply=reply)
         case CancelIn():
             endpoint.cancel_in(op.migration_id, reply=reply)
+        case _:
+            run_mirror_op(endpoint, op, reply)
+
+
+def run_mirror_op(endpoint, op: MigrationOp, reply: Reply) -> None:
+    """The mirroring calls (serving/fleet/mirror_wire.py): the endpoint's mirror_out (source) and
+    mirror_in (buddy) sides."""
+    source, store = endpoint.mirror_out, endpoint.mirror_in
+    match op:
+        case MirrorOffer():
+            source.offer(op.migration_id, op.buddy, op.max_blocks, reply)
+        case MirrorSend():
+            source.send(op.migration_id, op.answers, op.buddy, reply)
+        case MirrorDone():
+            source.done(op.migration_id, op.committed, reply)
+        case MirrorForget():
+            source.forget_buddy()
+            reply(True)
+        case MirrorReserve():
+            store.reserve(op.migration_id, op.source, op.entries, op.fraction, reply)
+        case MirrorCommit():
+            store.commit(op.migration_id, reply)
+        case MirrorCancel():
+            store.cancel(op.migration_id, reply)
+        case MirrorRelease():
+            reply(store.release(op.source, op.request_ids))
         case _:
             raise TypeError(f"{type(op).__name__} is not a migration call")

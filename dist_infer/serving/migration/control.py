@@ -38,11 +38,13 @@ class MigrationControl:
         router: Router,
         config: FleetConfig,
         redispatch: Redispatch,
+        on_moved: Callable[[str], None] = lambda request_id: None,
     ):
         self.fleet, self.control, self.calls, self.router = fleet, control, calls, router
         self.migrate_interval, self.migration_timeout = config.migrate_interval, config.migration_timeout
         self.cooldown_s = config.cooldown
         self.redispatch = redispatch  # a request whose instance died while it moved goes on elsewhere
+        self.on_moved = on_moved  # a request runs elsewhere now (its KV mirror's leases end)
         self.busy: Counter = Counter()  # instance -> migrations it takes part in
         self.outcomes: Counter = Counter()
         self.downtime = BucketCounts(DOWNTIME_BUCKETS)  # of live migrations that succeeded (seconds)
@@ -62,6 +64,7 @@ class MigrationControl:
                 self.fleet.instances[dst].send(AbortRequest(request_id))
             except OSError:
                 pass
+        self.on_moved(request_id)
 
     async def migrate(
         self, request_id: str, src: int, dst: int, reason: str, mode: str = "live", max_stages: int = MAX_STAGES

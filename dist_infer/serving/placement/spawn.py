@@ -50,6 +50,8 @@ API_ONLY_FLAGS = (
     "--hostfile",
     "--hub-host",
     "--max-request-failovers",
+    "--kv-mirror",
+    "--kv-mirror-fraction",
     "--max-instances",
     "--max-ranks",
     "--api-key",

@@ -12,6 +12,17 @@ import pytest
 
 from dist_infer.engine.kv_transfer import PeerInstance
 from dist_infer.engine.migration import MigrationAborted, MigrationOutcome
+from dist_infer.engine.mirror import MirrorAnswer, MirrorEntry
+from dist_infer.serving.fleet.mirror_wire import (
+    MirrorCancel,
+    MirrorCommit,
+    MirrorDone,
+    MirrorForget,
+    MirrorOffer,
+    MirrorRelease,
+    MirrorReserve,
+    MirrorSend,
+)
 from dist_infer.serving.fleet.wire import (
     CallReply,
     CancelIn,
@@ -58,6 +69,61 @@ OPS = [
     (ResumeOut(7), ("resume_out", (7,))),
     (CancelIn(7), ("cancel_in", (7,))),
 ]
+ENTRIES = (MirrorEntry("r", 2, (11, 12)),)
+ANSWERS = (MirrorAnswer((True, False), 4),)
+MIRROR_OPS = [
+    (MirrorOffer(7, PEER, 64), ("mirror_out", "offer", (7, PEER, 64))),
+    (MirrorSend(7, ANSWERS, PEER), ("mirror_out", "send", (7, ANSWERS, PEER))),
+    (MirrorDone(7, True), ("mirror_out", "done", (7, True))),
+    (MirrorReserve(7, PEER, ENTRIES, 0.5), ("mirror_in", "reserve", (7, PEER, ENTRIES, 0.5))),
+    (MirrorCommit(7), ("mirror_in", "commit", (7,))),
+    (MirrorCancel(7), ("mirror_in", "cancel", (7,))),
+]
+
+
+class RecordingMirror:
+    """One side of the mirror: records (side, method, args) and answers with the method's name."""
+
+    def __init__(self, side: str, seen: list):
+        self.side, self.seen = side, seen
+
+    def __getattr__(self, name: str):
+        def method(*args):
+            *args, reply = args
+            self.seen.append((self.side, name, tuple(args)))
+            reply(name)
+
+        return method
+
+    def forget_buddy(self):
+        self.seen.append((self.side, "forget_buddy", ()))
+
+    def release(self, source, request_ids):
+        self.seen.append((self.side, "release", (source, request_ids)))
+        return 1
+
+
+@pytest.mark.parametrize("op, expected", MIRROR_OPS, ids=[type(op).__name__ for op, _ in MIRROR_OPS])
+def test_each_mirror_op_runs_its_side_s_method_with_its_fields(op, expected):
+    seen: list = []
+    endpoint = SimpleNamespace(
+        mirror_out=RecordingMirror("mirror_out", seen), mirror_in=RecordingMirror("mirror_in", seen)
+    )
+    replies: list = []
+    run_migration_op(endpoint, pickle.loads(pickle.dumps(op)), replies.append)
+    assert seen == [expected] and replies == [expected[1]]
+
+
+def test_release_and_forget_answer_at_once():
+    seen: list = []
+    endpoint = SimpleNamespace(
+        mirror_out=RecordingMirror("mirror_out", seen), mirror_in=RecordingMirror("mirror_in", seen)
+    )
+    replies: list = []
+    run_migration_op(endpoint, MirrorRelease(3, ("a",)), replies.append)
+    run_migration_op(endpoint, MirrorForget(), replies.append)
+    assert seen == [("mirror_in", "release", (3, ("a",))), ("mirror_out", "forget_buddy", ())]
+    assert replies == [1, True]
 
 
 @pytest.mark.parametrize("op, expected", OPS, ids=[type(op).__name__ for op, _ in OPS])

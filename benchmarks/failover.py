@@ -1,0 +1,315 @@
+"""What a request sees when its instance dies, with its KV mirrored to a buddy (--kv-mirror buddy)
+and without (the survivor recomputes its whole context), in one run on one machine:
+
+    python benchmarks/failover.py [--contexts 1024,8000] [--repeat 3] [--steady c8] [--chaos 20] [--out FILE]
+
+gap: two instances (tp1,tp1) of --model; for each context length a request of that many prompt
+tokens streams (greedy, ignore_eos) beside a steady background stream (--background requests at a
+time, short prompts); after --kill-after tokens every process of the instance running it is
+SIGKILLed. The gap is the time its client waits from its last token before the death to its next;
+lost tokens are those its stream misses against the same request run alone afterwards (exactness);
+the survivor's dist_infer:kv_mirror_failover_recomputed_tokens says how much it computed again.
+The dead instance is restarted (/admin/instances/N/restart) before the next sample.
+
+steady: bench-serve at each load with mirroring on and off (a fresh server and seed each):
+requests/s, TTFT p50, ITL p99, the time steps spent on mirroring against the step time, and the
+per-request mirror lag (p99, blocks) from /metrics.
+
+chaos: --chaos kills in a row under a stream with mirroring, live migration (the controller's
+rounds) and prefix caching all on; every stream is checked against its run alone and none may fail.
+
+Only 127.0.0.1 is contacted; figures count on a quiet machine (the load is printed before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from serve_compare import bench, free_port, ours, scrape, vocab_size
+
+from dist_infer.serving.http.mirror_metrics import lag_quantile
+
+OUT_TOKENS = 64
+
+
+def server(model: str, mirror: str, log_dir: Path, name: str, *flags: str):
+    return ours(
+        name,
+        model,
+        free_port(),
+        log_dir,
+        "--instances",
+        "tp1,tp1",
+        "--kv-mirror",
+        mirror,
+        "--migrate-interval",
+        "0",
+        "--timeout",
+        "600",
+        *flags,
+    )
+
+
+async def stream(client, url: str, prompt: list[int], max_tokens: int, on_token=None) -> dict:
+    """Stream a greedy request: its ids, each token's arrival time, its id."""
+    ids, times, request_id = [], [], None
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            request_id = event["id"]
+            new = event["choices"][0].get("token_ids") or []
+            ids += new
+            times += [time.perf_counter()] * len(new)
+            if on_token is not None and new:
+                await on_token(request_id, len(ids))
+    return {"id": request_id, "ids": ids, "times": times}
+
+
+async def background(client, url: str, rng: random.Random, vocab: int, stop: asyncio.Event, slots: int):
+    """`slots` short requests at a time until `stop`: the steady stream the kill happens in."""
+
+    async def slot():
+        while not stop.is_set():
+            prompt = [rng.randrange(3, vocab) for _ in range(128)]
+            try:
+                await stream(client, url, prompt, 32)
+            except httpx.HTTPError:
+                pass
+
+    await asyncio.gather(*(slot() for _ in range(slots)))
+
+
+async def instances(client, url: str) -> list[dict]:
+    return (await client.get(url + "/admin/instances", timeout=30)).json()["instances"]
+
+
+async def kill_sample(client, url: str, prompt: list[int], kill_after: int) -> dict:
+    """One request killed mid-decode: the gap its client sees, what the survivor recomputed."""
+    before = scrape(url).get("dist_infer:kv_mirror_failover_recomputed_tokens_total", 0.0)
+    killed: dict = {}
+
+    async def kill(request_id, n):
+        if n >= kill_after and not killed:
+            insts = await instances(client, url)
+            victim = next(i for i in insts if request_id in i["requests"])
+            killed.update(
+                index=victim["index"],
+                at=n,
+                lag=(victim.get("kv_mirror") or {}).get("lag_blocks_max"),
+                time=time.perf_counter(),
+            )
+            for pid in victim["pids"]:
+                os.kill(pid, signal.SIGKILL)
+
+    got = await stream(client, url, prompt, OUT_TOKENS, kill)
+    after = scrape(url).get("dist_infer:kv_mirror_failover_recomputed_tokens_total", 0.0)
+    if not killed:
+        raise SystemExit(f"the request ended with {len(got['ids'])} tokens, never killed (too long a context?)")
+    times = got["times"]
+    at = killed["at"]  # tokens the client had when it killed; the gap around the death is the largest after
+    gaps = [b - a for a, b in zip(times[at - 1 :], times[at:])]
+    steady = [b - a for a, b in zip(times[1 : at - 1], times[2:at])]
+    return {
+        "request": got,
+        "gap_ms": 1e3 * max(gaps) if gaps else None,
+        "token_gap_ms": 1e3 * statistics.median(steady) if steady else None,
+        "recomputed_tokens": after - before,
+        "lag_at_kill_blocks": killed.get("lag"),
+        "victim": killed["index"],
+    }
+
+
+async def restart(client, url: str, index: int) -> float:
+    started = time.monotonic()
+    r = await client.post(url + f"/admin/instances/{index}/restart", timeout=60)
+    assert r.status_code == 202, r.text
+    while (await instances(client, url))[index]["state"] != "serving":
+        await asyncio.sleep(0.1)
+    return time.monotonic() - started
+
+
+async def gap_run(url: str, args, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    async with httpx.AsyncClient() as client:
+        stop = asyncio.Event()
+        load = asyncio.create_task(background(client, url, random.Random(seed + 1), vocab, stop, args.background))
+        for context in args.contexts:
+            for _ in range(args.repeat):
+                prompt = [rng.randrange(3, vocab) for _ in range(context)]
+                sample = await kill_sample(client, url, prompt, args.kill_after)
+                restart_s = await restart(client, url, sample["victim"])
+                alone = await stream(client, url, prompt, OUT_TOKENS)
+                got = sample.pop("request")["ids"]
+                lost = sum(1 for a, b in zip(got, alone["ids"]) if a != b) + abs(len(alone["ids"]) - len(got))
+                rows.append(dict(sample, context=context, lost_tokens=lost, restart_s=restart_s))
+                print(json.dumps(rows[-1]), flush=True)
+        stop.set()
+        await load
+    return rows
+
+
+def gaps(model: str, args, vocab: int, log_dir: Path) -> dict:
+    out = {}
+    for mirror in ("buddy", "off"):
+        s = server(model, mirror, log_dir, f"gap-{mirror}")
+        try:
+            rows = asyncio.run(gap_run(s.url, args, vocab, seed=11))
+        finally:
+            s.stop()
+        out[mirror] = rows
+    summary = {}
+    for context in args.contexts:
+        on = [r for r in out["buddy"] if r["context"] == context]
+        off = [r for r in out["off"] if r["context"] == context]
+        med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+        summary[context] = {
+            "gap_ms_mirror": med(on, "gap_ms"),
+            "gap_ms_recompute": med(off, "gap_ms"),
+            "gap_ratio": med(on, "gap_ms") / med(off, "gap_ms"),
+            "token_gap_ms": med(on + off, "token_gap_ms"),
+            "recomputed_mirror": med(on, "recomputed_tokens"),
+            "recomputed_recompute": med(off, "recomputed_tokens"),
+            "lag_at_kill_blocks": [r["lag_at_kill_blocks"] for r in on],
+            "lost_tokens": sum(r["lost_tokens"] for r in on + off),
+        }
+        print(f"context {context}: {json.dumps(summary[context])}", flush=True)
+    return {"samples": out, "summary": summary}
+
+
+def steady(model: str, args, vocab: int, log_dir: Path) -> dict:
+    results = {}
+    for i, load in enumerate(args.steady.split(",")):
+        rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
+        for mirror in ("buddy", "off"):
+            common = ["--num-prompts", str(args.num_prompts), "--seed", str(100 + i), "--vocab-size", str(vocab)]
+            stream_args = common + rate + ["--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos"]
+            s = server(model, mirror, log_dir, f"steady-{mirror}-{load}", "--dispatch", "rr")
+            try:
+                r = bench(s.url, stream_args, log_dir / f"steady-{mirror}-{load}.json")
+                metrics = scrape(s.url)
+                insts = httpx.get(s.url + "/admin/instances", timeout=30).json()["instances"]
+            finally:
+                s.stop()
+            samples: dict[int, int] = {}
+            for inst in insts:
+                for k, n in ((inst.get("kv_mirror") or {}).get("lag_samples") or {}).items():
+                    samples[int(k)] = samples.get(int(k), 0) + n
+            step_s = metrics.get("dist_infer:step_duration_seconds_sum", 0.0)
+            wait_s = metrics.get("dist_infer:kv_mirror_step_wait_seconds_total", 0.0)
+            results[f"{mirror}@{load}"] = {
+                "req_s": r["request_throughput"],
+                "ttft_p50_ms": r["ttft_ms"]["median"],
+                "itl_p99_ms": r["itl_ms"]["p99"],
+                "failed": r["failed"],
+                "mirror_wait_share": wait_s / step_s if step_s else None,
+                "lag_p99_blocks": lag_quantile(samples, 0.99),
+                "lag_p50_blocks": lag_quantile(samples, 0.5),
+                "blocks_sent": metrics.get("dist_infer:kv_mirror_blocks_sent_total", 0.0),
+            }
+            print(f"{mirror}@{load}: {json.dumps(results[f'{mirror}@{load}'])}", flush=True)
+        on, off = results[f"buddy@{load}"], results[f"off@{load}"]
+        results[f"ratios@{load}"] = {
+            "req_s": on["req_s"] / off["req_s"],
+            "ttft_p50": on["ttft_p50_ms"] / off["ttft_p50_ms"],
+            "itl_p99": on["itl_p99_ms"] / off["itl_p99_ms"],
+        }
+        print(f"ratios@{load}: {json.dumps(results[f'ratios@{load}'])}", flush=True)
+    return results
+
+
+async def chaos_run(url: str, args, vocab: int) -> dict:
+    """Kills in a row under a stream (4 requests at a time, mixed lengths): each stream must end whole
+    and equal its run alone."""
+    rng = random.Random(7)
+    failed = mismatched = done = 0
+    async with httpx.AsyncClient() as client:
+        for k in range(args.chaos):
+            prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice((64, 256, 1024)))] for _ in range(4)]
+            tasks = [asyncio.create_task(stream(client, url, p, OUT_TOKENS)) for p in prompts]
+            await asyncio.sleep(rng.uniform(0.5, 2.0))
+            insts = await instances(client, url)
+            victim = max((i for i in insts if i["state"] == "serving"), key=lambda i: len(i["requests"]))
+            for pid in victim["pids"]:
+                os.kill(pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await restart(client, url, victim["index"])
+            for prompt, got in zip(prompts, results):
+                if isinstance(got, BaseException) or len(got["ids"]) != OUT_TOKENS:
+                    failed += 1
+                    continue
+                alone = await stream(client, url, prompt, OUT_TOKENS)
+                mismatched += got["ids"] != alone["ids"]
+                done += 1
+            print(
+                f"kill {k + 1}/{args.chaos}: instance {victim['index']}; {done} whole so far, {failed} failed",
+                flush=True,
+            )
+        metrics = scrape(url)
+    return {
+        "kills": args.chaos,
+        "streams_whole": done,
+        "failed": failed,
+        "mismatched": mismatched,
+        "requests_lost": metrics.get("dist_infer:requests_lost_total"),
+        "migrations_ok": metrics.get("dist_infer:migrations_total"),
+    }
+
+
+def chaos(model: str, args, vocab: int, log_dir: Path) -> dict:
+    s = server(model, "buddy", log_dir, "chaos", "--migrate-interval", "0.5")  # (the later flag wins)
+    try:
+        result = asyncio.run(chaos_run(s.url, args, vocab))
+    finally:
+        s.stop()
+    print(f"chaos: {json.dumps(result)}", flush=True)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="a checkpoint or GGUF, or 'default' (the built-in model)")
+    p.add_argument("--contexts", default="1024,8000", help="gap: prompt lengths, comma-separated ('' skips)")
+    p.add_argument("--repeat", type=int, default=3, help="gap: kills per context length and mode")
+    p.add_argument("--kill-after", type=int, default=16, help="gap: tokens streamed before the kill")
+    p.add_argument("--background", type=int, default=2, help="gap: background requests at a time")
+    p.add_argument("--steady", default="c8", help="steady: loads (cN, rN), comma-separated ('' skips)")
+    p.add_argument("--num-prompts", type=int, default=40, help="steady: requests per load")
+    p.add_argument("--chaos", type=int, default=0, help="chaos: kills in a row (0 skips)")
+    p.add_argument("--out", default=None, help="write the combined JSON here")
+    args = p.parse_args()
+    args.contexts = [int(x) for x in args.contexts.split(",") if x]
+    from dist_infer.models.builtin import resolve_model
+
+    model = resolve_model(args.model)
+    vocab = vocab_size(model)
+    log_dir = Path(tempfile.mkdtemp(prefix="failover-"))
+    print(f"uptime before: {os.getloadavg()}; logs in {log_dir}", flush=True)
+    results: dict = {}
+    if args.contexts:
+        results["gap"] = gaps(model, args, vocab, log_dir)
+    if args.steady:
+        results["steady"] = steady(model, args, vocab, log_dir)
+    if args.chaos:
+        results["chaos"] = chaos(model, args, vocab, log_dir)
+    print(f"uptime after: {os.getloadavg()}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""What a mirroring round says of each request, both ways: the source offers blocks by hash, the
+buddy answers which it needs sent (the others it holds already, under the same hash)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIRROR_STAGE = 0  # a round is one transfer stage: every block offered, in one message per rank pair
+
+
+@dataclass(frozen=True)
+class MirrorEntry:
+    """Blocks `first`, `first + 1`, ... of a request's sequence, by their prefix-cache hashes."""
+
+    request_id: str
+    first: int
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MirrorAnswer:
+    """The buddy's word on an entry: `send[i]` for each block it takes (a prefix of those offered;
+    False: it holds that hash already), and `have`, the leading blocks of the request it holds
+    once the round commits (less than the entry's `first` when a lease was reclaimed: the source
+    offers from there again)."""
+
+    send: tuple[bool, ...]
+    have: int

@@ -1,0 +1,201 @@
+"""KV mirroring (--kv-mirror buddy) in a real `dist-infer serve` with a tp1 and a tp2 instance: each
+mirrors its running requests' KV blocks to the other. A request whose instance is SIGKILLed
+mid-decode goes on at the buddy from the mirrored blocks (a prefix-cache hit there): the tokens it
+computes again are only the unmirrored tail, a fraction of what the recompute path computes, and
+its stream ends with exactly the ids it has alone (greedy and seeded sampling; from one layout
+to the other). A live migration to the buddy sends nothing already mirrored. Every KV block of the
+survivor comes back once the requests end (leases released).
+
+The kill waits, bounded, until the victim's mirror has caught up with the prompt; the test never
+depends on how fast that happens, only on that it happens. The client reads a stream behind the
+server: a request may end before its mirror is seen caught up; such a round runs again, at most
+three times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.support.serving_helpers import (
+    ServerJob,
+    assert_live_blocks_free,
+    ended_first,
+    force_migrate,
+    instances,
+    run_async,
+    stream_tokens,
+    where_if_running,
+)
+from tests.support.structured_checkpoints import write_structured_checkpoint
+
+PROMPT = [(7 * i + 3) % 1000 + 2 for i in range(160)]  # 20 blocks of 8
+
+
+def prompt(attempt: int) -> list[int]:
+    """A prompt of its own per attempt: no attempt finds another's blocks in a prefix cache."""
+    return [(t + 97 * attempt) % 1000 + 2 for t in PROMPT]
+
+
+SAMPLED = {"temperature": 0.5, "top_k": 2, "seed": 11}
+BLOCK = 8
+MAX_TOKENS = 600  # long enough that the mirror is seen caught up while the request still runs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_structured_checkpoint(tmp_path_factory.mktemp("kv-mirror"), max_positions=1024)
+
+
+def serve_args(checkpoint, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(checkpoint),
+        "--instances",
+        "tp1,tp2",
+        "--block-size",
+        str(BLOCK),
+        "--kv-blocks",
+        "400",
+        "--migrate-interval",
+        "0",
+        "--dispatch",
+        "rr",
+        "--timeout",
+        "60",
+        "--kv-mirror",
+        "buddy",
+        *extra,
+    ]
+
+
+async def mirrored(client, url: str, source: int, request_id: str, blocks: int, timeout: float = 120.0):
+    """Wait (bounded) until `source`'s buddy holds at least `blocks` of its blocks and its
+    requests' lag is at most one block: /admin/instances then; None if the request ended first."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        insts = (await client.get(url + "/admin/instances", timeout=30)).json()["instances"]
+        if request_id not in insts[source]["requests"]:
+            return None
+        buddy = insts[source]["kv_mirror_buddy"]
+        out = insts[source]["kv_mirror"] or {}
+        held = (insts[buddy]["kv_mirror"] or {}).get("leased_blocks", 0) if buddy is not None else 0
+        if held >= blocks and out.get("lag_blocks_max", 99) <= 1:
+            return {"buddy": buddy, "held": held, "instances": insts}
+        assert asyncio.get_running_loop().time() < deadline, f"the mirror never caught up: {insts}"
+        await asyncio.sleep(0.05)
+
+
+def recomputed(job) -> float:
+    return job.metrics()["dist_infer:kv_mirror_failover_recomputed_tokens_total"]
+
+
+@pytest.mark.parametrize("body", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_a_request_whose_instance_dies_goes_on_from_its_mirror_exactly(checkpoint, tmp_path, body):
+    """Its instance (tp1 or tp2, wherever dispatch put it) dies; it goes on at the other layout."""
+    with ServerJob(tmp_path, serve_args(checkpoint)) as job:
+        for attempt in range(3):
+            killed: dict = {}
+
+            async def go():
+                async with httpx.AsyncClient() as client:
+
+                    async def kill(request_id, n):
+                        if n >= 8 and not killed:
+                            killed["on"] = victim = where_if_running(job, request_id)
+                            seen = None
+                            if victim is not None:
+                                seen = await mirrored(client, job.url, victim, request_id, len(PROMPT) // BLOCK)
+                            if seen is not None:
+                                killed.update(seen, tokens=len(PROMPT) + n)
+                                for pid in seen["instances"][victim]["pids"]:
+                                    os.kill(pid, signal.SIGKILL)
+
+                    return await stream_tokens(client, job.url, prompt(attempt), kill, max_tokens=MAX_TOKENS, **body)
+
+            chaos = run_async(go())
+            if "tokens" in killed:
+                break
+        else:
+            pytest.fail(f"three rounds in a row ended before their mirror was seen caught up: {killed}")
+        assert chaos["error"] is None and len(chaos["token_ids"]) == MAX_TOKENS, chaos
+        metrics = job.metrics()
+        assert metrics["dist_infer:requests_lost_total"] == 0
+        assert metrics["dist_infer:request_recovery_seconds_count"] >= 1
+        again = recomputed(job)
+        # the prompt's blocks were mirrored before the kill: the recompute is the tail (what decoded
+        # since), never the context (the path without a mirror computes at least the prompt again)
+        assert 0 < again < len(PROMPT), (again, killed["on"], killed["tokens"])
+        alone = run_async(_alone(job, prompt(attempt), body))
+        assert chaos["token_ids"] == alone["token_ids"], "the failed-over request's ids differ from its run alone"
+        assert_live_blocks_free(job)
+        leased = [i["kv_mirror"]["leased_blocks"] for i in instances(job) if i["state"] == "serving"]
+        assert leased == [0], f"a lease outlived its request: {leased}"
+
+
+async def _alone(job, tokens: list[int], body) -> dict:
+    async with httpx.AsyncClient() as client:
+        return await stream_tokens(client, job.url, tokens, max_tokens=MAX_TOKENS, **body)
+
+
+def test_without_a_mirror_the_survivor_recomputes_the_whole_context(checkpoint, tmp_path):
+    """The baseline the mirror beats, on the same stream: the whole context computed again."""
+    args = [a if a != "buddy" else "off" for a in serve_args(checkpoint)]
+    with ServerJob(tmp_path, args) as job:
+        pids = instances(job)[0]["pids"]
+        killed: dict = {}
+
+        async def go():
+            async with httpx.AsyncClient() as client:
+
+                async def kill(request_id, n):
+                    if n >= 8 and not killed:
+                        killed["tokens"] = len(PROMPT) + n
+                        for pid in pids:
+                            os.kill(pid, signal.SIGKILL)
+
+                return await stream_tokens(client, job.url, PROMPT, kill, max_tokens=60)
+
+        chaos = run_async(go())
+        assert chaos["error"] is None and len(chaos["token_ids"]) == 60, chaos
+        assert recomputed(job) >= killed["tokens"] - 1, killed
+
+
+def test_a_migration_to_the_buddy_sends_only_what_is_not_mirrored(checkpoint, tmp_path):
+    with ServerJob(tmp_path, serve_args(checkpoint)) as job:
+        for attempt in range(3):
+            moves: list = []
+
+            async def go():
+                async with httpx.AsyncClient() as client:
+
+                    async def move(request_id, n):
+                        if n >= 8 and not moves:
+                            src = where_if_running(job, request_id)
+                            seen = None
+                            if src is not None:
+                                seen = await mirrored(client, job.url, src, request_id, len(PROMPT) // BLOCK)
+                            moves.append(
+                                None if seen is None else await force_migrate(client, job.url, request_id, 1 - src)
+                            )
+
+                    moved = await stream_tokens(client, job.url, prompt(attempt), move, max_tokens=MAX_TOKENS)
+                    alone = await stream_tokens(client, job.url, prompt(attempt), max_tokens=MAX_TOKENS)
+                    return moved, alone
+
+            moved, alone = run_async(go())
+            assert moved["token_ids"] == alone["token_ids"]
+            if moves and not ended_first(moves[0]):
+                break
+        else:
+            pytest.fail("three rounds in a row ended before their mirror was seen caught up")
+        r = moves[0]
+        assert r.status_code == 200 and r.json()["outcome"] == "ok", r.text
+        result = r.json()
+        assert result["held_blocks"] >= len(PROMPT) // BLOCK, result
+        assert result["blocks"] < result["held_blocks"], f"sent what the buddy held already: {result}"
+        assert_live_blocks_free(job)
