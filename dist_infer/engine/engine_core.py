@@ -263,16 +263,19 @@ class Engine:
         self.start_grammar(r)
         return self.registry.submit(r)
 
-    def resume_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, progress) -> Request:
+    def resume_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, progress, submit: bool = True
+    ) -> Request:
         """Queue a request whose instance died (thread-safe): it goes on from the tokens its client
-        already has (intake.resume; `progress` a serving/fleet/wire.ResumeProgress)."""
+        already has (intake.resume; `progress` a serving/fleet/wire.ResumeProgress). Without
+        `submit` it is made, not queued (the caller may take it over from a KV mirror)."""
         self.check_request(prompt_token_ids, params)
         r = resume(new_request(request_id, prompt_token_ids, params), progress, time.monotonic())
         try:
             self.start_grammar(r)
         except GrammarRejected as exc:
             raise StructuredSpecError("structured", f"the output so far does not fit the spec: {exc}") from exc
-        return self.registry.submit(r)
+        return self.registry.submit(r) if submit else r
 
     def start_grammar(self, request: Request) -> None:
         """Give a structured request its grammar state after the output ids it has (none for a new

@@ -73,9 +73,10 @@ def serve_args(checkpoint, *extra: str) -> list[str]:
     ]
 
 
-async def mirrored(client, url: str, source: int, request_id: str, blocks: int, timeout: float = 120.0):
-    """Wait (bounded) until `source`'s buddy holds at least `blocks` of its blocks and its
-    requests' lag is at most one block: /admin/instances then; None if the request ended first."""
+async def mirrored(client, url: str, source: int, request_id: str, blocks: int, tails: int = 0, timeout: float = 120.0):
+    """Wait (bounded) until `source`'s buddy holds at least `blocks` of its blocks (and `tails`
+    partial blocks) and its requests' lag is at most one block: /admin/instances then; None if
+    the request ended first."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         insts = (await client.get(url + "/admin/instances", timeout=30)).json()["instances"]
@@ -83,9 +84,13 @@ async def mirrored(client, url: str, source: int, request_id: str, blocks: int, 
             return None
         buddy = insts[source]["kv_mirror_buddy"]
         out = insts[source]["kv_mirror"] or {}
-        held = (insts[buddy]["kv_mirror"] or {}).get("leased_blocks", 0) if buddy is not None else 0
-        if held >= blocks and out.get("lag_blocks_max", 99) <= 1:
-            return {"buddy": buddy, "held": held, "instances": insts}
+        there = (insts[buddy]["kv_mirror"] or {}) if buddy is not None else {}
+        if (
+            there.get("leased_blocks", 0) >= blocks
+            and there.get("tails", 0) >= tails
+            and out.get("lag_blocks_max", 99) <= 1
+        ):
+            return {"buddy": buddy, "held": there["leased_blocks"], "instances": insts}
         assert asyncio.get_running_loop().time() < deadline, f"the mirror never caught up: {insts}"
         await asyncio.sleep(0.05)
 
@@ -198,4 +203,51 @@ def test_a_migration_to_the_buddy_sends_only_what_is_not_mirrored(checkpoint, tm
         result = r.json()
         assert result["held_blocks"] >= len(PROMPT) // BLOCK, result
         assert result["blocks"] < result["held_blocks"], f"sent what the buddy held already: {result}"
+        assert_live_blocks_free(job)
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    return write_structured_checkpoint(tmp_path_factory.mktemp("kv-mirror-long"), max_positions=4096)
+
+
+def test_a_long_request_goes_on_from_its_mirrored_partial_block(long_checkpoint, tmp_path):
+    """Past TAIL_MIN_TOKENS the partial last block is mirrored too: the failover runs on from it
+    (no block of it recomputed), exactly."""
+    from dist_infer.engine.mirror.source import TAIL_MIN_TOKENS
+
+    long_prompt = [(5 * i + 1) % 1000 + 2 for i in range(TAIL_MIN_TOKENS + 3 * BLOCK + 3)]
+    args = [a if a != "400" else "1200" for a in serve_args(long_checkpoint)]  # --kv-blocks: two long mirrors
+    with ServerJob(tmp_path, args) as job:
+        for attempt in range(3):
+            killed: dict = {}
+            tokens = [(t + 31 * attempt) % 1000 + 2 for t in long_prompt]
+
+            async def go():
+                async with httpx.AsyncClient() as client:
+
+                    async def kill(request_id, n):
+                        if n >= 8 and not killed:
+                            killed["on"] = victim = where_if_running(job, request_id)
+                            seen = None
+                            if victim is not None:
+                                seen = await mirrored(client, job.url, victim, request_id, len(tokens) // BLOCK, 1)
+                            if seen is not None:
+                                killed.update(seen)
+                                for pid in seen["instances"][victim]["pids"]:
+                                    os.kill(pid, signal.SIGKILL)
+
+                    return await stream_tokens(client, job.url, tokens, kill, max_tokens=MAX_TOKENS)
+
+            chaos = run_async(go())
+            if "instances" in killed:
+                break
+        else:
+            pytest.fail(f"three rounds in a row ended before their mirror was seen caught up: {killed}")
+        assert chaos["error"] is None and len(chaos["token_ids"]) == MAX_TOKENS, chaos
+        buddy = instances(job)[killed["buddy"]]
+        assert buddy["kv_mirror"]["tails_taken_over"] == 1, buddy["kv_mirror"]
+        assert recomputed(job) < BLOCK, "the partial block was recomputed"
+        alone = run_async(_alone(job, tokens, {}))
+        assert chaos["token_ids"] == alone["token_ids"], "the failed-over request's ids differ from its run alone"
         assert_live_blocks_free(job)

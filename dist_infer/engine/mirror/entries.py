@@ -10,11 +10,14 @@ MIRROR_STAGE = 0  # a round is one transfer stage: every block offered, in one m
 
 @dataclass(frozen=True)
 class MirrorEntry:
-    """Blocks `first`, `first + 1`, ... of a request's sequence, by their prefix-cache hashes."""
+    """Blocks `first`, `first + 1`, ... of a request's sequence, by their prefix-cache hashes; and
+    `tail`, the token ids of the rows computed so far of the partial block after them (a long
+    request's: its failover then recomputes nothing of it), or () for none."""
 
     request_id: str
     first: int
     hashes: tuple[int, ...]
+    tail: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -26,3 +29,4 @@ class MirrorAnswer:
 
     send: tuple[bool, ...]
     have: int
+    tail: bool = False  # it takes the entry's partial block too (sent after its full ones)

@@ -20,6 +20,10 @@ from dist_infer.engine.prefix_cache import request_block_hashes
 from dist_infer.engine.request import RequestStatus
 
 Reply = Callable[[object], None]
+# A request this long also mirrors its partial last block: recomputing up to a block of tokens over a
+# long context costs several decode steps on a failover (docs/benchmarks.md, "KV mirroring"), while a
+# short request's partial block is cheaper to recompute than to send every round.
+TAIL_MIN_TOKENS = 2048
 
 
 @dataclass
@@ -27,6 +31,7 @@ class _Round:
     buddy: int
     entries: list[MirrorEntry]
     blocks: list[list[int]]  # per entry: this instance's blocks offered (held until done)
+    tails: list[Optional[int]]  # per entry: its partial block offered (held until done), or None
     answers: Optional[list[MirrorAnswer]] = None
     sending: bool = False
 
@@ -45,6 +50,7 @@ class MirrorSource:
         self.engine, self.notify = engine, notify
         self.buddy: Optional[int] = None
         self._have: dict[str, int] = {}  # request id -> leading blocks the buddy holds
+        self._tail: dict[str, tuple[int, int]] = {}  # request id -> (its partial block's index, rows) the buddy holds
         self._rounds: dict[int, _Round] = {}
         self.counters = SourceCounters()
         self.step_wait_s = 0.0  # time the step loop's thread spent in these calls
@@ -66,31 +72,44 @@ class MirrorSource:
         """Name up to `max_blocks` full blocks the buddy lacks (oldest requests first), and hold them."""
         t0 = time.perf_counter()
         if buddy.index != self.buddy:  # a new buddy holds nothing of ours
-            self.buddy, self._have = buddy.index, {}
+            self.buddy, self._have, self._tail = buddy.index, {}, {}
         live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
         self._have = {k: v for k, v in self._have.items() if k in live}
-        busy = {e.request_id for rnd in self._rounds.values() for e in rnd.entries}
-        entries, blocks, left = [], [], max_blocks
-        bs = self.engine.block_size
+        self._tail = {k: v for k, v in self._tail.items() if k in live}
+        busy = {e.request_id for other in self._rounds.values() for e in other.entries}
+        rnd = _Round(buddy.index, [], [], [])
+        left = max_blocks
         for r in self.scheduler.running:
             if r.status is not RequestStatus.RUNNING or r.request_id in busy:
                 continue
-            full, have = self._full_blocks(r), self._have.get(r.request_id, 0)
-            lag = max(0, full - have)
-            self.counters.lag_samples[lag] = self.counters.lag_samples.get(lag, 0) + 1
-            n = min(lag, left)
-            if n <= 0:
-                continue
-            hashes = request_block_hashes(r, have + n, bs)[have:]
-            entries.append(MirrorEntry(r.request_id, have, tuple(hashes)))
-            blocks.append(list(r.block_table[have : have + n]))
-            left -= n
-        for held in blocks:
-            self.scheduler.allocator.take(held)
-        if entries:
-            self._rounds[mid] = _Round(buddy.index, entries, blocks)
+            left -= self._offer_one(r, rnd, left)
+        pool = self.scheduler.allocator
+        for held, tail in zip(rnd.blocks, rnd.tails):
+            pool.take(held + ([tail] if tail is not None else []))
+        if rnd.entries:
+            self._rounds[mid] = rnd
         self.step_wait_s += time.perf_counter() - t0
-        reply(entries)
+        reply(rnd.entries)
+
+    def _offer_one(self, r, rnd: _Round, left: int) -> int:
+        """Add `r`'s unmirrored full blocks (at most `left`) and, for a long request whose full
+        blocks will all be there, its partial block if it grew, to the round; the blocks it adds."""
+        bs = self.engine.block_size
+        full, have = self._full_blocks(r), self._have.get(r.request_id, 0)
+        lag = max(0, full - have)
+        self.counters.lag_samples[lag] = self.counters.lag_samples.get(lag, 0) + 1
+        n = min(lag, left)
+        rows = r.num_computed - full * bs
+        tail = have + n == full and 0 < rows and r.num_computed >= TAIL_MIN_TOKENS and len(r.block_table) > full
+        tail = tail and self._tail.get(r.request_id) != (full, rows)
+        if n <= 0 and not tail:
+            return 0
+        hashes = request_block_hashes(r, have + n, bs)[have:] if n > 0 else []
+        tokens = tuple(r.all_token_ids[full * bs : full * bs + rows]) if tail else ()
+        rnd.entries.append(MirrorEntry(r.request_id, have, tuple(hashes), tokens))
+        rnd.blocks.append(list(r.block_table[have : have + n]))
+        rnd.tails.append(r.block_table[full] if tail else None)
+        return max(0, n)
 
     def send(self, mid: int, answers: Sequence[MirrorAnswer], peer: PeerInstance, reply: Reply) -> None:
         """Queue the blocks the buddy asked for (one op; every rank sends its share); answers how many."""
@@ -98,7 +117,9 @@ class MirrorSource:
         if rnd is None or len(answers) != len(rnd.entries):
             return reply(ValueError(f"mirror round {mid} is not known here, or its answers do not fit it"))
         rnd.answers = list(answers)
-        chosen = [b for held, a in zip(rnd.blocks, answers) for b, send in zip(held, a.send) if send]
+        chosen = []  # in the buddy's receive order: an entry's full blocks it asked for, then its tail
+        for held, tail, a in zip(rnd.blocks, rnd.tails, answers):
+            chosen += [b for b, send in zip(held, a.send) if send] + ([tail] if a.tail and tail is not None else [])
         if chosen:
             self.engine.queue_transfer(TransferOp(TransferOp.SEND, mid, MIRROR_STAGE, peer, chosen))
             rnd.sending = True
@@ -111,21 +132,23 @@ class MirrorSource:
         rnd = self._rounds.pop(mid, None)
         if rnd is None:
             return reply(False)
-        for held in rnd.blocks:
-            self.scheduler.allocator.free(held)
+        for held, tail in zip(rnd.blocks, rnd.tails):
+            self.scheduler.allocator.free(held + ([tail] if tail is not None else []))
         if rnd.answers is not None and rnd.buddy == self.buddy:
             sent = 0
             for entry, answer in zip(rnd.entries, rnd.answers):
                 if committed or answer.have < entry.first:  # (a rewind holds, committed or not)
                     self._have[entry.request_id] = answer.have
-                sent += sum(answer.send) if committed else 0
+                if committed and answer.tail:
+                    self._tail[entry.request_id] = (entry.first + len(entry.hashes), len(entry.tail))
+                sent += sum(answer.send) + answer.tail if committed else 0
             self.counters.blocks_sent += sent
             self.counters.rounds += 1 if committed else 0
         reply(True)
 
     def forget_buddy(self) -> None:
         """Mirroring is off, or the buddy went away: nothing is mirrored anywhere now."""
-        self.buddy, self._have = None, {}
+        self.buddy, self._have, self._tail = None, {}, {}
 
     def poll(self) -> None:
         """Report the rounds whose sends are out (this rank's share: the followers' are theirs)."""

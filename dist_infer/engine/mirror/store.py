@@ -14,11 +14,12 @@ make a prefix, and lets go of the ones after it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry
+from dist_infer.engine.prefix_cache import request_block_hashes
 
 Reply = Callable[[object], None]
 LeaseKey = tuple[int, str]  # (source instance, request id)
@@ -37,8 +38,19 @@ class _Pending:
 
 
 @dataclass
+class Tail:
+    """A request's partial last block: block `index` of its sequence, its first rows' KV (the rows of
+    `tokens`) in `block`, a private block of this instance's (a new one each round it changes)."""
+
+    index: int
+    block: int
+    tokens: tuple[int, ...]
+
+
+@dataclass
 class _Round:
     pending: list[_Pending]
+    tails: dict = field(default_factory=dict)  # lease key -> the Tail this round brings
     receiving: bool = False
 
 
@@ -49,6 +61,7 @@ class StoreCounters:
     blocks_refused: int = 0  # offered when the cache had no spare block (or the fraction was reached)
     blocks_reclaimed: int = 0  # leased blocks taken back for this instance's own requests
     leases_released: int = 0
+    tails_taken_over: int = 0  # failovers that ran on from a mirrored partial block (nothing of it recomputed)
 
 
 class MirrorStore:
@@ -57,6 +70,7 @@ class MirrorStore:
     def __init__(self, engine, notify: Callable[..., None]):
         self.engine, self.notify = engine, notify
         self._leases: dict[LeaseKey, list[int]] = {}  # in sequence order
+        self._tails: dict[LeaseKey, Tail] = {}  # the partial block after a lease's blocks
         self._rounds: dict[int, _Round] = {}
         self.counters = StoreCounters()
         self._pool = None
@@ -103,7 +117,13 @@ class MirrorStore:
                 else:
                     self.counters.blocks_refused += len(entry.hashes) - len(send)
                     break
-            answers.append(MirrorAnswer(tuple(send), have + len(send)))
+            tail = bool(entry.tail) and len(send) == len(entry.hashes) and spare > 0
+            if tail:  # the partial block after them (counted with the leases: it is theirs)
+                block = pool.allocate()
+                spare -= 1
+                fresh.append(block)
+                rnd.tails[key] = Tail(entry.first + len(send), block, tuple(entry.tail))
+            answers.append(MirrorAnswer(tuple(send), have + len(send), tail))
         self._rounds[mid] = rnd
         if fresh:
             self.engine.queue_transfer(TransferOp(TransferOp.RECV, mid, MIRROR_STAGE, source, fresh))
@@ -138,6 +158,14 @@ class MirrorStore:
             else:
                 self.counters.blocks_already_held += 1
             self._leases.setdefault(p.key, []).append(block)
+        for key, tail in rnd.tails.items():
+            if key in cut or tail.index != len(self._leases.get(key, ())):
+                pool.free([tail.block])  # its lease broke off before it: it follows nothing
+                continue
+            old = self._tails.pop(key, None)
+            if old is not None:
+                pool.free([old.block])
+            self._tails[key] = tail
         reply(True)
 
     def cancel(self, mid: int, reply: Optional[Reply] = None) -> None:
@@ -150,6 +178,7 @@ class MirrorStore:
                     self.pool.free([p.block])
                 elif not p.dropped:
                     self.pool.unlease(p.block)
+            self.pool.free([t.block for t in rnd.tails.values()])
         if reply is not None:
             reply(True)
 
@@ -161,8 +190,45 @@ class MirrorStore:
         for key in keys:
             for block in self._leases.pop(key):
                 self.pool.unlease(block)
+            self._drop_tail(key)
         self.counters.leases_released += len(keys)
         return len(keys)
+
+    def _drop_tail(self, key: LeaseKey) -> None:
+        tail = self._tails.pop(key, None)
+        if tail is not None:
+            self.pool.free([tail.block])
+
+    def take_over(self, request) -> bool:
+        """A request failed over here (`request`, resumed from its client's tokens, not queued yet):
+        if its partial block is here after its leased blocks, it runs on from them with nothing
+        computed again but the tokens after the mirror; False (nothing done) otherwise: it is then
+        queued, and the prefix cache finds its leased full blocks."""
+        key = next((k for k in self._tails if k[1] == request.request_id), None)
+        if key is None:
+            return False
+        tail, lease, bs = self._tails[key], self._leases.get(key, []), self.engine.block_size
+        start = tail.index * bs
+        tokens = request.all_token_ids
+        matched = self.pool.match(request_block_hashes(request, tail.index, bs)) if tail.index else []
+        if (
+            matched != lease[: tail.index]
+            or len(lease) != tail.index
+            or tuple(tokens[start : start + len(tail.tokens)]) != tail.tokens
+            or start + len(tail.tokens) >= len(tokens)  # the last token's KV is computed by its next step
+        ):
+            return False
+        del self._tails[key]
+        self.pool.take(lease)
+        request.num_computed, request.num_cached_blocks = start + len(tail.tokens), tail.index
+        request.resumed = False
+        s = self.engine.scheduler
+        s.failover_recomputed_tokens += len(tokens) - request.num_computed
+        self.engine.registry.count_added()  # the front end counted it as an add to this instance
+        self.engine.registry.register(request)
+        s.install(request, lease + [tail.block], computed_here=True)
+        self.counters.tails_taken_over += 1
+        return True
 
     def held_for(self, source: int, request_id: str) -> int:
         return len(self._leases.get((source, request_id), ()))
@@ -181,6 +247,7 @@ class MirrorStore:
             for b in blocks[at:]:
                 self.pool.unlease(b)
             self.counters.blocks_reclaimed += len(blocks) - at
+            self._drop_tail(key)
             if at:
                 self._leases[key] = blocks[:at]
             else:
@@ -207,4 +274,6 @@ class MirrorStore:
             "leases": len(self._leases),
             "leased_blocks": self.pool.num_leased if self.engine.scheduler is not None else 0,
             "leases_released": c.leases_released,
+            "tails": len(self._tails),
+            "tails_taken_over": c.tails_taken_over,
         }

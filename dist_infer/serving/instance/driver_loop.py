@@ -86,7 +86,7 @@ class InstanceServer:
         request_id = message.request_id
         try:
             if isinstance(message, ResumeRequest):
-                self.engine.resume_request(request_id, message.prompt_token_ids, message.params, message.progress)
+                self._resume(message)
             else:
                 self.engine.add_request(request_id, message.prompt_token_ids, message.params)
         except RequestError as exc:
@@ -96,6 +96,17 @@ class InstanceServer:
                     [RequestOutput(request_id, [], [], [], "", True, "abort", error=str(exc), error_status=400)]
                 )
             )
+
+    def _resume(self, message: ResumeRequest) -> None:
+        """A request whose instance died goes on here: from its KV mirror's partial block if this
+        instance holds one (engine/mirror/store.py), else queued (its mirrored full blocks, if any,
+        are prefix-cache hits)."""
+        engine, endpoint = self.engine, self.engine.migration
+        r = engine.resume_request(
+            message.request_id, message.prompt_token_ids, message.params, message.progress, submit=endpoint is None
+        )
+        if endpoint is not None:
+            engine.call_soon(lambda: endpoint.mirror_in.take_over(r) or engine.registry.submit(r))
 
     def _call(self, call_id: int, op: MigrationOp) -> None:
         def reply(value: object) -> None:

@@ -202,3 +202,55 @@ def test_release_and_cancel_give_every_block_back():
     assert buddy.pool.num_leased == 0 and buddy.pool.num_evictable == 6, "released: cached, evictable"
     for side in (src, buddy):
         side.accounted()
+
+
+def test_a_long_request_s_partial_block_is_mirrored_and_a_failover_runs_on_from_it(monkeypatch):
+    from dist_infer.engine.mirror import source
+
+    monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
+    src, buddy = FakeInstance(0), FakeInstance(1)
+    r = src.add("r")
+    src.step()  # 6 full blocks and one row of the 7th
+    entries, answers = mirror_round(src, buddy, 1)
+    assert entries[0].tail == (PROMPT[-1],) and answers[0].tail, "the partial block's computed rows go too"
+    recv = [op for op in buddy.ops if op.kind == TransferOp.RECV][-1]
+    assert len(recv.blocks) == 7 and src.ops[-1].blocks == r.block_table[:7]
+    store = buddy.endpoint.mirror_in
+    first_tail = store._tails[(0, "r")].block
+    src.step()
+    src.step()  # two more rows: the tail grew, its full blocks did not
+    entries, answers = mirror_round(src, buddy, 2)
+    assert [(e.first, len(e.hashes), len(e.tail)) for e in entries] == [(6, 0, 3)] and answers[0].tail
+    assert store._tails[(0, "r")].block != first_tail and buddy.pool.refcount(first_tail) == 0, "the old tail freed"
+    assert mirror_round(src, buddy, 3) == ([], []), "nothing grew: nothing offered"
+    # its instance dies with one more token sampled: the buddy runs it on from the tail
+    from types import SimpleNamespace as NS
+
+    buddy.registry = NS(count_added=lambda: None, register=lambda request: None)
+    again = Request("r", list(PROMPT), SamplingParams(max_new_tokens=40), seed=1)
+    again.output_token_ids = list(r.output_token_ids)
+    assert store.take_over(again)
+    assert again.num_computed == len(PROMPT) + 2 and again.block_table[:6] == store._leases[(0, "r")]
+    assert buddy.scheduler.failover_recomputed_tokens == again.num_tokens - again.num_computed == 1
+    n = again.num_tokens
+    buddy.step()  # computes its last token's KV and samples the next, as its source would have
+    assert again.num_computed == n and again.num_tokens == n + 1
+    assert store.release(0, ("r",)) == 1 and buddy.pool.check() is None
+    src.accounted()
+
+
+def test_a_tail_that_does_not_fit_the_request_is_not_taken_over(monkeypatch):
+    from dist_infer.engine.mirror import source
+
+    monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
+    src, buddy = FakeInstance(0), FakeInstance(1)
+    src.add("r")
+    src.step()
+    mirror_round(src, buddy, 1)
+    from types import SimpleNamespace as NS
+
+    buddy.registry = NS(count_added=lambda: None, register=lambda request: None)
+    other = Request("r", [3] + PROMPT[1:], SamplingParams(max_new_tokens=40), seed=1)  # another first token
+    assert not buddy.endpoint.mirror_in.take_over(other) and other.num_computed == 0
+    assert buddy.endpoint.mirror_in.release(0) == 1 and buddy.pool.num_free == buddy.pool.num_blocks
+    buddy.accounted()
