@@ -98,7 +98,12 @@ async def instances(client, url: str) -> list[dict]:
 
 async def kill_sample(client, url: str, prompt: list[int], kill_after: int) -> dict:
     """One request killed mid-decode: the gap its client sees, what the survivor recomputed."""
-    before = scrape(url).get("dist_infer:kv_mirror_failover_recomputed_tokens_total", 0.0)
+
+    def recomputed() -> dict[int, float]:  # per instance: a restarted one counts from 0 again
+        return {i["index"]: (i.get("kv_mirror") or {}).get("failover_recomputed_tokens", 0) for i in insts_now}
+
+    insts_now = await instances(client, url)
+    before = recomputed()
     killed: dict = {}
 
     async def kill(request_id, n):
@@ -115,7 +120,6 @@ async def kill_sample(client, url: str, prompt: list[int], kill_after: int) -> d
                 os.kill(pid, signal.SIGKILL)
 
     got = await stream(client, url, prompt, OUT_TOKENS, kill)
-    after = scrape(url).get("dist_infer:kv_mirror_failover_recomputed_tokens_total", 0.0)
     if not killed:
         raise SystemExit(f"the request ended with {len(got['ids'])} tokens, never killed (too long a context?)")
     times = got["times"]
@@ -126,10 +130,22 @@ async def kill_sample(client, url: str, prompt: list[int], kill_after: int) -> d
         "request": got,
         "gap_ms": 1e3 * max(gaps) if gaps else None,
         "token_gap_ms": 1e3 * statistics.median(steady) if steady else None,
-        "recomputed_tokens": after - before,
+        "recomputed_tokens": await survivors_recomputed(client, url, killed["index"], before),
         "lag_at_kill_blocks": killed.get("lag"),
         "victim": killed["index"],
     }
+
+
+async def survivors_recomputed(client, url: str, victim: int, before: dict[int, float]) -> float:
+    """Tokens the instances other than `victim` computed again for failed-over requests since `before`
+    (their stats lag a step: read once they have reported)."""
+    await asyncio.sleep(0.3)
+    insts = await instances(client, url)
+    return sum(
+        (i.get("kv_mirror") or {}).get("failover_recomputed_tokens", 0) - before.get(i["index"], 0)
+        for i in insts
+        if i["index"] != victim
+    )
 
 
 async def restart(client, url: str, index: int) -> float:
@@ -150,7 +166,10 @@ async def gap_run(url: str, args, vocab: int, seed: int) -> list[dict]:
         for context in args.contexts:
             for _ in range(args.repeat):
                 prompt = [rng.randrange(3, vocab) for _ in range(context)]
-                sample = await kill_sample(client, url, prompt, args.kill_after)
+                # a uniform point within a block: what is recomputed is the partial last block (and
+                # whatever is not mirrored yet), so a kill on a block boundary would be the worst case
+                kill_at = args.kill_after + rng.randrange(16)
+                sample = await kill_sample(client, url, prompt, kill_at)
                 restart_s = await restart(client, url, sample["victim"])
                 alone = await stream(client, url, prompt, OUT_TOKENS)
                 got = sample.pop("request")["ids"]
@@ -284,7 +303,7 @@ def main() -> int:
     p.add_argument("--model", default="default", help="a checkpoint or GGUF, or 'default' (the built-in model)")
     p.add_argument("--contexts", default="1024,8000", help="gap: prompt lengths, comma-separated ('' skips)")
     p.add_argument("--repeat", type=int, default=3, help="gap: kills per context length and mode")
-    p.add_argument("--kill-after", type=int, default=16, help="gap: tokens streamed before the kill")
+    p.add_argument("--kill-after", type=int, default=16, help="gap: tokens streamed before the kill (plus 0-15, drawn)")
     p.add_argument("--background", type=int, default=2, help="gap: background requests at a time")
     p.add_argument("--steady", default="c8", help="steady: loads (cN, rN), comma-separated ('' skips)")
     p.add_argument("--num-prompts", type=int, default=40, help="steady: requests per load")
