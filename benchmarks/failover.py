@@ -15,8 +15,9 @@ steady: bench-serve at each load with mirroring on and off (a fresh server and s
 requests/s, TTFT p50, ITL p99, the time steps spent on mirroring against the step time, and the
 per-request mirror lag (p99, blocks) from /metrics.
 
-chaos: --chaos kills in a row under a stream with mirroring, live migration (the controller's
-rounds) and prefix caching all on; every stream is checked against its run alone and none may fail.
+chaos: --chaos kills in a row (the two instances in turn) under a stream of four requests at a time,
+each round with a forced live migration first, the controller's rounds and prefix caching on; every
+stream is checked against its run alone and none may fail.
 
 Only 127.0.0.1 is contacted; figures count on a quiet machine (the load is printed before and after).
 """
@@ -32,6 +33,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -209,44 +211,68 @@ def gaps(model: str, args, vocab: int, log_dir: Path) -> dict:
     return {"samples": out, "summary": summary}
 
 
+def steady_one(model: str, args, vocab: int, log_dir: Path, mirror: str, load: str, seed: int) -> dict:
+    """One bench-serve run at `load` on a fresh server with mirroring `mirror`."""
+    rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
+    common = ["--num-prompts", str(args.num_prompts), "--seed", str(seed), "--vocab-size", str(vocab)]
+    stream_args = common + rate + ["--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos"]
+    name = f"steady-{mirror}-{load}-{seed}"
+    s = server(model, mirror, log_dir, name, "--dispatch", "rr")
+    try:
+        r = bench(s.url, stream_args, log_dir / f"{name}.json")
+        metrics = scrape(s.url)
+        insts = httpx.get(s.url + "/admin/instances", timeout=30).json()["instances"]
+    finally:
+        s.stop()
+    samples: dict[int, int] = {}
+    for inst in insts:
+        for k, n in ((inst.get("kv_mirror") or {}).get("lag_samples") or {}).items():
+            samples[int(k)] = samples.get(int(k), 0) + n
+    step_s = metrics.get("dist_infer:step_duration_seconds_sum", 0.0)
+    wait_s = metrics.get("dist_infer:kv_mirror_step_wait_seconds_total", 0.0)
+    return {
+        "req_s": r["request_throughput"],
+        "ttft_p50_ms": r["ttft_ms"]["median"],
+        "itl_p99_ms": r["itl_ms"]["p99"],
+        "failed": r["failed"],
+        "mirror_wait_share": wait_s / step_s if step_s else None,
+        "lag_samples": samples,
+        "blocks_sent": metrics.get("dist_infer:kv_mirror_blocks_sent_total", 0.0),
+    }
+
+
 def steady(model: str, args, vocab: int, log_dir: Path) -> dict:
-    results = {}
+    """Each load, mirroring on and off in turn (the order swapped each repeat), a new seed per pair;
+    the ratios of the medians."""
+    results: dict = {}
     for i, load in enumerate(args.steady.split(",")):
-        rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
-        for mirror in ("buddy", "off"):
-            common = ["--num-prompts", str(args.num_prompts), "--seed", str(100 + i), "--vocab-size", str(vocab)]
-            stream_args = common + rate + ["--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos"]
-            s = server(model, mirror, log_dir, f"steady-{mirror}-{load}", "--dispatch", "rr")
-            try:
-                r = bench(s.url, stream_args, log_dir / f"steady-{mirror}-{load}.json")
-                metrics = scrape(s.url)
-                insts = httpx.get(s.url + "/admin/instances", timeout=30).json()["instances"]
-            finally:
-                s.stop()
-            samples: dict[int, int] = {}
-            for inst in insts:
-                for k, n in ((inst.get("kv_mirror") or {}).get("lag_samples") or {}).items():
-                    samples[int(k)] = samples.get(int(k), 0) + n
-            step_s = metrics.get("dist_infer:step_duration_seconds_sum", 0.0)
-            wait_s = metrics.get("dist_infer:kv_mirror_step_wait_seconds_total", 0.0)
-            results[f"{mirror}@{load}"] = {
-                "req_s": r["request_throughput"],
-                "ttft_p50_ms": r["ttft_ms"]["median"],
-                "itl_p99_ms": r["itl_ms"]["p99"],
-                "failed": r["failed"],
-                "mirror_wait_share": wait_s / step_s if step_s else None,
-                "lag_p99_blocks": lag_quantile(samples, 0.99),
-                "lag_p50_blocks": lag_quantile(samples, 0.5),
-                "blocks_sent": metrics.get("dist_infer:kv_mirror_blocks_sent_total", 0.0),
-            }
-            print(f"{mirror}@{load}: {json.dumps(results[f'{mirror}@{load}'])}", flush=True)
-        on, off = results[f"buddy@{load}"], results[f"off@{load}"]
-        results[f"ratios@{load}"] = {
-            "req_s": on["req_s"] / off["req_s"],
-            "ttft_p50": on["ttft_p50_ms"] / off["ttft_p50_ms"],
-            "itl_p99": on["itl_p99_ms"] / off["itl_p99_ms"],
+        runs: dict[str, list] = {"buddy": [], "off": []}
+        for rep in range(args.steady_repeat):
+            for mirror in ("buddy", "off") if rep % 2 == 0 else ("off", "buddy"):
+                runs[mirror].append(steady_one(model, args, vocab, log_dir, mirror, load, 100 + 10 * i + rep))
+                row = {k: v for k, v in runs[mirror][-1].items() if k != "lag_samples"}
+                print(f"{mirror}@{load} #{rep}: {json.dumps(row)}", flush=True)
+        med = {
+            m: {k: statistics.median(r[k] for r in rs) for k in ("req_s", "ttft_p50_ms", "itl_p99_ms")}
+            for m, rs in runs.items()
         }
-        print(f"ratios@{load}: {json.dumps(results[f'ratios@{load}'])}", flush=True)
+        lag: dict[int, int] = {}
+        for r in runs["buddy"]:
+            for k, n in r["lag_samples"].items():
+                lag[k] = lag.get(k, 0) + n
+        on, off = med["buddy"], med["off"]
+        results[load] = {
+            "runs": runs,
+            "ratios": {
+                "req_s": on["req_s"] / off["req_s"],
+                "ttft_p50": on["ttft_p50_ms"] / off["ttft_p50_ms"],
+                "itl_p99": on["itl_p99_ms"] / off["itl_p99_ms"],
+            },
+            "mirror_wait_share": max(r["mirror_wait_share"] or 0 for r in runs["buddy"]),
+            "lag_blocks": {q: lag_quantile(lag, q) for q in (0.5, 0.9, 0.95, 0.99)},
+        }
+        summary = {k: v for k, v in results[load].items() if k != "runs"}
+        print(f"{load}: {json.dumps(summary)}", flush=True)
     return results
 
 
@@ -255,13 +281,22 @@ async def chaos_run(url: str, args, vocab: int) -> dict:
     and equal its run alone."""
     rng = random.Random(7)
     failed = mismatched = done = 0
+    migrations: Counter = Counter()
     async with httpx.AsyncClient() as client:
         for k in range(args.chaos):
             prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice((64, 256, 1024)))] for _ in range(4)]
             tasks = [asyncio.create_task(stream(client, url, p, OUT_TOKENS)) for p in prompts]
-            await asyncio.sleep(rng.uniform(0.5, 2.0))
+            await asyncio.sleep(rng.uniform(0.3, 1.0))
             insts = await instances(client, url)
-            victim = max((i for i in insts if i["state"] == "serving"), key=lambda i: len(i["requests"]))
+            running = [(r, i["index"]) for i in insts if i["state"] == "serving" for r in i["running"]]
+            if running:  # a live migration mid-stream (its request may end meanwhile: any outcome goes)
+                request_id, src = rng.choice(running)
+                moved = await client.post(
+                    url + "/admin/migrate", json={"request_id": request_id, "to_instance": 1 - src}, timeout=120
+                )
+                migrations[moved.json().get("outcome", str(moved.status_code))] += 1
+            await asyncio.sleep(rng.uniform(0.2, 1.0))
+            victim = (await instances(client, url))[k % 2]
             for pid in victim["pids"]:
                 os.kill(pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -284,7 +319,8 @@ async def chaos_run(url: str, args, vocab: int) -> dict:
         "failed": failed,
         "mismatched": mismatched,
         "requests_lost": metrics.get("dist_infer:requests_lost_total"),
-        "migrations_ok": metrics.get("dist_infer:migrations_total"),
+        "migrations": dict(migrations),
+        "failover_recomputed_tokens": metrics.get("dist_infer:kv_mirror_failover_recomputed_tokens_total"),
     }
 
 
@@ -307,6 +343,7 @@ def main() -> int:
     p.add_argument("--background", type=int, default=2, help="gap: background requests at a time")
     p.add_argument("--steady", default="c8", help="steady: loads (cN, rN), comma-separated ('' skips)")
     p.add_argument("--num-prompts", type=int, default=40, help="steady: requests per load")
+    p.add_argument("--steady-repeat", type=int, default=3, help="steady: on/off pairs per load")
     p.add_argument("--chaos", type=int, default=0, help="chaos: kills in a row (0 skips)")
     p.add_argument("--out", default=None, help="write the combined JSON here")
     args = p.parse_args()
