@@ -1,6 +1,6 @@
-"""KV mirroring (--kv-mirror buddy) in a real `dist-infer serve` with a tp1 and a tp2 instance: each
-mirrors its running requests' KV blocks to the other. A request whose instance is SIGKILLed
-mid-decode goes on at the buddy from the mirrored blocks (a prefix-cache hit there): the tokens it
+"""KV mirroring (--kv-mirror buddy) in a real `dist-infer serve` with a tp1 and a tp2 (or a pp2)
+instance: each mirrors its running requests' KV blocks to the other. A request whose instance is
+SIGKILLed mid-decode goes on at the buddy from the mirrored blocks (a prefix-cache hit there): the tokens it
 computes again are only the unmirrored tail, a fraction of what the recompute path computes, and
 its stream ends with exactly the ids it has alone (greedy and seeded sampling; from one layout
 to the other). A live migration to the buddy sends nothing already mirrored. Every KV block of the
@@ -51,12 +51,12 @@ def checkpoint(tmp_path_factory):
     return write_structured_checkpoint(tmp_path_factory.mktemp("kv-mirror"), max_positions=1024)
 
 
-def serve_args(checkpoint, *extra: str) -> list[str]:
+def serve_args(checkpoint, *extra: str, layouts: str = "tp1,tp2") -> list[str]:
     return [
         "--model",
         str(checkpoint),
         "--instances",
-        "tp1,tp2",
+        layouts,
         "--block-size",
         str(BLOCK),
         "--kv-blocks",
@@ -99,10 +99,14 @@ def recomputed(job) -> float:
     return job.metrics()["dist_infer:kv_mirror_failover_recomputed_tokens_total"]
 
 
-@pytest.mark.parametrize("body", [{}, SAMPLED], ids=["greedy", "sampled"])
-def test_a_request_whose_instance_dies_goes_on_from_its_mirror_exactly(checkpoint, tmp_path, body):
-    """Its instance (tp1 or tp2, wherever dispatch put it) dies; it goes on at the other layout."""
-    with ServerJob(tmp_path, serve_args(checkpoint)) as job:
+@pytest.mark.parametrize(
+    ("layouts", "body"),
+    [("tp1,tp2", {}), ("tp1,tp2", SAMPLED), ("pp2,tp1", {})],
+    ids=["tp-greedy", "tp-sampled", "pp-greedy"],
+)
+def test_a_request_whose_instance_dies_goes_on_from_its_mirror_exactly(checkpoint, tmp_path, layouts, body):
+    """Its instance (either layout, wherever dispatch put it) dies; it goes on at the other layout."""
+    with ServerJob(tmp_path, serve_args(checkpoint, layouts=layouts)) as job:
         for attempt in range(3):
             killed: dict = {}
 

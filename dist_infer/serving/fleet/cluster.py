@@ -83,7 +83,14 @@ class Cluster:
         self.starter = InstanceStarter(self.fleet, config, spawner, rank_capacity, self._redispatch)
         self.mirror = MirrorControl(self.fleet, self.control, self.calls, config)
         self.migration = MigrationControl(
-            self.fleet, self.control, self.calls, self.router, config, self._redispatch, self.mirror.request_ended
+            self.fleet,
+            self.control,
+            self.calls,
+            self.router,
+            config,
+            self._redispatch,
+            self.mirror.request_ended,
+            lambda: self.mirror.pairs,
         )
         self.lifecycle = Lifecycle(
             self.fleet,

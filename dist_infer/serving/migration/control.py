@@ -39,12 +39,14 @@ class MigrationControl:
         config: FleetConfig,
         redispatch: Redispatch,
         on_moved: Callable[[str], None] = lambda request_id: None,
+        buddies: Callable[[], dict[int, int]] = dict,
     ):
         self.fleet, self.control, self.calls, self.router = fleet, control, calls, router
         self.migrate_interval, self.migration_timeout = config.migrate_interval, config.migration_timeout
         self.cooldown_s = config.cooldown
         self.redispatch = redispatch  # a request whose instance died while it moved goes on elsewhere
         self.on_moved = on_moved  # a request runs elsewhere now (its KV mirror's leases end)
+        self.buddies = buddies  # where each instance's KV is mirrored: a drained instance's requests go there
         self.busy: Counter = Counter()  # instance -> migrations it takes part in
         self.outcomes: Counter = Counter()
         self.downtime = BucketCounts(DOWNTIME_BUCKETS)  # of live migrations that succeeded (seconds)
@@ -168,7 +170,7 @@ class MigrationControl:
         busy = {i for i, n in self.busy.items() if n > 0}
         if only_drain:
             loads = [x for x in loads if x.index in draining or x.accepting]
-        for move in plan_moves(loads, candidates, busy, cooling, draining):
+        for move in plan_moves(loads, candidates, busy, cooling, draining, buddies=self.buddies()):
             if only_drain and move.src not in draining:
                 continue
             self.control.spawn(self.migrate(move.request_id, move.src, move.dst, move.reason))

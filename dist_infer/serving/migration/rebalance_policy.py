@@ -17,6 +17,7 @@ One migration per instance at a time; each is logged with its reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dist_infer.serving.fleet.dispatch import InstanceLoad
 
@@ -47,9 +48,12 @@ def plan_moves(
     draining: set[int],
     out_below: float = OUT_BELOW,
     in_above: float = IN_ABOVE,
+    buddies: Optional[dict[int, int]] = None,
 ) -> list[PlannedMove]:
     """This round's migrations. `candidates[i]`: the requests on instance i; `busy`: instances in
-    a migration already; `cooling`: requests that moved recently; `draining`: instances to empty."""
+    a migration already; `cooling`: requests that moved recently; `draining`: instances to empty;
+    `buddies`: where each instance's KV is mirrored (--kv-mirror): a draining instance's requests
+    go there first, where only their unmirrored tail has to move."""
     by_index = {x.index: x for x in loads}
     sources = [x for x in loads if x.index not in busy and (x.index in draining or x.freeness < out_below)]
     sources.sort(key=lambda x: (x.index not in draining, x.freeness))
@@ -63,7 +67,10 @@ def plan_moves(
             (c for c in candidates.get(src.index, []) if c.request_id not in cooling),
             key=lambda c: (c.running, c.blocks),
         )
-        for dst in dests:
+        order = dests
+        if src.index in draining and buddies and src.index in buddies:
+            order = sorted(dests, key=lambda d: d.index != buddies[src.index])  # stable: by freeness after
+        for dst in order:
             if dst.index in taken or dst.index == src.index:
                 continue
             if src.index not in draining and (dst.freeness <= in_above or dst.freeness <= src.freeness + 1):

@@ -339,6 +339,16 @@ def test_drain_moves_everything_even_when_balanced():
     assert [(m.request_id, m.src, m.dst, m.reason) for m in moves] == [("b", 0, 1, "drain")]
 
 
+def test_a_draining_instance_s_requests_go_to_its_kv_mirror_buddy_first():
+    loads = [_load(0, 50, running=2), _load(1, 80, running=1), _load(2, 60, running=1)]
+    cands = {0: _cands(("a", 3))}
+    assert [m.dst for m in plan_moves(loads, cands, set(), set(), draining={0})] == [1], "the freest without buddies"
+    moves = plan_moves(loads, cands, set(), set(), draining={0}, buddies={0: 2, 2: 1, 1: 0})
+    assert [(m.request_id, m.dst, m.reason) for m in moves] == [("a", 2, "drain")]
+    moves = plan_moves(loads, cands, {2}, set(), draining={0}, buddies={0: 2})
+    assert [m.dst for m in moves] == [1], "a busy buddy: the next instance"
+
+
 def test_a_migration_carries_only_what_the_destination_needs():
     r = Request(
         "r1",
