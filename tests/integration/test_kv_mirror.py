@@ -75,24 +75,28 @@ def serve_args(checkpoint, *extra: str, layouts: str = "tp1,tp2") -> list[str]:
 
 async def mirrored(client, url: str, source: int, request_id: str, blocks: int, tails: int = 0, timeout: float = 120.0):
     """Wait (bounded) until `source`'s buddy holds at least `blocks` of its blocks (and `tails`
-    partial blocks) and its requests' lag is at most one block: /admin/instances then; None if
-    the request ended first."""
+    partial blocks): /admin/instances then; None if the request ended first. (Not for the lag to be
+    nil: this tiny model fills a block in a few steps, faster than rounds come.)"""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         insts = (await client.get(url + "/admin/instances", timeout=30)).json()["instances"]
         if request_id not in insts[source]["requests"]:
             return None
         buddy = insts[source]["kv_mirror_buddy"]
-        out = insts[source]["kv_mirror"] or {}
         there = (insts[buddy]["kv_mirror"] or {}) if buddy is not None else {}
-        if (
-            there.get("leased_blocks", 0) >= blocks
-            and there.get("tails", 0) >= tails
-            and out.get("lag_blocks_max", 99) <= 1
-        ):
+        if there.get("leased_blocks", 0) >= blocks and there.get("tails", 0) >= tails:
             return {"buddy": buddy, "held": there["leased_blocks"], "instances": insts}
         assert asyncio.get_running_loop().time() < deadline, f"the mirror never caught up: {insts}"
         await asyncio.sleep(0.05)
+
+
+def kill_all(pids) -> None:
+    """SIGKILL an instance's ranks (one dying may take the others down first)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def recomputed(job) -> float:
@@ -121,8 +125,7 @@ def test_a_request_whose_instance_dies_goes_on_from_its_mirror_exactly(checkpoin
                                 seen = await mirrored(client, job.url, victim, request_id, len(PROMPT) // BLOCK)
                             if seen is not None:
                                 killed.update(seen, tokens=len(PROMPT) + n)
-                                for pid in seen["instances"][victim]["pids"]:
-                                    os.kill(pid, signal.SIGKILL)
+                                kill_all(seen["instances"][victim]["pids"])
 
                     return await stream_tokens(client, job.url, prompt(attempt), kill, max_tokens=MAX_TOKENS, **body)
 
@@ -164,8 +167,7 @@ def test_without_a_mirror_the_survivor_recomputes_the_whole_context(checkpoint, 
                 async def kill(request_id, n):
                     if n >= 8 and not killed:
                         killed["tokens"] = len(PROMPT) + n
-                        for pid in pids:
-                            os.kill(pid, signal.SIGKILL)
+                        kill_all(pids)
 
                 return await stream_tokens(client, job.url, PROMPT, kill, max_tokens=60)
 
@@ -238,8 +240,7 @@ def test_a_long_request_goes_on_from_its_mirrored_partial_block(long_checkpoint,
                                 seen = await mirrored(client, job.url, victim, request_id, len(tokens) // BLOCK, 1)
                             if seen is not None:
                                 killed.update(seen)
-                                for pid in seen["instances"][victim]["pids"]:
-                                    os.kill(pid, signal.SIGKILL)
+                                kill_all(seen["instances"][victim]["pids"])
 
                     return await stream_tokens(client, job.url, tokens, kill, max_tokens=MAX_TOKENS)
 

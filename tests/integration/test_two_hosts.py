@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 from types import SimpleNamespace
 
@@ -237,3 +238,50 @@ def test_live_migration_between_instances_on_two_hosts(two_hosts, tmp_path):
     assert all(i["free_blocks"] == i["total_blocks"] for i in out["instances"]), out["instances"]
     for k, result in enumerate(results):
         assert result.returncode == 0, f"node {k} exited {result.returncode}: {result.stderr[-3000:]}"
+
+
+def test_a_request_outlives_its_host_with_its_kv_mirror(two_hosts, tmp_path):
+    """`serve --instances 2 --kv-mirror buddy`, one instance per "host": a request on host B's instance
+    is mirrored over the veth into host A's, B's ranks are SIGKILLed mid-decode, and the stream goes
+    on at A from the mirror (computing again only its unmirrored tail) with exactly its tokens alone."""
+    import json
+
+    from tests.support.checkpoints import write_hf_checkpoint
+
+    ckpt = write_hf_checkpoint(tmp_path, "llama-gqa", max_position_embeddings=1024, num_hidden_layers=4)
+    hostfile = tmp_path / "hosts1"
+    hostfile.write_text(f"{two_hosts.addrs[0]} slots=1\n{two_hosts.addrs[1]} slots=1\n")
+    ready = tmp_path / "ready.json"
+    serve = ["serve", "--model", str(ckpt), "--instances", "2", "--kv-blocks", "128", "--kv-mirror", "buddy"]
+    serve += ["--migrate-interval", "0", "--timeout", "60", "--port", "0", "--ready-file", str(ready)]
+    procs = [
+        start(
+            ["ip", "netns", "exec", ns, str(VENV_BIN / "dist-infer"), "launch", "--hostfile", hostfile]
+            + ["--node-rank", str(k), "--", "dist-infer", *serve]
+        )
+        for k, ns in enumerate(two_hosts.names)
+    ]
+    try:
+        prompt = ",".join(str((7 * i + 3) % 120 + 2) for i in range(160))  # the vocabulary is 128
+        client = run(
+            ["ip", "netns", "exec", two_hosts.names[0], str(VENV_BIN / "python")]
+            + [str(JOBS / "mirror_failover_client.py"), str(ready), prompt, "300"],
+            JOB_TIMEOUT,
+        )
+        assert client.returncode == 0, client.stderr[-3000:]
+        out = json.loads(client.stdout.strip().splitlines()[-1])
+        procs[0].send_signal(signal.SIGTERM)
+        result = finish(procs[0], JOB_TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert out["killed"], "the request ended before its mirror was seen caught up"
+    assert out["migration"] is None or out["migration"]["outcome"] == "ok", out["migration"]
+    assert out["chaos"] == out["alone"] and len(out["chaos"]) == 300
+    survivor = out["instances"][0]["kv_mirror"]
+    assert survivor["blocks_received"] + survivor["blocks_already_held"] >= 10, survivor  # (held: it ran there first)
+    assert 0 < survivor["failover_recomputed_tokens"] < 160, survivor
+    assert out["instances"][0]["free_blocks"] == out["instances"][0]["total_blocks"], out["instances"][0]
+    assert result.returncode == 0, f"host A's node exited {result.returncode}: {result.stderr[-3000:]}"

@@ -1,0 +1,81 @@
+"""Run inside a test "host" (a network namespace): wait for a serve job's ready file (two instances,
+one a host, `--kv-mirror buddy`), stream one greedy request; once it runs on instance 1 (moved there
+live if dispatch put it on 0) and instance 0 holds its mirror, SIGKILL instance 1's ranks; the
+stream goes on from the mirror. Then the same request alone; print {"chaos": ids, "alone": ids,
+"migration": result or None, "instances": [...]} as JSON.
+
+    python mirror_failover_client.py READY_FILE PROMPT_IDS(comma-separated) MAX_TOKENS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def wait_mirrored(url: str, request_id: str, blocks: int) -> bool:
+    """Until instance 0 leases `blocks` of instance 1's blocks (bounded);
+    False if the request ended first."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+        if request_id not in insts[1]["requests"]:
+            return False
+        held = (insts[0]["kv_mirror"] or {}).get("leased_blocks", 0)
+        if held >= blocks:
+            return True
+        time.sleep(0.05)
+    raise SystemExit("the mirror never caught up")
+
+
+def main() -> None:
+    ready, prompt, max_tokens = Path(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+    deadline = time.monotonic() + 240
+    while not ready.exists() or not ready.read_text().strip():
+        if time.monotonic() > deadline:
+            raise SystemExit("the server did not become ready")
+        time.sleep(0.2)
+    info = json.loads(ready.read_text())
+    url = f"http://{info['host']}:{info['port']}"
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    out: dict = {"migration": None}
+
+    def stream(kill: bool) -> list[int]:
+        ids: list[int] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                ids += event["choices"][0].get("token_ids") or []
+                if kill and "killed" not in out and len(ids) >= 3:
+                    out["killed"] = False
+                    insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+                    if event["id"] in insts[0]["requests"]:
+                        out["migration"] = httpx.post(
+                            url + "/admin/migrate", timeout=120, json={"request_id": event["id"], "to_instance": 1}
+                        ).json()
+                    if wait_mirrored(url, event["id"], len(prompt) // 16):
+                        for pid in insts[1]["pids"]:
+                            try:
+                                os.kill(pid, signal.SIGKILL)
+                            except ProcessLookupError:  # gone with another rank of it
+                                pass
+                        out["killed"] = True
+        return ids
+
+    out["chaos"] = stream(True)
+    out["alone"] = stream(False)
+    time.sleep(0.5)
+    out["instances"] = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
