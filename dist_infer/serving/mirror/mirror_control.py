@@ -91,7 +91,8 @@ class MirrorControl:
                 if self.fleet.instances[src].alive:
                     del self.records[request_id]
         if self.fleet.instances[src].alive:
-            self._call(old, MirrorRelease(src))
+            if self.fleet.instances[old].alive:
+                self._call(old, MirrorRelease(src))
             if new is None:
                 self._call(src, MirrorForget())
 
