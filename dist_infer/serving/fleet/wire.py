@@ -11,7 +11,8 @@ same strings as before.
                             | MigrationEvent | InstanceDead
 
 A MigrationCall carries one MigrationOp, a dataclass per call of engine/migration.py's endpoint
-(StartOut ... CancelIn); the instance maps each type to its method (serving/instance/migration_calls.py).
+(StartOut ... CancelIn), or of KV mirroring (serving/fleet/mirror_wire.py); the instance maps each
+type to its method (serving/instance/migration_calls.py).
 
 The state a migration carries (MigratingRequest) and its outcomes (MigrationOutcome) are made by
 the engine's migration endpoint, below this layer; they are defined there and named here.
