@@ -4,8 +4,18 @@ buddy answers which it needs sent (the others it holds already, under the same h
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 MIRROR_STAGE = 0  # a round is one transfer stage: every block offered, in one message per rank pair
+
+
+def report_stage(mover, mid: int, notify: Callable[..., None]) -> bool:
+    """Tell the front end (`notify`) if round `mid`'s transfers on this rank are out, or failed;
+    False while they are still under way. Both sides of a round report so."""
+    if not mover.stage_done(mid, MIRROR_STAGE):
+        return False
+    notify("stage_failed" if mid in mover.failures else "stage_done", mid, MIRROR_STAGE)
+    return True
 
 
 @dataclass(frozen=True)

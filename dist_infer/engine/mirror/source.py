@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
-from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry
+from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry, report_stage
 from dist_infer.engine.prefix_cache import request_block_hashes
 from dist_infer.engine.request import RequestStatus
 
@@ -34,6 +34,12 @@ class _Round:
     tails: list[Optional[int]]  # per entry: its partial block offered (held until done), or None
     answers: Optional[list[MirrorAnswer]] = None
     sending: bool = False
+
+    def held(self) -> list[int]:
+        """Every block the round holds: each entry's full blocks and its partial one."""
+        return [
+            b for blocks, tail in zip(self.blocks, self.tails) for b in blocks + ([tail] if tail is not None else [])
+        ]
 
 
 @dataclass
@@ -63,7 +69,10 @@ class MirrorSource:
         return min(r.num_computed // self.engine.block_size, len(r.block_table))
 
     def lag(self) -> tuple[int, int]:
-        """(blocks computed but not mirrored over the running requests, the most of one request)."""
+        """(blocks computed but not mirrored over the running requests, the most of one request);
+        (0, 0) while it mirrors to nobody (mirroring off, or no buddy)."""
+        if self.buddy is None:
+            return 0, 0
         lags = [self._full_blocks(r) - self._have.get(r.request_id, 0) for r in self.scheduler.running]
         lags = [max(0, x) for x in lags] or [0]
         return sum(lags), max(lags)
@@ -83,9 +92,7 @@ class MirrorSource:
             if r.status is not RequestStatus.RUNNING or r.request_id in busy:
                 continue
             left -= self._offer_one(r, rnd, left)
-        pool = self.scheduler.allocator
-        for held, tail in zip(rnd.blocks, rnd.tails):
-            pool.take(held + ([tail] if tail is not None else []))
+        self.scheduler.allocator.take(rnd.held())
         if rnd.entries:
             self._rounds[mid] = rnd
         self.step_wait_s += time.perf_counter() - t0
@@ -132,13 +139,14 @@ class MirrorSource:
         rnd = self._rounds.pop(mid, None)
         if rnd is None:
             return reply(False)
-        for held, tail in zip(rnd.blocks, rnd.tails):
-            self.scheduler.allocator.free(held + ([tail] if tail is not None else []))
+        self.scheduler.allocator.free(rnd.held())
         if rnd.answers is not None and rnd.buddy == self.buddy:
             sent = 0
             for entry, answer in zip(rnd.entries, rnd.answers):
                 if committed or answer.have < entry.first:  # (a rewind holds, committed or not)
                     self._have[entry.request_id] = answer.have
+                if answer.have < entry.first:  # its partial block went with the blocks it followed
+                    self._tail.pop(entry.request_id, None)
                 if committed and answer.tail:
                     self._tail[entry.request_id] = (entry.first + len(entry.hashes), len(entry.tail))
                 sent += sum(answer.send) + answer.tail if committed else 0
@@ -152,11 +160,9 @@ class MirrorSource:
 
     def poll(self) -> None:
         """Report the rounds whose sends are out (this rank's share: the followers' are theirs)."""
-        mover = self.engine.mover
         for mid, rnd in self._rounds.items():
-            if rnd.sending and mover.stage_done(mid, MIRROR_STAGE):
+            if rnd.sending and report_stage(self.engine.mover, mid, self.notify):
                 rnd.sending = False
-                self.notify("stage_failed" if mid in mover.failures else "stage_done", mid, MIRROR_STAGE)
 
     @property
     def busy(self) -> bool:

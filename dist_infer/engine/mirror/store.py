@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
-from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry
+from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry, report_stage
 from dist_infer.engine.prefix_cache import request_block_hashes
 
 Reply = Callable[[object], None]
@@ -212,8 +212,8 @@ class MirrorStore:
         tokens = request.all_token_ids
         matched = self.pool.match(request_block_hashes(request, tail.index, bs)) if tail.index else []
         if (
-            matched != lease[: tail.index]
-            or len(lease) != tail.index
+            len(lease) != tail.index
+            or matched != lease
             or tuple(tokens[start : start + len(tail.tokens)]) != tail.tokens
             or start + len(tail.tokens) >= len(tokens)  # the last token's KV is computed by its next step
         ):
@@ -254,11 +254,10 @@ class MirrorStore:
                 del self._leases[key]
 
     def poll(self) -> None:
-        mover = self.engine.mover
+        """Report the rounds whose blocks are in (on the driver: every rank's share)."""
         for mid, rnd in self._rounds.items():
-            if rnd.receiving and mover.stage_done(mid, MIRROR_STAGE):
+            if rnd.receiving and report_stage(self.engine.mover, mid, self.notify):
                 rnd.receiving = False
-                self.notify("stage_failed" if mid in mover.failures else "stage_done", mid, MIRROR_STAGE)
 
     @property
     def busy(self) -> bool:

@@ -65,12 +65,8 @@ def kv_mirror_families(model_name: str, per: list[dict]) -> list[Metric]:
 
 def lag_buckets(samples: dict[int, int]) -> list[tuple[str, float]]:
     """Cumulative (le, count) buckets of lag samples {lag: count}."""
-    out, total = [], 0
-    for bound in LAG_BOUNDS:
-        total = sum(n for k, n in samples.items() if k <= bound)
-        out.append((str(float(bound)), float(total)))
-    out.append(("+Inf", float(sum(samples.values()))))
-    return out
+    below = [(str(float(b)), float(sum(n for k, n in samples.items() if k <= b))) for b in LAG_BOUNDS]
+    return below + [("+Inf", float(sum(samples.values())))]
 
 
 def lag_quantile(samples: dict[int, int], q: float) -> int:

@@ -86,15 +86,14 @@ class MirrorControl:
     def _repaired(self, src: int, old: int, new: Optional[int]) -> None:
         """`src` mirrors elsewhere now (or nowhere): what `old` holds of it is let go, unless `src`
         died (its requests fail over onto those leases; each is released once it streams again)."""
+        if not self.fleet.instances[src].alive:
+            return
         with self._lock:
-            for request_id in [r for r, rec in self.records.items() if rec.source == src and rec.buddy == old]:
-                if self.fleet.instances[src].alive:
-                    del self.records[request_id]
-        if self.fleet.instances[src].alive:
-            if self.fleet.instances[old].alive:
-                self._call(old, MirrorRelease(src))
-            if new is None:
-                self._call(src, MirrorForget())
+            self.records = {r: rec for r, rec in self.records.items() if (rec.source, rec.buddy) != (src, old)}
+        if self.fleet.instances[old].alive:
+            self._call(old, MirrorRelease(src))
+        if new is None:
+            self._call(src, MirrorForget())
 
     async def _rounds(self, src: int, buddy: int) -> None:
         """Rounds from `src` to `buddy` until one finds nothing new (or fails, or the pair changes)."""

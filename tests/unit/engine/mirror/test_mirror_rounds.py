@@ -254,3 +254,23 @@ def test_a_tail_that_does_not_fit_the_request_is_not_taken_over(monkeypatch):
     assert not buddy.endpoint.mirror_in.take_over(other) and other.num_computed == 0
     assert buddy.endpoint.mirror_in.release(0) == 1 and buddy.pool.num_free == buddy.pool.num_blocks
     buddy.accounted()
+
+
+def test_a_buddy_that_let_go_gets_the_blocks_and_the_partial_block_again(monkeypatch):
+    from dist_infer.engine.mirror import source
+
+    monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
+    src, buddy = FakeInstance(0), FakeInstance(1)
+    src.add("r")
+    src.step()
+    mirror_round(src, buddy, 1)
+    store = buddy.endpoint.mirror_in
+    assert store.release(0) == 1 and not store._tails, "the buddy let go of everything (a re-pairing, say)"
+    src.step()
+    src.step()  # two more rows: the partial block is offered, and the buddy's answer rewinds the source
+    entries, answers = mirror_round(src, buddy, 2)
+    assert answers[0].send == () and answers[0].have == 0, "the buddy holds nothing: the source rewinds"
+    entries, answers = mirror_round(src, buddy, 3)
+    assert entries[0].first == 0 and len(entries[0].hashes) == 6 and entries[0].tail and answers[0].tail
+    assert store.held_for(0, "r") == 6 and (0, "r") in store._tails
+    buddy.accounted()
