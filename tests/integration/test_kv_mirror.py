@@ -99,6 +99,30 @@ def kill_all(pids) -> None:
             pass
 
 
+def stream_and_kill(job, tokens: list[int], tails: int = 0, **body) -> tuple[dict, dict]:
+    """Stream `tokens`; after 8 tokens, once its instance's buddy holds the prompt's blocks (and
+    `tails` partial blocks), SIGKILL that instance. (The stream, and what was killed: without
+    "tokens" if the request ended first.)"""
+    killed: dict = {}
+
+    async def go():
+        async with httpx.AsyncClient() as client:
+
+            async def kill(request_id, n):
+                if n >= 8 and not killed:
+                    killed["on"] = victim = where_if_running(job, request_id)
+                    seen = None
+                    if victim is not None:
+                        seen = await mirrored(client, job.url, victim, request_id, len(tokens) // BLOCK, tails)
+                    if seen is not None:
+                        killed.update(seen, tokens=len(tokens) + n)
+                        kill_all(seen["instances"][victim]["pids"])
+
+            return await stream_tokens(client, job.url, tokens, kill, max_tokens=MAX_TOKENS, **body)
+
+    return run_async(go()), killed
+
+
 def recomputed(job) -> float:
     return job.metrics()["dist_infer:kv_mirror_failover_recomputed_tokens_total"]
 
@@ -112,24 +136,7 @@ def test_a_request_whose_instance_dies_goes_on_from_its_mirror_exactly(checkpoin
     """Its instance (either layout, wherever dispatch put it) dies; it goes on at the other layout."""
     with ServerJob(tmp_path, serve_args(checkpoint, layouts=layouts)) as job:
         for attempt in range(3):
-            killed: dict = {}
-
-            async def go():
-                async with httpx.AsyncClient() as client:
-
-                    async def kill(request_id, n):
-                        if n >= 8 and not killed:
-                            killed["on"] = victim = where_if_running(job, request_id)
-                            seen = None
-                            if victim is not None:
-                                seen = await mirrored(client, job.url, victim, request_id, len(PROMPT) // BLOCK)
-                            if seen is not None:
-                                killed.update(seen, tokens=len(PROMPT) + n)
-                                kill_all(seen["instances"][victim]["pids"])
-
-                    return await stream_tokens(client, job.url, prompt(attempt), kill, max_tokens=MAX_TOKENS, **body)
-
-            chaos = run_async(go())
+            chaos, killed = stream_and_kill(job, prompt(attempt), **body)
             if "tokens" in killed:
                 break
         else:
@@ -226,26 +233,9 @@ def test_a_long_request_goes_on_from_its_mirrored_partial_block(long_checkpoint,
     args = [a if a != "400" else "1200" for a in serve_args(long_checkpoint)]  # --kv-blocks: two long mirrors
     with ServerJob(tmp_path, args) as job:
         for attempt in range(3):
-            killed: dict = {}
             tokens = [(t + 31 * attempt) % 1000 + 2 for t in long_prompt]
-
-            async def go():
-                async with httpx.AsyncClient() as client:
-
-                    async def kill(request_id, n):
-                        if n >= 8 and not killed:
-                            killed["on"] = victim = where_if_running(job, request_id)
-                            seen = None
-                            if victim is not None:
-                                seen = await mirrored(client, job.url, victim, request_id, len(tokens) // BLOCK, 1)
-                            if seen is not None:
-                                killed.update(seen)
-                                kill_all(seen["instances"][victim]["pids"])
-
-                    return await stream_tokens(client, job.url, tokens, kill, max_tokens=MAX_TOKENS)
-
-            chaos = run_async(go())
-            if "instances" in killed:
+            chaos, killed = stream_and_kill(job, tokens, tails=1)
+            if "tokens" in killed:
                 break
         else:
             pytest.fail(f"three rounds in a row ended before their mirror was seen caught up: {killed}")

@@ -13,38 +13,24 @@ import time
 from pathlib import Path
 
 import httpx
+from serve_client import stream_ids, wait_for_url  # beside this file (the script's folder is on sys.path)
 
 
 def main() -> None:
     ready, prompt, max_tokens = Path(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
-    deadline = time.monotonic() + 240
-    while not ready.exists() or not ready.read_text().strip():
-        if time.monotonic() > deadline:
-            raise SystemExit("the server did not become ready")
-        time.sleep(0.2)
-    info = json.loads(ready.read_text())
-    url = f"http://{info['host']}:{info['port']}"
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    url = wait_for_url(ready)
     out = {}
 
-    def stream(move: bool) -> list[int]:
-        ids = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                ids += event["choices"][0].get("token_ids") or []
-                if move and "migration" not in out and len(ids) >= 3:
-                    insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
-                    src = next(i["index"] for i in insts if event["id"] in i["requests"])
-                    out["migration"] = httpx.post(
-                        url + "/admin/migrate", timeout=120, json={"request_id": event["id"], "to_instance": 1 - src}
-                    ).json()
-        return ids
+    def move(request_id: str, ids: list[int]) -> None:
+        if "migration" not in out and len(ids) >= 3:
+            insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+            src = next(i["index"] for i in insts if request_id in i["requests"])
+            out["migration"] = httpx.post(
+                url + "/admin/migrate", timeout=120, json={"request_id": request_id, "to_instance": 1 - src}
+            ).json()
 
-    out["moved"] = stream(True)
-    out["alone"] = stream(False)
+    out["moved"] = stream_ids(url, prompt, max_tokens, move)
+    out["alone"] = stream_ids(url, prompt, max_tokens)
     time.sleep(0.5)
     out["instances"] = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
     print(json.dumps(out))

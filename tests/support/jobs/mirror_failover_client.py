@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+from serve_client import stream_ids, wait_for_url  # beside this file (the script's folder is on sys.path)
 
 
 def wait_mirrored(url: str, request_id: str, blocks: int) -> bool:
@@ -36,42 +37,28 @@ def wait_mirrored(url: str, request_id: str, blocks: int) -> bool:
 
 def main() -> None:
     ready, prompt, max_tokens = Path(sys.argv[1]), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
-    deadline = time.monotonic() + 240
-    while not ready.exists() or not ready.read_text().strip():
-        if time.monotonic() > deadline:
-            raise SystemExit("the server did not become ready")
-        time.sleep(0.2)
-    info = json.loads(ready.read_text())
-    url = f"http://{info['host']}:{info['port']}"
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    url = wait_for_url(ready)
     out: dict = {"migration": None}
 
-    def stream(kill: bool) -> list[int]:
-        ids: list[int] = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                ids += event["choices"][0].get("token_ids") or []
-                if kill and "killed" not in out and len(ids) >= 3:
-                    out["killed"] = False
-                    insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
-                    if event["id"] in insts[0]["requests"]:
-                        out["migration"] = httpx.post(
-                            url + "/admin/migrate", timeout=120, json={"request_id": event["id"], "to_instance": 1}
-                        ).json()
-                    if wait_mirrored(url, event["id"], len(prompt) // 16):
-                        for pid in insts[1]["pids"]:
-                            try:
-                                os.kill(pid, signal.SIGKILL)
-                            except ProcessLookupError:  # gone with another rank of it
-                                pass
-                        out["killed"] = True
-        return ids
+    def kill(request_id: str, ids: list[int]) -> None:
+        if "killed" in out or len(ids) < 3:
+            return
+        out["killed"] = False
+        insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+        if request_id in insts[0]["requests"]:
+            out["migration"] = httpx.post(
+                url + "/admin/migrate", timeout=120, json={"request_id": request_id, "to_instance": 1}
+            ).json()
+        if wait_mirrored(url, request_id, len(prompt) // 16):
+            for pid in insts[1]["pids"]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # gone with another rank of it
+                    pass
+            out["killed"] = True
 
-    out["chaos"] = stream(True)
-    out["alone"] = stream(False)
+    out["chaos"] = stream_ids(url, prompt, max_tokens, kill)
+    out["alone"] = stream_ids(url, prompt, max_tokens)
     time.sleep(0.5)
     out["instances"] = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
     print(json.dumps(out))
