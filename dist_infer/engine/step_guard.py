@@ -204,6 +204,7 @@ class StepGuard:
             plan.starts.append(chunk.start)
             plan.block_tables.append(list(r.block_table))
             plan.sample.append((1 + len(chunk.draft)) if chunk.sample else 0)
+            plan.prompt_tokens.append(max(0, min(chunk.num_tokens, len(r.prompt_token_ids) - chunk.start)))
             plan.input_ids += ids
             if row is not None:
                 plan.rows.append(row)

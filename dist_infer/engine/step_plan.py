@@ -26,7 +26,7 @@ from dist_infer.engine.sampling import RowSampling
 KIND_STOP, KIND_IDLE, KIND_WORK = 0, 1, 2
 _HEAD = 13  # kind, step, seqs, tokens, table entries, sampled rows, freed, return_logits, top logprobs, transfer ints,
 # layered sequences, masked rows, words per mask row
-_PER_SEQ = 5  # seq id, new tokens, context before, table length, positions sampled
+_PER_SEQ = 6  # seq id, new tokens, context before, table length, positions sampled, prompt tokens
 _PER_ROW = 7  # temperature, top_k, top_p, seed, index, logprobs, ban_eos
 
 
@@ -43,6 +43,9 @@ class StepPlan:
     sample: list[int] = field(default_factory=list)
     rows: list[RowSampling] = field(default_factory=list)  # one per sampled sequence, in order
     input_ids: list[int] = field(default_factory=list)  # the new tokens, flattened
+    # how many of each sequence's new tokens are its prompt's (the first ones; empty: none), the rows
+    # bf16 prompts run in bf16 (models/fused_decode.py): the same rows however the prompt is chunked
+    prompt_tokens: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)  # seq ids whose cache the ranks may forget
     return_logits: bool = False
     transfers: list[TransferOp] = field(default_factory=list)  # run before the forward, in order
@@ -133,7 +136,9 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     head += [len(transfers), len(plan.layered), len(plan.mask_rows), words]
     per_seq = []
     for i in range(n):
+        prompt = plan.prompt_tokens[i] if plan.prompt_tokens else 0
         per_seq += [plan.seq_ids[i], plan.num_tokens[i], plan.starts[i], len(plan.block_tables[i]), int(plan.sample[i])]
+        per_seq.append(prompt)
     tables = [b for t in plan.block_tables for b in t]
     layered = [x for entry in plan.layered for x in entry]
     ints = torch.tensor(
@@ -195,6 +200,7 @@ def decode(ints: torch.Tensor, floats: torch.Tensor) -> StepPlan:
         starts=[r[2] for r in per_seq],
         block_tables=tables,
         sample=[r[4] for r in per_seq],
+        prompt_tokens=[r[5] for r in per_seq] if any(r[5] for r in per_seq) else [],
         rows=[RowSampling(t, int(k), p, int(s), int(i), int(lp), int(b)) for t, k, p, s, i, lp, b in f],
         input_ids=input_ids,
         freed=freed_ids,

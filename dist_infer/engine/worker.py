@@ -145,7 +145,9 @@ class StageWorker:
                 q_lens, seq_lens, plan.block_tables, self.block_size, window, logit_counts=counts
             )
             return self._on_device(split)
-        meta = build_attention_metadata(q_lens, seq_lens, plan.block_tables, self.block_size, window, counts)
+        meta = build_attention_metadata(
+            q_lens, seq_lens, plan.block_tables, self.block_size, window, counts, plan.prompt_tokens
+        )
         meta.sequence_parallel = should_sequence_parallel(
             self.sequence_parallel, plan.total_tokens, self.groups.tp.size, self.sequence_parallel_threshold
         )

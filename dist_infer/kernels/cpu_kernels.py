@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from dist_infer.kernels.decode_stack import DecodeStackPlan, DecodeStep
-from dist_infer.kernels.gemm import stack_gemm
+from dist_infer.kernels.decode_stack import Bf16Rows, DecodeStackPlan, DecodeStep
+from dist_infer.kernels.gemm import onednn_gemm_bf16, stack_gemm
 
 MAX_ROWS = 8  # skinny_linear handles 1..MAX_ROWS rows of x
 _f32, _int = ctypes.c_float, ctypes.c_int
@@ -91,6 +91,7 @@ class CpuKernels:
         self.gemm = stack_gemm()  # products past MAX_ROWS rows, in the stack and out (None: none found)
         self.sgemm: Optional[int] = self.gemm.address if self.gemm else None
         self.sgemm_row_major = self.gemm.row_major if self.gemm else False
+        self.gemm_bf16 = onednn_gemm_bf16()  # prompt rows' products in bf16 (None: no oneDNN here)
         self._declare(lib)
 
     def _declare(self, lib: ctypes.CDLL) -> None:
@@ -191,16 +192,23 @@ class CpuKernels:
         window: Optional[int],
         block_size: int,
         runs: Optional[torch.Tensor] = None,
+        bf16_rows: Optional[torch.Tensor] = None,
     ) -> DecodeStep:
         """A step's arguments for decode_stack / decode_layer_part, a row each (a sequence's new token,
         or one token of a prompt chunk): cos/sin [B, head_dim] of the rows' positions, their cache
         `slots` [B], block tables [B, width] and the keys each sees, seq_lens [B] (int64); `runs`
         (None: a sequence a row) the row offsets of each sequence (DecodeStep). More than MAX_ROWS
-        rows need a GEMM (`self.sgemm`: oneDNN's or BLAS's, kernels/gemm.py)."""
+        rows need a GEMM (`self.sgemm`: oneDNN's or BLAS's, kernels/gemm.py). `bf16_rows` (bool
+        [B], None: none) the rows whose linears take bf16 inputs (oneDNN's bf16 GEMM, `gemm_bf16`)."""
         if batch > MAX_ROWS and self.sgemm is None:
             raise ValueError(
                 f"decode_step: {batch} rows need a BLAS sgemm, and neither oneDNN's nor torch's BLAS was found"
             )
+        bf16 = None
+        if bf16_rows is not None and bool(bf16_rows.any()):
+            if self.gemm_bf16 is None or self.sgemm is None:
+                raise ValueError("decode_step: bf16 rows need oneDNN's dnnl_gemm_bf16bf16f32, which did not load")
+            bf16 = Bf16Rows(self.gemm_bf16, bf16_rows.to(torch.uint8))
         threads = torch.get_num_threads() if self.threaded else 1
         return plan.step(
             batch,
@@ -215,6 +223,7 @@ class CpuKernels:
             self.sgemm,
             runs,
             self.sgemm_row_major,
+            bf16,
         )
 
     def decode_stack(self, plan: DecodeStackPlan, step: DecodeStep, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,9 @@
 /* decode_stack: a step through every decoder layer of a Llama stage in one call: a decode step (one
  * new token for each of 1..8 sequences), or any rows at all (a mixed step: prompt chunks beside
- * decodes) where the caller hands over a GEMM: BLAS's sgemm_, or oneDNN's dnnl_sgemm.
+ * decodes) where the caller hands over a GEMM: BLAS's sgemm_, or oneDNN's dnnl_sgemm. Rows the caller
+ * marks (a prompt's tokens, where bf16 prompts are asked for) take their linears' products in bf16 on
+ * the CPU's bf16 matrix instructions through oneDNN's dnnl_gemm_bf16bf16f32 (fp32 accumulation and
+ * output; everything else stays fp32), the others in fp32 from the same dequantized panels.
  *
  * Each kernel a layer needs is already native (cpu_kernels.c), but called one by one from Python a
  * layer costs ~15 calls, and at batch 1 on the default model the interpreter and torch's dispatch
@@ -62,6 +65,8 @@ typedef struct {
     long n_runs;                          /* the rows' sequences: rows [runs[i], runs[i + 1]) are one's */
     const long *runs;                     /* [n_runs + 1], or NULL: every row a sequence of its own */
     long sgemm_row_major;                 /* 0: a Fortran sgemm_ (LP64); 1: oneDNN's dnnl_sgemm */
+    void *gemm_bf16;                      /* oneDNN's dnnl_gemm_bf16bf16f32, or NULL: no bf16 rows */
+    const unsigned char *bf16_rows;       /* [batch]: 1 where a row's products take bf16 inputs (NULL: none) */
 } StackStep;
 
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
@@ -69,6 +74,8 @@ typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, c
                          const int *);
 typedef int (*dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float, const float *, int64_t, const float *,
                              int64_t, float, float *, int64_t);
+typedef int (*dnnl_bf16_fn)(char, char, int64_t, int64_t, int64_t, float, const uint16_t *, int64_t,
+                            const uint16_t *, int64_t, float, float *, int64_t);
 
 /* C [m, n] = alpha op(A) op(B), column-major as BLAS has it, through the step's GEMM; 0, or -3
  * where oneDNN refused the arguments (C unwritten). oneDNN's is row-major, so it computes the same
@@ -85,6 +92,7 @@ static int gemm(const StackStep *st, char ta, char tb, long m, long n, long k, f
 }
 
 #define CHUNK_ATTENTION_ROWS 8  /* a sequence's run of at least this many rows attends through sgemm */
+#define ATTENTION_BLOCK_ROWS 64  /* chunk_attention's blocks of rows: each takes the keys its last row sees */
 #define WHOLE_GEMM_ROWS 128  /* from this many rows a whole matrix is dequantized into one product, */
 #define WHOLE_GEMM_THREADS 8  /* on this many threads: on two, panels were faster at 128-256 rows */
 #define PANEL_BYTES (512L * 1024)  /* a dequantized panel of weight rows: well inside a core's L2 */
@@ -145,7 +153,92 @@ static int quant_gemm(const StackLinear *w, const float *x, float *y, long M, in
     return failed ? -3 : 0;
 }
 
+/* bf16 as torch rounds it (to nearest, ties to even; a NaN stays a NaN). */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static void to_bf16(const float *x, uint16_t *out, long n) {
+    for (long i = 0; i < n; i++) out[i] = bf16_of(x[i]);
+}
+
+/* The rows a step marks for bf16 among its first M, or 0 where it marks none (or has no bf16 GEMM). */
+static long bf16_count(const StackStep *st, long M) {
+    long n = 0;
+    if (st->gemm_bf16 && st->bf16_rows)
+        for (long m = 0; m < M; m++) n += st->bf16_rows[m] != 0;
+    return n;
+}
+
+/* A panel W[n0:n0+np] against every row: the fp32 rows' stretches through the step's GEMM on the
+ * fp32 panel, the bf16 rows' stretches through oneDNN's bf16 GEMM (fp32 accumulation and output)
+ * on the panel rounded to bf16: the weights are read once for both kinds. */
+static int panel_rows(const StackStep *st, const float *panel, const uint16_t *panel_b, const float *x,
+                      const uint16_t *xb, float *y, long M, long np, long N, long K) {
+    for (long r0 = 0; r0 < M;) {
+        int b = st->bf16_rows[r0] != 0;
+        long r1 = r0 + 1;
+        while (r1 < M && (st->bf16_rows[r1] != 0) == b) r1++;
+        int rc = b ? (((dnnl_bf16_fn)st->gemm_bf16)('N', 'T', r1 - r0, np, K, 1.0f, xb + r0 * K, K, panel_b, K, 0.0f,
+                                                     y + r0 * N, N) == 0 ? 0 : -3)
+                   : gemm_rows(st, panel, x + r0 * K, y + r0 * N, r1 - r0, np, N, K);
+        if (rc != 0) return rc;
+        r0 = r1;
+    }
+    return 0;
+}
+
+/* Rows some of which the step marks for bf16 (prompt tokens: engine/step_plan.py) against W, fp32 or
+ * quantized: panels of W's rows (dequantized where quantized) in each thread's buffer, rounded to
+ * bf16 beside, and each kind of row multiplied on its own copy (panel_rows). Which rows are bf16
+ * depends only on the rows themselves, so a row's result does not depend on what shares its step. */
+static int mixed_gemm(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
+    long K = w->k, N = w->n, groups = w->bits == 32 ? 0 : K / w->group, row_bytes = w->bits == 8 ? K : K / 2;
+    long P = PANEL_BYTES / (K * (long)sizeof(float)), share = (N + 2L * threads - 1) / (2L * threads);
+    P = share < P ? (share + 15) / 16 * 16 : P / 16 * 16;
+    P = P < 16 ? 16 : P;
+    long panels = (N + P - 1) / P, workers = threads > 1 ? (panels < threads ? panels : threads) : 1;
+    uint16_t *xb = malloc((size_t)M * K * sizeof(uint16_t));
+    float *buffers = malloc((size_t)workers * P * K * (sizeof(float) + sizeof(uint16_t)));
+    if (!xb || !buffers) {
+        free(xb);
+        free(buffers);
+        return -2;
+    }
+    for (long m = 0; m < M; m++)
+        if (st->bf16_rows[m]) to_bf16(x + m * K, xb + m * K, K);
+    uint16_t *halves = (uint16_t *)(buffers + workers * P * K);
+    int failed = 0;
+#pragma omp parallel for num_threads(workers) schedule(dynamic, 1) if (workers > 1)
+    for (long p = 0; p < panels; p++) {
+#ifdef _OPENMP
+        long t = omp_get_thread_num();
+#else
+        long t = 0;
+#endif
+        float *buf = buffers + t * P * K;
+        uint16_t *half = halves + t * P * K;
+        long n0 = p * P, np = N - n0 < P ? N - n0 : P;
+        const float *panel = (const float *)w->w + n0 * K;
+        if (w->bits != 32) {
+            dequantize_rows((const unsigned char *)w->w + n0 * row_bytes, w->scales + n0 * groups,
+                            w->zeros ? w->zeros + n0 * groups : NULL, buf, np, K, w->group, (int)w->bits, 1);
+            panel = buf;
+        }
+        to_bf16(panel, half, np * K);
+        int rc = panel_rows(st, panel, half, x, xb, y + n0, M, np, N, K);
+        if (rc != 0) failed = rc;  /* (any thread: -3 either way) */
+    }
+    free(buffers);
+    free(xb);
+    return failed;
+}
+
 static int linear(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
+    if (bf16_count(st, M) > 0) return mixed_gemm(w, x, y, M, threads, st);
     if (M > MAX_SKINNY_ROWS) {
         if (w->bits != 32) return quant_gemm(w, x, y, M, threads, st);
         return gemm_rows(st, (const float *)w->w, x, y, M, w->n, w->n, w->k);
@@ -156,7 +249,8 @@ static int linear(const StackLinear *w, const float *x, float *y, long M, int th
 
 static int step_fits(const StackLayer *layers, long n_layers, const StackStep *st) {
     long H = st->hidden, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, I = st->intermediate;
-    if (st->batch < 1 || (st->batch > MAX_SKINNY_ROWS && !st->sgemm) || st->q_heads < 1 || st->kv_heads < 1 ||
+    if (st->batch < 1 || ((st->batch > MAX_SKINNY_ROWS || bf16_count(st, st->batch)) && !st->sgemm) ||
+        st->q_heads < 1 || st->kv_heads < 1 ||
         st->q_heads % st->kv_heads || d < 2 || d % 2 || st->block_size < 1)
         return 0;
     for (long l = 0; l < n_layers; l++) {
@@ -189,54 +283,108 @@ static float *work_alloc(const StackStep *st, Work *w) {
     return p;
 }
 
+/* Rows [r0, r0 + rows) of a run, query head h, attending keys [k0, k0 + ni): scores through the GEMM
+ * into s, each row's softmax, out = P V through the GEMM; in bf16 (q, P and the keys' and values'
+ * bf16 copies; fp32 scores, softmax and output) where `bf16`, into the thread's qb and pb. */
+typedef struct {
+    const float *keys, *values;         /* [n, kvd] fp32, gathered from the cache */
+    const uint16_t *keys_b, *values_b;  /* their bf16 copies, or NULL where no row is bf16 */
+    long n, k0;
+} RunKeys;
+
+static int attend_block(const StackStep *st, const RunKeys *kv, const float *q, const long *seq_lens, long r0,
+                        long rows, long h, int bf16, float *s, uint16_t *qb, uint16_t *pb, float *out) {
+    long d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, kvh = h / (st->q_heads / st->kv_heads);
+    long ni = seq_lens[r0 + rows - 1] - kv->k0;  /* the keys the block's rows see */
+    const float scale = (float)st->scale;
+    const float *qh = q + r0 * qd + h * d;
+    float *oh = out + r0 * qd + h * d;
+    if (!bf16) {
+        if (gemm(st, 'T', 'N', ni, rows, d, scale, kv->keys + kvh * d, kvd, qh, qd, s, ni) != 0) return -3;
+        causal_softmax_rows(s, rows, ni, seq_lens + r0, kv->k0, st->window);
+        return gemm(st, 'N', 'N', d, rows, ni, 1.0f, kv->values + kvh * d, kvd, s, ni, oh, qd);
+    }
+    dnnl_bf16_fn bf = (dnnl_bf16_fn)st->gemm_bf16;
+    for (long r = 0; r < rows; r++) to_bf16(qh + r * qd, qb + r * d, d);
+    if (bf('N', 'T', rows, ni, d, scale, qb, d, kv->keys_b + kvh * d, kvd, 0.0f, s, ni) != 0) return -3;
+    causal_softmax_rows(s, rows, ni, seq_lens + r0, kv->k0, st->window);
+    to_bf16(s, pb, rows * ni);
+    return bf('N', 'N', rows, d, ni, 1.0f, pb, ni, kv->values_b + kvh * d, kvd, 0.0f, oh, qd) == 0 ? 0 : -3;
+}
+
 /* A prompt chunk's rows q [R, q_heads * d] (one sequence: table, each row's seq_len, ascending)
  * attending in two products per query head, as SDPA does: the sequence's keys and values gathered
  * from their blocks once, scores = Q K^T through the GEMM, each row's softmax over the keys it sees,
  * out = P V through the GEMM. One row at a time (decode_attention) would cost a dot product and a
  * horizontal sum per key, head and row: far slower than SDPA over long contexts (docs/benchmarks.md,
- * "Mixed steps in one native call"). */
+ * "Mixed steps in one native call"). Rows `flags` marks (NULL: none) take both products in bf16. */
 static int chunk_attention(const float *q, const float *k_cache, const float *v_cache, const long *table,
-                           const long *seq_lens, long R, const StackStep *st, float *out) {
-    long d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, group = st->q_heads / st->kv_heads;
+                           const long *seq_lens, long R, const unsigned char *flags, const StackStep *st,
+                           float *out) {
+    long d = st->head_dim, kvd = st->kv_heads * d;
     long bs = st->block_size, window = st->window, end = seq_lens[R - 1];
     long k0 = window > 0 && seq_lens[0] > window ? seq_lens[0] - window : 0, n = end - k0;
-    int threads = st->threads > 1 ? (int)st->threads : 1;
+    int threads = st->threads > 1 ? (int)st->threads : 1, any_bf16 = 0;
     if (n <= 0) return -1;
-    /* tasks: a query head and a block of rows each, about two a thread */
+    for (long r = 0; flags && r < R; r++) any_bf16 |= flags[r] != 0;
+    /* tasks: a query head and a block of rows each, about two a thread, and blocks of at most
+     * ATTENTION_BLOCK_ROWS rows: a block's products take the keys its last row sees, so over a long
+     * prompt one block for all would compute the whole square where causal attention needs half */
     long blocks = (2L * threads + st->q_heads - 1) / st->q_heads, most = (R + 15) / 16;
+    long least = (R + ATTENTION_BLOCK_ROWS - 1) / ATTENTION_BLOCK_ROWS;
+    blocks = blocks > least ? blocks : least;
     blocks = blocks < most ? blocks : most;
     long rb = (R + blocks - 1) / blocks, tasks = st->q_heads * blocks;
     threads = tasks < threads ? (int)tasks : threads;  /* the scratch is one block of scores a worker */
-    float *kv = malloc(((size_t)2 * n * kvd + (size_t)threads * rb * n) * sizeof(float));
-    if (!kv) return -2;
-    float *keys = kv, *values = kv + n * kvd, *scores = values + n * kvd;
+    size_t halves = any_bf16 ? (size_t)2 * n * kvd + (size_t)threads * rb * (n + d) : 0;
+    float *mem = malloc(((size_t)2 * n * kvd + (size_t)threads * rb * n) * sizeof(float) + halves * sizeof(uint16_t));
+    if (!mem) return -2;
+    float *keys = mem, *values = mem + n * kvd, *scores = values + n * kvd;
+    uint16_t *half = (uint16_t *)(scores + (size_t)threads * rb * n);
     for (long p = k0; p < end;) {  /* a block's positions at a time: contiguous in the cache */
         long off = p % bs, take = bs - off < end - p ? bs - off : end - p, src = (table[p / bs] * bs + off) * kvd;
         memcpy(keys + (p - k0) * kvd, k_cache + src, (size_t)take * kvd * sizeof(float));
         memcpy(values + (p - k0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
         p += take;
     }
-    const float scale = (float)st->scale;
+    RunKeys kv = {keys, values, NULL, NULL, n, k0};
+    if (any_bf16) {
+        to_bf16(keys, half, 2 * n * kvd);  /* keys and values lie one after the other */
+        kv.keys_b = half;
+        kv.values_b = half + n * kvd;
+    }
+    uint16_t *thread_halves = half + 2 * n * kvd;
     int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1)
     for (long task = 0; task < tasks; task++) {
         float *s = thread_slice(scores, rb * n);
-        long h = task / blocks, r0 = task % blocks * rb, rows = R - r0 < rb ? R - r0 : rb, kvh = h / group;
-        if (rows <= 0) continue;
-        long ni = seq_lens[r0 + rows - 1] - k0;  /* the keys the block's rows see */
-        if (gemm(st, 'T', 'N', ni, rows, d, scale, keys + kvh * d, kvd, q + r0 * qd + h * d, qd, s, ni) != 0) {
-            failed = 1;
-            continue;
+#ifdef _OPENMP
+        uint16_t *pb = any_bf16 ? thread_halves + (long)omp_get_thread_num() * rb * (n + d) : NULL;
+#else
+        uint16_t *pb = any_bf16 ? thread_halves : NULL;
+#endif
+        uint16_t *qb = pb ? pb + rb * n : NULL;
+        long h = task / blocks, r0 = task % blocks * rb, rows = R - r0 < rb ? R - r0 : rb;
+        for (long a = r0; a < r0 + rows;) {  /* stretches of one kind: fp32 rows and bf16 rows */
+            int bf16 = flags && flags[a];
+            long b = a + 1;
+            while (b < r0 + rows && (flags && flags[b]) == bf16) b++;
+            if (attend_block(st, &kv, q, seq_lens, a, b - a, h, bf16, s, qb, pb, out) != 0) failed = 1;
+            a = b;
         }
-        causal_softmax_rows(s, rows, ni, seq_lens + r0, k0, window);
-        if (gemm(st, 'N', 'N', d, rows, ni, 1.0f, values + kvh * d, kvd, s, ni, out + r0 * qd + h * d, qd) != 0)
-            failed = 1;
     }
-    free(kv);
+    free(mem);
     return failed ? -3 : 0;
 }
 
+static int marked(const unsigned char *flags, long n) {
+    for (long i = 0; flags && i < n; i++)
+        if (flags[i]) return 1;
+    return 0;
+}
+
 /* Attention of every row: a sequence's run of CHUNK_ATTENTION_ROWS or more through chunk_attention,
+ * and a run with bf16 rows however short (a prompt's rows attend the same way however it is chunked),
  * the others (decodes, short chunks) row by row through decode_attention, consecutive ones together. */
 static int attend_rows(const StackLayer *L, const StackStep *st, const float *q, float *out) {
     long qd = st->q_heads * st->head_dim, w = st->table_width, n_runs = st->runs ? st->n_runs : 1;
@@ -245,7 +393,8 @@ static int attend_rows(const StackLayer *L, const StackStep *st, const float *q,
     for (long i = 0; i <= n_runs && rc == 0; i++) {
         long r0 = i < n_runs ? (st->runs ? st->runs[i] : 0) : st->batch;
         long r1 = i < n_runs ? (st->runs ? st->runs[i + 1] : st->batch) : st->batch;
-        int chunked = st->runs && i < n_runs && st->sgemm && r1 - r0 >= CHUNK_ATTENTION_ROWS;
+        const unsigned char *flags = st->gemm_bf16 && st->bf16_rows ? st->bf16_rows + r0 : NULL;
+        int chunked = st->runs && i < n_runs && st->sgemm && (r1 - r0 >= CHUNK_ATTENTION_ROWS || marked(flags, r1 - r0));
         if ((chunked || i == n_runs) && r0 > pending)
             rc = decode_attention(q + pending * qd, L->k_cache, L->v_cache, st->tables + pending * w, w,
                                   st->seq_lens + pending, st->window, r0 - pending, st->q_heads, st->kv_heads,
@@ -253,7 +402,7 @@ static int attend_rows(const StackLayer *L, const StackStep *st, const float *q,
                                   (int)st->threads);
         if (chunked && rc == 0) {
             rc = chunk_attention(q + r0 * qd, L->k_cache, L->v_cache, st->tables + r0 * w, st->seq_lens + r0, r1 - r0,
-                                 st, out + r0 * qd);
+                                 flags, st, out + r0 * qd);
             pending = r1;
         }
     }

@@ -66,6 +66,8 @@ class _Step(ctypes.Structure):
         ("n_runs", _long),
         ("runs", _ptr),
         ("sgemm_row_major", _long),
+        ("gemm_bf16", _ptr),
+        ("bf16_rows", _ptr),
     ]
 
 
@@ -162,10 +164,33 @@ class DecodeStackPlan:
         sgemm: Optional[int] = None,
         runs: Optional[torch.Tensor] = None,
         sgemm_row_major: bool = False,
+        bf16: Optional["Bf16Rows"] = None,
     ) -> "DecodeStep":
         return DecodeStep(
-            self, batch, cos, sin, slots, tables, seq_lens, window, block_size, threads, sgemm, runs, sgemm_row_major
+            self,
+            batch,
+            cos,
+            sin,
+            slots,
+            tables,
+            seq_lens,
+            window,
+            block_size,
+            threads,
+            sgemm,
+            runs,
+            sgemm_row_major,
+            bf16,
         )
+
+
+@dataclass(frozen=True)
+class Bf16Rows:
+    """The rows of a step whose linears take bf16 inputs (uint8 [batch], 1: bf16), and the address
+    of oneDNN's dnnl_gemm_bf16bf16f32 that multiplies them (kernels/gemm.py)."""
+
+    gemm: int
+    rows: torch.Tensor
 
 
 class DecodeStep:
@@ -174,7 +199,8 @@ class DecodeStep:
     position + 1). `sgemm`: a GEMM's address, for steps of more than MAX_ROWS rows: BLAS's sgemm_, or
     oneDNN's dnnl_sgemm where `sgemm_row_major` (kernels/gemm.py). `runs`
     (int64 [sequences + 1], None: a sequence a row): rows runs[i]..runs[i + 1] are one sequence's,
-    and a long run (a prompt chunk) attends in two GEMMs instead of row by row."""
+    and a long run (a prompt chunk) attends in two GEMMs instead of row by row. `bf16` (None: every
+    row fp32): the rows whose linears' products take bf16 inputs, and the GEMM for them."""
 
     def __init__(
         self,
@@ -191,6 +217,7 @@ class DecodeStep:
         sgemm: Optional[int] = None,
         runs: Optional[torch.Tensor] = None,
         sgemm_row_major: bool = False,
+        bf16: Optional[Bf16Rows] = None,
     ):
         self.batch, self.hidden = batch, plan.hidden
         self.tensors = [t.contiguous() for t in (cos, sin, slots, tables, seq_lens)]
@@ -222,6 +249,10 @@ class DecodeStep:
             ):
                 raise ValueError(f"decode step: runs must be int64 row offsets from 0 to {batch}, ascending")
             self.tensors.append(runs)
+        if bf16 is not None:
+            if bf16.rows.dtype != torch.uint8 or tuple(bf16.rows.shape) != (batch,) or not sgemm:
+                raise ValueError(f"decode step: bf16 rows must be uint8 [{batch}], beside an fp32 GEMM")
+            self.tensors.append(bf16.rows.contiguous())
         self.struct = _Step(
             batch,
             plan.hidden,
@@ -244,5 +275,7 @@ class DecodeStep:
             0 if runs is None else runs.numel() - 1,
             None if runs is None else runs.data_ptr(),
             int(sgemm_row_major),
+            None if bf16 is None else bf16.gemm,
+            None if bf16 is None else self.tensors[-1].data_ptr(),
         )
         self.address = ctypes.addressof(self.struct)

@@ -7,6 +7,11 @@ sgemm ran well below oneDNN's rate (docs/benchmarks.md, "oneDNN's GEMM"). Both l
 the OpenMP runtime torch loaded, so neither brings a second thread pool.
 
 `DIST_INFER_STACK_GEMM=blas` (or `onednn`) picks one, for side-by-side runs; unset, the faster.
+
+Prompt tokens may take their products in bf16 (`--prompt-dtype`): oneDNN's dnnl_gemm_bf16bf16f32,
+fp32 accumulation and output, runs on the CPU's bf16 matrix instructions (Intel AMX-BF16,
+AVX512-BF16 on Intel and AMD Zen 4 and later) at about twice the fp32 rate on AVX512-BF16 and more
+on AMX (docs/benchmarks.md, "Prompts in bf16"); without them oneDNN emulates it, slower than fp32.
 """
 
 from __future__ import annotations
@@ -124,6 +129,34 @@ def onednn_sgemm() -> Optional[StackGemm]:
             continue
         logger.debug(f"the decode stack's GEMM: oneDNN's, from {path}")
         return StackGemm(address, True, "onednn")
+    return None
+
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names for the bf16 matrix instructions
+
+
+def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """Which of BF16_FLAGS this CPU has (Linux's cpuinfo; [] where it cannot be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f for f in BF16_FLAGS if f in flags]
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_gemm_bf16() -> Optional[int]:
+    """The address of oneDNN's `dnnl_gemm_bf16bf16f32` (row-major, like its sgemm), or None where no
+    libdnnl loads."""
+    for path in _onednn_candidates():
+        try:
+            fn = getattr(ctypes.CDLL(path), "dnnl_gemm_bf16bf16f32")
+        except (OSError, AttributeError):
+            continue
+        address = ctypes.cast(fn, ctypes.c_void_p).value
+        if address is not None:
+            return address
     return None
 
 

@@ -184,6 +184,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="weight and activation dtype (default %(default)s)",
     )
     p.add_argument(
+        "--prompt-dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default="float32",
+        help="what prompt tokens' linear products take on the CPU: bfloat16 rounds their inputs and weights "
+        "to bf16 and multiplies them on the CPU's bf16 matrix instructions (Intel AMX, AVX512-BF16 on "
+        "Intel and AMD Zen 4 and later) through oneDNN, accumulating in fp32, about twice float32's rate "
+        "(docs/benchmarks.md, 'Prompts in bf16'); generated tokens, attention, norms and the LM head stay "
+        "float32, and a prompt's tokens take the same path however it is chunked or batched. Its logits "
+        "differ from float32's by bf16 rounding (about 1%%), so a near tie may pick another token. "
+        "auto: bfloat16 where the CPU has those instructions and oneDNN loads, else float32. Needs "
+        "--dtype float32 and the native kernels' one-call step (default %(default)s)",
+    )
+    p.add_argument(
         "--quantization",
         choices=("auto", "int8", "int4", "none"),
         default="auto",
@@ -393,6 +406,7 @@ def load_model(args, groups):
     """This rank's stage of --model (its shard only) -> (stage, load report, model path)."""
     import torch
 
+    from dist_infer.models.fused_decode import prompt_bf16
     from dist_infer.models.loader import load_stage, resolve_device
 
     model = model_path(args)
@@ -410,6 +424,7 @@ def load_model(args, groups):
         ladder=getattr(args, "ladder_residual", None),
     )
     stage.native_decode_stack = args.native_kernels != "layers"  # models/fused_decode.py
+    stage.prompt_bf16 = prompt_bf16(getattr(args, "prompt_dtype", "float32"), stage)
     return stage, report, model
 
 

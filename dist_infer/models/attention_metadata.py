@@ -46,6 +46,9 @@ class AttentionMetadata:
     # speculative decoding: the rows of [T] whose logits the last stage returns, a sequence's last
     # few where it verifies proposals (engine/speculative); None: each sequence's last token only
     logit_rows: Optional[torch.Tensor] = None
+    # the rows of [T] that are prompt tokens (bool [T]; None: none), which bf16 prompts
+    # (`--prompt-dtype`, models/fused_decode.py) run in bf16: a property of the token, not of the step
+    prompt_rows: Optional[torch.Tensor] = None
 
     @property
     def decode(self) -> bool:
@@ -119,10 +122,12 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: Optional[int] = None,
     logit_counts: Optional[Sequence[int]] = None,
+    prompt_counts: Optional[Sequence[int]] = None,
 ) -> AttentionMetadata:
     """Everything a step's attention needs, from the sequences' lengths and block tables.
     `logit_counts`: how many of each sequence's last rows the last stage returns logits for
-    (speculative verification); None or all ones: each sequence's last row."""
+    (speculative verification); None or all ones: each sequence's last row. `prompt_counts`: how
+    many of each sequence's first new tokens are its prompt's (None: none)."""
     B = len(query_lens)
     max_q, max_ctx = max(query_lens), max(seq_lens)
     positions, slots, pad_index, last = [], [], [], []
@@ -171,7 +176,21 @@ def build_attention_metadata(
         seq_lens_t=torch.tensor(list(seq_lens), dtype=torch.long),
         window=sliding_window,
         logit_rows=logit_rows(query_lens, logit_counts),
+        prompt_rows=prompt_rows(query_lens, prompt_counts),
     )
+
+
+def prompt_rows(query_lens: Sequence[int], counts: Optional[Sequence[int]]) -> Optional[torch.Tensor]:
+    """bool [T]: the first `counts[b]` new tokens of sequence b (its prompt's, at most its new
+    tokens); None where no sequence has any."""
+    if not counts or not any(counts):
+        return None
+    rows = torch.zeros(sum(query_lens), dtype=torch.bool)
+    at = 0
+    for q, c in zip(query_lens, counts):
+        rows[at : at + min(max(0, c), q)] = True
+        at += q
+    return rows
 
 
 def logit_rows(query_lens: Sequence[int], counts: Optional[Sequence[int]]) -> Optional[torch.Tensor]:

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from loguru import logger
 
 from dist_infer.kernels import MAX_ROWS, CpuKernels, kernels_if_cpu_fp32
 from dist_infer.kernels.decode_stack import DecodeStackPlan, StackLayer, StackLinear
+from dist_infer.kernels.gemm import cpu_bf16_instructions
 from dist_infer.models.attention_metadata import AttentionMetadata
 from dist_infer.models.ladder import Ready
 from dist_infer.parallel.linear import QKVParallelLinear
@@ -159,8 +161,19 @@ def fused_decode(stage, x: torch.Tensor, meta: AttentionMetadata, kv_caches: lis
         return None
     cos, sin = stage.rotary.cos_sin(meta.positions)
     tables, seq_lens, runs = _row_queries(meta)
+    bf16_rows = meta.prompt_rows if stage.prompt_bf16 else None
     step = kernels.decode_step(
-        plan, rows, cos, sin, meta.slot_mapping, tables, seq_lens, meta.window, kv_caches[0][0].shape[1], runs
+        plan,
+        rows,
+        cos,
+        sin,
+        meta.slot_mapping,
+        tables,
+        seq_lens,
+        meta.window,
+        kv_caches[0][0].shape[1],
+        runs,
+        bf16_rows,
     )
     if stage.tp.size == 1 and not stage.ladder.active:
         return kernels.decode_stack(plan, step, x)
@@ -221,3 +234,36 @@ def _layer_halves(stage, kernels: CpuKernels, plan: DecodeStackPlan, step, x: to
 
 def _no_bias(y: torch.Tensor) -> torch.Tensor:
     return y  # what follows a reduce: the fused layers have no bias to add
+
+
+def prompt_bf16(flag: str, stage) -> bool:
+    """--prompt-dtype for `stage`: whether its prompt tokens' products run in bf16 (fused_decode).
+    bfloat16 where it cannot is an error naming why; auto then says why it stays float32."""
+    if flag == "float32":
+        return False
+    why = _no_bf16_prompts(stage)
+    if why is None:
+        logger.info(f"--prompt-dtype {flag}: prompt tokens' products in bf16 ({', '.join(cpu_bf16_instructions())})")
+        return True
+    if flag == "bfloat16":
+        raise ValueError(f"--prompt-dtype bfloat16: {why}")
+    logger.info(f"--prompt-dtype auto: prompts in float32, as {why}")
+    return False
+
+
+def _no_bf16_prompts(stage) -> Optional[str]:
+    """Why `stage` cannot run bf16 prompts, or None where it can."""
+    first = stage.layers[0] if len(stage.layers) else None
+    if first is None:
+        return "this stage has no layers"
+    weight = first.input_layernorm.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return f"the model is {weight.dtype} on {weight.device.type}: bf16 prompts are for float32 on the CPU"
+    kernels = first.self_attn.kernels
+    if kernels is None or not stage.native_decode_stack:
+        return "the native kernels' one-call step is off here (--native-kernels, or no C compiler)"
+    if kernels.gemm_bf16 is None:
+        return "oneDNN's bf16 GEMM does not load (the onednn-cpu-gomp wheel)"
+    if not cpu_bf16_instructions():
+        return "this CPU has no bf16 matrix instructions (amx_bf16, avx512_bf16 in /proc/cpuinfo)"
+    return None

@@ -296,6 +296,7 @@ class LlamaStage(nn.Module):
         self.ladder = LadderPlan(cfg, layers, cp.size if cp is not None else 1)
         self.native_decode_stack = True  # a step's layers in one native call where it serves (--native-kernels)
         self.decode_stack_cache = None  # fused_decode's plan for this stage (models/fused_decode.py)
+        self.prompt_bf16 = False  # prompt tokens' products in bf16 in the native call (--prompt-dtype)
         self.input_width = self.ladder.input_width  # a later stage's hidden states in (2H inside a ladder range)
 
     def forward(self, inputs: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:

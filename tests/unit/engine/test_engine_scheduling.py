@@ -180,6 +180,7 @@ def test_step_plan_round_trips():
         sample=[True, False],
         rows=[RowSampling(0.7, 5, 0.9, 2**52 + 1, 3, 2)],
         input_ids=[5, 6, 7, 8, 9, 10],
+        prompt_tokens=[0, 5],  # a decode, and a prompt's first chunk
         freed=[2, 3],
         return_logits=True,
     )

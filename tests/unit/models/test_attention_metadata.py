@@ -80,3 +80,13 @@ def test_split_straddling_sequence_reads_first_half_from_cache():
     split = split_token_halves([7], [7], [[3]], block_size=16)  # one prompt cut in the middle
     assert (split.a.query_lens, split.a.seq_lens, split.a.fresh) == ([3], [3], True)
     assert (split.b.query_lens, split.b.seq_lens, split.b.fresh) == ([4], [7], False)
+
+
+def test_prompt_rows_mark_each_sequences_prompt_tokens():
+    """A decode, a prompt's whole chunk, and a chunk whose last token is already generated (a
+    recomputed request): the prompt's rows only, the same whichever step they are in."""
+    tables = [[0, 1], [2], [3]]
+    meta = build_attention_metadata([1, 5, 3], [18, 5, 10], tables, 16, prompt_counts=[0, 5, 2])
+    assert meta.prompt_rows.tolist() == [False] + [True] * 5 + [True, True, False]
+    assert build_attention_metadata([1, 5], [18, 5], tables[:2], 16).prompt_rows is None
+    assert build_attention_metadata([1, 5], [18, 5], tables[:2], 16, prompt_counts=[0, 0]).prompt_rows is None
