@@ -242,6 +242,49 @@ def test_seeded_sampling_independent_of_layout(store, tmp_path):
     assert tp1 != greedy, "temperature 0.8 sampling gave exactly the greedy tokens: sampling seems off"
 
 
+# --- bf16 prompts (--prompt-dtype bfloat16) ---------------------------------------------------------------
+
+BF16_ROUNDING_FLIP = 5e-3  # tests/unit/models/test_fused_decode_bf16.py says why
+
+
+def _bf16_prompts_here() -> str | None:
+    """Why bf16 prompts cannot run here, or None."""
+    from dist_infer.kernels import load_cpu_kernels
+    from dist_infer.kernels.gemm import cpu_bf16_instructions
+
+    kernels = load_cpu_kernels()
+    if kernels is None or kernels.gemm_bf16 is None:
+        return "no native kernels or no oneDNN bf16 GEMM here"
+    return None if cpu_bf16_instructions() else "this CPU has no bf16 matrix instructions"
+
+
+@pytest.mark.parametrize(
+    "case,flags", [("pp2", ["--pp", "2", "--nproc", "2"]), ("tp2xpp2", ["--tp", "2", "--pp", "2", "--nproc", "4"])]
+)
+def test_bf16_prompts_match_the_rounded_reference_on_every_stage(case, flags, store, tmp_path):
+    """Prompt tokens' products in bf16 on each pipeline stage and tensor shard: HF with the same
+    products rounded (tests/support/bf16_reference.py) gives the same ids and, within a bf16
+    rounding flip, the same logits."""
+    why = _bf16_prompts_here()
+    if why:
+        pytest.skip(why)
+    from tests.support.bf16_reference import bf16_prompt_products
+    from tests.support.checkpoints import hf_reference, load_hf_model
+
+    model = store.model("llama-gqa")
+    prompts = prompts_for(SHORT)
+    hf = load_hf_model(model)
+    with bf16_prompt_products(hf):
+        ref_ids, ref_logits = hf_reference(None, prompts, NEW_TOKENS, model=hf)
+    dump = tmp_path / "logits.pt"
+    out = parse_json(run_cli(DIST + generate_args(model, prompts, dump, [*flags, "--prompt-dtype", "bfloat16"])), case)
+    for row, got, want_ids, want in zip(out["outputs"], torch.load(dump), ref_ids, ref_logits):
+        assert row["token_ids"] == want_ids
+        torch.testing.assert_close(got, want, atol=BF16_ROUNDING_FLIP, rtol=0)
+    plain = store.reference(model, prompts)[1]
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(torch.load(dump), plain)), "no bf16 rounding was seen"
+
+
 # --- the comparison itself ----------------------------------------------------------------------------
 
 
