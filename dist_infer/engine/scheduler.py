@@ -1,13 +1,12 @@
 """The iteration-level scheduler (Orca, vLLM): every step, one forward batch under a token budget.
 
-Running decodes go first (one token each), then chunks of prompts, so a long prompt never
-stalls the decodes (stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's
-Dynamic SplitFuse do). New requests are admitted while free KV blocks stay above a watermark. When
-a running request needs a block and none is free, the newest running request that is not already
-in this step or waiting for a sampled token (pipeline) is preempted by recompute
-(possibly the request itself): its blocks are freed and it waits again, first in line, with its
-prompt plus what it generated, recomputed when readmitted. Sampling is counter-based, so it goes
-on with the tokens it would have drawn (up to a near tie: the recompute is a prefill, not decodes).
+Running decodes go first (one token each), then chunks of prompts, so a long prompt never stalls the decodes
+(stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's Dynamic SplitFuse do). New requests
+are admitted while free KV blocks stay above a watermark. When a running request needs a block and none is
+free, the newest running request that is not already in this step or waiting for a sampled token (pipeline)
+is preempted by recompute (possibly the request itself): its blocks are freed and it waits again, first in
+line, with its prompt plus what it generated, recomputed when readmitted. Sampling is counter-based, so it
+goes on with the tokens it would have drawn (up to a near tie: the recompute is a prefill, not decodes).
 
 With prefix caching (prefix_cache.py), an admitted request first takes the longest run of
 cached full blocks its tokens match (its own, after a preemption, or another request's) and
@@ -17,13 +16,12 @@ before has left by then; one that failed ended its requests), or when its reques
 (stop, length), is preempted or moves to another instance; an aborted or failed request's newest
 blocks are not (its step may never have run). Blocks a migration brought are never registered.
 
-Speculative decoding (engine/speculative): a decode's chunk also carries its drafter's proposals,
-as many as the budget and the free blocks allow (never preempting); they count as computed only
-once accepted (`accept_proposed`), and blocks that held only rejected ones go back
-(`release_unverified`): prefix-cache hashes cover accepted tokens only.
+Speculative decoding (engine/speculative): a decode's chunk also carries its drafter's proposals, as many as
+the budget and the free blocks allow (never preempting), computed only once accepted (`accept_proposed`);
+blocks that held only rejected ones go back (`release_unverified`): prefix-cache hashes cover accepted tokens.
 
-The scheduler owns the block pool and every request's block table; the ranks only store keys and
-values where the plan says. Pure bookkeeping (no tensors, no processes): the tests drive it directly.
+The scheduler owns the block pool and every request's block table; the ranks only store keys and values
+where the plan says. Pure bookkeeping (no tensors, no processes): the tests drive it directly.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ from dist_infer.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from dist_infer.engine.speculative.drafter import Drafter
 
 # prompt tokens allowed beside a step's decodes: a number, or (decodes, their context, next chunk's start,
-# proposals the decodes verify) -> tokens
-PrefillCap = Union[None, int, Callable[[int, int, int, int], Optional[int]]]
+# proposals the decodes verify, that prompt's tokens left) -> tokens
+PrefillCap = Union[None, int, Callable[[int, int, int, int, int], Optional[int]]]
 
 
 class Scheduler:
@@ -396,8 +394,10 @@ class Scheduler:
             return prefill_cap
         decodes = [c for c in out.chunks if c.num_tokens == 1 or c.draft]
         context = sum(c.start + c.num_tokens for c in decodes)
-        start = next((r.num_computed for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1), 0)
-        cap = prefill_cap(len(decodes), context, start, sum(len(c.draft) for c in decodes))
+        prompts = (r for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1)
+        nxt = next(prompts, self.waiting[0] if self.waiting else None)  # the prompt the cap goes to first
+        start, left = (nxt.num_computed, nxt.num_tokens - nxt.num_computed) if nxt else (0, 0)
+        cap = prefill_cap(len(decodes), context, start, sum(len(c.draft) for c in decodes), left)
         return float("inf") if cap is None else cap
 
     def _add_chunk(

@@ -37,6 +37,11 @@ def step_shape(chunks) -> StepShape:
     )
 
 
+# how far past the target a step may run to finish a prompt rather than leave its tail to the next step
+# (docs/benchmarks.md, "Against vLLM's CPU backend": TTFT and ITL side by side)
+FINISH_OVERRUN = 0.3
+
+
 class StepPacer:
     """The ITL target (arg_types.parse_itl_target's tuple, None: off) of an instance of `pp_size`
     pipeline stages, the step costs learned from its steps, and their durations by kind (/metrics)."""
@@ -57,12 +62,21 @@ class StepPacer:
             return None
         return self.prompt_tokens_within
 
-    def prompt_tokens_within(self, decodes: int, decode_context: int, start: int, draft_tokens: int = 0):
+    def prompt_tokens_within(
+        self, decodes: int, decode_context: int, start: int, draft_tokens: int = 0, left: int = 0
+    ) -> Optional[int]:
         """Prompt tokens a step of these decodes (and the proposals they verify) can add and still
-        meet the target (None: not learned yet)."""
-        return self.step_costs.prompt_tokens_within(
-            self.step_target_s(decodes, decode_context), decodes, decode_context, start, draft_tokens
+        meet the target (None: not learned yet); all `left` tokens of the prompt where they fit
+        within FINISH_OVERRUN more: a prompt cut short of its end by a few tokens would wait a whole
+        step more for its first token, the decodes paid again, for a target it nearly met."""
+        target = self.step_target_s(decodes, decode_context)
+        cap = self.step_costs.prompt_tokens_within(target, decodes, decode_context, start, draft_tokens)
+        if cap is None or left <= cap:
+            return cap
+        whole = self.step_costs.prompt_tokens_within(
+            target * (1 + FINISH_OVERRUN), decodes, decode_context, start, draft_tokens
         )
+        return left if whole is not None and left <= whole else cap
 
     def step_target_s(self, decodes: int, decode_context: int) -> float:
         """One step's share of the inter-token latency target: a fixed time (milliseconds, split

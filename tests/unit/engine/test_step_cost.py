@@ -14,6 +14,7 @@ from dist_infer.engine.scheduler import Scheduler
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.step_cost import (
     AUTO_FACTOR,
+    AUTO_FLOOR_S,
     FEATURES,
     MIN_CHUNK,
     StepCostModel,
@@ -173,7 +174,7 @@ def _run(scheduler: Scheduler, model: StepCostModel, target_factor: float, steps
     and teaching the model; `arrive(step)` returns new requests. Returns (shape, seconds) per step."""
     history = []
 
-    def cap(decodes, context, start, drafts=0):
+    def cap(decodes, context, start, drafts=0, left=0):
         target = target_factor * model.decode_step_s(decodes, context)
         return model.prompt_tokens_within(target, decodes, context, start, drafts)
 
@@ -327,6 +328,29 @@ def test_the_floor_keeps_a_chunked_prompts_wait_near_its_whole_step():
 
     assert prompt_time(parse_itl_target("auto")) <= 1.3
     assert prompt_time(parse_itl_target("100")) > 1.3
+
+
+def test_a_prompt_a_little_past_the_target_finishes_in_its_step():
+    """A prompt whose rest fits in FINISH_OVERRUN more than the target runs whole, its first token
+    a step sooner (what vLLM does with a 256-token prompt beside decodes); a longer one is cut at the
+    target as before. On the CPU costs, beside 8 decodes under auto (the 200 ms floor)."""
+    from dist_infer.engine.step_pacing import FINISH_OVERRUN
+
+    model = _fitted(CPU)
+    cap = _driver(model, parse_itl_target("auto"))
+    at_target = cap(8, 800, 0)
+    assert cap(8, 800, 0, 0, at_target) == at_target
+    step = lambda n: float(CPU @ StepShape(n, chunk_pairs(0, n), 8, 800).features())  # noqa: E731
+    nearly = at_target + 20
+    assert step(nearly) <= AUTO_FLOOR_S * (1 + FINISH_OVERRUN) < step(2 * at_target)
+    assert cap(8, 800, 0, 0, nearly) == nearly
+    assert cap(8, 800, 0, 0, 2 * at_target) == at_target
+
+    s = Scheduler(SchedulerConfig(num_blocks=4000, block_size=16, max_batched_tokens=2048, max_num_seqs=64))
+    prompt = _request(999, nearly, 1)
+    chats = [(0.0, _request(i, 32, 10_000)) for i in range(8)]
+    _serve(s, model, CPU, cap, chats + [(1.0, prompt)], 3.0)
+    assert prompt.first_token_s - prompt.admitted_s == pytest.approx(step(nearly), rel=0.2)
 
 
 def test_pipeline_steps_are_timed_by_their_slot():
