@@ -194,7 +194,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "float32, and a prompt's tokens take the same path however it is chunked or batched. Its logits "
         "differ from float32's by bf16 rounding (about 1%%), so a near tie may pick another token. "
         "auto: bfloat16 where the CPU has those instructions and oneDNN loads, else float32. Needs "
-        "--dtype float32 and the native kernels' one-call step (default %(default)s)",
+        "--dtype float32 and the native kernels' one-call step: a step it does not serve (MoE layers, "
+        "QKV biases, cp, --overlap on, --sequence-parallel on, over 4096 tokens) runs float32 (default "
+        "%(default)s)",
     )
     p.add_argument(
         "--quantization",
