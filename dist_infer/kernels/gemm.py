@@ -117,19 +117,27 @@ def _onednn_candidates() -> list[str]:
     return [*found, str(Path(sys.prefix) / "lib" / "libdnnl.so.3")]
 
 
-def onednn_sgemm() -> Optional[StackGemm]:
-    """oneDNN's `dnnl_sgemm`, or None where no libdnnl loads (another platform, not installed)."""
+def _onednn_symbol(name: str) -> Optional[tuple[int, str]]:
+    """The address of oneDNN's function `name` and the library it is in, or None where no libdnnl
+    loads (another platform, not installed)."""
     for path in _onednn_candidates():
         try:
-            fn = getattr(ctypes.CDLL(path), "dnnl_sgemm")
+            fn = getattr(ctypes.CDLL(path), name)
         except (OSError, AttributeError):
             continue
         address = ctypes.cast(fn, ctypes.c_void_p).value
-        if address is None:  # (a symbol at NULL: nothing to call)
-            continue
-        logger.debug(f"the decode stack's GEMM: oneDNN's, from {path}")
-        return StackGemm(address, True, "onednn")
+        if address is not None:  # (a symbol at NULL: nothing to call)
+            return address, path
     return None
+
+
+def onednn_sgemm() -> Optional[StackGemm]:
+    """oneDNN's `dnnl_sgemm`, or None where no libdnnl loads."""
+    found = _onednn_symbol("dnnl_sgemm")
+    if found is None:
+        return None
+    logger.debug(f"the decode stack's GEMM: oneDNN's, from {found[1]}")
+    return StackGemm(found[0], True, "onednn")
 
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names for the bf16 matrix instructions
@@ -149,15 +157,8 @@ def cpu_bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 def onednn_gemm_bf16() -> Optional[int]:
     """The address of oneDNN's `dnnl_gemm_bf16bf16f32` (row-major, like its sgemm), or None where no
     libdnnl loads."""
-    for path in _onednn_candidates():
-        try:
-            fn = getattr(ctypes.CDLL(path), "dnnl_gemm_bf16bf16f32")
-        except (OSError, AttributeError):
-            continue
-        address = ctypes.cast(fn, ctypes.c_void_p).value
-        if address is not None:
-            return address
-    return None
+    found = _onednn_symbol("dnnl_gemm_bf16bf16f32")
+    return None if found is None else found[0]
 
 
 def stack_gemm(choice: Optional[str] = None) -> Optional[StackGemm]:

@@ -187,16 +187,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--prompt-dtype",
         choices=("float32", "bfloat16", "auto"),
         default="float32",
-        help="what prompt tokens' linear products take on the CPU: bfloat16 rounds their inputs and weights "
-        "to bf16 and multiplies them on the CPU's bf16 matrix instructions (Intel AMX, AVX512-BF16 on "
-        "Intel and AMD Zen 4 and later) through oneDNN, accumulating in fp32, about twice float32's rate "
-        "(docs/benchmarks.md, 'Prompts in bf16'); generated tokens, attention, norms and the LM head stay "
-        "float32, and a prompt's tokens take the same path however it is chunked or batched. Its logits "
-        "differ from float32's by bf16 rounding (about 1%%), so a near tie may pick another token. "
-        "auto: bfloat16 where the CPU has those instructions and oneDNN loads, else float32. Needs "
-        "--dtype float32 and the native kernels' one-call step: a step it does not serve (MoE layers, "
-        "QKV biases, cp, --overlap on, --sequence-parallel on, over 4096 tokens) runs float32 (default "
-        "%(default)s)",
+        help="what prompt tokens' products take on the CPU: bfloat16 rounds their inputs and weights to bf16 "
+        "and multiplies them on the CPU's bf16 matrix instructions (Intel AMX, AVX512-BF16 on Intel and AMD "
+        "Zen 4 and later) through oneDNN, accumulating in fp32, about twice float32's rate (docs/benchmarks.md, "
+        "'Prompts in bf16'); generated tokens, softmax, norms and the LM head stay float32, and a prompt's "
+        "tokens take the same path however it is chunked or batched. Its logits differ from float32's by "
+        "bf16 rounding (about 1%%), so a near tie may pick another token. auto: bfloat16 where the CPU has "
+        "those instructions and oneDNN loads, else float32. Needs --dtype float32 and the native kernels' "
+        "one-call step: a step it does not serve (MoE layers, QKV biases, cp, --overlap on, "
+        "--sequence-parallel on, over 4096 tokens) runs float32 (default %(default)s)",
     )
     p.add_argument(
         "--quantization",

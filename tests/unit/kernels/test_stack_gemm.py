@@ -42,3 +42,36 @@ def test_a_product_it_cannot_take_is_named_and_an_empty_one_is_zeros():
         gemm.linear(torch.randn(8, 4).T, torch.randn(3, 8))
     assert torch.equal(gemm.linear(torch.randn(5, 0), torch.randn(3, 0)), torch.zeros(5, 3))
     assert gemm.linear(torch.randn(0, 8), torch.randn(3, 8)).shape == (0, 3)
+
+
+def test_the_bf16_instructions_are_read_from_cpuinfo(tmp_path):
+    from dist_infer.kernels.gemm import cpu_bf16_instructions
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n\nflags\t\t: other\n")
+    assert cpu_bf16_instructions(str(info)) == ["avx512_bf16"]
+    info.write_text("flags\t\t: fpu amx_bf16 amx_tile avx512_bf16\n")
+    assert cpu_bf16_instructions(str(info)) == ["amx_bf16", "avx512_bf16"]
+    info.write_text("flags\t\t: fpu avx2 fma\n")
+    assert cpu_bf16_instructions(str(info)) == []
+    assert cpu_bf16_instructions(str(tmp_path / "absent")) == []
+
+
+def test_onednns_bf16_gemm_takes_bf16_inputs_and_accumulates_in_fp32():
+    """What decode_stack.c calls for bf16 rows, called the same way: row-major, fp32 out."""
+    import ctypes
+
+    from dist_infer.kernels.gemm import onednn_gemm_bf16
+
+    address = onednn_gemm_bf16()
+    if address is None:
+        pytest.skip("no oneDNN here")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    gemm = ctypes.CFUNCTYPE(
+        ctypes.c_int, *[ctypes.c_char] * 2, i64, i64, i64, ctypes.c_float, ptr, i64, ptr, i64, ctypes.c_float, ptr, i64
+    )(address)
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 70).bfloat16(), torch.randn(45, 70).bfloat16()
+    y = torch.empty(37, 45)
+    assert gemm(b"N", b"T", 37, 45, 70, 1.0, x.data_ptr(), 70, w.data_ptr(), 70, 0.0, y.data_ptr(), 45) == 0
+    torch.testing.assert_close(y, x.float() @ w.float().T, atol=1e-4, rtol=1e-5)
