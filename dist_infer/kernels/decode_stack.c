@@ -430,18 +430,51 @@ static int attend_rows(const StackLayer *L, const StackStep *st, const float *q,
 
 /* The attention half: x += pending (the previous layer's MLP output, if any), the input norm, QKV,
  * rotary and the cache write, attention, o_proj into out (this rank's partial sum under tp). */
+/* Row-wise work over the threads where a step has many rows (a prompt chunk): on few rows the
+ * parallel region costs more than it saves, and with it the other threads would idle at the
+ * GEMMs' barriers while one does it. */
+#define ROWS_PER_THREAD 32
+static int row_workers(const StackStep *st) {
+    long most = st->batch / ROWS_PER_THREAD;
+    return (int)(st->threads < most ? st->threads : most < 1 ? 1 : most);
+}
+
+/* rms_norm of every row (x += pending first), the rows split over the threads. */
+static void norm_rows(const StackStep *st, float *x, const float *pending, const float *weight, float *out) {
+    long M = st->batch, H = st->hidden;
+    int workers = row_workers(st);
+    long per = (M + workers - 1) / workers;
+#pragma omp parallel for num_threads(workers) schedule(static) if (workers > 1)
+    for (int t = 0; t < workers; t++) {
+        long r0 = t * per, n = M - r0 < per ? M - r0 : per;
+        if (n > 0) rms_norm(x + r0 * H, pending ? pending + r0 * H : NULL, weight, out + r0 * H, n, H, (float)st->eps);
+    }
+}
+
+/* Rotary, the cache write and the queries' copy out of the fused QKV rows, over the threads. */
+static void rope_rows(const StackLayer *L, const StackStep *st, Work *w) {
+    long M = st->batch, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, width = qd + 2 * kvd;
+    int workers = row_workers(st);
+    long per = (M + workers - 1) / workers;
+#pragma omp parallel for num_threads(workers) schedule(static) if (workers > 1)
+    for (int t = 0; t < workers; t++) {
+        long r0 = t * per, n = M - r0 < per ? M - r0 : per;
+        if (n <= 0) continue;
+        float *rows = w->qkv + r0 * width;
+        rope_cache_write(rows, rows + qd, rows + qd + kvd, width, width, width, st->cos + r0 * d, st->sin + r0 * d,
+                         L->k_cache, L->v_cache, st->slots + r0, n, st->q_heads, st->kv_heads, d);
+        for (long m = r0; m < r0 + n; m++) memcpy(w->q + m * qd, w->qkv + m * width, qd * sizeof(float));
+    }
+}
+
 static int attention_part(const StackLayer *L, const StackStep *st, float *x, const float *pending, float *out,
                           Work *w) {
-    long M = st->batch, H = st->hidden, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d;
-    long width = qd + 2 * kvd;
     int threads = (int)st->threads, rc;
-    rms_norm(x, pending, L->input_norm, w->normed, M, H, (float)st->eps);
-    if ((rc = linear(&L->qkv, w->normed, w->qkv, M, threads, st)) != 0) return rc;
-    rope_cache_write(w->qkv, w->qkv + qd, w->qkv + qd + kvd, width, width, width, st->cos, st->sin, L->k_cache,
-                     L->v_cache, st->slots, M, st->q_heads, st->kv_heads, d);
-    for (long m = 0; m < M; m++) memcpy(w->q + m * qd, w->qkv + m * width, qd * sizeof(float));
+    norm_rows(st, x, pending, L->input_norm, w->normed);
+    if ((rc = linear(&L->qkv, w->normed, w->qkv, st->batch, threads, st)) != 0) return rc;
+    rope_rows(L, st, w);
     if ((rc = attend_rows(L, st, w->q, w->attn)) != 0) return rc;
-    return linear(&L->o, w->attn, out, M, threads, st);
+    return linear(&L->o, w->attn, out, st->batch, threads, st);
 }
 
 /* The MLP half: x += attention's output, the post-attention norm, gate/up, silu(gate) * up, down
@@ -449,7 +482,7 @@ static int attention_part(const StackLayer *L, const StackStep *st, float *x, co
 static int mlp_part(const StackLayer *L, const StackStep *st, float *x, const float *attention, float *out, Work *w) {
     long M = st->batch, I = st->intermediate;
     int rc;
-    rms_norm(x, attention, L->post_norm, w->normed, M, st->hidden, (float)st->eps);
+    norm_rows(st, x, attention, L->post_norm, w->normed);
     if ((rc = linear(&L->gate_up, w->normed, w->gate_up, M, (int)st->threads, st)) != 0) return rc;
     silu_mul_rows(w->gate_up, w->act, M, I, (int)st->threads);
     return linear(&L->down, w->act, out, M, (int)st->threads, st);
