@@ -14,7 +14,9 @@ linear fp32 or the native quantized form. Under tp each layer's two halves are a
 the all-reduces between them, and a ladder stage (models/ladder.py) runs its halves with the
 ladder's wiring at any tp. The results are the layer-by-layer path's within fp32 rounding (the
 activation's exp is the kernels' own, the products' summation order the GEMM's at each size):
-tests/unit/models/test_fused_decode.py holds them together and to transformers.
+tests/unit/models/test_fused_decode.py holds them together and to transformers. Under
+`--prompt-dtype bfloat16` (prompt_bf16) the rows of a step that are prompt tokens
+(`meta.prompt_rows`) take their products in bf16 (tests/unit/models/test_fused_decode_bf16.py).
 """
 
 from __future__ import annotations
