@@ -156,9 +156,9 @@ class Engine:
             drafter = build_drafter(
                 spec, stage, self.is_driver, self.speculative, num_blocks, self.block_size, self._draft
             )
-        self.scheduler = Scheduler(
-            config.scheduler_config(num_blocks, self.cfg.max_positions, cp, self.layered), cp=cp, drafter=drafter
-        )
+        scheduling = config.scheduler_config(num_blocks, self.cfg.max_positions, cp, self.layered)
+        scheduling = replace(scheduling, cache_generated=not getattr(stage, "prompt_bf16", False))
+        self.scheduler = Scheduler(scheduling, cp=cp, drafter=drafter)
         self.progress = RequestProgress(self.scheduler, self.registry, self.cfg.eos_token_ids, self.cfg.max_positions)
         self.runner = StageRunner(
             stage, self.worker, self.transport, self.guard, self.sampler, self.is_sampler, cp, self.mover

@@ -93,6 +93,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def computed_prompt(self) -> int:
+        """How many of its prompt tokens steps have computed."""
+        return min(self.num_computed, len(self.prompt_token_ids))
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -371,11 +371,11 @@ class Scheduler:
         return self.allocator.match(request_block_hashes(request, (request.num_tokens - 1) // bs, bs))
 
     def _cache_computed(self, request: Request) -> None:
-        """Register the full blocks of `request` that launched steps computed (no step writes
-        them again: its next tokens go to later blocks)."""
+        """Register the full blocks of `request` launched steps computed (its next tokens go to later blocks)."""
         if not self.config.prefix_caching or not request.cacheable:
             return
-        full = min(request.num_computed // self.config.block_size, len(request.block_table))
+        end = request.num_computed if self.config.cache_generated else request.computed_prompt
+        full = min(end // self.config.block_size, len(request.block_table))
         if full <= request.num_cached_blocks:
             return
         hashes = request_block_hashes(request, full, self.config.block_size)

@@ -20,6 +20,9 @@ class SchedulerConfig:
     whole_prompt_steps: bool = False  # context parallel: a step is all fresh prompts or all decodes
     static_batching: bool = False  # the baseline: admit a new batch only when the running one has finished
     prefix_caching: bool = False  # reuse cached full blocks of matching prefixes (the engine turns it on)
+    # False (bf16 prompts: models/fused_decode.py): a block holding generated tokens is not cached, as another
+    # request's prompt matching it would take keys computed in fp32 where its run alone computes bf16 ones
+    cache_generated: bool = True
     layered: Optional[LayeredPrefill] = None  # prompts over the budget run layer group by layer group, not cut
 
     def __post_init__(self):

@@ -431,3 +431,18 @@ def test_the_pool_reports_what_it_cached_and_evicted_in_order():
         pool.free([block])
     stored, removed = pool.take_events()
     assert len(stored) <= 12 and stored[-1] == 1099 and len(removed) <= 12
+
+
+def test_without_cache_generated_only_prompt_blocks_are_cached():
+    """bf16 prompts (models/fused_decode.py): a block holding generated tokens is not cached, so no
+    other prompt takes its fp32-computed keys; the prompt's own blocks are, as ever."""
+    for cache_generated, want in ((True, 3), (False, 2)):
+        s = _cached_scheduler(cache_generated=cache_generated)
+        a = _req("a", list(range(40, 40 + 2 * BS + 2)), max_new=BS)
+        s.add(a)
+        while not a.finished:
+            out = s.schedule()
+            _run(s, out)
+            if len(a.output_token_ids) >= BS:
+                s.finish(a, "length")
+        assert s.allocator.num_cached == want, cache_generated

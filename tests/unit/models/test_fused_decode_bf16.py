@@ -127,3 +127,16 @@ def test_the_flag_resolves_or_says_why_not(tmp_path, monkeypatch):
         fused_decode.prompt_bf16("bfloat16", stage)
     plain = stage_from_hf_model(hf, thread_groups(1, 1)[0], native_kernels=False)
     assert fused_decode.prompt_bf16("auto", plain) is False
+
+
+def test_an_engine_with_bf16_prompts_caches_no_generated_blocks(tmp_path):
+    """Its prefix cache keeps prompt blocks only (SchedulerConfig.cache_generated): a later prompt
+    matching a generated block would take keys computed in fp32 where alone it computes bf16 ones."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa"))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, native_kernels=True)
+    for bf16 in (False, True):
+        stage.prompt_bf16 = bf16
+        engine = Engine(stage, group, EngineConfig(prefix_caching=True))
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, stop_at_eos=False))
+        assert engine.scheduler.config.cache_generated is not bf16
