@@ -13,6 +13,7 @@ import torch
 from dist_infer.engine.engine_core import Engine, EngineConfig
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.kernels import load_cpu_kernels
+from dist_infer.kernels.gemm import cpu_bf16_instructions
 from dist_infer.models import fused_decode
 from dist_infer.models.loader import stage_from_hf_model
 from tests.support.bf16_reference import bf16_prompt_products
@@ -22,8 +23,8 @@ from tests.support.threads import run_ranks, thread_groups
 
 KERNELS = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(
-    KERNELS is None or KERNELS.gemm_bf16 is None or KERNELS.sgemm is None,
-    reason="no native kernels or no oneDNN bf16 GEMM here",
+    KERNELS is None or KERNELS.gemm_bf16 is None or KERNELS.sgemm is None or not cpu_bf16_instructions(),
+    reason="no native kernels, no oneDNN bf16 GEMM or no bf16 matrix instructions here",
 )
 
 PROMPTS = [[(3 * i + 1) % 97 + 2 for i in range(30)], [(5 * i + 2) % 89 + 2 for i in range(21)], [4, 8, 15, 16]]
