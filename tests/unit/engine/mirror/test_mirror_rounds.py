@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
 from dist_infer.engine.migration import MigrationEndpoint
 from dist_infer.engine.mirror import MirrorAnswer
@@ -204,13 +206,22 @@ def test_release_and_cancel_give_every_block_back():
         side.accounted()
 
 
-def test_a_long_request_s_partial_block_is_mirrored_and_a_failover_runs_on_from_it(monkeypatch):
+@pytest.fixture
+def long_request(monkeypatch):
+    """A source and its buddy, where a request of 8 tokens or more mirrors its partial block too, and
+    request "r" after its first step (6 full blocks and one row of the 7th)."""
     from dist_infer.engine.mirror import source
 
     monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
     src, buddy = FakeInstance(0), FakeInstance(1)
     r = src.add("r")
-    src.step()  # 6 full blocks and one row of the 7th
+    src.step()
+    buddy.registry = SimpleNamespace(count_added=lambda: None, register=lambda request: None)  # for take_over
+    return src, buddy, r
+
+
+def test_a_long_request_s_partial_block_is_mirrored_and_a_failover_runs_on_from_it(long_request):
+    src, buddy, r = long_request
     entries, answers = mirror_round(src, buddy, 1)
     assert entries[0].tail == (PROMPT[-1],) and answers[0].tail, "the partial block's computed rows go too"
     recv = [op for op in buddy.ops if op.kind == TransferOp.RECV][-1]
@@ -224,9 +235,6 @@ def test_a_long_request_s_partial_block_is_mirrored_and_a_failover_runs_on_from_
     assert store._tails[(0, "r")].block != first_tail and buddy.pool.refcount(first_tail) == 0, "the old tail freed"
     assert mirror_round(src, buddy, 3) == ([], []), "nothing grew: nothing offered"
     # its instance dies with one more token sampled: the buddy runs it on from the tail
-    from types import SimpleNamespace as NS
-
-    buddy.registry = NS(count_added=lambda: None, register=lambda request: None)
     again = Request("r", list(PROMPT), SamplingParams(max_new_tokens=40), seed=1)
     again.output_token_ids = list(r.output_token_ids)
     assert store.take_over(again)
@@ -239,30 +247,17 @@ def test_a_long_request_s_partial_block_is_mirrored_and_a_failover_runs_on_from_
     src.accounted()
 
 
-def test_a_tail_that_does_not_fit_the_request_is_not_taken_over(monkeypatch):
-    from dist_infer.engine.mirror import source
-
-    monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
-    src, buddy = FakeInstance(0), FakeInstance(1)
-    src.add("r")
-    src.step()
+def test_a_tail_that_does_not_fit_the_request_is_not_taken_over(long_request):
+    src, buddy, _ = long_request
     mirror_round(src, buddy, 1)
-    from types import SimpleNamespace as NS
-
-    buddy.registry = NS(count_added=lambda: None, register=lambda request: None)
     other = Request("r", [3] + PROMPT[1:], SamplingParams(max_new_tokens=40), seed=1)  # another first token
     assert not buddy.endpoint.mirror_in.take_over(other) and other.num_computed == 0
     assert buddy.endpoint.mirror_in.release(0) == 1 and buddy.pool.num_free == buddy.pool.num_blocks
     buddy.accounted()
 
 
-def test_a_buddy_that_let_go_gets_the_blocks_and_the_partial_block_again(monkeypatch):
-    from dist_infer.engine.mirror import source
-
-    monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
-    src, buddy = FakeInstance(0), FakeInstance(1)
-    src.add("r")
-    src.step()
+def test_a_buddy_that_let_go_gets_the_blocks_and_the_partial_block_again(long_request):
+    src, buddy, _ = long_request
     mirror_round(src, buddy, 1)
     store = buddy.endpoint.mirror_in
     assert store.release(0) == 1 and not store._tails, "the buddy let go of everything (a re-pairing, say)"
