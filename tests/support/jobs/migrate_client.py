@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve_client import stream_ids, wait_for_url  # beside this file (the script's folder is on sys.path)
+from serve_client import instances, stream_ids, wait_for_url  # beside this file (the script's folder is on sys.path)
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
 
     def move(request_id: str, ids: list[int]) -> None:
         if "migration" not in out and len(ids) >= 3:
-            insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+            insts = instances(url)
             src = next(i["index"] for i in insts if request_id in i["requests"])
             out["migration"] = httpx.post(
                 url + "/admin/migrate", timeout=120, json={"request_id": request_id, "to_instance": 1 - src}
@@ -32,7 +32,7 @@ def main() -> None:
     out["moved"] = stream_ids(url, prompt, max_tokens, move)
     out["alone"] = stream_ids(url, prompt, max_tokens)
     time.sleep(0.5)
-    out["instances"] = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+    out["instances"] = instances(url)
     print(json.dumps(out))
 
 

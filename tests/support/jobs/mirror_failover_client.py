@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve_client import stream_ids, wait_for_url  # beside this file (the script's folder is on sys.path)
+from serve_client import instances, stream_ids, wait_for_url  # beside this file (the script's folder is on sys.path)
 
 
 def wait_mirrored(url: str, request_id: str, blocks: int) -> bool:
@@ -25,7 +25,7 @@ def wait_mirrored(url: str, request_id: str, blocks: int) -> bool:
     False if the request ended first."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+        insts = instances(url)
         if request_id not in insts[1]["requests"]:
             return False
         held = (insts[0]["kv_mirror"] or {}).get("leased_blocks", 0)
@@ -44,7 +44,7 @@ def main() -> None:
         if "killed" in out or len(ids) < 3:
             return
         out["killed"] = False
-        insts = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+        insts = instances(url)
         if request_id in insts[0]["requests"]:
             out["migration"] = httpx.post(
                 url + "/admin/migrate", timeout=120, json={"request_id": request_id, "to_instance": 1}
@@ -60,7 +60,7 @@ def main() -> None:
     out["chaos"] = stream_ids(url, prompt, max_tokens, kill)
     out["alone"] = stream_ids(url, prompt, max_tokens)
     time.sleep(0.5)
-    out["instances"] = httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
+    out["instances"] = instances(url)
     print(json.dumps(out))
 
 

@@ -1,5 +1,6 @@
 """What the client jobs run inside a test "host" (a network namespace) share: the serve job's URL
-from its ready file, and one greedy completion streamed as token ids with a hook per event."""
+from its ready file, the instances /admin/instances lists, and one greedy completion streamed as token
+ids with a hook per event."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ def wait_for_url(ready: Path, timeout: float = 240.0) -> str:
         time.sleep(0.2)
     info = json.loads(ready.read_text())
     return f"http://{info['host']}:{info['port']}"
+
+
+def instances(url: str) -> list[dict]:
+    """The serve job's instances as /admin/instances describes them."""
+    return httpx.get(url + "/admin/instances", timeout=30).json()["instances"]
 
 
 def stream_ids(url: str, prompt: list[int], max_tokens: int, on_event: Optional[Callable] = None) -> list[int]:
