@@ -69,7 +69,7 @@ typedef struct {
     const long *runs;                     /* [n_runs + 1], or NULL: every row a sequence of its own */
     long sgemm_row_major;                 /* 0: a Fortran sgemm_ (LP64); 1: oneDNN's dnnl_sgemm */
     void *gemm_bf16;                      /* oneDNN's dnnl_gemm_bf16bf16f32, or NULL: no bf16 rows */
-    const unsigned char *bf16_rows;       /* [batch]: 1 where a row's products take bf16 inputs (NULL: none) */
+    const unsigned char *bf16_rows;       /* [batch]: 1 where a row's products take bf16 inputs (NULL: none is) */
 } StackStep;
 
 typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
@@ -185,12 +185,9 @@ static void rows_to_bf16(const float *x, uint16_t *xb, const unsigned char *flag
         if (flags[m]) to_bf16(x + m * K, xb + m * K, K);
 }
 
-/* The rows a step marks for bf16 among its first M, or 0 where it marks none (or has no bf16 GEMM). */
-static long bf16_count(const StackStep *st, long M) {
-    long n = 0;
-    if (st->gemm_bf16 && st->bf16_rows)
-        for (long m = 0; m < M; m++) n += st->bf16_rows[m] != 0;
-    return n;
+/* Whether the step has bf16 rows: its caller passes bf16_rows only where some row is marked. */
+static int has_bf16_rows(const StackStep *st) {
+    return st->gemm_bf16 && st->bf16_rows;
 }
 
 /* A panel W[n0:n0+np] against every row: the fp32 rows' stretches through the step's GEMM on the
@@ -257,7 +254,7 @@ static int mixed_gemm(const StackLinear *w, const float *x, float *y, long M, in
 }
 
 static int linear(const StackLinear *w, const float *x, float *y, long M, int threads, const StackStep *st) {
-    if (bf16_count(st, M) > 0) return mixed_gemm(w, x, y, M, threads, st);
+    if (has_bf16_rows(st)) return mixed_gemm(w, x, y, M, threads, st);
     if (M > MAX_SKINNY_ROWS) {
         if (w->bits != 32) return quant_gemm(w, x, y, M, threads, st);
         return gemm_rows(st, (const float *)w->w, x, y, M, w->n, w->n, w->k);
@@ -268,7 +265,7 @@ static int linear(const StackLinear *w, const float *x, float *y, long M, int th
 
 static int step_fits(const StackLayer *layers, long n_layers, const StackStep *st) {
     long H = st->hidden, d = st->head_dim, qd = st->q_heads * d, kvd = st->kv_heads * d, I = st->intermediate;
-    if (st->batch < 1 || ((st->batch > MAX_SKINNY_ROWS || bf16_count(st, st->batch)) && !st->sgemm) ||
+    if (st->batch < 1 || ((st->batch > MAX_SKINNY_ROWS || has_bf16_rows(st)) && !st->sgemm) ||
         st->q_heads < 1 || st->kv_heads < 1 ||
         st->q_heads % st->kv_heads || d < 2 || d % 2 || st->block_size < 1)
         return 0;
@@ -412,7 +409,7 @@ static int attend_rows(const StackLayer *L, const StackStep *st, const float *q,
     for (long i = 0; i <= n_runs && rc == 0; i++) {
         long r0 = i < n_runs ? (st->runs ? st->runs[i] : 0) : st->batch;
         long r1 = i < n_runs ? (st->runs ? st->runs[i + 1] : st->batch) : st->batch;
-        const unsigned char *flags = st->gemm_bf16 && st->bf16_rows ? st->bf16_rows + r0 : NULL;
+        const unsigned char *flags = has_bf16_rows(st) ? st->bf16_rows + r0 : NULL;
         int chunked = st->runs && i < n_runs && st->sgemm && (r1 - r0 >= CHUNK_ATTENTION_ROWS || marked(flags, r1 - r0));
         if ((chunked || i == n_runs) && r0 > pending)
             rc = decode_attention(q + pending * qd, L->k_cache, L->v_cache, st->tables + pending * w, w,

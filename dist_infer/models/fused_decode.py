@@ -244,9 +244,10 @@ def prompt_bf16(flag: str, stage) -> bool:
     bfloat16 where it cannot is an error naming why; auto then says why it stays float32."""
     if flag == "float32":
         return False
-    why = _no_bf16_prompts(stage)
+    instructions = cpu_bf16_instructions()
+    why = _no_bf16_prompts(stage, instructions)
     if why is None:
-        logger.info(f"--prompt-dtype {flag}: prompt tokens' products in bf16 ({', '.join(cpu_bf16_instructions())})")
+        logger.info(f"--prompt-dtype {flag}: prompt tokens' products in bf16 ({', '.join(instructions)})")
         return True
     if flag == "bfloat16":
         raise ValueError(f"--prompt-dtype bfloat16: {why}")
@@ -254,8 +255,8 @@ def prompt_bf16(flag: str, stage) -> bool:
     return False
 
 
-def _no_bf16_prompts(stage) -> Optional[str]:
-    """Why `stage` cannot run bf16 prompts, or None where it can."""
+def _no_bf16_prompts(stage, instructions: list[str]) -> Optional[str]:
+    """Why `stage` cannot run bf16 prompts on a CPU with these bf16 `instructions`, or None where it can."""
     first = stage.layers[0] if len(stage.layers) else None
     if first is None:
         return "this stage has no layers"
@@ -267,6 +268,6 @@ def _no_bf16_prompts(stage) -> Optional[str]:
         return "the native kernels' one-call step is off here (--native-kernels, or no C compiler)"
     if kernels.gemm_bf16 is None:
         return "oneDNN's bf16 GEMM does not load (the onednn-cpu-gomp wheel)"
-    if not cpu_bf16_instructions():
+    if not instructions:
         return "this CPU has no bf16 matrix instructions (amx_bf16, avx512_bf16 in /proc/cpuinfo)"
     return None
