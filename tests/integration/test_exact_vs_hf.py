@@ -259,12 +259,22 @@ def _bf16_prompts_here() -> str | None:
 
 
 @pytest.mark.parametrize(
-    "case,flags", [("pp2", ["--pp", "2", "--nproc", "2"]), ("tp2xpp2", ["--tp", "2", "--pp", "2", "--nproc", "4"])]
+    "case,prefix,flags",
+    [
+        ("pp2", None, ["--pp", "2", "--nproc", "2"]),
+        ("tp2xpp2", None, ["--tp", "2", "--pp", "2", "--nproc", "4"]),
+        ("torchrun-tp2", [_exe("torchrun"), "--nproc-per-node", "2", "--no-python", *DIST], ["--tp", "2"]),
+        (
+            "mpirun-mpi-pp2",
+            [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "2", *DIST],
+            ["--pp", "2", "--backend", "mpi"],
+        ),
+    ],
 )
-def test_bf16_prompts_match_the_rounded_reference_on_every_stage(case, flags, store, tmp_path):
-    """Prompt tokens' products in bf16 on each pipeline stage and tensor shard: HF with the same
-    products rounded (tests/support/bf16_reference.py) gives the same ids and, within a bf16
-    rounding flip, the same logits."""
+def test_bf16_prompts_match_the_rounded_reference_on_every_stage(case, prefix, flags, store, tmp_path):
+    """Prompt tokens' products in bf16 on each pipeline stage and tensor shard (our ranks, torchrun,
+    mpirun with MPI between the stages): HF with the same products rounded
+    (tests/support/bf16_reference.py) gives the same ids and, within a bf16 rounding flip, the same logits."""
     why = _bf16_prompts_here()
     if why:
         pytest.skip(why)
@@ -277,7 +287,8 @@ def test_bf16_prompts_match_the_rounded_reference_on_every_stage(case, flags, st
     with bf16_prompt_products(hf):
         ref_ids, ref_logits = hf_reference(None, prompts, NEW_TOKENS, model=hf)
     dump = tmp_path / "logits.pt"
-    out = parse_json(run_cli(DIST + generate_args(model, prompts, dump, [*flags, "--prompt-dtype", "bfloat16"])), case)
+    cmd = (prefix or DIST) + generate_args(model, prompts, dump, [*flags, "--prompt-dtype", "bfloat16"])
+    out = parse_json(run_cli(cmd), case)
     for row, got, want_ids, want in zip(out["outputs"], torch.load(dump), ref_ids, ref_logits):
         assert row["token_ids"] == want_ids
         torch.testing.assert_close(got, want, atol=BF16_ROUNDING_FLIP, rtol=0)
