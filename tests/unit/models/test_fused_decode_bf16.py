@@ -141,3 +141,21 @@ def test_an_engine_with_bf16_prompts_caches_no_generated_blocks(tmp_path):
         engine = Engine(stage, group, EngineConfig(prefix_caching=True))
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2, stop_at_eos=False))
         assert engine.scheduler.config.cache_generated is not bf16
+
+
+def test_preempted_requests_recompute_their_prompts_in_bf16_and_end_as_alone(tmp_path):
+    """A cache too small for all three: requests are preempted and recomputed (their prompts in
+    bf16 again, their generated tokens in fp32, as first computed); each ends with its run alone's ids
+    and logits (fp32 rounding apart), and every block is free again."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa"))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, native_kernels=True)
+    alone = [_generate(stage, group, [p], bf16=True, block_size=4) for p in PROMPTS]
+    stage.decode_stack_cache = None
+    engine = Engine(stage, group, EngineConfig(block_size=4, num_blocks=12, max_batched_tokens=12, max_num_seqs=3))
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, stop_at_eos=False), return_logits=True)
+    assert engine.scheduler.num_preemptions > 0, "the cache was meant to be too small for all three"
+    assert engine.stats()["free_blocks"] == 12, "KV blocks conserved"
+    for out, (ids, logits) in zip(outs, alone):
+        assert out.token_ids == ids[0]
+        torch.testing.assert_close(torch.stack(out.logits), logits[0], atol=1e-4, rtol=1e-4)
