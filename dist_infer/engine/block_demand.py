@@ -31,3 +31,19 @@ def check_fits(prompt_len: int, max_new_tokens: int, num_blocks: int, block_size
     if need > num_blocks:
         return f"needs {need} KV blocks of {block_size} tokens for {tokens} tokens, the cache has {num_blocks}"
     return None
+
+
+def waiting_demand(scheduler) -> int:
+    """KV blocks a scheduler's waiting queue needs to run to the end (Llumnix counts queued demand as
+    used; max_tokens tells us the rest of it)."""
+    return sum(_full_length_blocks(scheduler, r) for r in scheduler.waiting)
+
+
+def growth_demand(scheduler) -> int:
+    """KV blocks a scheduler's running requests still need to reach their max_tokens."""
+    return sum(max(0, _full_length_blocks(scheduler, r) - len(r.block_table)) for r in scheduler.running)
+
+
+def _full_length_blocks(scheduler, r) -> int:
+    c = scheduler.config
+    return blocks_at_full_length(len(r.prompt_token_ids), r.params.max_new_tokens, c.block_size, scheduler.cp)

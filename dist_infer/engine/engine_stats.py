@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dist_infer.engine.block_demand import growth_demand, waiting_demand
 from dist_infer.engine.step_pacing import StepPacer
 
 EMPTY = {
@@ -49,8 +50,8 @@ def engine_stats(
         "prefix_cache_queries": s.prefix_cache_queries,
         "prefix_cache_hits": s.prefix_cache_hits,
         "watermark_blocks": s.watermark_blocks,
-        "waiting_demand_blocks": s.waiting_demand(),
-        "growth_blocks": s.growth_demand(),
+        "waiting_demand_blocks": waiting_demand(s),
+        "growth_blocks": growth_demand(s),
         "running_ids": [r.request_id for r in s.running],
         "waiting_ids": [r.request_id for r in s.waiting],
         "running_blocks": [len(r.block_table) for r in s.running],

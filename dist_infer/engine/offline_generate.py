@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from dist_infer.engine.block_demand import blocks_at_full_length
 from dist_infer.engine.driver_step import StepDriver
 from dist_infer.engine.intake import RequestRegistry
 from dist_infer.engine.offline_outputs import GenerationOutput
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams, batch_seed
-from dist_infer.engine.scheduler import Scheduler, blocks_at_full_length
+from dist_infer.engine.scheduler import Scheduler
 
 
 @dataclass

@@ -71,7 +71,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: Optional[float] = None
     emitted_tokens: int = 0  # tokens already reported
-    resumed: bool = False  # it goes on from another instance's tokens (its instance died), until admitted
+    resumed: bool = False  # it goes on from another instance's tokens (its instance died), until its first step
     logits: list = field(default_factory=list)  # per generated token, when the caller asked for them
     # prefix caching (prefix_cache.py): the hashes of its full blocks so far (its tokens only grow, so
     # they hold across preemption), how many leading blocks of its table are cached (shared or

@@ -1,12 +1,12 @@
 """The iteration-level scheduler (Orca, vLLM): every step, one forward batch under a token budget.
 
 Running decodes go first (one token each), then chunks of prompts, so a long prompt never stalls the decodes
-(stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's Dynamic SplitFuse do). New requests
-are admitted while free KV blocks stay above a watermark. When a running request needs a block and none is
-free, the newest running request that is not already in this step or waiting for a sampled token (pipeline)
-is preempted by recompute (possibly the request itself): its blocks are freed and it waits again, first in
-line, with its prompt plus what it generated, recomputed when readmitted. Sampling is counter-based, so it
-goes on with the tokens it would have drawn (up to a near tie: the recompute is a prefill, not decodes).
+(stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's Dynamic SplitFuse do); a request
+failed over from a dead instance goes before the other prompts. New requests are admitted while free KV
+blocks stay above a watermark. When a running request needs a block and none is free, the newest running
+request not in this step nor waiting for a sampled token (pipeline) is preempted by recompute (possibly the
+request itself): its blocks are freed and it waits again, first in line, recomputed when readmitted.
+Sampling is counter-based: it goes on with the tokens it would have drawn (up to a near tie).
 
 With prefix caching (prefix_cache.py), an admitted request first takes the longest run of
 cached full blocks its tokens match (its own, after a preemption, or another request's) and
@@ -16,9 +16,9 @@ before has left by then; one that failed ended its requests), or when its reques
 (stop, length), is preempted or moves to another instance; an aborted or failed request's newest
 blocks are not (its step may never have run). Blocks a migration brought are never registered.
 
-Speculative decoding (engine/speculative): a decode's chunk also carries its drafter's proposals, as many as
-the budget and the free blocks allow (never preempting), computed only once accepted (`accept_proposed`);
-blocks that held only rejected ones go back (`release_unverified`): prefix-cache hashes cover accepted tokens.
+Speculative decoding (engine/speculative): a decode's chunk also carries its drafter's proposals (as many as
+the budget and free blocks allow, never preempting), computed once accepted (`accept_proposed`); blocks
+that held only rejected ones go back (`release_unverified`): prefix-cache hashes cover accepted tokens.
 
 The scheduler owns the block pool and every request's block table; the ranks only store keys and values
 where the plan says. Pure bookkeeping (no tensors, no processes): the tests drive it directly.
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional, Union
 
-from dist_infer.engine.block_demand import blocks_at_full_length, check_fits, cp_rows_needed  # noqa: F401
+from dist_infer.engine.block_demand import check_fits, cp_rows_needed  # noqa: F401
 from dist_infer.engine.block_pool import BlockPool
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.layered_prefill import LayerProgress, group_charge
@@ -61,15 +61,16 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
         self._freed: list[Request] = []
-        self._watermark_blocks = int(config.watermark * config.num_blocks)
+        self.watermark_blocks = int(config.watermark * config.num_blocks)  # free blocks admission leaves
         # context parallel: the prompt length a sequence was prefilled with (its zigzag layout)
         self._cp_prefill: dict[str, int] = {}
         self._last_step_prefill = False
 
     # -- the queue ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        """A request whose instance died goes first, as a preempted one does: its client waits mid-stream."""
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        (self.waiting.appendleft if request.resumed else self.waiting.append)(request)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request wherever it is (finished, stopped, aborted) and free its blocks."""
@@ -77,11 +78,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
+            self.waiting.remove(request)
         self._release(request, cache=reason in ("stop", "length"))  # an abort may be a step that never ran
         request.status = RequestStatus.FINISHED
         if self.drafter is not None:
@@ -124,22 +122,6 @@ class Scheduler:
         else:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-
-    @property
-    def watermark_blocks(self) -> int:
-        return self._watermark_blocks
-
-    def _full_length_blocks(self, r: Request) -> int:
-        return blocks_at_full_length(len(r.prompt_token_ids), r.params.max_new_tokens, self.config.block_size, self.cp)
-
-    def waiting_demand(self) -> int:
-        """KV blocks the waiting queue needs to run to the end (Llumnix counts queued demand as used;
-        max_tokens tells us the rest of it)."""
-        return sum(self._full_length_blocks(r) for r in self.waiting)
-
-    def growth_demand(self) -> int:
-        """KV blocks the running requests still need to reach their max_tokens."""
-        return sum(max(0, self._full_length_blocks(r) - len(r.block_table)) for r in self.running)
 
     @property
     def num_free_blocks(self) -> int:
@@ -226,12 +208,14 @@ class Scheduler:
             )
         scheduled: set[int] = set()
 
-        # 1. running requests: first every decode, then unfinished prompts' chunks, oldest first
+        # 1. running requests: first every decode, then unfinished prompts' chunks, failed-over requests'
+        # first (their tails, whole: the ITL cap is for the others) and then the oldest
         if not cp_prefill_step:
             for decodes in (True, False):
                 if not decodes and out.chunks and prefill_cap is not None:
-                    budget = min(budget, self._cap(prefill_cap, out))
-                for request in list(self.running):
+                    tails = sum(r.num_tokens - r.num_computed for r in self.running if r.resumed and not r.in_flight)
+                    budget = min(budget, self._cap(prefill_cap, out) + tails)
+                for request in sorted(self.running, key=lambda r: not r.resumed):
                     if len(out.chunks) >= max_seqs:
                         break
                     if request not in self.running or request.in_flight or id(request) in scheduled:
@@ -270,6 +254,8 @@ class Scheduler:
         )
         if admitting and (not self.config.whole_prompt_steps or cp_prefill_step):
             self._admit(out, budget, max_seqs, scheduled)
+        for chunk in out.chunks:
+            chunk.request.resumed = False
         out.freed, self._freed = list(freed or []) + self._freed, []
         if out.chunks:
             self._last_step_prefill = cp_prefill_step
@@ -277,11 +263,16 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: float, max_seqs: int, scheduled: set[int]) -> None:
         """Step 2 of `_schedule`: start waiting requests, first come first served, each from the
-        cached blocks its tokens match (prefix caching), while blocks and the budget last."""
+        cached blocks its tokens match (prefix caching), while blocks and the budget last. A step that
+        starts failed-over requests (first in the queue) starts no other: its length is their gap."""
+        recovering = any(c.request.resumed for c in out.chunks)
         while (
             self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.chunks) < max_seqs
         ):
             request = self.waiting[0]
+            if recovering and not request.resumed:
+                break
+            recovering = request.resumed
             hit = self._match(request)
             cached = len(hit) * self.config.block_size
             remaining = request.num_tokens - cached
@@ -302,7 +293,7 @@ class Scheduler:
                 self._cp_prefill[request.request_id] = request.num_tokens
             # the new blocks, and the matched ones nobody holds (they leave the allocatable count)
             grow = self._blocks_to_grow(request, cached + n) - len(hit) + self.allocator.reclaimed_by(hit)
-            if grow > self.allocator.num_free - self._watermark_blocks and (self.running or out.chunks):
+            if grow > self.allocator.num_free - self.watermark_blocks and (self.running or out.chunks):
                 self._cp_prefill.pop(request.request_id, None)
                 break  # wait for blocks (unless nothing else runs: then take what there is)
             if grow > self.allocator.num_free:

@@ -677,6 +677,36 @@ void causal_softmax_rows(float *s, long rows, long n, const long *seq_lens, long
     }
 }
 
+/* partial_softmax_rows: scores s [rows, n] (row stride n) of query vectors against keys [p0, p0 + n)
+ * of one sequence, vector v being row v / group's, which sees positions [seq_lens[r] - window (window
+ * > 0, else 0), seq_lens[r]): e^(s - m) where it sees, 0 elsewhere, in place; m[v] the maximum over
+ * what it sees (-inf where nothing) and sum[v] the sum. One chunk's part of an attention whose chunks
+ * are merged afterwards (flash-decoding's rule), as decode_chunk's are. */
+void partial_softmax_rows(float *s, long rows, long n, long group, const long *seq_lens, long p0, long window,
+                          float *m, float *sum) {
+    for (long v = 0; v < rows; v++) {
+        float *sr = s + v * n, mx = -INFINITY, total = 0.f;
+        long r = v / group, hi = seq_lens[r] - p0, lo = window > 0 ? seq_lens[r] - window - p0 : 0, t;
+        lo = lo < 0 ? 0 : lo;
+        hi = hi > n ? n : hi;
+        for (t = lo; t < hi; t++) mx = sr[t] > mx ? sr[t] : mx;
+        if (hi > lo) {
+            vf acc = (vf){0};
+            for (t = lo; t + VW <= hi; t += VW) {
+                vf e = exp_nonpositive(load(sr + t) - mx);
+                memcpy(sr + t, &e, sizeof e);
+                acc += e;
+            }
+            total = hsum(acc);
+            for (; t < hi; t++) total += (sr[t] = expf(sr[t] - mx));
+        }
+        if (lo > 0) memset(sr, 0, (size_t)(lo < n ? lo : n) * sizeof(float));
+        if (hi < n) memset(sr + (hi > 0 ? hi : 0), 0, (size_t)(n - (hi > 0 ? hi : 0)) * sizeof(float));
+        m[v] = hi > lo ? mx : -INFINITY;
+        sum[v] = total;
+    }
+}
+
 int decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
                      long width, const long *seq_lens, long window, long B, long q_heads, long kv_heads,
                      long d, long block_size, float scale, float *out, float *lse, int threads) {

@@ -95,6 +95,8 @@ static int gemm(const StackStep *st, char ta, char tb, long m, long n, long k, f
 }
 
 #define CHUNK_ATTENTION_ROWS 8  /* a sequence's run of at least this many rows attends through sgemm */
+#define SPLIT_MAX_ROWS 32  /* a run of 2 to this many fp32 rows over at least SPLIT_MIN_KEYS keys: */
+#define SPLIT_MIN_KEYS 512  /* split_attention (a few rows over a long context) */
 #define ATTENTION_BLOCK_ROWS 64  /* chunk_attention's blocks of rows: each takes the keys its last row sees */
 #define WHOLE_GEMM_ROWS 128  /* from this many rows a whole matrix is dequantized into one product, */
 #define WHOLE_GEMM_THREADS 8  /* on this many threads: on two, panels were faster at 128-256 rows */
@@ -393,13 +395,105 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
     return failed ? -3 : 0;
 }
 
+/* Keys per split_attention task: about 4 tasks a thread, in multiples of 64, from 128 to 512 (a task's
+ * keys and values, 2 x 512 x kv_heads x head_dim floats, stay in a core's L2 on the default model). */
+static long split_keys(long n, int threads) {
+    long want = (n + 4L * threads - 1) / (4L * threads);
+    want = (want + 63) / 64 * 64;
+    return want < 128 ? 128 : want > 512 ? 512 : want;
+}
+
+/* Keys and values of positions [p0, p1) of a sequence: in place where its blocks lie one after the
+ * other in the cache (a sequence's blocks mostly do), else copied into kc and vc. */
+static void chunk_keys(const float *k_cache, const float *v_cache, const long *table, long p0, long p1, long bs,
+                       long kvd, float *kc, float *vc, const float **keys, const float **values) {
+    long first = p0 / bs, last = (p1 - 1) / bs, b = first;
+    while (b < last && table[b + 1] == table[b] + 1) b++;
+    if (b == last) {
+        *keys = k_cache + (table[first] * bs + p0 % bs) * kvd;
+        *values = v_cache + (table[first] * bs + p0 % bs) * kvd;
+        return;
+    }
+    for (long p = p0; p < p1;) {
+        long off = p % bs, take = bs - off < p1 - p ? bs - off : p1 - p, src = (table[p / bs] * bs + off) * kvd;
+        memcpy(kc + (p - p0) * kvd, k_cache + src, (size_t)take * kvd * sizeof(float));
+        memcpy(vc + (p - p0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
+        p += take;
+    }
+    *keys = kc;
+    *values = vc;
+}
+
+/* A few fp32 rows of one sequence over a long context (a failed-over request's recomputed tail,
+ * proposals being verified, a prompt's last short chunk): the keys are split into chunks over the
+ * threads, as decode_attention splits them for one row, and each chunk is read once for every row
+ * and every query head of a KV head: scores = Q K^T and the chunk's part of P V through the GEMM,
+ * then the chunks' parts merged. chunk_attention's split by head (on two threads, nine heads left
+ * one idle a ninth of the time), its copy of the whole context into one buffer before any product,
+ * and decode_attention's read of the context per row all cost more where rows are few and keys
+ * many (docs/benchmarks.md, "KV mirroring"). */
+static int split_attention(const float *q, const float *k_cache, const float *v_cache, const long *table,
+                           const long *seq_lens, long R, const StackStep *st, float *out) {
+    long d = st->head_dim, qh = st->q_heads, kvh = st->kv_heads, qd = qh * d, kvd = kvh * d, group = qh / kvh;
+    long window = st->window, end = seq_lens[R - 1];
+    long k0 = window > 0 && seq_lens[0] > window ? seq_lens[0] - window : 0, n = end - k0, V = R * group;
+    int threads = st->threads > 1 ? (int)st->threads : 1;
+    long C = split_keys(n, threads), chunks = (n + C - 1) / C, stride = R * qh * (d + 2);
+    long scratch = 2 * C * kvd + V * (2 * d + C + 2);
+    int workers = chunks < threads ? (int)chunks : threads, failed = 0;
+    float *mem = malloc(((size_t)chunks * stride + (size_t)workers * scratch) * sizeof(float));
+    if (!mem) return -2;
+#pragma omp parallel for num_threads(workers) schedule(dynamic, 1) if (workers > 1)
+    for (long c = 0; c < chunks; c++) {
+        float *kc = thread_slice(mem + chunks * stride, scratch), *vc = kc + C * kvd, *qg = vc + C * kvd;
+        float *s = qg + V * d, *og = s + V * C, *mx = og + V * d, *sum = mx + V, *part = mem + c * stride;
+        long p0 = k0 + c * C, p1 = p0 + C < end ? p0 + C : end, len = p1 - p0;
+        const float *keys, *values;
+        chunk_keys(k_cache, v_cache, table, p0, p1, st->block_size, kvd, kc, vc, &keys, &values);
+        for (long g = 0; g < kvh && !failed; g++) {
+            for (long v = 0; v < V; v++) memcpy(qg + v * d, q + v / group * qd + (g * group + v % group) * d, d * sizeof(float));
+            if (gemm(st, 'T', 'N', len, V, d, (float)st->scale, keys + g * d, kvd, qg, d, s, len) != 0) {
+                failed = 1;
+                break;
+            }
+            partial_softmax_rows(s, V, len, group, seq_lens, p0, window, mx, sum);
+            if (gemm(st, 'N', 'N', d, V, len, 1.0f, values + g * d, kvd, s, len, og, d) != 0) {
+                failed = 1;
+                break;
+            }
+            for (long v = 0; v < V; v++) {
+                float *dst = part + (v / group * qh + g * group + v % group) * (d + 2);
+                memcpy(dst, og + v * d, d * sizeof(float));
+                dst[d] = mx[v];
+                dst[d + 1] = sum[v];
+            }
+        }
+    }
+    for (long i = 0; i < R * qh && !failed; i++) {  /* row i / qh, head i % qh: its chunks merged */
+        float m = -INFINITY, total = 0.f, *o = out + i / qh * qd + i % qh * d;
+        for (long c = 0; c < chunks; c++) m = mem[c * stride + i * (d + 2) + d] > m ? mem[c * stride + i * (d + 2) + d] : m;
+        for (long j = 0; j < d; j++) o[j] = 0.f;
+        if (m == -INFINITY) continue;
+        for (long c = 0; c < chunks; c++) {
+            const float *p = mem + c * stride + i * (d + 2);
+            float w = p[d] > -INFINITY ? expf(p[d] - m) : 0.f;
+            total += w * p[d + 1];
+            for (long j = 0; j < d; j++) o[j] += w * p[j];
+        }
+        for (long j = 0; j < d; j++) o[j] /= total;
+    }
+    free(mem);
+    return failed ? -3 : 0;
+}
+
 static int marked(const unsigned char *flags, long n) {
     for (long i = 0; flags && i < n; i++)
         if (flags[i]) return 1;
     return 0;
 }
 
-/* Attention of every row: a sequence's run of CHUNK_ATTENTION_ROWS or more through chunk_attention,
+/* Attention of every row: a sequence's run of 2 to SPLIT_MAX_ROWS fp32 rows over SPLIT_MIN_KEYS keys
+ * or more through split_attention, one of CHUNK_ATTENTION_ROWS or more through chunk_attention,
  * and a run with bf16 rows however short (a prompt's rows attend the same way however it is chunked),
  * the others (decodes, short chunks) row by row through decode_attention, consecutive ones together. */
 static int attend_rows(const StackLayer *L, const StackStep *st, const float *q, float *out) {
@@ -410,8 +504,12 @@ static int attend_rows(const StackLayer *L, const StackStep *st, const float *q,
         long r0 = i < n_runs ? (st->runs ? st->runs[i] : 0) : st->batch;
         long r1 = i < n_runs ? (st->runs ? st->runs[i + 1] : st->batch) : st->batch;
         const unsigned char *flags = has_bf16_rows(st) ? st->bf16_rows + r0 : NULL;
-        int chunked = st->runs && i < n_runs && st->sgemm && (r1 - r0 >= CHUNK_ATTENTION_ROWS || marked(flags, r1 - r0));
-        if ((chunked || i == n_runs) && r0 > pending)
+        long keys = i < n_runs ? st->seq_lens[r1 - 1] : 0;
+        int split = st->runs && i < n_runs && st->sgemm && r1 - r0 >= 2 && r1 - r0 <= SPLIT_MAX_ROWS &&
+                    keys >= SPLIT_MIN_KEYS && !marked(flags, r1 - r0);
+        int chunked = !split && st->runs && i < n_runs && st->sgemm &&
+                      (r1 - r0 >= CHUNK_ATTENTION_ROWS || marked(flags, r1 - r0));
+        if ((chunked || split || i == n_runs) && r0 > pending)
             rc = decode_attention(q + pending * qd, L->k_cache, L->v_cache, st->tables + pending * w, w,
                                   st->seq_lens + pending, st->window, r0 - pending, st->q_heads, st->kv_heads,
                                   st->head_dim, st->block_size, (float)st->scale, out + pending * qd, NULL,
@@ -419,6 +517,10 @@ static int attend_rows(const StackLayer *L, const StackStep *st, const float *q,
         if (chunked && rc == 0) {
             rc = chunk_attention(q + r0 * qd, L->k_cache, L->v_cache, st->tables + r0 * w, st->seq_lens + r0, r1 - r0,
                                  flags, st, out + r0 * qd);
+            pending = r1;
+        } else if (split && rc == 0) {
+            rc = split_attention(q + r0 * qd, L->k_cache, L->v_cache, st->tables + r0 * w, st->seq_lens + r0, r1 - r0,
+                                 st, out + r0 * qd);
             pending = r1;
         }
     }

@@ -221,7 +221,6 @@ class MirrorStore:
         del self._tails[key]
         self.pool.take(lease)
         request.num_computed, request.num_cached_blocks = start + len(tail.tokens), tail.index
-        request.resumed = False
         s = self.engine.scheduler
         s.failover_recomputed_tokens += len(tokens) - request.num_computed
         self.engine.registry.count_added()  # the front end counted it as an add to this instance

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from dist_infer.engine.scheduler import blocks_at_full_length
+from dist_infer.engine.block_demand import blocks_at_full_length
 from dist_infer.serving.fleet.instance_record import InstanceClient, RequestRecord
 from dist_infer.serving.fleet.wire import AbortRequest, InstanceState
 

@@ -63,6 +63,56 @@ def test_decodes_go_first_then_prompt_chunks_fill_the_budget():
     assert len(b.block_table) == blocks_for(25, 4)
 
 
+def test_failed_over_requests_go_first_and_their_step_starts_no_other_prompt():
+    """Requests whose instance died (resumed) jump the queue, all of them in one step, and that step
+    starts no new prompt beside them, however much budget is left: its length is their clients' gap.
+    The new prompt starts the next step; the decodes already running are in both."""
+    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=64))
+    running, new, first, second = _request(0, 3), _request(1, 5), _request(2, 9), _request(3, 6)
+    s.add(running)
+    _finish_step(s, s.schedule())
+    s.add(new)
+    for r in (first, second):
+        r.resumed = True
+        s.add(r)
+    assert [r.request_id for r in s.waiting] == ["r3", "r2", "r1"]
+    out = s.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", 1), ("r3", 6), ("r2", 9)]
+    assert not first.resumed and not second.resumed and s.failover_recomputed_tokens == 15
+    _finish_step(s, out)
+    out = s.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", 1), ("r3", 1), ("r2", 1), ("r1", 5)]
+
+
+def test_a_failed_over_tail_taken_over_from_a_mirror_runs_whole_before_other_prompts():
+    """A request that resumes running from its mirrored blocks (engine/mirror/store.py take_over) with
+    a tail of 5 tokens to compute again: in the next step its tail goes whole, before the running
+    prompt that came first, the ITL cap (2 tokens beside the decodes) given to that prompt only, and no
+    new prompt starts."""
+    s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=64))
+    decode, chunked, new = _request(0, 3), _request(1, 30), _request(2, 5)
+    s.add(decode)
+    _finish_step(s, s.schedule())
+    s.add(chunked)
+    _finish_step(s, s.schedule(prefill_cap=2))
+    tail = _request(3, 13)
+    tail.resumed, tail.num_computed = True, 8
+    s.install(tail, [s.allocator.allocate(), s.allocator.allocate()], computed_here=True)
+    s.add(new)
+    out = s.schedule(prefill_cap=2)
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [
+        ("r0", 4, 1),
+        ("r3", 8, 5),
+        ("r1", 2, 2),
+    ]
+    assert not tail.resumed
+    _finish_step(s, out)
+    out = s.schedule(prefill_cap=2)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", 1), ("r3", 1), ("r1", 2)], (
+        "the next step: a decode like the others, and the cap holds again"
+    )
+
+
 def test_without_chunking_a_prompt_waits_for_a_step_with_room_or_runs_alone():
     s = Scheduler(SchedulerConfig(num_blocks=100, block_size=4, max_batched_tokens=8, chunked_prefill=False))
     s.add(_request(0, 6))

@@ -154,6 +154,38 @@ def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+SPLIT_PROMPTS = [[(3 * i + 1) % 97 + 2 for i in range(650)], [(5 * i + 2) % 89 + 2 for i in range(600)]]
+
+
+@pytest.mark.parametrize("alone", [True, False])
+@pytest.mark.parametrize(
+    "arch,scheme,extra",
+    [("llama-gqa", "none", {}), ("llama-mqa", "int4", {}), ("mistral", "none", {"sliding_window": 300})],
+)
+def test_a_few_rows_over_a_long_context_attend_in_chunks_of_keys(arch, scheme, extra, alone, tmp_path):
+    """Prompts of 600-650 tokens in chunks of at most 20 rows: past 512 keys each chunk (2..32 rows of
+    one sequence) attends through split_attention, the keys split over the threads and each chunk of
+    them read once for every row and head. Alone, a prompt's blocks lie one after the other in the
+    cache and are read in place; two at a time, their blocks alternate and are copied per chunk. A
+    window shorter than the context under Mistral. The same ids and logits as the layer path and
+    transformers."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, arch, max_position_embeddings=1024, **extra))
+    group = thread_groups(1, 1)[0]
+    stage = stage_from_hf_model(hf, group, quantization=scheme, native_kernels=True)
+    prompts = SPLIT_PROMPTS[:1] if alone else SPLIT_PROMPTS
+    on = _generate(stage, group, prompts, fused=True, max_batched_tokens=20)
+    assert _fused_ran(stage)
+    off = _generate(stage, group, prompts, fused=False, max_batched_tokens=20)
+    assert on[0] == off[0]
+    for a, b in zip(on[1], off[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 1)
+    ref_ids, ref_logits = hf_reference(None, prompts, NEW, model=model)
+    assert on[0] == ref_ids
+    for got, want in zip(on[1], ref_logits):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("gemm", ["onednn", "blas"])
 @pytest.mark.parametrize("threads", [2, 8])
 def test_a_long_prefill_takes_panels_on_few_threads_and_one_product_on_many(threads, gemm, tmp_path, monkeypatch):
