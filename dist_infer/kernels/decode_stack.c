@@ -301,6 +301,35 @@ static float *work_alloc(const StackStep *st, Work *w) {
     return p;
 }
 
+/* Keys per split_attention task: about 4 tasks a thread, in multiples of 64, from 128 to 512 (a task's
+ * keys and values, 2 x 512 x kv_heads x head_dim floats, stay in a core's L2 on the default model). */
+static long split_keys(long n, int threads) {
+    long want = (n + 4L * threads - 1) / (4L * threads);
+    want = (want + 63) / 64 * 64;
+    return want < 128 ? 128 : want > 512 ? 512 : want;
+}
+
+/* Keys and values of positions [p0, p1) of a sequence: in place where its blocks lie one after the
+ * other in the cache (a sequence's blocks mostly do), else copied into kc and vc. */
+static void chunk_keys(const float *k_cache, const float *v_cache, const long *table, long p0, long p1, long bs,
+                       long kvd, float *kc, float *vc, const float **keys, const float **values) {
+    long first = p0 / bs, last = (p1 - 1) / bs, b = first;
+    while (b < last && table[b + 1] == table[b] + 1) b++;
+    if (b == last) {
+        *keys = k_cache + (table[first] * bs + p0 % bs) * kvd;
+        *values = v_cache + (table[first] * bs + p0 % bs) * kvd;
+        return;
+    }
+    for (long p = p0; p < p1;) {
+        long off = p % bs, take = bs - off < p1 - p ? bs - off : p1 - p, src = (table[p / bs] * bs + off) * kvd;
+        memcpy(kc + (p - p0) * kvd, k_cache + src, (size_t)take * kvd * sizeof(float));
+        memcpy(vc + (p - p0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
+        p += take;
+    }
+    *keys = kc;
+    *values = vc;
+}
+
 /* Rows [r0, r0 + rows) of a run, query head h, attending keys [k0, k0 + ni): scores through the GEMM
  * into s, each row's softmax, out = P V through the GEMM; in bf16 (q, P and the keys' and values'
  * bf16 copies; fp32 scores, softmax and output) where `bf16`, into the thread's qb and pb. */
@@ -332,7 +361,7 @@ static int attend_block(const StackStep *st, const RunKeys *kv, const float *q, 
 
 /* A prompt chunk's rows q [R, q_heads * d] (one sequence: table, each row's seq_len, ascending)
  * attending in two products per query head, as SDPA does: the sequence's keys and values gathered
- * from their blocks once, scores = Q K^T through the GEMM, each row's softmax over the keys it sees,
+ * from their blocks once (read in place where the blocks lie one after the other), scores = Q K^T through the GEMM, each row's softmax over the keys it sees,
  * out = P V through the GEMM. One row at a time (decode_attention) would cost a dot product and a
  * horizontal sum per key, head and row: far slower than SDPA over long contexts (docs/benchmarks.md,
  * "Mixed steps in one native call"). Rows `flags` marks (NULL: none) take both products in bf16. */
@@ -357,17 +386,14 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
     size_t halves = any_bf16 ? (size_t)2 * n * kvd + (size_t)threads * rb * (n + d) : 0;
     float *mem = malloc(((size_t)2 * n * kvd + (size_t)threads * rb * n) * sizeof(float) + halves * sizeof(uint16_t));
     if (!mem) return -2;
-    float *keys = mem, *values = mem + n * kvd, *scores = values + n * kvd;
+    float *scores = mem + 2 * n * kvd;
     uint16_t *half = (uint16_t *)(scores + (size_t)threads * rb * n);
-    for (long p = k0; p < end;) {  /* a block's positions at a time: contiguous in the cache */
-        long off = p % bs, take = bs - off < end - p ? bs - off : end - p, src = (table[p / bs] * bs + off) * kvd;
-        memcpy(keys + (p - k0) * kvd, k_cache + src, (size_t)take * kvd * sizeof(float));
-        memcpy(values + (p - k0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
-        p += take;
-    }
+    const float *keys, *values;
+    chunk_keys(k_cache, v_cache, table, k0, end, bs, kvd, mem, mem + n * kvd, &keys, &values);
     RunKeys kv = {keys, values, NULL, NULL, n, k0};
     if (any_bf16) {
-        to_bf16(keys, half, 2 * n * kvd);  /* keys and values lie one after the other */
+        to_bf16(keys, half, n * kvd);
+        to_bf16(values, half + n * kvd, n * kvd);
         kv.keys_b = half;
         kv.values_b = half + n * kvd;
     }
@@ -393,35 +419,6 @@ static int chunk_attention(const float *q, const float *k_cache, const float *v_
     }
     free(mem);
     return failed ? -3 : 0;
-}
-
-/* Keys per split_attention task: about 4 tasks a thread, in multiples of 64, from 128 to 512 (a task's
- * keys and values, 2 x 512 x kv_heads x head_dim floats, stay in a core's L2 on the default model). */
-static long split_keys(long n, int threads) {
-    long want = (n + 4L * threads - 1) / (4L * threads);
-    want = (want + 63) / 64 * 64;
-    return want < 128 ? 128 : want > 512 ? 512 : want;
-}
-
-/* Keys and values of positions [p0, p1) of a sequence: in place where its blocks lie one after the
- * other in the cache (a sequence's blocks mostly do), else copied into kc and vc. */
-static void chunk_keys(const float *k_cache, const float *v_cache, const long *table, long p0, long p1, long bs,
-                       long kvd, float *kc, float *vc, const float **keys, const float **values) {
-    long first = p0 / bs, last = (p1 - 1) / bs, b = first;
-    while (b < last && table[b + 1] == table[b] + 1) b++;
-    if (b == last) {
-        *keys = k_cache + (table[first] * bs + p0 % bs) * kvd;
-        *values = v_cache + (table[first] * bs + p0 % bs) * kvd;
-        return;
-    }
-    for (long p = p0; p < p1;) {
-        long off = p % bs, take = bs - off < p1 - p ? bs - off : p1 - p, src = (table[p / bs] * bs + off) * kvd;
-        memcpy(kc + (p - p0) * kvd, k_cache + src, (size_t)take * kvd * sizeof(float));
-        memcpy(vc + (p - p0) * kvd, v_cache + src, (size_t)take * kvd * sizeof(float));
-        p += take;
-    }
-    *keys = kc;
-    *values = vc;
 }
 
 /* A few fp32 rows of one sequence over a long context (a failed-over request's recomputed tail,
