@@ -74,8 +74,8 @@ def serve_args(checkpoint, *extra: str, layouts: str = "tp1,tp2") -> list[str]:
 
 
 async def mirrored(client, url: str, source: int, request_id: str, blocks: int, tails: int = 0, timeout: float = 120.0):
-    """Wait (bounded) until `source`'s buddy holds at least `blocks` of its blocks (and `tails`
-    partial blocks): /admin/instances then; None if the request ended first. (Not for the lag to be
+    """Wait (bounded) until `source`'s buddy holds at least `blocks` of its blocks from committed
+    rounds (and `tails` partial blocks): /admin/instances then; None if the request ended first. (Not for the lag to be
     nil: this tiny model fills a block in a few steps, faster than rounds come.)"""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -84,8 +84,8 @@ async def mirrored(client, url: str, source: int, request_id: str, blocks: int, 
             return None
         buddy = insts[source]["kv_mirror_buddy"]
         there = (insts[buddy]["kv_mirror"] or {}) if buddy is not None else {}
-        if there.get("leased_blocks", 0) >= blocks and there.get("tails", 0) >= tails:
-            return {"buddy": buddy, "held": there["leased_blocks"], "instances": insts}
+        if there.get("committed_blocks", 0) >= blocks and there.get("tails", 0) >= tails:
+            return {"buddy": buddy, "held": there["committed_blocks"], "instances": insts}
         assert asyncio.get_running_loop().time() < deadline, f"the mirror never caught up: {insts}"
         await asyncio.sleep(0.05)
 

@@ -271,6 +271,9 @@ class MirrorStore:
             "blocks_reclaimed": c.blocks_reclaimed,
             "leases": len(self._leases),
             "leased_blocks": self.pool.num_leased if self.engine.scheduler is not None else 0,
+            # of those, the blocks of committed rounds: what a failover here finds (a round's leases
+            # start at its reserve; a source dying before the commit undoes them)
+            "committed_blocks": sum(len(blocks) for blocks in self._leases.values()),
             "leases_released": c.leases_released,
             "tails": len(self._tails),
             "tails_taken_over": c.tails_taken_over,

@@ -21,15 +21,15 @@ from serve_client import instances, stream_ids, wait_for_url  # beside this file
 
 
 def wait_mirrored(url: str, request_id: str, blocks: int) -> bool:
-    """Until instance 0 leases `blocks` of instance 1's blocks (bounded);
-    False if the request ended first."""
+    """Until instance 0 holds `blocks` of instance 1's blocks from committed rounds (a round's leases
+    count from its reserve, and a kill before its commit undoes them) (bounded); False if the request
+    ended first."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         insts = instances(url)
         if request_id not in insts[1]["requests"]:
             return False
-        held = (insts[0]["kv_mirror"] or {}).get("leased_blocks", 0)
-        if held >= blocks:
+        if (insts[0]["kv_mirror"] or {}).get("committed_blocks", 0) >= blocks:
             return True
         time.sleep(0.05)
     raise SystemExit("the mirror never caught up")

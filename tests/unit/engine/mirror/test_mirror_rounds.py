@@ -100,7 +100,9 @@ def test_a_round_mirrors_the_full_blocks_and_a_resumed_request_starts_from_them(
     assert call(src.endpoint.mirror_out.send, 1, answers, buddy.peer()) == 6
     send = src.ops[-1]
     assert send.kind == TransferOp.SEND and send.blocks == r.block_table[:6] and send.peer.index == 1
+    assert buddy.endpoint.mirror_in.snapshot()["committed_blocks"] == 0, "not before the commit"
     call(buddy.endpoint.mirror_in.commit, 1)
+    assert buddy.endpoint.mirror_in.snapshot()["committed_blocks"] == 6
     call(src.endpoint.mirror_out.done, 1, True)
     assert [src.pool.refcount(b) for b in r.block_table[:6]] == held_before
     assert buddy.pool.num_leased == 6 and buddy.endpoint.mirror_in.held_for(0, "r") == 6
@@ -140,8 +142,14 @@ def test_what_the_buddy_caches_already_is_leased_not_sent():
     buddy.step()  # the buddy computed the same prompt: its blocks are cached there (registered a step later)
     src.add("r")
     src.step()
-    _, answers = mirror_round(src, buddy, 1)
+    store = buddy.endpoint.mirror_in
+    answers = call(store.reserve, 1, src.peer(), call(src.endpoint.mirror_out.offer, 1, buddy.peer(), 1000), 1.0)
     assert answers == [MirrorAnswer((False,) * 6, 6)]
+    held = store.snapshot()
+    assert (held["leased_blocks"], held["committed_blocks"]) == (6, 0), "leased at the reserve, not yet committed"
+    call(src.endpoint.mirror_out.send, 1, answers, buddy.peer())
+    assert call(store.commit, 1) is True and call(src.endpoint.mirror_out.done, 1, True) is True
+    assert store.snapshot()["committed_blocks"] == 6
     assert not [op for op in buddy.ops if op.kind == TransferOp.RECV]
     assert buddy.endpoint.mirror_in.counters.blocks_already_held == 6
     src.accounted()
