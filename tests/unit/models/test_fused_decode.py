@@ -186,6 +186,26 @@ def test_a_few_rows_over_a_long_context_attend_in_chunks_of_keys(arch, scheme, e
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+def test_a_few_rows_over_a_long_context_attend_in_chunks_of_keys_under_tensor_parallel(tmp_path):
+    """tp=2 with the default model's uneven heads (6 + 3 / 2 + 1 KV per rank): each rank's own heads
+    of the short chunks over 600-650 tokens through split_attention; the ids and logits of the layer
+    path and of transformers."""
+    hf = load_hf_model(write_hf_checkpoint(tmp_path, "llama-gqa", max_position_embeddings=1024, **UNEVEN_HEADS))
+
+    def body(g):
+        stage = stage_from_hf_model(hf, g, native_kernels=True)
+        on = _generate(stage, g, SPLIT_PROMPTS, fused=True, max_batched_tokens=20)
+        ran = _fused_ran(stage)
+        return _generate(stage, g, SPLIT_PROMPTS, fused=False, max_batched_tokens=20), on, ran
+
+    ref_ids, ref_logits = hf_reference(None, SPLIT_PROMPTS, NEW, model=hf)
+    for (ids_off, logits_off), (ids_on, logits_on), ran in run_ranks(thread_groups(2, 1), body):
+        assert ran and ids_on == ids_off == ref_ids
+        for got, off, want in zip(logits_on, logits_off, ref_logits):
+            torch.testing.assert_close(got, off, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("gemm", ["onednn", "blas"])
 @pytest.mark.parametrize("threads", [2, 8])
 def test_a_long_prefill_takes_panels_on_few_threads_and_one_product_on_many(threads, gemm, tmp_path, monkeypatch):
