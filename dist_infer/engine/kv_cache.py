@@ -7,37 +7,16 @@ holds its own layers (pipeline) and its own KV heads (tensor parallel).
 
 from __future__ import annotations
 
-import mmap
 from typing import Optional
 
 import torch
 
 from dist_infer.engine.block_pool import BlockPool
-
-HUGE_PAGE_BYTES = 2 << 20
+from dist_infer.kernels.huge_pages import zeroed_pool
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
-
-
-def zeroed_pool(numel: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
-    """`numel` zeros, on the CPU in an anonymous mapping of its own asked for transparent huge pages
-    (where the kernel grants them: madvise). The KV cache is most of an instance's memory: in 4 KB
-    pages a SIGKILLed process took ~100 ms to unmap them before its sockets closed, which its front
-    end waited for before failing its requests over (docs/benchmarks.md, "KV mirroring"); in 2 MB
-    pages it is a few ms, and attention over long contexts misses the TLB less."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    on_cpu = device is None or torch.device(device).type == "cpu"
-    if not on_cpu or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(numel, dtype=dtype, device=device)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared would be shmem)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP off in this kernel: 4 KB pages, as torch.zeros would have
-        pass
-    pool = torch.frombuffer(region, dtype=dtype, count=numel)  # holds the mapping while it lives
-    return pool.zero_()  # touched now: the memory is taken at start, not at the first long request
 
 
 class PagedKVCache:
@@ -59,6 +38,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.scratch_block = num_blocks if scratch else None
         shape = (num_blocks + int(scratch), block_size, kv_heads, head_dim)
+        # one mapping on huge pages on the CPU: most of an instance's memory (kernels/huge_pages.py)
         pool = zeroed_pool(num_layers * 2 * shape[0] * block_size * kv_heads * head_dim, dtype, device)
         pool = pool.view(num_layers, 2, *shape)
         self.layers = [(pool[layer, 0], pool[layer, 1]) for layer in range(num_layers)]

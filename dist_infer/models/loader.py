@@ -18,6 +18,7 @@ import torch
 from dist_infer.comm.groups import ParallelGroups
 from dist_infer.kernels import kernel_mode, load_cpu_kernels, use_native_kernels
 from dist_infer.kernels.gpu import load_gpu_kernels, use_gpu_kernels
+from dist_infer.kernels.huge_pages import weights_on_huge_pages
 from dist_infer.models.checkpoint import (
     CheckpointError,
     current_rss_mb,
@@ -68,6 +69,8 @@ def place_stage(stage: LlamaStage, device: Optional[torch.device], gpu_kernels: 
         stage.to(device)
         if torch.device(device).type == "cuda":
             use_gpu_kernels(stage, load_gpu_kernels() if gpu_kernels else None)
+    else:
+        weights_on_huge_pages(stage)  # a decode streams them: fewer page walks (kernels/huge_pages.py)
     return stage
 
 

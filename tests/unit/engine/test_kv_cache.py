@@ -9,6 +9,7 @@ import pytest
 
 from dist_infer.engine.block_pool import BlockPool, CacheFullError
 from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
+from tests.support.smaps import thp_eligible, thp_on
 
 
 def test_paged_kv_cache_block_accounting():
@@ -49,20 +50,6 @@ def test_block_allocator_and_blocks_for():
     assert alloc.num_free == 3
 
 
-def _thp_eligible(address: int):
-    """THPeligible of the mapping holding `address` in this process's smaps (None: not found)."""
-    current = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                current = lo <= address < hi
-            elif current and head == "THPeligible:":
-                return line.split()[1] == "1"
-    return None
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc smaps (not Linux)")
 def test_the_cpu_kv_cache_is_one_zeroed_mapping_asked_for_huge_pages():
     """Every layer's K and V are zeros, views of one anonymous mapping that the kernel may back with
@@ -77,9 +64,7 @@ def test_the_cpu_kv_cache_is_one_zeroed_mapping_asked_for_huge_pages():
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "no two views overlap"
     tensors[-1][3, 5] = 1.0
     assert tensors[-1].sum() == 2 * 64 and tensors[0].sum() == 0
-    thp_file = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if os.path.exists(thp_file):  # (a kernel without THP: nothing to ask for)
-        with open(thp_file) as f:
-            assert _thp_eligible(base) is ("[never]" not in f.read())
+    if thp_on() is not None:  # (a kernel without THP: nothing to ask for)
+        assert thp_eligible(base) is thp_on()
     small = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, kv_heads=1, head_dim=8)
     assert not small.layers[0][0].any()
