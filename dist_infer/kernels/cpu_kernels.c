@@ -533,6 +533,20 @@ static inline vf exp_nonpositive(vf x) {
     return (vf)((vi)p & ~tiny);
 }
 
+/* s[t] = e^(s[t] - m) for t in [lo, hi), vectorised; returns their sum. */
+static float exp_and_sum(float *s, long lo, long hi, float m) {
+    vf sum = (vf){0};
+    long t;
+    for (t = lo; t + VW <= hi; t += VW) {
+        vf e = exp_nonpositive(load(s + t) - m);
+        memcpy(s + t, &e, sizeof e);
+        sum += e;
+    }
+    float total = hsum(sum);
+    for (; t < hi; t++) total += (s[t] = expf(s[t] - m));
+    return total;
+}
+
 /* All query heads q [q_heads, d] of one sequence against its keys [p0, p1); s: scratch of
  * q_heads * chunk floats. part[h * (d + 2) + ...] = (sum_k e^(s_k - m) v_k [d floats],
  * m, sum_k e^(s_k - m)) for query head h. */
@@ -566,22 +580,10 @@ static void decode_chunk(const float *restrict q, const float *k_cache, const fl
     }
     /* exp against each head's maximum, and the sums */
     for (long h = 0; h < q_heads; h++) {
-        float *sh = s + h * chunk, m = -INFINITY, total;
+        float *sh = s + h * chunk, m = -INFINITY;
         for (long t = 0; t < n; t++) m = sh[t] > m ? sh[t] : m;
-        vf sum = (vf){0};
-        long t = 0;
-        for (; t + VW <= n; t += VW) {
-            vf e = exp_nonpositive(load(sh + t) - m);
-            memcpy(sh + t, &e, sizeof e);
-            sum += e;
-        }
-        total = hsum(sum);
-        for (; t < n; t++) {
-            sh[t] = expf(sh[t] - m);
-            total += sh[t];
-        }
         part[h * (d + 2) + d] = m;
-        part[h * (d + 2) + d + 1] = total;
+        part[h * (d + 2) + d + 1] = exp_and_sum(sh, 0, n, m);
     }
     /* the weighted sum of the values: for each KV head, up to 4 of its query heads times 2 vectors
      * of d at a time (1 where d leaves one over) summed over the chunk's keys in registers (through
@@ -658,18 +660,11 @@ void silu_mul_rows(const float *gate_up, float *act, long M, long I, int threads
  * with the exp the decode attention uses: libm's expf was most of that attention's time. */
 void causal_softmax_rows(float *s, long rows, long n, const long *seq_lens, long k0, long window) {
     for (long r = 0; r < rows; r++) {
-        float *sr = s + r * n, m = -INFINITY, total = 0.f;
+        float *sr = s + r * n, m = -INFINITY;
         long hi = seq_lens[r] - k0, lo = window > 0 && hi > window ? hi - window : 0, t;
         hi = hi < n ? hi : n;
         for (t = lo; t < hi; t++) m = sr[t] > m ? sr[t] : m;
-        vf sum = (vf){0};
-        for (t = lo; t + VW <= hi; t += VW) {
-            vf e = exp_nonpositive(load(sr + t) - m);
-            memcpy(sr + t, &e, sizeof e);
-            sum += e;
-        }
-        total = hsum(sum);
-        for (; t < hi; t++) total += (sr[t] = expf(sr[t] - m));
+        float total = exp_and_sum(sr, lo, hi, m);
         float inv = total > 0.f ? 1.0f / total : 0.f;
         for (t = lo; t < hi; t++) sr[t] *= inv;
         if (lo > 0) memset(sr, 0, (size_t)lo * sizeof(float));
@@ -690,21 +685,32 @@ void partial_softmax_rows(float *s, long rows, long n, long group, const long *s
         lo = lo < 0 ? 0 : lo;
         hi = hi > n ? n : hi;
         for (t = lo; t < hi; t++) mx = sr[t] > mx ? sr[t] : mx;
-        if (hi > lo) {
-            vf acc = (vf){0};
-            for (t = lo; t + VW <= hi; t += VW) {
-                vf e = exp_nonpositive(load(sr + t) - mx);
-                memcpy(sr + t, &e, sizeof e);
-                acc += e;
-            }
-            total = hsum(acc);
-            for (; t < hi; t++) total += (sr[t] = expf(sr[t] - mx));
-        }
+        if (hi > lo) total = exp_and_sum(sr, lo, hi, mx);
         if (lo > 0) memset(sr, 0, (size_t)(lo < n ? lo : n) * sizeof(float));
         if (hi < n) memset(sr + (hi > 0 ? hi : 0), 0, (size_t)(n - (hi > 0 ? hi : 0)) * sizeof(float));
         m[v] = hi > lo ? mx : -INFINITY;
         sum[v] = total;
     }
+}
+
+/* merge_chunk_parts: one query head's attention output o [d] from its chunks' parts, `stride` floats
+ * apart, each (sum_k e^(s_k - m) v_k [d], m, sum_k e^(s_k - m)) (decode_chunk's, split_attention's),
+ * rescaled to their common maximum (flash-decoding's rule); zeros where no chunk saw a key. `lse`
+ * (NULL: not wanted): the log-sum-exp of the scores. */
+void merge_chunk_parts(const float *part, long chunks, long stride, long d, float *o, float *lse) {
+    float m = -INFINITY, total = 0.f;
+    for (long c = 0; c < chunks; c++) m = part[c * stride + d] > m ? part[c * stride + d] : m;
+    for (long i = 0; i < d; i++) o[i] = 0.f;
+    if (m > -INFINITY) {
+        for (long c = 0; c < chunks; c++) {
+            const float *p = part + c * stride;
+            float w = p[d] > -INFINITY ? expf(p[d] - m) : 0.f;
+            total += w * p[d + 1];
+            for (long i = 0; i < d; i++) o[i] += w * p[i];
+        }
+        for (long i = 0; i < d; i++) o[i] /= total;
+    }
+    if (lse) *lse = m > -INFINITY ? m + logf(total) : -INFINITY;
 }
 
 int decode_attention(const float *q, const float *k_cache, const float *v_cache, const long *tables,
@@ -734,24 +740,10 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
         decode_chunk(q + b * q_heads * d, k_cache, v_cache, tables + b * width, q_heads, kv_heads, d, block_size,
                      scale, p0, p1, chunk, s, parts + task * stride);
     }
-    for (long b = 0; b < B; b++) {
-        for (long h = 0; h < q_heads; h++) {
-            const float *mine = parts + b * chunks * stride + h * (d + 2);
-            float m = -INFINITY, total = 0.f, *o = out + (b * q_heads + h) * d;
-            for (long c = 0; c < chunks; c++) m = mine[c * stride + d] > m ? mine[c * stride + d] : m;
-            for (long i = 0; i < d; i++) o[i] = 0.f;
-            if (m > -INFINITY) {
-                for (long c = 0; c < chunks; c++) {
-                    const float *p = mine + c * stride;
-                    float w = p[d] > -INFINITY ? expf(p[d] - m) : 0.f;
-                    total += w * p[d + 1];
-                    for (long i = 0; i < d; i++) o[i] += w * p[i];
-                }
-                for (long i = 0; i < d; i++) o[i] /= total;
-            }
-            if (lse) lse[b * q_heads + h] = m > -INFINITY ? m + logf(total) : -INFINITY;
-        }
-    }
+    for (long b = 0; b < B; b++)
+        for (long h = 0; h < q_heads; h++)
+            merge_chunk_parts(parts + b * chunks * stride + h * (d + 2), chunks, stride, d,
+                              out + (b * q_heads + h) * d, lse ? lse + b * q_heads + h : NULL);
     free(parts);
     return 0;
 }

@@ -17,6 +17,7 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
 
 void silu_mul_rows(const float *gate_up, float *act, long M, long I, int threads);
 void causal_softmax_rows(float *s, long rows, long n, const long *seq_lens, long k0, long window);
+void merge_chunk_parts(const float *part, long chunks, long stride, long d, float *o, float *lse);
 void partial_softmax_rows(float *s, long rows, long n, long group, const long *seq_lens, long p0, long window,
                           float *m, float *sum);
 

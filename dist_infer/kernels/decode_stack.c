@@ -466,19 +466,8 @@ static int split_attention(const float *q, const float *k_cache, const float *v_
             }
         }
     }
-    for (long i = 0; i < R * qh && !failed; i++) {  /* row i / qh, head i % qh: its chunks merged */
-        float m = -INFINITY, total = 0.f, *o = out + i / qh * qd + i % qh * d;
-        for (long c = 0; c < chunks; c++) m = mem[c * stride + i * (d + 2) + d] > m ? mem[c * stride + i * (d + 2) + d] : m;
-        for (long j = 0; j < d; j++) o[j] = 0.f;
-        if (m == -INFINITY) continue;
-        for (long c = 0; c < chunks; c++) {
-            const float *p = mem + c * stride + i * (d + 2);
-            float w = p[d] > -INFINITY ? expf(p[d] - m) : 0.f;
-            total += w * p[d + 1];
-            for (long j = 0; j < d; j++) o[j] += w * p[j];
-        }
-        for (long j = 0; j < d; j++) o[j] /= total;
-    }
+    for (long i = 0; i < R * qh && !failed; i++)  /* row i / qh, head i % qh: its chunks merged */
+        merge_chunk_parts(mem + i * (d + 2), chunks, stride, d, out + i / qh * qd + i % qh * d, NULL);
     free(mem);
     return failed ? -3 : 0;
 }

@@ -12,6 +12,7 @@ new temporary faulting 2 MB pages afresh.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from typing import Optional
 
@@ -53,13 +54,10 @@ def weights_on_huge_pages(module: nn.Module) -> int:
     the tensor sees the new memory). One tensor at a time, so memory peaks at the weights plus the
     largest of them. Returns the bytes moved (0: nothing to move, or no huge pages here). Call it
     before anything keeps raw pointers to the weights (the native step plans at its first step)."""
-    tensors: dict[int, torch.Tensor] = {}
-    for sub in module.modules():
-        for t in list(sub._parameters.values()) + list(sub._buffers.values()):
-            if t is not None and t.device.type == "cpu" and t.numel() and t.is_contiguous():
-                tensors.setdefault(id(t), t)
     slots, total = [], 0
-    for t in tensors.values():
+    for t in itertools.chain(module.parameters(), module.buffers()):  # (each shared one once)
+        if t.device.type != "cpu" or not t.numel() or not t.is_contiguous():
+            continue
         nbytes = t.numel() * t.element_size()
         slots.append((t, total, nbytes))
         total += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN

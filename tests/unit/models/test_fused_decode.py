@@ -39,6 +39,15 @@ def _fused_ran(stage) -> bool:
     return cached is not None and cached.plan is not None
 
 
+def _assert_agrees(on, off, reference) -> None:
+    """The native step's (ids, logits) equal the layer path's (within fp32 rounding) and transformers'
+    (the same ids, logits within fp32 tolerance)."""
+    assert on[0] == off[0] == reference[0]
+    for got, layer, want in zip(on[1], off[1], reference[1]):
+        torch.testing.assert_close(got, layer, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "arch,scheme", [("llama-gqa", "none"), ("llama-mqa", "int4"), ("llama-tied", "int8"), ("llama31-rope", "int4")]
 )
@@ -46,18 +55,12 @@ def test_fused_decode_equals_layer_by_layer_and_transformers(arch, scheme, tmp_p
     hf = load_hf_model(write_hf_checkpoint(tmp_path, arch))
     group = thread_groups(1, 1)[0]
     stage = stage_from_hf_model(hf, group, quantization=scheme, native_kernels=True)
-    ids_off, logits_off = _generate(stage, group, PROMPTS, fused=False)
+    off = _generate(stage, group, PROMPTS, fused=False)
     assert not _fused_ran(stage)
-    ids_on, logits_on = _generate(stage, group, PROMPTS, fused=True)
+    on = _generate(stage, group, PROMPTS, fused=True)
     assert _fused_ran(stage)
-    assert ids_on == ids_off
-    for a, b in zip(logits_on, logits_off):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 1)
-    ref_ids, ref_logits = hf_reference(None, PROMPTS, NEW, model=model)
-    assert ids_on == ref_ids
-    for got, want in zip(logits_on, ref_logits):
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    _assert_agrees(on, off, hf_reference(None, PROMPTS, NEW, model=model))
 
 
 def test_fused_decode_with_a_sliding_window_equals_layer_by_layer(tmp_path):
@@ -100,12 +103,10 @@ def test_tensor_parallel_stages_run_each_layer_in_two_halves(shape, scheme, tmp_
 
     results = run_ranks(thread_groups(2, 1), body)
     model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 2)
-    ref_ids, ref_logits = hf_reference(None, PROMPTS, NEW, model=model)
-    for (ids_off, logits_off), (ids_on, logits_on), ran in results:
-        assert ran and ids_on == ids_off == ref_ids
-        for got, off, want in zip(logits_on, logits_off, ref_logits):
-            torch.testing.assert_close(got, off, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    reference = hf_reference(None, PROMPTS, NEW, model=model)
+    for off, on, ran in results:
+        assert ran
+        _assert_agrees(on, off, reference)
 
 
 LONG_PROMPTS = [[(3 * i + 1) % 97 + 2 for i in range(30)], [(5 * i + 2) % 89 + 2 for i in range(21)], [4, 8, 15, 16]]
@@ -144,14 +145,8 @@ def test_mixed_steps_run_natively_and_equal_layer_by_layer_and_transformers(
     )
     on = _generate(stage, group, LONG_PROMPTS, fused=True, max_batched_tokens=12)
     assert max(rows) == 12 and 3 in rows  # chunks (12 rows a step, decodes among them), then 3 decodes
-    assert on[0] == off[0]
-    for a, b in zip(on[1], off[1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 1)
-    ref_ids, ref_logits = hf_reference(None, LONG_PROMPTS, NEW, model=model)
-    assert on[0] == ref_ids
-    for got, want in zip(on[1], ref_logits):
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    _assert_agrees(on, off, hf_reference(None, LONG_PROMPTS, NEW, model=model))
 
 
 SPLIT_PROMPTS = [[(3 * i + 1) % 97 + 2 for i in range(650)], [(5 * i + 2) % 89 + 2 for i in range(600)]]
@@ -176,14 +171,8 @@ def test_a_few_rows_over_a_long_context_attend_in_chunks_of_keys(arch, scheme, e
     on = _generate(stage, group, prompts, fused=True, max_batched_tokens=20)
     assert _fused_ran(stage)
     off = _generate(stage, group, prompts, fused=False, max_batched_tokens=20)
-    assert on[0] == off[0]
-    for a, b in zip(on[1], off[1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     model = hf if scheme == "none" else dequantize_hf_model(hf, scheme, 1)
-    ref_ids, ref_logits = hf_reference(None, prompts, NEW, model=model)
-    assert on[0] == ref_ids
-    for got, want in zip(on[1], ref_logits):
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    _assert_agrees(on, off, hf_reference(None, prompts, NEW, model=model))
 
 
 def test_a_few_rows_over_a_long_context_attend_in_chunks_of_keys_under_tensor_parallel(tmp_path):
@@ -198,12 +187,10 @@ def test_a_few_rows_over_a_long_context_attend_in_chunks_of_keys_under_tensor_pa
         ran = _fused_ran(stage)
         return _generate(stage, g, SPLIT_PROMPTS, fused=False, max_batched_tokens=20), on, ran
 
-    ref_ids, ref_logits = hf_reference(None, SPLIT_PROMPTS, NEW, model=hf)
-    for (ids_off, logits_off), (ids_on, logits_on), ran in run_ranks(thread_groups(2, 1), body):
-        assert ran and ids_on == ids_off == ref_ids
-        for got, off, want in zip(logits_on, logits_off, ref_logits):
-            torch.testing.assert_close(got, off, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    reference = hf_reference(None, SPLIT_PROMPTS, NEW, model=hf)
+    for off, on, ran in run_ranks(thread_groups(2, 1), body):
+        assert ran
+        _assert_agrees(on, off, reference)
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "blas"])
