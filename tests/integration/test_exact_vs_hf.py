@@ -37,6 +37,7 @@ def _exe(name: str) -> str:
 
 SHORT = (5, 17, 40)
 LONG = (33, 41, 50)  # llama31-rope: its scaling only moves wavelengths > 32 positions
+SPLIT_LENGTHS = (600, 650)  # past split_attention's 512 keys (kernels/decode_stack.c)
 
 
 def run_cli(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -116,6 +117,15 @@ CASES = {
         SHORT,
         [_exe("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "4", *DIST],
         ["--tp", "2", "--pp", "2", "--backend", "gloo"],
+    ),
+    # chunks of at most 20 rows over 600+ keys: each rank's heads through split_attention (a few rows
+    # over a long context, the keys split over the threads), under torchrun
+    "torchrun-tp2-long-short-chunks": (
+        "llama-gqa",
+        {"max_position_embeddings": 1024},
+        SPLIT_LENGTHS,
+        [_exe("torchrun"), "--nproc-per-node", "2", "--no-python", *DIST],
+        ["--tp", "2", "--max-batched-tokens", "20"],
     ),
     "mpirun-mpi-tp2xpp2": (
         "llama-gqa",
