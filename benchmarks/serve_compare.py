@@ -324,8 +324,8 @@ def load_stream(model: str, load: str, seed: int, num_prompts: int) -> list[str]
 def against_vllm_cpu(model: str, log_dir: Path, args, extra: list[str]) -> dict:
     """vLLM's CPU backend (bf16, the GGUF dequantized into an HF checkpoint: benchmarks/vllm_cpu.py)
     against ours on the GGUF with fp32 prompts, with bf16 prompts (--prompt-dtype auto), and with bf16
-    prompts and no ITL target (each prompt whole in the next step), the same stream at each load in
-    --loads, a fresh seed per load; the ratios the goals are stated in."""
+    prompts served shortest first (--scheduling-policy shortest-prompt), the same stream at each load
+    in --loads, a fresh seed per load; the ratios the goals are stated in."""
     from vllm_cpu import bf16_checkpoint, vllm_cpu_server
 
     if not Path(model).is_file():
@@ -335,19 +335,21 @@ def against_vllm_cpu(model: str, log_dir: Path, args, extra: list[str]) -> dict:
         ("vllm-cpu", vllm_cpu_server(Server, checkpoint, Path(args.vllm_python))),
         ("ours-fp32", lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "float32", *extra)),
         ("ours-bf16", lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "auto", *extra)),
-        (  # no ITL target: every prompt whole in the next step beside the decodes, as vLLM schedules it
-            "ours-bf16-itl-off",
-            lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "auto", "--itl-target-ms", "off", *extra),
+        (  # the prompt with the fewest tokens left first (engine/prompt_order.py)
+            "ours-bf16-shortest",
+            lambda n, port, d: ours(
+                n, model, port, d, "--prompt-dtype", "auto", "--scheduling-policy", "shortest-prompt", *extra
+            ),
         ),
     ]
     results: dict = {}
     for i, load in enumerate(args.loads.split(",")):
         named = [(f"{name}@{load}", start) for name, start in servers]
         results[load] = run_pair(named, load_stream(model, load, 101 + i, args.num_prompts), log_dir)
-        peer, fp32, bf16, itl_off = (results[load][f"{n}@{load}"] for n, _ in servers)
+        peer, fp32, bf16, shortest = (results[load][f"{n}@{load}"] for n, _ in servers)
         results[load]["ratios"] = {
             f"{key}_{name}_over_vllm": stat(ours_) / stat(peer)
-            for name, ours_ in (("bf16", bf16), ("fp32", fp32), ("bf16_itl_off", itl_off))
+            for name, ours_ in (("bf16", bf16), ("fp32", fp32), ("bf16_shortest", shortest))
             for key, stat in (
                 ("req_s", lambda r: r["request_throughput"]),
                 ("ttft_p50", lambda r: r["ttft_ms"]["median"]),

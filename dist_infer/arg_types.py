@@ -139,6 +139,11 @@ def strip_flag(argv: Sequence[str], flag: str) -> list[str]:
     return out
 
 
+# --scheduling-policy (engine/prompt_order.py): which prompt takes a step's budget first; under
+# shortest-prompt, a prompt that has waited --prompt-max-wait-ms goes in arrival order
+SCHEDULING_POLICIES = ("fcfs", "shortest-prompt")
+DEFAULT_PROMPT_MAX_WAIT_S = 2.0
+
 # --itl-target-ms auto: a step beside decodes may take twice a decode-only step, and never less than
 # AUTO_FLOOR_S, a gap a streaming reader does not see: 200 ms is 5 tokens a second, about 4 words,
 # which is reading speed. On a CPU a decode step is short next to a prompt chunk; a lower floor cut

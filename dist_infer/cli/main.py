@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from dist_infer.cli.serve_flags import kv_mirror_flags_error
-    from dist_infer.launch.model_options import speculative_flags_error
+    from dist_infer.launch.speculative_flags import speculative_flags_error
 
     if error := speculative_flags_error(args) or kv_mirror_flags_error(args):
         parser.error(error)

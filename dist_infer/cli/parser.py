@@ -199,7 +199,8 @@ def _add_generate(sub) -> None:
 
 def _add_bench(sub) -> None:
     from dist_infer.bench import add_bench_flags
-    from dist_infer.launch.model_options import add_model_flags, add_prefill_schedule_flags, add_speculative_flags
+    from dist_infer.launch.model_options import add_model_flags, add_prefill_schedule_flags
+    from dist_infer.launch.speculative_flags import add_speculative_flags
 
     p = sub.add_parser(
         "bench",

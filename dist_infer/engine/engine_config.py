@@ -17,6 +17,7 @@ import torch
 from dist_infer.arg_types import parse_itl_target
 from dist_infer.engine.decode_graphs import check_graph_mode
 from dist_infer.engine.layered_prefill import SCHEDULES, LayeredPrefill
+from dist_infer.engine.prompt_order import DEFAULT_MAX_WAIT_S, check_policy
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.speculative.config import SpeculativeConfig
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
@@ -95,6 +96,8 @@ class EngineConfig:
     chunked_prefill: bool = True
     watermark: float = 0.01
     static_batching: bool = False
+    scheduling_policy: str = "fcfs"
+    prompt_max_wait_s: float = DEFAULT_MAX_WAIT_S
     itl_target: Optional[str] = None
     prefix_caching: bool = False
     prefill_schedule: str = "chunked"
@@ -117,6 +120,7 @@ class EngineConfig:
         if self.prefill_schedule not in SCHEDULES:
             raise ValueError(f"prefill schedule {self.prefill_schedule!r} is not one of {SCHEDULES}")
         parse_itl_target(self.itl_target)
+        check_policy(self.scheduling_policy, self.prompt_max_wait_s)
         if not isinstance(self.worker, WorkerOptions):
             raise TypeError(f"worker must be WorkerOptions, got {type(self.worker).__name__}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
@@ -147,4 +151,6 @@ class EngineConfig:
             static_batching=self.static_batching,
             prefix_caching=self.prefix_caching and cp == 1,
             layered=layered if self.chunked_prefill else None,
+            policy=self.scheduling_policy,
+            max_wait_s=self.prompt_max_wait_s,
         )

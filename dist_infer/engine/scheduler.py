@@ -1,27 +1,19 @@
 """The iteration-level scheduler (Orca, vLLM): every step, one forward batch under a token budget.
 
 Running decodes go first (one token each), then chunks of prompts, so a long prompt never stalls the decodes
-(stall-free chunked prefill, as Sarathi-Serve and DeepSpeed-FastGen's Dynamic SplitFuse do); a request
-failed over from a dead instance goes before the other prompts. New requests are admitted while free KV
-blocks stay above a watermark. When a running request needs a block and none is free, the newest running
-request not in this step nor waiting for a sampled token (pipeline) is preempted by recompute (possibly the
-request itself): its blocks are freed and it waits again, first in line, recomputed when readmitted.
-Sampling is counter-based: it goes on with the tokens it would have drawn (up to a near tie).
+(stall-free chunked prefill: Sarathi-Serve, DeepSpeed-FastGen); which prompt first is engine/prompt_order.py's
+policy (a failed-over request first under either). New requests are admitted while free KV blocks stay above a
+watermark. A running request that needs a block when none is free preempts the newest running request not in
+this step nor waiting for a sampled token (pipeline), possibly itself: its blocks are freed and it waits again,
+first in line. Sampling is counter-based: it goes on with the tokens it would have drawn.
 
-With prefix caching (prefix_cache.py), an admitted request first takes the longest run of
-cached full blocks its tokens match (its own, after a preemption, or another request's) and
-computes only the rest, at least its last token, into blocks of its own. A full block is
-registered once a launched step has computed it: at the next `schedule` (every plan scheduled
-before has left by then; one that failed ended its requests), or when its request ends
-(stop, length), is preempted or moves to another instance; an aborted or failed request's newest
-blocks are not (its step may never have run). Blocks a migration brought are never registered.
-
-Speculative decoding (engine/speculative): a decode's chunk also carries its drafter's proposals (as many as
-the budget and free blocks allow, never preempting), computed once accepted (`accept_proposed`); blocks
-that held only rejected ones go back (`release_unverified`): prefix-cache hashes cover accepted tokens.
-
-The scheduler owns the block pool and every request's block table; the ranks only store keys and values
-where the plan says. Pure bookkeeping (no tensors, no processes): the tests drive it directly.
+With prefix caching (prefix_cache.py) an admitted request first takes the longest run of cached full blocks
+its tokens match. A full block is registered once a launched step has computed it: at the next `schedule`,
+or when its request ends (stop, length), is preempted or moves; not an aborted or failed request's newest
+(its step may never have run), nor blocks a migration brought. Speculative decoding (engine/speculative): a
+decode's chunk also carries proposals, computed once accepted (`accept_proposed`); blocks holding only
+rejected ones go back (`release_unverified`): prefix-cache hashes cover accepted tokens. The scheduler owns
+the block pool and every request's block table. Pure bookkeeping: the tests drive it directly.
 """
 
 from __future__ import annotations
@@ -34,6 +26,7 @@ from dist_infer.engine.block_pool import BlockPool
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.layered_prefill import LayerProgress, group_charge
 from dist_infer.engine.prefix_cache import request_block_hashes
+from dist_infer.engine.prompt_order import PromptOrder
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -65,6 +58,7 @@ class Scheduler:
         # context parallel: the prompt length a sequence was prefilled with (its zigzag layout)
         self._cp_prefill: dict[str, int] = {}
         self._last_step_prefill = False
+        self.prompt_order = PromptOrder(config.policy, config.max_wait_s)  # which prompt first
 
     # -- the queue ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -207,52 +201,43 @@ class Scheduler:
                 prompts_first and bool(self.waiting) and (not decodes_ready or not self._last_step_prefill)
             )
         scheduled: set[int] = set()
+        head, deferred = self.prompt_order.start_step(self.waiting), []
 
-        # 1. running requests: first every decode, then unfinished prompts' chunks, failed-over requests'
-        # first (their tails, whole: the ITL cap is for the others) and then the oldest
+        # 1. running requests: every decode, then prompts' chunks, failed-over requests' first (their tails,
+        # whole: the ITL cap is for the others), then in prompt_order's order (deferred behind a waiting one)
         if not cp_prefill_step:
             for decodes in (True, False):
                 if not decodes and out.chunks and prefill_cap is not None:
                     tails = sum(r.num_tokens - r.num_computed for r in self.running if r.resumed and not r.in_flight)
-                    budget = min(budget, self._cap(prefill_cap, out) + tails)
-                for request in sorted(self.running, key=lambda r: not r.resumed):
+                    prompts = [r for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1]
+                    budget = min(
+                        budget, out.prompt_cap(prefill_cap, self.prompt_order.first(prompts, self.waiting)) + tails
+                    )
+                running = self.running if decodes else self.prompt_order.running_prompts(self.running)
+                for request in sorted(running, key=lambda r: not r.resumed):
                     if len(out.chunks) >= max_seqs:
                         break
-                    if request not in self.running or request.in_flight or id(request) in scheduled:
-                        continue
-                    remaining = request.num_tokens - request.num_computed
-                    if (remaining == 1) != decodes or (self.config.whole_prompt_steps and remaining != 1):
-                        continue
-                    if request.layer_progress is not None:  # its next group runs whatever the budget left
-                        budget -= self._add_layer_group(out, request, scheduled)
-                        continue
-                    n = min(remaining, budget) if self.config.chunked_prefill else remaining
-                    if n <= 0 or n > budget:
-                        continue
-                    while self._blocks_to_grow(request, n) > self.allocator.num_free:
-                        victim = self._newest_preemptable(exclude=scheduled)
-                        if victim is None:
-                            break
-                        self._preempt(victim, out)
-                        if victim is request:
-                            break
-                    if (
-                        request.status is not RequestStatus.RUNNING
-                        or self._blocks_to_grow(request, n) > self.allocator.num_free
-                    ):
-                        continue
-                    draft = self._draft(request, budget - n) if decodes else []
-                    self._grow(request, n + len(draft))
-                    self._add_chunk(out, request, n, scheduled, draft)
-                    budget -= n + len(draft)
+                    if not decodes and head is not None and request.layer_progress is None:
+                        if self.prompt_order.key(request) > head:  # a shorter waiting prompt goes first
+                            deferred.append(request)
+                            continue
+                    budget = self._schedule_running(request, decodes, budget, out, scheduled)
 
-        # 2. waiting requests, first come first served, while blocks and the budget last
+        # 2. waiting requests, in prompt_order's order, while blocks and the budget last
         admitting = (
             not self.config.static_batching
             or not self.running
             or all(r.num_computed < r.num_tokens and not r.output_token_ids for r in self.running)
         )
-        if admitting and (not self.config.whole_prompt_steps or cp_prefill_step):
+        admitting = admitting and (not self.config.whole_prompt_steps or cp_prefill_step)
+        if admitting:  # (shortest-prompt: those before the first deferred prompt, then it, then the rest)
+            budget = self._admit(
+                out, budget, max_seqs, scheduled, min(map(self.prompt_order.key, deferred), default=None)
+            )
+        for request in deferred:
+            if len(out.chunks) < max_seqs:
+                budget = self._schedule_running(request, False, budget, out, scheduled)
+        if admitting and deferred:
             self._admit(out, budget, max_seqs, scheduled)
         for chunk in out.chunks:
             chunk.request.resumed = False
@@ -261,16 +246,48 @@ class Scheduler:
             self._last_step_prefill = cp_prefill_step
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: float, max_seqs: int, scheduled: set[int]) -> None:
-        """Step 2 of `_schedule`: start waiting requests, first come first served, each from the
-        cached blocks its tokens match (prefix caching), while blocks and the budget last. A step that
-        starts failed-over requests (first in the queue) starts no other: its length is their gap."""
+    def _schedule_running(
+        self, request: Request, decodes: bool, budget: float, out: SchedulerOutput, scheduled: set[int]
+    ) -> float:
+        """Step 1 of `_schedule` for one running request: its decode (with proposals) or its prompt's
+        next chunk, preempting the newest requests for blocks if it must; returns the budget left."""
+        if request not in self.running or request.in_flight or id(request) in scheduled:
+            return budget
+        remaining = request.num_tokens - request.num_computed
+        if (remaining == 1) != decodes or (self.config.whole_prompt_steps and remaining != 1):
+            return budget
+        if request.layer_progress is not None:  # its next group runs whatever the budget left
+            return budget - self._add_layer_group(out, request, scheduled)
+        n = min(remaining, budget) if self.config.chunked_prefill else remaining
+        if n <= 0 or n > budget:
+            return budget
+        while self._blocks_to_grow(request, n) > self.allocator.num_free:
+            victim = self._newest_preemptable(exclude=scheduled)
+            if victim is None:
+                break
+            self._preempt(victim, out)
+            if victim is request:
+                break
+        if request.status is not RequestStatus.RUNNING or self._blocks_to_grow(request, n) > self.allocator.num_free:
+            return budget
+        draft = self._draft(request, budget - n) if decodes else []
+        self._grow(request, n + len(draft))
+        self._add_chunk(out, request, n, scheduled, draft)
+        return budget - n - len(draft)
+
+    def _admit(
+        self, out: SchedulerOutput, budget: float, max_seqs: int, scheduled: set[int], until: Optional[tuple] = None
+    ) -> float:
+        """Step 2 of `_schedule`: start waiting requests in the queue's order (those with a prompt_order
+        key below `until`), each from the cached blocks its tokens match (prefix caching), while blocks
+        and the budget last; returns the budget left. A step that starts failed-over requests (first
+        in the queue) starts no other: its length is their gap."""
         recovering = any(c.request.resumed for c in out.chunks)
         while (
             self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(out.chunks) < max_seqs
         ):
             request = self.waiting[0]
-            if recovering and not request.resumed:
+            if (recovering and not request.resumed) or (until is not None and self.prompt_order.key(request) > until):
                 break
             recovering = request.resumed
             hit = self._match(request)
@@ -316,6 +333,7 @@ class Scheduler:
                 continue
             self._add_chunk(out, request, n, scheduled)
             budget -= n
+        return budget
 
     # -- layered prefill (layered_prefill.py) ------------------------------------------------------
     def _layer_groups(self, remaining: int, budget: float) -> int:
@@ -378,18 +396,6 @@ class Scheduler:
     def num_cached_blocks(self) -> int:
         """Cached blocks no request holds: allocatable (in `num_free_blocks`), evicted only when needed."""
         return self.allocator.num_evictable
-
-    def _cap(self, prefill_cap: "PrefillCap", out: SchedulerOutput) -> float:
-        """Prompt tokens allowed beside the decodes already in `out`."""
-        if not callable(prefill_cap):
-            return prefill_cap
-        decodes = [c for c in out.chunks if c.num_tokens == 1 or c.draft]
-        context = sum(c.start + c.num_tokens for c in decodes)
-        prompts = (r for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1)
-        nxt = next(prompts, self.waiting[0] if self.waiting else None)  # the prompt the cap goes to first
-        start, left = (nxt.num_computed, nxt.num_tokens - nxt.num_computed) if nxt else (0, 0)
-        cap = prefill_cap(len(decodes), context, start, sum(len(c.draft) for c in decodes), left)
-        return float("inf") if cap is None else cap
 
     def _add_chunk(
         self, out: SchedulerOutput, request: Request, n: int, scheduled: set[int], draft: Optional[list] = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dist_infer.engine.layered_prefill import LayeredPrefill
+from dist_infer.engine.prompt_order import DEFAULT_MAX_WAIT_S, check_policy
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,11 @@ class SchedulerConfig:
     # request's prompt matching it would take keys computed in fp32 where its run alone computes bf16 ones
     cache_generated: bool = True
     layered: Optional[LayeredPrefill] = None  # prompts over the budget run layer group by layer group, not cut
+    policy: str = "fcfs"  # which prompt takes the budget first (engine/prompt_order.py: fcfs, shortest-prompt)
+    max_wait_s: float = DEFAULT_MAX_WAIT_S  # shortest-prompt: a prompt waiting this long goes in arrival order
 
     def __post_init__(self):
+        check_policy(self.policy, self.max_wait_s)
         if self.layered is not None and (self.whole_prompt_steps or not self.chunked_prefill):
             raise ValueError(
                 "layered prefill replaces chunked prefill: it needs chunked prefill on and no context parallel"

@@ -32,3 +32,17 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    def prompt_cap(self, prefill_cap, first_prompt: Optional[Request]) -> float:
+        """Prompt tokens a step may add beside the decodes already in it (`prefill_cap`: the scheduler's
+        PrefillCap, a number or a function of the decodes, their context, their proposals and where
+        `first_prompt`, the prompt the cap goes to first, starts and how much of it is left)."""
+        if not callable(prefill_cap):
+            return prefill_cap
+        decodes = [c for c in self.chunks if c.num_tokens == 1 or c.draft]
+        context = sum(c.start + c.num_tokens for c in decodes)
+        start, left = (
+            (first_prompt.num_computed, first_prompt.num_tokens - first_prompt.num_computed) if first_prompt else (0, 0)
+        )
+        cap = prefill_cap(len(decodes), context, start, sum(len(c.draft) for c in decodes), left)
+        return float("inf") if cap is None else cap

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from dist_infer.arg_types import parse_itl_target, parse_ladder_residual, positive_int
+from dist_infer.arg_types import (
+    DEFAULT_PROMPT_MAX_WAIT_S,
+    SCHEDULING_POLICIES,
+    parse_itl_target,
+    parse_ladder_residual,
+    positive_int,
+)
+from dist_infer.launch.speculative_flags import add_speculative_flags, speculative_config
 
 # The serving step's token budget: a 2040-token prompt computed in chunks beside 8 running decodes
 # (benchmarks/step_budget.py) gets most of the best prefill throughput at 256 tokens a step; larger
@@ -59,90 +66,13 @@ def scheduler_options(args) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "chunked_prefill": not args.no_chunked_prefill,
         "static_batching": args.scheduling == "static",
+        "scheduling_policy": getattr(args, "scheduling_policy", "fcfs"),
+        "prompt_max_wait_s": getattr(args, "prompt_max_wait_ms", 1000 * DEFAULT_PROMPT_MAX_WAIT_S) / 1000,
         "itl_target": itl_target(args),
         "prefix_caching": getattr(args, "prefix_caching", "on") == "on",
         "speculative": speculative_config(args),
         **prefill_schedule_options(args),
     }
-
-
-def speculative_config(args):
-    """--speculative and its numbers as an engine/speculative SpeculativeConfig; None when off."""
-    from dist_infer.engine.speculative.config import SpeculativeConfig
-    from dist_infer.models.builtin import resolve_model
-
-    if getattr(args, "speculative", "off") == "off":
-        return None
-    return SpeculativeConfig(
-        method=args.speculative,
-        num_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        adaptive=args.speculative_adaptive == "on",
-        draft_model=resolve_model(args.draft_model) if args.speculative == "draft" else None,
-    )
-
-
-def speculative_flags_error(args) -> str | None:
-    """What is wrong with the speculative flags together (checked when they are parsed), or None."""
-    method = getattr(args, "speculative", "off")
-    if (method == "draft") != (getattr(args, "draft_model", None) is not None):
-        return "--speculative draft needs --draft-model PATH (a smaller model of the same vocabulary), and only it"
-    if method != "off" and args.ngram_max < args.ngram_min:
-        return f"--ngram-max {args.ngram_max} is below --ngram-min {args.ngram_min}"
-    return None
-
-
-def add_speculative_flags(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding (engine/speculative): generate, serve and bench take the same flags."""
-    from dist_infer.arg_types import MAX_SPECULATIVE_TOKENS, speculative_tokens
-
-    p.add_argument(
-        "--speculative",
-        choices=("off", "ngram", "draft"),
-        default="off",
-        help="speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence "
-        "of the output's last few tokens in the prompt and output (prompt lookup; no draft model); draft "
-        "proposes what --draft-model (a smaller model of the same vocabulary, run greedily on the "
-        "instance's first rank) would say. One step checks them all against the model, keeping the ones "
-        "it would have produced itself: outputs are those of plain decoding, greedy or seeded sampling "
-        "alike. ngram pays where outputs repeat their input (editing, extraction, code); off under --cp > 1 "
-        "and --prefill-schedule layered, and for structured-output requests (default %(default)s)",
-    )
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        metavar="PATH",
-        help="--speculative draft: the draft checkpoint (HF directory or GGUF file, or a built-in name); "
-        "its vocabulary must be the model's",
-    )
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=speculative_tokens,
-        default=4,
-        metavar="K",
-        help=f"most tokens proposed per request per step (1..{MAX_SPECULATIVE_TOKENS}); each request's "
-        "own number adapts to how many of its proposals were kept (default %(default)s)",
-    )
-    p.add_argument(
-        "--ngram-min",
-        type=positive_int,
-        default=2,
-        help="shortest tail of the output looked up in its history (default %(default)s)",
-    )
-    p.add_argument(
-        "--ngram-max",
-        type=positive_int,
-        default=4,
-        help="longest tail looked up, tried first (default %(default)s)",
-    )
-    p.add_argument(
-        "--speculative-adaptive",
-        choices=("on", "off"),
-        default="on",
-        help="on: a request's proposal length follows its acceptance (doubled after a round kept whole, "
-        "what was kept plus one after a partial one, a pause after misses); off: always K (default %(default)s)",
-    )
 
 
 def prefill_schedule_options(args) -> dict:
@@ -311,6 +241,23 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
         p.add_argument(
             "--decode-stall-limit", type=stall_limit_arg, default=None, help=argparse.SUPPRESS
         )  # the old name: F -> Fx
+        p.add_argument(
+            "--scheduling-policy",
+            choices=SCHEDULING_POLICIES,
+            default="fcfs",
+            help="which prompt takes each step's token budget first. fcfs: arrival order (vLLM's default); "
+            "shortest-prompt: the one with the fewest tokens left to compute, a long prompt in chunks "
+            "yielding to a short one that arrives after it, which lowers the median time to first token "
+            "when prompts queue (the long ones' wait grows; --prompt-max-wait-ms bounds it). Requests "
+            "failed over from another instance or preempted go first under both (default %(default)s)",
+        )
+        p.add_argument(
+            "--prompt-max-wait-ms",
+            type=float,
+            default=1000 * DEFAULT_PROMPT_MAX_WAIT_S,
+            help="shortest-prompt: a prompt that has waited this long since it arrived goes before every "
+            "shorter one, such prompts in arrival order, so none starves (default %(default)s)",
+        )
     p.add_argument(
         "--scheduling",
         choices=("continuous", "static"),

@@ -29,6 +29,8 @@ def test_the_defaults_are_the_engines_keywords_defaults():
         "chunked_prefill": True,
         "watermark": 0.01,
         "static_batching": False,
+        "scheduling_policy": "fcfs",
+        "prompt_max_wait_s": 2.0,
         "itl_target": None,
         "prefix_caching": False,
         "prefill_schedule": "chunked",

@@ -1,4 +1,4 @@
-"""The model options every command takes: --quantization beside --dtype; the speculative flags."""
+"""The model options every command takes: --quantization beside --dtype; the scheduling policy."""
 
 from __future__ import annotations
 
@@ -17,23 +17,17 @@ def test_quantization_flag_beside_dtype(command):
         parser.parse_args([command, "--quantization", "fp8"])
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
-def test_speculative_flags_make_a_config_or_an_error_naming_them(command, capsys):
-    from dist_infer.cli.main import main
-    from dist_infer.launch.model_options import speculative_config, speculative_flags_error
+def test_scheduling_policy_flags_reach_the_scheduler_config():
+    from dist_infer.engine.engine_config import EngineConfig
+    from dist_infer.launch.model_options import scheduler_options
 
     parser = build_parser()
-    assert speculative_config(parser.parse_args([command])) is None
-    args = parser.parse_args([command, "--speculative", "ngram", "--num-speculative-tokens", "6", "--ngram-min", "1"])
-    assert speculative_flags_error(args) is None
-    spec = speculative_config(args)
-    assert (spec.method, spec.num_tokens, spec.ngram_min, spec.ngram_max, spec.adaptive) == ("ngram", 6, 1, 4, True)
-    for argv, needle in [
-        (["--speculative", "draft"], "--speculative draft needs --draft-model"),
-        (["--draft-model", "tiny"], "--speculative draft needs --draft-model"),
-        (["--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "2"], "--ngram-max 2 is below --ngram-min 5"),
-        (["--num-speculative-tokens", "17"], "17 is more than 16"),
-    ]:
-        with pytest.raises(SystemExit) as exit_info:
-            main([command, *argv])
-        assert exit_info.value.code == 2 and needle in capsys.readouterr().err, argv
+    args = parser.parse_args(["serve"])
+    assert (args.scheduling_policy, args.prompt_max_wait_ms) == ("fcfs", 2000.0)
+    args = parser.parse_args(["serve", "--scheduling-policy", "shortest-prompt", "--prompt-max-wait-ms", "500"])
+    config = EngineConfig(**scheduler_options(args)).scheduler_config(64, 2048, 1, None)
+    assert (config.policy, config.max_wait_s) == ("shortest-prompt", 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--scheduling-policy", "priority"])
+    with pytest.raises(ValueError, match="max wait must be positive"):
+        EngineConfig(**scheduler_options(parser.parse_args(["serve", "--prompt-max-wait-ms", "0"])))
