@@ -342,14 +342,21 @@ def against_vllm_cpu(model: str, log_dir: Path, args, extra: list[str]) -> dict:
             ),
         ),
     ]
+    if args.variant:  # ours with more flags: NAME=FLAGS
+        name, _, flags = args.variant.partition("=")
+        servers.append(
+            (name, lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "auto", *flags.split(), *extra))
+        )
+    servers = [s for s in servers if s[0] == "vllm-cpu" or not args.only or s[0] in args.only.split(",")]
     results: dict = {}
     for i, load in enumerate(args.loads.split(",")):
         named = [(f"{name}@{load}", start) for name, start in servers]
         results[load] = run_pair(named, load_stream(model, load, 101 + i, args.num_prompts), log_dir)
-        peer, fp32, bf16, shortest = (results[load][f"{n}@{load}"] for n, _ in servers)
+        peer = results[load][f"vllm-cpu@{load}"]
         results[load]["ratios"] = {
-            f"{key}_{name}_over_vllm": stat(ours_) / stat(peer)
-            for name, ours_ in (("bf16", bf16), ("fp32", fp32), ("bf16_shortest", shortest))
+            f"{key}_{name.removeprefix('ours-').replace('-', '_')}_over_vllm": stat(results[load][f"{name}@{load}"])
+            / stat(peer)
+            for name, _ in servers[1:]
             for key, stat in (
                 ("req_s", lambda r: r["request_throughput"]),
                 ("ttft_p50", lambda r: r["ttft_ms"]["median"]),
@@ -391,6 +398,13 @@ def main() -> int:
         "--vllm-python",
         default=str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"),
         help="vllm-cpu: the Python of the environment vllm-cpu is installed in (`make vllm-cpu`)",
+    )
+    p.add_argument("--only", default="", help="vllm-cpu: only these of ours (comma separated names), beside vLLM")
+    p.add_argument(
+        "--variant",
+        default="",
+        metavar="NAME=FLAGS",
+        help="vllm-cpu: one more of ours, bf16 prompts and these flags, e.g. 'ours-itl500=--itl-target-ms 500'",
     )
     p.add_argument(
         "--vllm-checkpoint",
