@@ -185,7 +185,7 @@ async def gap_run(url: str, args, vocab: int, seed: int) -> list[dict]:
 def gaps(model: str, args, vocab: int, log_dir: Path) -> dict:
     out = {}
     for mirror in args.gap_modes:
-        s = server(model, mirror, log_dir, f"gap-{mirror}")
+        s = server(model, mirror, log_dir, f"gap-{mirror}", *args.flags.split())
         try:
             rows = asyncio.run(gap_run(s.url, args, vocab, seed=11))
         finally:
@@ -215,7 +215,7 @@ def steady_one(model: str, args, vocab: int, log_dir: Path, mirror: str, load: s
     common = ["--num-prompts", str(args.num_prompts), "--seed", str(seed), "--vocab-size", str(vocab)]
     stream_args = common + rate + ["--input-len", "256", "--output-len", "64", "--prompt-ids", "--ignore-eos"]
     name = f"steady-{mirror}-{load}-{seed}"
-    s = server(model, mirror, log_dir, name, "--dispatch", "rr")
+    s = server(model, mirror, log_dir, name, "--dispatch", "rr", *args.flags.split())
     try:
         r = bench(s.url, stream_args, log_dir / f"{name}.json")
         metrics = scrape(s.url)
@@ -323,7 +323,7 @@ async def chaos_run(url: str, args, vocab: int) -> dict:
 
 
 def chaos(model: str, args, vocab: int, log_dir: Path) -> dict:
-    s = server(model, "buddy", log_dir, "chaos", "--migrate-interval", "0.5")  # (the later flag wins)
+    s = server(model, "buddy", log_dir, "chaos", "--migrate-interval", "0.5", *args.flags.split())  # (later flags win)
     try:
         result = asyncio.run(chaos_run(s.url, args, vocab))
     finally:
@@ -344,6 +344,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=40, help="steady: requests per load")
     p.add_argument("--steady-repeat", type=int, default=3, help="steady: on/off pairs per load")
     p.add_argument("--chaos", type=int, default=0, help="chaos: kills in a row (0 skips)")
+    p.add_argument("--flags", default="", help="more flags for the server, e.g. '--prompt-dtype auto'")
     p.add_argument("--out", default=None, help="write the combined JSON here")
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
