@@ -26,6 +26,27 @@ POLICIES = SCHEDULING_POLICIES
 DEFAULT_MAX_WAIT_S = DEFAULT_PROMPT_MAX_WAIT_S  # a prompt that has waited this long is served in arrival order
 
 
+RECOVERY_STEP_ROWS = 8  # failed-over tails past the first share a step up to this many rows (recovery_tails)
+
+
+def recovery_tails(running: list[Request]) -> tuple[dict[int, int], int]:
+    """Of the running requests failed over here (resumed, their mirrored KV taken over), those whose
+    tails the next step computes again ({id: order}, fewest tokens left first) and the tokens they
+    add: the first whole, the others while the total stays within RECOVERY_STEP_ROWS. Each client
+    waits for the tails before its own, so the shortest first waits least; a step's cost is the sum
+    of its rows' on a compute-bound CPU, so a long-context tail of a few rows in one step with others'
+    waited for all of them (docs/benchmarks.md, "KV mirroring")."""
+    resumed = sorted((r for r in running if r.resumed and not r.in_flight), key=lambda r: r.num_tokens - r.num_computed)
+    carried: dict[int, int] = {}
+    rows = 0
+    for r in resumed:
+        left = r.num_tokens - r.num_computed
+        if carried and rows + left > RECOVERY_STEP_ROWS:
+            break
+        carried[id(r)], rows = len(carried), rows + left
+    return carried, rows
+
+
 def check_policy(policy: str, max_wait_s: float) -> None:
     """Raise a ValueError naming the setting that is not a policy or not a positive wait."""
     if policy not in POLICIES:

@@ -26,7 +26,7 @@ from dist_infer.engine.block_pool import BlockPool
 from dist_infer.engine.kv_cache import blocks_for
 from dist_infer.engine.layered_prefill import LayerProgress, group_charge
 from dist_infer.engine.prefix_cache import request_block_hashes
-from dist_infer.engine.prompt_order import PromptOrder
+from dist_infer.engine.prompt_order import PromptOrder, recovery_tails
 from dist_infer.engine.request import Request, RequestStatus
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -186,11 +186,9 @@ class Scheduler:
         freed: Optional[list] = None,
         preempted: Optional[list] = None,
     ) -> SchedulerOutput:
-        """The next step's batch (at most `max_seqs` sequences). Requests whose sampled token is
-        still on the way (pipeline stages in flight) are left out until it arrives.
-        `prefill_cap`: prompt tokens allowed beside the step's decodes, a number or a function of
-        (decodes, their context tokens, where the next prompt chunk starts) -> tokens or None (the
-        engine sizes it to its inter-token latency target); a step without decodes is not capped."""
+        """The next step's batch (at most `max_seqs` sequences); requests whose sampled token is still on
+        the way (pipeline) wait for it. `prefill_cap`: prompt tokens allowed beside the step's decodes (a
+        PrefillCap: the engine sizes it to its ITL target); a step without decodes is not capped."""
         out = SchedulerOutput(preempted=list(preempted or []))
         max_seqs = max_seqs or self.config.max_num_seqs
         budget = self.config.max_batched_tokens if self.config.max_batched_tokens is not None else float("inf")
@@ -206,17 +204,19 @@ class Scheduler:
         # 1. running requests: every decode, then prompts' chunks, failed-over requests' first (their tails,
         # whole: the ITL cap is for the others), then in prompt_order's order (deferred behind a waiting one)
         if not cp_prefill_step:
+            carried, tails = recovery_tails(self.running)
             for decodes in (True, False):
                 if not decodes and out.chunks and prefill_cap is not None:
-                    tails = sum(r.num_tokens - r.num_computed for r in self.running if r.resumed and not r.in_flight)
                     prompts = [r for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1]
                     budget = min(
                         budget, out.prompt_cap(prefill_cap, self.prompt_order.first(prompts, self.waiting)) + tails
                     )
                 running = self.running if decodes else self.prompt_order.running_prompts(self.running)
-                for request in sorted(running, key=lambda r: not r.resumed):
+                for request in sorted(running, key=lambda r: carried.get(id(r), len(carried))):
                     if len(out.chunks) >= max_seqs:
                         break
+                    if request.resumed and id(request) not in carried:
+                        continue  # a later step's: failed-over tails go few at a time, the shortest first
                     if not decodes and head is not None and request.layer_progress is None:
                         if self.prompt_order.key(request) > head:  # a shorter waiting prompt goes first
                             deferred.append(request)

@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from dist_infer.engine.prompt_order import PromptOrder, check_policy, prompt_key
+from dist_infer.engine.prompt_order import RECOVERY_STEP_ROWS, PromptOrder, check_policy, prompt_key, recovery_tails
 from dist_infer.engine.request import Request
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.engine.scheduler import Scheduler
@@ -113,6 +113,42 @@ def test_waiting_prompts_before_and_after_a_deferred_running_one_in_key_order():
     s.add(_request(2, 4, arrival=0.3))
     # r2 (4 left) before r0 (10 left) before r1 (25 left), the budget shared in that order
     assert _steps(s, 1) == [[("r2", 4), ("r0", 10), ("r1", 16)]]
+
+
+def _failed_over(i: int, prompt_len: int, computed: int) -> Request:
+    r = _request(i, prompt_len)
+    r.resumed, r.num_computed = True, computed
+    return r
+
+
+def test_recovery_tails_take_the_fewest_tokens_first_and_share_a_step_up_to_the_row_limit():
+    long_tail, short, tiny, other = (
+        _failed_over(0, 40, 20),
+        _failed_over(1, 8000, 7997),
+        _failed_over(2, 30, 27),
+        _request(3, 9),
+    )
+    in_flight = _failed_over(4, 10, 9)
+    in_flight.in_flight = True
+    carried, rows = recovery_tails([long_tail, short, other, tiny, in_flight])
+    assert carried == {id(short): 0, id(tiny): 1} and rows == 6  # 3 + 3; the 20-token tail waits a step
+    carried, rows = recovery_tails([long_tail])
+    assert carried == {id(long_tail): 0} and rows == 20 > RECOVERY_STEP_ROWS, "the first goes whole"
+    assert recovery_tails([other]) == ({}, 0)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest-prompt"])
+def test_failed_over_tails_run_shortest_first_and_the_long_one_next_step_before_other_prompts(policy):
+    now = [0.0]
+    s = _scheduler(policy, now, budget=64)
+    s.add(_request(9, 300))
+    _steps(s, 1)  # a running prompt in chunks: 64 of 300
+    long_tail, short = _failed_over(0, 40, 24), _failed_over(1, 12, 9)
+    for r in (long_tail, short):
+        s.install(r, [s.allocator.allocate() for _ in range(-(-r.num_computed // 4))], computed_here=True)
+    steps = _steps(s, 2)
+    assert steps[0] == [("r1", 3), ("r9", 61)], "the 3-token tail first, the 16-token one not yet"
+    assert steps[1] == [("r1", 1), ("r0", 16), ("r9", 47)], "the 16-token tail the next step, before the prompt"
 
 
 NEW = 6
