@@ -90,13 +90,14 @@ class StepDriver:
         """A KV block move every rank makes with the next plan (sent at once if idle)."""
         self._transfers.append(op)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, pace_alone: bool = False) -> list[RequestOutput]:
         """Launch steps until pp are in flight (or nothing is schedulable), then complete the
-        oldest. Returns what the completed step added to each request."""
+        oldest. Returns what the completed step added to each request. `pace_alone`: a step of
+        prompts alone keeps the ITL target too (streams may arrive mid-step: failovers)."""
         outputs = self._apply_commands()
         while len(self._inflight) < self.transport.stages:
             self._price_proposals()
-            scheduled = self.scheduler.schedule(self._seqs_per_step(), self.pacer.prefill_cap())
+            scheduled = self.scheduler.schedule(self._seqs_per_step(), self.pacer.prefill_cap(), pace_alone)
             self._freed += [r.seq_id for r in scheduled.freed]
             if not scheduled.chunks:
                 break

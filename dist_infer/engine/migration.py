@@ -354,6 +354,11 @@ class MigrationEndpoint:
 
     # -- every step ----------------------------------------------------------------------------
     @property
+    def failovers_may_arrive(self) -> bool:
+        """This instance holds another's mirrored blocks: its streams may fail over here at any step."""
+        return self.mirror_in.holds_leases
+
+    @property
     def busy(self) -> bool:
         return (
             any(o.stages or o.pause_reply for o in self._out.values())

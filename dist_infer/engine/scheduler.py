@@ -167,12 +167,14 @@ class Scheduler:
         out.preempted.append(request)
 
     # -- one step ------------------------------------------------------------------------------
-    def schedule(self, max_seqs: Optional[int] = None, prefill_cap: "PrefillCap" = None) -> SchedulerOutput:
+    def schedule(
+        self, max_seqs: Optional[int] = None, prefill_cap: "PrefillCap" = None, pace_alone: bool = False
+    ) -> SchedulerOutput:
         """The next step's batch. The caller launches each step before it asks for the next (or
         fails its requests): what the steps so far computed is then registered in the prefix cache."""
         for request in self.running:
             self._cache_computed(request)
-        out = self._schedule(max_seqs, prefill_cap, prompts_first=True)
+        out = self._schedule(max_seqs, prefill_cap, prompts_first=True, pace_alone=pace_alone)
         if not out.chunks and self.config.whole_prompt_steps:
             # cp: the waiting prompts do not fit yet; the running requests decode (and free blocks)
             out = self._schedule(max_seqs, prefill_cap, prompts_first=False, freed=out.freed, preempted=out.preempted)
@@ -185,10 +187,11 @@ class Scheduler:
         prompts_first: bool,
         freed: Optional[list] = None,
         preempted: Optional[list] = None,
+        pace_alone: bool = False,
     ) -> SchedulerOutput:
         """The next step's batch (at most `max_seqs` sequences); requests whose sampled token is still on
         the way (pipeline) wait for it. `prefill_cap`: prompt tokens allowed beside the step's decodes (a
-        PrefillCap: the engine sizes it to its ITL target); a step without decodes is not capped."""
+        PrefillCap: the engine sizes it to its ITL target); a step without decodes only if `pace_alone`."""
         out = SchedulerOutput(preempted=list(preempted or []))
         max_seqs = max_seqs or self.config.max_num_seqs
         budget = self.config.max_batched_tokens if self.config.max_batched_tokens is not None else float("inf")
@@ -206,7 +209,7 @@ class Scheduler:
         if not cp_prefill_step:
             carried, tails = recovery_tails(self.running)
             for decodes in (True, False):
-                if not decodes and out.chunks and prefill_cap is not None:
+                if not decodes and (out.chunks or pace_alone) and prefill_cap is not None:
                     prompts = [r for r in self.running if not r.in_flight and r.num_tokens - r.num_computed > 1]
                     budget = min(
                         budget, out.prompt_cap(prefill_cap, self.prompt_order.first(prompts, self.waiting)) + tails

@@ -199,6 +199,11 @@ class MirrorStore:
         if tail is not None:
             self.pool.free([tail.block])
 
+    @property
+    def holds_leases(self) -> bool:
+        """Whether any source's requests have blocks mirrored here (they would fail over here)."""
+        return bool(self._leases)
+
     def take_over(self, request) -> bool:
         """A request failed over here (`request`, resumed from its client's tokens, not queued yet):
         if its partial block is here after its leased blocks, it runs on from them with nothing

@@ -151,6 +151,16 @@ def test_failed_over_tails_run_shortest_first_and_the_long_one_next_step_before_
     assert steps[1] == [("r1", 1), ("r0", 16), ("r9", 47)], "the 16-token tail the next step, before the prompt"
 
 
+def test_a_step_of_prompts_alone_keeps_the_cap_only_where_streams_may_arrive_mid_step():
+    """No decodes: a prompt takes the whole budget, unless `pace_alone` (the instance holds a buddy's
+    mirrored blocks, whose streams may fail over here at any step): then the ITL cap holds too."""
+    for pace_alone, want in [(False, 64), (True, 5)]:
+        s = _scheduler("fcfs", [0.0], budget=64)
+        s.add(_request(0, 300))
+        out = s.schedule(prefill_cap=lambda *shape: 5, pace_alone=pace_alone)
+        assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", want)]
+
+
 NEW = 6
 
 

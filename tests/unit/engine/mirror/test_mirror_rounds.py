@@ -101,8 +101,10 @@ def test_a_round_mirrors_the_full_blocks_and_a_resumed_request_starts_from_them(
     send = src.ops[-1]
     assert send.kind == TransferOp.SEND and send.blocks == r.block_table[:6] and send.peer.index == 1
     assert buddy.endpoint.mirror_in.snapshot()["committed_blocks"] == 0, "not before the commit"
+    assert not src.endpoint.failovers_may_arrive, "the source holds nobody's blocks"
     call(buddy.endpoint.mirror_in.commit, 1)
     assert buddy.endpoint.mirror_in.snapshot()["committed_blocks"] == 6
+    assert buddy.endpoint.failovers_may_arrive, "the buddy holds the source's: its steps of prompts alone are paced"
     call(src.endpoint.mirror_out.done, 1, True)
     assert [src.pool.refcount(b) for b in r.block_table[:6]] == held_before
     assert buddy.pool.num_leased == 6 and buddy.endpoint.mirror_in.held_for(0, "r") == 6
