@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from dist_infer.arg_types import parse_itl_target
+from dist_infer.arg_types import DEFAULT_PROMPT_MAX_WAIT_S, parse_itl_target
 from dist_infer.engine.decode_graphs import check_graph_mode
 from dist_infer.engine.layered_prefill import SCHEDULES, LayeredPrefill
-from dist_infer.engine.prompt_order import DEFAULT_MAX_WAIT_S, check_policy
+from dist_infer.engine.prompt_order import check_policy
 from dist_infer.engine.scheduler_config import SchedulerConfig
 from dist_infer.engine.speculative.config import SpeculativeConfig
 from dist_infer.models.cp_attention import CP_VARIANTS, ContextParallelError
@@ -97,7 +97,7 @@ class EngineConfig:
     watermark: float = 0.01
     static_batching: bool = False
     scheduling_policy: str = "fcfs"
-    prompt_max_wait_s: float = DEFAULT_MAX_WAIT_S
+    prompt_max_wait_s: float = DEFAULT_PROMPT_MAX_WAIT_S
     itl_target: Optional[str] = None
     prefix_caching: bool = False
     prefill_schedule: str = "chunked"

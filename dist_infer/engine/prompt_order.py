@@ -8,7 +8,8 @@ the median first token waits for the tail; SRPT minimises the mean wait of a sin
 (docs/benchmarks.md, "Against vLLM's CPU backend"). So that no prompt starves, one that has waited
 `max_wait_s` since it arrived goes before every unaged one, aged ones in arrival order. A request
 failed over from a dead instance or preempted here goes first under either policy: its client is
-mid-stream. Pure functions of the requests and the clock: the tests drive them directly.
+mid-stream; failed-over tails go few at a time, the fewest tokens first (`recovery_tails`). Pure
+functions of the requests and the clock: the tests drive them directly.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ from dist_infer.arg_types import DEFAULT_PROMPT_MAX_WAIT_S, SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
     from dist_infer.engine.request import Request
-
-POLICIES = SCHEDULING_POLICIES
-DEFAULT_MAX_WAIT_S = DEFAULT_PROMPT_MAX_WAIT_S  # a prompt that has waited this long is served in arrival order
-
 
 RECOVERY_STEP_ROWS = 8  # failed-over tails past the first share a step up to this many rows (recovery_tails)
 
@@ -49,8 +46,8 @@ def recovery_tails(running: list[Request]) -> tuple[dict[int, int], int]:
 
 def check_policy(policy: str, max_wait_s: float) -> None:
     """Raise a ValueError naming the setting that is not a policy or not a positive wait."""
-    if policy not in POLICIES:
-        raise ValueError(f"scheduling policy {policy!r} is not one of {POLICIES}")
+    if policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling policy {policy!r} is not one of {SCHEDULING_POLICIES}")
     if not max_wait_s > 0:
         raise ValueError(f"the shortest-prompt policy's max wait must be positive seconds, got {max_wait_s}")
 
@@ -74,7 +71,10 @@ class PromptOrder:
     read once a step (`start_step`) so that one step's keys agree."""
 
     def __init__(
-        self, policy: str = "fcfs", max_wait_s: float = DEFAULT_MAX_WAIT_S, clock: Callable[[], float] = time.monotonic
+        self,
+        policy: str = "fcfs",
+        max_wait_s: float = DEFAULT_PROMPT_MAX_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         check_policy(policy, max_wait_s)
         self.policy, self.max_wait_s, self.clock = policy, max_wait_s, clock

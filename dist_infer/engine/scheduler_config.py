@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dist_infer.arg_types import DEFAULT_PROMPT_MAX_WAIT_S
 from dist_infer.engine.layered_prefill import LayeredPrefill
-from dist_infer.engine.prompt_order import DEFAULT_MAX_WAIT_S, check_policy
+from dist_infer.engine.prompt_order import check_policy
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class SchedulerConfig:
     cache_generated: bool = True
     layered: Optional[LayeredPrefill] = None  # prompts over the budget run layer group by layer group, not cut
     policy: str = "fcfs"  # which prompt takes the budget first (engine/prompt_order.py: fcfs, shortest-prompt)
-    max_wait_s: float = DEFAULT_MAX_WAIT_S  # shortest-prompt: a prompt waiting this long goes in arrival order
+    max_wait_s: float = DEFAULT_PROMPT_MAX_WAIT_S  # shortest-prompt: a prompt waiting this long goes in arrival order
 
     def __post_init__(self):
         check_policy(self.policy, self.max_wait_s)

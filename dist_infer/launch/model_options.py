@@ -10,6 +10,7 @@ from dist_infer.arg_types import (
     SCHEDULING_POLICIES,
     parse_itl_target,
     parse_ladder_residual,
+    positive_float,
     positive_int,
 )
 from dist_infer.launch.speculative_flags import add_speculative_flags, speculative_config
@@ -253,7 +254,7 @@ def add_scheduler_flags(p: argparse.ArgumentParser, offline: bool) -> None:
         )
         p.add_argument(
             "--prompt-max-wait-ms",
-            type=float,
+            type=positive_float,
             default=1000 * DEFAULT_PROMPT_MAX_WAIT_S,
             help="shortest-prompt: a prompt that has waited this long since it arrived goes before every "
             "shorter one, such prompts in arrival order, so none starves (default %(default)s)",

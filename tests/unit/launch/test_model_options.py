@@ -29,5 +29,8 @@ def test_scheduling_policy_flags_reach_the_scheduler_config():
     assert (config.policy, config.max_wait_s) == ("shortest-prompt", 0.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--scheduling-policy", "priority"])
+    for bad in ("0", "-5", "nan", "soon"):  # refused as the flags are parsed, before any instance starts
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--prompt-max-wait-ms", bad])
     with pytest.raises(ValueError, match="max wait must be positive"):
-        EngineConfig(**scheduler_options(parser.parse_args(["serve", "--prompt-max-wait-ms", "0"])))
+        EngineConfig(scheduling_policy="shortest-prompt", prompt_max_wait_s=0.0)
