@@ -115,7 +115,6 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
         workers = {n.node_id for n in cluster.list_all_nodes() if n is not cluster.head_node}
         placed = [i["node"] for i in insts]
         assert set(placed) <= workers and placed[0] != placed[1], (placed, workers)
-        lost = placed[1]
 
         async def go():
             async with httpx.AsyncClient() as client:
@@ -126,9 +125,9 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
                         removed["on"] = where_if_running(job, request_id)
                         if removed["on"] is None:  # the client reads behind: it ended already
                             return
-                        assert removed["on"] == 1
+                        # rr put it on instance 1 unless a busy machine made 1 miss a turn: its node goes
                         await asyncio.get_running_loop().run_in_executor(
-                            None, cluster.remove_node, _node(cluster, lost)
+                            None, cluster.remove_node, _node(cluster, placed[removed["on"]])
                         )
 
                 tasks = []
@@ -146,16 +145,18 @@ def test_ray_places_instances_and_a_lost_node_loses_no_request(checkpoint, clust
         for seed in (71, 72, 73):  # a round whose request ended before the removal runs again, new prompts
             prompts = prompts_for([12, 19, 7], seed=seed)
             removed, during, alone = run_async(go())
-            if removed.get("on") == 1:
+            if removed.get("on") is not None:
                 break
         else:
             pytest.fail(f"three rounds in a row ended before the node could be removed: {removed}")
         for i, (d, a) in enumerate(zip(during, alone)):
             assert d["error"] is None and d["token_ids"] == a["token_ids"] and len(d["token_ids"]) == LONG, (i, d, a)
         assert_ids_match_hf(checkpoint, prompts, [d["token_ids"] for d in during], HF_CHECKED, "a Ray node lost")
-        again = wait_state(job, 1, "serving")
+        on = removed["on"]
+        lost = placed[on]
+        again = wait_state(job, on, "serving")
         assert again["node"] in workers - {lost}, (again, lost)
-        assert again["node"] != instances(job)[0]["node"] and again["restarts"] == 1, instances(job)
+        assert again["node"] != instances(job)[1 - on]["node"] and again["restarts"] == 1, instances(job)
         metrics = job.metrics()
         assert metrics["dist_infer:requests_lost_total"] == 0 and metrics["dist_infer:instance_failures_total"] == 1
         assert_live_blocks_free(job)
