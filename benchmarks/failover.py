@@ -13,7 +13,8 @@ The dead instance is restarted (/admin/instances/N/restart) before the next samp
 
 steady: bench-serve at each load with mirroring on and off (a fresh server and seed each):
 requests/s, TTFT p50, ITL p99, the time steps spent on mirroring against the step time, and the
-per-request mirror lag (p99, blocks) from /metrics.
+per-request mirror lag (quantiles, blocks; while a prompt's blocks are among them, and after) from the
+instances' stats.
 
 chaos: --chaos kills in a row (the two instances in turn) under a stream of four requests at a time,
 each round with a forced live migration first, the controller's rounds and prefix caching on; every
@@ -39,7 +40,7 @@ from pathlib import Path
 import httpx
 from serve_compare import bench, free_port, ours, scrape, vocab_size
 
-from dist_infer.serving.http.mirror_metrics import lag_quantile
+from dist_infer.serving.http.mirror_metrics import lag_quantile, lag_samples
 
 OUT_TOKENS = 64
 
@@ -222,10 +223,11 @@ def steady_one(model: str, args, vocab: int, log_dir: Path, mirror: str, load: s
         insts = httpx.get(s.url + "/admin/instances", timeout=30).json()["instances"]
     finally:
         s.stop()
-    samples: dict[int, int] = {}
+    samples: dict[str, dict[int, int]] = {"prompt": {}, "output": {}}
     for inst in insts:
-        for k, n in ((inst.get("kv_mirror") or {}).get("lag_samples") or {}).items():
-            samples[int(k)] = samples.get(int(k), 0) + n
+        for phase, got in lag_samples(inst.get("kv_mirror")).items():
+            for k, n in got.items():
+                samples[phase][k] = samples[phase].get(k, 0) + n
     step_s = metrics.get("dist_infer:step_duration_seconds_sum", 0.0)
     wait_s = metrics.get("dist_infer:kv_mirror_step_wait_seconds_total", 0.0)
     return {
@@ -254,10 +256,11 @@ def steady(model: str, args, vocab: int, log_dir: Path) -> dict:
             m: {k: statistics.median(r[k] for r in rs) for k in ("req_s", "ttft_p50_ms", "itl_p99_ms")}
             for m, rs in runs.items()
         }
-        lag: dict[int, int] = {}
+        lag: dict[str, dict[int, int]] = {"prompt": {}, "output": {}}
         for r in runs["buddy"]:
-            for k, n in r["lag_samples"].items():
-                lag[k] = lag.get(k, 0) + n
+            for phase, got in r["lag_samples"].items():
+                for k, n in got.items():
+                    lag[phase][k] = lag[phase].get(k, 0) + n
         on, off = med["buddy"], med["off"]
         results[load] = {
             "runs": runs,
@@ -267,7 +270,8 @@ def steady(model: str, args, vocab: int, log_dir: Path) -> dict:
                 "itl_p99": on["itl_p99_ms"] / off["itl_p99_ms"],
             },
             "mirror_wait_share": max(r["mirror_wait_share"] or 0 for r in runs["buddy"]),
-            "lag_blocks": {q: lag_quantile(lag, q) for q in (0.5, 0.9, 0.95, 0.99)},
+            # the steady state ("output": blocks decodes filled) and a prompt's blocks before their first round
+            "lag_blocks": {ph: {q: lag_quantile(lag[ph], q) for q in (0.5, 0.9, 0.95, 0.99)} for ph in lag},
         }
         summary = {k: v for k, v in results[load].items() if k != "runs"}
         print(f"{load}: {json.dumps(summary)}", flush=True)

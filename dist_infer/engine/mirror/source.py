@@ -26,6 +26,11 @@ Reply = Callable[[object], None]
 TAIL_MIN_TOKENS = 2048
 
 
+def lag_phase(prompt_blocks: int, full: int, have: int) -> str:
+    """ "prompt" while full blocks of the prompt are not mirrored yet, else "output"."""
+    return "prompt" if min(full, prompt_blocks) > have else "output"
+
+
 @dataclass
 class _Round:
     buddy: int
@@ -46,7 +51,9 @@ class _Round:
 class SourceCounters:
     blocks_sent: int = 0
     rounds: int = 0
-    lag_samples: dict = field(default_factory=dict)  # lag in blocks (per request, at each offer) -> count
+    # per phase, lag in blocks (per request, at each offer) -> count: "prompt" while blocks of its prompt are
+    # among them (a prompt's step fills many at once), "output" after (the steady state, a block per block_size tokens)
+    lag_samples: dict = field(default_factory=lambda: {"prompt": {}, "output": {}})
 
 
 class MirrorSource:
@@ -104,7 +111,8 @@ class MirrorSource:
         bs = self.engine.block_size
         full, have = self._full_blocks(r), self._have.get(r.request_id, 0)
         lag = max(0, full - have)
-        self.counters.lag_samples[lag] = self.counters.lag_samples.get(lag, 0) + 1
+        samples = self.counters.lag_samples[lag_phase(len(r.prompt_token_ids) // bs, full, have)]
+        samples[lag] = samples.get(lag, 0) + 1
         n = min(lag, left)
         rows = r.num_computed - full * bs
         tail = have + n == full and 0 < rows and r.num_computed >= TAIL_MIN_TOKENS and len(r.block_table) > full
@@ -176,6 +184,6 @@ class MirrorSource:
             "rounds": c.rounds,
             "lag_blocks": total,
             "lag_blocks_max": most,
-            "lag_samples": dict(c.lag_samples),
+            "lag_samples": {phase: dict(samples) for phase, samples in c.lag_samples.items()},
             "buddy": self.buddy,
         }

@@ -52,15 +52,26 @@ def kv_mirror_families(model_name: str, per: list[dict]) -> list[Metric]:
             families.append(m)
     h = HistogramMetricFamily(
         PREFIX + "kv_mirror_request_lag_blocks",
-        "Each running request's unmirrored full blocks, sampled at every mirroring round of its instance.",
-        labels=["model_name", "engine"],
+        "Each running request's unmirrored full blocks, sampled at every mirroring round of its instance; phase "
+        "'prompt' while blocks of its prompt are among them (a prompt step fills many at once), else 'output'.",
+        labels=["model_name", "engine", "phase"],
     )
     for s in per:
-        samples = {int(k): n for k, n in ((s.get("kv_mirror") or {}).get("lag_samples") or {}).items()}
-        if samples:
-            h.add_metric([model_name, s["engine"]], lag_buckets(samples), float(sum(k * n for k, n in samples.items())))
+        for phase, samples in lag_samples(s.get("kv_mirror")).items():
+            if samples:
+                h.add_metric(
+                    [model_name, s["engine"], phase],
+                    lag_buckets(samples),
+                    float(sum(k * n for k, n in samples.items())),
+                )
     families.append(h)
     return families
+
+
+def lag_samples(snapshot: dict | None) -> dict[str, dict[int, int]]:
+    """An instance's lag samples by phase, {phase: {lag: count}}, from its stats entry (JSON keys are strings)."""
+    raw = (snapshot or {}).get("lag_samples") or {}
+    return {phase: {int(k): n for k, n in samples.items()} for phase, samples in raw.items()}
 
 
 def lag_buckets(samples: dict[int, int]) -> list[tuple[str, float]]:

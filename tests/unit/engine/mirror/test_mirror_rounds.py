@@ -130,6 +130,8 @@ def test_rounds_are_incremental_and_a_new_buddy_gets_everything():
     entries, answers = mirror_round(src, buddy, 3)
     assert [(e.first, len(e.hashes)) for e in entries] == [(6, 2)] and answers[0].have == 8
     assert src.endpoint.mirror_out.lag() == (0, 0)
+    # each round sampled the request's lag: its prompt's 6 blocks at once, then none, then 2 of its output
+    assert src.endpoint.mirror_out.snapshot()["lag_samples"] == {"prompt": {6: 1}, "output": {0: 1, 2: 1}}
     entries, _ = mirror_round(src, other, 4)
     assert [(e.first, len(e.hashes)) for e in entries] == [(0, 8)]
     assert r.num_computed // BS == 8

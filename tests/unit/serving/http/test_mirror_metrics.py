@@ -10,7 +10,12 @@ def test_the_families_per_instance():
     per = [
         {
             "engine": "0",
-            "kv_mirror": {"blocks_sent": 5, "bytes_sent": 500, "lag_blocks": 2, "lag_samples": {"0": 3, "4": 1}},
+            "kv_mirror": {
+                "blocks_sent": 5,
+                "bytes_sent": 500,
+                "lag_blocks": 2,
+                "lag_samples": {"prompt": {"16": 1}, "output": {"0": 3, "4": 1}},
+            },
         },
         {"engine": "1", "kv_mirror": None},
     ]
@@ -27,7 +32,12 @@ def test_the_families_per_instance():
     sent = {s.labels["engine"]: s.value for s in families["dist_infer:kv_mirror_blocks_sent"].samples}
     assert sent == {"0": 5.0, "1": 0.0}
     lag = families["dist_infer:kv_mirror_request_lag_blocks"].samples
-    assert {s.labels.get("le"): s.value for s in lag if s.name.endswith("_bucket")}["2.0"] == 3.0
+    by_phase = {
+        phase: {s.labels.get("le"): s.value for s in lag if s.name.endswith("_bucket") and s.labels["phase"] == phase}
+        for phase in ("prompt", "output")
+    }
+    assert by_phase["output"]["2.0"] == 3.0 and by_phase["output"]["+Inf"] == 4.0
+    assert by_phase["prompt"]["8.0"] == 0.0 and by_phase["prompt"]["16.0"] == 1.0
 
 
 def test_lag_buckets_and_quantiles():
