@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import struct
 import time
@@ -25,10 +24,10 @@ from tests.support.serving_helpers import (
     ended_first,
     force_migrate,
     instances,
+    kill_when_on,
     run_async,
     stream_tokens,
     wait_state,
-    where,
     where_if_running,
 )
 
@@ -100,27 +99,18 @@ def test_killing_instance_0_never_ends_the_api(checkpoint, tmp_path):
 
         async def go():
             async with httpx.AsyncClient() as client:
-                killed = {}
-
-                async def kill_at(request_id, n):
-                    if n >= 20 and not killed:
-                        killed["on"] = where(job, request_id)
-                        os.kill(victim, signal.SIGKILL)
-
+                killed: dict = {}
+                kill_at = kill_when_on(job, 0, victim, 20, killed)  # rr: request 0 runs on instance 0
                 tasks = []
-                for i, p in enumerate(prompts):  # rr: request i runs on instance i
-                    tasks.append(
-                        asyncio.create_task(
-                            stream_tokens(client, job.url, p, kill_at if i == 0 else None, max_tokens=LONG)
-                        )
-                    )
+                for p in prompts:
+                    tasks.append(asyncio.create_task(stream_tokens(client, job.url, p, kill_at, max_tokens=LONG)))
                     await asyncio.sleep(0.1)
                 chaos = await asyncio.gather(*tasks)
                 alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts]
                 return killed, chaos, alone
 
         killed, chaos, alone = run_async(go())
-        assert killed == {"on": 0}
+        assert killed.get("on") == 0, "no stream was seen on instance 0 past 20 tokens"
         for i, (c, a) in enumerate(zip(chaos, alone)):
             assert c["error"] is None and c["token_ids"] == a["token_ids"] and len(c["token_ids"]) == LONG, (i, c, a)
         assert job.proc.poll() is None and httpx.get(job.url + "/health", timeout=10).status_code == 200

@@ -26,6 +26,7 @@ from tests.support.serving_helpers import (
     assert_live_blocks_free,
     force_migrate,
     instances,
+    kill_when_on,
     run_async,
     stream_tokens,
     wait_state,
@@ -96,23 +97,13 @@ def test_a_killed_instance_s_requests_stream_on_elsewhere_and_it_restarts(checkp
 
         async def go():
             async with httpx.AsyncClient() as client:
-                killed = {}
-
-                async def kill_at(request_id, n):
-                    if n >= 25 and not killed:
-                        killed["at"] = n
-                        assert where(job, request_id) == 1
-                        killed["on_victim"] = len(instances(job)[1]["requests"])
-                        os.kill(victim, signal.SIGKILL)
-
-                # rr: 0 -> instance 0, 1 -> instance 1, 2 -> instance 0, 3 (sampled) -> instance 1
+                killed: dict = {}
+                kill_at = kill_when_on(job, 1, victim, 25, killed)  # rr: 1 and 3 (sampled) run on instance 1
                 tasks = []
                 for i, p in enumerate(prompts):
                     body = sampled if i == 3 else {}
                     tasks.append(
-                        asyncio.create_task(
-                            stream_tokens(client, job.url, p, kill_at if i == 1 else None, max_tokens=LONG, **body)
-                        )
+                        asyncio.create_task(stream_tokens(client, job.url, p, kill_at, max_tokens=LONG, **body))
                     )
                     await asyncio.sleep(0.1)
                 chaos = await asyncio.gather(*tasks)
@@ -495,22 +486,18 @@ def test_an_instance_joins_as_a_torchrun_job_of_its_own(checkpoint, tmp_path):
 
             async def go():
                 async with httpx.AsyncClient() as client:
-                    killed = {}
-
-                    async def kill_at(request_id, n):
-                        if n >= 20 and not killed:
-                            killed["on"] = where(job, request_id)
-                            os.kill(inst["pids"][1], signal.SIGKILL)
-
-                    first = asyncio.create_task(stream_tokens(client, job.url, prompts[0], max_tokens=LONG))
+                    killed: dict = {}
+                    kill_at = kill_when_on(job, 1, inst["pids"][1], 20, killed)  # rr: one of the two runs there
+                    first = asyncio.create_task(stream_tokens(client, job.url, prompts[0], kill_at, max_tokens=LONG))
                     await asyncio.sleep(0.05)
-                    second = await stream_tokens(client, job.url, prompts[1], kill_at, max_tokens=LONG)  # rr: 1
-                    alone = await stream_tokens(client, job.url, prompts[1], max_tokens=LONG)
-                    return killed, await first, second, alone
+                    second = await stream_tokens(client, job.url, prompts[1], kill_at, max_tokens=LONG)
+                    alone = [await stream_tokens(client, job.url, p, max_tokens=LONG) for p in prompts[:2]]
+                    return killed, [await first, second], alone
 
-            killed, first, second, alone = run_async(go())
-            assert killed["on"] == 1 and first["error"] is None
-            assert second["error"] is None and second["token_ids"] == alone["token_ids"], (second, alone)
+            killed, during, alone = run_async(go())
+            assert killed.get("on") == 1, "neither stream was seen on instance 1 past 20 tokens"
+            for d, a in zip(during, alone):
+                assert d["error"] is None and d["token_ids"] == a["token_ids"], (d, a)
             assert joined.wait(60) != 0  # torchrun ended its job when a rank died
             assert instances(job)[1]["state"] == "dead"
             assert_live_blocks_free(job)

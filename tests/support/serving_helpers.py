@@ -267,3 +267,23 @@ def where_if_running(job, request_id: str):
     except AssertionError as exc:
         assert "is on no instance" in str(exc), exc
         return None
+
+
+def kill_when_on(job, instance: int, pid: int, after: int, record: dict):
+    """An on_token callback for every stream of a test: at the first one past `after` tokens that runs on
+    `instance`, SIGKILL `pid`, once. Whichever stream dispatch put there triggers it (a busy machine may
+    reorder dispatches), and a stream that has ended already is passed over. `record` gets the request's
+    id, the tokens its client had, and how many requests the instance ran just before the kill."""
+    looked: dict[str, Optional[int]] = {}  # request id -> where it ran when first looked up (it does not move)
+
+    async def on_token(request_id: str, n: int) -> None:
+        if n < after or record:
+            return
+        if request_id not in looked:
+            looked[request_id] = where_if_running(job, request_id)
+        if looked[request_id] == instance:
+            ran = instances(job)[instance]["requests"]
+            record.update(id=request_id, at=n, on=instance, on_victim=len(ran))
+            os.kill(pid, signal.SIGKILL)
+
+    return on_token
