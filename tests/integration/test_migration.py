@@ -27,11 +27,13 @@ from tests.support.hf_compare import assert_ids_match_hf, prompts_for
 from tests.support.serving_helpers import (
     ServerJob,
     assert_all_blocks_free,
+    ended_first,
     force_migrate,
     instances,
     run_async,
     stream_tokens,
     where,
+    where_if_running,
 )
 
 LONG = 400  # tokens per request: long enough that a forced migration lands mid-decode
@@ -130,9 +132,9 @@ def _migrate_round(server, seed: int):
                     due = points[i] if state["moves"] == 0 else points[i] + back
                     if n >= due and state["moves"] < (2 if i == 0 else 1) and i not in missed:
                         state["moves"] += 1
-                        src = where(server, request_id)
-                        r = await force_migrate(client, server.url, request_id, 1 - src)
-                        if r.status_code == 404 and "is not running or waiting" in r.text:
+                        src = where_if_running(server, request_id)
+                        r = None if src is None else await force_migrate(client, server.url, request_id, 1 - src)
+                        if ended_first(r):
                             missed.append(i)  # it ended on the server first; its stream shows it whole
                             return
                         assert r.status_code == 200, r.text
@@ -152,20 +154,27 @@ def test_seeded_sampling_continues_bit_identically(server):
     prompt = prompts_for([9], seed=3)[0]
     sampling = dict(temperature=0.9, top_p=0.95, seed=1234, max_tokens=200)
 
-    async def go():
+    async def go(moves: list):
         async with httpx.AsyncClient() as client:
 
-            async def on_token(request_id, n, done=[]):
-                if n >= 7 and not done:
-                    done.append(1)
-                    r = await force_migrate(client, server.url, request_id, 1 - where(server, request_id))
-                    assert r.status_code == 200 and r.json()["outcome"] == "ok", r.text
+            async def on_token(request_id, n):
+                if n >= 7 and not moves:
+                    src = where_if_running(server, request_id)
+                    r = None if src is None else await force_migrate(client, server.url, request_id, 1 - src)
+                    moves.append(None if ended_first(r) else r)  # None: it ended on the server first
 
             moved = await stream_tokens(client, server.url, prompt, on_token, **sampling)
             alone = await stream_tokens(client, server.url, prompt, **sampling)
             return moved, alone
 
-    moved, alone = run_async(go())
+    for _ in range(3):  # a busy machine's client may read behind the server: a round whose request ended runs again
+        moves: list = []
+        moved, alone = run_async(go(moves))
+        if moves and moves[0] is not None:
+            break
+    else:
+        pytest.fail("three rounds in a row ended before their move")
+    assert moves[0].status_code == 200 and moves[0].json()["outcome"] == "ok", moves[0].text
     assert moved["token_ids"] == alone["token_ids"] and len(moved["token_ids"]) == 200
     assert_all_blocks_free(server)
 

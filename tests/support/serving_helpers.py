@@ -269,9 +269,9 @@ def where_if_running(job, request_id: str):
         return None
 
 
-def kill_when_on(job, instance: int, pid: int, after: int, record: dict):
+def kill_when_on(job, instance: int, pid: int | Sequence[int], after: int, record: dict):
     """An on_token callback for every stream of a test: at the first one past `after` tokens that runs on
-    `instance`, SIGKILL `pid`, once. Whichever stream dispatch put there triggers it (a busy machine may
+    `instance`, SIGKILL `pid` (or each of several), once. Whichever stream dispatch put there triggers it (a busy machine may
     reorder dispatches), and a stream that has ended already is passed over. `record` gets the request's
     id, the tokens its client had, and how many requests the instance ran just before the kill."""
     looked: dict[str, Optional[int]] = {}  # request id -> where it ran when first looked up (it does not move)
@@ -284,6 +284,10 @@ def kill_when_on(job, instance: int, pid: int, after: int, record: dict):
         if looked[request_id] == instance:
             ran = instances(job)[instance]["requests"]
             record.update(id=request_id, at=n, on=instance, on_victim=len(ran))
-            os.kill(pid, signal.SIGKILL)
+            for p in [pid] if isinstance(pid, int) else pid:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:  # one rank dying may take the others down first
+                    pass
 
     return on_token
