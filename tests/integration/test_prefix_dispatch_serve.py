@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ from tests.support.serving_helpers import (
 )
 
 PREFIX = 64  # 4 blocks of 16
+FIRST = 300  # the first "a" streams this long: it still runs when "b" is placed
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +73,27 @@ def test_requests_go_where_their_prefix_is_cached(checkpoint, tmp_path):
 
         async def go():
             async with httpx.AsyncClient() as client:
-                first = await asyncio.gather(
-                    *(stream_tokens(client, job.url, prompt[(n, 0)], max_tokens=40) for n in "ab")
-                )
+                # "b" starts once "a" streams, so that "a" runs (on instance 0) when "b" is placed: a busy
+                # machine could otherwise place "b" after "a" ended, on the same (then as free) instance
+                a_runs = asyncio.Event()
+
+                async def started(request_id, n):
+                    a_runs.set()
+
+                a = asyncio.create_task(stream_tokens(client, job.url, prompt[("a", 0)], started, max_tokens=FIRST))
+                await a_runs.wait()
+                b = await stream_tokens(client, job.url, prompt[("b", 0)], max_tokens=40)
+                first = [await a, b]
                 later, homes = [], {}
                 for j in range(1, 4):
                     for n in "ab":
                         before = hits_by_instance(job)
                         later.append(await stream_tokens(client, job.url, prompt[(n, j)], max_tokens=8))
-                        for _ in range(50):  # the instance's counters come with its next load report
+                        deadline = time.monotonic() + 30
+                        while True:  # the instance's counters come with its next load report
                             after = hits_by_instance(job)
                             rose = [e for e in after if after[e] - before.get(e, 0.0) >= PREFIX]
-                            if rose:
+                            if rose or time.monotonic() > deadline:
                                 break
                             await asyncio.sleep(0.05)
                         assert len(rose) == 1, (n, j, before, after)
