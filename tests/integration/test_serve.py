@@ -24,6 +24,7 @@ from tests.support.processes import venv_env
 from tests.support.serving_helpers import DIST, ServerJob, complete_ids, run_async, stream_ids
 
 NEW = 6
+SIGTERM_TOKENS = 200  # long enough that a client reading behind the server still has some to come
 BURST_ROUNDS = 4  # more bursts of 4 long prompts sent while none has preempted
 
 
@@ -382,7 +383,7 @@ def test_sigterm_finishes_running_requests_and_exits_0(default_server):
                     client,
                     default_server.url,
                     [1, 4, 4],
-                    max_tokens=60,
+                    max_tokens=SIGTERM_TOKENS,
                     temperature=0,
                     ignore_eos=True,
                     on_chunk=on_chunk,
@@ -396,8 +397,8 @@ def test_sigterm_finishes_running_requests_and_exits_0(default_server):
             return received_at_signal, await task
 
     received_at_signal, result = run_async(go())
-    assert received_at_signal < 60, "the stream ended before SIGTERM: the drain was not exercised"
-    assert len(result["token_ids"]) == 60 and result["finish_reason"] == "length"
+    assert received_at_signal < SIGTERM_TOKENS, "the stream ended before SIGTERM: the drain was not exercised"
+    assert len(result["token_ids"]) == SIGTERM_TOKENS and result["finish_reason"] == "length"
     default_server.proc.wait(90)
     assert default_server.proc.returncode == 0, default_server.log()[-4000:]
 

@@ -364,11 +364,13 @@ def test_a_migration_carries_only_what_the_destination_needs():
         logits=[object()],
         emitted_tokens=1,
     )
-    r.arrival_time, r.first_token_time = time.monotonic() - 2.0, time.monotonic() - 1.0
+    t0 = time.monotonic()
+    r.arrival_time, r.first_token_time = t0 - 2.0, t0 - 1.0
     state = MigratingRequest.of(r)
+    took = time.monotonic() - t0  # (bounds, not a window: a busy machine may pause anywhere here)
     assert pickle.loads(pickle.dumps(state)) == state  # the wire: no block table, no logits, times as ages
     assert not {"block_table", "logits", "in_flight", "seq_id"} & {f.name for f in dataclasses.fields(state)}
-    assert 1.9 < state.age_s < 2.5 and MigratingRequest.of(r, send_kv=False).num_computed == 0
+    assert 2.0 <= state.age_s <= 2.0 + took and MigratingRequest.of(r, send_kv=False).num_computed == 0
     back = state.to_request()
     assert (
         back.output_token_ids,
@@ -379,7 +381,7 @@ def test_a_migration_carries_only_what_the_destination_needs():
         back.logits,
         back.seed,
     ) == ([9], 4, 1, [], False, [], 5)
-    assert abs((time.monotonic() - back.arrival_time) - 2.0) < 0.5
+    assert 2.0 - took <= time.monotonic() - back.arrival_time <= 2.0 + (time.monotonic() - t0)
 
 
 def test_instance_stats_and_peers_read_the_typed_wire():
