@@ -150,6 +150,15 @@ async def survivors_recomputed(client, url: str, victim: int, before: dict[int, 
     )
 
 
+async def seen_dead(client, url: str, index: int, timeout: float = 60.0) -> None:
+    """Until the front end has seen instance `index` die."""
+    deadline = time.monotonic() + timeout
+    while (await instances(client, url))[index]["state"] == "serving":
+        if time.monotonic() > deadline:
+            raise SystemExit(f"instance {index} still serving {timeout:.0f} s after it was killed")
+        await asyncio.sleep(0.05)
+
+
 async def restart(client, url: str, index: int) -> float:
     started = time.monotonic()
     r = await client.post(url + f"/admin/instances/{index}/restart", timeout=60)
@@ -304,6 +313,7 @@ async def chaos_run(url: str, args, vocab: int) -> dict:
             for pid in victim["pids"]:
                 os.kill(pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks, return_exceptions=True)
+            await seen_dead(client, url, victim["index"])  # (streams elsewhere may end before the death is seen)
             await restart(client, url, victim["index"])
             for prompt, got in zip(prompts, results):
                 if isinstance(got, BaseException) or len(got["ids"]) != OUT_TOKENS:
