@@ -132,3 +132,49 @@ def test_a_source_s_rounds_start_at_most_every_interval_even_when_one_finds_noth
         (0.2, 0),
         (0.2, 1),
     ]
+
+
+def test_rounds_come_less_often_while_only_short_requests_run(monkeypatch):
+    """Every ROUND_INTERVAL_S while a request long enough to mirror its partial block runs on the
+    source, SHORT_ROUND_INTERVAL_S while its rounds carry short requests only."""
+    from dist_infer.engine.mirror.source import TAIL_MIN_TOKENS
+    from dist_infer.serving.mirror import mirror_control
+    from dist_infer.serving.mirror.mirror_round import RoundResult
+
+    clock = [0.0]
+
+    async def sleep(s):
+        clock[0] += s
+
+    monkeypatch.setattr(mirror_control, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(mirror_control, "asyncio", SimpleNamespace(sleep=sleep))
+    bs = 16
+    script = [RoundResult(True, offered=3, longest=4), RoundResult(True)]  # short, then nothing new
+    script += [RoundResult(True, offered=2, longest=TAIL_MIN_TOKENS // bs), RoundResult(True), RoundResult(True)]
+    starts: list = []
+
+    async def scripted_round(calls, mid, src, buddy, *args):
+        starts.append(round(clock[0], 3))
+        return script.pop(0)
+
+    monkeypatch.setattr(mirror_control, "mirror_round", scripted_round)
+    mirror, _ = control_of(instance(0, "a"))
+    mirror.fleet.block_size = bs
+    mirror.pairs = {0: 1}  # one source (its buddy's own rounds are not looked at here)
+    mirror._pair = lambda: None
+    mirror.calls.open_migration = mirror.calls.close_migration = lambda mid: None
+
+    def run_now(coro):
+        try:
+            coro.send(None)  # the fake sleep never suspends: the task runs to its end here
+        except StopIteration:
+            pass
+        return SimpleNamespace(done=lambda: True)
+
+    mirror.control.spawn = run_now
+    mirror.fleet.instances[0].stats.num_requests_running = 1
+    for t in (0.0, 0.3, 0.45, 0.5, 0.65, 0.7):
+        clock[0] = max(clock[0], t)
+        mirror.tick()
+    assert starts == [0.0, 0.25, 0.5, 0.6, 0.7], starts  # short: 0.25 apart; from the long one's on, 0.1
+    assert mirror_control.SHORT_ROUND_INTERVAL_S == 0.25 and mirror_control.ROUND_INTERVAL_S == 0.1
