@@ -50,6 +50,8 @@ def serve_args(checkpoint) -> list[str]:
         "ngram",
         "--ngram-min",
         "1",
+        "--speculative-adaptive",
+        "off",  # K fixed: an adaptive K follows measured step costs, and proposals must be accepted here
     ]
 
 
