@@ -39,7 +39,6 @@ ROUND_INTERVAL_S = 0.1  # (one that finds nothing new too: the control loop's ti
 # only the rows since the last round, over a long context); with short requests only, this: what waits
 # is at most a block's rows per request, recomputed over a short context, for fewer calls beside the steps
 SHORT_ROUND_INTERVAL_S = 0.25
-LONG_SEEN_S = 1.0  # a long request counts as running this long after a round last carried it
 
 
 @dataclass
@@ -64,7 +63,7 @@ class MirrorControl:
         self._lock = threading.Lock()
         self._tasks: dict[int, asyncio.Task] = {}
         self._next_round: dict[int, float] = {}  # source -> when its next round may start (time.monotonic)
-        self._long_until: dict[int, float] = {}  # source -> until when a long request counts as running there
+        self._long: dict[int, bool] = {}  # source -> its last round with blocks had a long request
 
     # -- the control loop ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -128,20 +127,15 @@ class MirrorControl:
                         ended.append(request_id)
             if ended:  # they ended while the round ran: nobody else will end their leases
                 self._call(buddy, MirrorRelease(src, tuple(ended)))
-            if result.longest:  # it carried requests: is one of them long?
-                if result.longest * self.fleet.block_size >= TAIL_MIN_TOKENS:
-                    self._long_until[src] = time.monotonic() + LONG_SEEN_S
-                else:
-                    self._long_until.setdefault(src, 0.0)
+            if result.offered:
+                self._long[src] = result.longest * self.fleet.block_size >= TAIL_MIN_TOKENS
                 self._next_round[src] = started + self._interval(src)
             if not result.ok or not result.offered:
                 return  # (the next starts from tick, not before _next_round)
             await asyncio.sleep(max(0.0, self._next_round[src] - time.monotonic()))
 
     def _interval(self, src: int) -> float:
-        """ROUND_INTERVAL_S while a long request runs on `src` (or before its first round), else longer."""
-        long = time.monotonic() < self._long_until.get(src, float("inf"))
-        return ROUND_INTERVAL_S if long else SHORT_ROUND_INTERVAL_S
+        return ROUND_INTERVAL_S if self._long.get(src, True) else SHORT_ROUND_INTERVAL_S
 
     def _call(self, index: int, op) -> None:
         """Make a call whose answer nobody needs (a dead or silent instance is no matter)."""

@@ -136,8 +136,7 @@ def test_a_source_s_rounds_start_at_most_every_interval_even_when_one_finds_noth
 
 def test_rounds_come_less_often_while_only_short_requests_run(monkeypatch):
     """Every ROUND_INTERVAL_S while a request long enough to mirror its partial block runs on the
-    source (a round carried one within LONG_SEEN_S), SHORT_ROUND_INTERVAL_S while its rounds carry
-    short requests only."""
+    source, SHORT_ROUND_INTERVAL_S while its rounds carry short requests only."""
     from dist_infer.engine.mirror.source import TAIL_MIN_TOKENS
     from dist_infer.serving.mirror import mirror_control
     from dist_infer.serving.mirror.mirror_round import RoundResult
@@ -151,8 +150,7 @@ def test_rounds_come_less_often_while_only_short_requests_run(monkeypatch):
     monkeypatch.setattr(mirror_control, "asyncio", SimpleNamespace(sleep=sleep))
     bs = 16
     script = [RoundResult(True, offered=3, longest=4), RoundResult(True)]  # short, then nothing new
-    script += [RoundResult(True, offered=2, longest=TAIL_MIN_TOKENS // bs), RoundResult(True)]  # long, nothing
-    script += [RoundResult(True, offered=1, longest=2), RoundResult(True)]  # short within LONG_SEEN_S, nothing
+    script += [RoundResult(True, offered=2, longest=TAIL_MIN_TOKENS // bs), RoundResult(True), RoundResult(True)]
     starts: list = []
 
     async def scripted_round(calls, mid, src, buddy, *args):
@@ -175,9 +173,8 @@ def test_rounds_come_less_often_while_only_short_requests_run(monkeypatch):
 
     mirror.control.spawn = run_now
     mirror.fleet.instances[0].stats.num_requests_running = 1
-    for t in (0.0, 0.3, 0.45, 0.5, 0.65, 0.7, 0.75):
+    for t in (0.0, 0.3, 0.45, 0.5, 0.65, 0.7):
         clock[0] = max(clock[0], t)
         mirror.tick()
-    # short: 0.25 apart; from the long one's on 0.1, for LONG_SEEN_S, whatever the rounds carry meanwhile
-    assert starts == [0.0, 0.25, 0.5, 0.6, 0.7, 0.8], starts
+    assert starts == [0.0, 0.25, 0.5, 0.6, 0.7], starts  # short: 0.25 apart; from the long one's on, 0.1
     assert mirror_control.SHORT_ROUND_INTERVAL_S == 0.25 and mirror_control.ROUND_INTERVAL_S == 0.1
