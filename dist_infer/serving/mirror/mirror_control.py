@@ -21,7 +21,6 @@ from typing import Optional
 from loguru import logger
 
 from dist_infer.engine.migration import MigrationAborted
-from dist_infer.engine.mirror.source import TAIL_MIN_TOKENS
 from dist_infer.serving.fleet.config import FleetConfig
 from dist_infer.serving.fleet.control_loop import ControlLoop
 from dist_infer.serving.fleet.fleet_state import FleetState
@@ -35,10 +34,6 @@ ROUND_BYTES = 64 << 20  # the most a round sends: the bytes in flight per source
 # A source's rounds start at most this often: what fills meanwhile goes in one round (fewer calls and
 # copier wake-ups beside the steps, which on a busy CPU cost the steps more than the bytes do)
 ROUND_INTERVAL_S = 0.1  # (one that finds nothing new too: the control loop's tick is shorter)
-# ... while a request long enough to mirror its partial block runs there (its failover then recomputes
-# only the rows since the last round, over a long context); with short requests only, this: what waits
-# is at most a block's rows per request, recomputed over a short context, for fewer calls beside the steps
-SHORT_ROUND_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -63,7 +58,6 @@ class MirrorControl:
         self._lock = threading.Lock()
         self._tasks: dict[int, asyncio.Task] = {}
         self._next_round: dict[int, float] = {}  # source -> when its next round may start (time.monotonic)
-        self._long: dict[int, bool] = {}  # source -> its last round with blocks had a long request
 
     # -- the control loop ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -109,8 +103,7 @@ class MirrorControl:
         """Rounds from `src` to `buddy` until one finds nothing new (or fails, or the pair changes)."""
         max_blocks = max(1, ROUND_BYTES // max(1, self.fleet.block_bytes))
         while self.pairs.get(src) == buddy and not self.fleet.stopping:
-            started = time.monotonic()
-            self._next_round[src] = started + self._interval(src)
+            self._next_round[src] = time.monotonic() + ROUND_INTERVAL_S
             mid = secrets.randbits(62)
             self.calls.open_migration(mid)
             try:
@@ -127,15 +120,9 @@ class MirrorControl:
                         ended.append(request_id)
             if ended:  # they ended while the round ran: nobody else will end their leases
                 self._call(buddy, MirrorRelease(src, tuple(ended)))
-            if result.offered:
-                self._long[src] = result.longest * self.fleet.block_size >= TAIL_MIN_TOKENS
-                self._next_round[src] = started + self._interval(src)
             if not result.ok or not result.offered:
                 return  # (the next starts from tick, not before _next_round)
             await asyncio.sleep(max(0.0, self._next_round[src] - time.monotonic()))
-
-    def _interval(self, src: int) -> float:
-        return ROUND_INTERVAL_S if self._long.get(src, True) else SHORT_ROUND_INTERVAL_S
 
     def _call(self, index: int, op) -> None:
         """Make a call whose answer nobody needs (a dead or silent instance is no matter)."""

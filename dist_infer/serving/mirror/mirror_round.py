@@ -41,7 +41,6 @@ class RoundResult:
 
     ok: bool
     offered: int = 0
-    longest: int = 0  # the most full blocks a request offered has once the round is in
     sent: int = 0
     have: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -61,7 +60,6 @@ async def mirror_round(
             result.ok = True
             return result
         result.offered = sum(len(e.hashes) for e in entries)
-        result.longest = max(e.first + len(e.hashes) for e in entries)
         reserved = True
         answers = await calls.call(
             buddy, MirrorReserve(mid, calls.peer(src), tuple(entries), fraction), timeout, DEST_FAILED
