@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -33,7 +32,7 @@ from dist_infer.serving.mirror.mirror_round import mirror_round
 ROUND_BYTES = 64 << 20  # the most a round sends: the bytes in flight per source are bounded by it
 # A source's rounds start at most this often: what fills meanwhile goes in one round (fewer calls and
 # copier wake-ups beside the steps, which on a busy CPU cost the steps more than the bytes do)
-ROUND_INTERVAL_S = 0.1  # (one that finds nothing new too: the control loop's tick is shorter)
+ROUND_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -57,7 +56,6 @@ class MirrorControl:
         self.failovers_to_mirror = 0
         self._lock = threading.Lock()
         self._tasks: dict[int, asyncio.Task] = {}
-        self._next_round: dict[int, float] = {}  # source -> when its next round may start (time.monotonic)
 
     # -- the control loop ----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -65,11 +63,9 @@ class MirrorControl:
         if not self.enabled:
             return
         self._pair()
-        now = time.monotonic()
         for src, buddy in self.pairs.items():
             task = self._tasks.get(src)
-            due = now >= self._next_round.get(src, 0.0)
-            if (task is None or task.done()) and due and self.fleet.instances[src].stats.num_requests_running:
+            if (task is None or task.done()) and self.fleet.instances[src].stats.num_requests_running:
                 self._tasks[src] = self.control.spawn(self._rounds(src, buddy))
 
     def _pair(self) -> None:
@@ -103,7 +99,6 @@ class MirrorControl:
         """Rounds from `src` to `buddy` until one finds nothing new (or fails, or the pair changes)."""
         max_blocks = max(1, ROUND_BYTES // max(1, self.fleet.block_bytes))
         while self.pairs.get(src) == buddy and not self.fleet.stopping:
-            self._next_round[src] = time.monotonic() + ROUND_INTERVAL_S
             mid = secrets.randbits(62)
             self.calls.open_migration(mid)
             try:
@@ -121,8 +116,8 @@ class MirrorControl:
             if ended:  # they ended while the round ran: nobody else will end their leases
                 self._call(buddy, MirrorRelease(src, tuple(ended)))
             if not result.ok or not result.offered:
-                return  # (the next starts from tick, not before _next_round)
-            await asyncio.sleep(max(0.0, self._next_round[src] - time.monotonic()))
+                return
+            await asyncio.sleep(max(0.0, ROUND_INTERVAL_S - result.seconds))
 
     def _call(self, index: int, op) -> None:
         """Make a call whose answer nobody needs (a dead or silent instance is no matter)."""

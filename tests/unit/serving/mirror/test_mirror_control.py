@@ -5,7 +5,6 @@ source's old buddy lets go of what it held while a dead source's leases wait for
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 from dist_infer.serving.fleet.config import FleetConfig
@@ -98,37 +97,3 @@ def test_a_living_source_s_old_buddy_lets_go_when_the_pairs_change():
     mirror._pair()
     assert mirror.pairs == {0: 1, 1: 2, 2: 0}
     assert calls == [(0, MirrorRelease(1))], "1 mirrors to 2 now: 0 lets go of what it held of 1"
-
-
-def test_a_source_s_rounds_start_at_most_every_interval_even_when_one_finds_nothing(monkeypatch):
-    """The control loop ticks every 50 ms; a round that found nothing new ends its task, and the
-    next one still waits out ROUND_INTERVAL_S from that round's start (each round is calls to both
-    instances' step loops)."""
-    from dist_infer.serving.mirror import mirror_control
-    from dist_infer.serving.mirror.mirror_round import RoundResult
-
-    clock = [100.0]
-    monkeypatch.setattr(mirror_control, "time", SimpleNamespace(monotonic=lambda: clock[0]))
-    rounds: list = []
-
-    async def empty_round(calls, mid, src, buddy, *args):
-        rounds.append((clock[0], src, buddy))
-        return RoundResult(True)
-
-    monkeypatch.setattr(mirror_control, "mirror_round", empty_round)
-    mirror, _ = control_of(instance(0, "a"), instance(1, "b"))
-    mirror.calls.open_migration = mirror.calls.close_migration = lambda mid: None
-    mirror.control.spawn = lambda coro: (asyncio.run(coro), SimpleNamespace(done=lambda: True))[1]
-    for c in mirror.fleet.instances:
-        c.stats.num_requests_running = 1
-    for t in (0.0, 0.05, 0.099, 0.1, 0.15, 0.2):
-        clock[0] = 100.0 + t
-        mirror.tick()
-    assert [(round(t - 100.0, 3), s) for t, s, _ in rounds] == [
-        (0.0, 0),
-        (0.0, 1),
-        (0.1, 0),
-        (0.1, 1),
-        (0.2, 0),
-        (0.2, 1),
-    ]
