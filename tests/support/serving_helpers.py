@@ -270,11 +270,12 @@ def where_if_running(job, request_id: str):
 
 
 def kill_when_on(job, instance: int, pid: int | Sequence[int], after: int, record: dict):
-    """An on_token callback for every stream of a test: at the first one past `after` tokens that runs on
-    `instance`, SIGKILL `pid` (or each of several), once. Whichever stream dispatch put there triggers it (a busy machine may
-    reorder dispatches), and a stream that has ended already is passed over. `record` gets the request's
-    id, the tokens its client had, and how many requests the instance ran just before the kill."""
-    looked: dict[str, Optional[int]] = {}  # request id -> where it ran when first looked up (it does not move)
+    """An on_token callback for every stream of a test: at the first one past `after` tokens that runs
+    on `instance`, SIGKILL `pid` (or each of several), once. Whichever stream dispatch put there
+    triggers it (a busy machine may reorder dispatches), and a stream that has ended already is passed
+    over. `record` gets the request's id, the tokens its client had, and how many requests the
+    instance ran just before the kill. (Migrations off: a request stays where it was first seen.)"""
+    looked: dict[str, Optional[int]] = {}  # request id -> where it ran when first looked up
 
     async def on_token(request_id: str, n: int) -> None:
         if n < after or record:
