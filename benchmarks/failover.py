@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 from serve_compare import bench, free_port, ours, scrape, vocab_size
 
+from dist_infer.engine.mirror.source import LAG_PHASES
 from dist_infer.serving.http.mirror_metrics import lag_quantile, lag_samples
 
 OUT_TOKENS = 64
@@ -219,6 +220,13 @@ def gaps(model: str, args, vocab: int, log_dir: Path) -> dict:
     return {"samples": out, "summary": summary}
 
 
+def add_lag_samples(into: dict[str, dict[int, int]], more: dict[str, dict[int, int]]) -> None:
+    """Add lag samples {phase: {lag: count}} to `into`."""
+    for phase, got in more.items():
+        for k, n in got.items():
+            into[phase][k] = into[phase].get(k, 0) + n
+
+
 def steady_one(model: str, args, vocab: int, log_dir: Path, mirror: str, load: str, seed: int) -> dict:
     """One bench-serve run at `load` on a fresh server with mirroring `mirror`."""
     rate = ["--max-concurrency", load[1:]] if load.startswith("c") else ["--request-rate", load[1:]]
@@ -232,11 +240,9 @@ def steady_one(model: str, args, vocab: int, log_dir: Path, mirror: str, load: s
         insts = httpx.get(s.url + "/admin/instances", timeout=30).json()["instances"]
     finally:
         s.stop()
-    samples: dict[str, dict[int, int]] = {"prompt": {}, "output": {}}
+    samples: dict[str, dict[int, int]] = {phase: {} for phase in LAG_PHASES}
     for inst in insts:
-        for phase, got in lag_samples(inst.get("kv_mirror")).items():
-            for k, n in got.items():
-                samples[phase][k] = samples[phase].get(k, 0) + n
+        add_lag_samples(samples, lag_samples(inst.get("kv_mirror")))
     step_s = metrics.get("dist_infer:step_duration_seconds_sum", 0.0)
     wait_s = metrics.get("dist_infer:kv_mirror_step_wait_seconds_total", 0.0)
     return {
@@ -266,11 +272,9 @@ def steady(model: str, args, vocab: int, log_dir: Path) -> dict:
             m: {k: statistics.median(r[k] for r in rs) for k in ("req_s", "ttft_p50_ms", "itl_p99_ms")}
             for m, rs in runs.items()
         }
-        lag: dict[str, dict[int, int]] = {"prompt": {}, "output": {}}
+        lag: dict[str, dict[int, int]] = {phase: {} for phase in LAG_PHASES}
         for r in runs["buddy"]:
-            for phase, got in r["lag_samples"].items():
-                for k, n in got.items():
-                    lag[phase][k] = lag[phase].get(k, 0) + n
+            add_lag_samples(lag, r["lag_samples"])
         on, off = med["buddy"], med["off"]
         keys = {"req_s": "req_s", "ttft_p50": "ttft_p50_ms", "itl_p99": "itl_p99_ms"}
         results[load] = {

@@ -26,8 +26,11 @@ Reply = Callable[[object], None]
 TAIL_MIN_TOKENS = 2048
 
 
+LAG_PHASES = ("prompt", "output")  # a request's lag samples: while its prompt's blocks are among them, after
+
+
 def lag_phase(prompt_blocks: int, full: int, have: int) -> str:
-    """ "prompt" while full blocks of the prompt are not mirrored yet, else "output"."""
+    """The sample's phase: "prompt" while full blocks of the prompt are not mirrored yet, else "output"."""
     return "prompt" if min(full, prompt_blocks) > have else "output"
 
 
@@ -53,7 +56,7 @@ class SourceCounters:
     rounds: int = 0
     # per phase, lag in blocks (per request, at each offer) -> count: "prompt" while blocks of its prompt are
     # among them (a prompt's step fills many at once), "output" after (the steady state, a block per block_size tokens)
-    lag_samples: dict = field(default_factory=lambda: {"prompt": {}, "output": {}})
+    lag_samples: dict = field(default_factory=lambda: {phase: {} for phase in LAG_PHASES})
 
 
 class MirrorSource:
