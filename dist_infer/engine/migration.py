@@ -355,8 +355,9 @@ class MigrationEndpoint:
     # -- every step ----------------------------------------------------------------------------
     @property
     def failovers_may_arrive(self) -> bool:
-        """This instance holds another's mirrored blocks: its streams may fail over here at any step."""
-        return self.mirror_in.holds_leases
+        """This instance holds a long request's mirrored blocks: that stream may fail over here at any
+        step, and its gap is then mostly the step in flight (mirror/entries.py LONG_REQUEST_TOKENS)."""
+        return self.mirror_in.holds_long_request
 
     @property
     def busy(self) -> bool:

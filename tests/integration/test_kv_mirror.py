@@ -227,11 +227,11 @@ def long_checkpoint(tmp_path_factory):
 
 
 def test_a_long_request_goes_on_from_its_mirrored_partial_block(long_checkpoint, tmp_path):
-    """Past TAIL_MIN_TOKENS the partial last block is mirrored too: the failover runs on from it
+    """Past LONG_REQUEST_TOKENS the partial last block is mirrored too: the failover runs on from it
     (the buddy takes the request over with the blocks, as a migration's commit does), exactly."""
-    from dist_infer.engine.mirror.source import TAIL_MIN_TOKENS
+    from dist_infer.engine.mirror.entries import LONG_REQUEST_TOKENS
 
-    long_prompt = [(5 * i + 1) % 1000 + 2 for i in range(TAIL_MIN_TOKENS + 3 * BLOCK + 3)]
+    long_prompt = [(5 * i + 1) % 1000 + 2 for i in range(LONG_REQUEST_TOKENS + 3 * BLOCK + 3)]
     args = [a if a != "400" else "1200" for a in serve_args(long_checkpoint)]  # --kv-blocks: two long mirrors
     with ServerJob(tmp_path, args) as job:
         for attempt in range(3):

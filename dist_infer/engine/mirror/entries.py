@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 MIRROR_STAGE = 0  # a round is one transfer stage: every block offered, in one message per rank pair
+# A request this long is where a failover without its mirror costs seconds and, with it, the gap is
+# mostly the survivor's step in flight and the tail: the source mirrors its partial last block too
+# (recomputing up to a block of tokens over a long context costs several decode steps), and the buddy
+# paces its steps of prompts alone while it holds one (docs/benchmarks.md, "KV mirroring"). A short
+# request's partial block is cheaper to recompute than to send every round, and pacing for it would
+# cost every step of prompts alone for a gap that mirroring already holds to about one step.
+LONG_REQUEST_TOKENS = 2048
 
 
 def report_stage(mover, mid: int, notify: Callable[..., None]) -> bool:

@@ -15,15 +15,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
-from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry, report_stage
+from dist_infer.engine.mirror.entries import LONG_REQUEST_TOKENS, MIRROR_STAGE, MirrorAnswer, MirrorEntry, report_stage
 from dist_infer.engine.prefix_cache import request_block_hashes
 from dist_infer.engine.request import RequestStatus
 
 Reply = Callable[[object], None]
-# A request this long also mirrors its partial last block: recomputing up to a block of tokens over a
-# long context costs several decode steps on a failover (docs/benchmarks.md, "KV mirroring"), while a
-# short request's partial block is cheaper to recompute than to send every round.
-TAIL_MIN_TOKENS = 2048
 
 
 LAG_PHASES = ("prompt", "output")  # a request's lag samples: while its prompt's blocks are among them, after
@@ -118,7 +114,7 @@ class MirrorSource:
         samples[lag] = samples.get(lag, 0) + 1
         n = min(lag, left)
         rows = r.num_computed - full * bs
-        tail = have + n == full and 0 < rows and r.num_computed >= TAIL_MIN_TOKENS and len(r.block_table) > full
+        tail = have + n == full and 0 < rows and r.num_computed >= LONG_REQUEST_TOKENS and len(r.block_table) > full
         tail = tail and self._tail.get(r.request_id) != (full, rows)
         if n <= 0 and not tail:
             return 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from dist_infer.engine.kv_transfer import PeerInstance, TransferOp
-from dist_infer.engine.mirror.entries import MIRROR_STAGE, MirrorAnswer, MirrorEntry, report_stage
+from dist_infer.engine.mirror.entries import LONG_REQUEST_TOKENS, MIRROR_STAGE, MirrorAnswer, MirrorEntry, report_stage
 from dist_infer.engine.prefix_cache import request_block_hashes
 
 Reply = Callable[[object], None]
@@ -200,9 +200,11 @@ class MirrorStore:
             self.pool.free([tail.block])
 
     @property
-    def holds_leases(self) -> bool:
-        """Whether any source's requests have blocks mirrored here (they would fail over here)."""
-        return bool(self._leases)
+    def holds_long_request(self) -> bool:
+        """Whether a request of LONG_REQUEST_TOKENS or more has its blocks mirrored here: its failover
+        would run here at the next step, so this instance's steps of prompts alone are paced too."""
+        blocks = -(-LONG_REQUEST_TOKENS // self.engine.scheduler.config.block_size)
+        return any(len(held) >= blocks for held in self._leases.values())
 
     def take_over(self, request) -> bool:
         """A request failed over here (`request`, resumed from its client's tokens, not queued yet):

@@ -104,7 +104,7 @@ def test_a_round_mirrors_the_full_blocks_and_a_resumed_request_starts_from_them(
     assert not src.endpoint.failovers_may_arrive, "the source holds nobody's blocks"
     call(buddy.endpoint.mirror_in.commit, 1)
     assert buddy.endpoint.mirror_in.snapshot()["committed_blocks"] == 6
-    assert buddy.endpoint.failovers_may_arrive, "the buddy holds the source's: its steps of prompts alone are paced"
+    assert not buddy.endpoint.failovers_may_arrive, "a short request's blocks: steps of prompts alone stay unpaced"
     call(src.endpoint.mirror_out.done, 1, True)
     assert [src.pool.refcount(b) for b in r.block_table[:6]] == held_before
     assert buddy.pool.num_leased == 6 and buddy.endpoint.mirror_in.held_for(0, "r") == 6
@@ -222,9 +222,10 @@ def test_release_and_cancel_give_every_block_back():
 def long_request(monkeypatch):
     """A source and its buddy, where a request of 8 tokens or more mirrors its partial block too, and
     request "r" after its first step (6 full blocks and one row of the 7th)."""
-    from dist_infer.engine.mirror import source
+    from dist_infer.engine.mirror import source, store as store_module
 
-    monkeypatch.setattr(source, "TAIL_MIN_TOKENS", 8)
+    monkeypatch.setattr(source, "LONG_REQUEST_TOKENS", 8)
+    monkeypatch.setattr(store_module, "LONG_REQUEST_TOKENS", 8)
     src, buddy = FakeInstance(0), FakeInstance(1)
     r = src.add("r")
     src.step()
@@ -238,6 +239,7 @@ def test_a_long_request_s_partial_block_is_mirrored_and_a_failover_runs_on_from_
     assert entries[0].tail == (PROMPT[-1],) and answers[0].tail, "the partial block's computed rows go too"
     recv = [op for op in buddy.ops if op.kind == TransferOp.RECV][-1]
     assert len(recv.blocks) == 7 and src.ops[-1].blocks == r.block_table[:7]
+    assert buddy.endpoint.failovers_may_arrive, "a long request's blocks: its steps of prompts alone are paced"
     store = buddy.endpoint.mirror_in
     first_tail = store._tails[(0, "r")].block
     src.step()
