@@ -361,7 +361,9 @@ def main() -> int:
     p.add_argument("--kill-after", type=int, default=16, help="gap: tokens streamed before the kill (plus 0-15, drawn)")
     p.add_argument("--background", type=int, default=2, help="gap: background requests at a time")
     p.add_argument("--steady", default="c8", help="steady: loads (cN, rN), comma-separated ('' skips)")
-    p.add_argument("--num-prompts", type=int, default=200, help="steady: requests per run (fewer leave TTFT p50 to chance)")
+    p.add_argument(
+        "--num-prompts", type=int, default=200, help="steady: requests per run (fewer leave TTFT p50 to chance)"
+    )
     p.add_argument("--steady-repeat", type=int, default=3, help="steady: on/off pairs per load")
     p.add_argument("--chaos", type=int, default=0, help="chaos: kills in a row (0 skips)")
     p.add_argument("--flags", default="", help="more flags for the server, e.g. '--prompt-dtype auto'")

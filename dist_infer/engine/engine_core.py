@@ -354,7 +354,7 @@ class Engine:
             if not self.registry.has_unfinished() and not self.step_driver.in_flight:
                 moving = self.migration is not None and self.migration.busy
                 self.registry.wait(0.002 if moving else self.config.heartbeat_s / 2)
-            # a buddy's requests may fail over here mid-step: a step of prompts alone keeps the ITL target too
+            # a buddy's long request may fail over here mid-step: a step of prompts alone keeps the ITL target too
             outputs = self.step_driver.step(self.migration is not None and self.migration.failovers_may_arrive)
             if outputs:
                 publish(outputs)

@@ -65,3 +65,24 @@ class PagedKVCache:
     @property
     def bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
+
+
+def stacked_layers(cache_layers: list) -> Optional[torch.Tensor]:
+    """The layers' K and V as one [layers, 2 (K, V), blocks, block_size, heads, head_dim] view, where
+    they are evenly spaced views of one tensor (kv_cache.PagedKVCache's pool), else None. A stage's
+    gather and scatter are then one op each instead of two per layer: in a mirroring round of a few
+    blocks the ops' own overhead, not the bytes, is most of the copies' cost."""
+    k0, v0 = cache_layers[0]
+    storage = k0.untyped_storage().data_ptr()
+    base, kv = k0.storage_offset(), v0.storage_offset() - k0.storage_offset()
+    layer = cache_layers[1][0].storage_offset() - base if len(cache_layers) > 1 else 0
+    for i, pair in enumerate(cache_layers):
+        for j, t in enumerate(pair):
+            if (
+                t.untyped_storage().data_ptr() != storage
+                or t.shape != k0.shape
+                or t.stride() != k0.stride()
+                or t.storage_offset() != base + i * layer + j * kv
+            ):
+                return None
+    return k0.as_strided((len(cache_layers), 2, *k0.shape), (layer, kv, *k0.stride()), base)

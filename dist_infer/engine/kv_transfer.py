@@ -32,6 +32,7 @@ from dist_infer.comm.base import Handle
 from dist_infer.comm.peer.link import Address, PeerLink
 from dist_infer.comm.peer.recv_handle import RecvHandle
 from dist_infer.engine.device_io import host_index
+from dist_infer.engine.kv_cache import stacked_layers
 from dist_infer.parallel.sharding import HeadLayout, stage_layers
 
 ACK = 1 << 20  # a follower's "my share of this stage is in" message: key (migration, stage, ACK + rank)
@@ -204,6 +205,7 @@ class BlockMover:
     ):
         self.link, self.layout, self.local, self.addresses = link, layout, local, list(addresses)
         self.cache_layers, self.layer_ids = cache_layers, layer_ids
+        self._stacked = stacked_layers(cache_layers)
         self._posted: list[_Posted] = []
         self._pending_in: dict[tuple[int, int], list] = {}  # (migration, stage) -> [receives left, failed]
         self._applied: set[tuple[int, int]] = set()  # (migration, stage) whose ops this rank has run
@@ -257,10 +259,14 @@ class BlockMover:
 
             def gather_and_send(piece=piece, hs=hs, buffer=buffer, to=to) -> None:
                 # buffer: [layers, 2 (K, V), blocks, block_size, heads, head_dim]
-                for i, layer in enumerate(self._own_layers(piece.layers)):
-                    k, v = self.cache_layers[layer]
-                    torch.index_select(k[:, :, hs], 0, index, out=buffer[i, 0])
-                    torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
+                layers = self._own_layers(piece.layers)
+                if self._stacked is not None:
+                    torch.index_select(self._stacked[layers.start : layers.stop, :, :, :, hs], 2, index, out=buffer)
+                else:
+                    for i, layer in enumerate(layers):
+                        k, v = self.cache_layers[layer]
+                        torch.index_select(k[:, :, hs], 0, index, out=buffer[i, 0])
+                        torch.index_select(v[:, :, hs], 0, index, out=buffer[i, 1])
                 self.link.send(buffer, to, (op.migration_id, op.stage, self.local))
 
             started = time.perf_counter()
@@ -326,10 +332,14 @@ class BlockMover:
             with p.lock:  # a cancel (whose blocks are then freed and reused) waits for the writes, or skips them
                 if not p.cancelled:
                     handle.wait(0)  # raises if it failed; copies a staged (device) buffer into place
-                    for i, layer in enumerate(p.layers):
-                        k, v = self.cache_layers[layer]
-                        k[:, :, p.heads][p.blocks] = p.buffer[i, 0]
-                        v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
+                    if self._stacked is not None:
+                        into = self._stacked[p.layers.start : p.layers.stop, :, :, :, p.heads]
+                        into.index_copy_(2, p.blocks, p.buffer)
+                    else:
+                        for i, layer in enumerate(p.layers):
+                            k, v = self.cache_layers[layer]
+                            k[:, :, p.heads][p.blocks] = p.buffer[i, 0]
+                            v[:, :, p.heads][p.blocks] = p.buffer[i, 1]
                     ok = True
         finally:
             self._share_done(p, ok)

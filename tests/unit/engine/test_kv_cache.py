@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from dist_infer.engine.block_pool import BlockPool, CacheFullError
-from dist_infer.engine.kv_cache import PagedKVCache, blocks_for
+from dist_infer.engine.kv_cache import PagedKVCache, blocks_for, stacked_layers
 from tests.support.smaps import thp_eligible, thp_on
 
 
@@ -68,3 +69,23 @@ def test_the_cpu_kv_cache_is_one_zeroed_mapping_asked_for_huge_pages():
         assert thp_eligible(base) is thp_on()
     small = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, kv_heads=1, head_dim=8)
     assert not small.layers[0][0].any()
+
+
+def test_stacked_layers_is_the_pool_the_layers_are_views_of():
+    cache = PagedKVCache(num_layers=3, num_blocks=5, block_size=4, kv_heads=2, head_dim=8)
+    for layer, (k, v) in enumerate(cache.layers):
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+    stacked = stacked_layers(cache.layers)
+    assert stacked is not None and stacked.shape == (3, 2, 5, 4, 2, 8)
+    for layer, (k, v) in enumerate(cache.layers):
+        assert torch.equal(stacked[layer, 0], k) and torch.equal(stacked[layer, 1], v)
+    stacked[1, 1, 2] = 7.0  # a view: writes land in the layers' own tensors
+    assert bool((cache.layers[1][1][2] == 7.0).all())
+    separate = [(torch.zeros(5, 4, 2, 8), torch.zeros(5, 4, 2, 8)) for _ in range(3)]
+    assert stacked_layers(separate) is None, "tensors of their own: no one view covers them"
+    uneven = [cache.layers[0], cache.layers[2]]  # views of one pool, but not evenly spaced from the first
+    assert (
+        stacked_layers(uneven) is not None
+        and stacked_layers([cache.layers[0], cache.layers[2], cache.layers[1]]) is None
+    )
