@@ -72,6 +72,8 @@ def stacked_layers(cache_layers: list) -> Optional[torch.Tensor]:
     they are evenly spaced views of one tensor (kv_cache.PagedKVCache's pool), else None. A stage's
     gather and scatter are then one op each instead of two per layer: in a mirroring round of a few
     blocks the ops' own overhead, not the bytes, is most of the copies' cost."""
+    if not cache_layers:
+        return None
     k0, v0 = cache_layers[0]
     storage = k0.untyped_storage().data_ptr()
     base, kv = k0.storage_offset(), v0.storage_offset() - k0.storage_offset()

@@ -84,6 +84,7 @@ def test_stacked_layers_is_the_pool_the_layers_are_views_of():
     assert bool((cache.layers[1][1][2] == 7.0).all())
     separate = [(torch.zeros(5, 4, 2, 8), torch.zeros(5, 4, 2, 8)) for _ in range(3)]
     assert stacked_layers(separate) is None, "tensors of their own: no one view covers them"
+    assert stacked_layers([]) is None
     uneven = [cache.layers[0], cache.layers[2]]  # views of one pool, but not evenly spaced from the first
     assert (
         stacked_layers(uneven) is not None
