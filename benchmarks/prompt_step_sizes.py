@@ -1,6 +1,6 @@
-"""A step of N prompt tokens alone, timed in one process on one thread (the default model).
+"""A step of N prompt tokens alone, timed in one process (one thread by default; the default model).
 
-    python benchmarks/prompt_step_sizes.py
+    python benchmarks/prompt_step_sizes.py [--sizes 1,8,16,...] [--threads 1] [--repeat 5]
 
 Shows where the decode stack leaves its skinny kernels (up to MAX_ROWS rows, on the quantized weights)
 for the GEMM on dequantized panels, whose cost every step of more rows pays once whatever its size
@@ -9,6 +9,7 @@ for the GEMM on dequantized panels, whose cost every step of more rows pays once
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -19,12 +20,23 @@ from dist_infer.engine.api import load
 from dist_infer.engine.sampling import SamplingParams
 from dist_infer.models.builtin import resolve_model
 
-SIZES = (1, 8, 16, 24, 32, 64, 128, 256)
-
 
 def main() -> None:
-    torch.set_num_threads(1)
-    engine = load(resolve_model("default")).engine
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="a checkpoint or GGUF, or 'default' (the built-in model)")
+    p.add_argument(
+        "--sizes", default="1,8,16,24,32,64,128,256", help="prompt tokens of each step timed, comma-separated"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads before loading (1: one serving instance's share of a 2-core VM)",
+    )
+    p.add_argument("--repeat", type=int, default=5, help="steps timed per size; the median is printed")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = load(resolve_model(args.model)).engine
     engine._allocate(200)
     rng = random.Random(0)
 
@@ -40,8 +52,8 @@ def main() -> None:
         return seconds
 
     prompt_step_s(32)  # warm-up: plans, buffers
-    for n in SIZES:
-        ms = statistics.median(prompt_step_s(n) for _ in range(5)) * 1e3
+    for n in (int(x) for x in args.sizes.split(",") if x):
+        ms = statistics.median(prompt_step_s(n) for _ in range(args.repeat)) * 1e3
         print(f"{n:4d} prompt tokens: {ms:7.1f} ms", flush=True)
 
 
